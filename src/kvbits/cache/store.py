@@ -1,0 +1,180 @@
+"""One layer's KV store: FP16 sink | packed body | FP16 residual, for a whole batch.
+
+The store owns growing buffers in the layout of :mod:`kvbits.formats.layout`. ``append`` puts new
+tokens in the sink until it holds S, then in the residual; once the residual holds R + G tokens
+or more, its oldest whole groups of G are quantized in one call and moved to the body. Each token
+is quantized exactly once, from its original values: history is never re-quantized.
+
+Left padding is tracked per sequence (``starts``) so padding never enters a group's min/max.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+from ..formats.layout import PackedKV, body_bytes_per_token
+from ..formats.packing import packed_length
+from ..spec import QuantSpec
+
+
+class LayerStore:
+    """K/V of one decoder layer for ``batch`` sequences of ``kv_heads`` heads of ``head_dim``."""
+
+    def __init__(self, spec: QuantSpec, batch: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        if spec.quantized and spec.value_bits == 3 and head_dim % 32:
+            raise ValueError(f"value_bits=3 needs head_dim a multiple of 32, got {head_dim}")
+        self.spec = spec
+        self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.value_group = spec.value_group(head_dim)
+        self.starts = torch.zeros(batch, dtype=torch.int32, device=self.device)
+        self.sink_len = self.body_len = self.res_len = 0
+        B, H, D = batch, kv_heads, head_dim
+        fp = dict(dtype=dtype, device=self.device)
+        self.sink_k = torch.empty(B, H, spec.sink_tokens, D, **fp)
+        self.sink_v = torch.empty(B, H, spec.sink_tokens, D, **fp)
+        self.res_k = torch.empty(B, H, 0, D, **fp)
+        self.res_v = torch.empty(B, H, 0, D, **fp)
+        self.k_words = packed_length(spec.group_size, spec.key_bits)
+        self.v_words = packed_length(D, spec.value_bits)
+        n_vgroups = D // self.value_group
+        i32 = dict(dtype=torch.int32, device=self.device)
+        f16 = dict(dtype=torch.float16, device=self.device)
+        self.k_codes = torch.empty(B, H, 0, D, **i32)
+        self.k_scale = torch.empty(B, H, 0, D, **f16)
+        self.k_zero = torch.empty(B, H, 0, D, **f16)
+        self.v_codes = torch.empty(B, H, 0, self.v_words, **i32)
+        self.v_scale = torch.empty(B, H, 0, n_vgroups, **f16)
+        self.v_zero = torch.empty(B, H, 0, n_vgroups, **f16)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def seq_len(self) -> int:
+        return self.sink_len + self.body_len + self.res_len
+
+    def view(self) -> PackedKV:
+        """The storage as a :class:`PackedKV` (views, no copies)."""
+        s = self.spec
+        return PackedKV(
+            self.sink_k, self.sink_v, self.sink_len,
+            self.k_codes, self.k_scale, self.k_zero,
+            self.v_codes, self.v_scale, self.v_zero, self.body_len,
+            self.res_k, self.res_v, self.res_len,
+            s.key_bits, s.value_bits, s.group_size, self.value_group,
+        )
+
+    def nbytes(self) -> int:
+        """Exact bytes of the tokens held: codes + scales + zeros + FP16 sink and residual."""
+        fp = 2 * (self.sink_len + self.res_len) * self.head_dim * self.res_k.element_size()
+        body = self.body_len * body_bytes_per_token(
+            self.head_dim, self.spec.key_bits, self.spec.value_bits, self.spec.group_size,
+            self.value_group)
+        return int(round(self.batch * self.kv_heads * (fp + body)))
+
+    # ------------------------------------------------------------------ writes
+    def set_padding(self, starts: torch.Tensor) -> None:
+        """Record left padding: sequence ``b`` has padding at positions ``< starts[b]``."""
+        self.starts = starts.to(device=self.device, dtype=torch.int32)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Add ``k, v [B, H, T, D]`` at the end of every sequence."""
+        self._check_input(k, v)
+        k, v = k.to(self.dtype), v.to(self.dtype)
+        take = min(self.spec.sink_tokens - self.sink_len, k.shape[2])
+        if take > 0:
+            self.sink_k[:, :, self.sink_len:self.sink_len + take] = k[:, :, :take]
+            self.sink_v[:, :, self.sink_len:self.sink_len + take] = v[:, :, :take]
+            self.sink_len += take
+            k, v = k[:, :, take:], v[:, :, take:]
+        if k.shape[2]:
+            self.res_k = _write(self.res_k, self.res_len, k)
+            self.res_v = _write(self.res_v, self.res_len, v)
+            self.res_len += k.shape[2]
+        self._flush()
+
+    def _flush(self) -> None:
+        """Quantize the oldest whole groups of the residual while it holds >= R + G tokens."""
+        s = self.spec
+        if not s.quantized:
+            return
+        G = s.group_size
+        n_groups = (self.res_len - s.residual_length) // G
+        if n_groups <= 0:
+            return
+        n = n_groups * G
+        k, v = self.res_k[:, :, :n], self.res_v[:, :, :n]
+        positions = self.sink_len + self.body_len + torch.arange(n, device=self.device)
+        valid = positions[None, :] >= self.starts[:, None]  # [B, n]
+        valid = None if bool(valid.all()) else valid
+        k_codes, k_scale, k_zero = ops.quantize_keys(k, s.key_bits, G, valid)
+        v_codes, v_scale, v_zero = ops.quantize_values(v, s.value_bits, self.value_group, valid)
+        g0 = self.body_len // G
+        self.k_codes = _write(self.k_codes, g0 * self.k_words, k_codes)
+        self.k_scale = _write(self.k_scale, g0, k_scale)
+        self.k_zero = _write(self.k_zero, g0, k_zero)
+        self.v_codes = _write(self.v_codes, self.body_len, v_codes)
+        self.v_scale = _write(self.v_scale, self.body_len, v_scale)
+        self.v_zero = _write(self.v_zero, self.body_len, v_zero)
+        self.body_len += n
+        rest = self.res_len - n
+        self.res_k[:, :, :rest] = self.res_k[:, :, n:self.res_len].clone()
+        self.res_v[:, :, :rest] = self.res_v[:, :, n:self.res_len].clone()
+        self.res_len = rest
+
+    # ------------------------------------------------------------------ edits
+    def reorder(self, index: torch.Tensor) -> None:
+        """Select sequences along the batch (beam search): every buffer follows ``index``."""
+        index = index.to(self.device)
+        for name in _BUFFERS:
+            setattr(self, name, getattr(self, name).index_select(0, index))
+        self.starts = self.starts.index_select(0, index)
+        self.batch = int(index.numel())
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` tokens. Quantized tokens can only be dropped in whole groups."""
+        if length < 0:
+            length = self.seq_len + length
+        if length >= self.seq_len:
+            return
+        body_end = self.sink_len + self.body_len
+        if length >= body_end:
+            self.res_len = length - body_end
+            return
+        if length <= self.sink_len:
+            self.sink_len, self.body_len, self.res_len = length, 0, 0
+            return
+        if (length - self.sink_len) % self.spec.group_size:
+            raise ValueError(
+                f"crop: cannot cut at {length}: tokens {self.sink_len}..{body_end} are quantized "
+                f"in groups of {self.spec.group_size}; crop to a group boundary or into the "
+                f"FP16 residual (>= {body_end})")
+        self.body_len, self.res_len = length - self.sink_len, 0
+
+    # ------------------------------------------------------------------ checks
+    def _check_input(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        want = (self.batch, self.kv_heads, self.head_dim)
+        for name, x in (("key_states", k), ("value_states", v)):
+            if x.dim() != 4 or (x.shape[0], x.shape[1], x.shape[3]) != want:
+                raise ValueError(
+                    f"{name} must be [batch={want[0]}, kv_heads={want[1]}, tokens, "
+                    f"head_dim={want[2]}], got {tuple(x.shape)}")
+        if k.shape[2] != v.shape[2]:
+            raise ValueError(f"key_states has {k.shape[2]} tokens but value_states {v.shape[2]}")
+
+
+_BUFFERS = ("sink_k", "sink_v", "res_k", "res_v", "k_codes", "k_scale", "k_zero",
+            "v_codes", "v_scale", "v_zero")
+
+
+def _write(buf: torch.Tensor, at: int, x: torch.Tensor) -> torch.Tensor:
+    """Write ``x`` into ``buf`` along dim 2 at ``at``, growing capacity geometrically if needed."""
+    end = at + x.shape[2]
+    if end > buf.shape[2]:
+        cap = max(end, 2 * buf.shape[2], 16)
+        grown = torch.empty(*buf.shape[:2], cap, *buf.shape[3:], dtype=buf.dtype, device=buf.device)
+        grown[:, :, :at] = buf[:, :, :at]
+        buf = grown
+    buf[:, :, at:end] = x
+    return buf

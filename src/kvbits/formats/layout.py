@@ -1,0 +1,86 @@
+"""The memory-layout contract of one layer's quantized K/V: what the cache writes and kernels read.
+
+Logical token order of a sequence: ``sink | body | residual``.
+
+* ``sink_k``, ``sink_v``: ``[B, H, S_cap, D]`` model dtype; the first ``sink_len`` are used.
+* Body keys, per-channel groups of G tokens, packed along tokens *within each group*
+  (see :mod:`kvbits.formats.packing`):
+  ``k_codes [B, H, n_groups_cap * Wk, D] int32`` with ``Wk = packed_length(G, key_bits)``, so
+  the words of group ``g`` are rows ``[g * Wk, (g + 1) * Wk)``: one group x all channels is one
+  contiguous block; ``k_scale``, ``k_zero``: ``[B, H, n_groups_cap, D] float16``.
+* Body values, per-token groups of Gv channels, packed along channels:
+  ``v_codes [B, H, T_cap, Wv] int32`` with ``Wv = packed_length(D, value_bits)``;
+  ``v_scale``, ``v_zero``: ``[B, H, T_cap, D // Gv] float16``.
+* ``res_k``, ``res_v``: ``[B, H, R_cap, D]`` model dtype; the first ``res_len`` are used.
+
+Lengths are shared by the batch (as in transformers' caches); per-sequence validity is given to
+the ops separately (``starts``: left padding, ``lengths``: ragged ends). A dequantized value is
+``code * scale + zero`` computed in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .packing import packed_length
+
+
+@dataclass
+class PackedKV:
+    """Views of one layer's K/V storage in the layout above (no copies)."""
+
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+    sink_len: int
+    k_codes: torch.Tensor
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor
+    v_codes: torch.Tensor
+    v_scale: torch.Tensor
+    v_zero: torch.Tensor
+    body_len: int
+    res_k: torch.Tensor
+    res_v: torch.Tensor
+    res_len: int
+    key_bits: int
+    value_bits: int
+    group_size: int
+    value_group: int
+
+    @property
+    def total_len(self) -> int:
+        return self.sink_len + self.body_len + self.res_len
+
+    @property
+    def head_dim(self) -> int:
+        return self.res_k.shape[-1]
+
+    @property
+    def batch(self) -> int:
+        return self.res_k.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.res_k.shape[1]
+
+
+def body_bytes_per_token(head_dim: int, key_bits: int, value_bits: int, group_size: int,
+                         value_group: int) -> float:
+    """Bytes one token of one KV head occupies in the packed body (K and V, codes + scale + zero).
+
+    Keys: ``Wk * 4 * D / G`` bytes of codes (= bits * D / 8 when G fills whole words) plus an FP16
+    scale and zero per channel per G tokens; values: ``Wv * 4`` bytes of codes plus an FP16 scale and
+    zero per Gv channels.
+    """
+    key_codes = packed_length(group_size, key_bits) * 4 * head_dim / group_size
+    key_meta = 2 * 2 * head_dim / group_size
+    value_codes = packed_length(head_dim, value_bits) * 4
+    value_meta = 2 * 2 * head_dim / value_group
+    return key_codes + key_meta + value_codes + value_meta
+
+
+def fp_bytes_per_token(head_dim: int, itemsize: int = 2) -> int:
+    """Bytes one token of one KV head occupies in FP16 (K and V)."""
+    return 2 * head_dim * itemsize

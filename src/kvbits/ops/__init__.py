@@ -1,0 +1,60 @@
+"""Public tensor ops, one signature each: Triton kernels on CUDA, the PyTorch reference elsewhere.
+
+``KVBITS_KERNELS=reference`` forces the reference everywhere (debugging, A/B checks);
+``KVBITS_KERNELS=triton`` forces the kernels (CPU tests under ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..formats.layout import PackedKV
+from ..reference import attention as _ref_attention
+from ..reference import quant as _ref_quant
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    """Whether ops on ``x`` run the Triton kernels."""
+    mode = os.environ.get("KVBITS_KERNELS", "auto")
+    if mode == "reference":
+        return False
+    if mode == "triton":
+        return True
+    return x.is_cuda and _triton_available()
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def quantize_keys(k: torch.Tensor, bits: int, group_size: int, valid: torch.Tensor | None = None):
+    """Per-channel key quantization + packing; see :func:`kvbits.reference.quant.quantize_keys`."""
+    if use_kernels(k):
+        from ..kernels.quantize_pack import quantize_keys as kernel
+        return kernel(k, bits, group_size, valid)
+    return _ref_quant.quantize_keys(k, bits, group_size, valid)
+
+
+def quantize_values(v: torch.Tensor, bits: int, value_group: int,
+                    valid: torch.Tensor | None = None):
+    """Per-token value quantization + packing; see :func:`kvbits.reference.quant.quantize_values`."""
+    if use_kernels(v):
+        from ..kernels.quantize_pack import quantize_values as kernel
+        return kernel(v, bits, value_group, valid)
+    return _ref_quant.quantize_values(v, bits, value_group, valid)
+
+
+def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None, lengths=None,
+                     window: int | None = None) -> torch.Tensor:
+    """Attention of ``q [B, Hq, Lq, D]`` over a packed layer; see the reference for the rules."""
+    if use_kernels(q):
+        from ..kernels.decode_attention import decode_attention as kernel
+        return kernel(q, kv, scale=scale, starts=starts, lengths=lengths, window=window)
+    return _ref_attention.decode_attention(q, kv, scale=scale, starts=starts, lengths=lengths,
+                                           window=window)

@@ -1,0 +1,125 @@
+"""KIVI quantization in plain PyTorch: the oracle for the ``quantize_pack`` kernel.
+
+Asymmetric min-max over a group: ``scale = (max - min) / (2**bits - 1)``, ``zero = min``,
+``code = clamp(round((x - zero) / scale), 0, 2**bits - 1)``. Scale and zero are rounded to FP16
+*before* the codes are computed, so ``code * scale + zero`` with the stored FP16 parameters is the
+value the rounding aimed at. A constant group has scale 0: its codes are 0 and it dequantizes to
+exactly ``zero``, never NaN. Tokens marked invalid (padding) are excluded from min and max, get
+code 0, and are never attended to.
+
+Shapes follow :mod:`kvbits.formats.layout`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats.packing import pack_bits, packed_length, unpack_bits
+
+
+def minmax_qparams(x: torch.Tensor, bits: int, dim: int, valid: torch.Tensor | None = None):
+    """FP16 ``(scale, zero)`` of asymmetric min-max quantization reducing over ``dim``.
+
+    ``valid`` (bool, broadcastable to ``x``) excludes elements; a group with no valid element gets
+    scale 0 and zero 0.
+    """
+    xf = x.float()
+    if valid is None:
+        lo = xf.amin(dim, keepdim=True)
+        hi = xf.amax(dim, keepdim=True)
+    else:
+        valid = valid.expand_as(xf)
+        lo = torch.where(valid, xf, torch.inf).amin(dim, keepdim=True)
+        hi = torch.where(valid, xf, -torch.inf).amax(dim, keepdim=True)
+        empty = ~valid.any(dim, keepdim=True)
+        lo = torch.where(empty, 0.0, lo)
+        hi = torch.where(empty, 0.0, hi)
+    zero = lo.to(torch.float16)
+    # The range is measured from the FP16 zero so codes cover [zero, hi] after rounding.
+    scale = ((hi - zero.float()) / ((1 << bits) - 1)).to(torch.float16)
+    return scale, zero
+
+
+def quantize_with(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+                  valid: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 codes of ``x`` for given FP16 ``scale``/``zero`` (broadcast); invalid -> 0."""
+    s = scale.float()
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.round((x.float() - zero.float()) / safe)
+    q = torch.where(s > 0, q, torch.zeros_like(q)).clamp_(0, (1 << bits) - 1)
+    if valid is not None:
+        q = torch.where(valid.expand_as(q), q, torch.zeros_like(q))
+    return q.to(torch.uint8)
+
+
+def dequantize_with(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``codes * scale + zero`` in float32, cast to ``dtype``."""
+    return (codes.float() * scale.float() + zero.float()).to(dtype)
+
+
+def quantize_keys(k: torch.Tensor, bits: int, group_size: int,
+                  valid: torch.Tensor | None = None):
+    """Per-channel key quantization over groups of ``group_size`` tokens.
+
+    Args:
+        k: ``[B, H, T, D]`` with T a multiple of ``group_size``.
+        valid: optional ``[B, T]`` bool, False for padding tokens.
+
+    Returns:
+        ``codes [B, H, T // G * Wk, D] int32``, ``scale, zero [B, H, T // G, D] float16``.
+    """
+    B, H, T, D = k.shape
+    G = group_size
+    if T % G:
+        raise ValueError(f"quantize_keys: token count {T} is not a multiple of group_size {G}")
+    kg = k.reshape(B, H, T // G, G, D)  # [B, H, NG, G, D]
+    vg = None if valid is None else valid.reshape(B, 1, T // G, G, 1)
+    scale, zero = minmax_qparams(kg, bits, dim=3, valid=vg)  # [B, H, NG, 1, D]
+    codes = quantize_with(kg, scale, zero, bits, vg)
+    words = pack_bits(codes, bits, dim=3)  # [B, H, NG, Wk, D]
+    return (words.reshape(B, H, -1, D), scale.squeeze(3), zero.squeeze(3))
+
+
+def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+                    group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_keys`: ``[B, H, NG * Wk, D]`` words -> ``[B, H, NG * G, D]``."""
+    B, H, _, D = codes.shape
+    NG = scale.shape[2]
+    Wk = packed_length(group_size, bits)
+    words = codes[:, :, : NG * Wk].reshape(B, H, NG, Wk, D)
+    q = unpack_bits(words, bits, group_size, dim=3)  # [B, H, NG, G, D]
+    x = dequantize_with(q, scale.unsqueeze(3), zero.unsqueeze(3), dtype)
+    return x.reshape(B, H, NG * group_size, D)
+
+
+def quantize_values(v: torch.Tensor, bits: int, value_group: int,
+                    valid: torch.Tensor | None = None):
+    """Per-token value quantization over groups of ``value_group`` channels.
+
+    Args:
+        v: ``[B, H, T, D]`` with D a multiple of ``value_group``.
+        valid: optional ``[B, T]`` bool, False for padding tokens (codes, scale, zero all 0).
+
+    Returns:
+        ``codes [B, H, T, Wv] int32``, ``scale, zero [B, H, T, D // Gv] float16``.
+    """
+    B, H, T, D = v.shape
+    Gv = value_group
+    if D % Gv:
+        raise ValueError(f"quantize_values: head_dim {D} is not a multiple of value_group {Gv}")
+    vg = v.reshape(B, H, T, D // Gv, Gv)
+    ok = None if valid is None else valid.reshape(B, 1, T, 1, 1)
+    scale, zero = minmax_qparams(vg, bits, dim=4, valid=ok)  # [B, H, T, NGv, 1]
+    codes = quantize_with(vg, scale, zero, bits, ok).reshape(B, H, T, D)
+    return pack_bits(codes, bits, dim=3), scale.squeeze(4), zero.squeeze(4)
+
+
+def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+                      value_group: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_values`: ``[B, H, T, Wv]`` words -> ``[B, H, T, D]``."""
+    B, H, T, _ = codes.shape
+    D = scale.shape[-1] * value_group
+    q = unpack_bits(codes, bits, D, dim=3).reshape(B, H, T, D // value_group, value_group)
+    x = dequantize_with(q, scale.unsqueeze(-1), zero.unsqueeze(-1), dtype)
+    return x.reshape(B, H, T, D)

@@ -1,0 +1,106 @@
+"""QuantSpec: the validated, frozen description of how a KV cache is quantized.
+
+Everything below the spec (formats, reference ops, kernels, the cache store) takes a QuantSpec
+and never re-validates it, so every bad value is caught here with an error that names the field
+and the allowed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+METHODS = ("fp16", "kivi")
+BITS = (2, 3, 4, 8)
+GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one KV cache is stored.
+
+    Attributes:
+        method: "kivi" (asymmetric min-max; keys per-channel over ``group_size`` tokens, values
+            per-token over ``group_size`` channels) or "fp16" (nothing quantized).
+        key_bits / value_bits: code width of keys and values, one of 2, 3, 4, 8.
+        group_size: G, tokens per key group and channels per value group (32, 64 or 128).
+            Values use ``gcd(G, head_dim)`` channels when G does not divide the head dimension.
+        residual_length: R, the most recent tokens kept in FP16. Keys move to the packed body a
+            whole group at a time once more than R + G - 1 tokens wait, so between R and
+            R + G - 1 recent tokens are FP16.
+        sink_tokens: S, the first tokens of each sequence kept in FP16 (attention sinks).
+    """
+
+    method: str = "kivi"
+    key_bits: int = 2
+    value_bits: int = 2
+    group_size: int = 32
+    residual_length: int = 128
+    sink_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        _check_choice("method", self.method, METHODS)
+        _check_choice("key_bits", self.key_bits, BITS)
+        _check_choice("value_bits", self.value_bits, BITS)
+        _check_choice("group_size", self.group_size, GROUP_SIZES)
+        for name in ("residual_length", "sink_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"QuantSpec.{name} must be an integer >= 0, got {value!r}")
+
+    @property
+    def quantized(self) -> bool:
+        """False for the FP16 passthrough: every token then stays in the residual."""
+        return self.method != "fp16"
+
+    def value_group(self, head_dim: int) -> int:
+        """Channels per value group for this head dimension (a power of two dividing it)."""
+        import math
+
+        return math.gcd(self.group_size, head_dim)
+
+    def replace(self, **changes) -> QuantSpec:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        if not self.quantized:
+            return "fp16"
+        return (
+            f"{self.method} K{self.key_bits}V{self.value_bits} G={self.group_size} "
+            f"R={self.residual_length} S={self.sink_tokens}"
+        )
+
+
+def _check_choice(field: str, value, allowed: tuple) -> None:
+    if value not in allowed or isinstance(value, bool):
+        raise ValueError(
+            f"QuantSpec.{field} must be one of {', '.join(map(repr, allowed))}; got {value!r}"
+        )
+
+
+PRESETS: dict[str, QuantSpec] = {
+    "fp16": QuantSpec(method="fp16", residual_length=0),
+    "kivi-2": QuantSpec(key_bits=2, value_bits=2),
+    "kivi-3": QuantSpec(key_bits=3, value_bits=3),
+    "kivi-4": QuantSpec(key_bits=4, value_bits=4),
+    "kivi-8": QuantSpec(key_bits=8, value_bits=8),
+    "k4v2": QuantSpec(key_bits=4, value_bits=2),
+    "k8v4": QuantSpec(key_bits=8, value_bits=4),
+}
+
+
+def resolve_spec(spec: str | QuantSpec, **overrides) -> QuantSpec:
+    """A QuantSpec from a preset name or a spec, with optional field overrides.
+
+    >>> resolve_spec("kivi-2", residual_length=0).residual_length
+    0
+    """
+    if isinstance(spec, QuantSpec):
+        base = spec
+    elif isinstance(spec, str) and spec in PRESETS:
+        base = PRESETS[spec]
+    else:
+        raise ValueError(f"unknown preset {spec!r}; presets are: {', '.join(PRESETS)}")
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    return base.replace(**overrides) if overrides else base
