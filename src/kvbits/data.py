@@ -571,6 +571,39 @@ def _converted_model(gguf_path: Path, key: str | None, log: Log) -> Path:
     return target
 
 
+def _load_hub_id(model_id: str, dtype: torch.dtype):
+    """An HF model id, passed to ``from_pretrained`` as is.
+
+    Tried first against the local HF cache only (fast).  If that fails, an
+    ``org/name`` id is tried online (which needs the hub); a bare word that is
+    in no cache is reported as an unknown name at once, instead of after the
+    hub client's ~50 s of retries on a machine without the hub.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def attempt():
+        tok = AutoTokenizer.from_pretrained(model_id)
+        return AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype), tok
+
+    try:
+        with _hub_offline():
+            return attempt()
+    except Exception as offline_exc:  # noqa: BLE001 - any failure means "not cached"
+        if "/" not in model_id or os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
+            raise ValueError(
+                f"unknown model {model_id!r}: not a known name, an existing path, or a model "
+                f"in the local HF cache ({offline_exc.__class__.__name__}); "
+                f"known names: {', '.join(sorted(MODELS))}"
+            ) from offline_exc
+    try:
+        return attempt()
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(
+            f"could not load HF model {model_id!r} ({exc.__class__.__name__}: {exc}); "
+            f"known names that need no hub: {', '.join(sorted(MODELS))}"
+        ) from exc
+
+
 def load_model(
     name_or_path: str,
     dtype: torch.dtype = torch.float32,
@@ -603,17 +636,11 @@ def load_model(
             model, tok = _load_folder(folder, dtype)
         elif path.is_dir():
             model, tok = _load_folder(path, dtype)
-        elif path.exists() or os.sep in name_or_path and not re.fullmatch(r"[\w.-]+/[\w.-]+", name_or_path):
-            raise _unknown("model", name_or_path, MODELS)
+        elif path.exists():
+            raise ValueError(
+                f"{name_or_path!r} is neither a .gguf file nor a model folder; "
+                f"known model names: {', '.join(sorted(MODELS))}"
+            )
         else:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            try:
-                tok = AutoTokenizer.from_pretrained(name_or_path)
-                model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
-            except (OSError, ValueError) as exc:
-                raise ValueError(
-                    f"could not load model {name_or_path!r} ({exc}); it is not a known name "
-                    f"({', '.join(sorted(MODELS))}), a .gguf file or a local folder"
-                ) from exc
+            model, tok = _load_hub_id(name_or_path, dtype)
     return _finish(model, tok, device)
