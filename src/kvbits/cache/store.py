@@ -78,8 +78,12 @@ class LayerStore:
         """Record left padding: sequence ``b`` has padding at positions ``< starts[b]``."""
         self.starts = starts.to(device=self.device, dtype=torch.int32)
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Add ``k, v [B, H, T, D]`` at the end of every sequence."""
+    def append(self, k: torch.Tensor, v: torch.Tensor, flush: bool = True) -> None:
+        """Add ``k, v [B, H, T, D]`` at the end of every sequence.
+
+        With ``flush=False`` the tokens wait in the residual until :meth:`flush` (the HF
+        integration defers it until the prompt's padding is known).
+        """
         self._check_input(k, v)
         k, v = k.to(self.dtype), v.to(self.dtype)
         take = min(self.spec.sink_tokens - self.sink_len, k.shape[2])
@@ -92,9 +96,10 @@ class LayerStore:
             self.res_k = _write(self.res_k, self.res_len, k)
             self.res_v = _write(self.res_v, self.res_len, v)
             self.res_len += k.shape[2]
-        self._flush()
+        if flush:
+            self.flush()
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         """Quantize the oldest whole groups of the residual while it holds >= R + G tokens."""
         s = self.spec
         if not s.quantized:

@@ -271,6 +271,11 @@ def num_splits(batch_heads: int, work_units: int, sm_count: int) -> int:
     return max(1, min(want, work_units))
 
 
+def default_tile_tokens(block_d: int) -> int:
+    """Body tokens per loop step: a dequantized K tile of at most 128 x 128 elements."""
+    return max(32, 16384 // block_d)
+
+
 _SM_COUNT: dict = {}
 
 
@@ -285,11 +290,12 @@ def _sm_count(device: torch.device) -> int:
 
 def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None, lengths=None,
                      window: int | None = None, splits: int | None = None,
-                     num_warps: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, tile_tokens: int | None = None) -> torch.Tensor:
     """Attention of ``q [B, Hq, Lq, D]`` over a packed layer (rules of the reference op).
 
     ``starts``/``lengths``: optional ``[B]`` int tensors (first visible position; sequence end).
-    ``splits`` overrides the body split count (tests and tuning).
+    ``splits``, ``num_warps`` and ``tile_tokens`` (body tokens per loop step) override the
+    defaults (tests and tuning).
     """
     B, Hq, Lq, D = q.shape
     Hkv = kv.kv_heads
@@ -308,7 +314,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     BLOCK_M = min(64, max(16, triton.next_power_of_2(M)))
     m_tiles = triton.cdiv(M, BLOCK_M)
     G = kv.group_size
-    GPT = max(1, min(128 // G, 16384 // (G * BLOCK_D))) if D <= 128 else max(1, 64 // G)
+    GPT = max(1, (tile_tokens or default_tile_tokens(BLOCK_D)) // G)
     n_groups = kv.body_len // G
     bhm = B * Hkv * m_tiles
     sms = _sm_count(dev)

