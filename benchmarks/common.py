@@ -71,7 +71,7 @@ def random_packed_kv(batch: int, kv_heads: int, context: int, head_dim: int, spe
         sink_v=torch.empty(B, H, 0, D, dtype=dtype, device=device), sink_len=0,
         k_codes=words(B, H, n_groups * packed_length(G, spec.key_bits), D),
         k_scale=scales(B, H, n_groups, D, lo=0.01), k_zero=scales(B, H, n_groups, D, lo=-1.0),
-        v_codes=words(B, H, body, packed_length(D, spec.value_bits)),
+        v_codes=words(B, H, n_groups * packed_length(G, spec.value_bits), D),
         v_scale=scales(B, H, body, D // Gv, lo=0.01), v_zero=scales(B, H, body, D // Gv, lo=-1.0),
         body_len=body,
         res_k=torch.randn(B, H, res, D, dtype=dtype, device=device),
@@ -86,7 +86,8 @@ def packed_nbytes(kv: PackedKV) -> int:
     parts = [
         kv.k_codes[:, :, : n_groups * packed_length(kv.group_size, kv.key_bits)],
         kv.k_scale[:, :, :n_groups], kv.k_zero[:, :, :n_groups],
-        kv.v_codes[:, :, : kv.body_len], kv.v_scale[:, :, : kv.body_len],
+        kv.v_codes[:, :, : n_groups * packed_length(kv.group_size, kv.value_bits)],
+        kv.v_scale[:, :, : kv.body_len],
         kv.v_zero[:, :, : kv.body_len],
         kv.sink_k[:, :, : kv.sink_len], kv.sink_v[:, :, : kv.sink_len],
         kv.res_k[:, :, : kv.res_len], kv.res_v[:, :, : kv.res_len],

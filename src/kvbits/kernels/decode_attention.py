@@ -25,79 +25,48 @@ import triton
 import triton.language as tl
 
 from ..formats.layout import PackedKV
-from ..formats.packing import packed_length, slots_per_column
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _online_softmax_step(sT, vT, m_i, l_i, accT):
-    """One online-softmax update. sT: [N, M] base-2 scores (-inf masked); vT: [D, N]."""
-    m_new = tl.maximum(m_i, tl.max(sT, axis=0))
+def _softmax_step(s, m_i, l_i):
+    """Online-softmax bookkeeping for base-2 scores ``s [M, N]`` (-inf where masked).
+
+    Returns the probabilities, the factor that rescales earlier partial sums, and the new max
+    and sum. A row that has seen nothing keeps max -inf and sum 0 (no NaN)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    pT = tl.exp2(sT - m_safe[None, :])
+    p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(pT, axis=0)
-    accT = accT * alpha[None, :] + tl.dot(vT, pT.to(vT.dtype))
-    return m_new, l_i, accT
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
 
 
 @triton.jit
 def _visible(t, pos, start, length, window, HAS_WINDOW: tl.constexpr):
-    """[N, M] bool: token positions ``t [N]`` visible to query rows at positions ``pos [M]``."""
-    ok = (t[:, None] <= pos[None, :]) & (t[:, None] >= start) & (t[:, None] < length)
+    """[M, N] bool: token positions ``t [N]`` visible to query rows at positions ``pos [M]``."""
+    ok = (t[None, :] <= pos[:, None]) & (t[None, :] >= start) & (t[None, :] < length)
     if HAS_WINDOW:
-        ok = ok & (t[:, None] > pos[None, :] - window)
+        ok = ok & (t[None, :] > pos[:, None] - window)
     return ok
 
 
 @triton.jit
-def _unpack_keys(kc_ptr, g0, offs_d, n_groups_valid, D: tl.constexpr, BITS: tl.constexpr,
-                 G: tl.constexpr, GPT: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Codes of ``GPT`` key groups from group ``g0`` as float32 ``[GPT, G // W, W, BLOCK_D]``.
-
-    Row ``s * W + w`` of a group is token ``s * W + w``: the unpacked slots are contiguous.
-    """
-    gi = tl.arange(0, GPT)
-    g_ok = (gi < n_groups_valid)[:, None, None]
-    d_ok = (offs_d < D)[None, None, :]
-    if BITS == 3:
-        # Bit planes: 3 words per column, plane j at word j * W3 + w, slot s at bit s.
-        W3: tl.constexpr = G // 32
-        w3 = tl.arange(0, W3)
-        slot32 = tl.arange(0, 32)
-        base = kc_ptr + ((g0 + gi).to(tl.int64)[:, None, None] * (3 * W3) + w3[None, :, None]) * D \
-            + offs_d[None, None, :]
-        codes = tl.zeros([GPT, 32, W3, BLOCK_D], dtype=tl.int32)
-        for j in tl.static_range(3):
-            plane = tl.load(base + j * W3 * D, mask=g_ok & d_ok, other=0)
-            codes += ((plane[:, None, :, :] >> slot32[None, :, None, None]) & 1) << j
-    else:
-        # Fields: slot s of word w holds token s * W + w in bits [s * BITS, (s + 1) * BITS).
-        W: tl.constexpr = G * BITS // 32
-        SLOTS: tl.constexpr = 32 // BITS
-        wi = tl.arange(0, W)
-        slot = tl.arange(0, SLOTS)
-        ptrs = kc_ptr + ((g0 + gi).to(tl.int64)[:, None, None] * W + wi[None, :, None]) * D \
-            + offs_d[None, None, :]
-        words = tl.load(ptrs, mask=g_ok & d_ok, other=0)
-        codes = (words[:, None, :, :] >> (slot * BITS)[None, :, None, None]) & ((1 << BITS) - 1)
-    return codes.to(tl.float32)
+def _as_float(codes):
+    """Small non-negative int32 codes -> float32 without a conversion instruction: OR-ing them
+    into the mantissa of 2**23 and subtracting 2**23 is exact for codes < 2**23."""
+    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
-def _unpack_values_T(vc_ptr, offs_t, t_ok, BITS: tl.constexpr, WV: tl.constexpr,
-                     WV_PAD: tl.constexpr):
-    """Value codes of tokens ``offs_t`` as float32 ``[SLOTS, WV_PAD, N]``: row s*WV_PAD+w holds
-    channel ``s * WV + w`` (slot-major packing along channels)."""
-    wi = tl.arange(0, WV_PAD)
-    ok = (wi < WV)[:, None] & t_ok[None, :]
-    ptrs = vc_ptr + offs_t.to(tl.int64)[None, :] * WV + wi[:, None]
-    words = tl.load(ptrs, mask=ok, other=0)
-    SLOTS: tl.constexpr = 32 // BITS
-    slot = tl.arange(0, SLOTS)
-    codes = (words[None, :, :] >> (slot * BITS)[:, None, None]) & ((1 << BITS) - 1)
-    return codes.to(tl.float32)
+def _slot(w0, w1, w2, shift, BITS: tl.constexpr):
+    """Codes of one slot from packed words: a ``BITS``-wide field at ``shift`` (2/4/8 bits), or
+    bit ``shift`` of the three bit-plane words ``w0, w1, w2`` (3 bits)."""
+    if BITS == 3:
+        c = ((w0 >> shift) & 1) | (((w1 >> shift) & 1) << 1) | (((w2 >> shift) & 1) << 2)
+    else:
+        c = (w0 >> shift) & ((1 << BITS) - 1)
+    return _as_float(c)
 
 
 @triton.jit
@@ -108,11 +77,11 @@ def _decode_kernel(
     Starts, Lens,
     qk_scale, window,
     sink_len, body_len, res_len,
-    sink_cap, res_cap, kc_cap, ks_cap, vc_cap,
+    sink_cap, res_cap, kc_cap, ks_cap, vc_cap, vs_cap,
     Hkv, Lq, m_tiles, n_body_splits, groups_per_split, fp_per_split,
     HG: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     KBITS: tl.constexpr, VBITS: tl.constexpr, G: tl.constexpr, GPT: tl.constexpr,
-    GV: tl.constexpr, WV: tl.constexpr, WV_PAD: tl.constexpr, V_NATURAL: tl.constexpr,
+    GV: tl.constexpr, NGV: tl.constexpr, NGV_PAD: tl.constexpr,
     BLOCK_FP: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -135,113 +104,140 @@ def _decode_kernel(
     pos = length - Lq + qi  # [M] position of each query row
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    q_row = (b.to(tl.int64) * Hkv * HG + head) * Lq + qi  # row index into [B*Hq*Lq]
-    qT = tl.load(Q + q_row[None, :] * D + offs_d[:, None], mask=d_ok[:, None] & m_ok[None, :],
-                 other=0.0)
-    qT = (qT.to(tl.float32) * qk_scale).to(Q.dtype.element_ty)  # [D, M], scale * log2(e)
+    q_row = (b.to(tl.int64) * Hkv * HG + head) * Lq + qi  # row of q in [B*Hq*Lq, D]
+    q = tl.load(Q + q_row[:, None] * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :],
+                other=0.0)
+    q = (q.to(tl.float32) * qk_scale).to(Q.dtype.element_ty)  # [M, D], scale * log2(e)
+    o_row = q_row * n_splits + split  # Out is [B*Hq*Lq, n_splits, D]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    accT = tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32)
-    # Row order of accT: natural channels for FP16 programs and V_NATURAL bodies.
     if split < n_body_splits:
-        N: tl.constexpr = GPT * G
+        # Words per group column: W = G * BITS / 32 (G / 32 per plane for 3 bits).
+        WK: tl.constexpr = G // 32 if KBITS == 3 else G * KBITS // 32
+        WV: tl.constexpr = G // 32 if VBITS == 3 else G * VBITS // 32
+        KSLOTS: tl.constexpr = 32 if KBITS == 3 else 32 // KBITS
+        KROWS: tl.constexpr = 3 * WK if KBITS == 3 else WK  # stored rows per group
+        VROWS: tl.constexpr = 3 * WV if VBITS == 3 else WV
+        R: tl.constexpr = GPT * WK  # tokens per slot tile
         n_groups = body_len // G
         g_lo = split * groups_per_split
         g_hi = tl.minimum(g_lo + groups_per_split, n_groups)
-        # Skip groups outside [start, length) of this sequence (and the window).
-        first = start - sink_len
+        first = start - sink_len  # skip groups outside this sequence's [start, length) and window
         if HAS_WINDOW:
             first = tl.maximum(first, length - Lq - window + 1 - sink_len)
-        g_lo = tl.maximum(g_lo, first // G)
+        g_lo = tl.maximum(g_lo, tl.maximum(first, 0) // G)
         g_hi = tl.minimum(g_hi, (length - sink_len + G - 1) // G)
         kc_base = KC + bh64 * kc_cap * D
-        ks_base = KS + bh64 * ks_cap * D
-        kz_base = KZ + bh64 * ks_cap * D
-        NGV: tl.constexpr = D // GV
+        vc_base = VC + bh64 * vc_cap * D
+        offs_r = tl.arange(0, R)
+        wk = offs_r % WK
+        offs_j = tl.arange(0, NGV_PAD)
+        offs_c = tl.arange(0, GV)
+        j_ok = offs_j < NGV
+        v_cols = (offs_j * GV)[:, None, None] + offs_c[None, None, :]  # [NGV, 1, GV]
+        acc = tl.zeros([NGV_PAD, BLOCK_M, GV], dtype=tl.float32)  # sum_t p s_t c_t per V group
+        zacc = tl.zeros([NGV_PAD, BLOCK_M], dtype=tl.float32)  # sum_t p z_t per V group
         for g0 in range(g_lo, g_hi, GPT):
-            gi = tl.arange(0, GPT)
-            g_ok = (g0 + gi) < g_hi
-            sc_ptr = (g0 + gi).to(tl.int64)[:, None] * D + offs_d[None, :]
-            sc_ok = g_ok[:, None] & d_ok[None, :]
-            k_s = tl.load(ks_base + sc_ptr, mask=sc_ok, other=0.0).to(tl.float32)
-            k_z = tl.load(kz_base + sc_ptr, mask=sc_ok, other=0.0).to(tl.float32)
-            codes = _unpack_keys(kc_base, g0, offs_d, g_hi - g0, D, KBITS, G, GPT, BLOCK_D)
-            k = codes * k_s[:, None, None, :] + k_z[:, None, None, :]
-            k = tl.reshape(k, [N, BLOCK_D]).to(Q.dtype.element_ty)
-            sT = tl.dot(k, qT)  # [N, M]
-            offs_t = g0 * G + tl.arange(0, N)  # body token index
-            t_ok = offs_t < g_hi * G
-            vis = _visible(sink_len + offs_t, pos, start, length, window, HAS_WINDOW)
-            sT = tl.where(vis & t_ok[:, None] & m_ok[None, :], sT, float("-inf"))
-            # Values: V^T [D, N] from per-token codes packed along channels.
-            vcodes = _unpack_values_T(VC + bh64 * vc_cap * WV, offs_t, t_ok, VBITS, WV, WV_PAD)
-            VSLOTS: tl.constexpr = 32 // VBITS
-            if V_NATURAL:
-                # Rows are natural channels; a group of GV channels shares one scale per token.
-                vs_ptr = bh64 * vc_cap * NGV + offs_t.to(tl.int64)[None, :] * NGV \
-                    + tl.arange(0, NGV)[:, None]
-                v_s = tl.load(VS + vs_ptr, mask=t_ok[None, :], other=0.0).to(tl.float32)
-                v_z = tl.load(VZ + vs_ptr, mask=t_ok[None, :], other=0.0).to(tl.float32)
-                vcodes = tl.reshape(vcodes, [NGV, GV, N])
-                vT = vcodes * v_s[:, None, :] + v_z[:, None, :]
-                vT = tl.reshape(vT, [BLOCK_D, N])
-            else:
-                slot = tl.arange(0, VSLOTS)
-                wi = tl.arange(0, WV_PAD)
-                chan = slot[:, None] * WV + wi[None, :]  # [SLOTS, WV_PAD] channel of each row
-                c_ok = (wi[None, :] < WV) & (chan < D)
-                vs_ptr = bh64 * vc_cap * NGV + offs_t.to(tl.int64)[None, None, :] * NGV \
-                    + (chan // GV)[:, :, None]
-                ok3 = c_ok[:, :, None] & t_ok[None, None, :]
-                v_s = tl.load(VS + vs_ptr, mask=ok3, other=0.0).to(tl.float32)
-                v_z = tl.load(VZ + vs_ptr, mask=ok3, other=0.0).to(tl.float32)
-                vT = tl.reshape(vcodes * v_s + v_z, [VSLOTS * WV_PAD, N])
-            m_i, l_i, accT = _online_softmax_step(sT, vT.to(Q.dtype.element_ty), m_i, l_i, accT)
+            grp = g0 + offs_r // WK  # [R] group of each tile row
+            r_ok = grp < g_hi
+            grp64 = grp.to(tl.int64)
+            kmask = d_ok[:, None] & r_ok[None, :]
+            # K^T words [D, R] (+ planes) and the scale/zero of each row's group, once per tile.
+            kw_ptr = kc_base + (grp64 * KROWS + wk)[None, :] * D + offs_d[:, None]
+            kw0 = tl.load(kw_ptr, mask=kmask, other=0)
+            kw1 = kw0
+            kw2 = kw0
+            if KBITS == 3:
+                kw1 = tl.load(kw_ptr + WK * D, mask=kmask, other=0)
+                kw2 = tl.load(kw_ptr + 2 * WK * D, mask=kmask, other=0)
+            ks_ptr = (bh64 * ks_cap + grp64)[None, :] * D + offs_d[:, None]
+            k_s = tl.load(KS + ks_ptr, mask=kmask, other=0.0).to(tl.float32)
+            k_z = tl.load(KZ + ks_ptr, mask=kmask, other=0.0).to(tl.float32)
+            vmask = j_ok[:, None, None] & r_ok[None, :, None]
+            if KBITS == VBITS:  # K and V slots hold the same tokens: load V words once per tile
+                vw_ptr = vc_base + (grp64 * VROWS + wk)[None, :, None] * D + v_cols
+                vw0 = tl.load(vw_ptr, mask=vmask, other=0)
+                vw1 = vw0
+                vw2 = vw0
+                if VBITS == 3:
+                    vw1 = tl.load(vw_ptr + WV * D, mask=vmask, other=0)
+                    vw2 = tl.load(vw_ptr + 2 * WV * D, mask=vmask, other=0)
+            for s in tl.static_range(KSLOTS):
+                tin = s * WK + wk  # in-group token index of each row for this slot
+                tok = grp * G + tin  # body token index
+                if KBITS == 3:
+                    kT = _slot(kw0, kw1, kw2, s, KBITS) * k_s + k_z
+                else:
+                    kT = _slot(kw0, kw1, kw2, s * KBITS, KBITS) * k_s + k_z
+                sc = tl.dot(q, kT.to(Q.dtype.element_ty))  # [M, R]
+                vis = _visible(sink_len + tok, pos, start, length, window, HAS_WINDOW)
+                sc = tl.where(vis & r_ok[None, :] & m_ok[:, None], sc, float("-inf"))
+                p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
+                # V codes of the same tokens: slot tin // WV, row tin % WV of V's packing.
+                if KBITS == VBITS:
+                    vshift = s
+                    if VBITS != 3:
+                        vshift = s * VBITS
+                    vc = _slot(vw0, vw1, vw2, vshift, VBITS)
+                else:
+                    vrow = (grp64 * VROWS + tin % WV)[None, :, None]
+                    vw0 = tl.load(vc_base + vrow * D + v_cols, mask=vmask, other=0)
+                    vw1 = vw0
+                    vw2 = vw0
+                    if VBITS == 3:
+                        vw1 = tl.load(vc_base + (vrow + WV) * D + v_cols, mask=vmask, other=0)
+                        vw2 = tl.load(vc_base + (vrow + 2 * WV) * D + v_cols, mask=vmask, other=0)
+                        vsh = (tin // WV)[None, :, None]
+                    else:
+                        vsh = ((tin // WV) * VBITS)[None, :, None]
+                    vc = _slot(vw0, vw1, vw2, vsh, VBITS)
+                # Per-token value scales fold into the probabilities: one [NGV, M, R] product.
+                vs_ptr = (bh64 * vs_cap + grp64 * G + tin)[None, :] * NGV + offs_j[:, None]
+                sv_ok = j_ok[:, None] & r_ok[None, :]
+                v_s = tl.load(VS + vs_ptr, mask=sv_ok, other=0.0).to(tl.float32)  # [NGV, R]
+                v_z = tl.load(VZ + vs_ptr, mask=sv_ok, other=0.0).to(tl.float32)
+                ps = p[None, :, :] * v_s[:, None, :]  # [NGV, M, R]
+                acc = acc * alpha[None, :, None] + tl.dot(ps.to(Q.dtype.element_ty),
+                                                          vc.to(Q.dtype.element_ty))
+                zacc = zacc * alpha[None, :] + tl.sum(p[None, :, :] * v_z[:, None, :], axis=2)
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o = (acc + zacc[:, :, None]) / l_safe[None, :, None]
+        o_ptr = Out + o_row[None, :, None] * D + v_cols
+        tl.store(o_ptr, o, mask=j_ok[:, None, None] & m_ok[None, :, None])
     else:
         # FP16 tokens: index i < sink_len is sink token i, else residual token i - sink_len.
         fs = split - n_body_splits
         i_lo = fs * fp_per_split
         i_hi = tl.minimum(i_lo + fp_per_split, sink_len + res_len)
         res_pos0 = sink_len + body_len
+        acc2 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         for i0 in range(i_lo, i_hi, BLOCK_FP):
             offs_i = i0 + tl.arange(0, BLOCK_FP)
             i_ok = offs_i < i_hi
             in_sink = offs_i < sink_len
             t_pos = tl.where(in_sink, offs_i, res_pos0 + offs_i - sink_len)
             row = tl.where(in_sink, bh64 * sink_cap + offs_i, bh64 * res_cap + offs_i - sink_len)
-            kv_ok = i_ok[:, None] & d_ok[None, :]
-            in_sink2 = in_sink[:, None]
-            kp = row[:, None] * D + offs_d[None, :]
-            k = tl.where(in_sink2, tl.load(SinkK + kp, mask=kv_ok & in_sink2, other=0.0),
-                         tl.load(ResK + kp, mask=kv_ok & ~in_sink2, other=0.0))
-            sT = tl.dot(k.to(Q.dtype.element_ty), qT)
+            kT_ptr = row[None, :] * D + offs_d[:, None]
+            kT_ok = d_ok[:, None] & i_ok[None, :]
+            kT = tl.where(in_sink[None, :],
+                          tl.load(SinkK + kT_ptr, mask=kT_ok & in_sink[None, :], other=0.0),
+                          tl.load(ResK + kT_ptr, mask=kT_ok & ~in_sink[None, :], other=0.0))
+            sc = tl.dot(q, kT.to(Q.dtype.element_ty))  # [M, N]
             vis = _visible(t_pos, pos, start, length, window, HAS_WINDOW)
-            sT = tl.where(vis & i_ok[:, None] & m_ok[None, :], sT, float("-inf"))
-            vpT = row[None, :] * D + offs_d[:, None]
-            vT_ok = d_ok[:, None] & i_ok[None, :]
-            vT = tl.where(in_sink[None, :],
-                          tl.load(SinkV + vpT, mask=vT_ok & in_sink[None, :], other=0.0),
-                          tl.load(ResV + vpT, mask=vT_ok & ~in_sink[None, :], other=0.0))
-            m_i, l_i, accT = _online_softmax_step(sT, vT.to(Q.dtype.element_ty), m_i, l_i, accT)
-
-    # Partial output (normalised) and base-2 log-sum-exp of this split.
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    oT = accT / l_safe[None, :]
-    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-    if V_NATURAL:
-        chan_r = offs_d
-        c_ok_r = d_ok
-    else:
-        # Body programs hold channel (r // WV_PAD) * WV + r % WV_PAD in row r.
-        is_body = split < n_body_splits
-        perm = (offs_d // WV_PAD) * WV + offs_d % WV_PAD
-        perm_ok = ((offs_d % WV_PAD) < WV) & (perm < D)
-        chan_r = tl.where(is_body, perm, offs_d)
-        c_ok_r = tl.where(is_body, perm_ok, d_ok)
-    o_row = q_row * n_splits + split  # Out is [B*Hq*Lq, n_splits, D]
-    tl.store(Out + o_row[None, :] * D + chan_r[:, None], oT,
-             mask=c_ok_r[:, None] & m_ok[None, :])
+            sc = tl.where(vis & i_ok[None, :] & m_ok[:, None], sc, float("-inf"))
+            p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
+            v_ptr = row[:, None] * D + offs_d[None, :]
+            v_ok = i_ok[:, None] & d_ok[None, :]
+            v = tl.where(in_sink[:, None],
+                         tl.load(SinkV + v_ptr, mask=v_ok & in_sink[:, None], other=0.0),
+                         tl.load(ResV + v_ptr, mask=v_ok & ~in_sink[:, None], other=0.0))
+            acc2 = acc2 * alpha[:, None] + tl.dot(p.to(Q.dtype.element_ty), v.to(Q.dtype.element_ty))
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        tl.store(Out + o_row[:, None] * D + offs_d[None, :], acc2 / l_safe[:, None],
+                 mask=m_ok[:, None] & d_ok[None, :])
+    # Base-2 log-sum-exp of this split (-inf if it saw nothing).
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
     tl.store(Lse + o_row, lse, mask=m_ok)
 
 
@@ -271,9 +267,7 @@ def num_splits(batch_heads: int, work_units: int, sm_count: int) -> int:
     return max(1, min(want, work_units))
 
 
-def default_tile_tokens(block_d: int) -> int:
-    """Body tokens per loop step: a dequantized K tile of at most 128 x 128 elements."""
-    return max(32, 16384 // block_d)
+DEFAULT_TILE_ROWS = 16  # tokens per unpacked slot tile (the N of each tl.dot)
 
 
 _SM_COUNT: dict = {}
@@ -290,39 +284,38 @@ def _sm_count(device: torch.device) -> int:
 
 def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None, lengths=None,
                      window: int | None = None, splits: int | None = None,
-                     num_warps: int | None = None, tile_tokens: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, tile_rows: int | None = None) -> torch.Tensor:
     """Attention of ``q [B, Hq, Lq, D]`` over a packed layer (rules of the reference op).
 
     ``starts``/``lengths``: optional ``[B]`` int tensors (first visible position; sequence end).
-    ``splits``, ``num_warps`` and ``tile_tokens`` (body tokens per loop step) override the
-    defaults (tests and tuning).
+    ``splits``, ``num_warps`` and ``tile_rows`` (tokens per unpacked slot tile, >= 16) override
+    the defaults (tests and tuning).
     """
     B, Hq, Lq, D = q.shape
     Hkv = kv.kv_heads
     if Hq % Hkv:
         raise ValueError(f"query heads {Hq} must be a multiple of kv heads {Hkv}")
-    if kv.value_bits == 3 and kv.body_len:
-        raise NotImplementedError("3-bit values are served by the reference path")
+    if D % 16:
+        raise ValueError(f"head_dim must be a multiple of 16, got {D}")
     HG = Hq // Hkv
     dev = q.device
     q = q.contiguous()
-    total = kv.total_len
     starts = _as_i32(starts, B, 0, dev)
-    lengths = _as_i32(lengths, B, total, dev)
+    lengths = _as_i32(lengths, B, kv.total_len, dev)
     BLOCK_D = max(16, triton.next_power_of_2(D))
     M = HG * Lq
     BLOCK_M = min(64, max(16, triton.next_power_of_2(M)))
     m_tiles = triton.cdiv(M, BLOCK_M)
     G = kv.group_size
-    GPT = max(1, (tile_tokens or default_tile_tokens(BLOCK_D)) // G)
+    wk = G // 32 if kv.key_bits == 3 else G * kv.key_bits // 32
+    GPT = max(1, (tile_rows or DEFAULT_TILE_ROWS) // wk)  # groups per loop step
     n_groups = kv.body_len // G
     bhm = B * Hkv * m_tiles
     sms = _sm_count(dev)
     if splits is None:
         splits = num_splits(bhm, triton.cdiv(n_groups, GPT), sms) if n_groups else 0
     splits = min(splits, n_groups)
-    groups_per_split = triton.cdiv(n_groups, splits) if splits else 1
-    groups_per_split = triton.cdiv(groups_per_split, GPT) * GPT
+    groups_per_split = triton.cdiv(triton.cdiv(n_groups, splits), GPT) * GPT if splits else 1
     if splits:
         splits = triton.cdiv(n_groups, groups_per_split)
     BLOCK_FP = 64
@@ -336,9 +329,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     n_total = splits + fp_splits
     out = torch.empty(B * Hq * Lq, n_total, D, dtype=torch.float32, device=dev)
     lse = torch.empty(B * Hq * Lq, n_total, dtype=torch.float32, device=dev)
-    WV = packed_length(D, kv.value_bits)
-    WV_PAD = triton.next_power_of_2(WV)
-    v_natural = (WV_PAD == WV) and (D == BLOCK_D)
+    NGV = D // kv.value_group
     _decode_kernel[(bhm, n_total)](
         q, out, lse,
         kv.sink_k, kv.sink_v, kv.res_k, kv.res_v,
@@ -347,11 +338,11 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
         scale * LOG2E, int(window) if window else 0,
         kv.sink_len, kv.body_len, kv.res_len,
         kv.sink_k.shape[2], kv.res_k.shape[2], kv.k_codes.shape[2], kv.k_scale.shape[2],
-        kv.v_codes.shape[2],
+        kv.v_codes.shape[2], kv.v_scale.shape[2],
         Hkv, Lq, m_tiles, splits, groups_per_split, fp_per_split,
         HG=HG, D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
         KBITS=kv.key_bits, VBITS=kv.value_bits, G=G, GPT=GPT,
-        GV=kv.value_group, WV=WV, WV_PAD=WV_PAD, V_NATURAL=v_natural,
+        GV=kv.value_group, NGV=NGV, NGV_PAD=triton.next_power_of_2(NGV),
         BLOCK_FP=BLOCK_FP, HAS_WINDOW=bool(window),
         num_warps=num_warps or 4,
     )

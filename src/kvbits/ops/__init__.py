@@ -41,13 +41,13 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int, valid: torch.Tens
     return _ref_quant.quantize_keys(k, bits, group_size, valid)
 
 
-def quantize_values(v: torch.Tensor, bits: int, value_group: int,
+def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: int,
                     valid: torch.Tensor | None = None):
     """Per-token value quantization + packing; see :func:`kvbits.reference.quant.quantize_values`."""
     if use_kernels(v):
         from ..kernels.quantize_pack import quantize_values as kernel
-        return kernel(v, bits, value_group, valid)
-    return _ref_quant.quantize_values(v, bits, value_group, valid)
+        return kernel(v, bits, value_group, group_size, valid)
+    return _ref_quant.quantize_values(v, bits, value_group, group_size, valid)
 
 
 def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None, lengths=None,

@@ -27,8 +27,8 @@ def dequantize_layer(kv: PackedKV, dtype: torch.dtype = torch.float32):
         keys.append(dequantize_keys(kv.k_codes, kv.k_scale[:, :, :n_groups], kv.k_zero[:, :, :n_groups],
                                     kv.key_bits, kv.group_size, dtype))
         values.append(dequantize_values(
-            kv.v_codes[:, :, : kv.body_len], kv.v_scale[:, :, : kv.body_len],
-            kv.v_zero[:, :, : kv.body_len], kv.value_bits, kv.value_group, dtype))
+            kv.v_codes, kv.v_scale[:, :, : kv.body_len], kv.v_zero[:, :, : kv.body_len],
+            kv.value_bits, kv.value_group, kv.group_size, dtype))
     keys.append(kv.res_k[:, :, : kv.res_len].to(dtype))
     values.append(kv.res_v[:, :, : kv.res_len].to(dtype))
     return torch.cat(keys, dim=2), torch.cat(values, dim=2)

@@ -93,33 +93,45 @@ def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     return x.reshape(B, H, NG * group_size, D)
 
 
-def quantize_values(v: torch.Tensor, bits: int, value_group: int,
+def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: int,
                     valid: torch.Tensor | None = None):
     """Per-token value quantization over groups of ``value_group`` channels.
 
+    The codes are packed along *tokens*, within blocks of ``group_size`` tokens, exactly like the
+    keys: a decode kernel then unpacks matching K and V tiles with the same shifts, and the
+    per-token scales fold into the attention probabilities.
+
     Args:
-        v: ``[B, H, T, D]`` with D a multiple of ``value_group``.
+        v: ``[B, H, T, D]`` with D a multiple of ``value_group`` and T of ``group_size``.
         valid: optional ``[B, T]`` bool, False for padding tokens (codes, scale, zero all 0).
 
     Returns:
-        ``codes [B, H, T, Wv] int32``, ``scale, zero [B, H, T, D // Gv] float16``.
+        ``codes [B, H, T // G * Wv, D] int32`` (``Wv = packed_length(G, bits)``),
+        ``scale, zero [B, H, T, D // Gv] float16``.
     """
     B, H, T, D = v.shape
-    Gv = value_group
+    Gv, G = value_group, group_size
     if D % Gv:
         raise ValueError(f"quantize_values: head_dim {D} is not a multiple of value_group {Gv}")
+    if T % G:
+        raise ValueError(f"quantize_values: token count {T} is not a multiple of group_size {G}")
     vg = v.reshape(B, H, T, D // Gv, Gv)
     ok = None if valid is None else valid.reshape(B, 1, T, 1, 1)
     scale, zero = minmax_qparams(vg, bits, dim=4, valid=ok)  # [B, H, T, NGv, 1]
-    codes = quantize_with(vg, scale, zero, bits, ok).reshape(B, H, T, D)
-    return pack_bits(codes, bits, dim=3), scale.squeeze(4), zero.squeeze(4)
+    codes = quantize_with(vg, scale, zero, bits, ok).reshape(B, H, T // G, G, D)
+    words = pack_bits(codes, bits, dim=3)  # [B, H, NG, Wv, D]
+    return words.reshape(B, H, -1, D), scale.squeeze(4), zero.squeeze(4)
 
 
 def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
-                      value_group: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of :func:`quantize_values`: ``[B, H, T, Wv]`` words -> ``[B, H, T, D]``."""
-    B, H, T, _ = codes.shape
-    D = scale.shape[-1] * value_group
-    q = unpack_bits(codes, bits, D, dim=3).reshape(B, H, T, D // value_group, value_group)
+                      value_group: int, group_size: int,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_values`: ``[B, H, NG * Wv, D]`` words -> ``[B, H, T, D]``."""
+    B, H, _, D = codes.shape
+    T = scale.shape[2]
+    NG = T // group_size
+    Wv = packed_length(group_size, bits)
+    words = codes[:, :, : NG * Wv].reshape(B, H, NG, Wv, D)
+    q = unpack_bits(words, bits, group_size, dim=3).reshape(B, H, T, D // value_group, value_group)
     x = dequantize_with(q, scale.unsqueeze(-1), zero.unsqueeze(-1), dtype)
     return x.reshape(B, H, T, D)

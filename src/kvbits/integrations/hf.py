@@ -1,0 +1,385 @@
+"""Hugging Face transformers integration: a quantized ``Cache`` and the ``"kvbits"`` attention.
+
+One line switches a model's KV cache to kvbits::
+
+    import kvbits.integrations.hf  # registers attn_implementation="kvbits" (done on import)
+    from kvbits.integrations.hf import KVBitsCache
+
+    cache = KVBitsCache(model, "kivi-2", residual_length=64)   # also switches the model to "kvbits"
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)   # or cache=cache
+
+How it works
+------------
+:class:`KVBitsCache` holds one :class:`~kvbits.cache.store.LayerStore` per decoder layer (FP16
+sink | packed body | FP16 residual, in the model's dtype for the FP parts), created lazily on the
+first ``update`` from the shape, dtype and device of that layer's key states.
+
+``update`` appends the new K/V to the store *without* quantizing them and returns the new key and
+value tensors, tagged (a Python attribute) with the layer they belong to. The attention function
+registered as ``"kvbits"`` reads the tag:
+
+* **prefill** (the store was empty): attention over the prompt runs at full precision through
+  transformers' own SDPA path, with the mask transformers built. The left padding of every
+  sequence is read off that mask (a key no query row attends to is padding; padding must be a
+  prefix), recorded in the store, and only then is the prompt quantized, in one call, so padding
+  never enters a group's min/max.
+* **decode / chunked prefill** (history present): the store flushes whole groups, then
+  :func:`kvbits.ops.decode_attention` attends the new query rows over the packed store directly
+  (the Triton kernel on CUDA; no FP16 copy of the history is built). The 4D mask is not used
+  there: padding comes from the store's ``starts`` (set at prefill; later tokens are all real, as
+  ``generate`` produces them), causality from the positions, and the sliding window from the
+  layer (``sliding_window`` passed by the model, or the config's for sliding layers).
+* untagged tensors (e.g. ``attn_implementation="kvbits"`` with a ``DynamicCache``): plain SDPA.
+
+Using the cache without the ``"kvbits"`` attention (``KVBitsCache(config)`` on a model loaded with
+another ``attn_implementation``) still gives correct results through a **slow path**: the prompt
+step returns the prompt's K/V unchanged, and from the next step on ``update`` notices that its
+tensors were not consumed by the kvbits attention and returns the whole history dequantized (like
+transformers' ``QuantizedCache``; a warning is emitted once). The padding of the prompt is then
+unknown to the cache and takes part in the first groups' min/max.
+
+Known limits
+------------
+* Sliding-window layers (Gemma3, Mistral-style) keep *all* tokens: the window is applied by
+  masking, so such layers cost the full history in memory instead of ``window`` tokens.
+* Attention-logit softcapping (Gemma2) is not supported (``NotImplementedError``).
+* Layer types other than full and sliding attention (chunked, linear/SSM, KV sharing) are rejected.
+* Not ``torch.compile``-able (``is_compileable`` is False); crop can only cut quantized history at
+  a group boundary (``is_croppable`` is False, so assisted generation will not rely on it).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface, Cache
+from transformers.cache_utils import CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .. import ops
+from ..cache.store import LayerStore
+from ..reference.attention import dequantize_layer
+from ..spec import QuantSpec, resolve_spec
+
+__all__ = ["ATTN_IMPLEMENTATION", "KVBitsCache", "KVBitsLayer", "kvbits_attention_forward",
+           "padding_starts", "register"]
+
+ATTN_IMPLEMENTATION = "kvbits"
+
+_SLIDING_TYPES = ("sliding_attention",)
+_FULL_TYPES = ("full_attention",)
+
+
+@dataclass
+class _Tag:
+    """What ``update`` attaches to the key tensor it returns (as ``key._kvbits``)."""
+
+    layer: KVBitsLayer
+    prefill: bool
+
+
+# --------------------------------------------------------------------------------------- layer
+class KVBitsLayer(CacheLayerMixin):
+    """The cache of one decoder layer: a :class:`LayerStore`, created on the first ``update``.
+
+    ``keys`` / ``values`` stay ``None``: the data lives in ``store``.
+    """
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, spec: QuantSpec, sliding_window: int | None = None, cache=None):
+        super().__init__()
+        self.spec = spec
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.store: LayerStore | None = None
+        self._cache = cache
+        # Set by the kvbits attention when it consumed this layer's last update.
+        self._attended = False
+
+    def __repr__(self):
+        n = 0 if self.store is None else self.store.seq_len
+        win = f", window={self.sliding_window}" if self.is_sliding else ""
+        return f"KVBitsLayer({self.spec.describe()}{win}, tokens={n})"
+
+    # ------------------------------------------------------------------ CacheLayerMixin API
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, H, _, D = key_states.shape
+        self.store = LayerStore(self.spec, B, H, D, key_states.dtype, key_states.device)
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.store is None:
+            self.lazy_initialization(key_states, value_states)
+        store = self.store
+        prefill = store.seq_len == 0
+        fast = prefill or (self._attended and self._impl_is_kvbits())
+        store.append(key_states, value_states, flush=False)
+        self._attended = False
+        if fast:
+            key_states._kvbits = _Tag(self, prefill)
+            return key_states, value_states
+        # Slow path: nothing reads the packed store, so hand back the whole history.
+        if self._cache is not None:
+            self._cache._warn_slow_path()
+        store.flush()
+        keys, values = dequantize_layer(store.view(), key_states.dtype)
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Every token is kept (sliding layers included): the mask covers the whole history.
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return 0 if self.store is None else self.store.seq_len
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # transformers < 5.16 name of get_max_length
+        return -1
+
+    def reset(self) -> None:
+        self.store = None
+        self.is_initialized = False
+        self._attended = False
+
+    def offload(self):  # offloading is not supported: the store stays where it is
+        pass
+
+    def prefetch(self):
+        pass
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.store is not None:
+            self.store.reorder(beam_idx.long())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.store is not None:
+            index = torch.arange(self.store.batch, device=self.store.device)
+            self.store.reorder(index.repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.store is not None:
+            indices = torch.as_tensor(indices, device=self.store.device)
+            if indices.dtype == torch.bool:
+                indices = indices.nonzero().flatten()
+            self.store.reorder(indices.long())
+
+    def crop(self, tokens_to_remove: int = 0, **kwargs) -> None:
+        """Negative: drop that many tokens; positive (legacy): keep that many; 0: nothing."""
+        if "max_length" in kwargs:  # transformers < 5.18 keyword
+            tokens_to_remove = kwargs.pop("max_length")
+        if self.store is None or tokens_to_remove == 0:
+            return
+        n = self.store.seq_len
+        keep = n + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
+        self.store.crop(max(keep, 0))
+
+    # ------------------------------------------------------------------ helpers
+    def _impl_is_kvbits(self) -> bool:
+        config = None if self._cache is None else self._cache._model_config
+        if config is None:
+            return True
+        return getattr(config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
+
+    def dense_nbytes(self) -> int:
+        """Bytes ``DynamicCache`` would hold for this layer's tokens (same dtype; sliding layers
+        keep ``window - 1`` tokens there)."""
+        s = self.store
+        if s is None:
+            return 0
+        tokens = s.seq_len
+        if self.is_sliding:
+            tokens = min(tokens, self.sliding_window - 1)
+        return 2 * s.batch * s.kv_heads * tokens * s.head_dim * s.res_k.element_size()
+
+
+# --------------------------------------------------------------------------------------- cache
+class KVBitsCache(Cache):
+    """A transformers ``Cache`` that stores K/V in 2-8 bits (kvbits ``LayerStore`` per layer).
+
+    Args:
+        model_or_config: a ``PreTrainedModel`` (its attention is switched to ``"kvbits"`` with
+            ``set_attn_implementation``, in place) or its config (then load the model with
+            ``attn_implementation="kvbits"`` yourself, or every step after the prompt takes the
+            slow path described in the module docstring). Layers come from
+            ``config.get_text_config()``: ``num_hidden_layers``, ``layer_types`` and
+            ``sliding_window``.
+        spec: a preset name (see :data:`kvbits.spec.PRESETS`) or a :class:`QuantSpec`.
+        **overrides: :class:`QuantSpec` fields replacing the preset's (``residual_length=0``, ...).
+
+    ``generate(..., past_key_values=cache)`` (or ``cache=cache`` on transformers versions that take
+    it) uses it like any other cache: greedy, sampling, beam search (``reorder_cache``), left-padded
+    batches. ``nbytes()`` is the exact storage of the tokens held; ``fp16_nbytes()`` what
+    ``DynamicCache`` would hold for them.
+    """
+
+    is_compileable = False
+
+    def __init__(self, model_or_config, spec: str | QuantSpec = "kivi-2", **overrides):
+        self.spec = resolve_spec(spec, **overrides)
+        model = None
+        if hasattr(model_or_config, "set_attn_implementation") and hasattr(model_or_config, "config"):
+            model = model_or_config
+            config = model.config
+        elif hasattr(model_or_config, "get_text_config"):
+            config = model_or_config
+        else:
+            raise TypeError(
+                "KVBitsCache needs a transformers PreTrainedModel or its config, got "
+                f"{type(model_or_config).__name__}")
+        text_config = config.get_text_config(decoder=True)
+        layers = [KVBitsLayer(self.spec, window, cache=self)
+                  for window in _layer_windows(text_config)]
+        super().__init__(layers=layers)
+        self.config = text_config
+        self._model_config = None
+        self._warned_slow = False
+        if model is not None:
+            _use_kvbits_attention(model)
+            self._model_config = model.config.get_text_config(decoder=True)
+
+    def __repr__(self):
+        return f"KVBitsCache({self.spec.describe()}, layers={len(self.layers)})"
+
+    # generate() / masking only need what Cache implements on top of the layers; these are the
+    # kvbits-specific extras.
+    def nbytes(self) -> int:
+        """Exact bytes held by all layers: codes + scales + zeros + FP sink and residual."""
+        return sum(layer.store.nbytes() for layer in self.layers if layer.store is not None)
+
+    def fp16_nbytes(self) -> int:
+        """Bytes ``DynamicCache(config=...)`` would hold for the same tokens, in the model dtype
+        (2 bytes per element for FP16/BF16 models)."""
+        return sum(layer.dense_nbytes() for layer in self.layers)
+
+    @property
+    def stores(self) -> list[LayerStore | None]:
+        """The per-layer stores (``None`` before a layer's first update)."""
+        return [layer.store for layer in self.layers]
+
+    def _warn_slow_path(self) -> None:
+        if not self._warned_slow:
+            self._warned_slow = True
+            warnings.warn(
+                "KVBitsCache is used without attn_implementation='kvbits': every step dequantizes "
+                "the whole history (slow path) and prompt padding is not excluded from "
+                "quantization. Pass the model to KVBitsCache(model, ...) or load it with "
+                "attn_implementation='kvbits'.", stacklevel=3)
+
+
+def _layer_windows(config) -> list[int | None]:
+    """Per decoder layer: the sliding window, or None for full attention."""
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if types is None:
+        # Without layer_types a set sliding_window means every layer slides (Mistral-style).
+        use = getattr(config, "use_sliding_window", True)
+        return [window if (window is not None and use) else None] * n
+    out = []
+    for i, t in enumerate(types[:n]):
+        if t in _FULL_TYPES:
+            out.append(None)
+        elif t in _SLIDING_TYPES:
+            if window is None:
+                raise ValueError(f"layer {i} is {t!r} but the config has no sliding_window")
+            out.append(int(window))
+        else:
+            raise NotImplementedError(
+                f"KVBitsCache supports full and sliding-window attention layers; layer {i} is {t!r}")
+    return out
+
+
+def _use_kvbits_attention(model) -> None:
+    """Switch ``model`` (and its sub-models) to the registered ``"kvbits"`` attention."""
+    register()
+    if getattr(model.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
+        return
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    impl = model.config.get_text_config(decoder=True)._attn_implementation
+    if impl != ATTN_IMPLEMENTATION:
+        raise RuntimeError(
+            f"{type(model).__name__} did not switch to attn_implementation='kvbits' (it uses "
+            f"{impl!r}); it must follow transformers' AttentionInterface")
+
+
+# ------------------------------------------------------------------------------------ attention
+def padding_starts(attention_mask: torch.Tensor | None, batch: int, kv_len: int,
+                   device) -> torch.Tensor:
+    """Left padding per sequence from a prefill's 4D mask: ``starts [B] int32``.
+
+    Key ``j`` is padding iff no query row (of any head) attends to it. Padding must be a prefix
+    of each sequence, otherwise a ``ValueError`` is raised (kvbits supports left padding only).
+    ``None`` (the causal fast path of SDPA) means no padding.
+    """
+    if attention_mask is None:
+        return torch.zeros(batch, dtype=torch.int32, device=device)
+    mask = attention_mask
+    if mask.dim() != 4:
+        raise ValueError(f"kvbits expects a 4D attention mask at prefill, got shape {tuple(mask.shape)}")
+    if mask.dtype == torch.bool:
+        attend = mask
+    else:  # additive float mask: 0 where attended, a large negative number (or -inf) elsewhere
+        attend = mask > torch.finfo(mask.dtype).min / 2
+    attend = attend[..., -kv_len:].expand(batch, -1, -1, -1)
+    is_pad = ~attend.any(dim=2).any(dim=1)  # [B, kv_len]
+    starts = is_pad.int().cumprod(dim=-1).sum(dim=-1)
+    if bool((is_pad.sum(dim=-1) != starts).any()):
+        raise ValueError(
+            "kvbits supports left padding only: the attention mask hides tokens that are not a "
+            "prefix of their sequence (right padding or holes). Use tokenizer.padding_side='left'.")
+    return starts.to(torch.int32)
+
+
+def kvbits_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                             value: torch.Tensor, attention_mask: torch.Tensor | None,
+                             dropout: float = 0.0, scaling: float | None = None,
+                             is_causal: bool | None = None, **kwargs):
+    """The ``"kvbits"`` attention: ``query [B, Hq, Lq, D]`` -> ``([B, Lq, Hq, D], None)``."""
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError(
+            "kvbits attention does not support attention-logit softcapping (softcap="
+            f"{kwargs['softcap']}); use a model without it or another attn_implementation")
+    tag = getattr(key, "_kvbits", None)
+    if tag is None:  # not a KVBitsCache tensor (no cache, DynamicCache, slow path)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    layer: KVBitsLayer = tag.layer
+    store = layer.store
+    layer._attended = True
+    if tag.prefill:
+        B = query.shape[0]
+        store.set_padding(padding_starts(attention_mask, B, key.shape[2], query.device))
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                     scaling=scaling, is_causal=is_causal, **kwargs)
+        store.flush()  # the prompt is quantized in one call, padding excluded
+        return out
+    store.flush()
+    window = kwargs.get("sliding_window")
+    if window is None:
+        window = layer.sliding_window
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    out = ops.decode_attention(query, store.view(), scale=scale, starts=store.starts,
+                               window=window)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register ``"kvbits"`` in transformers' attention and attention-mask interfaces.
+
+    The mask function is SDPA's: without it, models would get no mask for ``"kvbits"`` and
+    sliding-window layers would silently attend to everything. Idempotent; runs on import.
+    """
+    AttentionInterface.register(ATTN_IMPLEMENTATION, kvbits_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+register()

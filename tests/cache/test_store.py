@@ -1,0 +1,401 @@
+"""Tests for kvbits.cache.store.LayerStore: sink | packed body | residual bookkeeping.
+
+Every quantized comparison here is exact (torch.equal): the store must call the quantizer on the
+original tokens, whole groups at a time, so its codes, scales and zeros are *bit-identical* to
+quantizing the same tokens in one go with the reference. Any re-quantization of dequantized data
+(the Hugging Face QuantizedCache flaw) changes the scales and fails these tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbits.cache.store import LayerStore
+from kvbits.formats.layout import body_bytes_per_token
+from kvbits.formats.packing import packed_length
+from kvbits.reference.attention import dequantize_layer
+from kvbits.reference.quant import quantize_keys, quantize_values
+from kvbits.spec import QuantSpec, resolve_spec
+
+B, H, D = 2, 2, 64
+
+
+@pytest.fixture(autouse=True)
+def _reference_quantizer(monkeypatch):
+    # The store's contract is checked against the PyTorch reference quantizer, bit for bit.
+    monkeypatch.setenv("KVBITS_KERNELS", "reference")
+
+
+def _kv(T, *, b=B, h=H, d=D, seed=0, dtype=torch.float16):
+    """Random K/V [b, h, T, d] with per-channel key magnitudes over 3 decades (KIVI keys)."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(b, h, T, d, generator=g) * 10 ** (torch.rand(d, generator=g) * 3 - 1)
+    v = torch.randn(b, h, T, d, generator=g)
+    return k.to(dtype), v.to(dtype)
+
+
+def _store(spec, *, b=B, h=H, d=D, dtype=torch.float16):
+    return LayerStore(spec, b, h, d, dtype, "cpu")
+
+
+def _append_by_token(store, k, v):
+    for t in range(k.shape[2]):
+        store.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+
+
+def _expected_lengths(n, S, R, G):
+    sink = min(n, S)
+    body = G * max(0, (n - S - R) // G)
+    return sink, body, n - sink - body
+
+
+def _used(store):
+    """The used part of every buffer, for exact comparisons between stores."""
+    ng = store.body_len // store.spec.group_size
+    return {
+        "sink_k": store.sink_k[:, :, :store.sink_len], "sink_v": store.sink_v[:, :, :store.sink_len],
+        "k_codes": store.k_codes[:, :, :ng * store.k_words],
+        "k_scale": store.k_scale[:, :, :ng], "k_zero": store.k_zero[:, :, :ng],
+        "v_codes": store.v_codes[:, :, :store.body_len],
+        "v_scale": store.v_scale[:, :, :store.body_len],
+        "v_zero": store.v_zero[:, :, :store.body_len],
+        "res_k": store.res_k[:, :, :store.res_len], "res_v": store.res_v[:, :, :store.res_len],
+    }
+
+
+def _assert_same_state(a, b, what):
+    assert (a.sink_len, a.body_len, a.res_len) == (b.sink_len, b.body_len, b.res_len), (
+        f"{what}: lengths (sink, body, res) {(a.sink_len, a.body_len, a.res_len)} != "
+        f"{(b.sink_len, b.body_len, b.res_len)}")
+    ua, ub = _used(a), _used(b)
+    for name in ua:
+        assert torch.equal(ua[name], ub[name]), f"{what}: buffer {name} differs"
+
+
+def _assert_matches_one_shot(store, k, v, what, valid=None):
+    """The store holds exactly sink = k[:S], body = quantize(k[S:S+body]) in one call,
+    residual = the rest, unchanged."""
+    s = store.spec
+    S, nb, nr = store.sink_len, store.body_len, store.res_len
+    assert S + nb + nr == k.shape[2], f"{what}: {S}+{nb}+{nr} tokens held, {k.shape[2]} appended"
+    assert torch.equal(store.sink_k[:, :, :S], k[:, :, :S]), f"{what}: sink keys differ"
+    assert torch.equal(store.sink_v[:, :, :S], v[:, :, :S]), f"{what}: sink values differ"
+    assert torch.equal(store.res_k[:, :, :nr], k[:, :, S + nb:]), f"{what}: residual keys differ"
+    assert torch.equal(store.res_v[:, :, :nr], v[:, :, S + nb:]), f"{what}: residual values differ"
+    if not nb:
+        return
+    body_valid = None if valid is None else valid[:, S:S + nb]
+    want_k = quantize_keys(k[:, :, S:S + nb], s.key_bits, s.group_size, body_valid)
+    want_v = quantize_values(v[:, :, S:S + nb], s.value_bits, store.value_group, body_valid)
+    used = _used(store)
+    for name, got, want in zip(("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"),
+                               (used["k_codes"], used["k_scale"], used["k_zero"],
+                                used["v_codes"], used["v_scale"], used["v_zero"]),
+                               (*want_k, *want_v)):
+        if not torch.equal(got, want):
+            diff = (got != want).nonzero()
+            raise AssertionError(
+                f"{what}: {name} differs from quantizing the original tokens in one go at "
+                f"{diff.shape[0]} places, first {tuple(diff[0].tolist())} (token index along "
+                f"dim 2); the history was re-quantized or flushed in the wrong groups")
+
+
+# ----------------------------------------------------------------------------- flush
+FLUSH_CASES = [  # (S, R, G, n)
+    (0, 0, 32, 97), (0, 16, 32, 130), (4, 16, 32, 150), (0, 128, 32, 300),
+    (3, 5, 64, 200), (0, 0, 128, 300), (4, 0, 64, 140), (7, 1, 32, 111),
+]
+
+
+@pytest.mark.parametrize("S,R,G,n", FLUSH_CASES, ids=[f"S{c[0]}-R{c[1]}-G{c[2]}" for c in FLUSH_CASES])
+def test_flush_boundaries_token_by_token(S, R, G, n):
+    spec = QuantSpec(group_size=G, residual_length=R, sink_tokens=S)
+    store = _store(spec)
+    k, v = _kv(n, seed=S + R + G)
+    prev_body = 0
+    for t in range(n):
+        store.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        want = _expected_lengths(t + 1, S, R, G)
+        got = (store.sink_len, store.body_len, store.res_len)
+        assert got == want, f"after {t + 1} tokens (S={S} R={R} G={G}): (sink, body, res) = " \
+                            f"{got}, expected {want}"
+        assert store.body_len - prev_body in (0, G), "keys must flush one whole group at a time"
+        assert store.res_len <= R + G - 1 or not spec.quantized
+        prev_body = store.body_len
+    assert store.body_len > 0, "the case never flushed: it tests nothing"
+    _assert_matches_one_shot(store, k, v, f"S={S} R={R} G={G} token by token")
+
+
+@settings(max_examples=25, deadline=None)
+@given(S=st.integers(0, 6), R=st.sampled_from([0, 1, 16, 33]), G=st.sampled_from([32, 64]),
+       chunks=st.lists(st.integers(1, 70), min_size=1, max_size=6), seed=st.integers(0, 99))
+def test_any_chunking_same_state(S, R, G, chunks, seed):
+    spec = QuantSpec(key_bits=4, value_bits=2, group_size=G, residual_length=R, sink_tokens=S)
+    n = sum(chunks)
+    k, v = _kv(n, seed=seed)
+    chunked, one = _store(spec), _store(spec)
+    at = 0
+    for c in chunks:
+        chunked.append(k[:, :, at:at + c], v[:, :, at:at + c])
+        at += c
+        want = _expected_lengths(at, S, R, G)
+        assert (chunked.sink_len, chunked.body_len, chunked.res_len) == want, (chunks, at)
+    one.append(k, v)
+    _assert_same_state(chunked, one, f"chunks {chunks} vs one append")
+    _assert_matches_one_shot(chunked, k, v, f"chunks {chunks}")
+
+
+@pytest.mark.parametrize("preset", ["kivi-2", "kivi-3", "kivi-4", "kivi-8", "k4v2", "k8v4"])
+def test_prompt_in_one_append_equals_token_by_token(preset):
+    spec = resolve_spec(preset, residual_length=20, sink_tokens=3)
+    k, v = _kv(173, seed=1)
+    one, tok = _store(spec), _store(spec)
+    one.append(k, v)
+    _append_by_token(tok, k, v)
+    _assert_same_state(one, tok, preset)
+    _assert_matches_one_shot(one, k, v, preset)
+
+
+def test_sink_filled_first():
+    spec = QuantSpec(residual_length=0, sink_tokens=5)
+    store = _store(spec)
+    k, v = _kv(40)
+    store.append(k[:, :, :3], v[:, :, :3])
+    assert (store.sink_len, store.body_len, store.res_len) == (3, 0, 0)
+    store.append(k[:, :, 3:9], v[:, :, 3:9])  # 2 more fill the sink, 4 go to the residual
+    assert (store.sink_len, store.body_len, store.res_len) == (5, 0, 4)
+    store.append(k[:, :, 9:40], v[:, :, 9:40])  # 35 after the sink: one group of 32 flushes
+    assert (store.sink_len, store.body_len, store.res_len) == (5, 32, 3)
+    _assert_matches_one_shot(store, k, v, "sink first")
+
+
+def test_sink_keeps_fp16_exactly_beyond_quantization():
+    spec = QuantSpec(residual_length=0, sink_tokens=4)
+    store = _store(spec)
+    k, v = _kv(68)
+    store.append(k, v)
+    keys, values = dequantize_layer(store.view(), dtype=torch.float16)
+    assert torch.equal(keys[:, :, :4], k[:, :, :4]) and torch.equal(values[:, :, :4], v[:, :, :4])
+
+
+def test_fp16_spec_never_quantizes():
+    store = _store(resolve_spec("fp16"))
+    k, v = _kv(300)
+    store.append(k[:, :, :200], v[:, :, :200])
+    _append_by_token(store, k[:, :, 200:], v[:, :, 200:])
+    assert (store.sink_len, store.body_len, store.res_len) == (0, 0, 300)
+    assert torch.equal(store.res_k[:, :, :300], k) and torch.equal(store.res_v[:, :, :300], v)
+
+
+def test_input_dtype_cast_to_store_dtype():
+    store = _store(QuantSpec(residual_length=8))
+    k, v = _kv(50, dtype=torch.float32)
+    store.append(k, v)
+    assert store.res_k.dtype == torch.float16
+    _assert_matches_one_shot(store, k.half(), v.half(), "fp32 into an fp16 store")
+
+
+def test_view_is_the_storage():
+    store = _store(QuantSpec(key_bits=4, value_bits=8, group_size=64, residual_length=10,
+                             sink_tokens=2))
+    k, v = _kv(150)
+    store.append(k, v)
+    kv = store.view()
+    assert (kv.sink_len, kv.body_len, kv.res_len) == (2, 128, 20)
+    assert (kv.key_bits, kv.value_bits, kv.group_size, kv.value_group) == (4, 8, 64, 64)
+    assert kv.k_codes.data_ptr() == store.k_codes.data_ptr(), "view copied the codes"
+    assert (kv.batch, kv.kv_heads, kv.head_dim, kv.total_len) == (B, H, D, 150)
+
+
+# ----------------------------------------------------------------------------- reorder
+def test_reorder_selects_along_batch():
+    spec = QuantSpec(residual_length=16, sink_tokens=2)
+    store = _store(spec, b=3)
+    k, v = _kv(100, b=3, seed=4)
+    store.append(k, v)
+    store.set_padding(torch.tensor([0, 3, 1]))
+    before = {n: t.clone() for n, t in _used(store).items()}
+    index = torch.tensor([2, 0, 0, 1])  # beams may repeat and change the batch size
+    store.reorder(index)
+    assert store.batch == 4
+    for name, t in _used(store).items():
+        assert torch.equal(t, before[name][index]), f"{name} does not follow the beam index"
+    assert store.starts.tolist() == [1, 0, 0, 3]
+    # Appending keeps working with the new batch, and equals a store built from reordered input.
+    k2, v2 = _kv(40, b=4, seed=5)
+    store.append(k2, v2)
+    fresh = _store(spec, b=4)
+    fresh.append(torch.cat([k[index], k2], 2), torch.cat([v[index], v2], 2))
+    _assert_same_state(store, fresh, "reorder then append")
+
+
+# ----------------------------------------------------------------------------- crop
+def test_crop_into_residual_then_append_equals_fresh():
+    spec = QuantSpec(residual_length=16, sink_tokens=2)
+    k, v = _kv(160, seed=6)
+    store = _store(spec)
+    store.append(k[:, :, :140], v[:, :, :140])  # body 96, residual 42 (2 + 96 + 42)
+    assert (store.sink_len, store.body_len, store.res_len) == (2, 96, 42)
+    store.crop(120)
+    assert (store.sink_len, store.body_len, store.res_len) == (2, 96, 22)
+    store.append(k[:, :, 140:], v[:, :, 140:])
+    fresh = _store(spec)
+    fresh.append(torch.cat([k[:, :, :120], k[:, :, 140:]], 2),
+                 torch.cat([v[:, :, :120], v[:, :, 140:]], 2))
+    _assert_same_state(store, fresh, "crop into residual then append")
+
+
+def test_crop_negative_removes_from_end():
+    store = _store(QuantSpec(residual_length=16))
+    store.append(*_kv(100))
+    store.crop(-5)
+    assert store.seq_len == 95 and store.body_len == 64
+
+
+def test_crop_past_start_empties():
+    store = _store(QuantSpec(residual_length=0, sink_tokens=4))
+    store.append(*_kv(100))
+    store.crop(-1000)
+    assert (store.sink_len, store.body_len, store.res_len) == (0, 0, 0), (
+        f"crop(-1000) left lengths {(store.sink_len, store.body_len, store.res_len)}")
+
+
+def test_crop_at_group_boundary_inside_body():
+    spec = QuantSpec(residual_length=8, sink_tokens=3)
+    store = _store(spec)
+    k, v = _kv(150, seed=7)
+    store.append(k, v)  # sink 3, body 128, residual 19
+    full_k, full_v = dequantize_layer(store.view())
+    store.crop(3 + 64)
+    assert (store.sink_len, store.body_len, store.res_len) == (3, 64, 0)
+    kk, vv = dequantize_layer(store.view())
+    assert torch.equal(kk, full_k[:, :, :67]) and torch.equal(vv, full_v[:, :, :67])
+    store.append(k[:, :, 67:], v[:, :, 67:])  # the dropped tokens come back, re-quantized once
+    fresh_k, fresh_v = dequantize_layer(store.view())
+    assert store.seq_len == 150
+    assert torch.equal(fresh_k[:, :, :67], full_k[:, :, :67])
+
+
+def test_crop_into_sink_and_noop():
+    store = _store(QuantSpec(residual_length=0, sink_tokens=5))
+    k, v = _kv(70)
+    store.append(k, v)
+    store.crop(200)
+    assert store.seq_len == 70, "crop beyond the end must be a no-op"
+    store.crop(2)
+    assert (store.sink_len, store.body_len, store.res_len) == (2, 0, 0)
+    store.append(k[:, :, 2:], v[:, :, 2:])
+    fresh = _store(QuantSpec(residual_length=0, sink_tokens=5))
+    fresh.append(k, v)
+    _assert_same_state(store, fresh, "crop into sink then append")
+
+
+@pytest.mark.parametrize("cut", [3 + 1, 3 + 31, 3 + 33, 3 + 127])
+def test_crop_inside_body_off_boundary_raises(cut):
+    store = _store(QuantSpec(residual_length=8, sink_tokens=3))
+    store.append(*_kv(150))
+    before = (store.sink_len, store.body_len, store.res_len)
+    with pytest.raises(ValueError) as err:
+        store.crop(cut)
+    msg = str(err.value)
+    for part in (str(cut), "group", "32", "131"):  # the cut, the rule, G, the residual start
+        assert part in msg, f"crop error does not mention {part!r}: {msg}"
+    assert (store.sink_len, store.body_len, store.res_len) == before, "failed crop changed state"
+
+
+# ----------------------------------------------------------------------------- padding
+@pytest.mark.parametrize("poison", [6e4, -6e4, float("inf")])
+def test_padding_kept_out_of_minmax(poison):
+    S, R, G = 2, 4, 32
+    spec = QuantSpec(key_bits=4, value_bits=4, group_size=G, residual_length=R, sink_tokens=S)
+    T = 2 + 3 * G + 7
+    k, v = _kv(T, b=3, seed=8)
+    starts = torch.tensor([0, 11, 2 + G + 5])  # seq 2: the whole first body group is padding
+    valid = torch.arange(T)[None, :] >= starts[:, None]
+    pad = ~valid[:, None, :, None].expand_as(k)
+    kp, vp = k.clone(), v.clone()
+    kp[pad], vp[pad] = poison, poison
+    store = _store(spec, b=3)
+    store.set_padding(starts)
+    store.append(kp[:, :, :50], vp[:, :, :50])
+    _append_by_token(store, kp[:, :, 50:], vp[:, :, 50:])
+    assert store.body_len == 3 * G
+    used = _used(store)
+    for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
+        assert torch.isfinite(used[name]).all(), f"padding reached {name}"
+    # Identical to quantizing with the padding excluded, whatever the padding holds.
+    _assert_matches_one_shot(store, kp, vp, f"padding poison={poison}", valid=valid)
+    clean = _store(spec, b=3)
+    clean.set_padding(starts)
+    clean.append(k, v)
+    for name in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"):
+        assert torch.equal(used[name], _used(clean)[name]), f"padding values changed {name}"
+    assert (used["k_scale"][2, :, 0] == 0).all(), "fully padded key group must have scale 0"
+
+
+# ----------------------------------------------------------------------------- nbytes
+NBYTES_CASES = [("kivi-2", 32, 128, 0, 16), ("kivi-3", 64, 96, 4, 0), ("k4v2", 128, 80, 0, 5),
+                ("kivi-8", 32, 64, 2, 128), ("k8v4", 64, 256, 0, 33), ("fp16", 32, 128, 0, 0)]
+
+
+@pytest.mark.parametrize("preset,G,d,S,R", NBYTES_CASES, ids=[c[0] for c in NBYTES_CASES])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_nbytes_exact(preset, G, d, S, R, dtype):
+    spec = resolve_spec(preset, group_size=G, residual_length=R, sink_tokens=S)
+    store = _store(spec, b=3, h=2, d=d, dtype=dtype)
+    k, v = _kv(2 * G + S + R + 13, b=3, h=2, d=d)
+    store.append(k, v)
+    # Count the bytes of the used part of each tensor by hand.
+    want = sum(t.numel() * t.element_size() for t in _used(store).values())
+    got = store.nbytes()
+    assert got == want, f"{preset} G={G} D={d}: nbytes {got} != {want} counted by hand"
+    if spec.quantized:
+        Gv = spec.value_group(d)
+        per_token = (packed_length(G, spec.key_bits) * 4 * d / G + 4 * d / G
+                     + packed_length(d, spec.value_bits) * 4 + 4 * d / Gv)
+        fp = (store.sink_len + store.res_len) * 2 * d * torch.tensor([], dtype=dtype).element_size()
+        assert got == 3 * 2 * (fp + store.body_len * per_token)
+
+
+def test_kivi2_body_costs_96_bytes_per_token():
+    # K: 2 bits * 128 / 8 = 32 code bytes + FP16 scale and zero per channel per 32 tokens
+    # (2 * 2 * 128 / 32 = 16); V: 32 code bytes + FP16 scale and zero per 32 channels (16).
+    assert body_bytes_per_token(128, 2, 2, 32, 32) == 96
+    spec = resolve_spec("kivi-2", residual_length=0)
+    store = _store(spec, b=1, h=1, d=128)
+    store.append(*_kv(64, b=1, h=1, d=128))
+    assert (store.body_len, store.res_len) == (64, 0)
+    assert store.nbytes() == 64 * 96
+    store.append(*_kv(1, b=1, h=1, d=128, seed=3))  # one FP16 token: K and V, 2 * 128 * 2 bytes
+    assert store.nbytes() == 64 * 96 + 512
+
+
+# ----------------------------------------------------------------------------- input checks
+@pytest.mark.parametrize("which", ["key_states", "value_states"])
+@pytest.mark.parametrize("shape", [(B + 1, H, 4, D), (B, H + 1, 4, D), (B, H, 4, D + 1),
+                                   (B, H, D), (1, B, H, 4, D)])
+def test_bad_input_shape_names_the_tensor(which, shape):
+    store = _store(QuantSpec())
+    good = torch.zeros(B, H, 4, D, dtype=torch.float16)
+    bad = torch.zeros(shape, dtype=torch.float16)
+    k, v = (bad, good) if which == "key_states" else (good, bad)
+    with pytest.raises(ValueError) as err:
+        store.append(k, v)
+    msg = str(err.value)
+    assert which in msg and str(tuple(shape)) in msg, msg
+    assert store.seq_len == 0
+
+
+def test_token_count_mismatch():
+    store = _store(QuantSpec())
+    with pytest.raises(ValueError, match="key_states has 4 tokens but value_states 5"):
+        store.append(torch.zeros(B, H, 4, D), torch.zeros(B, H, 5, D))
+
+
+def test_three_bit_values_need_head_dim_multiple_of_32():
+    with pytest.raises(ValueError, match="value_bits=3.*head_dim.*80"):
+        _store(QuantSpec(value_bits=3), d=80)
+    _store(QuantSpec(value_bits=3), d=96)  # fine

@@ -1,0 +1,421 @@
+"""Tests for kvbits.integrations.hf: KVBitsCache + the registered "kvbits" attention.
+
+Unit tests use tiny configs and call ``Cache.update`` directly; the rest run the real
+SmolLM2-135M (float32, CPU) on short prompts for a few new tokens. Quantized runs use small
+residual windows and prompts longer than a group so the packed body is really attended.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+import torch
+from transformers import AttentionInterface, DynamicCache, LlamaConfig
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvbits.formats.layout import body_bytes_per_token
+from kvbits.integrations.hf import (
+    ATTN_IMPLEMENTATION,
+    KVBitsCache,
+    kvbits_attention_forward,
+    padding_starts,
+)
+from kvbits.spec import PRESETS
+
+TEXT = (
+    "The economy is growing again, and the jobs of the future are being created here at home. "
+    "We have cut the deficit, invested in our schools and roads, and made health care more "
+    "affordable for working families across the country. But the work is not finished. Too many "
+    "Americans still feel that the rules are stacked against them, that hard work no longer "
+    "guarantees a decent living, and that their children will not have the chances they had. "
+    "Tonight I want to talk about what we can do together, as one people, to build an economy "
+    "that works for everyone, to keep our country safe, and to protect the planet we leave to "
+    "our grandchildren."
+)
+NEW = 6  # new tokens per generate call
+
+
+# ------------------------------------------------------------------------------- helpers
+def cache_kwarg(model) -> str:
+    """The name this transformers version's forward/generate use for the cache."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def prompt(tok, n: int) -> torch.Tensor:
+    ids = tok(TEXT, return_tensors="pt").input_ids
+    assert ids.shape[1] >= n, f"TEXT has only {ids.shape[1]} tokens"
+    return ids[:, :n]
+
+
+def forward(model, input_ids, cache, **kwargs):
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return model(input_ids=input_ids, use_cache=True, **{cache_kwarg(model): cache}, **kwargs)
+
+
+def generate(model, input_ids, cache, attention_mask=None, **kwargs):
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    kwargs.setdefault("do_sample", False)
+    if cache is not None:
+        kwargs[cache_kwarg(model)] = cache
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                              max_new_tokens=NEW, min_new_tokens=NEW, **kwargs)
+
+
+def tiny_config(**kw) -> LlamaConfig:
+    cfg = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    cfg.update(kw)
+    return LlamaConfig(**cfg)
+
+
+def kv(batch=2, heads=2, tokens=5, dim=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, heads, tokens, dim, generator=g),
+            torch.randn(batch, heads, tokens, dim, generator=g))
+
+
+@pytest.fixture
+def lm(smollm2):
+    """The shared SmolLM2, with its attention implementation restored after the test."""
+    model, tok = smollm2
+    before = model.config._attn_implementation
+    yield model, tok
+    if model.config._attn_implementation != before:
+        model.set_attn_implementation(before)
+
+
+@pytest.fixture(scope="module")
+def greedy_ref(smollm2):
+    """Greedy continuation of a 70-token prompt with transformers' DynamicCache."""
+    model, tok = smollm2
+    x = prompt(tok, 70)
+    return x, generate(model, x, DynamicCache())
+
+
+# ------------------------------------------------------------------------- registration / API
+def test_registered_attention_and_mask():
+    assert AttentionInterface._global_mapping[ATTN_IMPLEMENTATION] is kvbits_attention_forward
+    # Without the mask function, sliding-window layers silently become full attention.
+    assert AttentionMaskInterface._global_mapping[ATTN_IMPLEMENTATION] is sdpa_mask
+
+
+def test_unknown_preset_names_presets():
+    with pytest.raises(ValueError, match="unknown preset") as err:
+        KVBitsCache(tiny_config(), "kivi-5")
+    for name in PRESETS:
+        assert name in str(err.value)
+    with pytest.raises(ValueError, match="residual_length"):
+        KVBitsCache(tiny_config(), "kivi-2", residual_length=-1)
+    with pytest.raises(TypeError, match="PreTrainedModel or its config"):
+        KVBitsCache(object(), "kivi-2")
+
+
+def test_layers_from_config_and_overrides():
+    cache = KVBitsCache(tiny_config(num_hidden_layers=3), "kivi-4", residual_length=0)
+    assert len(cache.layers) == 3
+    assert cache.spec.key_bits == 4 and cache.spec.residual_length == 0
+    assert cache.is_compileable is False and cache.is_croppable is False
+    assert cache.get_seq_length() == 0 and cache.nbytes() == 0 and cache.fp16_nbytes() == 0
+
+
+def test_sliding_layers_from_gemma3_config():
+    from transformers import Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(num_hidden_layers=6, sliding_window=512)
+    cache = KVBitsCache(cfg, "kivi-2")
+    want = [512 if t == "sliding_attention" else None for t in cfg.layer_types]
+    assert [layer.sliding_window for layer in cache.layers] == want
+    assert cache.is_sliding == [w is not None for w in want]
+    assert None in want and 512 in want
+
+
+def test_unsupported_layer_type():
+    cfg = tiny_config(num_hidden_layers=2)
+    cfg.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(NotImplementedError, match="chunked_attention"):
+        KVBitsCache(cfg, "kivi-2")
+
+
+# --------------------------------------------------------------------------- cache mechanics
+def test_update_prefill_tags_and_defers_quantization():
+    cache = KVBitsCache(tiny_config(), "kivi-2", residual_length=0)
+    k, v = kv(tokens=40)
+    rk, rv = cache.update(k, v, 0)
+    assert rk is k and rv is v and rk._kvbits.prefill and rk._kvbits.layer is cache.layers[0]
+    store = cache.layers[0].store
+    assert store.body_len == 0 and store.res_len == 40  # waits for the padding to be known
+    assert cache.get_seq_length(0) == 40 and cache.get_mask_sizes(1, 0) == (41, 0)
+
+
+def test_slow_path_returns_dequantized_history():
+    """Without the kvbits attention, the second update returns the whole history (and warns)."""
+    cache = KVBitsCache(tiny_config(), "kivi-4", residual_length=0)
+    k, v = kv(tokens=40)
+    cache.update(k, v, 0)  # prefill: nobody marks it attended
+    k1, v1 = kv(tokens=1, seed=1)
+    with pytest.warns(UserWarning, match="slow path"):
+        rk, rv = cache.update(k1, v1, 0)
+    assert rk.shape == (2, 2, 41, 32) and not hasattr(rk, "_kvbits")
+    store = cache.layers[0].store
+    assert store.body_len == 32 and store.res_len == 9
+    torch.testing.assert_close(rk[:, :, 32:], torch.cat([k, k1], 2)[:, :, 32:])  # FP residual
+    err = (rk[:, :, :32] - k[:, :, :32]).abs().max()
+    assert 0 < err < 0.5  # quantized body, 4 bits
+
+
+def test_reorder_repeat_select_crop_reset():
+    cache = KVBitsCache(tiny_config(num_hidden_layers=1), "kivi-2", residual_length=0)
+    cache.batch_repeat_interleave(2)  # before any update: nothing to do
+    k, v = kv(batch=2, tokens=40)
+    cache.update(k, v, 0)
+    store = cache.layers[0].store
+    store.set_padding(torch.tensor([0, 3]))
+    store.flush()
+    res_before = store.res_k[:, :, :store.res_len].clone()
+    cache.batch_repeat_interleave(2)
+    assert store.batch == 4 and store.starts.tolist() == [0, 0, 3, 3]
+    torch.testing.assert_close(store.res_k[:, :, :store.res_len], res_before.repeat_interleave(2, 0))
+    cache.reorder_cache(torch.tensor([3, 0, 0, 1]))
+    assert store.starts.tolist() == [3, 0, 0, 0]
+    torch.testing.assert_close(store.res_k[0, :, :store.res_len], res_before[1])
+    cache.batch_select_indices(torch.tensor([0, 1]))
+    assert store.batch == 2 and store.starts.tolist() == [3, 0]
+    cache.crop(-3)  # inside the FP residual
+    assert cache.get_seq_length() == 37
+    cache.crop(0)
+    assert cache.get_seq_length() == 37
+    with pytest.raises(ValueError, match="group"):
+        cache.crop(-20)  # into the middle of a quantized group
+    cache.crop(32)  # legacy: keep 32 tokens, a group boundary
+    assert cache.get_seq_length() == 32
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.layers[0].store is None
+
+
+def test_padding_starts_from_mask():
+    B, L = 3, 6
+    starts = torch.tensor([0, 2, 5])
+    t = torch.arange(L)
+    causal = t[None, :] <= t[:, None]
+    valid = t[None, :] >= starts[:, None]  # [B, L]
+    mask = (causal[None] & valid[:, None, :] & valid[:, :, None])[:, None]  # padded rows see nothing
+    assert padding_starts(mask, B, L, "cpu").tolist() == [0, 2, 5]
+    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    assert padding_starts(additive, B, L, "cpu").tolist() == [0, 2, 5]
+    assert padding_starts(None, B, L, "cpu").tolist() == [0, 0, 0]
+    right = mask.flip(-1).flip(-2)  # padding at the end of the sequence
+    with pytest.raises(ValueError, match="left padding"):
+        padding_starts(right, B, L, "cpu")
+
+
+def test_softcap_not_supported():
+    q = torch.zeros(1, 2, 1, 8)
+    k = torch.zeros(1, 2, 1, 8)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        kvbits_attention_forward(torch.nn.Module(), q, k, k, None, softcap=50.0)
+
+
+# --------------------------------------------------------------------------- real model: fp16
+def test_model_switched_to_kvbits(lm):
+    model, _ = lm
+    KVBitsCache(model, "fp16")
+    assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+
+
+def test_fp16_stepwise_logits_match_full_forward(lm):
+    """Prefill, a chunk of 4 over the history, then token by token == one full forward."""
+    model, tok = lm
+    x = prompt(tok, 44)
+    with torch.no_grad():
+        full = model(input_ids=x).logits
+    cache = KVBitsCache(model, "fp16")
+    parts = [forward(model, x[:, :30], cache).logits, forward(model, x[:, 30:34], cache).logits]
+    parts += [forward(model, x[:, t:t + 1], cache).logits for t in range(34, 44)]
+    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-4, rtol=0)
+    assert cache.get_seq_length() == 44
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sample", "beam"])
+def test_fp16_generate_equals_dynamic_cache(lm, mode):
+    model, tok = lm
+    x = prompt(tok, 40)
+    kw = {"greedy": {}, "sample": {"do_sample": True, "top_k": 50},
+          "beam": {"num_beams": 2}}[mode]
+    torch.manual_seed(0)
+    ref = generate(model, x, DynamicCache(), **kw)
+    cache = KVBitsCache(model, "fp16")
+    torch.manual_seed(0)
+    out = generate(model, x, cache, **kw)
+    assert out.tolist() == ref.tolist()
+    assert cache.get_seq_length() == out.shape[1] - 1  # our cache really was the one used
+
+
+@pytest.mark.parametrize("kw", ["past_key_values", "cache"])
+def test_cache_argument_spellings(lm, greedy_ref, kw):
+    model, _ = lm
+    if kw == "cache" and cache_kwarg(model) != "cache":
+        pytest.skip("this transformers version has no `cache=` argument")
+    x, ref = greedy_ref
+    cache = KVBitsCache(model, "fp16")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
+                             max_new_tokens=NEW, min_new_tokens=NEW, **{kw: cache})
+    assert out.tolist() == ref.tolist()
+    assert cache.get_seq_length() == out.shape[1] - 1
+
+
+# ---------------------------------------------------------------------- real model: quantized
+@pytest.mark.parametrize("spec,residual", [("kivi-4", 0), ("kivi-2", 16)])
+@pytest.mark.parametrize("mode", ["greedy", "sample", "beam"])
+def test_quantized_generate(lm, greedy_ref, spec, residual, mode):
+    model, tok = lm
+    x, ref = greedy_ref  # 70-token prompt: at least two groups of 32 in the body
+    kw = {"greedy": {}, "sample": {"do_sample": True, "top_k": 50},
+          "beam": {"num_beams": 2}}[mode]
+    cache = KVBitsCache(model, spec, residual_length=residual)
+    torch.manual_seed(0)
+    out = generate(model, x, cache, **kw)
+    assert out.shape == (1, 70 + NEW) and out[:, :70].tolist() == x.tolist()
+    assert cache.get_seq_length() == 70 + NEW - 1
+    for store in cache.stores:
+        assert store.batch == kw.get("num_beams", 1)
+        assert store.body_len >= 32 and store.res_len <= residual + 31
+    if spec == "kivi-4" and mode == "greedy":
+        assert out[0, 70:73].tolist() == ref[0, 70:73].tolist()  # 4 bits: same first tokens
+    if mode == "sample":  # sampling through the cache is reproducible with a seed
+        torch.manual_seed(0)
+        again = generate(model, x, KVBitsCache(model, spec, residual_length=residual), **kw)
+        assert again.tolist() == out.tolist()
+
+
+def test_slow_path_matches_fast_path(lm):
+    """A config-built cache on an SDPA model dequantizes the history: same logits, same store."""
+    model, tok = lm
+    assert model.config._attn_implementation != ATTN_IMPLEMENTATION
+    x = prompt(tok, 40)
+
+    def run(cache):
+        out = [forward(model, x[:, :36], cache).logits]
+        out += [forward(model, x[:, t:t + 1], cache).logits for t in range(36, 40)]
+        return torch.cat(out, 1)
+
+    slow = KVBitsCache(model.config, "kivi-4", residual_length=0)
+    with pytest.warns(UserWarning, match="slow path"):
+        slow_logits = run(slow)
+    fast = KVBitsCache(model, "kivi-4", residual_length=0)
+    fast_logits = run(fast)
+    torch.testing.assert_close(slow_logits, fast_logits, atol=1e-4, rtol=0)
+    for a, b in zip(slow.stores, fast.stores):
+        assert a.body_len == b.body_len == 32
+        assert torch.equal(a.k_codes[:, :, :a.k_words], b.k_codes[:, :, :b.k_words])
+
+
+def _left_pad(rows, pad_id):
+    n = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (n - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (n - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+def test_left_padded_batch_equals_single_runs(lm):
+    """Padding of exactly one group: the short prompt's groups line up with its solo run."""
+    model, tok = lm
+    x = prompt(tok, 70)[0].tolist()
+    long, short = x[:70], x[:38]
+    ids, mask = _left_pad([long, short], tok.pad_token_id)
+    cache = KVBitsCache(model, "kivi-4", residual_length=0)
+    out = generate(model, ids, cache, attention_mask=mask, pad_token_id=tok.pad_token_id)
+    alone_long = generate(model, torch.tensor([long]), KVBitsCache(model, "kivi-4", residual_length=0))
+    alone_short = generate(model, torch.tensor([short]), KVBitsCache(model, "kivi-4", residual_length=0))
+    assert out[0, 70:].tolist() == alone_long[0, 70:].tolist()
+    assert out[1, 70:].tolist() == alone_short[0, 38:].tolist()
+    for store in cache.stores:
+        assert store.starts.tolist() == [0, 32]
+        # The all-padding group 0 of the short prompt holds no valid token: scale = zero = 0.
+        assert not store.k_scale[1, :, 0].any() and not store.k_zero[1, :, 0].any()
+        assert not store.v_scale[1, :, :32].any() and store.v_scale[1, :, 32:64].all()
+
+
+def test_padding_never_enters_min_max(lm):
+    """10 tokens of padding share group 0 with 22 real tokens: its key range is theirs alone."""
+    model, tok = lm
+    x = prompt(tok, 60)[0].tolist()
+    ids, mask = _left_pad([x[:60], x[:50]], tok.pad_token_id)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    quant = KVBitsCache(model, "kivi-4", residual_length=0)
+    forward(model, ids, quant, attention_mask=mask, position_ids=positions)
+    dense = KVBitsCache(model, "fp16")  # full-precision keys of the same padded batch
+    forward(model, ids, dense, attention_mask=mask, position_ids=positions)
+    solo = KVBitsCache(model, "fp16")
+    forward(model, torch.tensor([x[:50]]), solo)
+
+    for layer in (0, 1):
+        q, d, s = quant.stores[layer], dense.stores[layer], solo.stores[layer]
+        assert q.starts.tolist() == [0, 10] and q.body_len == 32
+        real = s.res_k[0, :, :22].float()  # [H, 22, D]: the real tokens of group 0, solo run
+        torch.testing.assert_close(d.res_k[1, :, 10:32], s.res_k[0, :, :22], atol=1e-4, rtol=0)
+        lo, hi = real.amin(1), real.amax(1)
+        zero = q.k_zero[1, :, 0].float()
+        torch.testing.assert_close(zero, lo.half().float(), atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(q.k_scale[1, :, 0].float(), (hi - zero) / 15, atol=2e-3, rtol=2e-3)
+        # The check has teeth: with the padding keys the range would be visibly different.
+        pad = d.res_k[1, :, :10].float()
+        assert max((torch.minimum(lo, pad.amin(1)) - lo).abs().max(),
+                   (torch.maximum(hi, pad.amax(1)) - hi).abs().max()) > 0.05
+        assert not q.v_scale[1, :, :10].any() and q.v_scale[1, :, 10:32].all()
+
+
+def test_nbytes_formula_and_savings(lm):
+    model, tok = lm
+    x = prompt(tok, 100)
+    cache = KVBitsCache(model, "kivi-2", residual_length=16)
+    forward(model, x, cache)
+    forward(model, x[:, -1:], cache)
+    total = 0
+    for s in cache.stores:
+        assert s.body_len == 64 and s.res_len == 37
+        fp = 2 * (s.sink_len + s.res_len) * s.head_dim * s.res_k.element_size()
+        body = s.body_len * body_bytes_per_token(s.head_dim, 2, 2, 32, s.value_group)
+        total += s.batch * s.kv_heads * (fp + body)
+    assert cache.nbytes() == round(total)
+    dense = sum(2 * s.batch * s.kv_heads * 101 * s.head_dim * s.res_k.element_size()
+                for s in cache.stores)
+    assert cache.fp16_nbytes() == dense
+    assert cache.nbytes() < 0.5 * cache.fp16_nbytes()
+    fp16 = KVBitsCache(model, "fp16")
+    forward(model, x[:, :40], fp16)
+    assert fp16.nbytes() == fp16.fp16_nbytes()
+
+
+# --------------------------------------------------------------------- Gemma3: sliding layers
+@pytest.mark.model
+def test_gemma3_sliding_window_chunked_decode_matches_full_forward():
+    """600 tokens (> the 512 window): prefill 520, then chunks through the decode path."""
+    from kvbits.data import load_model
+
+    try:
+        model, tok = load_model("gemma3-270m", dtype=torch.float32)
+    except Exception as exc:
+        pytest.skip(f"gemma3-270m is not available: {exc}")
+    text = " ".join([TEXT] * 8)
+    x = tok(text, return_tensors="pt").input_ids[:, :600]
+    assert x.shape[1] == 600
+    with torch.no_grad():
+        ref = model(input_ids=x).logits
+    cache = KVBitsCache(model, "fp16")
+    parts = [forward(model, x[:, :520], cache).logits]
+    parts += [forward(model, x[:, t:t + 20], cache).logits for t in range(520, 600, 20)]
+    got = torch.cat(parts, 1)
+
+    def nll(logits):
+        return torch.nn.functional.cross_entropy(logits[0, :-1], x[0, 1:])
+
+    assert abs(nll(got).exp() / nll(ref).exp() - 1) < 1e-3
+    torch.testing.assert_close(got[:, 520:], ref[:, 520:], atol=1e-3, rtol=1e-3)

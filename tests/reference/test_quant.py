@@ -1,0 +1,283 @@
+"""Tests for kvbits.reference.quant: KIVI min-max quantization, the oracle for the kernels.
+
+Error budget of one quantize -> dequantize round trip (per element x of a group):
+
+    |x - deq| <= scale / 2 + |lo - zero| + slack
+
+* ``scale / 2``: rounding to the nearest code. The stored FP16 scale is
+  ``fp16((hi - zero) / (2**bits - 1))``; when FP16 rounds it *down* (relative error <= 2**-11),
+  the top element needs code ``(2**bits - 1) * (1 + 2**-10) < 2**bits - 1/2`` for bits <= 8, so
+  ``round`` never has to be clamped at the top and the scale/2 bound still holds.
+* ``|lo - zero|``: the FP16 zero may round above the group minimum; elements below it clamp to
+  code 0. It is 0 for FP16 inputs and for BF16 inputs in FP16's normal range (their 8-bit mantissa
+  fits in FP16's 11 bits), and up to half an FP16 ulp of ``lo`` for FP32 inputs.
+* ``slack``: float32 arithmetic of ``x - zero``, ``/ scale`` (which may push a value across a
+  .5 boundary) and ``code * scale + zero``: a few float32 roundings, bounded by
+  ``2**-20 * (|x| + |zero|)``; plus ``(2**bits - 1) * 2**-25`` for a subnormal FP16 scale whose
+  absolute rounding (<= 2**-25) the codes multiply.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvbits.formats.packing import packed_length
+from kvbits.reference.quant import (
+    dequantize_keys,
+    dequantize_values,
+    minmax_qparams,
+    quantize_keys,
+    quantize_values,
+    quantize_with,
+    dequantize_with,
+)
+
+BITS = (2, 3, 4, 8)
+GROUPS = (32, 64, 128)
+HEAD_DIMS = (64, 80, 128, 256)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _hostile(shape, dtype, seed):
+    """Random keys with channel scales spread over 4 decades, an offset outlier channel and a
+    constant channel: the data KIVI's per-channel key groups exist for."""
+    g = torch.Generator().manual_seed(seed)
+    D = shape[-1]
+    x = torch.randn(shape, generator=g) * 10 ** (torch.rand(D, generator=g) * 4 - 2)
+    x[..., 3] += 50.0  # offset outlier channel: all-positive groups
+    x[..., 5] = -7.25  # constant channel (exact in every dtype)
+    return x.to(dtype)
+
+
+def _bound(x, deq, lo, zero, scale, bits):
+    """Per-element error budget from the module docstring (all float32, broadcast)."""
+    slack = 2.0**-20 * (x.abs() + zero.abs()) + ((1 << bits) - 1) * 2.0**-25
+    return scale / 2 + (lo - zero).abs() + slack
+
+
+def _check_bound(x, deq, lo, zero, scale, bits, what):
+    err = (x - deq).abs()
+    budget = _bound(x, deq, lo, zero, scale, bits)
+    bad = err > budget
+    if bad.any():
+        i = tuple(bad.nonzero()[0].tolist())
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {x.numel()} elements exceed |x - deq| <= scale/2 + "
+            f"|lo - zero| + slack; first at {i}: x={x[i].item():.6g} deq={deq[i].item():.6g} "
+            f"err={err[i].item():.3g} scale={scale[i].item():.3g} "
+            f"|lo-zero|={(lo - zero).abs()[i].item():.3g} budget={budget[i].item():.3g}")
+
+
+def _expected_qparams(xf, bits, dim):
+    lo = xf.amin(dim, keepdim=True)
+    hi = xf.amax(dim, keepdim=True)
+    zero = lo.to(torch.float16)
+    scale = ((hi - zero.float()) / ((1 << bits) - 1)).to(torch.float16)
+    return lo, scale, zero
+
+
+# ----------------------------------------------------------------------------- keys
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("G", GROUPS)
+@pytest.mark.parametrize("bits", BITS)
+def test_keys_round_trip_error_bound(bits, G, D, dtype):
+    B, H, NG = 2, 2, 2
+    k = _hostile((B, H, NG * G, D), dtype, seed=bits * 1000 + G + D)
+    before = k.clone()
+    codes, scale, zero = quantize_keys(k, bits, G)
+    assert torch.equal(k, before), "quantize_keys modified its input"
+    assert codes.dtype == torch.int32 and codes.shape == (B, H, NG * packed_length(G, bits), D)
+    assert scale.dtype == zero.dtype == torch.float16
+    assert scale.shape == zero.shape == (B, H, NG, D)
+
+    kg = k.float().reshape(B, H, NG, G, D)
+    lo, want_scale, want_zero = _expected_qparams(kg, bits, dim=3)
+    assert torch.equal(zero, want_zero.squeeze(3)), "zero != fp16(group min)"
+    assert torch.equal(scale, want_scale.squeeze(3)), "scale != fp16((max - zero) / (2^b - 1))"
+
+    deq = dequantize_keys(codes, scale, zero, bits, G)
+    assert deq.dtype == torch.float32 and deq.shape == k.shape
+    assert torch.isfinite(deq).all()
+    _check_bound(kg, deq.reshape(B, H, NG, G, D), lo, want_zero.float(), want_scale.float(),
+                 bits, f"keys bits={bits} G={G} D={D} {dtype}")
+    # The constant channel has scale 0 and dequantizes exactly.
+    assert (scale[..., 5] == 0).all()
+    assert (deq[..., 5] == -7.25).all()
+
+
+# ----------------------------------------------------------------------------- values
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("G", GROUPS)
+@pytest.mark.parametrize("bits", BITS)
+def test_values_round_trip_error_bound(bits, G, D, dtype):
+    B, H, T = 2, 3, 37
+    Gv = math.gcd(G, D)  # what QuantSpec.value_group gives
+    g = torch.Generator().manual_seed(bits * 7 + G + D)
+    # Per-token magnitudes over 4 decades; one constant token.
+    v = torch.randn(B, H, T, D, generator=g) * 10 ** (torch.rand(T, 1, generator=g) * 4 - 2)
+    v[:, :, 7] = 0.5
+    v = v.to(dtype)
+    before = v.clone()
+    codes, scale, zero = quantize_values(v, bits, Gv)
+    assert torch.equal(v, before), "quantize_values modified its input"
+    assert codes.dtype == torch.int32 and codes.shape == (B, H, T, packed_length(D, bits))
+    assert scale.shape == zero.shape == (B, H, T, D // Gv)
+
+    vg = v.float().reshape(B, H, T, D // Gv, Gv)
+    lo, want_scale, want_zero = _expected_qparams(vg, bits, dim=4)
+    assert torch.equal(zero, want_zero.squeeze(4)), "zero != fp16(group min)"
+    assert torch.equal(scale, want_scale.squeeze(4)), "scale != fp16((max - zero) / (2^b - 1))"
+
+    deq = dequantize_values(codes, scale, zero, bits, Gv)
+    assert deq.shape == v.shape and torch.isfinite(deq).all()
+    _check_bound(vg, deq.reshape(vg.shape), lo, want_zero.float(), want_scale.float(), bits,
+                 f"values bits={bits} Gv={Gv} D={D} {dtype}")
+    assert (scale[:, :, 7] == 0).all() and (deq[:, :, 7] == 0.5).all()
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_bound_is_tight_enough_to_matter(bits):
+    # The round-trip error must actually use the codes: on a ramp, error <= scale/2 (not 0 and not
+    # the whole range). A quantizer returning all-zero codes fails the bound by ~range.
+    x = torch.linspace(-3, 5, 64, dtype=torch.float32).view(1, 1, 64, 1).expand(1, 1, 64, 4)
+    codes, scale, zero = quantize_keys(x.contiguous(), bits, 32)
+    deq = dequantize_keys(codes, scale, zero, bits, 32)
+    err = (deq - x).abs().max().item()
+    assert err <= scale.float().max().item() / 2 + 1e-5, (err, scale.max().item())
+    assert err > 0 or bits == 8
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_codes_survive_requantization(bits):
+    # quantize_with is an exact inverse of dequantize_with on the codes (scale not tiny vs zero).
+    g = torch.Generator().manual_seed(bits)
+    q = torch.randint(0, 1 << bits, (4, 8, 32), generator=g).to(torch.uint8)
+    scale = (torch.rand(4, 8, 1, generator=g) * 0.5 + 0.01).half()
+    zero = (torch.randn(4, 8, 1, generator=g) * 3).half()
+    x = dequantize_with(q, scale, zero)
+    assert torch.equal(quantize_with(x, scale, zero, bits), q)
+
+
+# ----------------------------------------------------------------------------- constant groups
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("c", [0.0, -3.5, 1e-3, 6e4, -6e4])
+def test_constant_group_exact_no_nan(bits, dtype, c):
+    k = torch.full((1, 2, 64, 16), c).to(dtype)
+    codes, scale, zero = quantize_keys(k, bits, 32)
+    assert (scale == 0).all(), scale.unique()
+    deq = dequantize_keys(codes, scale, zero, bits, 32, dtype=dtype)
+    assert not deq.isnan().any()
+    assert torch.equal(deq, k), f"constant {c} -> {deq.unique().tolist()}"
+    v_codes, v_scale, v_zero = quantize_values(k, bits, 16)
+    assert (v_scale == 0).all()
+    assert torch.equal(dequantize_values(v_codes, v_scale, v_zero, bits, 16, dtype=dtype), k)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_near_constant_group_no_nan(bits):
+    # Range below FP16's smallest subnormal step: scale rounds to 0 or a subnormal.
+    base = torch.full((1, 1, 32, 8), 0.25)
+    base[:, :, 1] += torch.tensor([1e-9, 1e-8, 3e-8, 6e-8, 1e-7, 1e-6, 1e-5, 1e-4])
+    codes, scale, zero = quantize_keys(base, bits, 32)
+    deq = dequantize_keys(codes, scale, zero, bits, 32)
+    assert torch.isfinite(deq).all()
+    lo = base.amin(2, keepdim=True)
+    _check_bound(base, deq, lo, zero.float().unsqueeze(2), scale.float().unsqueeze(2), bits,
+                 f"near-constant bits={bits}")
+
+
+# ----------------------------------------------------------------------------- padding
+@pytest.mark.parametrize("poison", [6e4, -6e4, float("inf"), float("nan")])
+@pytest.mark.parametrize("bits", BITS)
+def test_key_padding_excluded_from_minmax(bits, poison):
+    B, H, G, D = 3, 2, 32, 16
+    T = 3 * G
+    k = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(bits)).half()
+    starts = torch.tensor([0, 5, 70])  # seq 2: group 0 all padding, group 2 partly padding
+    valid = torch.arange(T)[None, :] >= starts[:, None]  # [B, T]
+    clean = k.clone()
+    k[~valid[:, None, :, None].expand_as(k)] = poison
+    before = k.clone()
+    codes, scale, zero = quantize_keys(k, bits, G, valid)
+    assert torch.equal(k.view(torch.int16), before.view(torch.int16)), "input modified"
+    assert torch.isfinite(scale).all() and torch.isfinite(zero).all(), "padding leaked in"
+    # Valid tokens' groups: same scale/zero as a min/max over the valid tokens only.
+    for b in range(B):
+        for g in range(T // G):
+            sl = slice(g * G, (g + 1) * G)
+            ok = valid[b, sl]
+            if not ok.any():
+                assert (scale[b, :, g] == 0).all() and (zero[b, :, g] == 0).all(), (
+                    f"fully padded group b={b} g={g}: scale {scale[b, :, g].unique()}, "
+                    f"zero {zero[b, :, g].unique()}")
+                continue
+            x = clean[b, :, sl][:, ok].float()  # [H, n_valid, D]
+            lo, want_scale, want_zero = _expected_qparams(x, bits, dim=1)
+            assert torch.equal(zero[b, :, g], want_zero.squeeze(1)), f"zero b={b} g={g}"
+            assert torch.equal(scale[b, :, g], want_scale.squeeze(1)), f"scale b={b} g={g}"
+    # Codes of valid tokens are those of the clean tensor with the same mask; padding -> 0.
+    clean_codes = quantize_keys(clean, bits, G, valid)[0]
+    assert torch.equal(codes, clean_codes), "padding values changed codes"
+    assert torch.isfinite(dequantize_keys(codes, scale, zero, bits, G)).all()
+    # Raw codes (scale 1, zero 0): padding tokens hold code 0.
+    raw = dequantize_keys(codes, torch.ones_like(scale), torch.zeros_like(zero), bits, G)
+    padded = ~valid[:, None, :, None].expand_as(raw)
+    assert (raw[padded] == 0).all(), f"padding codes {raw[padded].unique().tolist()}"
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_value_padding_gives_zero_params(bits):
+    B, H, T, D = 2, 2, 9, 64
+    v = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(bits)).bfloat16()
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, :4] = False
+    poisoned = v.clone()
+    poisoned[1, :, :4] = float("inf")
+    codes, scale, zero = quantize_values(poisoned, bits, 32, valid)
+    assert (scale[1, :, :4] == 0).all() and (zero[1, :, :4] == 0).all()
+    assert (codes[1, :, :4] == 0).all()
+    ref_codes, ref_scale, ref_zero = quantize_values(v, bits, 32)
+    assert torch.equal(codes[:, :, 4:], ref_codes[:, :, 4:])
+    assert torch.equal(scale[0], ref_scale[0]) and torch.equal(scale[1, :, 4:], ref_scale[1, :, 4:])
+
+
+def test_minmax_qparams_all_invalid():
+    x = torch.randn(2, 8)
+    scale, zero = minmax_qparams(x, 4, dim=1, valid=torch.zeros(2, 1, dtype=torch.bool))
+    assert (scale == 0).all() and (zero == 0).all()
+
+
+# ----------------------------------------------------------------------------- dtypes/errors
+@pytest.mark.parametrize("bits", BITS)
+def test_dtypes_agree_on_fp16_representable_input(bits):
+    # The same numbers in fp16, bf16-representable fp16 and fp32 give identical codes and params.
+    k = (torch.randint(-64, 64, (1, 2, 64, 32)).float() / 8)  # exact in all three dtypes
+    outs = [quantize_keys(k.to(dt), bits, 32) for dt in DTYPES]
+    for dt, o in zip(DTYPES[1:], outs[1:]):
+        for a, b, name in zip(outs[0], o, ("codes", "scale", "zero")):
+            assert torch.equal(a, b), f"{name} differ between float16 and {dt}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dequantize_dtype(dtype):
+    k = torch.randn(1, 1, 32, 64)
+    out = dequantize_keys(*quantize_keys(k, 4, 32), 4, 32, dtype=dtype)
+    assert out.dtype == dtype
+    out = dequantize_values(*quantize_values(k, 4, 32), 4, 32, dtype=dtype)
+    assert out.dtype == dtype
+
+
+def test_key_token_count_not_multiple_of_group():
+    with pytest.raises(ValueError, match="not a multiple of group_size"):
+        quantize_keys(torch.randn(1, 1, 33, 64), 2, 32)
+
+
+def test_value_head_dim_not_multiple_of_group():
+    with pytest.raises(ValueError, match="not a multiple of value_group"):
+        quantize_values(torch.randn(1, 1, 4, 80), 2, 32)
