@@ -268,6 +268,7 @@ def num_splits(batch_heads: int, work_units: int, sm_count: int) -> int:
 
 
 DEFAULT_TILE_ROWS = 16  # tokens per unpacked slot tile (the N of each tl.dot)
+DEFAULT_WARPS = 4
 
 
 _SM_COUNT: dict = {}
@@ -318,7 +319,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     groups_per_split = triton.cdiv(triton.cdiv(n_groups, splits), GPT) * GPT if splits else 1
     if splits:
         splits = triton.cdiv(n_groups, groups_per_split)
-    BLOCK_FP = 64
+    BLOCK_FP = 64 if BLOCK_D <= 128 else 32
     n_fp = kv.sink_len + kv.res_len
     fp_splits = num_splits(bhm, triton.cdiv(n_fp, BLOCK_FP), sms) if n_fp else 0
     if not splits and not fp_splits:
@@ -344,7 +345,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
         KBITS=kv.key_bits, VBITS=kv.value_bits, G=G, GPT=GPT,
         GV=kv.value_group, NGV=NGV, NGV_PAD=triton.next_power_of_2(NGV),
         BLOCK_FP=BLOCK_FP, HAS_WINDOW=bool(window),
-        num_warps=num_warps or 4,
+        num_warps=num_warps or DEFAULT_WARPS, num_stages=2 if BLOCK_D <= 128 else 1,
     )
     o = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=dev)
     _merge_kernel[(B * Hq * Lq,)](out, lse, o, n_total, D=D, BLOCK_D=BLOCK_D,
