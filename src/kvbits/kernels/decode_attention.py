@@ -52,21 +52,65 @@ def _visible(t, pos, start, length, window, HAS_WINDOW: tl.constexpr):
 
 
 @triton.jit
-def _as_float(codes):
-    """Small non-negative int32 codes -> float32 without a conversion instruction: OR-ing them
-    into the mantissa of 2**23 and subtracting 2**23 is exact for codes < 2**23."""
-    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+def _unpack_group_tile(base, g0, g_end, offs_d, d_ok, BITS: tl.constexpr, G: tl.constexpr,
+                       GPT: tl.constexpr, D: tl.constexpr, EVEN_D: tl.constexpr):
+    """Codes of ``GPT`` groups from group ``g0`` as float16 ``[GPT * G, BLOCK_D]``, natural token
+    order. Slot-major packing makes slot ``s`` of the W words of a group the tokens
+    ``[s * W, (s + 1) * W)``, so unpacking is one broadcast shift and a reshape that merges
+    leading dims. ``(code | 0x6400)`` read as float16 is ``1024 + code`` exactly, which replaces an
+    int->float conversion by one OR and one subtraction. Groups past ``g_end`` re-read the last
+    valid group (their tokens are masked later), so the loads need no mask when ``EVEN_D``;
+    offsets are int32 within one (sequence, head) slice whose base the caller made int64."""
+    grp = tl.minimum(g0 + tl.arange(0, GPT), g_end - 1)
+    mask = d_ok[None, None, :]
+    if BITS == 3:
+        W3: tl.constexpr = G // 32  # words per plane per group
+        rows = grp[:, None] * (3 * W3) + tl.arange(0, W3)[None, :]  # [GPT, W3]
+        ptrs = base + rows[:, :, None] * D + offs_d[None, None, :]
+        slot = tl.arange(0, 32)[None, :, None, None]
+        if EVEN_D:
+            p0 = tl.load(ptrs)[:, None, :, :]
+            p1 = tl.load(ptrs + W3 * D)[:, None, :, :]
+            p2 = tl.load(ptrs + 2 * W3 * D)[:, None, :, :]
+        else:
+            p0 = tl.load(ptrs, mask=mask, other=0)[:, None, :, :]
+            p1 = tl.load(ptrs + W3 * D, mask=mask, other=0)[:, None, :, :]
+            p2 = tl.load(ptrs + 2 * W3 * D, mask=mask, other=0)[:, None, :, :]
+        codes = ((p0 >> slot) & 1) | (((p1 >> slot) & 1) << 1) | (((p2 >> slot) & 1) << 2)
+    else:
+        W: tl.constexpr = G * BITS // 32
+        SLOTS: tl.constexpr = 32 // BITS
+        rows = grp[:, None] * W + tl.arange(0, W)[None, :]  # [GPT, W]
+        ptrs = base + rows[:, :, None] * D + offs_d[None, None, :]
+        if EVEN_D:
+            words = tl.load(ptrs)
+        else:
+            words = tl.load(ptrs, mask=mask, other=0)
+        shift = (tl.arange(0, SLOTS) * BITS)[None, :, None, None]
+        codes = (words[:, None, :, :] >> shift) & ((1 << BITS) - 1)  # [GPT, SLOTS, W, D]
+    c16 = (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    BLOCK_D: tl.constexpr = offs_d.shape[0]
+    return tl.reshape(c16, [GPT * G, BLOCK_D])
 
 
 @triton.jit
-def _slot(w0, w1, w2, shift, BITS: tl.constexpr):
-    """Codes of one slot from packed words: a ``BITS``-wide field at ``shift`` (2/4/8 bits), or
-    bit ``shift`` of the three bit-plane words ``w0, w1, w2`` (3 bits)."""
-    if BITS == 3:
-        c = ((w0 >> shift) & 1) | (((w1 >> shift) & 1) << 1) | (((w2 >> shift) & 1) << 2)
-    else:
-        c = (w0 >> shift) & ((1 << BITS) - 1)
-    return _as_float(c)
+def _attend_fp16(q, k_base, v_base, lo, hi, pos0, pos, start, length, window, m_i, l_i, acc,
+                 offs_d, d_ok, D: tl.constexpr, BLOCK_FP: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Online-softmax attention over FP16 rows ``[lo, hi)`` of one (sequence, head) slice whose
+    first row sits at position ``pos0`` (sink: 0; residual: after the body)."""
+    for i0 in range(lo, hi, BLOCK_FP):
+        offs_i = i0 + tl.arange(0, BLOCK_FP)
+        i_ok = offs_i < hi
+        kT = tl.load(k_base + offs_i[None, :] * D + offs_d[:, None],
+                     mask=d_ok[:, None] & i_ok[None, :], other=0.0)
+        sc = tl.dot(q, kT.to(q.dtype))  # [M, BLOCK_FP]
+        vis = _visible(pos0 + offs_i, pos, start, length, window, HAS_WINDOW)
+        sc = tl.where(vis & i_ok[None, :], sc, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
+        v = tl.load(v_base + offs_i[:, None] * D + offs_d[None, :],
+                    mask=i_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -82,7 +126,7 @@ def _decode_kernel(
     HG: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     KBITS: tl.constexpr, VBITS: tl.constexpr, G: tl.constexpr, GPT: tl.constexpr,
     GV: tl.constexpr, NGV: tl.constexpr, NGV_PAD: tl.constexpr,
-    BLOCK_FP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_FP: tl.constexpr, HAS_WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -112,14 +156,9 @@ def _decode_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if split < n_body_splits:
-        # Words per group column: W = G * BITS / 32 (G / 32 per plane for 3 bits).
-        WK: tl.constexpr = G // 32 if KBITS == 3 else G * KBITS // 32
-        WV: tl.constexpr = G // 32 if VBITS == 3 else G * VBITS // 32
-        KSLOTS: tl.constexpr = 32 if KBITS == 3 else 32 // KBITS
-        KROWS: tl.constexpr = 3 * WK if KBITS == 3 else WK  # stored rows per group
-        VROWS: tl.constexpr = 3 * WV if VBITS == 3 else WV
-        R: tl.constexpr = GPT * WK  # tokens per slot tile
+        N: tl.constexpr = GPT * G  # body tokens per loop step
         n_groups = body_len // G
         g_lo = split * groups_per_split
         g_hi = tl.minimum(g_lo + groups_per_split, n_groups)
@@ -128,114 +167,73 @@ def _decode_kernel(
             first = tl.maximum(first, length - Lq - window + 1 - sink_len)
         g_lo = tl.maximum(g_lo, tl.maximum(first, 0) // G)
         g_hi = tl.minimum(g_hi, (length - sink_len + G - 1) // G)
-        kc_base = KC + bh64 * kc_cap * D
+        KROWS: tl.constexpr = 3 * (G // 32) if KBITS == 3 else G * KBITS // 32  # words per group
+        VROWS: tl.constexpr = 3 * (G // 32) if VBITS == 3 else G * VBITS // 32
+        kc_base = KC + bh64 * kc_cap * D  # int64 bases; int32 offsets inside one slice
         vc_base = VC + bh64 * vc_cap * D
-        offs_r = tl.arange(0, R)
-        wk = offs_r % WK
+        ks_base = KS + bh64 * ks_cap * D
+        kz_base = KZ + bh64 * ks_cap * D
+        vs_base = VS + bh64 * vs_cap * NGV
+        vz_base = VZ + bh64 * vs_cap * NGV
+        gi = tl.arange(0, GPT)
         offs_j = tl.arange(0, NGV_PAD)
-        offs_c = tl.arange(0, GV)
-        j_ok = offs_j < NGV
-        v_cols = (offs_j * GV)[:, None, None] + offs_c[None, None, :]  # [NGV, 1, GV]
-        acc = tl.zeros([NGV_PAD, BLOCK_M, GV], dtype=tl.float32)  # sum_t p s_t c_t per V group
-        zacc = tl.zeros([NGV_PAD, BLOCK_M], dtype=tl.float32)  # sum_t p z_t per V group
+        pos_min = length - Lq
         for g0 in range(g_lo, g_hi, GPT):
-            grp = g0 + offs_r // WK  # [R] group of each tile row
-            r_ok = grp < g_hi
-            grp64 = grp.to(tl.int64)
-            kmask = d_ok[:, None] & r_ok[None, :]
-            # K^T words [D, R] (+ planes) and the scale/zero of each row's group, once per tile.
-            kw_ptr = kc_base + (grp64 * KROWS + wk)[None, :] * D + offs_d[:, None]
-            kw0 = tl.load(kw_ptr, mask=kmask, other=0)
-            kw1 = kw0
-            kw2 = kw0
-            if KBITS == 3:
-                kw1 = tl.load(kw_ptr + WK * D, mask=kmask, other=0)
-                kw2 = tl.load(kw_ptr + 2 * WK * D, mask=kmask, other=0)
-            ks_ptr = (bh64 * ks_cap + grp64)[None, :] * D + offs_d[:, None]
-            k_s = tl.load(KS + ks_ptr, mask=kmask, other=0.0).to(tl.float32)
-            k_z = tl.load(KZ + ks_ptr, mask=kmask, other=0.0).to(tl.float32)
-            vmask = j_ok[:, None, None] & r_ok[None, :, None]
-            if KBITS == VBITS:  # K and V slots hold the same tokens: load V words once per tile
-                vw_ptr = vc_base + (grp64 * VROWS + wk)[None, :, None] * D + v_cols
-                vw0 = tl.load(vw_ptr, mask=vmask, other=0)
-                vw1 = vw0
-                vw2 = vw0
-                if VBITS == 3:
-                    vw1 = tl.load(vw_ptr + WV * D, mask=vmask, other=0)
-                    vw2 = tl.load(vw_ptr + 2 * WV * D, mask=vmask, other=0)
-            for s in tl.static_range(KSLOTS):
-                tin = s * WK + wk  # in-group token index of each row for this slot
-                tok = grp * G + tin  # body token index
-                if KBITS == 3:
-                    kT = _slot(kw0, kw1, kw2, s, KBITS) * k_s + k_z
-                else:
-                    kT = _slot(kw0, kw1, kw2, s * KBITS, KBITS) * k_s + k_z
-                sc = tl.dot(q, kT.to(Q.dtype.element_ty))  # [M, R]
-                vis = _visible(sink_len + tok, pos, start, length, window, HAS_WINDOW)
-                sc = tl.where(vis & r_ok[None, :] & m_ok[:, None], sc, float("-inf"))
-                p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
-                # V codes of the same tokens: slot tin // WV, row tin % WV of V's packing.
-                if KBITS == VBITS:
-                    vshift = s
-                    if VBITS != 3:
-                        vshift = s * VBITS
-                    vc = _slot(vw0, vw1, vw2, vshift, VBITS)
-                else:
-                    vrow = (grp64 * VROWS + tin % WV)[None, :, None]
-                    vw0 = tl.load(vc_base + vrow * D + v_cols, mask=vmask, other=0)
-                    vw1 = vw0
-                    vw2 = vw0
-                    if VBITS == 3:
-                        vw1 = tl.load(vc_base + (vrow + WV) * D + v_cols, mask=vmask, other=0)
-                        vw2 = tl.load(vc_base + (vrow + 2 * WV) * D + v_cols, mask=vmask, other=0)
-                        vsh = (tin // WV)[None, :, None]
-                    else:
-                        vsh = ((tin // WV) * VBITS)[None, :, None]
-                    vc = _slot(vw0, vw1, vw2, vsh, VBITS)
-                # Per-token value scales fold into the probabilities: one [NGV, M, R] product.
-                vs_ptr = (bh64 * vs_cap + grp64 * G + tin)[None, :] * NGV + offs_j[:, None]
-                sv_ok = j_ok[:, None] & r_ok[None, :]
-                v_s = tl.load(VS + vs_ptr, mask=sv_ok, other=0.0).to(tl.float32)  # [NGV, R]
-                v_z = tl.load(VZ + vs_ptr, mask=sv_ok, other=0.0).to(tl.float32)
-                ps = p[None, :, :] * v_s[:, None, :]  # [NGV, M, R]
-                acc = acc * alpha[None, :, None] + tl.dot(ps.to(Q.dtype.element_ty),
-                                                          vc.to(Q.dtype.element_ty))
-                zacc = zacc * alpha[None, :] + tl.sum(p[None, :, :] * v_z[:, None, :], axis=2)
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        o = (acc + zacc[:, :, None]) / l_safe[None, :, None]
-        o_ptr = Out + o_row[None, :, None] * D + v_cols
-        tl.store(o_ptr, o, mask=j_ok[:, None, None] & m_ok[None, :, None])
+            # K tile [N, D] = codes * scale + zero, the scale/zero of a group broadcast over its
+            # G tokens (reshape merging leading dims).
+            grp = tl.minimum(g0 + gi, g_hi - 1)
+            ks_ptr = (grp * D)[:, None] + offs_d[None, :]
+            if EVEN_D:
+                k_s = tl.load(ks_base + ks_ptr)
+                k_z = tl.load(kz_base + ks_ptr)
+            else:
+                k_s = tl.load(ks_base + ks_ptr, mask=d_ok[None, :], other=0.0)
+                k_z = tl.load(kz_base + ks_ptr, mask=d_ok[None, :], other=0.0)
+            k_s = tl.reshape(tl.broadcast_to(k_s[:, None, :], [GPT, G, BLOCK_D]), [N, BLOCK_D])
+            k_z = tl.reshape(tl.broadcast_to(k_z[:, None, :], [GPT, G, BLOCK_D]), [N, BLOCK_D])
+            kc = _unpack_group_tile(kc_base, g0, g_hi, offs_d, d_ok, KBITS, G, GPT, D, EVEN_D)
+            k = kc * k_s + k_z  # [N, BLOCK_D] float16
+            sc = tl.dot(q, tl.trans(k.to(Q.dtype.element_ty)))  # [M, N]
+            offs_t = g0 * G + tl.arange(0, N)  # body token index
+            # Only tiles at the edges (padding, sequence end, window, last partial step) need the
+            # per-element mask; rows past the real query rows are dropped at the store.
+            t_lo = sink_len + g0 * G
+            edge = (t_lo < start) | (g0 + GPT > g_hi) | (t_lo + N - 1 > pos_min)
+            if HAS_WINDOW:
+                edge = edge | (t_lo <= length - 1 - window)
+            if edge:
+                vis = _visible(sink_len + offs_t, pos, start, length, window, HAS_WINDOW)
+                sc = tl.where(vis & (offs_t < g_hi * G)[None, :], sc, float("-inf"))
+            p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
+            # V tile [N, D]: per-token scales of GV channels, broadcast along their channels.
+            tok = tl.minimum(offs_t, g_hi * G - 1)
+            vs_ptr = (tok * NGV)[:, None] + offs_j[None, :]
+            if NGV == NGV_PAD:
+                v_s = tl.load(vs_base + vs_ptr)
+                v_z = tl.load(vz_base + vs_ptr)
+            else:
+                v_s = tl.load(vs_base + vs_ptr, mask=(offs_j < NGV)[None, :], other=0.0)
+                v_z = tl.load(vz_base + vs_ptr, mask=(offs_j < NGV)[None, :], other=0.0)
+            v_s = tl.reshape(tl.broadcast_to(v_s[:, :, None], [N, NGV_PAD, GV]), [N, BLOCK_D])
+            v_z = tl.reshape(tl.broadcast_to(v_z[:, :, None], [N, NGV_PAD, GV]), [N, BLOCK_D])
+            vc = _unpack_group_tile(vc_base, g0, g_hi, offs_d, d_ok, VBITS, G, GPT, D, EVEN_D)
+            v = vc * v_s + v_z
+            acc = acc * alpha[:, None] + tl.dot(p.to(Q.dtype.element_ty), v.to(Q.dtype.element_ty))
     else:
         # FP16 tokens: index i < sink_len is sink token i, else residual token i - sink_len.
         fs = split - n_body_splits
         i_lo = fs * fp_per_split
         i_hi = tl.minimum(i_lo + fp_per_split, sink_len + res_len)
-        res_pos0 = sink_len + body_len
-        acc2 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for i0 in range(i_lo, i_hi, BLOCK_FP):
-            offs_i = i0 + tl.arange(0, BLOCK_FP)
-            i_ok = offs_i < i_hi
-            in_sink = offs_i < sink_len
-            t_pos = tl.where(in_sink, offs_i, res_pos0 + offs_i - sink_len)
-            row = tl.where(in_sink, bh64 * sink_cap + offs_i, bh64 * res_cap + offs_i - sink_len)
-            kT_ptr = row[None, :] * D + offs_d[:, None]
-            kT_ok = d_ok[:, None] & i_ok[None, :]
-            kT = tl.where(in_sink[None, :],
-                          tl.load(SinkK + kT_ptr, mask=kT_ok & in_sink[None, :], other=0.0),
-                          tl.load(ResK + kT_ptr, mask=kT_ok & ~in_sink[None, :], other=0.0))
-            sc = tl.dot(q, kT.to(Q.dtype.element_ty))  # [M, N]
-            vis = _visible(t_pos, pos, start, length, window, HAS_WINDOW)
-            sc = tl.where(vis & i_ok[None, :] & m_ok[:, None], sc, float("-inf"))
-            p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
-            v_ptr = row[:, None] * D + offs_d[None, :]
-            v_ok = i_ok[:, None] & d_ok[None, :]
-            v = tl.where(in_sink[:, None],
-                         tl.load(SinkV + v_ptr, mask=v_ok & in_sink[:, None], other=0.0),
-                         tl.load(ResV + v_ptr, mask=v_ok & ~in_sink[:, None], other=0.0))
-            acc2 = acc2 * alpha[:, None] + tl.dot(p.to(Q.dtype.element_ty), v.to(Q.dtype.element_ty))
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        tl.store(Out + o_row[:, None] * D + offs_d[None, :], acc2 / l_safe[:, None],
-                 mask=m_ok[:, None] & d_ok[None, :])
+        m_i, l_i, acc = _attend_fp16(q, SinkK + bh64 * sink_cap * D, SinkV + bh64 * sink_cap * D,
+                                     i_lo, tl.minimum(i_hi, sink_len), 0, pos, start, length,
+                                     window, m_i, l_i, acc, offs_d, d_ok, D, BLOCK_FP, HAS_WINDOW)
+        m_i, l_i, acc = _attend_fp16(q, ResK + bh64 * res_cap * D, ResV + bh64 * res_cap * D,
+                                     tl.maximum(i_lo, sink_len) - sink_len, i_hi - sink_len,
+                                     sink_len + body_len, pos, start, length, window, m_i, l_i,
+                                     acc, offs_d, d_ok, D, BLOCK_FP, HAS_WINDOW)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    tl.store(Out + o_row[:, None] * D + offs_d[None, :], acc / l_safe[:, None],
+             mask=m_ok[:, None] & d_ok[None, :])
     # Base-2 log-sum-exp of this split (-inf if it saw nothing).
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
     tl.store(Lse + o_row, lse, mask=m_ok)
@@ -267,7 +265,9 @@ def num_splits(batch_heads: int, work_units: int, sm_count: int) -> int:
     return max(1, min(want, work_units))
 
 
-DEFAULT_TILE_ROWS = 16  # tokens per unpacked slot tile (the N of each tl.dot)
+# Body tokens per loop step for head_dim <= 128 (half that above): the fewest SASS instructions
+# per token without register spills on sm_90 (see benchmarks/results/README.md).
+DEFAULT_TILE_TOKENS = 128
 DEFAULT_WARPS = 4
 
 
@@ -285,12 +285,12 @@ def _sm_count(device: torch.device) -> int:
 
 def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None, lengths=None,
                      window: int | None = None, splits: int | None = None,
-                     num_warps: int | None = None, tile_rows: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, tile_tokens: int | None = None) -> torch.Tensor:
     """Attention of ``q [B, Hq, Lq, D]`` over a packed layer (rules of the reference op).
 
     ``starts``/``lengths``: optional ``[B]`` int tensors (first visible position; sequence end).
-    ``splits``, ``num_warps`` and ``tile_rows`` (tokens per unpacked slot tile, >= 16) override
-    the defaults (tests and tuning).
+    ``splits``, ``num_warps`` and ``tile_tokens`` (body tokens per loop step, a power-of-two
+    multiple of the group size) override the defaults (tests and tuning).
     """
     B, Hq, Lq, D = q.shape
     Hkv = kv.kv_heads
@@ -308,8 +308,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     BLOCK_M = min(64, max(16, triton.next_power_of_2(M)))
     m_tiles = triton.cdiv(M, BLOCK_M)
     G = kv.group_size
-    wk = G // 32 if kv.key_bits == 3 else G * kv.key_bits // 32
-    GPT = max(1, (tile_rows or DEFAULT_TILE_ROWS) // wk)  # groups per loop step
+    tile = tile_tokens or (DEFAULT_TILE_TOKENS if BLOCK_D <= 128 else DEFAULT_TILE_TOKENS // 2)
+    GPT = max(1, tile // G)  # groups per loop step
     n_groups = kv.body_len // G
     bhm = B * Hkv * m_tiles
     sms = _sm_count(dev)
@@ -344,7 +344,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
         HG=HG, D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
         KBITS=kv.key_bits, VBITS=kv.value_bits, G=G, GPT=GPT,
         GV=kv.value_group, NGV=NGV, NGV_PAD=triton.next_power_of_2(NGV),
-        BLOCK_FP=BLOCK_FP, HAS_WINDOW=bool(window),
+        BLOCK_FP=BLOCK_FP, HAS_WINDOW=bool(window), EVEN_D=D == BLOCK_D,
         num_warps=num_warps or DEFAULT_WARPS, num_stages=2 if BLOCK_D <= 128 else 1,
     )
     o = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=dev)
