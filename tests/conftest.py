@@ -17,6 +17,6 @@ def smollm2():
 
     try:
         model, tokenizer = load_model("smollm2", dtype=torch.float32)
-    except Exception as exc:  # no network and no cached copy
+    except Exception as exc:  # noqa: BLE001 (no network and no cached copy)
         pytest.skip(f"SmolLM2 is not available: {exc}")
     return model, tokenizer

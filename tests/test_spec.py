@@ -96,8 +96,6 @@ FLOAT_CASES = [("key_bits", 2.0, BITS), ("value_bits", 4.0, BITS),
                ("group_size", 32.0, GROUP_SIZES)]
 
 
-@pytest.mark.xfail(strict=True, reason="bug: QuantSpec accepts integral floats for bits and "
-                   "group_size (spec._check_choice tests membership only)")
 @pytest.mark.parametrize("field,value,allowed", FLOAT_CASES,
                          ids=[f"{f}={v!r}" for f, v, _ in FLOAT_CASES])
 def test_integral_float_choice_is_rejected(field, value, allowed):

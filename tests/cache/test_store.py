@@ -59,7 +59,7 @@ def _used(store):
         "sink_k": store.sink_k[:, :, :store.sink_len], "sink_v": store.sink_v[:, :, :store.sink_len],
         "k_codes": store.k_codes[:, :, :ng * store.k_words],
         "k_scale": store.k_scale[:, :, :ng], "k_zero": store.k_zero[:, :, :ng],
-        "v_codes": store.v_codes[:, :, :store.body_len],
+        "v_codes": store.v_codes[:, :, :ng * store.v_words],
         "v_scale": store.v_scale[:, :, :store.body_len],
         "v_zero": store.v_zero[:, :, :store.body_len],
         "res_k": store.res_k[:, :, :store.res_len], "res_v": store.res_v[:, :, :store.res_len],
@@ -89,7 +89,8 @@ def _assert_matches_one_shot(store, k, v, what, valid=None):
         return
     body_valid = None if valid is None else valid[:, S:S + nb]
     want_k = quantize_keys(k[:, :, S:S + nb], s.key_bits, s.group_size, body_valid)
-    want_v = quantize_values(v[:, :, S:S + nb], s.value_bits, store.value_group, body_valid)
+    want_v = quantize_values(v[:, :, S:S + nb], s.value_bits, store.value_group, s.group_size,
+                             body_valid)
     used = _used(store)
     for name, got, want in zip(("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"),
                                (used["k_codes"], used["k_scale"], used["k_zero"],
@@ -274,7 +275,7 @@ def test_crop_at_group_boundary_inside_body():
     kk, vv = dequantize_layer(store.view())
     assert torch.equal(kk, full_k[:, :, :67]) and torch.equal(vv, full_v[:, :, :67])
     store.append(k[:, :, 67:], v[:, :, 67:])  # the dropped tokens come back, re-quantized once
-    fresh_k, fresh_v = dequantize_layer(store.view())
+    fresh_k, _fresh_v = dequantize_layer(store.view())
     assert store.seq_len == 150
     assert torch.equal(fresh_k[:, :, :67], full_k[:, :, :67])
 
@@ -355,7 +356,7 @@ def test_nbytes_exact(preset, G, d, S, R, dtype):
     if spec.quantized:
         Gv = spec.value_group(d)
         per_token = (packed_length(G, spec.key_bits) * 4 * d / G + 4 * d / G
-                     + packed_length(d, spec.value_bits) * 4 + 4 * d / Gv)
+                     + packed_length(G, spec.value_bits) * 4 * d / G + 4 * d / Gv)
         fp = (store.sink_len + store.res_len) * 2 * d * torch.tensor([], dtype=dtype).element_size()
         assert got == 3 * 2 * (fp + store.body_len * per_token)
 
@@ -395,7 +396,12 @@ def test_token_count_mismatch():
         store.append(torch.zeros(B, H, 4, D), torch.zeros(B, H, 5, D))
 
 
-def test_three_bit_values_need_head_dim_multiple_of_32():
-    with pytest.raises(ValueError, match="value_bits=3.*head_dim.*80"):
-        _store(QuantSpec(value_bits=3), d=80)
-    _store(QuantSpec(value_bits=3), d=96)  # fine
+@pytest.mark.parametrize("d", [80, 96])
+def test_three_bit_any_head_dim(d):
+    # 3-bit codes are packed along tokens (32 per column), so any head_dim works.
+    spec = QuantSpec(key_bits=3, value_bits=3, residual_length=0)
+    store = _store(spec, d=d)
+    k, v = _kv(70, d=d)
+    store.append(k, v)
+    assert store.body_len == 64
+    _assert_matches_one_shot(store, k, v, f"3-bit D={d}")

@@ -24,15 +24,15 @@ import math
 import pytest
 import torch
 
-from kvbits.formats.packing import packed_length
+from kvbits.formats.packing import pack_bits, packed_length
 from kvbits.reference.quant import (
     dequantize_keys,
     dequantize_values,
+    dequantize_with,
     minmax_qparams,
     quantize_keys,
     quantize_values,
     quantize_with,
-    dequantize_with,
 )
 
 BITS = (2, 3, 4, 8)
@@ -85,7 +85,7 @@ def _expected_qparams(xf, bits, dim):
 @pytest.mark.parametrize("G", GROUPS)
 @pytest.mark.parametrize("bits", BITS)
 def test_keys_round_trip_error_bound(bits, G, D, dtype):
-    B, H, NG = 2, 2, 2
+    B, H, NG = 1, 2, 2
     k = _hostile((B, H, NG * G, D), dtype, seed=bits * 1000 + G + D)
     before = k.clone()
     codes, scale, zero = quantize_keys(k, bits, G)
@@ -115,7 +115,8 @@ def test_keys_round_trip_error_bound(bits, G, D, dtype):
 @pytest.mark.parametrize("G", GROUPS)
 @pytest.mark.parametrize("bits", BITS)
 def test_values_round_trip_error_bound(bits, G, D, dtype):
-    B, H, T = 2, 3, 37
+    B, H, NG = 1, 2, 2
+    T = NG * G
     Gv = math.gcd(G, D)  # what QuantSpec.value_group gives
     g = torch.Generator().manual_seed(bits * 7 + G + D)
     # Per-token magnitudes over 4 decades; one constant token.
@@ -123,9 +124,10 @@ def test_values_round_trip_error_bound(bits, G, D, dtype):
     v[:, :, 7] = 0.5
     v = v.to(dtype)
     before = v.clone()
-    codes, scale, zero = quantize_values(v, bits, Gv)
+    codes, scale, zero = quantize_values(v, bits, Gv, G)
     assert torch.equal(v, before), "quantize_values modified its input"
-    assert codes.dtype == torch.int32 and codes.shape == (B, H, T, packed_length(D, bits))
+    # Codes packed along tokens within blocks of G tokens, like the keys.
+    assert codes.dtype == torch.int32 and codes.shape == (B, H, NG * packed_length(G, bits), D)
     assert scale.shape == zero.shape == (B, H, T, D // Gv)
 
     vg = v.float().reshape(B, H, T, D // Gv, Gv)
@@ -133,11 +135,23 @@ def test_values_round_trip_error_bound(bits, G, D, dtype):
     assert torch.equal(zero, want_zero.squeeze(4)), "zero != fp16(group min)"
     assert torch.equal(scale, want_scale.squeeze(4)), "scale != fp16((max - zero) / (2^b - 1))"
 
-    deq = dequantize_values(codes, scale, zero, bits, Gv)
+    deq = dequantize_values(codes, scale, zero, bits, Gv, G)
     assert deq.shape == v.shape and torch.isfinite(deq).all()
     _check_bound(vg, deq.reshape(vg.shape), lo, want_zero.float(), want_scale.float(), bits,
                  f"values bits={bits} Gv={Gv} D={D} {dtype}")
     assert (scale[:, :, 7] == 0).all() and (deq[:, :, 7] == 0.5).all()
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_value_codes_packed_along_tokens(bits):
+    # The layout contract (kvbits.formats.layout): value codes of block g of G tokens are rows
+    # [g * Wv, (g + 1) * Wv), packed along tokens exactly like pack_bits(codes, dim=tokens).
+    G, D = 32, 64
+    v = torch.randn(1, 1, 2 * G, D, generator=torch.Generator().manual_seed(bits))
+    codes, scale, zero = quantize_values(v, bits, 32, G)
+    raw = quantize_with(v.reshape(1, 1, 2 * G, 2, 32), scale.unsqueeze(-1), zero.unsqueeze(-1),
+                        bits).reshape(1, 1, 2, G, D)
+    assert torch.equal(codes, pack_bits(raw, bits, dim=3).reshape(1, 1, -1, D))
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -174,9 +188,9 @@ def test_constant_group_exact_no_nan(bits, dtype, c):
     deq = dequantize_keys(codes, scale, zero, bits, 32, dtype=dtype)
     assert not deq.isnan().any()
     assert torch.equal(deq, k), f"constant {c} -> {deq.unique().tolist()}"
-    v_codes, v_scale, v_zero = quantize_values(k, bits, 16)
+    v_codes, v_scale, v_zero = quantize_values(k, bits, 16, 32)
     assert (v_scale == 0).all()
-    assert torch.equal(dequantize_values(v_codes, v_scale, v_zero, bits, 16, dtype=dtype), k)
+    assert torch.equal(dequantize_values(v_codes, v_scale, v_zero, bits, 16, 32, dtype=dtype), k)
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -218,7 +232,7 @@ def test_key_padding_excluded_from_minmax(bits, poison):
                     f"zero {zero[b, :, g].unique()}")
                 continue
             x = clean[b, :, sl][:, ok].float()  # [H, n_valid, D]
-            lo, want_scale, want_zero = _expected_qparams(x, bits, dim=1)
+            _lo, want_scale, want_zero = _expected_qparams(x, bits, dim=1)
             assert torch.equal(zero[b, :, g], want_zero.squeeze(1)), f"zero b={b} g={g}"
             assert torch.equal(scale[b, :, g], want_scale.squeeze(1)), f"scale b={b} g={g}"
     # Codes of valid tokens are those of the clean tensor with the same mask; padding -> 0.
@@ -233,18 +247,23 @@ def test_key_padding_excluded_from_minmax(bits, poison):
 
 @pytest.mark.parametrize("bits", BITS)
 def test_value_padding_gives_zero_params(bits):
-    B, H, T, D = 2, 2, 9, 64
+    B, H, T, D, G = 2, 2, 32, 64, 32
     v = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(bits)).bfloat16()
     valid = torch.ones(B, T, dtype=torch.bool)
     valid[1, :4] = False
     poisoned = v.clone()
     poisoned[1, :, :4] = float("inf")
-    codes, scale, zero = quantize_values(poisoned, bits, 32, valid)
+    codes, scale, zero = quantize_values(poisoned, bits, 32, G, valid)
     assert (scale[1, :, :4] == 0).all() and (zero[1, :, :4] == 0).all()
-    assert (codes[1, :, :4] == 0).all()
-    ref_codes, ref_scale, ref_zero = quantize_values(v, bits, 32)
-    assert torch.equal(codes[:, :, 4:], ref_codes[:, :, 4:])
+    ref_codes, ref_scale, _ref_zero = quantize_values(v, bits, 32, G)
     assert torch.equal(scale[0], ref_scale[0]) and torch.equal(scale[1, :, 4:], ref_scale[1, :, 4:])
+    assert torch.equal(codes[0], ref_codes[0])
+    # Raw codes (scale 1, zero 0): padding tokens hold 0, valid tokens the unpadded codes.
+    ones, zeros = torch.ones_like(scale), torch.zeros_like(zero)
+    raw = dequantize_values(codes, ones, zeros, bits, 32, G)
+    ref_raw = dequantize_values(ref_codes, ones, zeros, bits, 32, G)
+    assert (raw[1, :, :4] == 0).all(), raw[1, :, :4].unique()
+    assert torch.equal(raw[1, :, 4:], ref_raw[1, :, 4:])
 
 
 def test_minmax_qparams_all_invalid():
@@ -269,7 +288,7 @@ def test_dequantize_dtype(dtype):
     k = torch.randn(1, 1, 32, 64)
     out = dequantize_keys(*quantize_keys(k, 4, 32), 4, 32, dtype=dtype)
     assert out.dtype == dtype
-    out = dequantize_values(*quantize_values(k, 4, 32), 4, 32, dtype=dtype)
+    out = dequantize_values(*quantize_values(k, 4, 32, 32), 4, 32, 32, dtype=dtype)
     assert out.dtype == dtype
 
 
@@ -280,4 +299,9 @@ def test_key_token_count_not_multiple_of_group():
 
 def test_value_head_dim_not_multiple_of_group():
     with pytest.raises(ValueError, match="not a multiple of value_group"):
-        quantize_values(torch.randn(1, 1, 4, 80), 2, 32)
+        quantize_values(torch.randn(1, 1, 32, 80), 2, 32, 32)
+
+
+def test_value_token_count_not_multiple_of_group():
+    with pytest.raises(ValueError, match="not a multiple of group_size"):
+        quantize_values(torch.randn(1, 1, 33, 64), 2, 32, 32)

@@ -298,6 +298,11 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
         raise ValueError(f"query heads {Hq} must be a multiple of kv heads {Hkv}")
     if D % 16:
         raise ValueError(f"head_dim must be a multiple of 16, got {D}")
+    for name in ("sink_k", "sink_v", "res_k", "res_v", "k_codes", "k_scale", "k_zero",
+                 "v_codes", "v_scale", "v_zero"):
+        if not getattr(kv, name).is_contiguous():
+            raise ValueError(f"decode_attention: kv.{name} must be contiguous (the kernel derives "
+                             "offsets from the layout contract, not from strides)")
     HG = Hq // Hkv
     dev = q.device
     q = q.contiguous()
@@ -315,7 +320,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     sms = _sm_count(dev)
     if splits is None:
         splits = num_splits(bhm, triton.cdiv(n_groups, GPT), sms) if n_groups else 0
-    splits = min(splits, n_groups)
+    splits = min(max(splits, 1), n_groups)
     groups_per_split = triton.cdiv(triton.cdiv(n_groups, splits), GPT) * GPT if splits else 1
     if splits:
         splits = triton.cdiv(n_groups, groups_per_split)
@@ -336,7 +341,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
         kv.sink_k, kv.sink_v, kv.res_k, kv.res_v,
         kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero,
         starts, lengths,
-        scale * LOG2E, int(window) if window else 0,
+        scale * LOG2E, int(window) if window is not None else 0,
         kv.sink_len, kv.body_len, kv.res_len,
         kv.sink_k.shape[2], kv.res_k.shape[2], kv.k_codes.shape[2], kv.k_scale.shape[2],
         kv.v_codes.shape[2], kv.v_scale.shape[2],
@@ -344,7 +349,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
         HG=HG, D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
         KBITS=kv.key_bits, VBITS=kv.value_bits, G=G, GPT=GPT,
         GV=kv.value_group, NGV=NGV, NGV_PAD=triton.next_power_of_2(NGV),
-        BLOCK_FP=BLOCK_FP, HAS_WINDOW=bool(window), EVEN_D=D == BLOCK_D,
+        BLOCK_FP=BLOCK_FP, HAS_WINDOW=window is not None, EVEN_D=D == BLOCK_D,
         num_warps=num_warps or DEFAULT_WARPS, num_stages=2 if BLOCK_D <= 128 else 1,
     )
     o = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=dev)

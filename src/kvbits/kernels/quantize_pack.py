@@ -7,21 +7,23 @@ Bit-exact with :mod:`kvbits.reference.quant` (codes, scales and zeros compare wi
   (correctly rounded) division, as torch does;
 * ``code = clamp(round((x - zero) / scale), 0, 2**bits - 1)`` with an IEEE division and
   round-half-to-even (``torch.round``), 0 where ``scale <= 0`` and for invalid tokens;
-* the slot-major int32 layout of :mod:`kvbits.formats.packing`: element ``e`` of a packed axis sits
-  in column ``w = e % W``, slot ``s = e // W``; 2/4/8 bits put slot ``s`` in bits
-  ``[s * bits, (s + 1) * bits)`` of word ``w`` (the top slot may set the sign bit, as ``pack_bits``
-  does in two's complement); 3 bits store bit ``j`` of slot ``s`` at bit ``s`` of word ``j * W + w``.
+* the slot-major int32 layout of :mod:`kvbits.formats.packing`, along *tokens* within each group
+  of G tokens for both K and V: token ``e`` of a group sits in column ``w = e % W``, slot
+  ``s = e // W``; 2/4/8 bits put slot ``s`` in bits ``[s * bits, (s + 1) * bits)`` of word ``w``
+  (the top slot may set the sign bit, as ``pack_bits`` does in two's complement); 3 bits store
+  bit ``j`` of slot ``s`` at bit ``s`` of word ``j * W + w``.
 
-Keys, grid ``(n_groups * d_blocks, H, B)``: a program loads one group of G tokens x ``BLOCK_D``
-channels directly as a ``[SLOTS, W, BLOCK_D]`` tile (token ``s * W + w``), reduces min/max over
-the two token axes, and ORs the shifted codes over the slot axis: no reshape, any G.
+Every program loads its tokens directly in packed order, as a ``[SLOTS, W, ...]`` tile (token
+``s * W + w``), so packing is an OR of shifted codes over the leading axis: no reshape, any G.
 
-Values, grid ``(t_blocks, H, B)``: a program loads ``[BLOCK_T, D]`` as ``[BLOCK_T, NGV, GV]``
-(contiguous channel groups), reduces over the last axis, and moves the codes into the packed
-order ``[BLOCK_T, SLOTS, W]`` (channel ``s * W + w``) with a reshape when that order is the
-natural one (power-of-two D and group) and with one in-register ``tl.gather`` otherwise (D = 80).
+* Keys (per-channel groups of G tokens), grid ``(n_groups * d_blocks, H, B)``: a program holds
+  a whole group x ``BLOCK_D`` channels, ``[SLOTS, W, BLOCK_D]``, and reduces over both token axes.
+* Values (per-token groups of Gv channels), grid ``(n_groups * w_blocks * c_blocks, H, B)``: a
+  program holds ``BLOCK_W`` columns of a group x ``BLOCK_NG`` channel groups,
+  ``[SLOTS, BLOCK_W, BLOCK_NG, Gv]``, and reduces over the last axis.
 
-Inputs are any-strided ``[B, H, T, D]`` fp16/bf16/fp32 (no copy is made) and assumed finite.
+Inputs are any-strided ``[B, H, T, D]`` fp16/bf16/fp32 (never copied), assumed finite and within
+FP16 range (scale and zero are FP16; beyond it the reference's codes are undefined too).
 Offsets are int64. The launchers do no host synchronisation, so they are safe to call every
 decode step and to capture in a CUDA graph. ``TRITON_INTERPRET=1`` runs them on CPU.
 """
@@ -35,15 +37,13 @@ import triton.language as tl
 from ..formats.packing import PACK_BITS, packed_length, slots_per_column
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Elements of x one program holds (fp32, 4 warps -> 32 per thread): big enough to hide latency,
-# small enough that a key-group flush in decode (T = G) still spreads over several programs.
-_TILE_ELEMENTS = 4096
 _NUM_WARPS = 4
-
-
-@triton.jit
-def _bit_or(a, b):
-    return a | b
+# (elements of x one program holds, channels a value program reads per token row), per device.
+# GPU: 4096 fp32 = 32 registers per thread at 4 warps, enough bytes in flight per program while a
+# key-group flush in decode (T = G) still spreads over several programs; 128 channels = 256 B
+# of fp16 per token row, whole 32 B sectors. The interpreter (CPU) pays per program, not per
+# element, so it takes whole groups.
+_TILES = {"cuda": (4096, 128), "cpu": (1 << 16, 1 << 10)}
 
 
 @triton.jit
@@ -79,125 +79,121 @@ def _codes(x, scale, zero, ok, MAXQ: tl.constexpr):
 
 
 @triton.jit
-def _pack_fields(q, slot, BITS: tl.constexpr, AXIS: tl.constexpr):
-    """OR ``q << slot * BITS`` over the slot ``AXIS`` (``slot`` broadcasts against ``q``)."""
-    return tl.reduce(q << (slot * BITS), AXIS, _bit_or)
+def _group_tokens(g, w, valid_ptr, b, valid_sb, valid_st, G: tl.constexpr, W: tl.constexpr,
+                  SLOTS: tl.constexpr, HAS_VALID: tl.constexpr):
+    """Tokens of group ``g`` in packed order, for columns ``w``: ``(t, in_group, ok)``, each
+    ``[SLOTS, len(w)]``: absolute token ``t = g * G + s * W + w``, whether it exists, whether it
+    is also valid (not padding)."""
+    e = tl.arange(0, SLOTS)[:, None] * W + w[None, :]
+    in_group = (w[None, :] < W) & (e < G)
+    t = g * G + e
+    ok = in_group
+    if HAS_VALID:
+        ok = ok & (tl.load(valid_ptr + b * valid_sb + t * valid_st, mask=in_group, other=0) != 0)
+    return t, in_group, ok
 
 
 @triton.jit
-def _pack_plane(q, slot, J: tl.constexpr, AXIS: tl.constexpr):
-    """3-bit plane ``J``: bit ``J`` of the code in slot ``s`` goes to bit ``s``."""
-    return tl.reduce(((q >> J) & 1) << slot, AXIS, _bit_or)
+def _store_packed(ptrs, q, slot, mask, plane_stride, BITS: tl.constexpr):
+    """Pack int32 codes ``q [SLOTS, ...]`` over axis 0 and store the words at ``ptrs``.
+
+    ``slot`` is ``arange(SLOTS)`` shaped to broadcast against ``q``. Fields (2/4/8 bits): slot
+    ``s`` in bits ``[s * BITS, (s + 1) * BITS)``. The shifted codes have disjoint bits, so their
+    int32 sum has no carries and equals their OR (``tl.sum`` is also a native reduction in the
+    interpreter, unlike a custom OR combine); only the top slot can set the sign bit, which
+    ``<<`` does in two's complement exactly like ``pack_bits``. 3 bits: three bit-plane words
+    ``plane_stride`` apart, bit ``j`` of slot ``s`` at bit ``s``.
+    """
+    if BITS == 3:
+        for j in tl.static_range(3):
+            plane = tl.sum(((q >> j) & 1) << slot, axis=0)
+            tl.store(ptrs + j * plane_stride, plane, mask=mask)
+    else:
+        tl.store(ptrs, tl.sum(q << (slot * BITS), axis=0), mask=mask)
 
 
 @triton.jit
 def _quantize_keys_kernel(
     k_ptr, valid_ptr, codes_ptr, scale_ptr, zero_ptr,
     H, NG, stride_b, stride_h, stride_t, stride_d, valid_sb, valid_st,
-    D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, SLOTS: tl.constexpr,
-    W: tl.constexpr, W_PAD: tl.constexpr, BLOCK_D: tl.constexpr, HAS_VALID: tl.constexpr,
+    D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, SLOTS: tl.constexpr, W: tl.constexpr,
+    W_PAD: tl.constexpr, WORDS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_VALID: tl.constexpr,
 ):
-    # k: [B, H, T, D] any strides; codes: [B, H, NG * WORDS, D]; scale, zero: [B, H, NG, D].
+    # k: [B, H, NG * G, D] any strides; codes: [B, H, NG * WORDS, D]; scale, zero: [B, H, NG, D].
     MAXQ: tl.constexpr = (1 << BITS) - 1
-    WORDS: tl.constexpr = 3 * W if BITS == 3 else W
     D_BLOCKS: tl.constexpr = (D + BLOCK_D - 1) // BLOCK_D
     pid = tl.program_id(0)
     g = (pid // D_BLOCKS).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
+    bh = b * H + h
 
-    slot = tl.arange(0, SLOTS)
     w = tl.arange(0, W_PAD)
+    t, _, ok = _group_tokens(g, w, valid_ptr, b, valid_sb, valid_st, G, W, SLOTS, HAS_VALID)
     d = (pid % D_BLOCKS) * BLOCK_D + tl.arange(0, BLOCK_D)
-    tok = slot[:, None] * W + w[None, :]  # [SLOTS, W_PAD]: token of the group in (slot, column)
-    ok = (w[None, :] < W) & (tok < G)
-    t = g * G + tok
-    if HAS_VALID:
-        ok = ok & (tl.load(valid_ptr + b * valid_sb + t * valid_st, mask=ok, other=0) != 0)
     d_ok = d < D
-    ptrs = k_ptr + b * stride_b + h * stride_h + t[:, :, None] * stride_t + d[None, None, :] * stride_d
     m = ok[:, :, None] & d_ok[None, None, :]
+    ptrs = k_ptr + b * stride_b + h * stride_h + t[:, :, None] * stride_t + d * stride_d
     x = tl.load(ptrs, mask=m, other=0.0).to(tl.float32)  # [SLOTS, W_PAD, BLOCK_D]
 
     lo = tl.min(tl.min(tl.where(m, x, float("inf")), axis=0), axis=0)  # [BLOCK_D]
     hi = tl.max(tl.max(tl.where(m, x, float("-inf")), axis=0), axis=0)
-    empty = tl.max(tl.max(ok.to(tl.int32), axis=1), axis=0) == 0
-    lo = tl.where(empty, 0.0, lo)
-    hi = tl.where(empty, 0.0, hi)
-    scale, zero = _qparams(lo, hi, MAXQ)
-    bh = b * H + h
+    empty = tl.max(tl.max(ok.to(tl.int32), axis=1), axis=0) == 0  # all padding: scale 0, zero 0
+    scale, zero = _qparams(tl.where(empty, 0.0, lo), tl.where(empty, 0.0, hi), MAXQ)
     qp = (bh * NG + g) * D + d
     tl.store(scale_ptr + qp, scale, mask=d_ok)
     tl.store(zero_ptr + qp, zero, mask=d_ok)
 
     q = _codes(x, scale[None, None, :], zero[None, None, :], m, MAXQ)
-    rows = codes_ptr + (bh * NG + g) * (WORDS * D) + w[:, None] * D + d[None, :]  # [W_PAD, BLOCK_D]
-    st_ok = (w[:, None] < W) & d_ok[None, :]
-    if BITS == 3:
-        for j in tl.static_range(3):
-            tl.store(rows + j * W * D, _pack_plane(q, slot[:, None, None], j, 0), mask=st_ok)
-    else:
-        tl.store(rows, _pack_fields(q, slot[:, None, None], BITS, 0), mask=st_ok)
+    words = codes_ptr + ((bh * NG + g) * WORDS + w[:, None]) * D + d[None, :]  # [W_PAD, BLOCK_D]
+    slot = tl.arange(0, SLOTS)[:, None, None]
+    _store_packed(words, q, slot, (w[:, None] < W) & d_ok[None, :], W * D, BITS)
 
 
 @triton.jit
 def _quantize_values_kernel(
     v_ptr, valid_ptr, codes_ptr, scale_ptr, zero_ptr,
-    H, T, stride_b, stride_h, stride_t, stride_d, valid_sb, valid_st,
-    D: tl.constexpr, GV: tl.constexpr, GV_PAD: tl.constexpr, NGV: tl.constexpr,
-    NGV_PAD: tl.constexpr, BITS: tl.constexpr, SLOTS: tl.constexpr, W: tl.constexpr,
-    W_PAD: tl.constexpr, BLOCK_T: tl.constexpr, NATURAL: tl.constexpr, HAS_VALID: tl.constexpr,
+    H, NG, stride_b, stride_h, stride_t, stride_d, valid_sb, valid_st,
+    D: tl.constexpr, G: tl.constexpr, GV: tl.constexpr, GV_PAD: tl.constexpr,
+    NGV: tl.constexpr, BITS: tl.constexpr, SLOTS: tl.constexpr, W: tl.constexpr,
+    WORDS: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NG: tl.constexpr, HAS_VALID: tl.constexpr,
 ):
-    # v: [B, H, T, D] any strides; codes: [B, H, T, WORDS]; scale, zero: [B, H, T, NGV].
+    # v: [B, H, NG * G, D] any strides; codes: [B, H, NG * WORDS, D]; scale, zero: [B, H, T, NGV].
     MAXQ: tl.constexpr = (1 << BITS) - 1
-    WORDS: tl.constexpr = 3 * W if BITS == 3 else W
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    W_BLOCKS: tl.constexpr = (W + BLOCK_W - 1) // BLOCK_W
+    C_BLOCKS: tl.constexpr = (NGV + BLOCK_NG - 1) // BLOCK_NG
+    pid = tl.program_id(0)
+    g = (pid // (W_BLOCKS * C_BLOCKS)).to(tl.int64)
+    wb = pid // C_BLOCKS % W_BLOCKS
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
+    bh = b * H + h
 
-    in_range = t < T
-    ok = in_range
-    if HAS_VALID:
-        ok = ok & (tl.load(valid_ptr + b * valid_sb + t * valid_st, mask=ok, other=0) != 0)
-    grp = tl.arange(0, NGV_PAD)
+    w = wb * BLOCK_W + tl.arange(0, BLOCK_W)
+    t, in_group, ok = _group_tokens(g, w, valid_ptr, b, valid_sb, valid_st, G, W, SLOTS,
+                                    HAS_VALID)
+    j = (pid % C_BLOCKS) * BLOCK_NG + tl.arange(0, BLOCK_NG)
     i = tl.arange(0, GV_PAD)
-    c = grp[:, None] * GV + i[None, :]  # [NGV_PAD, GV_PAD] channel
-    c_ok = (grp[:, None] < NGV) & (i[None, :] < GV)
-    ptrs = v_ptr + b * stride_b + h * stride_h + t[:, None, None] * stride_t + c[None] * stride_d
-    m = ok[:, None, None] & c_ok[None]
-    x = tl.load(ptrs, mask=m, other=0.0).to(tl.float32)  # [BLOCK_T, NGV_PAD, GV_PAD]
+    c = j[:, None] * GV + i[None, :]  # [BLOCK_NG, GV_PAD]: channel
+    c_ok = (j[:, None] < NGV) & (i[None, :] < GV)
+    m = ok[:, :, None, None] & c_ok[None, None]
+    ptrs = v_ptr + b * stride_b + h * stride_h + t[:, :, None, None] * stride_t + c * stride_d
+    x = tl.load(ptrs, mask=m, other=0.0).to(tl.float32)  # [SLOTS, BLOCK_W, BLOCK_NG, GV_PAD]
 
-    lo = tl.min(tl.where(m, x, float("inf")), axis=2)  # [BLOCK_T, NGV_PAD]
-    hi = tl.max(tl.where(m, x, float("-inf")), axis=2)
-    lo = tl.where(ok[:, None], lo, 0.0)  # padding tokens: scale 0, zero 0
-    hi = tl.where(ok[:, None], hi, 0.0)
-    scale, zero = _qparams(lo, hi, MAXQ)
-    row = (b * H + h) * T + t  # [BLOCK_T]
-    qp = row[:, None] * NGV + grp[None, :]
-    qp_ok = in_range[:, None] & (grp[None, :] < NGV)
+    lo = tl.min(tl.where(m, x, float("inf")), axis=3)  # [SLOTS, BLOCK_W, BLOCK_NG]
+    hi = tl.max(tl.where(m, x, float("-inf")), axis=3)
+    pad = ~ok[:, :, None]  # padding tokens: scale 0, zero 0
+    scale, zero = _qparams(tl.where(pad, 0.0, lo), tl.where(pad, 0.0, hi), MAXQ)
+    qp = (bh * NG * G + t)[:, :, None] * NGV + j
+    qp_ok = in_group[:, :, None] & (j < NGV)
     tl.store(scale_ptr + qp, scale, mask=qp_ok)
     tl.store(zero_ptr + qp, zero, mask=qp_ok)
 
-    q = _codes(x, scale[:, :, None], zero[:, :, None], m, MAXQ)
-    q = tl.reshape(q, (BLOCK_T, NGV_PAD * GV_PAD))
-    slot = tl.arange(0, SLOTS)
-    w = tl.arange(0, W_PAD)
-    if NATURAL:
-        q = tl.reshape(q, (BLOCK_T, SLOTS, W_PAD))
-    else:
-        e = slot[:, None] * W + w[None, :]  # [SLOTS, W_PAD]: channel in (slot, column)
-        e_ok = (w[None, :] < W) & (e < D)
-        src = tl.where(e_ok, (e // GV) * GV_PAD + e % GV, 0)  # its index in the natural tile
-        idx = tl.broadcast_to(tl.reshape(src, (1, SLOTS * W_PAD)), (BLOCK_T, SLOTS * W_PAD))
-        q = tl.reshape(tl.gather(q, idx, axis=1), (BLOCK_T, SLOTS, W_PAD))
-        q = tl.where(e_ok[None], q, 0)
-    rows = codes_ptr + row[:, None] * WORDS + w[None, :]  # [BLOCK_T, W_PAD]
-    st_ok = in_range[:, None] & (w[None, :] < W)
-    if BITS == 3:
-        for j in tl.static_range(3):
-            tl.store(rows + j * W, _pack_plane(q, slot[None, :, None], j, 1), mask=st_ok)
-    else:
-        tl.store(rows, _pack_fields(q, slot[None, :, None], BITS, 1), mask=st_ok)
+    q = _codes(x, scale[:, :, :, None], zero[:, :, :, None], m, MAXQ)
+    # words: [BLOCK_W, BLOCK_NG, GV_PAD]
+    words = codes_ptr + ((bh * NG + g) * WORDS + w[:, None, None]) * D + c
+    slot = tl.arange(0, SLOTS)[:, None, None, None]
+    _store_packed(words, q, slot, (w[:, None, None] < W) & c_ok, W * D, BITS)
 
 
 def quantize_keys(k: torch.Tensor, bits: int, group_size: int,
@@ -218,75 +214,77 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int,
 
     >>> codes, scale, zero = quantize_keys(k, 2, 32)  # k: [1, 8, 4096, 128] fp16 on CUDA
     """
-    B, H, T, D = _check_input("quantize_keys", "k", k, bits, valid)
-    if not isinstance(group_size, int) or group_size < 1 or T % group_size:
-        raise ValueError(f"quantize_keys: group_size must be a positive int dividing the token "
-                         f"count {T}, got {group_size!r}")
+    B, H, T, D = _check_input("quantize_keys", "k", k, bits, group_size, valid)
     G, NG = group_size, T // group_size
-    W, slots = -(-G // slots_per_column(bits)), slots_per_column(bits)
+    slots, W = slots_per_column(bits), -(-G // slots_per_column(bits))
     codes = torch.empty(B, H, NG * packed_length(G, bits), D, dtype=torch.int32, device=k.device)
     scale = torch.empty(B, H, NG, D, dtype=torch.float16, device=k.device)
     zero = torch.empty_like(scale)
     if codes.numel() == 0:
         return codes, scale, zero
     w_pad = triton.next_power_of_2(W)
-    block_d = max(1, min(triton.next_power_of_2(D), _TILE_ELEMENTS // (slots * w_pad)))
+    tile, _ = _TILES["cuda" if k.is_cuda else "cpu"]
+    # Stats span the whole group, so a program takes every token and splits the channels.
+    block_d = max(1, min(triton.next_power_of_2(D), tile // (slots * w_pad)))
     grid = (NG * triton.cdiv(D, block_d), H, B)
     vptr, vsb, vst = _valid_args(valid, k)
     _quantize_keys_kernel[grid](
         k, vptr, codes, scale, zero, H, NG, *k.stride(), vsb, vst,
-        D=D, G=G, BITS=bits, SLOTS=slots, W=W, W_PAD=w_pad, BLOCK_D=block_d,
+        D=D, G=G, BITS=bits, SLOTS=slots, W=W, W_PAD=w_pad, WORDS=packed_length(G, bits),
+        BLOCK_D=block_d, HAS_VALID=valid is not None, num_warps=_NUM_WARPS,
+    )
+    return codes, scale, zero
+
+
+def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: int,
+                    valid: torch.Tensor | None = None):
+    """Per-token value quantization over groups of ``value_group`` channels, in one Triton launch,
+    packed along tokens within blocks of ``group_size`` tokens like the keys.
+
+    Same contract as :func:`kvbits.reference.quant.quantize_values`.
+
+    Args:
+        v: ``[B, H, T, D]`` float16/bfloat16/float32, any strides, D a multiple of
+            ``value_group`` and T of ``group_size``.
+        bits: 2, 3, 4 or 8.
+        value_group: Gv, channels per (scale, zero).
+        group_size: G, tokens per packed block.
+        valid: optional ``[B, T]`` bool, False for padding tokens (codes, scale, zero all 0).
+
+    Returns:
+        ``codes [B, H, T // G * Wv, D] int32`` with ``Wv = packed_length(G, bits)``,
+        ``scale, zero [B, H, T, D // Gv] float16``; all contiguous.
+
+    >>> codes, scale, zero = quantize_values(v, 2, 32, 32)  # v: [1, 8, 4096, 128] fp16 on CUDA
+    """
+    B, H, T, D = _check_input("quantize_values", "v", v, bits, group_size, valid)
+    if not isinstance(value_group, int) or value_group < 1 or D % value_group:
+        raise ValueError(f"quantize_values: value_group must be a positive int dividing head_dim "
+                         f"{D}, got {value_group!r}")
+    G, NG, NGV = group_size, T // group_size, D // value_group
+    slots, W = slots_per_column(bits), -(-G // slots_per_column(bits))
+    codes = torch.empty(B, H, NG * packed_length(G, bits), D, dtype=torch.int32, device=v.device)
+    scale = torch.empty(B, H, T, NGV, dtype=torch.float16, device=v.device)
+    zero = torch.empty_like(scale)
+    if codes.numel() == 0:
+        return codes, scale, zero
+    gv_pad = triton.next_power_of_2(value_group)
+    tile, channels = _TILES["cuda" if v.is_cuda else "cpu"]
+    # Stats are per token, so a program takes whole channel groups and splits the columns.
+    block_ng = max(1, min(triton.next_power_of_2(NGV), channels // gv_pad))
+    block_w = max(1, min(triton.next_power_of_2(W), tile // (slots * block_ng * gv_pad)))
+    grid = (NG * triton.cdiv(W, block_w) * triton.cdiv(NGV, block_ng), H, B)
+    vptr, vsb, vst = _valid_args(valid, v)
+    _quantize_values_kernel[grid](
+        v, vptr, codes, scale, zero, H, NG, *v.stride(), vsb, vst,
+        D=D, G=G, GV=value_group, GV_PAD=gv_pad, NGV=NGV, BITS=bits, SLOTS=slots, W=W,
+        WORDS=packed_length(G, bits), BLOCK_W=block_w, BLOCK_NG=block_ng,
         HAS_VALID=valid is not None, num_warps=_NUM_WARPS,
     )
     return codes, scale, zero
 
 
-def quantize_values(v: torch.Tensor, bits: int, value_group: int,
-                    valid: torch.Tensor | None = None):
-    """Per-token value quantization over groups of ``value_group`` channels, in one Triton launch.
-
-    Same contract as :func:`kvbits.reference.quant.quantize_values`.
-
-    Args:
-        v: ``[B, H, T, D]`` float16/bfloat16/float32, any strides, D a multiple of ``value_group``.
-        bits: 2, 3, 4 or 8.
-        value_group: Gv, channels per group.
-        valid: optional ``[B, T]`` bool, False for padding tokens (codes, scale, zero all 0).
-
-    Returns:
-        ``codes [B, H, T, Wv] int32`` with ``Wv = packed_length(D, bits)``,
-        ``scale, zero [B, H, T, D // Gv] float16``; all contiguous.
-
-    >>> codes, scale, zero = quantize_values(v, 2, 32)  # v: [1, 8, 1, 128] fp16: one decode token
-    """
-    B, H, T, D = _check_input("quantize_values", "v", v, bits, valid)
-    if not isinstance(value_group, int) or value_group < 1 or D % value_group:
-        raise ValueError(f"quantize_values: value_group must be a positive int dividing head_dim "
-                         f"{D}, got {value_group!r}")
-    NGV = D // value_group
-    W, slots = -(-D // slots_per_column(bits)), slots_per_column(bits)
-    codes = torch.empty(B, H, T, packed_length(D, bits), dtype=torch.int32, device=v.device)
-    scale = torch.empty(B, H, T, NGV, dtype=torch.float16, device=v.device)
-    zero = torch.empty_like(scale)
-    if codes.numel() == 0:
-        return codes, scale, zero
-    gv_pad, ngv_pad = triton.next_power_of_2(value_group), triton.next_power_of_2(NGV)
-    block_t = max(1, min(triton.next_power_of_2(T), _TILE_ELEMENTS // (gv_pad * ngv_pad)))
-    w_pad = triton.next_power_of_2(W)
-    # The packed order (channel s * W + w) is the natural one when both tiles are exact.
-    natural = W == w_pad and slots * W == D and gv_pad == value_group and ngv_pad == NGV
-    grid = (triton.cdiv(T, block_t), H, B)
-    vptr, vsb, vst = _valid_args(valid, v)
-    _quantize_values_kernel[grid](
-        v, vptr, codes, scale, zero, H, T, *v.stride(), vsb, vst,
-        D=D, GV=value_group, GV_PAD=gv_pad, NGV=NGV, NGV_PAD=ngv_pad, BITS=bits, SLOTS=slots,
-        W=W, W_PAD=w_pad, BLOCK_T=block_t, NATURAL=natural, HAS_VALID=valid is not None,
-        num_warps=_NUM_WARPS,
-    )
-    return codes, scale, zero
-
-
-def _check_input(op: str, name: str, x: torch.Tensor, bits: int,
+def _check_input(op: str, name: str, x: torch.Tensor, bits: int, group_size: int,
                  valid: torch.Tensor | None) -> tuple[int, int, int, int]:
     """Validate shapes and dtypes (metadata only: no host sync); return ``(B, H, T, D)``."""
     if bits not in PACK_BITS:
@@ -296,6 +294,9 @@ def _check_input(op: str, name: str, x: torch.Tensor, bits: int,
     if x.dtype not in _DTYPES:
         raise ValueError(f"{op}: {name} must be float16, bfloat16 or float32, got {x.dtype}")
     B, H, T, D = x.shape
+    if not isinstance(group_size, int) or group_size < 1 or T % group_size:
+        raise ValueError(f"{op}: group_size must be a positive int dividing the token count {T}, "
+                         f"got {group_size!r}")
     if valid is not None:
         if valid.dtype != torch.bool or tuple(valid.shape) != (B, T):
             raise ValueError(f"{op}: valid must be a bool [B, T] = [{B}, {T}] tensor, got "
@@ -305,8 +306,8 @@ def _check_input(op: str, name: str, x: torch.Tensor, bits: int,
     return B, H, T, D
 
 
-def _valid_args(valid: torch.Tensor | None, x: torch.Tensor):
-    """Pointer and strides of the validity mask; ``x`` stands in (never read) when it is None."""
+def _valid_args(valid: torch.Tensor | None, x: torch.Tensor) -> tuple:
+    """``(pointer, stride_b, stride_t)`` of the validity mask; ``x`` stands in, never read."""
     if valid is None:
         return x, 0, 0
     return valid, valid.stride(0), valid.stride(1)
