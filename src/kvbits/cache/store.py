@@ -97,13 +97,21 @@ class LayerStore:
         if flush:
             self.flush()
 
-    def flush(self) -> None:
-        """Quantize the oldest whole groups of the residual while it holds >= R + G tokens."""
+    def flush(self, upto: int | None = None) -> None:
+        """Quantize the oldest whole groups of the residual while it holds >= R + G tokens.
+
+        ``upto``: flush as generation would have when the sequence held only its first ``upto``
+        tokens (tokens past that wait in the residual). Chunked attention uses it so that every
+        query row sees exactly the quantized/FP16 split it would see when decoded alone.
+        """
         s = self.spec
         if not s.quantized:
             return
         G = s.group_size
-        n_groups = (self.res_len - s.residual_length) // G
+        waiting = self.res_len
+        if upto is not None:
+            waiting = min(waiting, upto - self.sink_len - self.body_len)
+        n_groups = (waiting - s.residual_length) // G
         if n_groups <= 0:
             return
         n = n_groups * G

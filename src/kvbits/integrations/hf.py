@@ -362,14 +362,40 @@ def kvbits_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                                      scaling=scaling, is_causal=is_causal, **kwargs)
         store.flush()  # the prompt is quantized in one call, padding excluded
         return out
-    store.flush()
     window = kwargs.get("sliding_window")
     if window is None:
         window = layer.sliding_window
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    out = ops.decode_attention(query, store.view(), scale=scale, starts=store.starts,
-                               window=window)
+    out = _attend_as_generated(query, store, scale, window)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _attend_as_generated(query: torch.Tensor, store, scale: float, window) -> torch.Tensor:
+    """Attention of ``Lq`` new rows over the store, each row seeing exactly the quantized / FP16
+    split it would see if the tokens had been generated one at a time.
+
+    Row ``i`` (position ``p``) is decoded when the sequence holds ``p + 1`` tokens; the groups
+    flushed by then are quantized, later tokens are still FP16. Rows are processed in runs that
+    share one flush state (at most G rows each), flushing in between; ``lengths`` hides the
+    tokens after each run's last row, so causality holds inside the run.
+    """
+    total, lq = store.seq_len, query.shape[2]
+    spec = store.spec
+    if lq == 1 or not spec.quantized:
+        store.flush()
+        return ops.decode_attention(query, store.view(), scale=scale, starts=store.starts,
+                                    window=window)
+    first = total - lq  # tokens before the first new row
+    outs, i0 = [], 0
+    while i0 < lq:
+        store.flush(upto=first + i0 + 1)
+        next_flush = store.sink_len + store.body_len + spec.residual_length + spec.group_size
+        i1 = min(lq, next_flush - first - 1)
+        outs.append(ops.decode_attention(query[:, :, i0:i1], store.view(), scale=scale,
+                                         starts=store.starts, lengths=first + i1, window=window))
+        i0 = i1
+    store.flush()
+    return torch.cat(outs, dim=2)
 
 
 def register() -> None:
