@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+# Without a GPU, Triton kernels run in its interpreter. The flag must be set before anything
+# (transformers included) imports triton, or kernels get compiled for a GPU that is not there.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")

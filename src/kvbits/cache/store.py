@@ -15,6 +15,7 @@ import torch
 from .. import ops
 from ..formats.layout import PackedKV, body_bytes_per_token
 from ..formats.packing import packed_length
+from ..reference import quant as ref_quant
 from ..spec import QuantSpec
 
 
@@ -28,6 +29,7 @@ class LayerStore:
         self.dtype, self.device = dtype, torch.device(device)
         self.value_group = spec.value_group(head_dim)
         self.starts = torch.zeros(batch, dtype=torch.int32, device=self.device)
+        self._dense = None  # reference path only: see _dense_body
         self.sink_len = self.body_len = self.res_len = 0
         B, H, D = batch, kv_heads, head_dim
         fp = dict(dtype=dtype, device=self.device)
@@ -55,13 +57,41 @@ class LayerStore:
     def view(self) -> PackedKV:
         """The storage as a :class:`PackedKV` (views, no copies)."""
         s = self.spec
+        dense = self._dense_body() if not ops.use_kernels(self.res_k) else None
         return PackedKV(
             self.sink_k, self.sink_v, self.sink_len,
             self.k_codes, self.k_scale, self.k_zero,
             self.v_codes, self.v_scale, self.v_zero, self.body_len,
             self.res_k, self.res_v, self.res_len,
-            s.key_bits, s.value_bits, s.group_size, self.value_group,
+            s.key_bits, s.value_bits, s.group_size, self.value_group, dense,
         )
+
+    def _dense_body(self):
+        """float32 (K, V) of the body for the reference path, dequantized once per group.
+
+        Only the groups added since the last call are dequantized (the body is append-only), so
+        a CPU decode step costs the attention itself, not a dequantization of all history.
+        """
+        if not self.body_len:
+            return None
+        done = 0 if self._dense is None else self._dense[0].shape[2]
+        if done > self.body_len:  # the body shrank (crop, reset)
+            self._dense, done = None, 0
+        if done < self.body_len:
+            G = self.spec.group_size
+            g0, g1 = done // G, self.body_len // G
+            k = ref_quant.dequantize_keys(
+                self.k_codes[:, :, g0 * self.k_words: g1 * self.k_words].contiguous(),
+                self.k_scale[:, :, g0:g1], self.k_zero[:, :, g0:g1], self.spec.key_bits, G)
+            v = ref_quant.dequantize_values(
+                self.v_codes[:, :, g0 * self.v_words: g1 * self.v_words].contiguous(),
+                self.v_scale[:, :, done:self.body_len], self.v_zero[:, :, done:self.body_len],
+                self.spec.value_bits, self.value_group, G)
+            if self._dense is not None:
+                k = torch.cat([self._dense[0], k], dim=2)
+                v = torch.cat([self._dense[1], v], dim=2)
+            self._dense = (k, v)
+        return self._dense
 
     def nbytes(self) -> int:
         """Exact bytes of the tokens held: codes + scales + zeros + FP16 sink and residual."""
@@ -140,6 +170,7 @@ class LayerStore:
         index = index.to(self.device)
         for name in _BUFFERS:
             setattr(self, name, getattr(self, name).index_select(0, index))
+        self._dense = None
         self.starts = self.starts.index_select(0, index)
         self.batch = int(index.numel())
 
@@ -149,6 +180,7 @@ class LayerStore:
             length = max(0, self.seq_len + length)
         if length >= self.seq_len:
             return
+        self._dense = None
         body_end = self.sink_len + self.body_len
         if length >= body_end:
             self.res_len = length - body_end

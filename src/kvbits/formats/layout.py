@@ -52,6 +52,10 @@ class PackedKV:
     value_bits: int
     group_size: int
     value_group: int
+    # Optional float32 (K, V) of the first ``body_len`` body tokens, already dequantized: the
+    # CPU reference path keeps one so it does not dequantize the whole history at every step.
+    # Kernels never read it; the packed tensors stay the source of truth.
+    dense_body: tuple | None = None
 
     @property
     def total_len(self) -> int:

@@ -22,7 +22,10 @@ def dequantize_layer(kv: PackedKV, dtype: torch.dtype = torch.float32):
     """Full-precision ``(K, V)`` of shape ``[B, H, total_len, D]`` in logical token order."""
     keys = [kv.sink_k[:, :, : kv.sink_len].to(dtype)]
     values = [kv.sink_v[:, :, : kv.sink_len].to(dtype)]
-    if kv.body_len:
+    if kv.body_len and kv.dense_body is not None:
+        keys.append(kv.dense_body[0][:, :, : kv.body_len].to(dtype))
+        values.append(kv.dense_body[1][:, :, : kv.body_len].to(dtype))
+    elif kv.body_len:
         n_groups = kv.body_len // kv.group_size
         keys.append(dequantize_keys(kv.k_codes, kv.k_scale[:, :, :n_groups], kv.k_zero[:, :, :n_groups],
                                     kv.key_bits, kv.group_size, dtype))
@@ -52,14 +55,14 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     """Attention of ``q [B, Hq, Lq, D]`` over the packed layer; returns ``[B, Hq, Lq, D]``."""
     B, Hq, Lq, D = q.shape
     keys, values = dequantize_layer(kv)  # [B, Hkv, T, D]
-    group = Hq // kv.kv_heads
-    keys = keys.repeat_interleave(group, dim=1)
-    values = values.repeat_interleave(group, dim=1)
-    scores = torch.einsum("bhqd,bhtd->bhqt", q.float(), keys) * scale
-    mask = attention_mask(B, Lq, keys.shape[2], q.device, starts, lengths, window)[:, None]
+    Hkv = kv.kv_heads
+    qg = q.float().reshape(B, Hkv, Hq // Hkv, Lq, D)  # query head h reads KV head h // group
+    scores = torch.einsum("bhgqd,bhtd->bhgqt", qg, keys) * scale
+    mask = attention_mask(B, Lq, keys.shape[2], q.device, starts, lengths, window)[:, None, None]
     scores = scores.masked_fill(~mask, -torch.inf)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows that see nothing -> zeros
-    return torch.einsum("bhqt,bhtd->bhqd", probs, values).to(q.dtype)
+    out = torch.einsum("bhgqt,bhtd->bhgqd", probs, values)
+    return out.reshape(B, Hq, Lq, D).to(q.dtype)
 
 
 def _per_seq(x, batch: int, default: int, device) -> torch.Tensor:
