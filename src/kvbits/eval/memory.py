@@ -1,0 +1,249 @@
+"""KV-cache memory arithmetic: bytes per token, max context, max batch. No model, no download.
+
+For a model with ``L`` layers, ``H`` KV heads of ``D`` channels:
+
+* FP16 (``DynamicCache``): ``L * 2 * H * D * 2`` bytes per token (K and V, 2 bytes each).
+* kvbits: every token that reached the packed body costs
+  ``L * H * body_bytes_per_token(D, key_bits, value_bits, G, Gv)`` (codes + FP16 scales and
+  zeros, see :func:`kvbits.formats.layout.body_bytes_per_token`). On top of that each sequence
+  keeps a *fixed* FP16 part: the ``S`` sink tokens and a residual of between ``R`` and
+  ``R + G - 1`` recent tokens (keys move to the body a whole group at a time). This module counts
+  the worst case, ``S + R + G - 1`` FP16 tokens per sequence (fewer when the sequence is shorter).
+
+Layers with a sliding window are counted like full-attention layers (kvbits keeps their whole
+history; see :mod:`kvbits.integrations.hf`), so the numbers are an upper bound for such models.
+
+>>> r = kv_memory("llama-3-8b", "kivi-2", context=131072)
+>>> r.fp16_bytes_per_token, r.body_bytes_per_token
+(131072, 24576.0)
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+
+from ..formats.layout import body_bytes_per_token, fp_bytes_per_token
+from ..spec import QuantSpec, resolve_spec
+
+__all__ = [
+    "NAMED_CONFIGS",
+    "KVShape",
+    "MemoryReport",
+    "format_bytes",
+    "kv_memory",
+    "kv_shape",
+    "memory_table",
+    "parse_bytes",
+]
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What the KV cache size depends on, plus the parameter count (for FP16 weight bytes)."""
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    params: int | None = None  # total parameters, None when unknown
+
+
+# Published configurations (config.json of each model), written here so that no download is needed.
+NAMED_CONFIGS: dict[str, KVShape] = {
+    "llama-2-7b": KVShape("llama-2-7b", 32, 32, 128, 6_738_415_616),
+    "llama-2-13b": KVShape("llama-2-13b", 40, 40, 128, 13_015_864_320),
+    "llama-3-8b": KVShape("llama-3-8b", 32, 8, 128, 8_030_261_248),
+    "llama-3-70b": KVShape("llama-3-70b", 80, 8, 128, 70_553_706_496),
+    "mistral-7b": KVShape("mistral-7b", 32, 8, 128, 7_241_732_096),
+    "smollm2": KVShape("smollm2", 30, 3, 64, 134_515_008),
+    "qwen2.5-0.5b": KVShape("qwen2.5-0.5b", 24, 2, 64, 494_032_768),
+    "gemma3-270m": KVShape("gemma3-270m", 18, 1, 256, 268_098_176),
+}
+
+
+def kv_shape(config) -> KVShape:
+    """A :class:`KVShape` from a name in :data:`NAMED_CONFIGS` or a transformers config object.
+
+    A config object needs ``num_hidden_layers`` and ``num_attention_heads``; ``num_key_value_heads``
+    defaults to the attention heads and ``head_dim`` to ``hidden_size // num_attention_heads``.
+    """
+    if isinstance(config, KVShape):
+        return config
+    if isinstance(config, str):
+        if config not in NAMED_CONFIGS:
+            raise ValueError(f"unknown config {config!r}; named configs are: "
+                             f"{', '.join(NAMED_CONFIGS)} (or pass a transformers config)")
+        return NAMED_CONFIGS[config]
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    try:
+        layers = int(config.num_hidden_layers)
+        q_heads = int(config.num_attention_heads)
+    except AttributeError as exc:
+        raise ValueError(f"config {type(config).__name__} lacks {exc.name!r}: need "
+                         "num_hidden_layers and num_attention_heads") from None
+    kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads
+    name = getattr(config, "_name_or_path", "") or getattr(config, "model_type", "config")
+    return KVShape(str(name), layers, int(kv_heads), int(head_dim))
+
+
+@dataclass
+class MemoryReport:
+    """KV-cache bytes of one model configuration under one QuantSpec (all layers, K + V).
+
+    ``body_bytes_per_token`` is the marginal cost of a token once in the packed body;
+    ``fixed_fp16_tokens`` / ``fixed_fp16_bytes`` the worst-case FP16 sink + residual of one
+    sequence. ``total_bytes`` = ``batch`` sequences of ``context`` tokens. ``max_context`` (for
+    ``batch``) and ``max_batch`` (for ``context``) use ``gpu_memory - weights_bytes``; they are
+    None when no GPU memory is given.
+    """
+
+    config: str
+    preset: str
+    spec: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    fp16_bytes_per_token: int
+    body_bytes_per_token: float
+    fixed_fp16_tokens: int
+    fixed_fp16_bytes: int
+    context: int
+    batch: int
+    total_bytes: int
+    fp16_total_bytes: int
+    compression: float
+    gpu_memory: int | None = None
+    weights_bytes: int = 0
+    max_context: int | None = None
+    max_batch: int | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def kv_memory(config, preset: str | QuantSpec = "kivi-2", context: int = 4096, batch: int = 1,
+              gpu_memory: int | None = None, weights_bytes: int = 0,
+              **overrides) -> MemoryReport:
+    """KV-cache memory of ``batch`` sequences of ``context`` tokens, and what fits on a GPU.
+
+    Args:
+        config: a name of :data:`NAMED_CONFIGS` (``"llama-3-8b"``, ...) or a transformers config.
+        preset: a preset name or a :class:`QuantSpec`; ``overrides`` replace spec fields.
+        context, batch: tokens per sequence and number of sequences.
+        gpu_memory: bytes of GPU memory; with it, ``max_context`` and ``max_batch`` are filled in.
+        weights_bytes: bytes already taken (model weights, activations) out of ``gpu_memory``.
+    """
+    shape = kv_shape(config)
+    spec = resolve_spec(preset, **overrides)
+    if context < 0 or batch < 1:
+        raise ValueError(f"context must be >= 0 and batch >= 1, got context={context}, batch={batch}")
+    fp_tok = shape.layers * shape.kv_heads * fp_bytes_per_token(shape.head_dim)
+    if spec.quantized:
+        body_tok = shape.layers * shape.kv_heads * body_bytes_per_token(
+            shape.head_dim, spec.key_bits, spec.value_bits, spec.group_size,
+            spec.value_group(shape.head_dim))
+        fixed = spec.sink_tokens + spec.residual_length + spec.group_size - 1
+    else:
+        body_tok, fixed = float(fp_tok), 0
+    report = MemoryReport(
+        config=shape.name, preset=preset if isinstance(preset, str) else spec.describe(),
+        spec=spec.describe(), layers=shape.layers, kv_heads=shape.kv_heads,
+        head_dim=shape.head_dim, fp16_bytes_per_token=fp_tok, body_bytes_per_token=body_tok,
+        fixed_fp16_tokens=fixed, fixed_fp16_bytes=fixed * fp_tok, context=context, batch=batch,
+        total_bytes=batch * _sequence_bytes(context, fp_tok, body_tok, fixed),
+        fp16_total_bytes=batch * context * fp_tok, compression=0.0,
+        gpu_memory=gpu_memory, weights_bytes=weights_bytes)
+    report.compression = report.fp16_total_bytes / report.total_bytes if report.total_bytes else 1.0
+    if gpu_memory is not None:
+        free = gpu_memory - weights_bytes
+        if free <= 0:
+            raise ValueError(f"weights_bytes ({format_bytes(weights_bytes)}) leave no room in "
+                             f"gpu_memory ({format_bytes(gpu_memory)})")
+        report.max_context = _max_context(free // batch, fp_tok, body_tok, fixed)
+        per_seq = _sequence_bytes(context, fp_tok, body_tok, fixed)
+        report.max_batch = int(free // per_seq) if per_seq else None
+    return report
+
+
+def _sequence_bytes(tokens: int, fp_tok: int, body_tok: float, fixed: int) -> int:
+    """Worst-case bytes of one sequence: up to ``fixed`` FP16 tokens, the rest in the body."""
+    n_fp = min(tokens, fixed)
+    return math.ceil(n_fp * fp_tok + (tokens - n_fp) * body_tok)
+
+
+def _max_context(budget: int, fp_tok: int, body_tok: float, fixed: int) -> int:
+    """Largest token count whose :func:`_sequence_bytes` fits in ``budget`` bytes."""
+    if budget < fixed * fp_tok:
+        return int(budget // fp_tok)
+    n = fixed + int((budget - fixed * fp_tok) // body_tok)
+    while n > 0 and _sequence_bytes(n, fp_tok, body_tok, fixed) > budget:  # float rounding
+        n -= 1
+    return n
+
+
+# ------------------------------------------------------------------------------ units and tables
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"80GB"`` -> 80e9, ``"80GiB"`` or ``"80G"`` -> 80 * 2**30, ``"1.5e9"`` -> 1500000000.
+
+    GB/MB/KB/TB are decimal (SI), GiB/G and friends binary.
+    """
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size: use a number with an optional unit "
+                         "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB, K, M, G, T "
+                         "(powers of 1024), e.g. 80GB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: float) -> str:
+    """``131072`` -> ``"128.0 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.0f} B" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    raise AssertionError  # pragma: no cover
+
+
+def memory_table(reports: list[MemoryReport]) -> str:
+    """A Markdown table of several reports (one row each)."""
+    has_gpu = any(r.gpu_memory is not None for r in reports)
+    head = ["config", "preset", "spec", "bytes/token (body)", "FP16 bytes/token",
+            "fixed FP16/seq", "KV total", "vs FP16"]
+    if has_gpu:
+        head += ["max context", "max batch"]
+    rows = []
+    for r in reports:
+        row = [r.config, r.preset, r.spec, f"{r.body_bytes_per_token:,.0f}",
+               f"{r.fp16_bytes_per_token:,}",
+               f"{r.fixed_fp16_tokens} tok = {format_bytes(r.fixed_fp16_bytes)}",
+               f"{format_bytes(r.total_bytes)} ({r.batch} x {r.context:,} tok)",
+               f"{r.compression:.2f}x"]
+        if has_gpu:
+            row += [f"{r.max_context:,}" if r.max_context is not None else "-",
+                    f"{r.max_batch:,}" if r.max_batch is not None else "-"]
+        rows.append(row)
+    return markdown_table(head, rows)
+
+
+def markdown_table(head: list[str], rows: list[list[str]]) -> str:
+    """A GitHub Markdown table with padded columns."""
+    cells = [head] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
+
+    def line(r: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(head), sep] + [line(r) for r in cells[1:]])

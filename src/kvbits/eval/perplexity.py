@@ -1,0 +1,213 @@
+"""Perplexity measured *through* a KV cache, the way generation uses it.
+
+A perplexity from one full forward pass per window would never read the cache: every token would
+attend to its history in full precision. Here the text is fed in chunks (``chunk_size`` tokens,
+256 by default, down to 1) into a fresh cache per window, so every scored token attends to the
+history exactly as the cache stores it (quantized body, FP16 residual and sink). The logits of a
+chunk score the tokens that follow each of its positions (the last logit of a chunk scores the
+first token of the next chunk); the first token of a window is never scored. FP16 goes through the
+same procedure (the ``"fp16"`` preset of :class:`kvbits.integrations.hf.KVBitsCache`).
+
+How a chunk sees its own tokens depends on the cache: :class:`KVBitsCache` appends the chunk, moves
+whole groups beyond the residual to the packed body, then attends, so with ``chunk_size`` larger
+than the residual some keys of the chunk are read back quantized by the chunk's own later queries
+(at least as lossy as token-by-token decoding; ``chunk_size=1`` is exactly decoding).
+
+Windows: a text longer than ``window`` tokens (default: the model's ``max_position_embeddings``,
+capped at 8192) is cut into windows, each with its own fresh cache. By default they do not overlap
+(``stride = window``), so every token but the first of each window is scored once, with between 0
+and ``window - 1`` tokens of context. With ``stride < window`` windows start every ``stride``
+tokens and each scores only the tokens that no earlier window scored (the classic strided
+evaluation: more context per token, ``window / stride`` times the compute).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["cache_kwargs", "cache_nbytes", "default_window", "perplexity", "plan_windows"]
+
+
+def cache_kwargs(model, cache) -> dict:
+    """``{"cache": cache}`` where the model's ``forward`` takes ``cache=`` (transformers >= 5.2x,
+    where ``past_key_values=`` is deprecated), else ``{"past_key_values": cache}``."""
+    import inspect
+
+    params = inspect.signature(type(model).forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache}
+
+
+def default_window(model, cap: int = 8192) -> int:
+    """The model's ``max_position_embeddings`` (text config), capped at ``cap``."""
+    config = model.config.get_text_config(decoder=True)
+    n = getattr(config, "max_position_embeddings", None) or cap
+    return int(min(n, cap))
+
+
+def plan_windows(n_tokens: int, window: int, stride: int | None = None) -> list[tuple[int, int, int]]:
+    """``(start, end, score_from)`` per window: tokens ``[start, end)`` are fed, and the tokens at
+    positions ``[score_from, end)`` are scored (``score_from > start``: a window's first token has
+    no context).
+
+    >>> plan_windows(10, 4)
+    [(0, 4, 1), (4, 8, 5), (8, 10, 9)]
+    >>> plan_windows(10, 4, stride=2)
+    [(0, 4, 1), (2, 6, 4), (4, 8, 6), (6, 10, 8)]
+    """
+    if window < 2:
+        raise ValueError(f"window must be >= 2 tokens, got {window}")
+    stride = window if stride is None else stride
+    if not 1 <= stride <= window:
+        raise ValueError(f"stride must be in [1, window={window}], got {stride}")
+    out, scored_to, start = [], 0, 0
+    while True:
+        end = min(start + window, n_tokens)
+        if end - start < 2 and out:
+            break
+        out.append((start, end, max(start + 1, scored_to)))
+        scored_to = end
+        if end >= n_tokens:
+            break
+        start += stride
+    return out
+
+
+@torch.no_grad()
+def perplexity(model, input_ids: torch.Tensor, make_cache: Callable[[], object],
+               chunk_size: int = 256, window: int | None = None, stride: int | None = None,
+               progress: bool = True, desc: str | None = None) -> dict:
+    """Perplexity of ``input_ids`` with the KV cache that ``make_cache()`` returns.
+
+    Args:
+        model: a transformers causal LM (eval mode).
+        input_ids: ``[1, T]`` int64 token ids.
+        make_cache: called once per window for a fresh cache, e.g.
+            ``lambda: KVBitsCache(model, "kivi-2")`` or an HF ``QuantizedCache`` factory
+            (:func:`kvbits.eval.hf_baseline.hf_quantized_cache_factory`).
+        chunk_size: tokens fed per forward pass (1 = token by token, as in decoding).
+        window, stride: see the module docstring; ``window=None`` uses :func:`default_window`.
+        progress: show a tqdm bar over chunks.
+
+    Returns:
+        a dict with ``ppl``, ``nll_sum`` (natural log), ``tokens_scored``, ``tokens``,
+        ``windows``, ``window``, ``stride``, ``chunk_size``, ``cache_bytes`` (exact bytes the
+        cache held at the end of the first window, in the model's dtype),
+        ``cache_bytes_fp16`` (the same cache if the model ran in FP16: FP parts at 2 bytes per
+        element), ``fp16_cache_bytes`` (what an FP16 ``DynamicCache`` would hold for the first
+        window), ``seconds`` and ``tokens_per_second``.
+
+    >>> perplexity(model, ids, lambda: KVBitsCache(model, "kivi-4"))["ppl"]  # doctest: +SKIP
+    20.395...
+    """
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must be [1, T], got {tuple(input_ids.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    n = input_ids.shape[1]
+    if n < 2:
+        raise ValueError(f"need at least 2 tokens to score one, got {n}")
+    window = default_window(model) if window is None else window
+    plan = plan_windows(n, window, stride)
+    input_ids = input_ids.to(model.device)
+    n_chunks = sum(math.ceil((end - start) / chunk_size) for start, end, _ in plan)
+    bar = _progress(n_chunks, progress, desc)
+    nll, scored, first = 0.0, 0, {}
+    t0 = time.perf_counter()
+    for w, (start, end, score_from) in enumerate(plan):
+        cache = make_cache()
+        kw = cache_kwargs(model, cache)
+        for c0 in range(start, end, chunk_size):
+            c1 = min(c0 + chunk_size, end)
+            logits = model(input_ids[:, c0:c1], use_cache=True, **kw).logits
+            # logits[:, i] predicts the token at c0 + i + 1: score those in [score_from, end)
+            lo, hi = max(score_from, c0 + 1), min(c1 + 1, end)
+            if hi > lo:
+                pred = logits[0, lo - 1 - c0:hi - 1 - c0].float()
+                nll += torch.nn.functional.cross_entropy(
+                    pred, input_ids[0, lo:hi], reduction="sum").item()
+                scored += hi - lo
+            if scored:
+                bar.set_postfix(ppl=f"{math.exp(nll / scored):.3f}", refresh=False)
+            bar.update(1)
+        if w == 0:
+            first = _cache_sizes(cache, model, end - start)
+        del cache
+    bar.close()
+    seconds = time.perf_counter() - t0
+    return {
+        "ppl": math.exp(nll / scored), "nll_sum": nll, "tokens_scored": scored, "tokens": n,
+        "windows": len(plan), "window": window, "stride": stride or window,
+        "chunk_size": chunk_size, **first, "seconds": seconds,
+        "tokens_per_second": sum(e - s for s, e, _ in plan) / seconds,
+    }
+
+
+def _progress(total: int, enabled: bool, desc: str | None):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, disable=not enabled, desc=desc or "perplexity", unit="chunk",
+                leave=False, dynamic_ncols=True)
+
+
+def _cache_sizes(cache, model, tokens: int) -> dict:
+    """Bytes held by ``cache`` (see :func:`cache_nbytes`) and by an FP16 DynamicCache."""
+    from .memory import kv_shape
+
+    shape = kv_shape(model.config)
+    fp16 = tokens * shape.layers * shape.kv_heads * 2 * shape.head_dim * 2
+    return {"cache_bytes": cache_nbytes(cache), "cache_bytes_fp16": cache_nbytes(cache, fp16=True),
+            "fp16_cache_bytes": fp16}
+
+
+def cache_nbytes(cache, fp16: bool = False) -> int:
+    """Bytes held by a transformers cache: KVBitsCache, QuantizedCache (quanto, HQQ) or dynamic.
+
+    ``fp16=True`` counts every floating-point element at 2 bytes (the size the cache would have
+    in an FP16 model); integer codes are counted as stored.
+    """
+    if hasattr(cache, "stores"):  # KVBitsCache
+        return _kvbits_nbytes(cache, fp16)
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
+            total += _tensor_bytes(getattr(layer, name, None), fp16)
+    return total
+
+
+def _kvbits_nbytes(cache, fp16: bool) -> int:
+    if not fp16:
+        return cache.nbytes()
+    from ..formats.layout import body_bytes_per_token
+
+    total = 0.0
+    for s in cache.stores:
+        if s is None:
+            continue
+        fp = 2 * (s.sink_len + s.res_len) * s.head_dim * 2
+        body = s.body_len * body_bytes_per_token(s.head_dim, s.spec.key_bits, s.spec.value_bits,
+                                                 s.spec.group_size, s.value_group)
+        total += s.batch * s.kv_heads * (fp + body)
+    return round(total)
+
+
+def _tensor_bytes(obj, fp16: bool) -> int:
+    """Bytes of the tensors in ``obj``: a tensor (quanto QTensors through their inner tensors),
+    or a tuple / list / dict of them (HQQ keeps ``(codes, meta)``)."""
+    if obj is None:
+        return 0
+    if isinstance(obj, torch.Tensor):
+        flatten = getattr(obj, "__tensor_flatten__", None)
+        if flatten is not None and type(obj) is not torch.Tensor:
+            names, _ = flatten()
+            return sum(_tensor_bytes(getattr(obj, name), fp16) for name in names)
+        size = 2 if fp16 and obj.is_floating_point() else obj.element_size()
+        return obj.numel() * size
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v, fp16) for v in obj.values())
+    if isinstance(obj, (tuple, list)):
+        return sum(_tensor_bytes(v, fp16) for v in obj)
+    return 0

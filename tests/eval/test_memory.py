@@ -1,0 +1,125 @@
+"""KV memory arithmetic against the formula, against a real LayerStore, and its edge cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbits.eval.memory import (
+    NAMED_CONFIGS,
+    KVShape,
+    format_bytes,
+    kv_memory,
+    kv_shape,
+    memory_table,
+    parse_bytes,
+)
+from kvbits.spec import resolve_spec
+
+
+@pytest.mark.parametrize("name,shape", [
+    ("llama-2-7b", (32, 32, 128)), ("llama-3-8b", (32, 8, 128)), ("smollm2", (30, 3, 64)),
+    ("qwen2.5-0.5b", (24, 2, 64)), ("gemma3-270m", (18, 1, 256))])
+def test_named_configs(name, shape):
+    s = NAMED_CONFIGS[name]
+    assert (s.layers, s.kv_heads, s.head_dim) == shape
+    r = kv_memory(name, "fp16", context=1)
+    assert r.fp16_bytes_per_token == shape[0] * 2 * shape[1] * shape[2] * 2
+
+
+def test_llama3_8b_fp16_and_kivi():
+    fp = kv_memory("llama-3-8b", "fp16", context=131072)
+    assert fp.fp16_bytes_per_token == 131072 and fp.body_bytes_per_token == 131072
+    assert fp.fixed_fp16_tokens == 0 and fp.total_bytes == 131072 * 131072 == fp.fp16_total_bytes
+    k2 = kv_memory("llama-3-8b", "kivi-2", context=131072)  # G=32, R=128, S=0
+    # per head and token: K codes 2*128/8 + K scale/zero 2*2*128/32 + V codes 32 + V meta 16 = 96
+    assert k2.body_bytes_per_token == 24576 == 32 * 8 * 96
+    assert k2.fixed_fp16_tokens == 128 + 32 - 1
+    assert k2.total_bytes == 159 * 131072 + (131072 - 159) * 24576
+    assert k2.compression == pytest.approx(131072 * 131072 / k2.total_bytes)
+    assert kv_memory("llama-3-8b", "kivi-4").body_bytes_per_token == 32 * 8 * 160
+
+
+def test_sink_and_overrides_enter_the_fixed_part():
+    r = kv_memory("llama-3-8b", "kivi-2", context=1000, sink_tokens=4, residual_length=64,
+                  group_size=128)
+    assert r.fixed_fp16_tokens == 4 + 64 + 127
+    assert r.body_bytes_per_token == 32 * 8 * (32 + 4 + 32 + 4)  # value groups of 128 too
+
+
+def test_short_context_is_all_fp16():
+    r = kv_memory("smollm2", "kivi-2", context=100, batch=3)
+    assert r.total_bytes == 3 * 100 * r.fp16_bytes_per_token and r.compression == 1.0
+
+
+def test_max_context_and_batch_fit_exactly():
+    gpu, weights = parse_bytes("80GB"), 16 * 10**9
+    for preset in ("fp16", "kivi-4", "kivi-2"):
+        r = kv_memory("llama-3-8b", preset, context=32768, batch=4, gpu_memory=gpu,
+                      weights_bytes=weights)
+        free = gpu - weights
+        per_seq = kv_memory("llama-3-8b", preset, context=r.max_context).total_bytes
+        over = kv_memory("llama-3-8b", preset, context=r.max_context + 1).total_bytes
+        assert 4 * per_seq <= free < 4 * over
+        one = kv_memory("llama-3-8b", preset, context=32768).total_bytes
+        assert r.max_batch == free // one
+    assert kv_memory("llama-3-8b", "fp16", context=131072, gpu_memory=gpu,
+                     weights_bytes=weights).max_batch == 3
+
+
+def test_formula_matches_a_real_layer_store():
+    """The worst case is exact when the residual holds R + G - 1 tokens (here 159)."""
+    from kvbits.cache.store import LayerStore
+
+    spec = resolve_spec("kivi-2")
+    store = LayerStore(spec, batch=1, kv_heads=2, head_dim=64, dtype=torch.float16, device="cpu")
+    T = 159 + 4 * 32
+    k, v = torch.randn(2, 1, 2, T, 64, dtype=torch.float16)
+    store.append(k, v)
+    if hasattr(store, "flush"):  # appends may defer the flush to the attention
+        store.flush()
+    assert store.res_len == 159 and store.body_len == 128
+    r = kv_memory(KVShape("one-layer", 1, 2, 64), "kivi-2", context=T)
+    assert r.total_bytes == store.nbytes()
+
+
+def test_hf_config_object_matches_named():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         hidden_size=4096)
+    shape = kv_shape(config)
+    assert (shape.layers, shape.kv_heads, shape.head_dim) == (32, 8, 128)
+    assert kv_memory(config, "kivi-2").body_bytes_per_token == 24576
+
+
+def test_errors_name_the_parameter():
+    with pytest.raises(ValueError, match="unknown config 'llama-9'.*llama-3-8b"):
+        kv_memory("llama-9", "kivi-2")
+    with pytest.raises(ValueError, match="unknown preset 'kivi-7'"):
+        kv_memory("llama-3-8b", "kivi-7")
+    with pytest.raises(ValueError, match="weights_bytes"):
+        kv_memory("llama-3-8b", "kivi-2", gpu_memory=10**9, weights_bytes=2 * 10**9)
+    with pytest.raises(ValueError, match="batch"):
+        kv_memory("llama-3-8b", "kivi-2", batch=0)
+
+
+@pytest.mark.parametrize("text,value", [("80GB", 80 * 10**9), ("80GiB", 80 * 2**30),
+                                        ("80G", 80 * 2**30), ("1.5e9", 1_500_000_000),
+                                        ("512 MiB", 512 * 2**20), ("100", 100)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "GB", "80XB", "-1GB", "eighty"])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(ValueError, match="size"):
+        parse_bytes(text)
+
+
+def test_table_and_format():
+    assert format_bytes(131072) == "128.0 KiB" and format_bytes(12) == "12 B"
+    table = memory_table([kv_memory("smollm2", p, context=4096, gpu_memory=parse_bytes("8GB"))
+                          for p in ("fp16", "kivi-2")])
+    lines = table.splitlines()
+    assert len(lines) == 4 and "max context" in lines[0] and "kivi-2" in lines[3]

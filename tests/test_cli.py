@@ -1,0 +1,151 @@
+"""The kvbits command: help texts, argument errors, variant syntax, memory numbers, a tiny ppl run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvbits.cli import build_parser, main, parse_hf_variants, parse_presets
+
+COMMANDS = ("demo", "generate", "ppl", "memory")
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("command", (None, *COMMANDS))
+def test_help(capsys, command):
+    code, out, _ = run(capsys, *([command] if command else []), "--help")
+    assert code == 0 and out.startswith("usage: kvbits")
+    if command is None:
+        assert all(c in out for c in COMMANDS)
+    else:
+        assert f"kvbits {command}" in out and "--model" in out or "--config" in out
+
+
+def test_every_subcommand_is_tested():
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert set(sub.choices) == set(COMMANDS)
+
+
+# ------------------------------------------------------------------------------ variants
+def test_parse_presets_syntax():
+    vs = parse_presets("fp16, kivi-4,kivi-2:residual_length=0,G=64 ,kivi-2,R=16,k4v2:bits=3")
+    assert [v.label for v in vs] == ["fp16", "kivi-4", "kivi-2:residual_length=0,G=64",
+                                     "kivi-2:R=16", "k4v2:bits=3"]
+    assert vs[2].spec.residual_length == 0 and vs[2].spec.group_size == 64
+    assert vs[3].spec.residual_length == 16 and vs[3].spec.group_size == 32
+    assert (vs[4].spec.key_bits, vs[4].spec.value_bits) == (3, 3)
+
+
+def test_parse_presets_defaults_apply_to_quantized_presets_only_and_yield_to_overrides():
+    fp, k2, k2r = parse_presets("fp16,kivi-2,kivi-2:R=0", group_size=64, residual_length=32)
+    assert fp.spec.residual_length == 0 and not fp.spec.quantized
+    assert (k2.spec.group_size, k2.spec.residual_length) == (64, 32)
+    assert (k2r.spec.group_size, k2r.spec.residual_length) == (64, 0)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("kivi-9", "unknown preset 'kivi-9'.*kivi-2"),
+    ("kivi-2:Q=1", "bad override 'Q=1'.*residual_length"),
+    ("kivi-2:R", "bad override 'R'"),
+    ("kivi-2:R=abc", "residual_length in 'kivi-2:R=abc' must be an integer"),
+    ("kivi-2:G=48", "group_size must be one of 32, 64, 128"),
+    ("kivi-2:K=5", "key_bits must be one of 2, 3, 4, 8"),
+    ("kivi-2:R=-1", "residual_length must be an integer >= 0"),
+    (",", "at least one preset"),
+])
+def test_parse_presets_errors(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_presets(text)
+
+
+def test_parse_hf_variants():
+    vs = parse_hf_variants("quanto:int4,quanto:int2:axis_key=-1,R=64,hqq:int2,axis_key=1")
+    assert [v.label for v in vs] == ["HF quanto:int4", "HF quanto:int2:axis_key=-1,R=64",
+                                     "HF hqq:int2:axis_key=1"]
+    assert vs[1].spec.kwargs() == {"nbits": 2, "axis_key": -1, "residual_length": 64}
+    assert vs[0].spec.kwargs() == {"nbits": 4}
+
+
+@pytest.mark.parametrize("text,match", [
+    ("quanto", "bad item 'quanto'.*BACKEND:intN"), ("gptq:int4", "bad item"),
+    ("quanto:int3", "nbits for backend 'quanto' must be one of 2, 4"),
+    ("quanto:int2:axis_key=1", "axis_key for backend 'quanto' must be one of 0, -1"),
+    ("hqq:int2:axis=1", "bad override 'axis=1'"),
+])
+def test_parse_hf_variants_errors(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_hf_variants(text)
+
+
+# --------------------------------------------------------------------------- bad arguments
+@pytest.mark.parametrize("argv,match", [
+    (["ppl", "--presets", "kivi-9"], "--presets: unknown preset"),
+    (["ppl", "--hf-quantized", "quanto:int8"], "--hf-quantized"),
+    (["ppl", "--chunk", "0"], "argument --chunk: expected a positive integer"),
+    (["ppl", "--group-size", "48"], "argument --group-size: invalid choice: 48"),
+    (["generate", "--prompt", "x", "--residual-length", "-3"], "--residual-length"),
+    (["generate"], "--prompt"),
+    (["memory", "--gpu-memory", "lots"], "cannot read 'lots' as a size"),
+    (["memory", "--config", "llama-9"], "--config: 'llama-9' is neither a named config"),
+    (["memory", "--preset", "kivi-2:R=x"], "must be an integer"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+])
+def test_bad_arguments_name_the_parameter(capsys, argv, match):
+    import re
+
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and re.search(match, err), err
+
+
+# ---------------------------------------------------------------------------------- memory
+def test_memory_command(capsys, tmp_path):
+    path = tmp_path / "m.json"
+    code, out, _ = run(capsys, "memory", "--config", "llama-3-8b", "--preset", "fp16,kivi-2",
+                       "--context", "131072", "--gpu-memory", "80GB", "--json", str(path))
+    assert code == 0 and "| llama-3-8b | kivi-2" in out.replace("  ", " ").replace("  ", " ")
+    fp, k2 = json.loads(path.read_text())
+    assert fp["fp16_bytes_per_token"] == 131072 and k2["body_bytes_per_token"] == 24576
+    assert k2["fixed_fp16_tokens"] == 159 and k2["weights_bytes"] == 2 * 8_030_261_248
+    assert k2["max_batch"] > fp["max_batch"] == 3
+    assert k2["preset"] == "kivi-2"
+
+
+def test_memory_command_with_overrides_and_explicit_weights(capsys, tmp_path):
+    path = tmp_path / "m.json"
+    code, _, _ = run(capsys, "memory", "--config", "smollm2", "--preset", "kivi-2:R=0",
+                     "--group-size", "128", "--gpu-memory", "1GiB", "--weights", "0",
+                     "--json", str(path))
+    (r,) = json.loads(path.read_text())
+    assert code == 0 and r["fixed_fp16_tokens"] == 127 and r["weights_bytes"] == 0
+
+
+# ------------------------------------------------------------------------------ real model
+@pytest.mark.model
+def test_ppl_command_writes_json_and_markdown(smollm2, capsys, tmp_path):
+    model, _ = smollm2
+    impl = model.config._attn_implementation
+    js, md = tmp_path / "r.json", tmp_path / "r.md"
+    try:
+        code, out, _ = run(capsys, "ppl", "--model", "smollm2", "--tokens", "160", "--chunk", "64",
+                           "--presets", "fp16,kivi-2:R=0", "--no-progress",
+                           "--json", str(js), "--md", str(md))
+    finally:
+        model.set_attn_implementation(impl)
+    assert code == 0 and "kivi-2:R=0" in out
+    data = json.loads(js.read_text())
+    assert data["command"].startswith("kvbits ppl --model smollm2 --tokens 160")
+    assert data["tokens"] == 160 and data["model"] == "smollm2"
+    assert {"torch", "transformers"} <= set(data["versions"]) and data["date"]
+    fp, q = data["results"]
+    assert fp["tokens_scored"] == q["tokens_scored"] == 159
+    assert q["cache_bytes_fp16"] < fp["cache_bytes_fp16"] == fp["fp16_cache_bytes"]
+    assert "| fp16" in md.read_text()
