@@ -30,11 +30,11 @@ def main() -> None:
             q = torch.randn(B, hq, 1, 128, dtype=torch.float16, device="cuda")
             nb = packed_nbytes(kv)
             best = None
-            for warps, tile, mult in itertools.product((4, 8), (16, 32, 64), (None, 1, 4)):
+            for warps, tile, mult in itertools.product((4, 8), (64, 128, 256), (None, 1, 4)):
                 splits = None if mult is None else max(1, mult * 132 // (B * hkv))
                 try:
                     fn = lambda: decode_attention(q, kv, scale=0.088, num_warps=warps,  # noqa: E731
-                                                  tile_rows=tile, splits=splits)
+                                                  tile_tokens=tile, splits=splits)
                     us = do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
                 except Exception as e:  # a config the compiler rejects is reported, not fatal
                     print(f"{preset} B={B} Hkv={hkv} T={T} w={warps} tile={tile} split={splits}: "

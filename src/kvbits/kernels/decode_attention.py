@@ -18,7 +18,6 @@ packed codes, the scales and zeros, the FP16 windows, Q, and the small per-split
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
@@ -167,8 +166,6 @@ def _decode_kernel(
             first = tl.maximum(first, length - Lq - window + 1 - sink_len)
         g_lo = tl.maximum(g_lo, tl.maximum(first, 0) // G)
         g_hi = tl.minimum(g_hi, (length - sink_len + G - 1) // G)
-        KROWS: tl.constexpr = 3 * (G // 32) if KBITS == 3 else G * KBITS // 32  # words per group
-        VROWS: tl.constexpr = 3 * (G // 32) if VBITS == 3 else G * VBITS // 32
         kc_base = KC + bh64 * kc_cap * D  # int64 bases; int32 offsets inside one slice
         vc_base = VC + bh64 * vc_cap * D
         ks_base = KS + bh64 * ks_cap * D
