@@ -8,12 +8,16 @@ extra ``pip install "kvbits[incumbents]"``:
 * ``quanto`` (``optimum-quanto``): nbits 2 or 4, min-max per group of ``q_group_size`` (default
   64). ``axis=0`` (default for keys and values): groups of consecutive channels of one token,
   i.e. **per-token**; ``axis=-1``: groups of consecutive tokens of one channel, i.e.
-  **per-channel** (KIVI's choice for keys).
+  **per-channel** (KIVI's choice for keys). With ``axis=-1`` quanto needs ``batch * kv_heads *
+  tokens`` divisible by ``q_group_size`` at every re-quantization (the prompt, then each time the
+  residual fills): chunks of 256 are fine, token-by-token decoding from a 1-token prompt fails.
 * ``hqq``: nbits 1, 2, 3, 4 or 8, min-max refined by HQQ's half-quadratic optimizer.
   ``axis=1``: groups of consecutive channels of one token (**per-token**); ``axis=0`` (default):
   the flattened ``[B, H, T, D]`` tensor is cut into ``q_group_size`` equal slices and a group is
-  the elements at one offset in every slice (one channel, tokens ``T / q_group_size`` apart for a
-  single sequence and head: roughly per-channel).
+  the elements at one offset in every slice: one channel, every ``B*H*T / q_group_size``-th row of
+  the flattened (sequence, head, token) rows, so a group mixes heads (and sequences). On SmolLM2
+  that is unusable at 2 bits (PPL in the thousands); ``axis=1`` is the axis HQQ itself
+  recommends.
 
 Only full-attention models are accepted by ``QuantizedCache`` (not Gemma3's sliding layers).
 """

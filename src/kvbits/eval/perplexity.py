@@ -8,10 +8,12 @@ chunk score the tokens that follow each of its positions (the last logit of a ch
 first token of the next chunk); the first token of a window is never scored. FP16 goes through the
 same procedure (the ``"fp16"`` preset of :class:`kvbits.integrations.hf.KVBitsCache`).
 
-How a chunk sees its own tokens depends on the cache: :class:`KVBitsCache` appends the chunk, moves
-whole groups beyond the residual to the packed body, then attends, so with ``chunk_size`` larger
-than the residual some keys of the chunk are read back quantized by the chunk's own later queries
-(at least as lossy as token-by-token decoding; ``chunk_size=1`` is exactly decoding).
+How a chunk sees its own tokens depends on the cache. :class:`KVBitsCache` attends each query row
+of a chunk with the FP16/quantized split that row would see in token-by-token decoding, so the
+chunk size barely matters (SmolLM2, kivi-2, 1024 tokens: 26.51 with chunks of 256, 26.44 with 64,
+26.45 token by token); only the first chunk of a window is a prefill at full precision.
+transformers' ``QuantizedCache`` attends a chunk's own keys in full precision and quantizes them
+afterwards, which favours it more the larger the chunk.
 
 Windows: a text longer than ``window`` tokens (default: the model's ``max_position_embeddings``,
 capped at 8192) is cut into windows, each with its own fresh cache. By default they do not overlap
