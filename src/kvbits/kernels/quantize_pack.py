@@ -196,6 +196,15 @@ def _quantize_values_kernel(
     _store_packed(words, q, slot, (w[:, None, None] < W) & c_ok, W * D, BITS)
 
 
+def _packed_outputs(x: torch.Tensor, bits: int, G: int, NG: int, param_shape: tuple):
+    """Empty ``codes [B, H, NG * Wg, D] int32`` (packed along tokens in groups of G) and FP16
+    ``scale``, ``zero`` of ``[B, H, *param_shape]``, on ``x``'s device."""
+    B, H, _, D = x.shape
+    codes = torch.empty(B, H, NG * packed_length(G, bits), D, dtype=torch.int32, device=x.device)
+    scale = torch.empty(B, H, *param_shape, dtype=torch.float16, device=x.device)
+    return codes, scale, torch.empty_like(scale)
+
+
 def quantize_keys(k: torch.Tensor, bits: int, group_size: int,
                   valid: torch.Tensor | None = None):
     """Per-channel key quantization over groups of ``group_size`` tokens, in one Triton launch.
@@ -217,9 +226,7 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int,
     B, H, T, D = _check_input("quantize_keys", "k", k, bits, group_size, valid)
     G, NG = group_size, T // group_size
     slots, W = slots_per_column(bits), -(-G // slots_per_column(bits))
-    codes = torch.empty(B, H, NG * packed_length(G, bits), D, dtype=torch.int32, device=k.device)
-    scale = torch.empty(B, H, NG, D, dtype=torch.float16, device=k.device)
-    zero = torch.empty_like(scale)
+    codes, scale, zero = _packed_outputs(k, bits, G, NG, (NG, D))
     if codes.numel() == 0:
         return codes, scale, zero
     w_pad = triton.next_power_of_2(W)
@@ -263,9 +270,7 @@ def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: in
                          f"{D}, got {value_group!r}")
     G, NG, NGV = group_size, T // group_size, D // value_group
     slots, W = slots_per_column(bits), -(-G // slots_per_column(bits))
-    codes = torch.empty(B, H, NG * packed_length(G, bits), D, dtype=torch.int32, device=v.device)
-    scale = torch.empty(B, H, T, NGV, dtype=torch.float16, device=v.device)
-    zero = torch.empty_like(scale)
+    codes, scale, zero = _packed_outputs(v, bits, G, NG, (T, NGV))
     if codes.numel() == 0:
         return codes, scale, zero
     gv_pad = triton.next_power_of_2(value_group)
