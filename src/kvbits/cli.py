@@ -7,6 +7,7 @@ what is fetched or converted is logged to stderr, results go to stdout.
     kvbits generate --model smollm2 --preset kivi-2 --prompt "The capital of France is"
     kvbits ppl --model smollm2 --text sotu-2010-2016 --presets fp16,kivi-4,kivi-2:R=0
     kvbits memory --config llama-3-8b --preset kivi-2 --context 131072 --gpu-memory 80GB
+    kvbits calibrate --model smollm2 --text sotu-pre-2000 --preset kvquant-3 -o kvq3.safetensors
 """
 
 from __future__ import annotations
@@ -29,8 +30,12 @@ from .spec import PRESETS, QuantSpec, resolve_spec
 # HF:      BACKEND:intN[:FIELD=VALUE[,...]]             e.g. quanto:int2:axis_key=-1
 # In a comma-separated list an item FIELD=VALUE (no colon) continues the previous item.
 KVBITS_ALIASES = {"R": "residual_length", "G": "group_size", "S": "sink_tokens",
-                  "K": "key_bits", "V": "value_bits"}
-KVBITS_FIELDS = ("key_bits", "value_bits", "group_size", "residual_length", "sink_tokens", "bits")
+                  "K": "key_bits", "V": "value_bits", "O": "outliers", "P": "pre_rope"}
+KVBITS_FIELDS = ("key_bits", "value_bits", "group_size", "residual_length", "sink_tokens", "bits",
+                 "pre_rope", "outliers", "codebook", "qnorm", "fisher")
+_BOOL_FIELDS = ("pre_rope", "qnorm", "fisher")
+_FLOAT_FIELDS = ("outliers",)
+_STR_FIELDS = ("codebook",)
 HF_ALIASES = {"R": "residual_length", "G": "q_group_size"}
 HF_FIELDS = ("axis_key", "axis_value", "q_group_size", "residual_length")
 
@@ -68,10 +73,21 @@ def _parse_fields(label: str, text: str, aliases: dict, allowed: tuple, option: 
         if not eq or name not in allowed:
             raise ValueError(f"{option}: bad override {pair!r} in {label!r}; use FIELD=VALUE with "
                              f"FIELD one of {', '.join(allowed)} (or {', '.join(aliases)})")
+        value = value.strip()
+        if name in _BOOL_FIELDS:
+            if value.lower() not in ("0", "1", "true", "false"):
+                raise ValueError(f"{option}: {name} in {label!r} must be 0/1/true/false, "
+                                 f"got {value!r}")
+            out[name] = value.lower() in ("1", "true")
+            continue
+        if name in _STR_FIELDS:
+            out[name] = value
+            continue
         try:
-            out[name] = int(value)
+            out[name] = float(value) if name in _FLOAT_FIELDS else int(value)
         except ValueError:
-            raise ValueError(f"{option}: {name} in {label!r} must be an integer, got {value!r}") from None
+            kind = "a number" if name in _FLOAT_FIELDS else "an integer"
+            raise ValueError(f"{option}: {name} in {label!r} must be {kind}, got {value!r}") from None
     return out
 
 
@@ -125,14 +141,24 @@ def parse_hf_variants(text: str) -> list[Variant]:
     return variants
 
 
-def make_cache_factory(model, variant: Variant):
-    """A ``make_cache`` callable for :func:`kvbits.eval.perplexity.perplexity`."""
+def make_cache_factory(model, variant: Variant, calib_text: str = "sotu-pre-2000",
+                       calib_tokens: int = 4096):
+    """A ``make_cache`` callable for :func:`kvbits.eval.perplexity.perplexity`.
+
+    kvquant variants are calibrated once (on ``calib_text``, cached under the kvbits cache
+    folder; a different text than the evaluation's)."""
     if variant.kind == "hf":
         from .eval.hf_baseline import hf_quantized_cache_factory
 
         return hf_quantized_cache_factory(model, variant.spec)
     from .integrations.hf import KVBitsCache
 
+    if variant.spec.calibrated:
+        from .methods.kvquant import auto_calibration
+
+        cal = auto_calibration(model, variant.spec, preset=variant.label, text=calib_text,
+                               tokens=calib_tokens, log=_log)
+        return lambda: KVBitsCache(model, variant.spec, calibration=cal)
     return lambda: KVBitsCache(model, variant.spec)
 
 
@@ -203,6 +229,8 @@ class PplConfig:
     json_path: str | None = None
     md_path: str | None = None
     progress: bool = True
+    calib_text: str = "sotu-pre-2000"
+    calib_tokens: int = 4096
 
 
 def run_ppl(cfg: PplConfig, command: str) -> list[dict]:
@@ -217,7 +245,8 @@ def run_ppl(cfg: PplConfig, command: str) -> list[dict]:
     results: list[dict] = []
     for v in cfg.variants:
         _log(f"{v.label}: {v.describe()}")
-        r = perplexity(model, ids, make_cache_factory(model, v), chunk_size=cfg.chunk,
+        factory = make_cache_factory(model, v, cfg.calib_text, cfg.calib_tokens)
+        r = perplexity(model, ids, factory, chunk_size=cfg.chunk,
                        window=cfg.window, stride=cfg.stride, progress=cfg.progress, desc=v.label)
         results.append({"label": v.label, "kind": v.kind, "spec": v.describe(),
                          "spec_fields": asdict(v.spec), **r})
@@ -256,8 +285,46 @@ def _cmd_ppl(args) -> int:
     if args.hf_quantized:
         variants += parse_hf_variants(args.hf_quantized)
     cfg = PplConfig(args.model, args.text, variants, args.tokens, args.chunk, args.window,
-                    args.stride, args.json, args.md, not args.no_progress)
+                    args.stride, args.json, args.md, not args.no_progress, args.calib_text,
+                    args.calib_tokens)
     run_ppl(cfg, shlex.join(["kvbits", *args.argv]))
+    return 0
+
+
+# ----------------------------------------------------------------------------------- calibrate
+@dataclass
+class CalibrateConfig:
+    model: str = "smollm2"
+    text: str = "sotu-pre-2000"
+    variant: Variant | None = None
+    tokens: int = 4096
+    window: int = 512
+    output: str | None = None
+
+
+def run_calibrate(cfg: CalibrateConfig) -> Path:
+    """Fit and save the kvquant codebooks of ``cfg.model`` for ``cfg.variant``."""
+    from .methods import kvquant as kvq
+
+    spec = cfg.variant.spec
+    if not spec.calibrated:
+        raise ValueError(f"--preset: {cfg.variant.label!r} is method {spec.method!r}; only "
+                         "'kvquant' presets are calibrated (e.g. kvquant-3)")
+    model, _, ids = _load(cfg.model, cfg.text, cfg.tokens)
+    t0 = time.perf_counter()
+    cal = kvq.calibrate(model, ids, spec, model_name=cfg.model, preset=cfg.variant.label,
+                        data=f"{cfg.text}:{ids.shape[1]} tokens", window=cfg.window, log=_log)
+    out = Path(cfg.output) if cfg.output else kvq.calibration_path(model, spec, cfg.text, cfg.tokens)
+    cal.save(out)
+    _log(f"calibrated {len(cal.layers)} layers in {time.perf_counter() - t0:.0f} s")
+    print(out)
+    return out
+
+
+def _cmd_calibrate(args) -> int:
+    (variant,) = parse_presets(args.preset)
+    run_calibrate(CalibrateConfig(args.model, args.text, variant, args.tokens, args.window,
+                                  args.output))
     return 0
 
 
@@ -469,8 +536,9 @@ def _spec_options(p: argparse.ArgumentParser) -> None:
 
 
 PRESET_HELP = ("preset name ({}), optionally with overrides PRESET:FIELD=VALUE,... where FIELD is "
-               "key_bits, value_bits, bits, group_size, residual_length, sink_tokens "
-               "(or K, V, G, R, S), e.g. kivi-2:R=0").format(", ".join(PRESETS))
+               "key_bits, value_bits, bits, group_size, residual_length, sink_tokens, pre_rope, "
+               "outliers, codebook, qnorm, fisher (or K, V, G, R, S, P, O), e.g. kivi-2:R=0, "
+               "kvquant-3:O=0.02").format(", ".join(PRESETS))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -529,8 +597,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write results, command and versions as JSON")
     p.add_argument("--md", metavar="PATH", help="write the table and command as Markdown")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--calib-text", default="sotu-pre-2000",
+                   help="text kvquant presets are calibrated on, once, cached (default "
+                   "sotu-pre-2000: disjoint from the evaluation text)")
+    p.add_argument("--calib-tokens", type=_positive, default=4096,
+                   help="calibration tokens (default 4096)")
     _spec_options(p)
     p.set_defaults(func=_cmd_ppl)
+
+    p = sub.add_parser("calibrate", help="fit kvquant codebooks on calibration text",
+                       description="Runs the model on calibration text (with a backward pass for "
+                       "Fisher weights) and writes the per-layer kvquant codebooks as safetensors "
+                       "(metadata: model, preset, data, date). Load them with "
+                       "KVBitsCache(model, preset, calibration=PATH).")
+    p.add_argument("--model", default="smollm2", help=f"model: {model_help} (default smollm2)")
+    p.add_argument("--text", default="sotu-pre-2000",
+                   help="calibration text (default sotu-pre-2000; evaluate on another one)")
+    p.add_argument("--preset", default="kvquant-3", help="a kvquant " + PRESET_HELP)
+    p.add_argument("--tokens", type=_positive, default=4096, help="tokens (default 4096)")
+    p.add_argument("--window", type=_positive, default=512,
+                   help="tokens per forward/backward pass (default 512)")
+    p.add_argument("-o", "--output", metavar="PATH",
+                   help="output .safetensors (default: the kvbits cache, where `kvbits ppl` "
+                   "finds it)")
+    p.set_defaults(func=_cmd_calibrate)
 
     p = sub.add_parser("memory", help="KV cache bytes per token, max context and max batch",
                        description="KV-cache memory of a model configuration under presets "
@@ -550,6 +640,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the reports as JSON")
     _spec_options(p)
     p.set_defaults(func=_cmd_memory)
+
+    from .evalcli import register as _register_evidence  # bench, needle
+
+    _register_evidence(sub)
     return parser
 
 

@@ -501,6 +501,7 @@ def _hub_offline() -> Iterator[None]:
 def _finish(model, tokenizer, device):
     model = model.to(device)
     model.eval()
+    model._kvbits_tokenizer = tokenizer  # kvquant auto-calibration tokenizes its text with it
     gen = getattr(model, "generation_config", None)
     if gen is not None and gen.pad_token_id is None:
         eos = gen.eos_token_id if gen.eos_token_id is not None else tokenizer.eos_token_id

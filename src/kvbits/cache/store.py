@@ -6,6 +6,11 @@ or more, its oldest whole groups of G are quantized in one call and moved to the
 is quantized exactly once, from its original values: history is never re-quantized.
 
 Left padding is tracked per sequence (``starts``) so padding never enters a group's min/max.
+
+KVQuant (``spec.method == "kvquant"``): the store also holds the layer's codebooks and the
+per-token outliers of the body (see :mod:`kvbits.methods.kvquant`); with ``spec.pre_rope`` the
+keys are un-rotated (at position ``t - starts[b]``) right before they are quantized, and the
+dequantized body keys are rotated back. Both run through the PyTorch reference for now.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import torch
 from .. import ops
 from ..formats.layout import PackedKV, body_bytes_per_token
 from ..formats.packing import packed_length
-from ..reference import quant as ref_quant
+from ..methods import kvquant as kvq
+from ..reference.attention import dequantize_body
+from ..reference import rope as ref_rope
 from ..spec import QuantSpec
 
 
@@ -23,7 +30,11 @@ class LayerStore:
     """K/V of one decoder layer for ``batch`` sequences of ``kv_heads`` heads of ``head_dim``."""
 
     def __init__(self, spec: QuantSpec, batch: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str,
+                 codebooks: kvq.LayerCodebooks | None = None,
+                 inv_freq: torch.Tensor | None = None):
+        """``codebooks``: the layer's kvquant tables (uniform = KIVI codes when None);
+        ``inv_freq [head_dim / 2]``: the layer's RoPE frequencies, needed when ``spec.pre_rope``."""
         self.spec = spec
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
@@ -48,6 +59,33 @@ class LayerStore:
         self.v_codes = torch.empty(B, H, 0, D, **i32)
         self.v_scale = torch.empty(B, H, 0, n_vgroups, **f16)
         self.v_zero = torch.empty(B, H, 0, n_vgroups, **f16)
+        self.kvquant = spec.method == "kvquant"
+        self.n_out = spec.n_outliers(D) if self.kvquant else 0
+        self.codebooks = None
+        if self.kvquant:
+            cb = codebooks or kvq.uniform_codebooks(H, spec.key_bits, spec.value_bits)
+            want = ((H, 1 << spec.key_bits), (H, 1 << spec.value_bits))
+            got = (tuple(cb.k_codebook.shape), tuple(cb.v_codebook.shape))
+            if got != want:
+                raise ValueError(f"codebooks have shapes {got}, this layer needs {want} "
+                                 "([kv_heads, 2**bits] for K and V)")
+            self.codebooks = cb.to(self.device)
+        idx_dtype = kvq.outlier_index_dtype(D)
+        n = self.n_out
+        self.k_out_idx = torch.empty(B, H, 0, n, dtype=idx_dtype, device=self.device)
+        self.k_out_val = torch.empty(B, H, 0, n, **f16)
+        self.v_out_idx = torch.empty(B, H, 0, n, dtype=idx_dtype, device=self.device)
+        self.v_out_val = torch.empty(B, H, 0, n, **f16)
+        self.inv_freq = None
+        if spec.pre_rope and spec.quantized:
+            if inv_freq is None:
+                raise ValueError("QuantSpec.pre_rope=True needs the layer's RoPE inv_freq "
+                                 "(KVBitsCache reads it from the model)")
+            if inv_freq.numel() * 2 != D:
+                raise NotImplementedError(
+                    f"pre_rope: inv_freq has {inv_freq.numel()} frequencies for head_dim {D} "
+                    "(partial rotary embeddings are not supported); use pre_rope=False")
+            self.inv_freq = inv_freq.float().to(self.device)
 
     # ------------------------------------------------------------------ state
     @property
@@ -57,13 +95,20 @@ class LayerStore:
     def view(self) -> PackedKV:
         """The storage as a :class:`PackedKV` (views, no copies)."""
         s = self.spec
-        dense = self._dense_body() if not ops.use_kernels(self.res_k) else None
+        reference = not ops.use_kernels(self.res_k) or self.kvquant or self.inv_freq is not None
+        dense = self._dense_body() if reference else None
+        n = self.n_out > 0
         return PackedKV(
             self.sink_k, self.sink_v, self.sink_len,
             self.k_codes, self.k_scale, self.k_zero,
             self.v_codes, self.v_scale, self.v_zero, self.body_len,
             self.res_k, self.res_v, self.res_len,
             s.key_bits, s.value_bits, s.group_size, self.value_group, dense,
+            k_codebook=self.codebooks.k_codebook if self.kvquant else None,
+            v_codebook=self.codebooks.v_codebook if self.kvquant else None,
+            k_out_idx=self.k_out_idx if n else None, k_out_val=self.k_out_val if n else None,
+            v_out_idx=self.v_out_idx if n else None, v_out_val=self.v_out_val if n else None,
+            rope_inv_freq=self.inv_freq,
         )
 
     def _dense_body(self):
@@ -78,28 +123,43 @@ class LayerStore:
         if done > self.body_len:  # the body shrank (crop, reset)
             self._dense, done = None, 0
         if done < self.body_len:
-            G = self.spec.group_size
-            g0, g1 = done // G, self.body_len // G
-            k = ref_quant.dequantize_keys(
-                self.k_codes[:, :, g0 * self.k_words: g1 * self.k_words].contiguous(),
-                self.k_scale[:, :, g0:g1], self.k_zero[:, :, g0:g1], self.spec.key_bits, G)
-            v = ref_quant.dequantize_values(
-                self.v_codes[:, :, g0 * self.v_words: g1 * self.v_words].contiguous(),
-                self.v_scale[:, :, done:self.body_len], self.v_zero[:, :, done:self.body_len],
-                self.spec.value_bits, self.value_group, G)
+            k, v = dequantize_body(self.view_raw(), done, self.body_len, self.starts)
             if self._dense is not None:
                 k = torch.cat([self._dense[0], k], dim=2)
                 v = torch.cat([self._dense[1], v], dim=2)
             self._dense = (k, v)
         return self._dense
 
-    def nbytes(self) -> int:
-        """Exact bytes of the tokens held: codes + scales + zeros + FP16 sink and residual."""
-        fp = 2 * (self.sink_len + self.res_len) * self.head_dim * self.res_k.element_size()
+    def view_raw(self) -> PackedKV:
+        """:meth:`view` without the dequantized body (what a kernel reads)."""
+        s = self.spec
+        n = self.n_out > 0
+        return PackedKV(
+            self.sink_k, self.sink_v, self.sink_len,
+            self.k_codes, self.k_scale, self.k_zero,
+            self.v_codes, self.v_scale, self.v_zero, self.body_len,
+            self.res_k, self.res_v, self.res_len,
+            s.key_bits, s.value_bits, s.group_size, self.value_group, None,
+            k_codebook=self.codebooks.k_codebook if self.kvquant else None,
+            v_codebook=self.codebooks.v_codebook if self.kvquant else None,
+            k_out_idx=self.k_out_idx if n else None, k_out_val=self.k_out_val if n else None,
+            v_out_idx=self.v_out_idx if n else None, v_out_val=self.v_out_val if n else None,
+            rope_inv_freq=self.inv_freq,
+        )
+
+    def nbytes(self, fp_itemsize: int | None = None) -> int:
+        """Exact bytes of the tokens held: codes + scales + zeros (+ outliers and the layer's
+        codebooks for kvquant) + the FP sink and residual (``fp_itemsize`` bytes per element:
+        default the model dtype's; 2 to count them as an FP16 model would)."""
+        itemsize = self.res_k.element_size() if fp_itemsize is None else fp_itemsize
+        fp = 2 * (self.sink_len + self.res_len) * self.head_dim * itemsize
         body = self.body_len * body_bytes_per_token(
             self.head_dim, self.spec.key_bits, self.spec.value_bits, self.spec.group_size,
-            self.value_group)
-        return int(round(self.batch * self.kv_heads * (fp + body)))
+            self.value_group, self.n_out)
+        tables = 0
+        if self.kvquant and self.body_len:
+            tables = 4 * (self.codebooks.k_codebook.numel() + self.codebooks.v_codebook.numel())
+        return int(round(self.batch * self.kv_heads * (fp + body) + tables))
 
     # ------------------------------------------------------------------ writes
     def set_padding(self, starts: torch.Tensor) -> None:
@@ -149,8 +209,26 @@ class LayerStore:
         positions = self.sink_len + self.body_len + torch.arange(n, device=self.device)
         valid = positions[None, :] >= self.starts[:, None]  # [B, n]
         valid = None if bool(valid.all()) else valid
-        k_codes, k_scale, k_zero = ops.quantize_keys(k, s.key_bits, G, valid)
-        v_codes, v_scale, v_zero = ops.quantize_values(v, s.value_bits, self.value_group, G, valid)
+        first = self.sink_len + self.body_len
+        if self.inv_freq is not None:  # pre-RoPE keys: undo the model's rotation
+            pos = ref_rope.token_positions(self.starts, first, n)
+            k = ref_rope.unrotate(k, pos, self.inv_freq)
+        if self.kvquant:
+            cb = self.codebooks
+            k_codes, k_scale, k_zero, k_oi, k_ov = kvq.quantize_keys(
+                k, s.key_bits, G, cb.k_codebook, cb.k_thresholds, self.n_out, valid)
+            v_codes, v_scale, v_zero, v_oi, v_ov = kvq.quantize_values(
+                v, s.value_bits, self.value_group, G, cb.v_codebook, cb.v_thresholds,
+                self.n_out, valid)
+            if self.n_out:
+                self.k_out_idx = _write(self.k_out_idx, self.body_len, k_oi)
+                self.k_out_val = _write(self.k_out_val, self.body_len, k_ov)
+                self.v_out_idx = _write(self.v_out_idx, self.body_len, v_oi)
+                self.v_out_val = _write(self.v_out_val, self.body_len, v_ov)
+        else:
+            k_codes, k_scale, k_zero = ops.quantize_keys(k, s.key_bits, G, valid)
+            v_codes, v_scale, v_zero = ops.quantize_values(v, s.value_bits, self.value_group, G,
+                                                           valid)
         g0 = self.body_len // G
         self.k_codes = _write(self.k_codes, g0 * self.k_words, k_codes)
         self.k_scale = _write(self.k_scale, g0, k_scale)
@@ -208,7 +286,7 @@ class LayerStore:
 
 
 _BUFFERS = ("sink_k", "sink_v", "res_k", "res_v", "k_codes", "k_scale", "k_zero",
-            "v_codes", "v_scale", "v_zero")
+            "v_codes", "v_scale", "v_zero", "k_out_idx", "k_out_val", "v_out_idx", "v_out_val")
 
 
 def _write(buf: torch.Tensor, at: int, x: torch.Tensor) -> torch.Tensor:

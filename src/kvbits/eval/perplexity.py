@@ -183,17 +183,7 @@ def cache_nbytes(cache, fp16: bool = False) -> int:
 def _kvbits_nbytes(cache, fp16: bool) -> int:
     if not fp16:
         return cache.nbytes()
-    from ..formats.layout import body_bytes_per_token
-
-    total = 0.0
-    for s in cache.stores:
-        if s is None:
-            continue
-        fp = 2 * (s.sink_len + s.res_len) * s.head_dim * 2
-        body = s.body_len * body_bytes_per_token(s.head_dim, s.spec.key_bits, s.spec.value_bits,
-                                                 s.spec.group_size, s.value_group)
-        total += s.batch * s.kv_heads * (fp + body)
-    return round(total)
+    return sum(s.nbytes(fp_itemsize=2) for s in cache.stores if s is not None)
 
 
 def _tensor_bytes(obj, fp16: bool) -> int:

@@ -16,6 +16,21 @@ Logical token order of a sequence: ``sink | body | residual``.
   attention probabilities instead of to every element.
 * ``res_k``, ``res_v``: ``[B, H, R_cap, D]`` model dtype; the first ``res_len`` are used.
 
+KVQuant additions (all optional, ``None`` for plain KIVI; see :mod:`kvbits.methods.kvquant`):
+
+* ``k_codebook [H, 2**key_bits]``, ``v_codebook [H, 2**value_bits]`` float32, sorted, in code
+  units: a body element dequantizes to ``codebook[h, code] * scale + zero`` instead of
+  ``code * scale + zero`` (one table lookup; the codes, scales and zeros keep the layout above).
+* ``k_out_idx``, ``v_out_idx [B, H, T_cap, n_out]`` uint8 (int16 when ``D > 256``) and
+  ``k_out_val``, ``v_out_val [B, H, T_cap, n_out]`` float16, indexed by *body* token (like
+  ``v_scale``): token ``t`` of head ``h`` adds ``out_val[b, h, t, j]`` to channel
+  ``out_idx[b, h, t, j]`` of its dequantized K (resp. V) vector, for ``j < n_out``. A padding
+  token has index 0 and value 0.
+* ``rope_inv_freq [D / 2]`` float32: the body keys are stored *pre-RoPE*. After dequantizing
+  (outliers included), body token ``j`` is rotated at position ``p = sink_len + j - starts[b]``:
+  ``k * cos + rotate_half(k) * sin`` with ``angle = p * inv_freq`` repeated over both halves of D
+  (transformers' Llama convention). Sink and residual keys stay post-RoPE.
+
 Lengths are shared by the batch (as in transformers' caches); per-sequence validity is given to
 the ops separately (``starts``: left padding, ``lengths``: ragged ends). A dequantized value is
 ``code * scale + zero``: the reference computes it in float32, the decode kernel in float16
@@ -56,6 +71,21 @@ class PackedKV:
     # CPU reference path keeps one so it does not dequantize the whole history at every step.
     # Kernels never read it; the packed tensors stay the source of truth.
     dense_body: tuple | None = None
+    # KVQuant (see the module docstring); None for plain KIVI.
+    k_codebook: torch.Tensor | None = None
+    v_codebook: torch.Tensor | None = None
+    k_out_idx: torch.Tensor | None = None
+    k_out_val: torch.Tensor | None = None
+    v_out_idx: torch.Tensor | None = None
+    v_out_val: torch.Tensor | None = None
+    rope_inv_freq: torch.Tensor | None = None
+
+    @property
+    def is_plain(self) -> bool:
+        """Plain KIVI body (uniform codes, no outliers, post-RoPE keys): what the fused decode
+        kernel reads today."""
+        return all(x is None for x in (self.k_codebook, self.v_codebook, self.k_out_idx,
+                                       self.v_out_idx, self.rope_inv_freq))
 
     @property
     def total_len(self) -> int:
@@ -75,17 +105,21 @@ class PackedKV:
 
 
 def body_bytes_per_token(head_dim: int, key_bits: int, value_bits: int, group_size: int,
-                         value_group: int) -> float:
+                         value_group: int, outliers: int = 0) -> float:
     """Bytes one token of one KV head occupies in the packed body (K and V, codes + scale + zero).
 
     Keys: ``Wk * 4 * D / G`` bytes of codes (= bits * D / 8) plus an FP16 scale and zero per
     channel per G tokens; values: the same code bytes plus an FP16 scale and zero per Gv channels.
+    ``outliers`` per vector (KVQuant) add an index (1 byte, 2 when D > 256) and an FP16 value
+    each, for K and for V. Per-layer codebooks are a constant, not counted here.
     """
+    index_bytes = 1 if head_dim <= 256 else 2
+    sparse = 2 * outliers * (index_bytes + 2)
     key_codes = packed_length(group_size, key_bits) * 4 * head_dim / group_size
     key_meta = 2 * 2 * head_dim / group_size
     value_codes = packed_length(group_size, value_bits) * 4 * head_dim / group_size
     value_meta = 2 * 2 * head_dim / value_group
-    return key_codes + key_meta + value_codes + value_meta
+    return key_codes + key_meta + value_codes + value_meta + sparse
 
 
 def fp_bytes_per_token(head_dim: int, itemsize: int = 2) -> int:

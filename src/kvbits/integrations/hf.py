@@ -92,9 +92,12 @@ class KVBitsLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, spec: QuantSpec, sliding_window: int | None = None, cache=None):
+    def __init__(self, spec: QuantSpec, sliding_window: int | None = None, cache=None,
+                 codebooks=None, inv_freq: torch.Tensor | None = None):
         super().__init__()
         self.spec = spec
+        self.codebooks = codebooks  # kvquant: this layer's LayerCodebooks
+        self.inv_freq = inv_freq  # pre_rope: this layer's RoPE frequencies
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.store: LayerStore | None = None
@@ -110,7 +113,8 @@ class KVBitsLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ CacheLayerMixin API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape
-        self.store = LayerStore(self.spec, B, H, D, key_states.dtype, key_states.device)
+        self.store = LayerStore(self.spec, B, H, D, key_states.dtype, key_states.device,
+                                codebooks=self.codebooks, inv_freq=self.inv_freq)
         self.device = key_states.device
         self.is_initialized = True
 
@@ -129,7 +133,7 @@ class KVBitsLayer(CacheLayerMixin):
         if self._cache is not None:
             self._cache._warn_slow_path()
         store.flush()
-        keys, values = dequantize_layer(store.view(), key_states.dtype)
+        keys, values = dequantize_layer(store.view(), key_states.dtype, starts=store.starts)
         return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -213,6 +217,12 @@ class KVBitsCache(Cache):
             ``config.get_text_config()``: ``num_hidden_layers``, ``layer_types`` and
             ``sliding_window``.
         spec: a preset name (see :data:`kvbits.spec.PRESETS`) or a :class:`QuantSpec`.
+        calibration: for ``method="kvquant"`` presets: a :class:`kvbits.methods.kvquant.
+            Calibration`, the path of a file written by ``kvbits calibrate``, or ``"auto"``
+            (calibrate on SOTU 1900-1999 once, cached under the kvbits cache folder; needs a
+            model loaded by :func:`kvbits.data.load_model`). A calibration made for another
+            model or spec is refused (``ValueError``). ``"uniform"`` uses KIVI's uniform codes
+            (kvquant's outliers and pre-RoPE keys without codebooks).
         **overrides: :class:`QuantSpec` fields replacing the preset's (``residual_length=0``, ...).
 
     ``generate(..., past_key_values=cache)`` (or ``cache=cache`` on transformers versions that take
@@ -223,7 +233,8 @@ class KVBitsCache(Cache):
 
     is_compileable = False
 
-    def __init__(self, model_or_config, spec: str | QuantSpec = "kivi-2", **overrides):
+    def __init__(self, model_or_config, spec: str | QuantSpec = "kivi-2", calibration=None,
+                 **overrides):
         self.spec = resolve_spec(spec, **overrides)
         model = None
         if hasattr(model_or_config, "set_attn_implementation") and hasattr(model_or_config, "config"):
@@ -236,8 +247,16 @@ class KVBitsCache(Cache):
                 "KVBitsCache needs a transformers PreTrainedModel or its config, got "
                 f"{type(model_or_config).__name__}")
         text_config = config.get_text_config(decoder=True)
-        layers = [KVBitsLayer(self.spec, window, cache=self)
-                  for window in _layer_windows(text_config)]
+        windows = _layer_windows(text_config)
+        codebooks = _layer_codebooks(model_or_config, self.spec, calibration,
+                                     spec if isinstance(spec, str) else "", len(windows))
+        inv_freqs = [None] * len(windows)
+        if self.spec.pre_rope and self.spec.quantized:
+            from ..reference.rope import model_inv_freqs
+
+            inv_freqs = model_inv_freqs(model_or_config)
+        layers = [KVBitsLayer(self.spec, window, cache=self, codebooks=cb, inv_freq=inv)
+                  for window, cb, inv in zip(windows, codebooks, inv_freqs)]
         super().__init__(layers=layers)
         self.config = text_config
         self._model_config = None
@@ -273,6 +292,34 @@ class KVBitsCache(Cache):
                 "the whole history (slow path) and prompt padding is not excluded from "
                 "quantization. Pass the model to KVBitsCache(model, ...) or load it with "
                 "attn_implementation='kvbits'.", stacklevel=3)
+
+
+def _layer_codebooks(model_or_config, spec: QuantSpec, calibration, preset: str, n: int) -> list:
+    """Per layer: the kvquant codebooks (None for other methods or ``calibration="uniform"``)."""
+    if spec.method != "kvquant":
+        if calibration is not None:
+            raise ValueError(f"calibration= applies to method 'kvquant' only; the spec is "
+                             f"{spec.method!r}")
+        return [None] * n
+    from ..methods import kvquant as kvq
+
+    if calibration is None:
+        raise ValueError(
+            "method 'kvquant' needs codebooks: KVBitsCache(model, spec, calibration=PATH) with a "
+            "file from `kvbits calibrate --model M --preset P -o PATH`, calibration='auto' "
+            "(calibrate once and cache), or calibration='uniform' (no codebooks)")
+    if isinstance(calibration, str) and calibration == "uniform":
+        return [None] * n
+    if isinstance(calibration, str) and calibration == "auto":
+        if not hasattr(model_or_config, "named_parameters"):
+            raise ValueError("calibration='auto' needs the model, not its config")
+        calibration = kvq.auto_calibration(model_or_config, spec, preset=preset)
+    elif not isinstance(calibration, kvq.Calibration):
+        calibration = kvq.Calibration.load(calibration)
+    calibration.check(model_or_config, spec)
+    if len(calibration.layers) != n:
+        raise ValueError(f"calibration has {len(calibration.layers)} layers, the model {n}")
+    return list(calibration.layers)
 
 
 def _layer_windows(config) -> list[int | None]:
@@ -358,16 +405,36 @@ def kvbits_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if tag.prefill:
         B = query.shape[0]
         store.set_padding(padding_starts(attention_mask, B, key.shape[2], query.device))
+        if store.inv_freq is not None:
+            _check_positions(store, kwargs.get("position_ids"), query.shape[2])
         out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                      scaling=scaling, is_causal=is_causal, **kwargs)
         store.flush()  # the prompt is quantized in one call, padding excluded
         return out
+    if store.inv_freq is not None:
+        _check_positions(store, kwargs.get("position_ids"), query.shape[2])
     window = kwargs.get("sliding_window")
     if window is None:
         window = layer.sliding_window
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     out = _attend_as_generated(query, store, scale, window)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _check_positions(store, position_ids, q_len: int) -> None:
+    """Pre-RoPE keys are re-rotated at position ``t - starts[b]``: refuse other position ids."""
+    if position_ids is None:
+        return
+    pos = position_ids.to(store.device).long()
+    t = store.seq_len - q_len + torch.arange(q_len, device=store.device)
+    want = t[None, :] - store.starts[:, None].long()  # [B, Lq]
+    pos = pos.expand_as(want)
+    real = want >= 0
+    if not bool((pos[real] == want[real]).all()):
+        raise ValueError(
+            "pre_rope: the model's position_ids are not token index minus left padding, which "
+            "is where the cache re-rotates its pre-RoPE keys; use pre_rope=False for custom "
+            "position ids")
 
 
 def _attend_as_generated(query: torch.Tensor, store, scale: float, window) -> torch.Tensor:

@@ -52,8 +52,12 @@ def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: in
 
 def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None, lengths=None,
                      window: int | None = None) -> torch.Tensor:
-    """Attention of ``q [B, Hq, Lq, D]`` over a packed layer; see the reference for the rules."""
-    if use_kernels(q):
+    """Attention of ``q [B, Hq, Lq, D]`` over a packed layer; see the reference for the rules.
+
+    KVQuant layers (codebooks, outliers, pre-RoPE keys: ``not kv.is_plain``) run the reference
+    until the fused kernel reads those fields.
+    """
+    if use_kernels(q) and kv.is_plain:
         from ..kernels.decode_attention import decode_attention as kernel
         return kernel(q, kv, scale=scale, starts=starts, lengths=lengths, window=window)
     return _ref_attention.decode_attention(q, kv, scale=scale, starts=starts, lengths=lengths,

@@ -15,23 +15,60 @@ from __future__ import annotations
 import torch
 
 from ..formats.layout import PackedKV
-from .quant import dequantize_keys, dequantize_values
+from ..formats.packing import packed_length
+from . import quant as ref_quant
+from . import rope as ref_rope
 
 
-def dequantize_layer(kv: PackedKV, dtype: torch.dtype = torch.float32):
-    """Full-precision ``(K, V)`` of shape ``[B, H, total_len, D]`` in logical token order."""
+def dequantize_body(kv: PackedKV, t0: int, t1: int, starts: torch.Tensor | None = None):
+    """float32 ``(K, V) [B, H, t1 - t0, D]`` of body tokens ``t0 .. t1 - 1`` (whole groups), in
+    the model's (post-RoPE) key space: codebook lookup, outliers and re-rotation included."""
+    G = kv.group_size
+    g0, g1 = t0 // G, t1 // G
+    wk = packed_length(G, kv.key_bits)
+    wv = packed_length(G, kv.value_bits)
+    kc = kv.k_codes[:, :, g0 * wk: g1 * wk].contiguous()
+    vc = kv.v_codes[:, :, g0 * wv: g1 * wv].contiguous()
+    if kv.k_codebook is None:
+        k = ref_quant.dequantize_keys(kc, kv.k_scale[:, :, g0:g1], kv.k_zero[:, :, g0:g1],
+                                      kv.key_bits, G)
+        v = ref_quant.dequantize_values(vc, kv.v_scale[:, :, t0:t1], kv.v_zero[:, :, t0:t1],
+                                        kv.value_bits, kv.value_group, G)
+    else:
+        def sl(x):
+            return None if x is None else x[:, :, t0:t1]
+        k = _kvq().dequantize_keys(kc, kv.k_scale[:, :, g0:g1], kv.k_zero[:, :, g0:g1],
+                                kv.key_bits, G, kv.k_codebook, sl(kv.k_out_idx), sl(kv.k_out_val))
+        v = _kvq().dequantize_values(vc, kv.v_scale[:, :, t0:t1], kv.v_zero[:, :, t0:t1],
+                                  kv.value_bits, kv.value_group, G, kv.v_codebook,
+                                  sl(kv.v_out_idx), sl(kv.v_out_val))
+    if kv.rope_inv_freq is not None:
+        if starts is None:
+            starts = torch.zeros(kv.batch, dtype=torch.int32, device=k.device)
+        pos = ref_rope.token_positions(starts.to(k.device), kv.sink_len + t0, t1 - t0)
+        k = ref_rope.rotate(k, pos, kv.rope_inv_freq)
+    return k, v
+
+
+def _kvq():
+    from ..methods import kvquant
+
+    return kvquant
+
+
+def dequantize_layer(kv: PackedKV, dtype: torch.dtype = torch.float32, starts=None):
+    """Full-precision ``(K, V)`` of shape ``[B, H, total_len, D]`` in logical token order.
+
+    ``starts`` (left padding) only matters for pre-RoPE keys (their positions)."""
     keys = [kv.sink_k[:, :, : kv.sink_len].to(dtype)]
     values = [kv.sink_v[:, :, : kv.sink_len].to(dtype)]
     if kv.body_len and kv.dense_body is not None:
         keys.append(kv.dense_body[0][:, :, : kv.body_len].to(dtype))
         values.append(kv.dense_body[1][:, :, : kv.body_len].to(dtype))
     elif kv.body_len:
-        n_groups = kv.body_len // kv.group_size
-        keys.append(dequantize_keys(kv.k_codes, kv.k_scale[:, :, :n_groups], kv.k_zero[:, :, :n_groups],
-                                    kv.key_bits, kv.group_size, dtype))
-        values.append(dequantize_values(
-            kv.v_codes, kv.v_scale[:, :, : kv.body_len], kv.v_zero[:, :, : kv.body_len],
-            kv.value_bits, kv.value_group, kv.group_size, dtype))
+        k, v = dequantize_body(kv, 0, kv.body_len, starts)
+        keys.append(k.to(dtype))
+        values.append(v.to(dtype))
     keys.append(kv.res_k[:, :, : kv.res_len].to(dtype))
     values.append(kv.res_v[:, :, : kv.res_len].to(dtype))
     return torch.cat(keys, dim=2), torch.cat(values, dim=2)
@@ -54,7 +91,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
                      window: int | None = None) -> torch.Tensor:
     """Attention of ``q [B, Hq, Lq, D]`` over the packed layer; returns ``[B, Hq, Lq, D]``."""
     B, Hq, Lq, D = q.shape
-    keys, values = dequantize_layer(kv)  # [B, Hkv, T, D]
+    keys, values = dequantize_layer(kv, starts=None if starts is None else
+                                    _per_seq(starts, B, 0, q.device))  # [B, Hkv, T, D]
     Hkv = kv.kv_heads
     qg = q.float().reshape(B, Hkv, Hq // Hkv, Lq, D)  # query head h reads KV head h // group
     scores = torch.einsum("bhgqd,bhtd->bhgqt", qg, keys) * scale

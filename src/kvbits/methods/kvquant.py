@@ -1,0 +1,626 @@
+"""KVQuant on top of the KIVI grouping: non-uniform codebooks, dense-and-sparse outliers.
+
+Quantization (reference, plain PyTorch)
+---------------------------------------
+Keys keep KIVI's per-channel groups of G tokens and values its per-token groups of Gv channels,
+with the same FP16 ``scale``/``zero`` (min/max over the group) and the same packed int32 codes
+(:mod:`kvbits.formats.packing`). What changes is what a code *means*:
+
+* **Codebook** (non-uniform quantization). A layer has a sorted table of ``2**bits`` float32
+  values per KV head, in *code units* ``[0, 2**bits - 1]`` (where uniform KIVI would use the
+  integers ``0 .. 2**bits - 1``). An element normalized to ``u = (x - zero) / scale`` gets the code
+  of its nearest codebook entry (``searchsorted`` on the ``2**bits - 1`` thresholds, the midpoints
+  of the codebook fitted by k-means), and dequantizes to ``codebook[h, code] * scale + zero``. The
+  uniform codebook ``arange(2**bits)`` gives back KIVI exactly, so a fused kernel only swaps
+  ``code`` for one table lookup.
+* **Outliers** (dense-and-sparse). Each token vector (one token, one KV head, K and V separately)
+  keeps a *fixed* number ``n = ceil(outliers * head_dim)`` of its channels outside the dense
+  range: they are excluded from the group min/max (so they no longer stretch the step of the
+  other elements), still get a dense code, and store ``out_idx`` (uint8 channel index, int16 when
+  ``head_dim > 256``) and ``out_val`` (FP16 *correction* ``x - dequant(code)``) in
+  ``[B, H, T, n]`` tensors. The dequantized vector is ``dense + scatter(out_idx, out_val)``.
+
+  Why a fixed count and a correction: the sparse part is then a dense, regularly shaped tensor
+  read at the token's own row (no CSR offsets, no prefix sums, no variable-length storage to
+  grow), and the correction is *added* to the dense dequantization (keys: ``score += q[idx] *
+  val``; values: ``out[idx] += p * val``) instead of replacing an element, so the dense tile never
+  needs masking. KVQuant's threshold-based selection gives a variable count per vector, which a
+  decode kernel would have to gather through offsets.
+
+  Which channels are outliers:
+
+  - keys (grouped per *channel* over G tokens): the step of channel ``c`` is set by its range
+    over the group, so a token is an outlier in ``c`` when it lies far from the other tokens of
+    the group in that channel. Score: ``|x - median_c| / (MAD_c + eps)`` with the median and
+    median absolute deviation of channel ``c`` over the group's valid tokens; each token keeps its
+    ``n`` highest scores. This needs no calibration and adapts to every group.
+  - values (grouped per *token* over Gv channels): the same score over the Gv channels of the
+    token's own group (median and MAD across those channels); each token keeps its ``n`` highest
+    scores over all its channels.
+
+Calibration
+-----------
+:func:`calibrate` runs the model on calibration text (optionally with a backward pass for the
+Fisher weights: squared gradients of the loss w.r.t. the keys (pre-RoPE when ``pre_rope``) and the
+values), normalizes K and V exactly as the cache will, and fits one codebook per layer (or per KV
+head) by weighted 1-D k-means (:func:`kmeans_1d`: globally optimal dynamic programming on a
+histogram, refined by Lloyd steps on the raw data). With ``qnorm`` the codebook is then shifted
+and scaled so that the dequantized calibration data has the original mean and standard deviation
+(KVQuant's Q-Norm, folded into the table; thresholds stay those of the fitted codebook).
+
+The result is a :class:`Calibration`, saved with :meth:`Calibration.save` as safetensors (tensors
+``layers.{i}.{k,v}_{codebook,thresholds}``, metadata: model fingerprint, spec fields, preset,
+data, date) and refused by :meth:`Calibration.check` for another model or spec.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..formats.packing import pack_bits, packed_length, unpack_bits
+from ..reference.quant import minmax_qparams
+from ..spec import QuantSpec
+
+__all__ = ["Calibration", "LayerCodebooks", "calibrate", "dequantize_keys", "dequantize_values",
+           "kmeans_1d", "model_fingerprint", "outlier_index_dtype", "quantize_keys",
+           "quantize_values", "uniform_codebooks"]
+
+# spec fields a calibration depends on (a file is refused when one differs)
+CALIBRATION_FIELDS = ("method", "key_bits", "value_bits", "group_size", "pre_rope", "outliers",
+                      "codebook", "qnorm", "fisher")
+FORMAT = "kvbits-kvquant-calibration-v1"
+
+
+# ------------------------------------------------------------------------------------ codebooks
+@dataclass
+class LayerCodebooks:
+    """One layer's tables, float32, sorted along the last axis.
+
+    ``k_codebook [H, 2**key_bits]``, ``k_thresholds [H, 2**key_bits - 1]`` (same for values).
+    """
+
+    k_codebook: torch.Tensor
+    k_thresholds: torch.Tensor
+    v_codebook: torch.Tensor
+    v_thresholds: torch.Tensor
+
+    def to(self, device) -> LayerCodebooks:
+        return LayerCodebooks(*(t.to(device) for t in (self.k_codebook, self.k_thresholds,
+                                                        self.v_codebook, self.v_thresholds)))
+
+
+def uniform_codebooks(heads: int, key_bits: int, value_bits: int) -> LayerCodebooks:
+    """The codebooks that make kvquant quantize exactly like KIVI (``arange(2**bits)``)."""
+    def one(bits):
+        cb = torch.arange(1 << bits, dtype=torch.float32).expand(heads, -1).contiguous()
+        return cb, thresholds_of(cb)
+    return LayerCodebooks(*one(key_bits), *one(value_bits))
+
+
+def thresholds_of(codebook: torch.Tensor) -> torch.Tensor:
+    """Midpoints between consecutive entries of a sorted codebook ``[..., n]`` -> ``[..., n-1]``."""
+    return (codebook[..., 1:] + codebook[..., :-1]) / 2
+
+
+def kmeans_1d(x: torch.Tensor, w: torch.Tensor | None, k: int, bins: int = 512,
+              iters: int = 8) -> torch.Tensor:
+    """Weighted 1-D k-means: ``k`` sorted centroids minimizing ``sum w (x - c(x))**2``.
+
+    Exact (dynamic programming over contiguous clusters of the sorted data, which is optimal in
+    1-D) on the distinct values when there are at most ``bins`` of them, else on a ``bins``-bin
+    histogram; then ``iters`` Lloyd steps on the raw data (which never increase the objective).
+    Fewer distinct values than ``k`` give repeated centroids.
+    """
+    x = x.detach().flatten().double()
+    w = torch.ones_like(x) if w is None else w.detach().flatten().double().clamp_min(0)
+    if x.numel() == 0:
+        raise ValueError("kmeans_1d: no data")
+    w = w / w.mean().clamp_min(1e-300) + 1e-9  # no zero-weight cluster
+    uniq, inv = torch.unique(x, return_inverse=True)
+    if uniq.numel() <= bins:
+        ids, n = inv, uniq.numel()
+    else:
+        lo, hi = float(x.min()), float(x.max())
+        ids = ((x - lo) / (hi - lo) * bins).long().clamp_(0, bins - 1)
+        n = bins
+    W = torch.zeros(n, dtype=torch.float64).index_add_(0, ids, w)
+    S = torch.zeros(n, dtype=torch.float64).index_add_(0, ids, w * x)
+    Q = torch.zeros(n, dtype=torch.float64).index_add_(0, ids, w * x * x)
+    keep = W > 0
+    W, S, Q = W[keep], S[keep], Q[keep]
+    n = W.numel()
+    means = S / W
+    if n <= k:
+        cb = torch.cat([means, means[-1:].expand(k - n)])
+        return cb.float()
+    pw, ps, pq = (torch.cat([torch.zeros(1, dtype=torch.float64), t.cumsum(0)]) for t in (W, S, Q))
+    i = torch.arange(n + 1)
+    # cost[i, j]: squared error of one cluster holding items i .. j-1 (inf where j <= i)
+    dw = pw[None, :] - pw[:, None]
+    cost = (pq[None, :] - pq[:, None]) - (ps[None, :] - ps[:, None]) ** 2 / dw.clamp_min(1e-300)
+    cost = torch.where(i[None, :] > i[:, None], cost.clamp_min(0), torch.full_like(cost, math.inf))
+    best = cost[0].clone()  # best[j]: items 0..j-1 in m+1 clusters
+    back = []
+    for _ in range(1, k):
+        total = best[:, None] + cost  # [i, j]
+        best, arg = total.min(dim=0)
+        back.append(arg)
+    cuts, j = [n], n
+    for arg in reversed(back):
+        j = int(arg[j])
+        cuts.append(j)
+    cuts = cuts[::-1]
+    cuts = [0] + cuts
+    cb = torch.stack([(ps[b] - ps[a]) / (pw[b] - pw[a]) for a, b in zip(cuts[:-1], cuts[1:])])
+    for _ in range(iters):  # Lloyd on the raw data
+        code = torch.bucketize(x, (cb[1:] + cb[:-1]) / 2)
+        sw = torch.zeros(k, dtype=torch.float64).index_add_(0, code, w)
+        sx = torch.zeros(k, dtype=torch.float64).index_add_(0, code, w * x)
+        cb = torch.where(sw > 0, sx / sw.clamp_min(1e-300), cb).sort().values
+    return cb.float()
+
+
+def kmeans_objective(x: torch.Tensor, w: torch.Tensor | None, cb: torch.Tensor) -> float:
+    """``sum w (x - nearest(cb))**2`` (float64)."""
+    x = x.flatten().double()
+    w = torch.ones_like(x) if w is None else w.flatten().double()
+    cb = cb.double().sort().values
+    q = cb[torch.bucketize(x, (cb[1:] + cb[:-1]) / 2)]
+    return float((w * (x - q) ** 2).sum())
+
+
+# ------------------------------------------------------------------------------------ outliers
+def outlier_index_dtype(head_dim: int) -> torch.dtype:
+    return torch.uint8 if head_dim <= 256 else torch.int16
+
+
+def _robust_score(x: torch.Tensor, dim: int, ok: torch.Tensor | None) -> torch.Tensor:
+    """``|x - median| / (MAD + eps)`` along ``dim`` over the elements where ``ok``."""
+    xm = x if ok is None else torch.where(ok, x, torch.nan)
+    med = xm.nanmedian(dim=dim, keepdim=True).values
+    dev = (x - med).abs()
+    devm = dev if ok is None else torch.where(ok, dev, torch.nan)
+    mad = devm.nanmedian(dim=dim, keepdim=True).values
+    mad = torch.nan_to_num(mad, nan=0.0)
+    eps = 1e-6 + 1e-3 * devm.nan_to_num(0.0).amax(dim=dim, keepdim=True)
+    return torch.nan_to_num(dev / (mad + eps), nan=0.0)
+
+
+def _top_mask(score: torch.Tensor, n: int):
+    """Bool mask of the ``n`` highest scores along the last axis, and their indices."""
+    idx = score.topk(n, dim=-1).indices.sort(dim=-1).values
+    mask = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, idx, True)
+    return mask, idx
+
+
+# ---------------------------------------------------------------------------- quantize / dequant
+def _codes(u: torch.Tensor, thresholds: torch.Tensor, head_dim_axis: int = 1) -> torch.Tensor:
+    """uint8 code of the nearest codebook entry: ``searchsorted`` per KV head (axis 1)."""
+    out = torch.empty(u.shape, dtype=torch.uint8, device=u.device)
+    for h in range(u.shape[1]):
+        out[:, h] = torch.searchsorted(thresholds[h].contiguous(), u[:, h].contiguous()).to(torch.uint8)
+    return out
+
+
+def _lookup(codebook: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """``codebook[h, codes[:, h]]`` for codes ``[B, H, ...]`` (float32)."""
+    H = codebook.shape[0]
+    flat = codes.long() + (torch.arange(H, device=codes.device) * codebook.shape[1]).view(
+        1, H, *([1] * (codes.dim() - 2)))
+    return codebook.reshape(-1)[flat]
+
+
+def _normalize(x, scale, zero):
+    s = scale.float()
+    return torch.where(s > 0, (x - zero.float()) / torch.where(s > 0, s, 1.0), 0.0)
+
+
+def _split_keys(k: torch.Tensor, bits: int, group_size: int, n_out: int,
+                valid: torch.Tensor | None):
+    """Grouping, outlier selection and FP16 scale/zero of keys ``[B, H, T, D]``.
+
+    Returns ``kg [B,H,NG,G,D]`` (float32), ``scale, zero [B,H,NG,1,D]``, the dense mask
+    (valid, not outlier) and the outlier indices ``[B,H,NG,G,n]`` (None when n == 0).
+    """
+    B, H, T, D = k.shape
+    G = group_size
+    if T % G:
+        raise ValueError(f"quantize_keys: token count {T} is not a multiple of group_size {G}")
+    kg = k.float().reshape(B, H, T // G, G, D)
+    ok = None if valid is None else valid.reshape(B, 1, T // G, G, 1).expand_as(kg)
+    idx = None
+    dense = ok
+    if n_out:
+        mask, idx = _top_mask(_robust_score(kg, 3, ok), n_out)
+        dense = ~mask if ok is None else ok & ~mask
+    scale, zero = minmax_qparams(kg, bits, dim=3, valid=dense)
+    return kg, scale, zero, dense, idx
+
+
+def _split_values(v: torch.Tensor, bits: int, value_group: int, n_out: int,
+                  valid: torch.Tensor | None):
+    """Values ``[B, H, T, D]`` -> ``vg [B,H,T,NGv,Gv]``, ``scale, zero [B,H,T,NGv,1]``, dense mask,
+    outlier indices ``[B,H,T,n]`` over the D channels (None when n == 0)."""
+    B, H, T, D = v.shape
+    Gv = value_group
+    if D % Gv:
+        raise ValueError(f"quantize_values: head_dim {D} is not a multiple of value_group {Gv}")
+    vg = v.float().reshape(B, H, T, D // Gv, Gv)
+    ok = None if valid is None else valid.reshape(B, 1, T, 1, 1).expand_as(vg)
+    idx = None
+    dense = ok
+    if n_out:
+        score = _robust_score(vg, 4, ok).reshape(B, H, T, D)
+        mask, idx = _top_mask(score, n_out)
+        mask = mask.reshape(vg.shape)
+        dense = ~mask if ok is None else ok & ~mask
+    scale, zero = minmax_qparams(vg, bits, dim=4, valid=dense)
+    return vg, scale, zero, dense, idx
+
+
+def _corrections(x: torch.Tensor, deq: torch.Tensor, idx: torch.Tensor, valid_tok, D: int):
+    """``(out_idx, out_val)`` of flattened-token tensors ``x, deq [B,H,T,D]``."""
+    val = (x.gather(-1, idx) - deq.gather(-1, idx)).to(torch.float16)
+    if valid_tok is not None:
+        val = torch.where(valid_tok, val, torch.zeros_like(val))
+        idx = torch.where(valid_tok, idx, torch.zeros_like(idx))
+    return idx.to(outlier_index_dtype(D)), val
+
+
+def quantize_keys(k: torch.Tensor, bits: int, group_size: int, codebook: torch.Tensor,
+                  thresholds: torch.Tensor, n_out: int = 0, valid: torch.Tensor | None = None):
+    """KVQuant keys: per-channel groups of G tokens, codebook codes, ``n_out`` outliers per token.
+
+    Args:
+        k: ``[B, H, T, D]`` (pre-RoPE when the spec says so), T a multiple of G.
+        codebook, thresholds: ``[H, 2**bits]`` and ``[H, 2**bits - 1]`` (code units).
+        valid: optional ``[B, T]`` bool, False for padding (codes, scale, zero, outliers all 0).
+
+    Returns:
+        ``codes [B, H, T // G * Wk, D] int32``, ``scale, zero [B, H, T // G, D] float16``,
+        ``out_idx [B, H, T, n_out]`` (uint8 / int16) and ``out_val [B, H, T, n_out] float16``
+        (both None when ``n_out == 0``).
+    """
+    B, H, T, D = k.shape
+    kg, scale, zero, dense, idx = _split_keys(k, bits, group_size, n_out, valid)
+    codes = _codes(_normalize(kg, scale, zero), thresholds.to(k.device))
+    if valid is not None:
+        codes = torch.where(valid.reshape(B, 1, T // group_size, group_size, 1), codes, 0)
+    words = pack_bits(codes, bits, dim=3).reshape(B, H, -1, D)
+    out_idx = out_val = None
+    if n_out:
+        deq = _lookup(codebook.to(k.device), codes) * scale.float() + zero.float()
+        vt = None if valid is None else valid.reshape(B, 1, T, 1)
+        out_idx, out_val = _corrections(kg.reshape(B, H, T, D), deq.reshape(B, H, T, D),
+                                        idx.reshape(B, H, T, n_out), vt, D)
+    return words, scale.squeeze(3), zero.squeeze(3), out_idx, out_val
+
+
+def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: int,
+                    codebook: torch.Tensor, thresholds: torch.Tensor, n_out: int = 0,
+                    valid: torch.Tensor | None = None):
+    """KVQuant values: per-token groups of Gv channels, packed along tokens like the keys.
+
+    Returns ``codes [B, H, T // G * Wv, D] int32``, ``scale, zero [B, H, T, D // Gv] float16``,
+    ``out_idx, out_val [B, H, T, n_out]`` (None when ``n_out == 0``).
+    """
+    B, H, T, D = v.shape
+    G = group_size
+    if T % G:
+        raise ValueError(f"quantize_values: token count {T} is not a multiple of group_size {G}")
+    vg, scale, zero, dense, idx = _split_values(v, bits, value_group, n_out, valid)
+    codes = _codes(_normalize(vg, scale, zero), thresholds.to(v.device))
+    if valid is not None:
+        codes = torch.where(valid.reshape(B, 1, T, 1, 1), codes, 0)
+    words = pack_bits(codes.reshape(B, H, T // G, G, D), bits, dim=3).reshape(B, H, -1, D)
+    out_idx = out_val = None
+    if n_out:
+        deq = _lookup(codebook.to(v.device), codes) * scale.float() + zero.float()
+        vt = None if valid is None else valid.reshape(B, 1, T, 1)
+        out_idx, out_val = _corrections(vg.reshape(B, H, T, D), deq.reshape(B, H, T, D), idx, vt, D)
+    return words, scale.squeeze(4), zero.squeeze(4), out_idx, out_val
+
+
+def _add_outliers(x: torch.Tensor, out_idx, out_val) -> torch.Tensor:
+    if out_idx is None or out_idx.shape[-1] == 0:
+        return x
+    return x.scatter_add(-1, out_idx.long(), out_val.float())
+
+
+def dequantize_keys(codes, scale, zero, bits, group_size, codebook, out_idx=None, out_val=None,
+                    dtype=torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_keys`: ``codebook[h, code] * scale + zero`` plus outliers."""
+    B, H, _, D = codes.shape
+    NG = scale.shape[2]
+    Wk = packed_length(group_size, bits)
+    q = unpack_bits(codes[:, :, : NG * Wk].reshape(B, H, NG, Wk, D), bits, group_size, dim=3)
+    x = _lookup(codebook.to(codes.device), q) * scale.float().unsqueeze(3) + zero.float().unsqueeze(3)
+    x = x.reshape(B, H, NG * group_size, D)
+    if out_idx is not None:
+        x = _add_outliers(x, out_idx[:, :, : NG * group_size], out_val[:, :, : NG * group_size])
+    return x.to(dtype)
+
+
+def dequantize_values(codes, scale, zero, bits, value_group, group_size, codebook, out_idx=None,
+                      out_val=None, dtype=torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_values`."""
+    B, H, _, D = codes.shape
+    T = scale.shape[2]
+    NG = T // group_size
+    Wv = packed_length(group_size, bits)
+    q = unpack_bits(codes[:, :, : NG * Wv].reshape(B, H, NG, Wv, D), bits, group_size, dim=3)
+    q = q.reshape(B, H, T, D // value_group, value_group)
+    x = _lookup(codebook.to(codes.device), q) * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+    x = x.reshape(B, H, T, D)
+    if out_idx is not None:
+        x = _add_outliers(x, out_idx[:, :, :T], out_val[:, :, :T])
+    return x.to(dtype)
+
+
+# ---------------------------------------------------------------------------------- calibration
+def model_fingerprint(model) -> str:
+    """``{model_type}-L{layers}-H{kv_heads}-D{head_dim}-{sha1 of the first K projection}``: a
+    calibration is only valid for the weights it was measured on."""
+    config = model.config.get_text_config(decoder=True)
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    w = next((p for n, p in model.named_parameters() if n.endswith("k_proj.weight")), None)
+    h = "noweights"
+    if w is not None:
+        h = hashlib.sha1(w.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:12]
+    return f"{config.model_type}-L{config.num_hidden_layers}-H{kv}-D{hd}-{h}"
+
+
+def spec_fields(spec: QuantSpec) -> dict:
+    return {f: getattr(spec, f) for f in CALIBRATION_FIELDS}
+
+
+@dataclass
+class Calibration:
+    """Per-layer codebooks of one model under one spec, and where they came from."""
+
+    layers: list[LayerCodebooks]
+    spec: dict  # spec_fields of the spec it was fitted for
+    fingerprint: str
+    model: str = ""
+    preset: str = ""
+    data: str = ""
+    date: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def check(self, model, spec: QuantSpec) -> None:
+        """Refuse a calibration made for another model or another spec (ValueError)."""
+        fp = model_fingerprint(model) if hasattr(model, "named_parameters") else None
+        if fp is not None and fp != self.fingerprint:
+            raise ValueError(
+                f"calibration was made for model {self.model or '?'} ({self.fingerprint}), not "
+                f"for this model ({fp}); calibrate it: kvbits calibrate --model ... --preset "
+                f"{self.preset or '...'}")
+        want = spec_fields(spec)
+        bad = [f"{k}={self.spec.get(k)!r} (spec has {want[k]!r})" for k in CALIBRATION_FIELDS
+               if self.spec.get(k) != want[k]]
+        if bad:
+            raise ValueError(f"calibration (preset {self.preset or '?'}) does not match the "
+                             f"spec: {', '.join(bad)}; calibrate again with this preset")
+        n = model.config.get_text_config(decoder=True).num_hidden_layers if fp else len(self.layers)
+        if len(self.layers) != n:
+            raise ValueError(f"calibration has {len(self.layers)} layers, the model {n}")
+
+    def save(self, path: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        tensors = {}
+        for i, layer in enumerate(self.layers):
+            for name in ("k_codebook", "k_thresholds", "v_codebook", "v_thresholds"):
+                tensors[f"layers.{i}.{name}"] = getattr(layer, name).float().contiguous().cpu()
+        meta = {"format": FORMAT, "model": self.model, "fingerprint": self.fingerprint,
+                "preset": self.preset, "data": self.data, "date": self.date,
+                "spec": json.dumps(self.spec), "extra": json.dumps(self.extra)}
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        save_file(tensors, str(tmp), metadata=meta)
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != FORMAT:
+                raise ValueError(f"{path} is not a kvbits kvquant calibration "
+                                 f"(format {meta.get('format')!r}, expected {FORMAT!r})")
+            names = set(f.keys())
+            n = len({k.split(".")[1] for k in names})
+            layers = [LayerCodebooks(*(f.get_tensor(f"layers.{i}.{name}") for name in (
+                "k_codebook", "k_thresholds", "v_codebook", "v_thresholds"))) for i in range(n)]
+        return cls(layers, json.loads(meta["spec"]), meta["fingerprint"], meta.get("model", ""),
+                   meta.get("preset", ""), meta.get("data", ""), meta.get("date", ""),
+                   json.loads(meta.get("extra", "{}")))
+
+
+def _capture_attention(store: dict, grad: bool):
+    """An attention function recording each layer's (post-RoPE) K and V, then running SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def fn(module, query, key, value, attention_mask, **kwargs):
+        if grad:
+            key.retain_grad()
+            value.retain_grad()
+        store.setdefault(module.layer_idx, []).append((key, value))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return fn
+
+
+def collect_kv(model, input_ids: torch.Tensor, window: int = 512, fisher: bool = True,
+               pre_rope: bool = True, log=None):
+    """Per layer ``(K, V, gK2, gV2)`` of shape ``[H, T, D]`` over the calibration tokens.
+
+    The text is cut into windows of ``window`` tokens, each run from position 0 without a cache.
+    ``K`` is pre-RoPE when ``pre_rope`` (the gradient is rotated the same way: the rotation is
+    orthogonal). ``gK2``/``gV2`` are squared gradients of the mean next-token loss (None without
+    ``fisher``).
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from ..reference.rope import model_inv_freqs, unrotate
+
+    inv_freqs = model_inv_freqs(model) if pre_rope else None
+    name = "kvbits_calibrate"
+    config = model.config
+    old_impl = config._attn_implementation
+    params = [p for p in model.parameters() if p.requires_grad]
+    out: dict[int, list] = {}
+    ids = input_ids.reshape(-1)
+    n_win = max(1, ids.numel() // window)
+    try:
+        for p in params:
+            p.requires_grad_(False)
+        for w in range(n_win):
+            chunk = ids[w * window:(w + 1) * window][None].to(model.device)
+            rec: dict[int, list] = {}
+            AttentionInterface.register(name, _capture_attention(rec, fisher))
+            AttentionMaskInterface.register(name, sdpa_mask)
+            model.set_attn_implementation(name)
+            with torch.set_grad_enabled(fisher):
+                embeds = model.get_input_embeddings()(chunk)
+                if fisher:
+                    embeds.requires_grad_(True)
+                logits = model(inputs_embeds=embeds, use_cache=False).logits
+                if fisher:
+                    loss = torch.nn.functional.cross_entropy(
+                        logits[0, :-1].float(), chunk[0, 1:], reduction="mean")
+                    loss.backward()
+            T = chunk.shape[1]
+            pos = torch.arange(T)[None]
+            for i, ((k, v),) in sorted(rec.items()):
+                kk, vv = k.detach()[0].float().cpu(), v.detach()[0].float().cpu()
+                gk = gv = None
+                if fisher:
+                    gk, gv = k.grad[0].float().cpu(), v.grad[0].float().cpu() ** 2
+                if pre_rope:  # the rotation is orthogonal: dL/dk_pre = R^T dL/dk_post
+                    kk = unrotate(kk[None], pos, inv_freqs[i])[0]
+                    if fisher:
+                        gk = unrotate(gk[None], pos, inv_freqs[i])[0]
+                if fisher:
+                    gk = gk ** 2
+                out.setdefault(i, []).append((kk, vv, gk, gv))
+            if log:
+                log(f"calibration window {w + 1}/{n_win}: {T} tokens")
+    finally:
+        model.set_attn_implementation(old_impl)
+        for p in params:
+            p.requires_grad_(True)
+    result = []
+    for i in sorted(out):
+        parts = out[i]
+        cat = [torch.cat([p[j] for p in parts], dim=1) if parts[0][j] is not None else None
+               for j in range(4)]
+        result.append(tuple(cat))
+    return result
+
+
+def _fit_one(u: torch.Tensor, w: torch.Tensor | None, bits: int, qnorm: bool):
+    """Codebook and thresholds ``[2**bits]``, ``[2**bits - 1]`` for normalized data ``u``."""
+    cb = kmeans_1d(u, w, 1 << bits)
+    th = thresholds_of(cb)
+    if qnorm:
+        q = cb[torch.bucketize(u.float(), th)]
+        mu, su = u.float().mean(), u.float().std()
+        mq, sq = q.mean(), q.std()
+        if sq > 0:
+            cb = (cb - mq) * (su / sq) + mu
+    return cb, th
+
+
+def fit_layer(k, v, gk, gv, spec: QuantSpec) -> LayerCodebooks:
+    """Codebooks of one layer from its calibration ``K, V [H, T, D]`` (and Fisher weights)."""
+    H, T, D = k.shape
+    G = spec.group_size
+    n_out = spec.n_outliers(D)
+    S = 0  # independent of sink_tokens: the same file serves every S
+    t1 = T // G * G
+    if t1 <= S:
+        raise ValueError(f"calibration needs at least {G} tokens per window")
+    kb, vb = spec.key_bits, spec.value_bits
+    kg, ks, kz, kd, _ = _split_keys(k[None, :, S:t1], kb, G, n_out, None)
+    ku = _normalize(kg, ks, kz)[0]  # [H, NG, G, D]
+    kw = None if gk is None else gk[:, S:t1].reshape(ku.shape)
+    kd = torch.ones_like(ku, dtype=torch.bool) if kd is None else kd[0]
+    vg, vs, vz, vd, _ = _split_values(v[None, :, S:t1], vb, spec.value_group(D), n_out, None)
+    vu = _normalize(vg, vs, vz)[0]
+    vw = None if gv is None else gv[:, S:t1].reshape(vu.shape)
+    vd = torch.ones_like(vu, dtype=torch.bool) if vd is None else vd[0]
+    if not spec.fisher:
+        kw = vw = None
+
+    def fit(u, w, dense, bits):
+        if spec.codebook == "layer":
+            cb, th = _fit_one(u[dense], None if w is None else w[dense], bits, spec.qnorm)
+            return cb.expand(H, -1).contiguous(), th.expand(H, -1).contiguous()
+        cbs, ths = zip(*(_fit_one(u[h][dense[h]], None if w is None else w[h][dense[h]], bits,
+                                  spec.qnorm) for h in range(H)))
+        return torch.stack(cbs), torch.stack(ths)
+
+    return LayerCodebooks(*fit(ku, kw, kd, kb), *fit(vu, vw, vd, vb))
+
+
+def calibration_path(model, spec: QuantSpec, text: str, tokens: int) -> Path:
+    """Where :func:`auto_calibration` caches the calibration of ``model`` for ``spec``."""
+    from ..data import cache_dir
+
+    key = json.dumps({**spec_fields(spec), "text": text, "tokens": tokens}, sort_keys=True)
+    digest = hashlib.sha1(key.encode()).hexdigest()[:10]
+    return cache_dir() / "calibrations" / f"{model_fingerprint(model)}-{digest}.safetensors"
+
+
+def auto_calibration(model, spec: QuantSpec, *, model_name: str = "", preset: str = "",
+                     text: str = "sotu-pre-2000", tokens: int = 4096, log=None) -> Calibration:
+    """The cached calibration of ``model`` for ``spec``, made on ``text`` (SOTU 1900-1999 by
+    default: disjoint from the 2010-2016 evaluation text) the first time."""
+    path = calibration_path(model, spec, text, tokens)
+    if path.exists():
+        return Calibration.load(path)
+    from ..data import load_text, tokenize_text
+
+    if log:
+        log(f"calibrating {model_name or model_fingerprint(model)} for {spec.describe()} on "
+            f"{tokens} tokens of {text!r} (cached at {path})")
+    tok = _tokenizer_of(model)
+    ids = tokenize_text(tok, load_text(text, log=log), tokens)
+    cal = calibrate(model, ids, spec, model_name=model_name, preset=preset,
+                    data=f"{text}:{ids.shape[1]} tokens", log=log)
+    cal.save(path)
+    return cal
+
+
+def _tokenizer_of(model):
+    tok = getattr(model, "_kvbits_tokenizer", None)
+    if tok is None:
+        raise ValueError("auto calibration needs the model's tokenizer: set "
+                         "model._kvbits_tokenizer = tokenizer (kvbits.data.load_model does), or "
+                         "pass calibration=PATH made with `kvbits calibrate`")
+    return tok
+
+
+def calibrate(model, input_ids: torch.Tensor, spec: QuantSpec, *, model_name: str = "",
+              preset: str = "", data: str = "", window: int = 512, log=None) -> Calibration:
+    """Fit the codebooks of every layer of ``model`` for ``spec`` on ``input_ids [1, T]``."""
+    if spec.method != "kvquant":
+        raise ValueError(f"calibrate: QuantSpec.method must be 'kvquant', got {spec.method!r}")
+    kv = collect_kv(model, input_ids, window=window, fisher=spec.fisher, pre_rope=spec.pre_rope,
+                    log=log)
+    layers = [fit_layer(*layer, spec) for layer in kv]
+    return Calibration(layers, spec_fields(spec), model_fingerprint(model), model_name, preset,
+                       data, datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                       {"tokens": int(input_ids.numel()), "window": window})

@@ -1,0 +1,120 @@
+"""Rotary position embedding (RoPE) in the convention of transformers' Llama family.
+
+``rotate(x, pos, inv_freq)`` is ``x * cos + rotate_half(x) * sin`` with ``angle = pos * inv_freq``
+computed in float32 and duplicated over the two halves of the head dimension (``rotate_half``
+pairs channel ``i`` with ``i + D/2``). ``unrotate`` applies the inverse rotation (``sin -> -sin``).
+
+The model's ``attention_scaling`` (YaRN, LongRoPE) multiplies cos and sin, i.e. the post-RoPE key
+is ``s * R(pos) k``. kvbits un-rotates with the *pure* rotation, so the stored pre-RoPE key is
+``s * k`` and re-rotating it with the pure rotation gives back exactly the model's key: the
+scaling never needs to be known. Only ``inv_freq`` (which carries the default / linear / llama3
+frequency scaling) matters; it is read from the model's own rotary module
+(:func:`model_inv_freqs`), per layer type for Gemma3.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# rope types whose frequencies depend on the sequence length at run time: the cache cannot
+# re-rotate stored keys consistently with them.
+_DYNAMIC_TYPES = ("dynamic", "longrope")
+
+
+def _cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor):
+    """cos, sin ``[..., D]`` for integer positions ``pos [...]``."""
+    freqs = pos.float()[..., None] * inv_freq.float().to(pos.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, T, D]`` rotated at positions ``pos [B, T]`` (float32 result)."""
+    cos, sin = _cos_sin(pos, inv_freq)
+    cos, sin = cos[:, None], sin[:, None]
+    xf = x.float()
+    return xf * cos + _rotate_half(xf) * sin
+
+
+def unrotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`rotate` (float32 result)."""
+    cos, sin = _cos_sin(pos, inv_freq)
+    cos, sin = cos[:, None], sin[:, None]
+    xf = x.float()
+    return xf * cos - _rotate_half(xf) * sin
+
+
+def token_positions(starts: torch.Tensor, first: int, n: int) -> torch.Tensor:
+    """RoPE positions ``[B, n]`` of stored tokens ``first .. first + n - 1``.
+
+    Token ``t`` of sequence ``b`` sits at position ``t - starts[b]`` (``starts``: left padding),
+    which is what transformers gives it (``position_ids = cumsum(attention_mask) - 1`` in
+    ``generate``, ``past_seen_tokens + arange`` without a mask). Padding gets negative positions,
+    clamped to 0 (it is never attended).
+    """
+    t = first + torch.arange(n, device=starts.device)
+    return (t[None, :] - starts[:, None].long()).clamp_(min=0)
+
+
+def model_inv_freqs(model_or_config, layer_types: list[str] | None = None) -> list[torch.Tensor]:
+    """float32 ``inv_freq [D/2]`` of every decoder layer, from the model's rotary module.
+
+    A model's ``rotary_emb`` module is read (``inv_freq``, or ``{layer_type}_inv_freq`` for models
+    with one rotary embedding per layer type such as Gemma3); for a bare config the frequencies
+    come from transformers' ``ROPE_INIT_FUNCTIONS`` (or the default formula).
+    """
+    config = model_or_config.config if hasattr(model_or_config, "config") else model_or_config
+    config = config.get_text_config(decoder=True)
+    n = config.num_hidden_layers
+    types = layer_types or getattr(config, "layer_types", None) or ["full_attention"] * n
+    module = None
+    if hasattr(model_or_config, "modules"):
+        module = next((m for name, m in model_or_config.named_modules()
+                       if name.endswith("rotary_emb")), None)
+    out = []
+    for i in range(n):
+        lt = types[i]
+        params = _rope_params(config, lt)
+        rtype = (params or {}).get("rope_type", "default")
+        if rtype in _DYNAMIC_TYPES:
+            raise NotImplementedError(
+                f"pre_rope: rope_type {rtype!r} (layer {i}) changes frequencies with the sequence "
+                "length; use pre_rope=False for this model")
+        inv = None
+        if module is not None:
+            inv = getattr(module, f"{lt}_inv_freq", None)
+            if inv is None:
+                inv = getattr(module, "inv_freq", None)
+        if inv is None:
+            inv = _inv_freq_from_config(config, lt, rtype)
+        out.append(inv.detach().float().cpu().clone())
+    return out
+
+
+def _rope_params(config, layer_type: str):
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and layer_type in params and isinstance(params[layer_type], dict):
+        return params[layer_type]
+    return params if isinstance(params, dict) else None
+
+
+def _inv_freq_from_config(config, layer_type: str, rope_type: str) -> torch.Tensor:
+    params = _rope_params(config, layer_type) or {}
+    if rope_type != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        fn = ROPE_INIT_FUNCTIONS[rope_type]
+        try:
+            inv, _ = fn(config, None, layer_type=layer_type)
+        except TypeError:
+            inv, _ = fn(config, None)
+        return inv
+    base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dim = int(dim * params.get("partial_rotary_factor", 1.0))
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))

@@ -1,0 +1,205 @@
+"""Tests for kvbits.methods.kvquant: k-means codebooks, NUQ quantization with outliers,
+calibration files (round trip and refusal)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kvbits.methods import kvquant as kvq
+from kvbits.reference import quant as ref_quant
+from kvbits.spec import resolve_spec
+
+
+# ------------------------------------------------------------------------------------ k-means
+def brute_force(x, w, k):
+    """Best objective over all partitions of the sorted distinct values into k contiguous runs."""
+    xs, inv = torch.unique(x.double(), return_inverse=True)
+    ws = torch.zeros_like(xs).index_add_(0, inv, w.double())
+    n = xs.numel()
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = (0, *cuts, n)
+        total = 0.0
+        for a, b in itertools.pairwise(bounds):
+            c = (ws[a:b] * xs[a:b]).sum() / ws[a:b].sum()
+            total += float((ws[a:b] * (xs[a:b] - c) ** 2).sum())
+        best = min(best, total)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_kmeans_matches_brute_force(seed, k):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(10, generator=g) * 3
+    w = torch.rand(10, generator=g) + 0.05
+    cb = kvq.kmeans_1d(x, w, k)
+    assert cb.shape == (k,) and bool((cb[1:] >= cb[:-1]).all())
+    got = kvq.kmeans_objective(x, w, cb)
+    want = brute_force(x, w, k)
+    # kmeans_1d normalizes weights to mean 1 (+1e-9): same argmin, objective scaled back here
+    assert got <= want * (1 + 1e-5) + 1e-9, (got, want)
+
+
+def test_kmeans_histogram_path_beats_uniform():
+    g = torch.Generator().manual_seed(0)
+    u = (torch.randn(20000, generator=g).clamp(-3, 3) + 3) / 6 * 7  # bell shape on [0, 7]
+    cb = kvq.kmeans_1d(u, None, 8)
+    assert kvq.kmeans_objective(u, None, cb) < 0.8 * kvq.kmeans_objective(
+        u, None, torch.arange(8.0))
+
+
+def test_kmeans_fewer_values_than_clusters():
+    cb = kvq.kmeans_1d(torch.tensor([1.0, 1.0, 2.0]), None, 4)
+    assert cb.shape == (4,) and set(cb.tolist()) == {1.0, 2.0}
+
+
+# ------------------------------------------------------------------------ quantize / dequantize
+def data(B=2, H=3, T=64, D=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_uniform_codebook_is_kivi(bits):
+    """arange(2**bits) as codebook: KIVI's scales and zeros exactly, its codes except where an
+    element sits exactly on a .5 boundary (round-half-even vs the upper threshold bucket)."""
+    k, v = data()
+    cb = kvq.uniform_codebooks(3, bits, bits)
+    for got, want, n in (
+        (kvq.quantize_keys(k, bits, 32, cb.k_codebook, cb.k_thresholds),
+         ref_quant.quantize_keys(k, bits, 32), k.numel()),
+        (kvq.quantize_values(v, bits, 32, 32, cb.v_codebook, cb.v_thresholds),
+         ref_quant.quantize_values(v, bits, 32, 32), v.numel())):
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+        assert got[3] is None and got[4] is None
+        same = (got[0] == want[0]).float().mean()
+        assert same > 1 - 1e-3, f"{bits} bits: {1 - same:.2%} of words differ"
+
+
+def test_codes_are_nearest_codebook_entry():
+    k, v = data()
+    g = torch.Generator().manual_seed(3)
+    cb = torch.sort(torch.rand(3, 8, generator=g) * 7).values
+    th = kvq.thresholds_of(cb)
+    codes, scale, zero, _, _ = kvq.quantize_keys(k, 3, 32, cb, th)
+    deq = kvq.dequantize_keys(codes, scale, zero, 3, 32, cb)
+    # every element dequantizes to its nearest candidate codebook[h, j] * scale + zero
+    B, H, T, D = k.shape
+    s = scale.float().repeat_interleave(32, dim=2)
+    z = zero.float().repeat_interleave(32, dim=2)
+    cand = cb[None, :, None, None, :] * s[..., None] + z[..., None]  # [B,H,T,D,8]
+    best = (cand - k[..., None]).abs().min(-1).values
+    assert ((deq - k).abs() - best).max() < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["keys", "values"])
+def test_outliers_recovered_and_excluded_from_range(kind):
+    k, v = data()
+    x = (k if kind == "keys" else v).clone()
+    spikes = [(0, 1, 5, 7), (1, 2, 40, 63), (0, 0, 33, 0)]
+    for b, h, t, d in spikes:
+        x[b, h, t, d] = 50.0
+    valid = torch.ones(2, 64, dtype=torch.bool)
+    valid[1, :3] = False  # padding
+    cb = kvq.uniform_codebooks(3, 2, 2)
+    if kind == "keys":
+        codes, scale, zero, oi, ov = kvq.quantize_keys(x, 2, 32, cb.k_codebook, cb.k_thresholds,
+                                                       1, valid)
+        deq = kvq.dequantize_keys(codes, scale, zero, 2, 32, cb.k_codebook, oi, ov)
+    else:
+        codes, scale, zero, oi, ov = kvq.quantize_values(x, 2, 32, 32, cb.v_codebook,
+                                                         cb.v_thresholds, 1, valid)
+        deq = kvq.dequantize_values(codes, scale, zero, 2, 32, 32, cb.v_codebook, oi, ov)
+    assert oi.shape == ov.shape == (2, 3, 64, 1) and oi.dtype == torch.uint8
+    assert ov.dtype == torch.float16
+    for b, h, t, d in spikes:
+        assert oi[b, h, t, 0] == d, "the spike must be the token's outlier"
+        assert abs(float(deq[b, h, t, d]) - 50.0) < 50.0 * 2**-10, "outlier recovered"
+    assert float(scale.max()) < 5.0, "spikes excluded from the dense range (50 / 3 otherwise)"
+    # every outlier position is recovered to FP16 precision of its correction
+    got = deq.gather(-1, oi.long())
+    want = x.gather(-1, oi.long())
+    real = valid[:, None, :, None].expand_as(got)
+    assert ((got - want).abs()[real] <= ov.float().abs()[real] * 2**-10 + 1e-6).all()
+    assert (ov[1, :, :3] == 0).all() and (oi[1, :, :3] == 0).all(), "padding has no outliers"
+
+
+def test_outliers_reduce_error():
+    k, v = data(seed=5)
+    k = k + (torch.rand_like(k) < 0.01) * 8.0  # sparse spikes
+    cb = kvq.uniform_codebooks(3, 3, 3)
+
+    def err(n):
+        c, s, z, oi, ov = kvq.quantize_keys(k, 3, 32, cb.k_codebook, cb.k_thresholds, n)
+        return ((kvq.dequantize_keys(c, s, z, 3, 32, cb.k_codebook, oi, ov) - k) ** 2).mean()
+    assert err(1) < 0.7 * err(0)
+
+
+# ---------------------------------------------------------------------------------- calibration
+def tiny_llama(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(0))
+    spec = resolve_spec("kvquant-3", codebook="head", qnorm=True)
+    cal = kvq.calibrate(model, ids, spec, model_name="tiny", preset="kvquant-3", data="random",
+                        window=128)
+    path = cal.save(tmp_path_factory.mktemp("cal") / "tiny.safetensors")
+    return model, spec, cal, path
+
+
+def test_calibration_shapes_and_round_trip(calibrated):
+    model, spec, cal, path = calibrated
+    assert len(cal.layers) == 2
+    layer = cal.layers[0]
+    assert layer.k_codebook.shape == (2, 8) and layer.k_thresholds.shape == (2, 7)
+    assert layer.v_codebook.shape == (2, 8) and layer.v_thresholds.shape == (2, 7)
+    assert bool((layer.k_thresholds[:, 1:] >= layer.k_thresholds[:, :-1]).all())
+    loaded = kvq.Calibration.load(path)
+    assert (loaded.model, loaded.preset, loaded.data) == ("tiny", "kvquant-3", "random")
+    assert loaded.date and loaded.fingerprint == kvq.model_fingerprint(model)
+    for a, b in zip(cal.layers, loaded.layers):
+        for name in ("k_codebook", "k_thresholds", "v_codebook", "v_thresholds"):
+            assert torch.equal(getattr(a, name), getattr(b, name))
+    loaded.check(model, spec)  # no error
+
+
+def test_calibration_refuses_other_spec_and_model(calibrated):
+    from kvbits.integrations.hf import KVBitsCache
+
+    model, spec, cal, path = calibrated
+    with pytest.raises(ValueError, match="key_bits"):
+        KVBitsCache(model, spec.replace(key_bits=2, value_bits=2), calibration=str(path))
+    with pytest.raises(ValueError, match="outliers"):
+        cal.check(model, spec.replace(outliers=0.0))
+    with pytest.raises(ValueError, match="calibration was made for model tiny"):
+        KVBitsCache(tiny_llama(seed=1), spec, calibration=path)
+    cache = KVBitsCache(model, spec, calibration=path)
+    assert torch.equal(cache.layers[1].codebooks.v_codebook, cal.layers[1].v_codebook)
+    with pytest.raises(ValueError, match="needs codebooks"):
+        KVBitsCache(model, spec)
+    with pytest.raises(ValueError, match="not a kvbits kvquant calibration"):
+        from safetensors.torch import save_file
+
+        bad = path.with_name("bad.safetensors")
+        save_file({"x": torch.zeros(1)}, str(bad))
+        KVBitsCache(model, spec, calibration=bad)
+
+
+def test_fisher_weights_change_the_codebook(calibrated):
+    model, spec, cal, _ = calibrated
+    ids = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(0))
+    plain = kvq.calibrate(model, ids, spec.replace(fisher=False), window=128)
+    assert not torch.allclose(plain.layers[0].k_codebook, cal.layers[0].k_codebook)
