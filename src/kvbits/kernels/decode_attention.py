@@ -51,45 +51,50 @@ def _visible(t, pos, start, length, window, HAS_WINDOW: tl.constexpr):
 
 
 @triton.jit
-def _unpack_group_tile(base, g0, g_end, offs_d, d_ok, BITS: tl.constexpr, G: tl.constexpr,
-                       GPT: tl.constexpr, D: tl.constexpr, EVEN_D: tl.constexpr):
-    """Codes of ``GPT`` groups from group ``g0`` as float16 ``[GPT * G, BLOCK_D]``, natural token
-    order. Slot-major packing makes slot ``s`` of the W words of a group the tokens
-    ``[s * W, (s + 1) * W)``, so unpacking is one broadcast shift and a reshape that merges
-    leading dims. ``(code | 0x6400)`` read as float16 is ``1024 + code`` exactly, which replaces an
-    int->float conversion by one OR and one subtraction. Groups past ``g_end`` re-read the last
-    valid group (their tokens are masked later), so the loads need no mask when ``EVEN_D``;
-    offsets are int32 within one (sequence, head) slice whose base the caller made int64."""
-    grp = tl.minimum(g0 + tl.arange(0, GPT), g_end - 1)
-    mask = d_ok[None, None, :]
+def _group_codes(base, g0, g_end, offs_d, d_ok, BITS: tl.constexpr, G: tl.constexpr,
+                 GPT: tl.constexpr, D: tl.constexpr, EVEN_D: tl.constexpr):
+    """Codes of ``GPT`` groups from group ``g0`` as int8 ``[GPT * G, BLOCK_D]`` in token order.
+
+    Slot-major packing makes slot ``s`` of the W words of a group the tokens ``[s * W, (s + 1) *
+    W)``, so unpacking is one broadcast shift and a reshape that merges leading dims. The codes
+    stay int8 until after that reshape: the layout change the MMA operand needs then moves one
+    byte per element through shared memory instead of two (see :func:`_codes_to_f16`). The word
+    rows of the step are contiguous, so the loads vectorize; rows of groups at or past ``g_end``
+    are masked. Offsets are int32 within one (sequence, head) slice whose base the caller made
+    int64."""
     if BITS == 3:
         W3: tl.constexpr = G // 32  # words per plane per group
-        rows = grp[:, None] * (3 * W3) + tl.arange(0, W3)[None, :]  # [GPT, W3]
+        rows = (g0 + tl.arange(0, GPT))[:, None] * (3 * W3) + tl.arange(0, W3)[None, :]
+        row_ok = (rows < g_end * (3 * W3))[:, :, None]
+        mask = row_ok & d_ok[None, None, :]
         ptrs = base + rows[:, :, None] * D + offs_d[None, None, :]
         slot = tl.arange(0, 32)[None, :, None, None]
-        if EVEN_D:
-            p0 = tl.load(ptrs)[:, None, :, :]
-            p1 = tl.load(ptrs + W3 * D)[:, None, :, :]
-            p2 = tl.load(ptrs + 2 * W3 * D)[:, None, :, :]
-        else:
-            p0 = tl.load(ptrs, mask=mask, other=0)[:, None, :, :]
-            p1 = tl.load(ptrs + W3 * D, mask=mask, other=0)[:, None, :, :]
-            p2 = tl.load(ptrs + 2 * W3 * D, mask=mask, other=0)[:, None, :, :]
+        p0 = tl.load(ptrs, mask=mask, other=0)[:, None, :, :]
+        p1 = tl.load(ptrs + W3 * D, mask=mask, other=0)[:, None, :, :]
+        p2 = tl.load(ptrs + 2 * W3 * D, mask=mask, other=0)[:, None, :, :]
         codes = ((p0 >> slot) & 1) | (((p1 >> slot) & 1) << 1) | (((p2 >> slot) & 1) << 2)
     else:
         W: tl.constexpr = G * BITS // 32
         SLOTS: tl.constexpr = 32 // BITS
-        rows = grp[:, None] * W + tl.arange(0, W)[None, :]  # [GPT, W]
-        ptrs = base + rows[:, :, None] * D + offs_d[None, None, :]
+        rows = g0 * W + tl.arange(0, GPT * W)  # contiguous rows: vector loads
         if EVEN_D:
-            words = tl.load(ptrs)
+            words = tl.load(base + rows[:, None] * D + offs_d[None, :],
+                            mask=(rows < g_end * W)[:, None], other=0)
         else:
-            words = tl.load(ptrs, mask=mask, other=0)
+            words = tl.load(base + rows[:, None] * D + offs_d[None, :],
+                            mask=(rows < g_end * W)[:, None] & d_ok[None, :], other=0)
+        words = tl.reshape(words, [GPT, 1, W, D if EVEN_D else offs_d.shape[0]])
         shift = (tl.arange(0, SLOTS) * BITS)[None, :, None, None]
-        codes = (words[:, None, :, :] >> shift) & ((1 << BITS) - 1)  # [GPT, SLOTS, W, D]
-    c16 = (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
-    BLOCK_D: tl.constexpr = offs_d.shape[0]
-    return tl.reshape(c16, [GPT * G, BLOCK_D])
+        codes = (words >> shift) & ((1 << BITS) - 1)  # [GPT, SLOTS, W, D]
+    return tl.reshape(codes.to(tl.int8), [GPT * G, offs_d.shape[0]])
+
+
+@triton.jit
+def _codes_to_f16(c):
+    """int8 codes (0..255 read as unsigned) -> float16, exactly: ``(code | 0x6400)`` read as
+    float16 is ``1024 + code``, so one OR and one subtraction replace a slow int->float
+    conversion."""
+    return ((c.to(tl.int16) & 0xFF) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
 
 
 @triton.jit
@@ -176,20 +181,20 @@ def _decode_kernel(
         offs_j = tl.arange(0, NGV_PAD)
         pos_min = length - Lq
         for g0 in range(g_lo, g_hi, GPT):
-            # K tile [N, D] = codes * scale + zero, the scale/zero of a group broadcast over its
+            # K tile [N, D] = code * scale + zero, the scale/zero of a group broadcast over its
             # G tokens (reshape merging leading dims).
-            grp = tl.minimum(g0 + gi, g_hi - 1)
-            ks_ptr = (grp * D)[:, None] + offs_d[None, :]
+            g_ok = (g0 + gi < g_hi)[:, None]
+            ks_ptr = ((g0 + gi) * D)[:, None] + offs_d[None, :]
             if EVEN_D:
-                k_s = tl.load(ks_base + ks_ptr)
-                k_z = tl.load(kz_base + ks_ptr)
+                k_s = tl.load(ks_base + ks_ptr, mask=g_ok, other=0.0)
+                k_z = tl.load(kz_base + ks_ptr, mask=g_ok, other=0.0)
             else:
-                k_s = tl.load(ks_base + ks_ptr, mask=d_ok[None, :], other=0.0)
-                k_z = tl.load(kz_base + ks_ptr, mask=d_ok[None, :], other=0.0)
+                k_s = tl.load(ks_base + ks_ptr, mask=g_ok & d_ok[None, :], other=0.0)
+                k_z = tl.load(kz_base + ks_ptr, mask=g_ok & d_ok[None, :], other=0.0)
             k_s = tl.reshape(tl.broadcast_to(k_s[:, None, :], [GPT, G, BLOCK_D]), [N, BLOCK_D])
             k_z = tl.reshape(tl.broadcast_to(k_z[:, None, :], [GPT, G, BLOCK_D]), [N, BLOCK_D])
-            kc = _unpack_group_tile(kc_base, g0, g_hi, offs_d, d_ok, KBITS, G, GPT, D, EVEN_D)
-            k = kc * k_s + k_z  # [N, BLOCK_D] float16
+            kc = _group_codes(kc_base, g0, g_hi, offs_d, d_ok, KBITS, G, GPT, D, EVEN_D)
+            k = _codes_to_f16(kc) * k_s + k_z
             sc = tl.dot(q, tl.trans(k.to(Q.dtype.element_ty)))  # [M, N]
             offs_t = g0 * G + tl.arange(0, N)  # body token index
             # Only tiles at the edges (padding, sequence end, window, last partial step) need the
@@ -203,18 +208,18 @@ def _decode_kernel(
                 sc = tl.where(vis & (offs_t < g_hi * G)[None, :], sc, float("-inf"))
             p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
             # V tile [N, D]: per-token scales of GV channels, broadcast along their channels.
-            tok = tl.minimum(offs_t, g_hi * G - 1)
-            vs_ptr = (tok * NGV)[:, None] + offs_j[None, :]
+            t_ok = (offs_t < g_hi * G)[:, None]
+            vs_ptr = (offs_t * NGV)[:, None] + offs_j[None, :]
             if NGV == NGV_PAD:
-                v_s = tl.load(vs_base + vs_ptr)
-                v_z = tl.load(vz_base + vs_ptr)
+                v_s = tl.load(vs_base + vs_ptr, mask=t_ok, other=0.0)
+                v_z = tl.load(vz_base + vs_ptr, mask=t_ok, other=0.0)
             else:
-                v_s = tl.load(vs_base + vs_ptr, mask=(offs_j < NGV)[None, :], other=0.0)
-                v_z = tl.load(vz_base + vs_ptr, mask=(offs_j < NGV)[None, :], other=0.0)
+                v_s = tl.load(vs_base + vs_ptr, mask=t_ok & (offs_j < NGV)[None, :], other=0.0)
+                v_z = tl.load(vz_base + vs_ptr, mask=t_ok & (offs_j < NGV)[None, :], other=0.0)
             v_s = tl.reshape(tl.broadcast_to(v_s[:, :, None], [N, NGV_PAD, GV]), [N, BLOCK_D])
             v_z = tl.reshape(tl.broadcast_to(v_z[:, :, None], [N, NGV_PAD, GV]), [N, BLOCK_D])
-            vc = _unpack_group_tile(vc_base, g0, g_hi, offs_d, d_ok, VBITS, G, GPT, D, EVEN_D)
-            v = vc * v_s + v_z
+            vc = _group_codes(vc_base, g0, g_hi, offs_d, d_ok, VBITS, G, GPT, D, EVEN_D)
+            v = _codes_to_f16(vc) * v_s + v_z
             acc = acc * alpha[:, None] + tl.dot(p.to(Q.dtype.element_ty), v.to(Q.dtype.element_ty))
     else:
         # FP16 tokens: index i < sink_len is sink token i, else residual token i - sink_len.
