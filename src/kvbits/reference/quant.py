@@ -36,7 +36,9 @@ def minmax_qparams(x: torch.Tensor, bits: int, dim: int, valid: torch.Tensor | N
         hi = torch.where(empty, 0.0, hi)
     zero = lo.to(torch.float16)
     # The range is measured from the FP16 zero so codes cover [zero, hi] after rounding.
-    scale = ((hi - zero.float()) / ((1 << bits) - 1)).to(torch.float16)
+    # A tensor divisor: CUDA torch multiplies by the reciprocal of a scalar divisor, which is
+    # not the correctly rounded quotient (and differs from CPU and the kernel in the last bit).
+    scale = ((hi - zero.float()) / torch.full_like(hi, (1 << bits) - 1)).to(torch.float16)
     return scale, zero
 
 
