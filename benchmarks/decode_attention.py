@@ -54,17 +54,27 @@ def sdpa_fp16(q, k, v, scale):
     raise RuntimeError("no SDPA backend accepted the shapes")
 
 
+# (num_warps, tile_tokens, prmt) tried by --tune.
+TUNE_GRID = [(4, 128, True), (4, 128, False), (8, 128, True), (4, 64, True), (8, 256, True),
+             (4, 256, True)]
+
+
 def tune(presets, bw) -> dict:
-    """Pick (num_warps, tile_tokens) per preset on a Llama-3-8B batch-8 32k step; returns kwargs."""
+    """Pick (num_warps, tile_tokens, prmt) per preset on a Llama-3-8B batch-8 32k step; returns
+    kwargs."""
     best = {}
     q = torch.randn(8, 32, 1, 128, dtype=torch.float16, device="cuda")
     for preset in presets:
         kv = random_packed_kv(8, 8, 32768, 128, resolve_spec(preset))
         nb = packed_nbytes(kv)
-        for warps, tile in ((4, 128), (8, 128), (4, 64)):
-            kw = dict(num_warps=warps, tile_tokens=tile)
-            us = bench(lambda: decode_attention(q, kv, scale=0.088, **kw))
-            print(f"tune {preset} warps={warps} tile={tile}: {us:.1f} us "
+        for warps, tile, prmt in TUNE_GRID:
+            kw = dict(num_warps=warps, tile_tokens=tile, prmt=prmt)
+            try:
+                us = bench(lambda: decode_attention(q, kv, scale=0.088, **kw))
+            except Exception as e:  # a configuration the compiler rejects is reported, not fatal
+                print(f"tune {preset} {kw}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                continue
+            print(f"tune {preset} warps={warps} tile={tile} prmt={prmt}: {us:.1f} us "
                   f"({nb / us * 1e6 / bw * 100:.0f}% of copy bw)", flush=True)
             if preset not in best or us < best[preset][0]:
                 best[preset] = (us, kw)

@@ -10,6 +10,6 @@ out="${1:-benchmarks/results}"
 mkdir -p "$out"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$out/gpu_check.log"
-python3 -m pytest -q -x -m gpu tests 2>&1 | tee -a "$out/gpu_check.log" | tail -5
+python3 -m pytest -q -m gpu tests 2>&1 | tee -a "$out/gpu_check.log" | tail -5
 python3 benchmarks/decode_attention.py --tune --out "$out" 2>&1 | tee -a "$out/gpu_check.log" \
   | grep -v "^skip"

@@ -18,6 +18,7 @@ packed codes, the scales and zeros, the FP16 windows, Q, and the small per-split
 
 from __future__ import annotations
 
+import os
 
 import torch
 import triton
@@ -90,11 +91,18 @@ def _group_codes(base, g0, g_end, offs_d, d_ok, BITS: tl.constexpr, G: tl.conste
 
 
 @triton.jit
-def _codes_to_f16(c):
+def _codes_to_f16(c, USE_PRMT: tl.constexpr):
     """int8 codes (0..255 read as unsigned) -> float16, exactly: ``(code | 0x6400)`` read as
-    float16 is ``1024 + code``, so one OR and one subtraction replace a slow int->float
-    conversion."""
-    return ((c.to(tl.int16) & 0xFF) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    float16 is ``1024 + code``, so an OR (or one byte permute per pair, ``USE_PRMT``: PTX,
+    GPU only) and one subtraction replace a slow int->float conversion."""
+    if USE_PRMT:
+        # Bytes [c0, 0x64, c1, 0x64] and [c2, 0x64, c3, 0x64]: two half2 of 1024 + code.
+        f = tl.inline_asm_elementwise(
+            "prmt.b32 $0, $2, 0x64646464, 0x4140; prmt.b32 $1, $2, 0x64646464, 0x4342;",
+            "=r,=r,r", [c], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        f = ((c.to(tl.int16) & 0xFF) | 0x6400).to(tl.float16, bitcast=True)
+    return f - 1024.0
 
 
 @triton.jit
@@ -131,6 +139,7 @@ def _decode_kernel(
     KBITS: tl.constexpr, VBITS: tl.constexpr, G: tl.constexpr, GPT: tl.constexpr,
     GV: tl.constexpr, NGV: tl.constexpr, NGV_PAD: tl.constexpr,
     BLOCK_FP: tl.constexpr, HAS_WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
+    USE_PRMT: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_LENS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -141,8 +150,12 @@ def _decode_kernel(
     b = bh // Hkv
     bh64 = bh.to(tl.int64)
 
-    start = tl.load(Starts + b)
-    length = tl.load(Lens + b)
+    start = 0
+    length = sink_len + body_len + res_len
+    if HAS_STARTS:
+        start = tl.load(Starts + b)
+    if HAS_LENS:
+        length = tl.load(Lens + b)
 
     # Query rows of this KV head: row m -> head h*HG + m // Lq, query index m % Lq.
     offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -194,7 +207,7 @@ def _decode_kernel(
             k_s = tl.reshape(tl.broadcast_to(k_s[:, None, :], [GPT, G, BLOCK_D]), [N, BLOCK_D])
             k_z = tl.reshape(tl.broadcast_to(k_z[:, None, :], [GPT, G, BLOCK_D]), [N, BLOCK_D])
             kc = _group_codes(kc_base, g0, g_hi, offs_d, d_ok, KBITS, G, GPT, D, EVEN_D)
-            k = _codes_to_f16(kc) * k_s + k_z
+            k = _codes_to_f16(kc, USE_PRMT) * k_s + k_z
             sc = tl.dot(q, tl.trans(k.to(Q.dtype.element_ty)))  # [M, N]
             offs_t = g0 * G + tl.arange(0, N)  # body token index
             # Only tiles at the edges (padding, sequence end, window, last partial step) need the
@@ -219,7 +232,7 @@ def _decode_kernel(
             v_s = tl.reshape(tl.broadcast_to(v_s[:, :, None], [N, NGV_PAD, GV]), [N, BLOCK_D])
             v_z = tl.reshape(tl.broadcast_to(v_z[:, :, None], [N, NGV_PAD, GV]), [N, BLOCK_D])
             vc = _group_codes(vc_base, g0, g_hi, offs_d, d_ok, VBITS, G, GPT, D, EVEN_D)
-            v = _codes_to_f16(vc) * v_s + v_z
+            v = _codes_to_f16(vc, USE_PRMT) * v_s + v_z
             acc = acc * alpha[:, None] + tl.dot(p.to(Q.dtype.element_ty), v.to(Q.dtype.element_ty))
     else:
         # FP16 tokens: index i < sink_len is sink token i, else residual token i - sink_len.
@@ -287,12 +300,14 @@ def _sm_count(device: torch.device) -> int:
 
 def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None, lengths=None,
                      window: int | None = None, splits: int | None = None,
-                     num_warps: int | None = None, tile_tokens: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, tile_tokens: int | None = None,
+                     prmt: bool | None = None) -> torch.Tensor:
     """Attention of ``q [B, Hq, Lq, D]`` over a packed layer (rules of the reference op).
 
     ``starts``/``lengths``: optional ``[B]`` int tensors (first visible position; sequence end).
     ``splits``, ``num_warps`` and ``tile_tokens`` (body tokens per loop step, a power-of-two
-    multiple of the group size) override the defaults (tests and tuning).
+    multiple of the group size) override the defaults (tests and tuning); ``prmt`` selects the
+    PTX byte-permute code conversion (default: on a GPU, not under ``TRITON_INTERPRET``).
     """
     B, Hq, Lq, D = q.shape
     Hkv = kv.kv_heads
@@ -308,8 +323,10 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     HG = Hq // Hkv
     dev = q.device
     q = q.contiguous()
-    starts = _as_i32(starts, B, 0, dev)
-    lengths = _as_i32(lengths, B, kv.total_len, dev)
+    # Absent starts/lengths cost no device tensors (each would be one more launch per step).
+    has_starts, has_lens = starts is not None, lengths is not None
+    starts = _as_i32(starts, B, dev) if has_starts else q
+    lengths = _as_i32(lengths, B, dev) if has_lens else q
     BLOCK_D = max(16, triton.next_power_of_2(D))
     M = HG * Lq
     BLOCK_M = min(64, max(16, triton.next_power_of_2(M)))
@@ -352,6 +369,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
         KBITS=kv.key_bits, VBITS=kv.value_bits, G=G, GPT=GPT,
         GV=kv.value_group, NGV=NGV, NGV_PAD=triton.next_power_of_2(NGV),
         BLOCK_FP=BLOCK_FP, HAS_WINDOW=window is not None, EVEN_D=D == BLOCK_D,
+        USE_PRMT=_use_prmt(dev) if prmt is None else prmt, HAS_STARTS=has_starts,
+        HAS_LENS=has_lens,
         num_warps=num_warps or DEFAULT_WARPS, num_stages=2 if BLOCK_D <= 128 else 1,
     )
     o = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=dev)
@@ -360,7 +379,10 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     return o
 
 
-def _as_i32(x, batch: int, default: int, device) -> torch.Tensor:
-    if x is None:
-        return torch.full((batch,), default, dtype=torch.int32, device=device)
+def _use_prmt(device: torch.device) -> bool:
+    """Inline PTX runs on CUDA devices only: not on CPU tensors, not in Triton's interpreter."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+def _as_i32(x, batch: int, device) -> torch.Tensor:
     return torch.as_tensor(x, device=device).to(torch.int32).expand(batch).contiguous()
