@@ -109,10 +109,9 @@ def _inv_freq_from_config(config, layer_type: str, rope_type: str) -> torch.Tens
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         fn = ROPE_INIT_FUNCTIONS[rope_type]
-        try:
-            inv, _ = fn(config, None, layer_type=layer_type)
-        except TypeError:
-            inv, _ = fn(config, None)
+        per_type = isinstance(getattr(config, "rope_parameters", None), dict) and \
+            layer_type in config.rope_parameters
+        inv, _ = fn(config, None, layer_type=layer_type) if per_type else fn(config, None)
         return inv
     base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -1,0 +1,161 @@
+"""KVQuant through KVBitsCache: pre-RoPE keys equal the model's own attention when the quantizer
+is made lossless, real quantization stays close, perplexity through the cache runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbits.cache import store as store_mod
+from kvbits.cache.store import LayerStore
+from kvbits.integrations.hf import KVBitsCache
+from kvbits.methods import kvquant as kvq
+from kvbits.reference import rope as ref_rope
+
+from test_hf import NEW, forward, generate, padded_batch, stepwise_logits, tiny_config, tiny_model
+
+ROPE_VARIANTS = {  # as in tests/reference/test_rope.py
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+}
+
+
+@pytest.fixture
+def lossless(monkeypatch):
+    """Make the kvquant quantizer lossless while keeping everything around it: the store still
+    un-rotates keys at flush and the body is re-rotated at its positions; only the codes are
+    replaced by the exact (pre-RoPE) inputs the quantizer received."""
+    real_flush = LayerStore.flush
+
+    def flush(self, upto=None):
+        def spy_k(k, *args, **kw):
+            self.__dict__.setdefault("_exact_k", []).append(k.float().clone())
+            return real_qk(k, *args, **kw)
+
+        def spy_v(v, *args, **kw):
+            self.__dict__.setdefault("_exact_v", []).append(v.float().clone())
+            return real_qv(v, *args, **kw)
+        with monkeypatch.context() as m:
+            m.setattr(kvq, "quantize_keys", spy_k)
+            m.setattr(kvq, "quantize_values", spy_v)
+            real_flush(self, upto)
+
+    def dense_body(self):
+        if not self.body_len:
+            return None
+        k = torch.cat(self._exact_k, dim=2)[:, :, : self.body_len]
+        v = torch.cat(self._exact_v, dim=2)[:, :, : self.body_len]
+        if self.inv_freq is not None:
+            pos = ref_rope.token_positions(self.starts, self.sink_len, self.body_len)
+            k = ref_rope.rotate(k, pos, self.inv_freq)
+        return k, v
+
+    real_qk, real_qv = kvq.quantize_keys, kvq.quantize_values
+    monkeypatch.setattr(LayerStore, "flush", flush)
+    monkeypatch.setattr(LayerStore, "_dense_body", dense_body)
+
+
+def llama_with_rope(variant: str):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_config(
+        vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, intermediate_size=128, max_position_embeddings=512,
+        rope_parameters=ROPE_VARIANTS[variant])).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama-default", "llama-llama3", "llama-linear", "gemma3"])
+def test_pre_rope_lossless_equals_model(arch, lossless):
+    """Left-padded batch, prefill + chunk + single steps, R=0 so the body holds almost all: with
+    the codes made lossless the logits equal the model's own (FP32) to 1e-4."""
+    model = tiny_model("gemma3") if arch == "gemma3" else llama_with_rope(arch.split("-")[1])
+    x, mask = padded_batch("cpu")
+    with torch.no_grad():
+        full = model(input_ids=x, attention_mask=mask,
+                     position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    cache = KVBitsCache(model, "kvquant-2", calibration="uniform", residual_length=0,
+                        group_size=32)
+    got = stepwise_logits(model, x, mask, cache)
+    assert cache.stores[0].body_len == 32 and cache.stores[0].inv_freq is not None
+    real = mask.bool()
+    torch.testing.assert_close(got[real], full[real], atol=1e-4, rtol=1e-4)
+
+
+def test_pre_rope_8bit_close_and_positions_right():
+    """Real 8-bit kvquant (outliers on): the dequantized post-RoPE body matches the model's keys
+    closely (a wrong re-rotation position would give O(1) errors)."""
+    model = llama_with_rope("default")
+    x, mask = padded_batch("cpu", length=80)
+    cache = KVBitsCache(model, "kvquant-4", calibration="uniform", key_bits=8, value_bits=8,
+                        residual_length=0)
+    captured = {}
+    real_update = store_mod.LayerStore.append
+
+    def append(self, k, v, flush=True):
+        captured.setdefault(id(self), []).append(k.clone())
+        return real_update(self, k, v, flush)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(store_mod.LayerStore, "append", append)
+        stepwise_logits(model, x, mask, cache)
+    s = cache.stores[1]
+    post = torch.cat(captured[id(s)], dim=2)
+    got = s._dense_body()[0]
+    real = (torch.arange(s.body_len)[None] >= s.starts[:, None])[:, None, :, None]
+    err = ((got - post[:, :, : s.body_len]).abs() * real).max()
+    assert err < 0.02 * post.abs().max(), err
+
+
+def test_position_ids_checked():
+    model = llama_with_rope("default")
+    x, mask = padded_batch("cpu")
+    cache = KVBitsCache(model, "kvquant-2", calibration="uniform")
+    with pytest.raises(ValueError, match="position_ids"):
+        forward(model, x[:1], cache, position_ids=torch.arange(x.shape[1])[None] + 5)
+
+
+def test_perplexity_smoke_counts_outliers():
+    from kvbits.eval.perplexity import perplexity
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(0))
+    fp = perplexity(model, ids, lambda: KVBitsCache(model, "fp16"), chunk_size=100,
+                    progress=False)
+    r = perplexity(model, ids, lambda: KVBitsCache(model, "kvquant-4", calibration="uniform",
+                                                   residual_length=32), chunk_size=100,
+                   progress=False)
+    assert abs(r["ppl"] / fp["ppl"] - 1) < 0.05
+    dense = perplexity(model, ids, lambda: KVBitsCache(model, "kvquant-4-dense",
+                                                       calibration="uniform",
+                                                       residual_length=32), chunk_size=100,
+                       progress=False)
+    # 1 outlier per vector of 64: index (1 B) + FP16 value (2 B), for K and V, per body token
+    # (5 groups of 32 = 160 tokens), per KV head (2), per layer (3)
+    assert r["cache_bytes"] - dense["cache_bytes"] == 160 * 2 * 3 * 2 * 3
+
+
+@pytest.mark.model
+def test_smollm2_calibrated_kvquant_generates(smollm2, tmp_path):
+    """SmolLM2: calibrate on a little text, load the file, generate coherent greedy text."""
+    model, tok = smollm2
+    ids = tok("The president spoke to the Congress about the economy, the war and the budget. "
+              * 12, return_tensors="pt").input_ids[:, :256]
+    spec = "kvquant-4"
+    from kvbits.spec import resolve_spec
+
+    cal = kvq.calibrate(model, ids, resolve_spec(spec), model_name="smollm2", preset=spec,
+                        window=128)
+    path = cal.save(tmp_path / "smollm2.safetensors")
+    old = model.config._attn_implementation
+    try:
+        prompt = tok("The capital of France is", return_tensors="pt")
+        cache = KVBitsCache(model, spec, calibration=path, residual_length=0)
+        out = generate(model, prompt.input_ids, cache)
+        model.set_attn_implementation("sdpa")
+        ref = generate(model, prompt.input_ids, None)
+        assert out.shape == ref.shape
+    finally:
+        model.set_attn_implementation(old)
