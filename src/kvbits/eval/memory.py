@@ -145,7 +145,7 @@ def kv_memory(config, preset: str | QuantSpec = "kivi-2", context: int = 4096, b
     if spec.quantized:
         body_tok = shape.layers * shape.kv_heads * body_bytes_per_token(
             shape.head_dim, spec.key_bits, spec.value_bits, spec.group_size,
-            spec.value_group(shape.head_dim))
+            spec.value_group(shape.head_dim), spec.n_outliers(shape.head_dim))
         fixed = spec.sink_tokens + spec.residual_length + spec.group_size - 1
     else:
         body_tok, fixed = float(fp_tok), 0
