@@ -1,0 +1,79 @@
+"""Fill a cache with given K/V without running the model over the prompt.
+
+Benchmarks need caches holding a long context (a real prompt's K/V, or random K/V when only speed
+matters) in every cache type they compare, without paying a model prefill per variant. These
+helpers put K/V into each cache through the same calls a model prefill makes:
+
+* :class:`~kvbits.integrations.hf.KVBitsCache`: ``layer.update(k, v)`` (the prefill update: the
+  tokens are appended unquantized), then ``store.flush()`` and the "consumed by the kvbits
+  attention" flag, exactly what the ``"kvbits"`` attention does after a prefill
+  (``kvbits_attention_forward``; no padding). The quantization therefore runs through the real
+  append path (``LayerStore.append`` / ``flush``: the Triton ``quantize_pack`` kernels on CUDA).
+  Long contexts can be appended in chunks; each chunk is quantized as it arrives (whole groups,
+  the last R..R+G-1 tokens stay FP16), as in chunked prefill.
+* any other transformers ``Cache`` (``DynamicCache``, ``QuantizedCache``): ``cache.update(k, v,
+  layer_idx)``, which is what its model calls at prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+__all__ = ["append_kv", "copy_dense_cache", "fill_random"]
+
+
+def append_kv(cache, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Append ``k, v [B, H_kv, T, D]`` to layer ``layer_idx`` as a prefill (chunk) would."""
+    layers = getattr(cache, "layers", None)
+    layer = layers[layer_idx] if layers is not None else None
+    if layer is not None and hasattr(layer, "store") and hasattr(layer, "_attended"):
+        # KVBitsLayer: update (fast path: appended without quantizing, tagged for the attention),
+        # then what kvbits_attention_forward does once it has consumed the update.
+        if layer.store is not None and layer.store.seq_len:
+            layer._attended = True  # the previous chunk was consumed: stay on the fast path
+        layer.update(k, v)
+        layer.store.flush()
+        layer._attended = True
+        return
+    cache.update(k, v, layer_idx)
+
+
+def copy_dense_cache(dense, cache) -> None:
+    """Put the K/V held by a ``DynamicCache`` (e.g. after a real prefill) into ``cache``.
+
+    For a :class:`KVBitsCache` the result is the state a prefill of the same tokens through the
+    ``"kvbits"`` attention leaves (same K/V, quantized in one call, no padding).
+    """
+    for i, layer in enumerate(dense.layers):
+        append_kv(cache, i, layer.keys.clone(), layer.values.clone())
+
+
+def fill_random(cache, num_layers: int, batch: int, kv_heads: int, head_dim: int, tokens: int,
+                dtype=torch.float16, device="cuda", chunk: int = 8192,
+                progress: Callable[[int], None] | None = None, seed: int = 0) -> None:
+    """Fill every layer of ``cache`` with ``tokens`` random K/V tokens, ``chunk`` at a time.
+
+    Speed does not depend on the values; the K/V are standard normal (keys get a few large
+    channels, like real keys, so that per-channel quantization sees realistic ranges). Memory
+    is bounded by one chunk of FP16 K/V of one layer on top of the cache.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for i in range(num_layers):
+        for t0 in range(0, tokens, chunk):
+            n = min(chunk, tokens - t0)
+            shape = (batch, kv_heads, n, head_dim)
+            k = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+            k[..., :4] *= 8
+            v = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+            append_kv(cache, i, k, v)
+            del k, v
+        if progress is not None:
+            progress(i)
+
+
+def chunks(n: int, size: int) -> Iterable[tuple[int, int]]:
+    """``(start, stop)`` of consecutive chunks of at most ``size`` covering ``range(n)``."""
+    for s in range(0, n, size):
+        yield s, min(n, s + size)

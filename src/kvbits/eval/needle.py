@@ -1,0 +1,353 @@
+"""Passkey retrieval (needle in a haystack) through a quantized KV cache.
+
+A five-digit pass key is hidden in real text (State of the Union addresses by default)::
+
+    <chat template: user>
+    There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize
+    it. I will quiz you about the pass key.
+
+    ...haystack... The pass key is 71432. Remember it. 71432 is the pass key. ...haystack...
+
+    What is the pass key?
+    <chat template: assistant>The pass key is
+
+and the model continues greedily for ``max_new_tokens`` tokens. A trial is correct when the first
+run of digits in the continuation is exactly the key. The needle goes at a sentence boundary
+of the haystack at the requested depth (0 = first thing after the instruction, 1 = right before
+the question), and the whole prompt is ``length`` tokens.
+
+How the caches are compared
+---------------------------
+The prompt is split into the *document* (instruction + haystack + needle) and the *question*
+(the last tokens: question and answer prefix, from the chat template). The document is prefilled
+once per trial with a ``DynamicCache`` (full-precision attention). Each kvbits preset then gets
+a :class:`~kvbits.integrations.hf.KVBitsCache` holding those K/V, filled through the same calls a
+prefill through the ``"kvbits"`` attention makes (:func:`kvbits.eval.cachefill.copy_dense_cache`:
+same K/V, quantized in one call), so the prefill is shared by all presets. The question is then
+fed as one chunk and the answer decoded token by token, both through the cache: every token of
+the question and the answer attends to the document *as the cache stores it* (quantized body,
+FP16 residual). This is the situation of a document cached once and queried later; a plain
+``generate`` over the whole prompt would compute the first answer token from the full-precision
+prefill instead, which hides most of the quantization error. FP16 (``DynamicCache``) goes through
+the same procedure.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+__all__ = ["NeedleConfig", "PasskeyPrompt", "build_passkey_prompt", "haystack_ids",
+           "needle_markdown", "needle_meta", "passkey_correct", "plot_needle", "run_needle",
+           "summarize", "write_needle"]
+
+INSTRUCTION = ("There is an important pass key hidden inside a lot of irrelevant text. Find it "
+               "and memorize it. I will quiz you about the pass key.\n\n")
+NEEDLE = "\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"
+QUESTION = "\n\nWhat is the pass key?"
+ANSWER_PREFIX = "The pass key is"
+
+
+@dataclass
+class NeedleConfig:
+    model: str = "smollm2"
+    text: str = "sotu-2010-2016"
+    lengths: tuple[int, ...] = (1024, 2048, 4096, 8192)
+    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    presets: tuple[str, ...] = ("fp16", "kivi-4", "kivi-2")
+    trials: int = 2
+    max_new_tokens: int = 8
+    seed: int = 0
+    chat: bool = True
+
+
+@dataclass
+class PasskeyPrompt:
+    ids: list[int]  # the whole prompt
+    question_tokens: int  # how many of the last tokens are the question (fed through the cache)
+    needle_at: int  # token index where the needle starts
+    key: str
+
+
+def passkey_correct(answer: str, key: str | int) -> bool:
+    """Whether the first run of digits in ``answer`` is exactly ``key``.
+
+    >>> passkey_correct(" 71432.", 71432), passkey_correct(" 7143", 71432), passkey_correct("714321", 71432)
+    (True, False, False)
+    """
+    digits = re.findall(r"\d+", answer)
+    return bool(digits) and digits[0] == str(key)
+
+
+def haystack_ids(tokenizer, text: str, max_tokens: int | None = None) -> tuple[list[int], list[int]]:
+    """Token ids of ``text`` (no special tokens) and the indices ``i`` where a sentence ends
+    right before token ``i`` (allowed insertion points)."""
+    if max_tokens is not None:
+        text = text[: 8 * max_tokens + 1024]
+    ids = list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    ends = [0]
+    for i, t in enumerate(ids):
+        s = tokenizer.decode([t])
+        if s.rstrip().endswith((".", "?", "!")) and s.strip():
+            ends.append(i + 1)
+    return ids, ends
+
+
+def _template_parts(tokenizer, chat: bool) -> tuple[str, str]:
+    """Text before the haystack and after it (question + answer prefix)."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        mark = "\x00HAYSTACK\x00"
+        msgs = [{"role": "user", "content": INSTRUCTION + mark + QUESTION}]
+        full = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        head, tail = full.split(mark)
+        return head, tail + ANSWER_PREFIX
+    return INSTRUCTION, QUESTION + " " + ANSWER_PREFIX
+
+
+def build_passkey_prompt(tokenizer, hay: list[int], ends: list[int], length: int, depth: float,
+                         key: str | int, offset: int = 0, chat: bool = True) -> PasskeyPrompt:
+    """A ``length``-token prompt with the needle at ``depth`` (0..1) of the haystack.
+
+    ``hay``/``ends`` come from :func:`haystack_ids`; the haystack starts at the sentence
+    boundary at or after token ``offset`` (different trials use different text).
+    """
+    enc = lambda s: list(tokenizer(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    head_s, tail_s = _template_parts(tokenizer, chat)
+    head, tail = enc(head_s), enc(tail_s)
+    needle = enc(NEEDLE.format(key=key))
+    n_hay = length - len(head) - len(tail) - len(needle)
+    if n_hay <= 0:
+        raise ValueError(f"length {length} is too short for the instruction, needle and question "
+                         f"({length - n_hay} tokens)")
+    start = next((e for e in ends if e >= offset), 0)
+    if start + n_hay > len(hay):
+        start = 0
+    if n_hay > len(hay):
+        raise ValueError(f"the text has {len(hay)} tokens; a {length}-token prompt needs {n_hay}")
+    body = hay[start:start + n_hay]
+    local_ends = [e - start for e in ends if start <= e <= start + n_hay]
+    want = round(depth * n_hay)
+    pos = min(local_ends, key=lambda e: (abs(e - want), e)) if local_ends else want
+    if depth >= 1.0:
+        pos = n_hay
+    elif depth <= 0.0:
+        pos = 0
+    ids = head + body[:pos] + needle + body[pos:] + tail
+    return PasskeyPrompt(ids, len(tail), len(head) + pos, str(key))
+
+
+@torch.no_grad()
+def _answer(model, cache, question: torch.Tensor, max_new_tokens: int) -> list[int]:
+    """Feed ``question [1, T]`` through ``cache`` as one chunk, then decode greedily."""
+    from .perplexity import cache_kwargs
+
+    kw = cache_kwargs(model, cache)
+    out = model(question, use_cache=True, logits_to_keep=1, **kw)
+    new = []
+    for _ in range(max_new_tokens):
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        new.append(int(nxt))
+        out = model(nxt, use_cache=True, logits_to_keep=1, **kw)
+    return new
+
+
+def run_needle(model, tokenizer, text: str, cfg: NeedleConfig,
+               log: Callable[[str], None] = print,
+               on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Every (length, depth, trial) for every preset; one row per run (see module docstring)."""
+    from transformers import DynamicCache
+
+    from ..integrations.hf import KVBitsCache
+    from ..spec import resolve_spec
+    from .cachefill import copy_dense_cache
+    from .perplexity import cache_kwargs
+
+    max_len = max(cfg.lengths)
+    hay, ends = haystack_ids(tokenizer, text, 3 * max_len)
+    rng = random.Random(cfg.seed)
+    specs = {p: resolve_spec(p) for p in cfg.presets}
+    # Switch the model to the "kvbits" attention once (untagged tensors, as from DynamicCache,
+    # take plain SDPA there).
+    KVBitsCache(model, "kivi-2")
+    rows: list[dict] = []
+    device = next(model.parameters()).device
+    # Trial-major order: every (length, depth) cell gets trial 0 before any gets trial 1, so a
+    # run stopped early (results are written after every trial) still covers the whole grid.
+    draws = {(t, n, d): (rng.randint(10000, 99999), rng.randint(0, max(0, len(hay) - n)))
+             for n in cfg.lengths for d in cfg.depths for t in range(cfg.trials)}
+    for trial in range(cfg.trials):
+        for length in cfg.lengths:
+            for depth in cfg.depths:
+                key, offset = draws[(trial, length, depth)]
+                p = build_passkey_prompt(tokenizer, hay, ends, length, depth, key, offset, cfg.chat)
+                ids = torch.tensor([p.ids], device=device)
+                doc, question = ids[:, :-p.question_tokens], ids[:, -p.question_tokens:]
+                t0 = time.perf_counter()
+                dense = DynamicCache(config=model.config)
+                with torch.no_grad():
+                    model(doc, use_cache=True, logits_to_keep=1, **cache_kwargs(model, dense))
+                prefill_s = time.perf_counter() - t0
+                # FP16 reads the DynamicCache itself, so it goes last; rows keep cfg's order.
+                order = [q for q in cfg.presets if specs[q].quantized] + \
+                        [q for q in cfg.presets if not specs[q].quantized]
+                trial_rows = {}
+                for preset in order:
+                    t1 = time.perf_counter()
+                    if specs[preset].quantized:
+                        cache = KVBitsCache(model, specs[preset])
+                        copy_dense_cache(dense, cache)
+                    else:
+                        cache = dense  # FP16: the DynamicCache itself (used last)
+                    new = _answer(model, cache, question, cfg.max_new_tokens)
+                    answer = tokenizer.decode(new, skip_special_tokens=True)
+                    ok = passkey_correct(answer, p.key)
+                    trial_rows[preset] = ({"length": length, "depth": depth, "trial": trial,
+                                 "preset": preset, "spec": specs[preset].describe(),
+                                 "key": p.key, "answer": answer, "correct": ok,
+                                 "needle_at": p.needle_at, "prompt_tokens": len(p.ids),
+                                 "prefill_s": round(prefill_s, 2),
+                                 "answer_s": round(time.perf_counter() - t1, 2)})
+                    log(f"len {length} depth {depth:.2f} trial {trial} {preset:>7}: "
+                        f"{'OK ' if ok else 'MISS'} key {p.key} -> {answer!r}")
+                    del cache
+                del dense
+                rows += [trial_rows[q] for q in cfg.presets]
+                if on_row is not None:
+                    on_row(rows)
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict:
+    """``{preset: {"acc": overall, (length, depth): accuracy}}``."""
+    out: dict = {}
+    for r in rows:
+        d = out.setdefault(r["preset"], {"_n": 0, "_ok": 0})
+        d["_n"] += 1
+        d["_ok"] += r["correct"]
+        cell = d.setdefault((r["length"], r["depth"]), [0, 0])
+        cell[0] += r["correct"]
+        cell[1] += 1
+    for d in out.values():
+        d["acc"] = d.pop("_ok") / d.pop("_n")
+        for k in [k for k in d if isinstance(k, tuple)]:
+            ok, n = d[k]
+            d[k] = ok / n
+    return out
+
+
+def needle_markdown(rows: list[dict], meta: dict) -> str:
+    """Accuracy per preset, per length x depth, plus the command and versions."""
+    from .memory import markdown_table
+
+    s = summarize(rows)
+    lengths = sorted({r["length"] for r in rows})
+    depths = sorted({r["depth"] for r in rows})
+    presets = list(dict.fromkeys(r["preset"] for r in rows))
+    counts = {}
+    for r in rows:
+        counts[(r["preset"], r["length"], r["depth"])] = counts.get(
+            (r["preset"], r["length"], r["depth"]), 0) + 1
+    lo, hi = (min(counts.values()), max(counts.values())) if counts else (0, 0)
+    trials = str(lo) if lo == hi else f"{lo} to {hi}"
+    lines = [f"# Passkey retrieval through the cache: {meta.get('model')} on {meta.get('text')}",
+             "", "```", meta.get("command", ""), "```", "",
+             f"{meta.get('date', '')}; {meta.get('device', 'cpu')}; "
+             + ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items()) + ".", "",
+             "Exact match of the 5-digit key (first run of digits in the greedy answer of "
+             f"{meta.get('max_new_tokens', 8)} tokens), {trials} trial(s) per cell, each with its "
+             "own key and haystack offset. The document is prefilled once per trial at full "
+             "precision and stored in each cache; the question and the answer attend to it "
+             "through the cache (module docstring of `kvbits.eval.needle`).", "",
+             "## Overall", ""]
+    head = ["preset", "spec", "accuracy", *[f"{n // 1024}k" if n % 1024 == 0 else str(n)
+                                            for n in lengths]]
+    body = []
+    for p in presets:
+        spec = next(r["spec"] for r in rows if r["preset"] == p)
+        per_len = []
+        for n in lengths:
+            cells = [r["correct"] for r in rows if r["preset"] == p and r["length"] == n]
+            per_len.append(f"{100 * sum(cells) / len(cells):.0f}%" if cells else "-")
+        body.append([p, spec, f"{100 * s[p]['acc']:.1f}%", *per_len])
+    lines += [markdown_table(head, body), ""]
+    for p in presets:
+        lines += [f"## {p}: accuracy by depth (rows) and length (columns)", ""]
+        tab = []
+        for d in depths:
+            tab.append([f"{100 * d:.0f}%", *[f"{100 * s[p][(n, d)]:.0f}%" if (n, d) in s[p]
+                                              else "-" for n in lengths]])
+        lines += [markdown_table(["depth", *[str(n) for n in lengths]], tab), ""]
+    misses = [r for r in rows if not r["correct"]]
+    if misses:
+        lines += ["## Misses", ""]
+        lines += [markdown_table(["preset", "length", "depth", "trial", "key", "answer"],
+                                 [[r["preset"], str(r["length"]), f"{100 * r['depth']:.0f}%",
+                                   str(r["trial"]), r["key"], repr(r["answer"])]
+                                  for r in misses]), ""]
+    return "\n".join(lines)
+
+
+def plot_needle(rows: list[dict], path, title: str = "") -> None:
+    """Heatmap per preset: accuracy over (length, depth)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = summarize(rows)
+    lengths = sorted({r["length"] for r in rows})
+    depths = sorted({r["depth"] for r in rows})
+    presets = list(dict.fromkeys(r["preset"] for r in rows))
+    fig, axes = plt.subplots(1, len(presets), figsize=(3.2 * len(presets) + 1, 3.4),
+                             squeeze=False, constrained_layout=True)
+    im = None
+    for ax, p in zip(axes[0], presets):
+        grid = [[s[p].get((n, d), float("nan")) for n in lengths] for d in depths]
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
+        ax.set_xlabel("prompt tokens")
+        ax.set_title(f"{p} ({100 * s[p]['acc']:.0f}%)")
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                if v == v:
+                    ax.text(j, i, f"{100 * v:.0f}", ha="center", va="center", fontsize=8)
+    axes[0][0].set_ylabel("needle depth")
+    if im is not None:
+        fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_needle(out_dir, rows: list[dict], meta: dict, name: str = "needle") -> list:
+    """``name.json`` (meta + rows), ``name.md`` and ``name.png`` in ``out_dir``; returns the paths."""
+    import json
+    from pathlib import Path
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{name}.json", out / f"{name}.md", out / f"{name}.png"]
+    paths[0].write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    paths[1].write_text(needle_markdown(rows, meta))
+    if rows:
+        plot_needle(rows, paths[2], title=f"passkey retrieval, {meta.get('model')}, "
+                    f"{meta.get('text')} haystack")
+    return paths
+
+
+def needle_meta(cfg: NeedleConfig, command: str, versions: dict, device: str = "cpu") -> dict:
+    import datetime
+
+    return {"command": command, "model": cfg.model, "text": cfg.text,
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "device": device, "threads": torch.get_num_threads(), "versions": versions,
+            "max_new_tokens": cfg.max_new_tokens, "config": asdict(cfg)}

@@ -1,0 +1,612 @@
+"""End-to-end decode speed and memory of ``generate()`` with FP16, QuantizedCache and kvbits caches.
+
+What is measured
+----------------
+A model built from a configuration with **random weights** (decode speed does not depend on the
+weights or on the cached values) decodes ``steps`` tokens with ``model.generate`` over a cache
+that already holds ``context`` tokens per sequence, for ``batch`` sequences:
+
+* **tokens/s** = ``batch / median step time``; **TPOT** (time per output token of one
+  sequence) = the median step time. A step is the wall time between two successive calls of a
+  ``StoppingCriteria`` inside ``generate`` (CUDA synchronized), i.e. one forward of one token per
+  sequence plus generate's own per-token work; the first ``warmup`` steps are dropped.
+* **peak memory**: ``torch.cuda.max_memory_allocated`` during the decode steps (weights + cache +
+  activations; the allocator's view, so buffer capacity beyond the used length counts), and the
+  cache's own bytes (``cache_bytes``, what its tensors hold for the tokens).
+* **max batch under a memory budget**: the largest batch whose decode peak stays within
+  ``budget`` bytes, found by fitting peak memory against batch at two small batches, then
+  checking (and correcting) the prediction by running it.
+
+How the cache is filled (``fill``)
+----------------------------------
+``"random"`` (default): every layer gets ``context`` random K/V tokens through the cache's own
+update path (:mod:`kvbits.eval.cachefill`): ``DynamicCache.update``, ``QuantizedLayer.update``
+(quantizes the whole prompt, as at prefill), and for kvbits ``KVBitsLayer.update`` + the store's
+``flush``, i.e. the real quantize+pack path, in chunks. The prefill's attention is not run: it is
+not part of decode. ``"model"``: one real prefill forward of random token ids (``logits_to_keep=1``),
+which costs prefill activations and time but is exactly what ``generate`` does.
+
+Caches compared
+---------------
+* ``fp16``: transformers' ``DynamicCache`` with SDPA attention (flash on CUDA).
+* ``hf-int2`` / ``hf-int4`` (``hf-intN[:G=..,R=..]``): transformers' ``QuantizedCache`` update rule
+  (``transformers.cache_utils.QuantizedLayer.update``, used unchanged: every step dequantizes the
+  whole history, every ``R`` steps everything is re-quantized) with a **PyTorch re-implementation
+  of the quanto backend's storage** (``emulated_layer_class()``: per-token groups of ``G`` channels,
+  min-max, 2/4-bit codes packed in uint8, FP16 scale and minimum), because optimum-quanto is not
+  installed on the GPU machine. Labelled "emulated" in every table.
+* kvbits presets (``kivi-2``, ``kivi-4``, ``kivi-2:R=64``, ...): :class:`KVBitsCache` with the
+  ``"kvbits"`` attention (Triton kernels on CUDA, the PyTorch reference elsewhere).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+__all__ = ["MODEL_CONFIGS", "BenchConfig", "build_model", "emulated_layer_class",
+           "emulated_quantized_cache", "make_cache", "max_batch", "model_config", "parse_variant",
+           "run_bench", "time_decode", "write_bench"]
+
+# Published sizes (config.json of each model); weights are random here.
+MODEL_CONFIGS: dict[str, dict] = {
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                    rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+                    rms_norm_eps=1e-5),
+    "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                       rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5),
+    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                       rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5),
+    # for tests: 2 layers, head_dim 32, GQA 2:1
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                 rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5),
+}
+
+
+def model_config(name: str, layers: int | None = None, max_positions: int | None = None):
+    """A ``LlamaConfig`` of a named model (``layers`` overrides the depth; ``max_positions``
+    raises ``max_position_embeddings``: plain RoPE has no limit, the field only sizes caches)."""
+    from transformers import LlamaConfig
+
+    if name not in MODEL_CONFIGS:
+        raise ValueError(f"unknown model config {name!r}; known: {', '.join(MODEL_CONFIGS)}")
+    kw = dict(MODEL_CONFIGS[name])
+    if layers is not None:
+        kw["num_hidden_layers"] = layers
+    if max_positions is not None:
+        kw["max_position_embeddings"] = max(kw["max_position_embeddings"], max_positions)
+    cfg = LlamaConfig(**kw)
+    cfg._name_or_path = name
+    return cfg
+
+
+def build_model(config, device="cuda", dtype=None, seed: int = 0):
+    """A ``LlamaForCausalLM`` with random weights (transformers' init) on ``device``, eval mode,
+    SDPA attention; FP16 on CUDA, float32 on CPU (FP16 matmuls are slow there) by default."""
+    from transformers import LlamaForCausalLM
+
+    if dtype is None:
+        dtype = torch.float16 if torch.device(device).type == "cuda" else torch.float32
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.eval().requires_grad_(False)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return model
+
+
+# ------------------------------------------------------------------ emulated HF QuantizedCache
+def _quantized_layer_base():
+    from transformers.cache_utils import QuantizedLayer
+
+    return QuantizedLayer
+
+
+def emulated_layer_class():
+    """The emulated quanto layer class, created on first use (it subclasses transformers'
+    ``QuantizedLayer``, imported lazily)."""
+    if "cls" in _EMULATED:
+        return _EMULATED["cls"]
+
+    class _Emulated(_quantized_layer_base()):
+        """transformers' ``QuantizedLayer`` (its ``update`` unchanged) over a PyTorch
+        re-implementation of quanto's storage: per-token groups of ``q_group_size`` channels
+        (quanto's ``axis=0``), min-max, codes packed ``8 // nbits`` per uint8, FP16 scale/min."""
+
+        def __init__(self, nbits=2, axis_key=0, axis_value=0, q_group_size=64, residual_length=128):
+            super().__init__(nbits=nbits, axis_key=axis_key, axis_value=axis_value,
+                             q_group_size=q_group_size, residual_length=residual_length)
+
+        def _quantize(self, tensor, axis=0):
+            bits, G = self.nbits, self.q_group_size
+            shape = tensor.shape
+            D = shape[-1]
+            g = G if D % G == 0 else math.gcd(G, D)
+            x = tensor.reshape(*shape[:-1], D // g, g)
+            lo = x.amin(-1, keepdim=True)
+            scale = ((x.amax(-1, keepdim=True) - lo) / (2**bits - 1)).clamp_min(1e-6)
+            q = ((x - lo) / scale).round_().clamp_(0, 2**bits - 1).to(torch.uint8)
+            per = 8 // bits
+            q = q.view(*q.shape[:-1], g // per, per)
+            packed = q[..., 0].clone()
+            for i in range(1, per):
+                packed |= q[..., i] << (bits * i)
+            return (packed, scale.to(torch.float16), lo.to(torch.float16), shape, tensor.dtype)
+
+        def _dequantize(self, q_tensor):
+            packed, scale, lo, shape, dtype = q_tensor
+            bits = self.nbits
+            per = 8 // bits
+            mask = 2**bits - 1
+            codes = torch.stack([(packed >> (bits * i)) & mask for i in range(per)], dim=-1)
+            codes = codes.view(*packed.shape[:-1], -1).to(torch.float16)
+            return (codes * scale + lo).view(shape).to(dtype)
+
+    _Emulated.__name__ = _Emulated.__qualname__ = "EmulatedQuantoLayer"
+    _EMULATED["cls"] = _Emulated
+    return _Emulated
+
+
+_EMULATED: dict = {}
+
+
+def emulated_quantized_cache(config, nbits: int = 2, q_group_size: int = 64,
+                             residual_length: int = 128):
+    """A transformers ``Cache`` of emulated quanto layers (``QuantizedCache``'s
+    update rule, quanto-like storage in PyTorch), one per decoder layer."""
+    from transformers import Cache
+
+    cls = emulated_layer_class()
+    n = config.get_text_config(decoder=True).num_hidden_layers
+    return Cache(layers=[cls(nbits=nbits, q_group_size=q_group_size,
+                             residual_length=residual_length) for _ in range(n)])
+
+
+# ------------------------------------------------------------------------------------ variants
+@dataclass
+class Variant:
+    label: str
+    kind: str  # "fp16", "hf", "kvbits"
+    spec: object = None  # QuantSpec for kvbits; dict(nbits, q_group_size, residual_length) for hf
+
+    def describe(self) -> str:
+        if self.kind == "fp16":
+            return "DynamicCache FP16, SDPA"
+        if self.kind == "hf":
+            s = self.spec
+            return (f"QuantizedCache update rule, quanto-like int{s['nbits']} storage "
+                    f"G={s['q_group_size']} R={s['residual_length']} (emulated in PyTorch)")
+        return f"KVBitsCache {self.spec.describe()}"
+
+
+def parse_variant(text: str) -> Variant:
+    """``fp16`` | ``hf-int2[:G=64,R=128]`` | a kvbits preset with overrides (``kivi-2:R=64``)."""
+    text = text.strip()
+    if text == "fp16":
+        return Variant("fp16", "fp16")
+    if text.startswith("hf-int"):
+        name, _, rest = text.partition(":")
+        try:
+            nbits = int(name[len("hf-int"):])
+        except ValueError:
+            raise ValueError(f"bad variant {text!r}: use hf-int2 or hf-int4") from None
+        if nbits not in (2, 4, 8):
+            raise ValueError(f"bad variant {text!r}: nbits must be 2, 4 or 8")
+        spec = {"nbits": nbits, "q_group_size": 64, "residual_length": 128}
+        alias = {"G": "q_group_size", "R": "residual_length"}
+        for pair in filter(None, rest.split(",")):
+            k, eq, v = pair.partition("=")
+            k = alias.get(k.strip(), k.strip())
+            if not eq or k not in spec or k == "nbits":
+                raise ValueError(f"bad override {pair!r} in {text!r}: use G=.. or R=..")
+            spec[k] = int(v)
+        return Variant(text, "hf", spec)
+    from ..cli import parse_presets
+
+    (v,) = parse_presets(text)
+    if not v.spec.quantized:
+        return Variant(text, "fp16")
+    return Variant(text, "kvbits", v.spec)
+
+
+def make_cache(model, variant: Variant):
+    """A fresh cache of ``variant`` for ``model``; sets the model's attention implementation."""
+    from transformers import DynamicCache
+
+    if variant.kind == "kvbits":
+        from ..integrations.hf import KVBitsCache
+
+        return KVBitsCache(model, variant.spec)  # switches the model to "kvbits"
+    if model.config._attn_implementation != "sdpa":
+        model.set_attn_implementation("sdpa")
+    if variant.kind == "fp16":
+        return DynamicCache(config=model.config)
+    return emulated_quantized_cache(model.config, **variant.spec)
+
+
+# ---------------------------------------------------------------------------------------- timing
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _step_timer(device):
+    from transformers import StoppingCriteria
+
+    class StepTimer(StoppingCriteria):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            _sync(device)
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return StepTimer()
+
+
+def _cache_nbytes(cache) -> int:
+    from .perplexity import cache_nbytes
+
+    total = cache_nbytes(cache)
+    for layer in getattr(cache, "layers", []):  # emulated layers hold tuples
+        for name in ("_quantized_keys", "_quantized_values"):
+            q = getattr(layer, name, None)
+            if isinstance(q, tuple):
+                total += sum(t.numel() * t.element_size() for t in q if isinstance(t, torch.Tensor))
+    return total
+
+
+@torch.no_grad()
+def time_decode(model, variant: Variant, batch: int, context: int, steps: int = 32,
+                warmup: int = 4, fill: str = "random", seed: int = 0) -> dict:
+    """One measurement: fill a fresh cache with ``context`` tokens per sequence, then time
+    ``steps`` decode steps of ``generate``. Returns a result row (see module docstring)."""
+    from .cachefill import fill_random
+    from .perplexity import cache_kwargs
+
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    cfg = model.config
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        base_alloc = torch.cuda.memory_allocated()
+    cache = make_cache(model, variant)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randint(1, cfg.vocab_size, (batch, context + 1), generator=gen).to(device)
+    t0 = time.perf_counter()
+    if fill == "random":
+        fill_random(cache, cfg.num_hidden_layers, batch, cfg.num_key_value_heads, D, context,
+                    dtype=next(model.parameters()).dtype, device=device, seed=seed)
+    elif fill == "model":
+        model(ids[:, :context], use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
+    else:
+        raise ValueError(f"fill must be 'random' or 'model', got {fill!r}")
+    _sync(device)
+    fill_s = time.perf_counter() - t0
+    cache_bytes = _cache_nbytes(cache)
+    if cuda:
+        gc.collect()
+        cache_alloc = torch.cuda.memory_allocated() - base_alloc
+        torch.cuda.reset_peak_memory_stats()
+    timer = _step_timer(device)
+    n_new = warmup + steps + 1
+    t0 = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
+                   min_new_tokens=n_new, do_sample=False, stopping_criteria=[timer],
+                   temperature=None, top_p=None, top_k=None, **cache_kwargs(model, cache))
+    _sync(device)
+    total_s = time.perf_counter() - t0
+    step_s = [b - a for a, b in zip(timer.times, timer.times[1:])][warmup:]
+    med = statistics.median(step_s)
+    row = {"variant": variant.label, "kind": variant.kind, "spec": variant.describe(),
+           "batch": batch, "context": context, "steps": len(step_s), "fill": fill,
+           "tpot_ms": 1e3 * med, "tpot_mean_ms": 1e3 * statistics.fmean(step_s),
+           "tpot_p90_ms": 1e3 * sorted(step_s)[int(0.9 * (len(step_s) - 1))],
+           "tok_s": batch / med, "cache_bytes": cache_bytes,
+           "fp16_cache_bytes": 2 * 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads
+           * (context + n_new) * D,
+           "fill_s": fill_s, "generate_s": total_s,
+           # prompt C+1 (the last token fed by the first step) + n_new - 1 generated ones
+           "cache_tokens_after": int(cache.get_seq_length())}
+    if cuda:
+        row["cache_alloc_bytes"] = cache_alloc
+        row["peak_bytes"] = torch.cuda.max_memory_allocated()
+        row["weights_bytes"] = base_alloc
+    del cache, ids
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def max_batch(model, variant: Variant, context: int, budget: int, cap: int = 512,
+              steps: int = 16, warmup: int = 2, probe: int = 4, log=print) -> dict:
+    """The largest batch (<= ``cap``) whose decode peak memory stays within ``budget`` bytes,
+    with its speed. CUDA only. Fits ``peak = a + b * batch`` on batches 1 and ``probe``, runs
+    the predicted batch and corrects it (at most 4 tries)."""
+    if next(model.parameters()).device.type != "cuda":
+        raise RuntimeError("max_batch measures CUDA memory; it needs a GPU")
+    run = lambda b: time_decode(model, variant, b, context, steps=steps, warmup=warmup)  # noqa: E731
+    r1 = run(1)
+    if r1["peak_bytes"] > budget:
+        return {**r1, "budget_bytes": budget, "max_batch": 0, "tries": [(1, r1["peak_bytes"])]}
+    rp = run(probe)
+    tries = [(1, r1["peak_bytes"]), (probe, rp["peak_bytes"])]
+    per = max(1.0, (rp["peak_bytes"] - r1["peak_bytes"]) / (probe - 1))
+    fixed = r1["peak_bytes"] - per
+    best = rp if rp["peak_bytes"] <= budget else r1
+    b = min(cap, int((budget - fixed) // per))
+    for _ in range(4):
+        if b <= best["batch"]:
+            break
+        try:
+            r = run(b)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+            if not _is_oom(exc):
+                raise
+            gc.collect()
+            torch.cuda.empty_cache()
+            tries.append((b, None))
+            b = int(b * 0.9)
+            continue
+        tries.append((b, r["peak_bytes"]))
+        log(f"  {variant.label} ctx {context}: batch {b} peak {r['peak_bytes'] / 2**30:.1f} GiB")
+        if r["peak_bytes"] <= budget:
+            best = r
+            if b == cap:
+                break
+            # one correction upwards, from the measured slope
+            per = max(per, (r["peak_bytes"] - fixed) / b)
+            nb = min(cap, int((budget - fixed) // per))
+            if nb <= b:
+                break
+            b = nb
+        else:
+            per = (r["peak_bytes"] - fixed) / b
+            b = min(b - 1, int((budget - fixed) // per))
+    return {**best, "budget_bytes": budget, "max_batch": best["batch"], "batch_cap": cap,
+            "tries": tries}
+
+
+# -------------------------------------------------------------------------------------- runner
+@dataclass
+class BenchConfig:
+    model: str = "llama-2-7b"
+    layers: int | None = None
+    variants: tuple[str, ...] = ("fp16", "hf-int2", "kivi-4", "kivi-2")
+    contexts: tuple[int, ...] = (1024, 4096, 16384, 32768)
+    batches: tuple[int, ...] = (1,)
+    steps: int = 32
+    warmup: int = 4
+    fill: str = "random"
+    budget: int | None = None  # bytes: also find the max batch within it
+    budget_contexts: tuple[int, ...] = (4096,)
+    batch_cap: int = 512
+    hf_max_tokens: int = 1 << 22  # skip the emulated QuantizedCache above batch*context
+    device: str = "cuda"
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def run_bench(cfg: BenchConfig, log=print, on_rows=None) -> tuple[list[dict], list[dict]]:
+    """Speed rows (every variant x context x batch) and, with a budget, max-batch rows."""
+    variants = [parse_variant(v) for v in cfg.variants]
+    config = model_config(cfg.model, cfg.layers,
+                          max_positions=max(cfg.contexts + cfg.budget_contexts) + cfg.steps + 64)
+    t0 = time.perf_counter()
+    model = build_model(config, cfg.device, seed=cfg.seed)
+    log(f"{cfg.model} ({config.num_hidden_layers} layers, random weights) built on {cfg.device} "
+        f"in {time.perf_counter() - t0:.1f} s")
+    speed, budget_rows = [], []
+    for context in cfg.contexts:
+        for batch in cfg.batches:
+            for v in variants:
+                if v.kind == "hf" and batch * context > cfg.hf_max_tokens:
+                    log(f"skip {v.label} batch {batch} ctx {context}: over hf_max_tokens")
+                    continue
+                try:
+                    r = time_decode(model, v, batch, context, cfg.steps, cfg.warmup, cfg.fill,
+                                    cfg.seed)
+                except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+                    if not _is_oom(exc):
+                        raise
+                    log(f"OOM {v.label} batch {batch} ctx {context}")
+                    r = {"variant": v.label, "kind": v.kind, "spec": v.describe(), "batch": batch,
+                         "context": context, "oom": True}
+                    gc.collect()
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+                speed.append(r)
+                if "tok_s" in r:
+                    log(f"{v.label:>10} batch {batch:>3} ctx {context:>6}: {r['tok_s']:9.1f} tok/s, "
+                        f"TPOT {r['tpot_ms']:.2f} ms"
+                        + (f", peak {r['peak_bytes'] / 2**30:.2f} GiB" if "peak_bytes" in r else ""))
+                if on_rows:
+                    on_rows(speed, budget_rows)
+    if cfg.budget:
+        if torch.device(cfg.device).type != "cuda":
+            log("memory budget: skipped (needs CUDA)")
+        else:
+            for context in cfg.budget_contexts:
+                for v in variants:
+                    r = max_batch(model, v, context, cfg.budget, cap=cfg.batch_cap,
+                                  steps=max(8, cfg.steps // 2), warmup=2, log=log)
+                    budget_rows.append(r)
+                    log(f"{v.label:>10} ctx {context}: max batch {r['max_batch']} within "
+                        f"{cfg.budget / 1e9:.0f} GB, {r.get('tok_s', 0):.0f} tok/s")
+                    if on_rows:
+                        on_rows(speed, budget_rows)
+    del model
+    gc.collect()
+    return speed, budget_rows
+
+
+# ------------------------------------------------------------------------------------- reports
+def environment(command: str) -> dict:
+    import datetime
+    import importlib.metadata as md
+    import platform
+
+    env = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "python": platform.python_version(), "command": command,
+           "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+    for pkg in ("kvbits", "torch", "transformers", "triton"):
+        try:
+            env[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    if torch.cuda.is_available():
+        env["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+    return env
+
+
+def _gib(x) -> str:
+    return "-" if x is None else f"{x / 2**30:.2f}"
+
+
+def bench_markdown(speed: list[dict], budget_rows: list[dict], env: dict, cfg: BenchConfig) -> str:
+    from .memory import markdown_table
+
+    lines = [f"# End-to-end decode: {cfg.model}"
+             + (f" ({cfg.layers} layers)" if cfg.layers else "") + ", random weights", "",
+             "```", env.get("command", ""), "```", "",
+             f"- device: {env.get('device')}; " + ", ".join(
+                 f"{k} {env[k]}" for k in ("torch", "transformers", "triton", "kvbits", "python")
+                 if k in env) + f"; {env.get('date')}",
+             "- **Random weights** (speed does not depend on them); model shape from the "
+             "published config. FP16 model and activations.",
+             "- Cache filled with "
+             + ("random K/V through each cache's own update path (kvbits: the real quantize+pack "
+                "append path); prefill attention not timed" if cfg.fill == "random" else
+                "one real prefill forward of random tokens"),
+             f"- Timed: {cfg.steps} decode steps of `generate` after {cfg.warmup} warm-up steps; "
+             "TPOT = median step time, tok/s = batch / TPOT; peak = max allocated during decode.",
+             "- `hf-int*`: transformers' `QuantizedLayer.update` (unchanged) over a PyTorch "
+             "re-implementation of quanto's int storage (**emulated**: optimum-quanto is not "
+             "installed on the GPU machine).", ""]
+    fp = {(r["batch"], r["context"]): r for r in speed if r["kind"] == "fp16" and "tok_s" in r}
+    hf = {(r["batch"], r["context"]): r for r in speed if r["kind"] == "hf" and "tok_s" in r}
+    head = ["variant", "batch", "context", "tok/s", "TPOT ms", "TPOT p90 ms", "vs FP16",
+            "vs hf", "cache GiB", "FP16 cache GiB", "peak GiB"]
+    rows = []
+    for r in speed:
+        if "tok_s" not in r:
+            rows.append([r["variant"], str(r["batch"]), str(r["context"]), "OOM", *["-"] * 7])
+            continue
+        key = (r["batch"], r["context"])
+        rows.append([r["variant"], str(r["batch"]), str(r["context"]), f"{r['tok_s']:.1f}",
+                     f"{r['tpot_ms']:.2f}", f"{r['tpot_p90_ms']:.2f}",
+                     f"{r['tok_s'] / fp[key]['tok_s']:.2f}x" if key in fp else "-",
+                     f"{r['tok_s'] / hf[key]['tok_s']:.2f}x" if key in hf else "-",
+                     _gib(r["cache_bytes"]), _gib(r["fp16_cache_bytes"]), _gib(r.get("peak_bytes"))])
+    lines += ["## Decode speed", "", markdown_table(head, rows), ""]
+    if budget_rows:
+        base = {r["context"]: r for r in budget_rows if r["kind"] == "fp16"}
+        head = ["variant", "context", "budget GB", "max batch", "vs FP16 batch", "tok/s",
+                "vs FP16 tok/s", "TPOT ms", "peak GiB", "tries (batch, peak GiB)"]
+        rows = []
+        for r in budget_rows:
+            b = base.get(r["context"])
+            rows.append([r["variant"], str(r["context"]), f"{r['budget_bytes'] / 1e9:.0f}",
+                         str(r["max_batch"]) + (" (cap)" if r["max_batch"] == r.get("batch_cap") else ""),
+                         f"{r['max_batch'] / b['max_batch']:.2f}x" if b and b["max_batch"] else "-",
+                         f"{r['tok_s']:.0f}" if r["max_batch"] else "-",
+                         f"{r['tok_s'] / b['tok_s']:.2f}x" if b and b["max_batch"] and r["max_batch"] else "-",
+                         f"{r['tpot_ms']:.1f}" if r["max_batch"] else "-", _gib(r.get("peak_bytes")),
+                         " ".join(f"({t[0]}, {_gib(t[1])})" for t in r.get("tries", []))])
+        lines += ["## Largest batch within a memory budget", "",
+                  "Peak allocated memory during decode (weights + cache + activations) must stay "
+                  "within the budget; the batch comes from a linear fit of peak vs batch, checked "
+                  "by running it.", "", markdown_table(head, rows), ""]
+    return "\n".join(lines)
+
+
+def plot_bench(speed: list[dict], budget_rows: list[dict], out_dir, name: str, title: str) -> list:
+    """``NAME_tokens_per_s.png`` (tok/s vs context at the smallest batch) and, with budget rows,
+    ``NAME_max_batch.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from pathlib import Path
+
+    paths = []
+    ok = [r for r in speed if "tok_s" in r]
+    if ok:
+        b0 = min(r["batch"] for r in ok)
+        fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
+        for label in dict.fromkeys(r["variant"] for r in ok):
+            pts = sorted((r["context"], r["tok_s"]) for r in ok
+                         if r["variant"] == label and r["batch"] == b0)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel(f"decode tokens/s (batch {b0})")
+        ax.set_title(title, fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        p = Path(out_dir) / f"{name}_tokens_per_s.png"
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(p)
+    if budget_rows:
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.8), constrained_layout=True)
+        contexts = sorted({r["context"] for r in budget_rows})
+        labels = list(dict.fromkeys(r["variant"] for r in budget_rows))
+        w = 0.8 / max(1, len(contexts))
+        for j, c in enumerate(contexts):
+            by = {r["variant"]: r for r in budget_rows if r["context"] == c}
+            xs = [i + j * w for i in range(len(labels))]
+            axes[0].bar(xs, [by[v]["max_batch"] if v in by else 0 for v in labels], w,
+                        label=f"ctx {c}")
+            axes[1].bar(xs, [by[v].get("tok_s", 0) if v in by and by[v]["max_batch"] else 0
+                             for v in labels], w, label=f"ctx {c}")
+        for ax, yl in zip(axes, ("max batch", "total tokens/s at max batch")):
+            ax.set_xticks([i + w * (len(contexts) - 1) / 2 for i in range(len(labels))], labels,
+                          rotation=20)
+            ax.set_ylabel(yl)
+            ax.legend(fontsize=8)
+        budget = budget_rows[0]["budget_bytes"]
+        fig.suptitle(f"{title}: memory budget {budget / 1e9:.0f} GB", fontsize=9)
+        p = Path(out_dir) / f"{name}_max_batch.png"
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def write_bench(out_dir, name: str, speed: list[dict], budget_rows: list[dict], env: dict,
+                cfg: BenchConfig) -> list:
+    """``NAME.json``, ``NAME.md`` and the PNG plots in ``out_dir``."""
+    import json
+    from pathlib import Path
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(
+        {"env": env, "config": asdict(cfg), "speed": speed, "budget": budget_rows}, indent=1) + "\n")
+    (out / f"{name}.md").write_text(bench_markdown(speed, budget_rows, env, cfg))
+    title = f"{cfg.model}" + (f" ({cfg.layers} layers)" if cfg.layers else "") + \
+        f", random weights, {env.get('device')}"
+    return [out / f"{name}.json", out / f"{name}.md",
+            *plot_bench(speed, budget_rows, out, name, title)]

@@ -1,0 +1,183 @@
+"""The evidence subcommands of ``kvbits``: ``bench`` (end-to-end decode speed and memory, GPU)
+and ``needle`` (passkey retrieval). Registered by :func:`kvbits.cli.build_parser`; kept here so
+that ``cli.py`` only gains the registration call. Nothing heavy is imported until a command runs.
+
+    kvbits needle --lengths 1024,2048,4096,8192 --presets fp16,kivi-4,kivi-2 --out benchmarks/results
+    kvbits bench --model llama-2-7b --contexts 4096,32768 --presets fp16,hf-quantized,kivi-2 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+
+def _log(msg: str) -> None:
+    print(f"[kvbits] {msg}", file=sys.stderr, flush=True)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x.lower().replace("k", "")) * (1024 if x.lower().endswith("k") else 1)
+                     for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers (4k = 4096), got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def _depths(text: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated percentages, got {text!r}") from None
+    if not vals or min(vals) < 0 or max(vals) > 100:
+        raise argparse.ArgumentTypeError(f"depths are percentages in 0..100, got {text!r}")
+    return tuple(v / 100 for v in vals)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+# ------------------------------------------------------------------------------------- needle
+def _cmd_needle(args) -> int:
+    import torch
+
+    from .cli import _versions
+    from .data import load_model, load_text
+    from .eval.needle import NeedleConfig, needle_meta, run_needle, write_needle
+    from .spec import resolve_spec
+
+    for p in args.presets:
+        resolve_spec(p)  # fail before loading anything
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = NeedleConfig(model=args.model, text=args.text, lengths=args.lengths, depths=args.depths,
+                       presets=args.presets, trials=args.trials,
+                       max_new_tokens=args.max_new_tokens, seed=args.seed, chat=not args.no_chat)
+    _log(f"loading model {cfg.model!r} and text {cfg.text!r}")
+    model, tok = load_model(cfg.model, dtype=torch.float32, device=args.device, log=_log)
+    text = load_text(cfg.text, log=_log)
+    meta = needle_meta(cfg, shlex.join(["kvbits", *args.argv]), _versions(),
+                       device=str(args.device))
+    meta["git"] = _git_commit()
+
+    def save(rows):
+        write_needle(args.out, rows, meta, args.name)
+
+    rows = run_needle(model, tok, text, cfg, log=_log, on_row=save)
+    paths = write_needle(args.out, rows, meta, args.name)
+    _log("wrote " + ", ".join(map(str, paths)))
+    return 0
+
+
+def _git_commit() -> str | None:
+    import os
+    import subprocess
+    from pathlib import Path
+
+    if os.environ.get("KVBITS_SOURCE_COMMIT"):  # running from an exported snapshot of a commit
+        return os.environ["KVBITS_SOURCE_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def register(sub) -> None:
+    """Add ``bench`` and ``needle`` to the ``kvbits`` subcommands."""
+    _register_bench(sub)
+    p = sub.add_parser("needle", help="passkey retrieval (needle in a haystack) through the cache",
+                       description="Hide a 5-digit pass key at several depths of real text, ask "
+                       "for it, score exact matches, per preset, prompt length and depth. The "
+                       "question and the answer attend to the document through the cache. "
+                       "Writes NAME.json, NAME.md and a heatmap NAME.png into --out.")
+    p.add_argument("--model", default="smollm2", help="model name, folder or .gguf (default smollm2)")
+    p.add_argument("--text", default="sotu-2010-2016", help="haystack text (default sotu-2010-2016)")
+    p.add_argument("--lengths", type=_ints, default=(1024, 2048, 4096, 8192),
+                   help="prompt lengths in tokens, e.g. 1k,2k,4k,8k (default)")
+    p.add_argument("--depths", type=_depths, default=(0.0, 0.25, 0.5, 0.75, 1.0),
+                   help="needle depths in percent (default 0,25,50,75,100)")
+    p.add_argument("--presets", type=_names, default=("fp16", "kivi-4", "kivi-2"),
+                   help="comma-separated presets (default fp16,kivi-4,kivi-2)")
+    p.add_argument("--trials", type=int, default=2, help="keys per (length, depth) (default 2)")
+    p.add_argument("--max-new-tokens", type=int, default=8, help="answer tokens (default 8)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-chat", action="store_true", help="plain prompt, no chat template")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--out", default="benchmarks/results", help="output folder")
+    p.add_argument("--name", default="needle", help="file stem (default needle)")
+    p.set_defaults(func=_cmd_needle)
+
+
+# -------------------------------------------------------------------------------------- bench
+def _cmd_bench(args) -> int:
+    import torch
+
+    from .eval.memory import parse_bytes
+    from .eval.speed import BenchConfig, environment, parse_variant, run_bench, write_bench
+
+    for v in args.presets:
+        parse_variant(v)  # fail before building anything
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device here (use --device cpu for a smoke test)")
+    cfg = BenchConfig(model=args.model, layers=args.layers, variants=args.presets,
+                      contexts=args.contexts, batches=args.batches, steps=args.steps,
+                      warmup=args.warmup, fill=args.fill,
+                      budget=parse_bytes(args.memory_budget) if args.memory_budget else None,
+                      budget_contexts=args.budget_contexts or args.contexts[:1],
+                      batch_cap=args.batch_cap, hf_max_tokens=args.hf_max_tokens, device=device)
+    env = environment(shlex.join(["kvbits", *args.argv]))
+    env["git"] = _git_commit()
+
+    def save(speed, budget_rows):
+        write_bench(args.out, args.name, speed, budget_rows, env, cfg)
+
+    speed, budget_rows = run_bench(cfg, log=_log, on_rows=save)
+    paths = write_bench(args.out, args.name, speed, budget_rows, env, cfg)
+    _log("wrote " + ", ".join(map(str, paths)))
+    return 0
+
+
+def _register_bench(sub) -> None:
+    p = sub.add_parser("bench", help="end-to-end generate() decode speed and memory (GPU)",
+                       description="Decode tokens/s, time per output token and peak GPU memory of "
+                       "model.generate() over a cache holding CONTEXT tokens, for FP16 "
+                       "DynamicCache, transformers' QuantizedCache (update rule unchanged, "
+                       "quanto-like storage emulated in PyTorch) and kvbits presets; optionally "
+                       "the largest batch within a memory budget. Models are built from their "
+                       "published configs with RANDOM weights (speed does not depend on them). "
+                       "Writes NAME.json, NAME.md and PNG plots into --out.")
+    p.add_argument("--model", default="llama-2-7b",
+                   help="llama-2-7b, llama-3-8b, smollm2 or tiny (configs, random weights)")
+    p.add_argument("--layers", type=int, help="decoder layers (default: the model's)")
+    p.add_argument("--presets", type=_names, default=("fp16", "hf-int2", "kivi-4", "kivi-2"),
+                   help="comma-separated: fp16, hf-int2, hf-int4 (emulated QuantizedCache, "
+                   "options :G=64,R=128) and kvbits presets (kivi-2, kivi-2:R=64, ...) "
+                   "(default fp16,hf-int2,kivi-4,kivi-2)")
+    p.add_argument("--contexts", type=_ints, default=(1024, 4096, 16384, 32768),
+                   help="tokens in the cache per sequence (default 1k,4k,16k,32k)")
+    p.add_argument("--batches", type=_ints, default=(1,), help="batch sizes (default 1)")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps (default 32)")
+    p.add_argument("--warmup", type=int, default=4, help="untimed decode steps first (default 4)")
+    p.add_argument("--fill", choices=("random", "model"), default="random",
+                   help="random K/V through each cache's update path (default) or a real "
+                   "prefill forward of random tokens")
+    p.add_argument("--memory-budget", metavar="SIZE",
+                   help="also find the largest batch whose decode peak fits SIZE (e.g. 80GB); CUDA")
+    p.add_argument("--budget-contexts", type=_ints,
+                   help="contexts for the budget search (default: the first of --contexts)")
+    p.add_argument("--batch-cap", type=int, default=512, help="largest batch tried (default 512)")
+    p.add_argument("--hf-max-tokens", type=int, default=1 << 22,
+                   help="skip the emulated QuantizedCache above batch*context (default 4M)")
+    p.add_argument("--device", help="cuda (default when available) or cpu (smoke test)")
+    p.add_argument("--out", default="benchmarks/results", help="output folder")
+    p.add_argument("--name", default="e2e", help="file stem (default e2e)")
+    p.set_defaults(func=_cmd_bench)

@@ -1,0 +1,93 @@
+"""Passkey retrieval: prompt construction, scoring, and one run on a tiny random model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbits.eval.needle import (NeedleConfig, build_passkey_prompt, haystack_ids, needle_markdown,
+                                passkey_correct, run_needle, summarize, write_needle)
+
+
+class CharTokenizer:
+    """One token per byte; enough for prompt construction (no chat template)."""
+
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=False, verbose=False):
+        return {"input_ids": list(text.encode("utf-8", "replace"))}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(int(i) % 256 for i in ids).decode("utf-8", "replace")
+
+
+TEXT = " ".join(f"Sentence number {i} is about the state of the union." for i in range(400))
+
+
+def test_passkey_scoring():
+    assert passkey_correct(" 71432.", "71432")
+    assert passkey_correct("The pass key is 71432, remember", 71432)
+    assert not passkey_correct(" 7143", 71432)
+    assert not passkey_correct(" 714321", 71432)
+    assert not passkey_correct(" 12345 71432", 71432)  # the first number counts
+    assert not passkey_correct("no digits", 71432)
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 0.5, 1.0])
+def test_prompt_has_the_length_and_the_needle_at_a_sentence_boundary(depth):
+    tok = CharTokenizer()
+    hay, ends = haystack_ids(tok, TEXT)
+    p = build_passkey_prompt(tok, hay, ends, 1500, depth, 71432, offset=333, chat=False)
+    assert len(p.ids) == 1500
+    text = tok.decode(p.ids)
+    assert "The pass key is 71432. Remember it. 71432 is the pass key." in text
+    assert text.endswith("What is the pass key? The pass key is")
+    assert tok.decode(p.ids[-p.question_tokens:]).startswith("\n\nWhat is the pass key?")
+    before = tok.decode(p.ids[:p.needle_at])
+    needle_len = len(tok("\n\nThe pass key is 71432. Remember it. 71432 is the pass key.\n\n")
+                     ["input_ids"])
+    if depth == 0.0:
+        assert before.endswith("I will quiz you about the pass key.\n\n")
+    elif depth == 1.0:  # right before the question
+        assert p.needle_at + needle_len == len(p.ids) - p.question_tokens
+    else:
+        assert before.rstrip().endswith(".")  # a sentence of the haystack ended there
+        head = len(tok("There is an important pass key hidden inside a lot of irrelevant text. "
+                       "Find it and memorize it. I will quiz you about the pass key.\n\n")
+                   ["input_ids"])
+        n_hay = len(p.ids) - head - p.question_tokens - needle_len
+        assert abs((p.needle_at - head) / n_hay - depth) < 0.05
+
+
+def test_prompt_too_short_is_an_error():
+    tok = CharTokenizer()
+    hay, ends = haystack_ids(tok, TEXT)
+    with pytest.raises(ValueError, match="too short"):
+        build_passkey_prompt(tok, hay, ends, 100, 0.5, 12345, chat=False)
+
+
+def test_run_needle_on_a_tiny_random_model(tmp_path):
+    from kvbits.eval.speed import build_model, model_config
+
+    model = build_model(model_config("tiny"), device="cpu")
+    cfg = NeedleConfig(lengths=(400,), depths=(0.0, 1.0), presets=("fp16", "kivi-2"), trials=2,
+                       max_new_tokens=3, chat=False)
+    rows = run_needle(model, CharTokenizer(), TEXT, cfg, log=lambda m: None)
+    assert len(rows) == 2 * 2 * 2
+    assert [r["preset"] for r in rows[:2]] == ["fp16", "kivi-2"]  # rows keep the config's order
+    assert {r["trial"] for r in rows} == {0, 1}
+    # same trial, same key and document for every preset
+    assert len({(r["key"], r["needle_at"]) for r in rows if r["trial"] == 0
+                and r["depth"] == 0.0}) == 1
+    s = summarize(rows)
+    assert set(s) == {"fp16", "kivi-2"} and 0.0 <= s["kivi-2"]["acc"] <= 1.0
+    meta = {"model": "tiny", "text": "synthetic", "command": "test"}
+    paths = write_needle(tmp_path, rows, meta)
+    assert all(p.exists() for p in paths)
+    assert "## kivi-2" in needle_markdown(rows, meta)
+
+
+def test_summary_accuracy_per_cell():
+    rows = [dict(preset="a", length=1, depth=0.0, correct=c, trial=i)
+            for i, c in enumerate([True, False, True, True])]
+    assert summarize(rows)["a"] == {"acc": 0.75, (1, 0.0): 0.75}

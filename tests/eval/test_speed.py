@@ -1,0 +1,107 @@
+"""kvbits bench on CPU: tiny random model, a few decode steps; the GPU parts skip without CUDA."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvbits.eval.speed import (MODEL_CONFIGS, build_model, emulated_quantized_cache, max_batch,
+                               model_config, parse_variant, time_decode)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_model(model_config("tiny"), device="cpu")
+
+
+def test_named_configs_have_the_published_shapes():
+    l2, l3 = model_config("llama-2-7b"), model_config("llama-3-8b", layers=4, max_positions=40000)
+    assert (l2.hidden_size, l2.num_hidden_layers, l2.num_key_value_heads, l2.vocab_size) == \
+        (4096, 32, 32, 32000)
+    assert (l3.num_hidden_layers, l3.num_key_value_heads, l3.intermediate_size, l3.vocab_size) == \
+        (4, 8, 14336, 128256)
+    assert l3.max_position_embeddings == 40000
+    assert MODEL_CONFIGS["llama-3-8b"]["rope_theta"] == 500000.0
+    with pytest.raises(ValueError, match="unknown model config"):
+        model_config("gpt-5")
+
+
+def test_parse_variant():
+    assert parse_variant("fp16").kind == "fp16"
+    hf = parse_variant("hf-int4:G=32,R=64")
+    assert hf.kind == "hf" and hf.spec == {"nbits": 4, "q_group_size": 32, "residual_length": 64}
+    assert "emulated" in hf.describe()
+    kv = parse_variant("kivi-2:R=64")
+    assert kv.kind == "kvbits" and kv.spec.residual_length == 64
+    for bad in ("hf-int3", "hf-int2:X=1", "nope"):
+        with pytest.raises(ValueError):
+            parse_variant(bad)
+
+
+@pytest.mark.parametrize("nbits", [2, 4])
+def test_emulated_quanto_layer_round_trip(nbits):
+    cache = emulated_quantized_cache(model_config("tiny"), nbits=nbits, residual_length=4)
+    layer = cache.layers[0]
+    x = torch.randn(2, 2, 50, 32, dtype=torch.float16)
+    q = layer._quantize(x, axis=0)
+    assert q[0].dtype == torch.uint8 and q[0].numel() == x.numel() * nbits // 8
+    err = (layer._dequantize(q).float() - x.float()).abs().max().item()
+    step = (x.float().amax() - x.float().amin()).item() / (2**nbits - 1)
+    assert err <= step / 2 + 1e-2
+    # transformers' own update rule: prompt quantized; residual re-quantized every R tokens
+    k, v = cache.update(x, x.clone(), 0)
+    assert k.shape[2] == 50
+    for _ in range(5):
+        k, _ = cache.update(x[:, :, :1], x[:, :, :1], 0)
+    assert k.shape[2] == 55 and layer.keys.numel() == 0 or layer.keys.shape[2] < 4
+
+
+@pytest.mark.parametrize("variant", ["fp16", "hf-int2", "kivi-2", "kivi-4:R=32"])
+def test_time_decode_on_cpu(tiny, variant):
+    v = parse_variant(variant)
+    r = time_decode(tiny, v, batch=2, context=224, steps=3, warmup=1)
+    assert r["steps"] == 3 and r["tok_s"] > 0 and r["tpot_ms"] > 0
+    # generate fed one token per step on top of the filled cache (no second prefill)
+    assert r["cache_tokens_after"] == 224 + 1 + 1 + 3  # prompt C+1, then warmup + steps fed
+    if v.kind == "kvbits":
+        # float32 model: the FP residual counts 4 bytes per element, the body 2-4 bits
+        assert r["cache_bytes"] < r["fp16_cache_bytes"] * 1.5
+    assert "peak_bytes" not in r  # CPU: no CUDA memory numbers
+
+
+def test_time_decode_with_a_real_prefill(tiny):
+    r = time_decode(tiny, parse_variant("kivi-2"), batch=1, context=80, steps=2, warmup=1,
+                    fill="model")
+    assert r["cache_tokens_after"] == 80 + 1 + 1 + 2
+
+
+def test_max_batch_needs_cuda(tiny):
+    with pytest.raises(RuntimeError, match="GPU"):
+        max_batch(tiny, parse_variant("fp16"), context=64, budget=1 << 30)
+
+
+def test_bench_cli_smoke(tmp_path):
+    from kvbits.cli import main
+
+    rc = main(["bench", "--model", "tiny", "--device", "cpu", "--contexts", "64,128",
+               "--steps", "2", "--warmup", "1", "--presets", "fp16,hf-int2,kivi-2",
+               "--memory-budget", "1GB", "--out", str(tmp_path), "--name", "smoke"])
+    assert rc == 0
+    data = json.loads((tmp_path / "smoke.json").read_text())
+    assert len(data["speed"]) == 6 and data["budget"] == []  # budget search skipped on CPU
+    assert data["env"]["command"].startswith("kvbits bench")
+    md = (tmp_path / "smoke.md").read_text()
+    assert "random weights" in md.lower() and "emulated" in md
+    assert (tmp_path / "smoke_tokens_per_s.png").stat().st_size > 1000
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_max_batch_on_cuda():
+    model = build_model(model_config("tiny"), device="cuda")
+    free = 256 << 20
+    budget = torch.cuda.memory_allocated() + free
+    r = max_batch(model, parse_variant("kivi-2"), context=512, budget=budget, cap=64, steps=4)
+    assert r["peak_bytes"] <= budget and 1 <= r["max_batch"] <= 64
