@@ -203,3 +203,33 @@ def test_fisher_weights_change_the_codebook(calibrated):
     ids = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(0))
     plain = kvq.calibrate(model, ids, spec.replace(fisher=False), window=128)
     assert not torch.allclose(plain.layers[0].k_codebook, cal.layers[0].k_codebook)
+
+
+# ---------------------------------------------------------------------------------- spec and CLI
+def test_kvquant_presets_and_validation():
+    from kvbits.spec import PRESETS, QuantSpec
+
+    s = PRESETS["kvquant-3"]
+    assert (s.method, s.key_bits, s.value_bits, s.pre_rope, s.outliers) == ("kvquant", 3, 3,
+                                                                           True, 0.01)
+    assert s.n_outliers(64) == 1 and s.n_outliers(256) == 3 and s.calibrated
+    assert PRESETS["kvquant-3-dense"].outliers == 0 and not PRESETS["kvquant-3-post"].pre_rope
+    with pytest.raises(ValueError, match="outliers"):
+        QuantSpec(method="kvquant", outliers=0.5)
+    with pytest.raises(ValueError, match="codebook"):
+        QuantSpec(method="kvquant", codebook="token")
+    with pytest.raises(ValueError, match="pre_rope"):
+        QuantSpec(pre_rope=1)
+    with pytest.raises(ValueError, match="'kvquant' only"):
+        QuantSpec(method="kivi", outliers=0.01)
+
+
+def test_cli_parses_kvquant_overrides_and_refuses_kivi_calibration():
+    from kvbits.cli import CalibrateConfig, parse_presets, run_calibrate
+
+    (v,) = parse_presets("kvquant-3:O=0.02,P=0,qnorm=1,codebook=head,fisher=false")
+    s = v.spec
+    assert (s.outliers, s.pre_rope, s.qnorm, s.codebook, s.fisher) == (0.02, False, True,
+                                                                        "head", False)
+    with pytest.raises(ValueError, match="kvquant"):
+        run_calibrate(CalibrateConfig(variant=parse_presets("kivi-2")[0]))
