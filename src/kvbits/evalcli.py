@@ -82,7 +82,7 @@ def _git_commit() -> str | None:
     if os.environ.get("KVBITS_SOURCE_COMMIT"):  # running from an exported snapshot of a commit
         return os.environ["KVBITS_SOURCE_COMMIT"]
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False,
                              cwd=Path(__file__).resolve().parent, timeout=10)
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-from kvbits.eval.needle import (NeedleConfig, build_passkey_prompt, haystack_ids, needle_markdown,
-                                passkey_correct, run_needle, summarize, write_needle)
+from kvbits.eval.needle import (
+    NeedleConfig,
+    build_passkey_prompt,
+    haystack_ids,
+    needle_markdown,
+    passkey_correct,
+    run_needle,
+    summarize,
+    write_needle,
+)
 
 
 class CharTokenizer:
@@ -88,6 +95,6 @@ def test_run_needle_on_a_tiny_random_model(tmp_path):
 
 
 def test_summary_accuracy_per_cell():
-    rows = [dict(preset="a", length=1, depth=0.0, correct=c, trial=i)
+    rows = [{"preset": "a", "length": 1, "depth": 0.0, "correct": c, "trial": i}
             for i, c in enumerate([True, False, True, True])]
     assert summarize(rows)["a"] == {"acc": 0.75, (1, 0.0): 0.75}

@@ -7,8 +7,15 @@ import json
 import pytest
 import torch
 
-from kvbits.eval.speed import (MODEL_CONFIGS, build_model, emulated_quantized_cache, max_batch,
-                               model_config, parse_variant, time_decode)
+from kvbits.eval.speed import (
+    MODEL_CONFIGS,
+    build_model,
+    emulated_quantized_cache,
+    max_batch,
+    model_config,
+    parse_variant,
+    time_decode,
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +58,7 @@ def test_emulated_quanto_layer_round_trip(nbits):
     step = (x.float().amax() - x.float().amin()).item() / (2**nbits - 1)
     assert err <= step / 2 + 1e-2
     # transformers' own update rule: prompt quantized; residual re-quantized every R tokens
-    k, v = cache.update(x, x.clone(), 0)
+    k, _v = cache.update(x, x.clone(), 0)
     assert k.shape[2] == 50
     for _ in range(5):
         k, _ = cache.update(x[:, :, :1], x[:, :, :1], 0)
@@ -105,3 +112,35 @@ def test_max_batch_on_cuda():
     budget = torch.cuda.memory_allocated() + free
     r = max_batch(model, parse_variant("kivi-2"), context=512, budget=budget, cap=64, steps=4)
     assert r["peak_bytes"] <= budget and 1 <= r["max_batch"] <= 64
+
+
+def test_max_batch_search_against_a_simulated_gpu(monkeypatch):
+    """The search logic on CPU: peak = weights + per-sequence bytes * batch (+ a jump at a
+    batch, like a buffer doubling), with the decode run replaced by the formula."""
+    from kvbits.eval import speed
+
+    class FakeParam:
+        device = torch.device("cuda")
+
+    class FakeModel:
+        def parameters(self):
+            yield FakeParam()
+
+    GiB = 1 << 30
+    calls = []
+
+    def fake_time_decode(model, variant, batch, context, steps=0, warmup=0, **kw):
+        calls.append(batch)
+        peak = 14 * GiB + batch * 2 * GiB + (3 * GiB if batch > 20 else 0)
+        return {"variant": variant.label, "kind": variant.kind, "batch": batch, "peak_bytes": peak,
+                "tok_s": 10.0 * batch, "tpot_ms": 100.0}
+
+    monkeypatch.setattr(speed, "time_decode", fake_time_decode)
+    v = parse_variant("fp16")
+    r = max_batch(FakeModel(), v, 4096, budget=80 * GiB, log=lambda m: None)
+    assert r["max_batch"] == 31 and r["peak_bytes"] <= 80 * GiB  # (80 - 14 - 3) // 2
+    assert len(calls) <= 6
+    r = max_batch(FakeModel(), v, 4096, budget=80 * GiB, cap=16, log=lambda m: None)
+    assert r["max_batch"] == 16
+    r = max_batch(FakeModel(), v, 4096, budget=10 * GiB, log=lambda m: None)
+    assert r["max_batch"] == 0

@@ -34,6 +34,7 @@ the same procedure.
 
 from __future__ import annotations
 
+import math
 import random
 import re
 import time
@@ -118,7 +119,7 @@ def build_passkey_prompt(tokenizer, hay: list[int], ends: list[int], length: int
     ``hay``/``ends`` come from :func:`haystack_ids`; the haystack starts at the sentence
     boundary at or after token ``offset`` (different trials use different text).
     """
-    enc = lambda s: list(tokenizer(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    enc = lambda s: list(tokenizer(s, add_special_tokens=False)["input_ids"])
     head_s, tail_s = _template_parts(tokenizer, chat)
     head, tail = enc(head_s), enc(tail_s)
     needle = enc(NEEDLE.format(key=key))
@@ -260,11 +261,11 @@ def needle_markdown(rows: list[dict], meta: dict) -> str:
              "", "```", meta.get("command", ""), "```", "",
              f"{meta.get('date', '')}; {meta.get('device', 'cpu')}; "
              + ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items()) + ".", "",
-             "Exact match of the 5-digit key (first run of digits in the greedy answer of "
+             ("Exact match of the 5-digit key (first run of digits in the greedy answer of "
              f"{meta.get('max_new_tokens', 8)} tokens), {trials} trial(s) per cell, each with its "
              "own key and haystack offset. The document is prefilled once per trial at full "
              "precision and stored in each cache; the question and the answer attend to it "
-             "through the cache (module docstring of `kvbits.eval.needle`).", "",
+             "through the cache (module docstring of `kvbits.eval.needle`)."), "",
              "## Overall", ""]
     head = ["preset", "spec", "accuracy", *[f"{n // 1024}k" if n % 1024 == 0 else str(n)
                                             for n in lengths]]
@@ -317,7 +318,7 @@ def plot_needle(rows: list[dict], path, title: str = "") -> None:
         ax.set_title(f"{p} ({100 * s[p]['acc']:.0f}%)")
         for i, row in enumerate(grid):
             for j, v in enumerate(row):
-                if v == v:
+                if not math.isnan(v):
                     ax.text(j, i, f"{100 * v:.0f}", ha="center", va="center", fontsize=8)
     axes[0][0].set_ylabel("needle depth")
     if im is not None:

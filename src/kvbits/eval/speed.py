@@ -55,20 +55,24 @@ __all__ = ["MODEL_CONFIGS", "BenchConfig", "build_model", "emulated_layer_class"
 
 # Published sizes (config.json of each model); weights are random here.
 MODEL_CONFIGS: dict[str, dict] = {
-    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
-                    rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
-                    rms_norm_eps=1e-5),
-    "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
-                       rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5),
-    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                       rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5),
+    "smollm2": {
+        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+        "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-5},
+    "llama-2-7b": {
+        "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+        "rope_theta": 10000.0, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+    "llama-3-8b": {
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+        "rope_theta": 500000.0, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5},
     # for tests: 2 layers, head_dim 32, GQA 2:1
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
-                 rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5),
+    "tiny": {
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+        "rope_theta": 10000.0, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
 }
 
 
@@ -344,7 +348,7 @@ def max_batch(model, variant: Variant, context: int, budget: int, cap: int = 512
     the predicted batch and corrects it (at most 4 tries)."""
     if next(model.parameters()).device.type != "cuda":
         raise RuntimeError("max_batch measures CUDA memory; it needs a GPU")
-    run = lambda b: time_decode(model, variant, b, context, steps=steps, warmup=warmup)  # noqa: E731
+    run = lambda b: time_decode(model, variant, b, context, steps=steps, warmup=warmup)
     r1 = run(1)
     if r1["peak_bytes"] > budget:
         return {**r1, "budget_bytes": budget, "max_batch": 0, "tries": [(1, r1["peak_bytes"])]}
@@ -491,17 +495,17 @@ def bench_markdown(speed: list[dict], budget_rows: list[dict], env: dict, cfg: B
              f"- device: {env.get('device')}; " + ", ".join(
                  f"{k} {env[k]}" for k in ("torch", "transformers", "triton", "kvbits", "python")
                  if k in env) + f"; {env.get('date')}",
-             "- **Random weights** (speed does not depend on them); model shape from the "
-             "published config. FP16 model and activations.",
+             ("- **Random weights** (speed does not depend on them); model shape from the "
+             "published config. FP16 model and activations."),
              "- Cache filled with "
              + ("random K/V through each cache's own update path (kvbits: the real quantize+pack "
                 "append path); prefill attention not timed" if cfg.fill == "random" else
                 "one real prefill forward of random tokens"),
-             f"- Timed: {cfg.steps} decode steps of `generate` after {cfg.warmup} warm-up steps; "
-             "TPOT = median step time, tok/s = batch / TPOT; peak = max allocated during decode.",
-             "- `hf-int*`: transformers' `QuantizedLayer.update` (unchanged) over a PyTorch "
+             (f"- Timed: {cfg.steps} decode steps of `generate` after {cfg.warmup} warm-up steps; "
+             "TPOT = median step time, tok/s = batch / TPOT; peak = max allocated during decode."),
+             ("- `hf-int*`: transformers' `QuantizedLayer.update` (unchanged) over a PyTorch "
              "re-implementation of quanto's int storage (**emulated**: optimum-quanto is not "
-             "installed on the GPU machine).", ""]
+             "installed on the GPU machine)."), ""]
     fp = {(r["batch"], r["context"]): r for r in speed if r["kind"] == "fp16" and "tok_s" in r}
     hf = {(r["batch"], r["context"]): r for r in speed if r["kind"] == "hf" and "tok_s" in r}
     head = ["variant", "batch", "context", "tok/s", "TPOT ms", "TPOT p90 ms", "vs FP16",
@@ -533,9 +537,9 @@ def bench_markdown(speed: list[dict], budget_rows: list[dict], env: dict, cfg: B
                          f"{r['tpot_ms']:.1f}" if r["max_batch"] else "-", _gib(r.get("peak_bytes")),
                          " ".join(f"({t[0]}, {_gib(t[1])})" for t in r.get("tries", []))])
         lines += ["## Largest batch within a memory budget", "",
-                  "Peak allocated memory during decode (weights + cache + activations) must stay "
+                  ("Peak allocated memory during decode (weights + cache + activations) must stay "
                   "within the budget; the batch comes from a linear fit of peak vs batch, checked "
-                  "by running it.", "", markdown_table(head, rows), ""]
+                  "by running it."), "", markdown_table(head, rows), ""]
     return "\n".join(lines)
 
 
@@ -545,8 +549,9 @@ def plot_bench(speed: list[dict], budget_rows: list[dict], out_dir, name: str, t
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from pathlib import Path
+
+    import matplotlib.pyplot as plt
 
     paths = []
     ok = [r for r in speed if "tok_s" in r]
