@@ -8,7 +8,7 @@ import pytest
 
 from kvbits.cli import build_parser, main, parse_hf_variants, parse_presets
 
-COMMANDS = ("demo", "generate", "ppl", "memory")
+COMMANDS = ("demo", "generate", "ppl", "memory", "calibrate")
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -107,6 +107,11 @@ def test_bad_arguments_name_the_parameter(capsys, argv, match):
 
 
 # ---------------------------------------------------------------------------------- memory
+def test_calibrate_command_refuses_non_kvquant_preset(capsys):
+    code, _, err = run(capsys, "calibrate", "--preset", "kivi-2")
+    assert code == 2 and "kvquant" in err, err
+
+
 def test_memory_command(capsys, tmp_path):
     path = tmp_path / "m.json"
     code, out, _ = run(capsys, "memory", "--config", "llama-3-8b", "--preset", "fp16,kivi-2",
