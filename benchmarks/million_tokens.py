@@ -11,9 +11,11 @@
   path**: ``KVBitsLayer.update`` + ``LayerStore.flush`` (the Triton ``quantize_pack`` kernels on
   CUDA), ``--chunk`` tokens at a time, layer by layer, so the FP16 K/V never exist in full. The
   model's prefill attention over 1M tokens is *not* run (it is not what is measured here).
-  Before filling, each layer's store buffers are allocated at their final capacity (tokens plus
-  decode steps): ``LayerStore`` grows buffers geometrically, and doubling a 3 GB layer twice
-  would not fit next to 31 others. Values still go through ``append``/``flush`` unchanged.
+  Before filling, each layer's packed-body buffers are allocated at their final capacity (tokens
+  plus decode steps) and after it the FP16 residual buffer is shrunk to R + G tokens
+  (:func:`kvbits.eval.cachefill.presize_store` / ``compact_residual``): ``LayerStore`` grows
+  buffers geometrically and never shrinks its residual, and doubling a 3 GB layer would not fit
+  next to 31 others. Values still go through ``append``/``flush`` unchanged.
 * Decode: ``--steps`` greedy steps of the whole model (one token, batch 1) over the cache with the
   ``"kvbits"`` attention (the fused Triton decode kernel on CUDA); per-step latency
   (CUDA-synchronized wall time), median and p90.
@@ -37,27 +39,9 @@ from pathlib import Path
 import torch
 
 
-def presize(store, tokens: int, chunk: int) -> None:
-    """Allocate ``store``'s buffers for ``tokens`` tokens (+ one residual chunk) up front."""
-    spec = store.spec
-    G = spec.group_size
-    groups = tokens // G + 1
-    body = groups * G
-    caps = {"k_codes": groups * store.k_words, "k_scale": groups, "k_zero": groups,
-            "v_codes": groups * store.v_words, "v_scale": body, "v_zero": body,
-            "res_k": spec.residual_length + G + chunk, "res_v": spec.residual_length + G + chunk}
-    if getattr(store, "n_out", 0):
-        caps.update({n: body for n in ("k_out_idx", "k_out_val", "v_out_idx", "v_out_val")})
-    for name, cap in caps.items():
-        buf = getattr(store, name)
-        if buf.shape[2] < cap:
-            setattr(store, name, torch.empty(*buf.shape[:2], cap, *buf.shape[3:], dtype=buf.dtype,
-                                             device=buf.device))
-
-
 def fill(cache, cfg, tokens: int, chunk: int, dtype, device, extra: int, log) -> float:
     """Append ``tokens`` random K/V tokens to every layer through the real append path."""
-    from kvbits.eval.cachefill import append_kv
+    from kvbits.eval.cachefill import append_kv, compact_residual, presize_store
 
     H, D = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
     gen = torch.Generator(device=device).manual_seed(0)
@@ -65,7 +49,8 @@ def fill(cache, cfg, tokens: int, chunk: int, dtype, device, extra: int, log) ->
     for i, layer in enumerate(cache.layers):
         empty = torch.empty(1, H, 0, D, dtype=dtype, device=device)
         layer.lazy_initialization(empty, empty)
-        presize(layer.store, tokens + extra, chunk)
+        presize_store(layer.store, tokens + extra, residual=layer.spec.residual_length
+                      + layer.spec.group_size + chunk)
         for s in range(0, tokens, chunk):
             n = min(chunk, tokens - s)
             k = torch.randn(1, H, n, D, generator=gen, dtype=dtype, device=device)
@@ -73,6 +58,7 @@ def fill(cache, cfg, tokens: int, chunk: int, dtype, device, extra: int, log) ->
             v = torch.randn(1, H, n, D, generator=gen, dtype=dtype, device=device)
             append_kv(cache, i, k, v)
             del k, v
+        compact_residual(layer.store)  # back to R + G tokens of FP16 capacity
         if i == 0 or (i + 1) % 8 == 0:
             mem = (f", {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated"
                    if torch.device(device).type == "cuda" else "")

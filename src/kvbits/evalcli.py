@@ -133,7 +133,8 @@ def _cmd_bench(args) -> int:
                       warmup=args.warmup, fill=args.fill,
                       budget=parse_bytes(args.memory_budget) if args.memory_budget else None,
                       budget_contexts=args.budget_contexts or args.contexts[:1],
-                      batch_cap=args.batch_cap, hf_max_tokens=args.hf_max_tokens, device=device)
+                      batch_cap=args.batch_cap, hf_max_tokens=args.hf_max_tokens,
+                      presize=args.presize, device=device)
     env = environment(shlex.join(["kvbits", *args.argv]))
     env["git"] = _git_commit()
 
@@ -177,6 +178,10 @@ def _register_bench(sub) -> None:
     p.add_argument("--batch-cap", type=int, default=512, help="largest batch tried (default 512)")
     p.add_argument("--hf-max-tokens", type=int, default=1 << 22,
                    help="skip the emulated QuantizedCache above batch*context (default 4M)")
+    p.add_argument("--presize", action="store_true",
+                   help="kvbits stores: allocate the packed buffers for the final length before "
+                   "the fill and shrink the FP16 residual buffer to R+G tokens after it, instead "
+                   "of LayerStore's own growth policy (labelled in the output)")
     p.add_argument("--device", help="cuda (default when available) or cpu (smoke test)")
     p.add_argument("--out", default="benchmarks/results", help="output folder")
     p.add_argument("--name", default="e2e", help="file stem (default e2e)")

@@ -58,3 +58,30 @@ def test_fill_random_in_chunks_quantizes_through_the_store():
     fill_random(dense, 2, batch=1, kv_heads=2, head_dim=32, tokens=100, dtype=torch.float32,
                 device="cpu", chunk=64)
     assert dense.get_seq_length() == 100
+
+
+def test_presize_then_compact_holds_exactly_what_decoding_needs():
+    from kvbits.eval.cachefill import compact_residual, presize_store
+
+    cfg = model_config("tiny")
+    cache = KVBitsCache(cfg, "kivi-2")
+    layer = cache.layers[0]
+    empty = torch.empty(1, 2, 0, 32)
+    layer.lazy_initialization(empty, empty)
+    presize_store(layer.store, 1000 + 40, residual=128 + 32 + 300)
+    caps = {n: getattr(layer.store, n).shape[2] for n in ("k_codes", "v_scale", "res_k")}
+    for s in range(0, 1000, 300):
+        k = torch.randn(1, 2, min(300, 1000 - s), 32)
+        from kvbits.eval.cachefill import append_kv
+
+        append_kv(cache, 0, k, k.clone())
+    compact_residual(layer.store)
+    st = layer.store
+    # nothing grew: the fill wrote into the pre-sized buffers
+    assert {n: getattr(st, n).shape[2] for n in ("k_codes", "v_scale")} == \
+        {n: caps[n] for n in ("k_codes", "v_scale")}
+    assert st.res_k.shape[2] == 128 + 32 and st.seq_len == 1000
+    for _ in range(40):  # decoding fits without growing
+        k = torch.randn(1, 2, 1, 32)
+        append_kv(cache, 0, k, k.clone())
+    assert st.res_k.shape[2] == 128 + 32 and st.k_codes.shape[2] == caps["k_codes"]

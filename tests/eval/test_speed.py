@@ -144,3 +144,9 @@ def test_max_batch_search_against_a_simulated_gpu(monkeypatch):
     assert r["max_batch"] == 16
     r = max_batch(FakeModel(), v, 4096, budget=10 * GiB, log=lambda m: None)
     assert r["max_batch"] == 0
+
+
+def test_time_decode_presized_kvbits_store(tiny):
+    r = time_decode(tiny, parse_variant("kivi-2"), batch=1, context=300, steps=2, warmup=1,
+                    presize=True)
+    assert r["presize"] and r["cache_tokens_after"] == 300 + 1 + 1 + 2

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["append_kv", "copy_dense_cache", "fill_random"]
+__all__ = ["append_kv", "compact_residual", "copy_dense_cache", "fill_random", "presize_store"]
 
 
 def append_kv(cache, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -71,6 +71,46 @@ def fill_random(cache, num_layers: int, batch: int, kv_heads: int, head_dim: int
             del k, v
         if progress is not None:
             progress(i)
+
+
+def presize_store(store, tokens: int, residual: int = 0) -> None:
+    """Allocate the packed-body buffers of a kvbits ``LayerStore`` for ``tokens`` tokens, and the
+    FP16 residual for ``residual`` tokens, up front (empty buffers only grow).
+
+    ``LayerStore`` grows a buffer geometrically (to twice its capacity) when an append does not
+    fit, and never shrinks the residual buffer, which after a prefill keeps the capacity of the
+    whole prompt in FP16. A serving engine that knows the final length allocates once; this is
+    that allocation. The values still go through ``append``/``flush`` unchanged.
+    """
+    spec = store.spec
+    G = spec.group_size
+    groups = tokens // G + 1
+    body = groups * G
+    caps = {"k_codes": groups * store.k_words, "k_scale": groups, "k_zero": groups,
+            "v_codes": groups * store.v_words, "v_scale": body, "v_zero": body,
+            "res_k": residual, "res_v": residual}
+    if getattr(store, "n_out", 0):
+        caps.update({n: body for n in ("k_out_idx", "k_out_val", "v_out_idx", "v_out_val")})
+    for name, cap in caps.items():
+        buf = getattr(store, name, None)
+        if buf is not None and buf.shape[2] < cap:
+            new = torch.empty(*buf.shape[:2], cap, *buf.shape[3:], dtype=buf.dtype,
+                              device=buf.device)
+            new[:, :, :buf.shape[2]] = buf
+            setattr(store, name, new)
+
+
+def compact_residual(store) -> None:
+    """Shrink the FP16 residual buffers of a ``LayerStore`` to ``R + G`` tokens of capacity
+    (what decoding one token at a time ever needs) when they are larger, e.g. after a prefill."""
+    cap = max(store.res_len, store.spec.residual_length + store.spec.group_size)
+    for name in ("res_k", "res_v"):
+        buf = getattr(store, name)
+        if buf.shape[2] > cap:
+            new = torch.empty(*buf.shape[:2], cap, *buf.shape[3:], dtype=buf.dtype,
+                              device=buf.device)
+            new[:, :, :store.res_len] = buf[:, :, :store.res_len]
+            setattr(store, name, new)
 
 
 def chunks(n: int, size: int) -> Iterable[tuple[int, int]]:

@@ -274,10 +274,16 @@ def _cache_nbytes(cache) -> int:
 
 @torch.no_grad()
 def time_decode(model, variant: Variant, batch: int, context: int, steps: int = 32,
-                warmup: int = 4, fill: str = "random", seed: int = 0) -> dict:
+                warmup: int = 4, fill: str = "random", seed: int = 0,
+                presize: bool = False) -> dict:
     """One measurement: fill a fresh cache with ``context`` tokens per sequence, then time
-    ``steps`` decode steps of ``generate``. Returns a result row (see module docstring)."""
-    from .cachefill import fill_random
+    ``steps`` decode steps of ``generate``. Returns a result row (see module docstring).
+
+    ``presize`` (kvbits only): allocate the stores' packed buffers for the final length before
+    filling and shrink their FP16 residual buffers to ``R + G`` tokens after it
+    (:func:`~kvbits.eval.cachefill.presize_store`, :func:`~kvbits.eval.cachefill.compact_residual`)
+    instead of ``LayerStore``'s own growth policy."""
+    from .cachefill import compact_residual, fill_random, presize_store
     from .perplexity import cache_kwargs
 
     device = next(model.parameters()).device
@@ -291,14 +297,29 @@ def time_decode(model, variant: Variant, batch: int, context: int, steps: int = 
     cache = make_cache(model, variant)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     ids = torch.randint(1, cfg.vocab_size, (batch, context + 1), generator=gen).to(device)
+    n_new = warmup + steps + 1
+    presize = presize and variant.kind == "kvbits"
+    fill_chunk = 8192
+    if presize:
+        spec = variant.spec
+        for layer in cache.layers:
+            empty = torch.empty(batch, cfg.num_key_value_heads, 0, D, device=device,
+                                dtype=next(model.parameters()).dtype)
+            layer.lazy_initialization(empty, empty)
+            presize_store(layer.store, context + n_new + spec.group_size,
+                          residual=spec.residual_length + spec.group_size + fill_chunk)
     t0 = time.perf_counter()
     if fill == "random":
         fill_random(cache, cfg.num_hidden_layers, batch, cfg.num_key_value_heads, D, context,
-                    dtype=next(model.parameters()).dtype, device=device, seed=seed)
+                    dtype=next(model.parameters()).dtype, device=device, chunk=fill_chunk,
+                    seed=seed)
     elif fill == "model":
         model(ids[:, :context], use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
     else:
         raise ValueError(f"fill must be 'random' or 'model', got {fill!r}")
+    if presize:
+        for layer in cache.layers:
+            compact_residual(layer.store)
     _sync(device)
     fill_s = time.perf_counter() - t0
     cache_bytes = _cache_nbytes(cache)
@@ -307,7 +328,6 @@ def time_decode(model, variant: Variant, batch: int, context: int, steps: int = 
         cache_alloc = torch.cuda.memory_allocated() - base_alloc
         torch.cuda.reset_peak_memory_stats()
     timer = _step_timer(device)
-    n_new = warmup + steps + 1
     t0 = time.perf_counter()
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
                    min_new_tokens=n_new, do_sample=False, stopping_criteria=[timer],
@@ -318,6 +338,7 @@ def time_decode(model, variant: Variant, batch: int, context: int, steps: int = 
     med = statistics.median(step_s)
     row = {"variant": variant.label, "kind": variant.kind, "spec": variant.describe(),
            "batch": batch, "context": context, "steps": len(step_s), "fill": fill,
+           "presize": presize,
            "tpot_ms": 1e3 * med, "tpot_mean_ms": 1e3 * statistics.fmean(step_s),
            "tpot_p90_ms": 1e3 * sorted(step_s)[int(0.9 * (len(step_s) - 1))],
            "tok_s": batch / med, "cache_bytes": cache_bytes,
@@ -342,13 +363,15 @@ def _is_oom(exc: BaseException) -> bool:
 
 
 def max_batch(model, variant: Variant, context: int, budget: int, cap: int = 512,
-              steps: int = 16, warmup: int = 2, probe: int = 4, log=print) -> dict:
+              steps: int = 16, warmup: int = 2, probe: int = 4, log=print,
+              presize: bool = False) -> dict:
     """The largest batch (<= ``cap``) whose decode peak memory stays within ``budget`` bytes,
     with its speed. CUDA only. Fits ``peak = a + b * batch`` on batches 1 and ``probe``, runs
     the predicted batch and corrects it (at most 4 tries)."""
     if next(model.parameters()).device.type != "cuda":
         raise RuntimeError("max_batch measures CUDA memory; it needs a GPU")
-    run = lambda b: time_decode(model, variant, b, context, steps=steps, warmup=warmup)
+    run = lambda b: time_decode(model, variant, b, context, steps=steps, warmup=warmup,
+                                presize=presize)
     r1 = run(1)
     if r1["peak_bytes"] > budget:
         return {**r1, "budget_bytes": budget, "max_batch": 0, "tries": [(1, r1["peak_bytes"])]}
@@ -405,6 +428,7 @@ class BenchConfig:
     budget_contexts: tuple[int, ...] = (4096,)
     batch_cap: int = 512
     hf_max_tokens: int = 1 << 22  # skip the emulated QuantizedCache above batch*context
+    presize: bool = False  # kvbits stores: allocate once, compact the residual (see time_decode)
     device: str = "cuda"
     seed: int = 0
     extra: dict = field(default_factory=dict)
@@ -428,7 +452,7 @@ def run_bench(cfg: BenchConfig, log=print, on_rows=None) -> tuple[list[dict], li
                     continue
                 try:
                     r = time_decode(model, v, batch, context, cfg.steps, cfg.warmup, cfg.fill,
-                                    cfg.seed)
+                                    cfg.seed, presize=cfg.presize)
                 except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
                     if not _is_oom(exc):
                         raise
@@ -452,7 +476,8 @@ def run_bench(cfg: BenchConfig, log=print, on_rows=None) -> tuple[list[dict], li
             for context in cfg.budget_contexts:
                 for v in variants:
                     r = max_batch(model, v, context, cfg.budget, cap=cfg.batch_cap,
-                                  steps=max(8, cfg.steps // 2), warmup=2, log=log)
+                                  steps=max(8, cfg.steps // 2), warmup=2, log=log,
+                                  presize=cfg.presize)
                     budget_rows.append(r)
                     log(f"{v.label:>10} ctx {context}: max batch {r['max_batch']} within "
                         f"{cfg.budget / 1e9:.0f} GB, {r.get('tok_s', 0):.0f} tok/s")
@@ -503,24 +528,31 @@ def bench_markdown(speed: list[dict], budget_rows: list[dict], env: dict, cfg: B
                 "one real prefill forward of random tokens"),
              (f"- Timed: {cfg.steps} decode steps of `generate` after {cfg.warmup} warm-up steps; "
              "TPOT = median step time, tok/s = batch / TPOT; peak = max allocated during decode."),
+             ("- kvbits store buffers: " + (
+                 "**pre-sized** for the final length before the fill, FP16 residual buffer shrunk "
+                 "to R + G tokens after it (`--presize`; not what `LayerStore` does by itself)"
+                 if cfg.presize else "`LayerStore`'s own growth policy (geometric growth; the "
+                 "residual buffer keeps its largest size). `cache GiB` is what the tokens need, "
+                 "`alloc GiB` what the buffers hold")),
              ("- `hf-int*`: transformers' `QuantizedLayer.update` (unchanged) over a PyTorch "
              "re-implementation of quanto's int storage (**emulated**: optimum-quanto is not "
              "installed on the GPU machine)."), ""]
     fp = {(r["batch"], r["context"]): r for r in speed if r["kind"] == "fp16" and "tok_s" in r}
     hf = {(r["batch"], r["context"]): r for r in speed if r["kind"] == "hf" and "tok_s" in r}
     head = ["variant", "batch", "context", "tok/s", "TPOT ms", "TPOT p90 ms", "vs FP16",
-            "vs hf", "cache GiB", "FP16 cache GiB", "peak GiB"]
+            "vs hf", "cache GiB", "alloc GiB", "FP16 cache GiB", "peak GiB"]
     rows = []
     for r in speed:
         if "tok_s" not in r:
-            rows.append([r["variant"], str(r["batch"]), str(r["context"]), "OOM", *["-"] * 7])
+            rows.append([r["variant"], str(r["batch"]), str(r["context"]), "OOM", *["-"] * 8])
             continue
         key = (r["batch"], r["context"])
         rows.append([r["variant"], str(r["batch"]), str(r["context"]), f"{r['tok_s']:.1f}",
                      f"{r['tpot_ms']:.2f}", f"{r['tpot_p90_ms']:.2f}",
                      f"{r['tok_s'] / fp[key]['tok_s']:.2f}x" if key in fp else "-",
                      f"{r['tok_s'] / hf[key]['tok_s']:.2f}x" if key in hf else "-",
-                     _gib(r["cache_bytes"]), _gib(r["fp16_cache_bytes"]), _gib(r.get("peak_bytes"))])
+                     _gib(r["cache_bytes"]), _gib(r.get("cache_alloc_bytes")),
+                     _gib(r["fp16_cache_bytes"]), _gib(r.get("peak_bytes"))])
     lines += ["## Decode speed", "", markdown_table(head, rows), ""]
     if budget_rows:
         base = {r["context"]: r for r in budget_rows if r["kind"] == "fp16"}
