@@ -91,6 +91,43 @@ def _group_codes(base, g0, g_end, offs_d, d_ok, BITS: tl.constexpr, G: tl.conste
 
 
 @triton.jit
+def _scale_tile(s_base, z_base, g0, g_hi, offs_t, offs_d, d_ok, PER_TOKEN: tl.constexpr,
+                G: tl.constexpr, GPT: tl.constexpr, D: tl.constexpr, GS: tl.constexpr,
+                EVEN_D: tl.constexpr):
+    """FP16 scale and zero of every element of a ``[GPT * G, BLOCK_D]`` body tile.
+
+    ``PER_TOKEN``: one pair per (token, ``GS`` channels), stored ``[tokens, D // GS]`` (KIVI
+    values, per-token keys); else one pair per (group of G tokens, channel), stored
+    ``[groups, D]`` (KIVI keys, per-channel values). Either way the pair is broadcast with a
+    reshape that merges or splits dims, never gathered per element."""
+    BLOCK_D: tl.constexpr = offs_d.shape[0]
+    N: tl.constexpr = GPT * G
+    if PER_TOKEN:
+        NGS: tl.constexpr = D // GS
+        NGS_PAD: tl.constexpr = BLOCK_D // GS
+        offs_j = tl.arange(0, NGS_PAD)
+        mask = (offs_t < g_hi * G)[:, None]
+        if NGS != NGS_PAD:
+            mask = mask & (offs_j < NGS)[None, :]
+        ptr = (offs_t * NGS)[:, None] + offs_j[None, :]
+        sc = tl.load(s_base + ptr, mask=mask, other=0.0)
+        ze = tl.load(z_base + ptr, mask=mask, other=0.0)
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [N, NGS_PAD, GS]), [N, BLOCK_D])
+        ze = tl.reshape(tl.broadcast_to(ze[:, :, None], [N, NGS_PAD, GS]), [N, BLOCK_D])
+    else:
+        grp = g0 + tl.arange(0, GPT)
+        mask = (grp < g_hi)[:, None]
+        if not EVEN_D:
+            mask = mask & d_ok[None, :]
+        ptr = (grp * D)[:, None] + offs_d[None, :]
+        sc = tl.load(s_base + ptr, mask=mask, other=0.0)
+        ze = tl.load(z_base + ptr, mask=mask, other=0.0)
+        sc = tl.reshape(tl.broadcast_to(sc[:, None, :], [GPT, G, BLOCK_D]), [N, BLOCK_D])
+        ze = tl.reshape(tl.broadcast_to(ze[:, None, :], [GPT, G, BLOCK_D]), [N, BLOCK_D])
+    return sc, ze
+
+
+@triton.jit
 def _codes_to_f16(c, USE_PRMT: tl.constexpr):
     """int8 codes (0..255 read as unsigned) -> float16, exactly: ``(code | 0x6400)`` read as
     float16 is ``1024 + code``, so an OR (or one byte permute per pair, ``USE_PRMT``: PTX,
@@ -133,11 +170,11 @@ def _decode_kernel(
     Starts, Lens,
     qk_scale, window,
     sink_len, body_len, res_len,
-    sink_cap, res_cap, kc_cap, ks_cap, vc_cap, vs_cap,
+    sink_cap, res_cap, kc_cap, ks_slice, vc_cap, vs_slice,
     Hkv, Lq, m_tiles, n_body_splits, groups_per_split, fp_per_split,
     HG: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     KBITS: tl.constexpr, VBITS: tl.constexpr, G: tl.constexpr, GPT: tl.constexpr,
-    GV: tl.constexpr, NGV: tl.constexpr, NGV_PAD: tl.constexpr,
+    GK: tl.constexpr, GV: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr,
     BLOCK_FP: tl.constexpr, HAS_WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
     USE_PRMT: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_LENS: tl.constexpr,
 ):
@@ -186,30 +223,19 @@ def _decode_kernel(
         g_hi = tl.minimum(g_hi, (length - sink_len + G - 1) // G)
         kc_base = KC + bh64 * kc_cap * D  # int64 bases; int32 offsets inside one slice
         vc_base = VC + bh64 * vc_cap * D
-        ks_base = KS + bh64 * ks_cap * D
-        kz_base = KZ + bh64 * ks_cap * D
-        vs_base = VS + bh64 * vs_cap * NGV
-        vz_base = VZ + bh64 * vs_cap * NGV
-        gi = tl.arange(0, GPT)
-        offs_j = tl.arange(0, NGV_PAD)
+        ks_base = KS + bh64 * ks_slice  # scale/zero elements per (sequence, head) slice
+        kz_base = KZ + bh64 * ks_slice
+        vs_base = VS + bh64 * vs_slice
+        vz_base = VZ + bh64 * vs_slice
         pos_min = length - Lq
         for g0 in range(g_lo, g_hi, GPT):
-            # K tile [N, D] = code * scale + zero, the scale/zero of a group broadcast over its
-            # G tokens (reshape merging leading dims).
-            g_ok = (g0 + gi < g_hi)[:, None]
-            ks_ptr = ((g0 + gi) * D)[:, None] + offs_d[None, :]
-            if EVEN_D:
-                k_s = tl.load(ks_base + ks_ptr, mask=g_ok, other=0.0)
-                k_z = tl.load(kz_base + ks_ptr, mask=g_ok, other=0.0)
-            else:
-                k_s = tl.load(ks_base + ks_ptr, mask=g_ok & d_ok[None, :], other=0.0)
-                k_z = tl.load(kz_base + ks_ptr, mask=g_ok & d_ok[None, :], other=0.0)
-            k_s = tl.reshape(tl.broadcast_to(k_s[:, None, :], [GPT, G, BLOCK_D]), [N, BLOCK_D])
-            k_z = tl.reshape(tl.broadcast_to(k_z[:, None, :], [GPT, G, BLOCK_D]), [N, BLOCK_D])
+            offs_t = g0 * G + tl.arange(0, N)  # body token index of each tile row
+            # K tile [N, D] = code * scale + zero.
+            k_s, k_z = _scale_tile(ks_base, kz_base, g0, g_hi, offs_t, offs_d, d_ok, K_PER_TOKEN,
+                                   G, GPT, D, GK, EVEN_D)
             kc = _group_codes(kc_base, g0, g_hi, offs_d, d_ok, KBITS, G, GPT, D, EVEN_D)
             k = _codes_to_f16(kc, USE_PRMT) * k_s + k_z
             sc = tl.dot(q, tl.trans(k.to(Q.dtype.element_ty)))  # [M, N]
-            offs_t = g0 * G + tl.arange(0, N)  # body token index
             # Only tiles at the edges (padding, sequence end, window, last partial step) need the
             # per-element mask; rows past the real query rows are dropped at the store.
             t_lo = sink_len + g0 * G
@@ -220,17 +246,9 @@ def _decode_kernel(
                 vis = _visible(sink_len + offs_t, pos, start, length, window, HAS_WINDOW)
                 sc = tl.where(vis & (offs_t < g_hi * G)[None, :], sc, float("-inf"))
             p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
-            # V tile [N, D]: per-token scales of GV channels, broadcast along their channels.
-            t_ok = (offs_t < g_hi * G)[:, None]
-            vs_ptr = (offs_t * NGV)[:, None] + offs_j[None, :]
-            if NGV == NGV_PAD:
-                v_s = tl.load(vs_base + vs_ptr, mask=t_ok, other=0.0)
-                v_z = tl.load(vz_base + vs_ptr, mask=t_ok, other=0.0)
-            else:
-                v_s = tl.load(vs_base + vs_ptr, mask=t_ok & (offs_j < NGV)[None, :], other=0.0)
-                v_z = tl.load(vz_base + vs_ptr, mask=t_ok & (offs_j < NGV)[None, :], other=0.0)
-            v_s = tl.reshape(tl.broadcast_to(v_s[:, :, None], [N, NGV_PAD, GV]), [N, BLOCK_D])
-            v_z = tl.reshape(tl.broadcast_to(v_z[:, :, None], [N, NGV_PAD, GV]), [N, BLOCK_D])
+            # V tile [N, D], the same way.
+            v_s, v_z = _scale_tile(vs_base, vz_base, g0, g_hi, offs_t, offs_d, d_ok, V_PER_TOKEN,
+                                   G, GPT, D, GV, EVEN_D)
             vc = _group_codes(vc_base, g0, g_hi, offs_d, d_ok, VBITS, G, GPT, D, EVEN_D)
             v = _codes_to_f16(vc, USE_PRMT) * v_s + v_z
             acc = acc * alpha[:, None] + tl.dot(p.to(Q.dtype.element_ty), v.to(Q.dtype.element_ty))
@@ -354,7 +372,10 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     n_total = splits + fp_splits
     out = torch.empty(B * Hq * Lq, n_total, D, dtype=torch.float32, device=dev)
     lse = torch.empty(B * Hq * Lq, n_total, dtype=torch.float32, device=dev)
-    NGV = D // kv.value_group
+    # Scale/zero axes: "channel" = [groups, D] per (G-token group, channel); "token" = [tokens,
+    # D // Gs] per (token, Gs channels). KIVI: keys by channel, values by token.
+    k_tok = getattr(kv, "key_axis", "channel") == "token"
+    v_tok = getattr(kv, "value_axis", "token") == "token"
     _decode_kernel[(bhm, n_total)](
         q, out, lse,
         kv.sink_k, kv.sink_v, kv.res_k, kv.res_v,
@@ -362,12 +383,14 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
         starts, lengths,
         scale * LOG2E, int(window) if window is not None else 0,
         kv.sink_len, kv.body_len, kv.res_len,
-        kv.sink_k.shape[2], kv.res_k.shape[2], kv.k_codes.shape[2], kv.k_scale.shape[2],
-        kv.v_codes.shape[2], kv.v_scale.shape[2],
+        kv.sink_k.shape[2], kv.res_k.shape[2], kv.k_codes.shape[2],
+        kv.k_scale.shape[2] * kv.k_scale.shape[3], kv.v_codes.shape[2],
+        kv.v_scale.shape[2] * kv.v_scale.shape[3],
         Hkv, Lq, m_tiles, splits, groups_per_split, fp_per_split,
         HG=HG, D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
         KBITS=kv.key_bits, VBITS=kv.value_bits, G=G, GPT=GPT,
-        GV=kv.value_group, NGV=NGV, NGV_PAD=triton.next_power_of_2(NGV),
+        GK=D // kv.k_scale.shape[3] if k_tok else G, GV=D // kv.v_scale.shape[3] if v_tok else G,
+        K_PER_TOKEN=k_tok, V_PER_TOKEN=v_tok,
         BLOCK_FP=BLOCK_FP, HAS_WINDOW=window is not None, EVEN_D=D == BLOCK_D,
         USE_PRMT=_use_prmt(dev) if prmt is None else prmt, HAS_STARTS=has_starts,
         HAS_LENS=has_lens,
