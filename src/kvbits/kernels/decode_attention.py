@@ -345,10 +345,10 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     has_starts, has_lens = starts is not None, lengths is not None
     starts = _as_i32(starts, B, dev) if has_starts else q
     lengths = _as_i32(lengths, B, dev) if has_lens else q
-    BLOCK_D = max(16, triton.next_power_of_2(D))
+    BLOCK_D = max(16, _next_pow2(D))
     M = HG * Lq
-    BLOCK_M = min(64, max(16, triton.next_power_of_2(M)))
-    m_tiles = triton.cdiv(M, BLOCK_M)
+    BLOCK_M = min(64, max(16, _next_pow2(M)))
+    m_tiles = _cdiv(M, BLOCK_M)
     G = kv.group_size
     tile = tile_tokens or (DEFAULT_TILE_TOKENS if BLOCK_D <= 128 else DEFAULT_TILE_TOKENS // 2)
     GPT = max(1, tile // G)  # groups per loop step
@@ -356,19 +356,19 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     bhm = B * Hkv * m_tiles
     sms = _sm_count(dev)
     if splits is None:
-        splits = num_splits(bhm, triton.cdiv(n_groups, GPT), sms) if n_groups else 0
+        splits = num_splits(bhm, _cdiv(n_groups, GPT), sms) if n_groups else 0
     splits = min(max(splits, 1), n_groups)
-    groups_per_split = triton.cdiv(triton.cdiv(n_groups, splits), GPT) * GPT if splits else 1
+    groups_per_split = _cdiv(_cdiv(n_groups, splits), GPT) * GPT if splits else 1
     if splits:
-        splits = triton.cdiv(n_groups, groups_per_split)
+        splits = _cdiv(n_groups, groups_per_split)
     BLOCK_FP = 64 if BLOCK_D <= 128 else 32
     n_fp = kv.sink_len + kv.res_len
-    fp_splits = num_splits(bhm, triton.cdiv(n_fp, BLOCK_FP), sms) if n_fp else 0
+    fp_splits = num_splits(bhm, _cdiv(n_fp, BLOCK_FP), sms) if n_fp else 0
     if not splits and not fp_splits:
         return torch.zeros_like(q)
-    fp_per_split = triton.cdiv(triton.cdiv(n_fp, fp_splits), BLOCK_FP) * BLOCK_FP if fp_splits else 1
+    fp_per_split = _cdiv(_cdiv(n_fp, fp_splits), BLOCK_FP) * BLOCK_FP if fp_splits else 1
     if fp_splits:
-        fp_splits = triton.cdiv(n_fp, fp_per_split)
+        fp_splits = _cdiv(n_fp, fp_per_split)
     n_total = splits + fp_splits
     out = torch.empty(B * Hq * Lq, n_total, D, dtype=torch.float32, device=dev)
     lse = torch.empty(B * Hq * Lq, n_total, dtype=torch.float32, device=dev)
@@ -398,7 +398,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     )
     o = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=dev)
     _merge_kernel[(B * Hq * Lq,)](out, lse, o, n_total, D=D, BLOCK_D=BLOCK_D,
-                                  BLOCK_S=max(2, triton.next_power_of_2(n_total)))
+                                  BLOCK_S=max(2, _next_pow2(n_total)))
     return o
 
 
@@ -409,3 +409,13 @@ def _use_prmt(device: torch.device) -> bool:
 
 def _as_i32(x, batch: int, device) -> torch.Tensor:
     return torch.as_tensor(x, device=device).to(torch.int32).expand(batch).contiguous()
+
+
+# Host-side integer helpers: triton.cdiv / triton.next_power_of_2 are JIT-wrapped functions whose
+# host calls cost microseconds each, which adds up on small decode steps.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()

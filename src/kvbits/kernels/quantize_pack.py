@@ -229,11 +229,11 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int,
     codes, scale, zero = _packed_outputs(k, bits, G, NG, (NG, D))
     if codes.numel() == 0:
         return codes, scale, zero
-    w_pad = triton.next_power_of_2(W)
+    w_pad = _next_pow2(W)
     tile, _ = _TILES["cuda" if k.is_cuda else "cpu"]
     # Stats span the whole group, so a program takes every token and splits the channels.
-    block_d = max(1, min(triton.next_power_of_2(D), tile // (slots * w_pad)))
-    grid = (NG * triton.cdiv(D, block_d), H, B)
+    block_d = max(1, min(_next_pow2(D), tile // (slots * w_pad)))
+    grid = (NG * _cdiv(D, block_d), H, B)
     vptr, vsb, vst = _valid_args(valid, k)
     _quantize_keys_kernel[grid](
         k, vptr, codes, scale, zero, H, NG, *k.stride(), vsb, vst,
@@ -273,12 +273,12 @@ def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: in
     codes, scale, zero = _packed_outputs(v, bits, G, NG, (T, NGV))
     if codes.numel() == 0:
         return codes, scale, zero
-    gv_pad = triton.next_power_of_2(value_group)
+    gv_pad = _next_pow2(value_group)
     tile, channels = _TILES["cuda" if v.is_cuda else "cpu"]
     # Stats are per token, so a program takes whole channel groups and splits the columns.
-    block_ng = max(1, min(triton.next_power_of_2(NGV), channels // gv_pad))
-    block_w = max(1, min(triton.next_power_of_2(W), tile // (slots * block_ng * gv_pad)))
-    grid = (NG * triton.cdiv(W, block_w) * triton.cdiv(NGV, block_ng), H, B)
+    block_ng = max(1, min(_next_pow2(NGV), channels // gv_pad))
+    block_w = max(1, min(_next_pow2(W), tile // (slots * block_ng * gv_pad)))
+    grid = (NG * _cdiv(W, block_w) * _cdiv(NGV, block_ng), H, B)
     vptr, vsb, vst = _valid_args(valid, v)
     _quantize_values_kernel[grid](
         v, vptr, codes, scale, zero, H, NG, *v.stride(), vsb, vst,
@@ -316,3 +316,13 @@ def _valid_args(valid: torch.Tensor | None, x: torch.Tensor) -> tuple:
     if valid is None:
         return x, 0, 0
     return valid, valid.stride(0), valid.stride(1)
+
+
+# Host-side integer helpers: triton.cdiv / triton.next_power_of_2 are JIT-wrapped functions whose
+# host calls cost microseconds each, which adds up on small decode steps.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
