@@ -10,8 +10,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-METHODS = ("fp16", "kivi", "kvquant")
+METHODS = ("fp16", "kivi", "kvquant", "uniform", "fp8")
 CODEBOOKS = ("layer", "head")
+AXES = ("channel", "token")
+FP8_SCALES = ("dynamic", "calibrated")
+FP8_GRANULARITIES = ("head", "tensor")
+# transformers' QuantizedCache (quanto) axis numbers -> kvbits axes: axis 0 groups consecutive
+# channels of one token (per-token), axis -1 consecutive tokens of one channel (per-channel).
+HF_AXES = {0: "token", -1: "channel"}
+# Methods whose per-layer bits / FP16 skip list (layer_bits, skip_layers) may be set.
+PER_LAYER_METHODS = ("kivi", "uniform")
 BITS = (2, 3, 4, 8)
 GROUP_SIZES = (32, 64, 128)
 
@@ -22,7 +30,10 @@ class QuantSpec:
 
     Attributes:
         method: "kivi" (asymmetric min-max; keys per-channel over ``group_size`` tokens, values
-            per-token over ``group_size`` channels) or "fp16" (nothing quantized).
+            per-token over ``group_size`` channels), "uniform" (the same min-max with the axis
+            of keys and of values chosen by ``key_axis`` / ``value_axis``: transformers'
+            ``QuantizedCache`` knobs), "fp8" (float8 e4m3 elements times one float32 scale per
+            head; ``fp8_scale``, ``fp8_granularity``), "kvquant" or "fp16" (nothing quantized).
         key_bits / value_bits: code width of keys and values, one of 2, 3, 4, 8.
         group_size: G, tokens per key group and channels per value group (32, 64 or 128).
             Values use ``gcd(G, head_dim)`` channels when G does not divide the head dimension.
@@ -43,6 +54,21 @@ class QuantSpec:
             calibration so it costs nothing at run time); kvquant only.
         fisher: weight the k-means of the codebooks by squared gradients of the loss w.r.t. K
             and V (Fisher information) when calibrating; False weights every element by 1.
+        key_axis / value_axis: "channel" (scale/zero per channel over a group of G tokens) or
+            "token" (scale/zero per token over a group of ``value_group(D)`` channels); kivi is
+            keys "channel", values "token"; "uniform" takes either for each (transformers'
+            ``axis_key`` / ``axis_value``: 0 = "token", -1 = "channel").
+        hadamard: rotate keys (and queries, right before attention) by a fixed normalized
+            Hadamard matrix per head before quantizing (outlier smoothing; scores unchanged).
+            Block-diagonal over the largest power-of-two blocks when head_dim is not a power
+            of two. Methods kivi, uniform and fp8.
+        fp8_scale: "dynamic" (the scale of each sequence and head is set from the amax of its
+            first quantized tokens, the prompt) or "calibrated" (per layer from calibration
+            text); method "fp8" only.
+        fp8_granularity: "head" (one scale per KV head) or "tensor" (one per layer).
+        layer_bits: per-layer ``(layer, key_bits, value_bits)`` overriding key_bits/value_bits
+            for that layer (negative layer indices count from the end: -1 = last layer).
+        skip_layers: layers kept in FP16 (negative indices count from the end).
     """
 
     method: str = "kivi"
@@ -56,6 +82,13 @@ class QuantSpec:
     codebook: str = "layer"
     qnorm: bool = False
     fisher: bool = True
+    key_axis: str = "channel"
+    value_axis: str = "token"
+    hadamard: bool = False
+    fp8_scale: str = "dynamic"
+    fp8_granularity: str = "head"
+    layer_bits: tuple = ()
+    skip_layers: tuple = ()
 
     def __post_init__(self) -> None:
         _check_choice("method", self.method, METHODS)
@@ -66,7 +99,7 @@ class QuantSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"QuantSpec.{name} must be an integer >= 0, got {value!r}")
-        for name in ("pre_rope", "qnorm", "fisher"):
+        for name in ("pre_rope", "qnorm", "fisher", "hadamard"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"QuantSpec.{name} must be True or False, got "
                                  f"{getattr(self, name)!r}")
@@ -80,6 +113,133 @@ class QuantSpec:
                 if getattr(self, name) != default:
                     raise ValueError(f"QuantSpec.{name} applies to method 'kvquant' only; "
                                      f"method is {self.method!r}")
+        self._check_breadth()
+
+    def _check_breadth(self) -> None:
+        """Fields of the uniform / fp8 / Hadamard / per-layer methods."""
+        _check_choice("key_axis", self.key_axis, AXES)
+        _check_choice("value_axis", self.value_axis, AXES)
+        _check_choice("fp8_scale", self.fp8_scale, FP8_SCALES)
+        _check_choice("fp8_granularity", self.fp8_granularity, FP8_GRANULARITIES)
+        if self.method != "uniform" and (self.key_axis, self.value_axis) != ("channel", "token"):
+            raise ValueError(
+                f"QuantSpec.key_axis / value_axis other than 'channel' / 'token' (KIVI's) need "
+                f"method 'uniform'; method is {self.method!r} (key_axis={self.key_axis!r}, "
+                f"value_axis={self.value_axis!r})")
+        if self.method != "fp8" and (self.fp8_scale, self.fp8_granularity) != ("dynamic", "head"):
+            raise ValueError(f"QuantSpec.fp8_scale / fp8_granularity apply to method 'fp8' only; "
+                             f"method is {self.method!r}")
+        if self.method == "fp8" and (self.key_bits, self.value_bits) != (8, 8):
+            raise ValueError(f"QuantSpec.key_bits / value_bits must be 8 for method 'fp8' "
+                             f"(float8 e4m3); got {self.key_bits} / {self.value_bits}")
+        if self.hadamard and self.method not in ("kivi", "uniform", "fp8"):
+            raise ValueError(f"QuantSpec.hadamard applies to methods 'kivi', 'uniform', 'fp8'; "
+                             f"method is {self.method!r}")
+        if self.hadamard and self.pre_rope:
+            raise ValueError("QuantSpec.hadamard cannot be combined with pre_rope=True (the "
+                             "rotation would not commute with re-applying RoPE)")
+        if not isinstance(self.layer_bits, tuple) or not isinstance(self.skip_layers, tuple):
+            raise ValueError("QuantSpec.layer_bits and skip_layers must be tuples, got "
+                             f"{self.layer_bits!r} / {self.skip_layers!r}")
+        if (self.layer_bits or self.skip_layers) and self.method not in PER_LAYER_METHODS:
+            raise ValueError(f"QuantSpec.layer_bits / skip_layers apply to methods "
+                             f"{', '.join(map(repr, PER_LAYER_METHODS))}; method is "
+                             f"{self.method!r}")
+        for entry in self.layer_bits:
+            ok = (isinstance(entry, tuple) and len(entry) == 3
+                  and all(type(x) is int for x in entry))
+            if not ok:
+                raise ValueError("QuantSpec.layer_bits entries must be (layer, key_bits, "
+                                 f"value_bits) integer triples; got {entry!r}")
+            for name, bits in (("key_bits", entry[1]), ("value_bits", entry[2])):
+                if bits not in BITS:
+                    raise ValueError(f"QuantSpec.layer_bits: {name} of layer {entry[0]} must be "
+                                     f"one of {', '.join(map(repr, BITS))}; got {bits!r}")
+        for layer in self.skip_layers:
+            if type(layer) is not int:
+                raise ValueError(f"QuantSpec.skip_layers entries must be layer indices "
+                                 f"(integers); got {layer!r}")
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether layers differ (``layer_bits`` or ``skip_layers`` set)."""
+        return bool(self.layer_bits or self.skip_layers)
+
+    def for_layer(self, index: int, n_layers: int) -> QuantSpec:
+        """The plain spec of layer ``index`` of ``n_layers``: its bits, FP16 if skipped.
+
+        Raises ``ValueError`` when ``layer_bits`` / ``skip_layers`` name a layer out of range.
+        """
+        self.check_layers(n_layers)
+        if not self.per_layer:
+            return self
+        skip = {i % n_layers for i in self.skip_layers}
+        if index in skip:
+            return PRESETS["fp16"]
+        kb, vb = self.key_bits, self.value_bits
+        for layer, k, v in self.layer_bits:
+            if layer % n_layers == index:
+                kb, vb = k, v
+        return self.replace(key_bits=kb, value_bits=vb, layer_bits=(), skip_layers=())
+
+    def check_layers(self, n_layers: int) -> None:
+        for layer in [e[0] for e in self.layer_bits] + list(self.skip_layers):
+            if not -n_layers <= layer < n_layers:
+                raise ValueError(f"QuantSpec.layer_bits / skip_layers: layer {layer} is out of "
+                                 f"range for a model with {n_layers} layers (allowed "
+                                 f"{-n_layers} .. {n_layers - 1})")
+
+    def average_bits(self, n_layers: int) -> float:
+        """Mean code bits per K/V element over the layers (FP16 layers count 16)."""
+        total = 0
+        for i in range(n_layers):
+            s = self.for_layer(i, n_layers)
+            total += 32 if not s.quantized else s.key_bits + s.value_bits
+        return total / (2 * n_layers)
+
+    def to_dict(self) -> dict:
+        """JSON-able fields (tuples as lists)."""
+        out = dataclasses.asdict(self)
+        out["layer_bits"] = [list(e) for e in self.layer_bits]
+        out["skip_layers"] = list(self.skip_layers)
+        return out
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> QuantSpec:
+        fields = dict(fields)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"unknown QuantSpec field(s) {', '.join(unknown)}; fields are "
+                             f"{', '.join(sorted(known))}")
+        if "layer_bits" in fields:
+            fields["layer_bits"] = tuple(tuple(e) for e in fields["layer_bits"])
+        if "skip_layers" in fields:
+            fields["skip_layers"] = tuple(fields["skip_layers"])
+        return cls(**fields)
+
+    def save(self, path, **info) -> None:
+        """Write a spec file (JSON) that ``resolve_spec(path)`` / ``KVBitsCache(model, path)``
+        read back; ``info`` (e.g. how it was tuned) is stored beside it."""
+        import json
+        from pathlib import Path
+
+        doc = {"kvbits_spec": 1, "spec": self.to_dict(), **({"info": info} if info else {})}
+        Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path) -> QuantSpec:
+        """Read a spec file written by :meth:`save` (e.g. by ``kvbits tune``)."""
+        import json
+        from pathlib import Path
+
+        try:
+            doc = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read spec file {str(path)!r}: {exc}") from None
+        if not isinstance(doc, dict) or "spec" not in doc:
+            raise ValueError(f"{str(path)!r} is not a kvbits spec file (no 'spec' key)")
+        return cls.from_dict(doc["spec"])
 
     @property
     def quantized(self) -> bool:
@@ -94,8 +254,9 @@ class QuantSpec:
 
     @property
     def calibrated(self) -> bool:
-        """Whether this spec needs a calibration (codebooks): method "kvquant"."""
-        return self.method == "kvquant"
+        """Whether this spec needs a calibration: method "kvquant" (codebooks) or "fp8" with
+        ``fp8_scale="calibrated"`` (scales)."""
+        return self.method == "kvquant" or (self.method == "fp8" and self.fp8_scale == "calibrated")
 
     def value_group(self, head_dim: int) -> int:
         """Channels per value group for this head dimension (a power of two dividing it)."""
@@ -119,6 +280,17 @@ class QuantSpec:
         if self.method == "kvquant":
             text += f" out={self.outliers:g} cb={self.codebook}"
             text += (" qnorm" if self.qnorm else "") + ("" if self.fisher else " no-fisher")
+        if self.method == "uniform":
+            text += f" K:{self.key_axis} V:{self.value_axis}"
+        if self.method == "fp8":
+            text = (f"fp8 e4m3 {self.fp8_scale} per-{self.fp8_granularity} "
+                    f"G={self.group_size} R={self.residual_length} S={self.sink_tokens}")
+        if self.hadamard:
+            text += " hadamard"
+        if self.layer_bits:
+            text += " layers=" + ";".join(f"{i}:K{k}V{v}" for i, k, v in self.layer_bits)
+        if self.skip_layers:
+            text += " fp16-layers=" + ",".join(map(str, self.skip_layers))
         return text
 
 
@@ -147,18 +319,69 @@ for _b in (2, 3, 4):
     PRESETS[f"kvquant-{_b}-dense"] = _KVQUANT.replace(key_bits=_b, value_bits=_b, outliers=0.0)
     PRESETS[f"kvquant-{_b}-post"] = _KVQUANT.replace(key_bits=_b, value_bits=_b, pre_rope=False)
 
+# Uniform: transformers' QuantizedCache knobs and defaults (quanto backend: nbits 4, axis_key 0,
+# axis_value 0 = per-token, q_group_size 64, residual_length 128); history quantized once.
+PRESETS["uniform"] = QuantSpec(method="uniform", key_bits=4, value_bits=4, group_size=64,
+                               residual_length=128, key_axis="token", value_axis="token")
+for _b in (2, 4, 8):
+    PRESETS[f"uniform-int{_b}"] = PRESETS["uniform"].replace(key_bits=_b, value_bits=_b)
+# Hadamard-rotated keys (KIVI grouping otherwise).
+for _b in (2, 3, 4):
+    PRESETS[f"kivi-{_b}-had"] = PRESETS[f"kivi-{_b}"].replace(hadamard=True)
+# FP8 (e4m3): every token but the residual's stored in 8 bits, one float32 scale per head.
+PRESETS["fp8"] = QuantSpec(method="fp8", key_bits=8, value_bits=8, residual_length=0,
+                           fp8_scale="calibrated")
+PRESETS["fp8-dynamic"] = PRESETS["fp8"].replace(fp8_scale="dynamic")
+PRESETS["fp8-tensor"] = PRESETS["fp8"].replace(fp8_granularity="tensor")
+# Per-layer mixed precision: keys 4 / values 2, first and last layers at 8 bits.
+PRESETS["k4v2-edge8"] = PRESETS["k4v2"].replace(layer_bits=((0, 8, 8), (-1, 8, 8)))
 
-def resolve_spec(spec: str | QuantSpec, **overrides) -> QuantSpec:
-    """A QuantSpec from a preset name or a spec, with optional field overrides.
+
+def resolve_spec(spec, **overrides) -> QuantSpec:
+    """A QuantSpec from a preset name, a spec file (``.json``, e.g. from ``kvbits tune``) or a
+    spec, with optional field overrides.
+
+    transformers' ``QuantizedCache`` names are accepted too: ``nbits`` (key_bits and
+    value_bits), ``q_group_size`` (group_size), ``axis_key`` / ``axis_value`` (0: per-token,
+    -1: per-channel, as with the quanto backend).
 
     >>> resolve_spec("kivi-2", residual_length=0).residual_length
     0
+    >>> resolve_spec("uniform", nbits=2, axis_key=-1).key_axis
+    'channel'
     """
+    import os
+
     if isinstance(spec, QuantSpec):
         base = spec
     elif isinstance(spec, str) and spec in PRESETS:
         base = PRESETS[spec]
+    elif isinstance(spec, (str, os.PathLike)) and str(spec).endswith(".json"):
+        if not os.path.exists(spec):
+            raise ValueError(f"spec file {str(spec)!r} does not exist")
+        base = QuantSpec.load(spec)
     else:
-        raise ValueError(f"unknown preset {spec!r}; presets are: {', '.join(PRESETS)}")
-    overrides = {k: v for k, v in overrides.items() if v is not None}
+        raise ValueError(f"unknown preset {spec!r}; presets are: {', '.join(PRESETS)} "
+                         "(or a spec file, .json)")
+    overrides = _hf_names({k: v for k, v in overrides.items() if v is not None})
     return base.replace(**overrides) if overrides else base
+
+
+def _hf_names(overrides: dict) -> dict:
+    """transformers' QuantizedCache keyword names -> QuantSpec fields."""
+    out = dict(overrides)
+    if "nbits" in out:
+        bits = out.pop("nbits")
+        out.setdefault("key_bits", bits)
+        out.setdefault("value_bits", bits)
+    if "q_group_size" in out:
+        out.setdefault("group_size", out.pop("q_group_size"))
+    for hf, field in (("axis_key", "key_axis"), ("axis_value", "value_axis")):
+        if hf in out:
+            axis = out.pop(hf)
+            if type(axis) is not int or axis not in HF_AXES:
+                raise ValueError(f"{hf} must be 0 (per-token: groups of channels of one token, "
+                                 f"transformers' default) or -1 (per-channel: groups of tokens "
+                                 f"of one channel); got {axis!r}")
+            out.setdefault(field, HF_AXES[axis])
+    return out

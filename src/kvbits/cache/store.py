@@ -11,6 +11,13 @@ KVQuant (``spec.method == "kvquant"``): the store also holds the layer's codeboo
 per-token outliers of the body (see :mod:`kvbits.methods.kvquant`); with ``spec.pre_rope`` the
 keys are un-rotated (at position ``t - starts[b]``) right before they are quantized, and the
 dequantized body keys are rotated back. Both run through the PyTorch reference for now.
+
+Method breadth: "uniform" quantizes keys and values each per-channel or per-token
+(``spec.key_axis`` / ``value_axis``; the quantize_pack kernels serve both axes: per-token keys
+go through the per-token (value) quantizer and per-channel values through the per-channel (key)
+one); "fp8" stores float8 e4m3 with a float32 scale per sequence and head (set from the first
+quantized tokens' amax, or given by a calibration); ``spec.hadamard`` keeps every key rotated
+(:mod:`kvbits.reference.hadamard`) and :meth:`LayerStore.rotate_query` rotates the queries.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from .. import ops
 from ..formats.layout import PackedKV, body_bytes_per_token
 from ..formats.packing import packed_length
 from ..methods import kvquant as kvq
+from ..reference import hadamard as ref_hadamard
+from ..reference import quant as ref_quant
 from ..reference.attention import dequantize_body
 from ..reference import rope as ref_rope
 from ..spec import QuantSpec
@@ -32,9 +41,12 @@ class LayerStore:
     def __init__(self, spec: QuantSpec, batch: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str,
                  codebooks: kvq.LayerCodebooks | None = None,
-                 inv_freq: torch.Tensor | None = None):
+                 inv_freq: torch.Tensor | None = None,
+                 fp8_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
         """``codebooks``: the layer's kvquant tables (uniform = KIVI codes when None);
-        ``inv_freq [head_dim / 2]``: the layer's RoPE frequencies, needed when ``spec.pre_rope``."""
+        ``inv_freq [head_dim / 2]``: the layer's RoPE frequencies, needed when ``spec.pre_rope``;
+        ``fp8_scales``: float32 ``(k_scale, v_scale)`` of shape ``[kv_heads]`` (dequant
+        multipliers) for ``fp8_scale="calibrated"``."""
         self.spec = spec
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
@@ -53,12 +65,36 @@ class LayerStore:
         n_vgroups = D // self.value_group
         i32 = dict(dtype=torch.int32, device=self.device)
         f16 = dict(dtype=torch.float16, device=self.device)
+        self.fp8 = spec.method == "fp8"
+        self.key_axis, self.value_axis = spec.key_axis, spec.value_axis
+        meta_width = {"channel": D, "token": n_vgroups}
         self.k_codes = torch.empty(B, H, 0, D, **i32)
-        self.k_scale = torch.empty(B, H, 0, D, **f16)
-        self.k_zero = torch.empty(B, H, 0, D, **f16)
+        self.k_scale = torch.empty(B, H, 0, meta_width[self.key_axis], **f16)
+        self.k_zero = torch.empty(B, H, 0, meta_width[self.key_axis], **f16)
         self.v_codes = torch.empty(B, H, 0, D, **i32)
-        self.v_scale = torch.empty(B, H, 0, n_vgroups, **f16)
-        self.v_zero = torch.empty(B, H, 0, n_vgroups, **f16)
+        self.v_scale = torch.empty(B, H, 0, meta_width[self.value_axis], **f16)
+        self.v_zero = torch.empty(B, H, 0, meta_width[self.value_axis], **f16)
+        self._fp8_ready = False
+        if self.fp8:
+            f8 = dict(dtype=ref_quant.FP8_DTYPE, device=self.device)
+            self.k_codes = torch.empty(B, H, 0, D, **f8)
+            self.v_codes = torch.empty(B, H, 0, D, **f8)
+            self.k_zero = self.v_zero = None
+            self.k_scale = torch.ones(B, H, 1, 1, dtype=torch.float32, device=self.device)
+            self.v_scale = torch.ones(B, H, 1, 1, dtype=torch.float32, device=self.device)
+            if spec.fp8_scale == "calibrated":
+                if fp8_scales is None:
+                    raise ValueError("QuantSpec.fp8_scale='calibrated' needs the layer's scales "
+                                     "(KVBitsCache(model, 'fp8', calibration='auto' or a file))")
+                for name, sc in zip(("k", "v"), fp8_scales):
+                    if tuple(sc.shape) != (H,):
+                        raise ValueError(f"fp8 {name} scales have shape {tuple(sc.shape)}, this "
+                                         f"layer needs [kv_heads={H}]")
+                    setattr(self, f"{name}_scale", sc.float().to(self.device).view(1, H, 1, 1)
+                            .expand(B, H, 1, 1).contiguous())
+                self._fp8_ready = True
+        self.hadamard = (ref_hadamard.hadamard_matrix(D, self.device)
+                         if spec.hadamard and spec.quantized else None)
         self.kvquant = spec.method == "kvquant"
         self.n_out = spec.n_outliers(D) if self.kvquant else 0
         self.codebooks = None
@@ -94,22 +130,10 @@ class LayerStore:
 
     def view(self) -> PackedKV:
         """The storage as a :class:`PackedKV` (views, no copies)."""
-        s = self.spec
-        reference = not ops.use_kernels(self.res_k) or self.kvquant or self.inv_freq is not None
-        dense = self._dense_body() if reference else None
-        n = self.n_out > 0
-        return PackedKV(
-            self.sink_k, self.sink_v, self.sink_len,
-            self.k_codes, self.k_scale, self.k_zero,
-            self.v_codes, self.v_scale, self.v_zero, self.body_len,
-            self.res_k, self.res_v, self.res_len,
-            s.key_bits, s.value_bits, s.group_size, self.value_group, dense,
-            k_codebook=self.codebooks.k_codebook if self.kvquant else None,
-            v_codebook=self.codebooks.v_codebook if self.kvquant else None,
-            k_out_idx=self.k_out_idx if n else None, k_out_val=self.k_out_val if n else None,
-            v_out_idx=self.v_out_idx if n else None, v_out_val=self.v_out_val if n else None,
-            rope_inv_freq=self.inv_freq,
-        )
+        raw = self.view_raw()
+        if not ops.use_kernels(self.res_k) or not raw.is_plain:
+            raw.dense_body = self._dense_body()
+        return raw
 
     def _dense_body(self):
         """float32 (K, V) of the body for the reference path, dequantized once per group.
@@ -145,7 +169,19 @@ class LayerStore:
             k_out_idx=self.k_out_idx if n else None, k_out_val=self.k_out_val if n else None,
             v_out_idx=self.v_out_idx if n else None, v_out_val=self.v_out_val if n else None,
             rope_inv_freq=self.inv_freq,
+            key_axis=self.key_axis, value_axis=self.value_axis, fp8=self.fp8,
         )
+
+    # ------------------------------------------------------------------ hadamard
+    def rotate_query(self, query: torch.Tensor) -> torch.Tensor:
+        """``query [B, Hq, Lq, D]`` in the key space of the store: rotated like the keys when
+        ``spec.hadamard`` (scores unchanged), else returned as is."""
+        return query if self.hadamard is None else ref_hadamard.rotate(query, self.hadamard)
+
+    def model_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """Keys read from the store (e.g. :func:`dequantize_layer`) back in the model's space
+        (undoes the Hadamard rotation; the matrix is its own inverse)."""
+        return keys if self.hadamard is None else ref_hadamard.rotate(keys, self.hadamard)
 
     def nbytes(self, fp_itemsize: int | None = None) -> int:
         """Exact bytes of the tokens held: codes + scales + zeros (+ outliers and the layer's
@@ -155,8 +191,10 @@ class LayerStore:
         fp = 2 * (self.sink_len + self.res_len) * self.head_dim * itemsize
         body = self.body_len * body_bytes_per_token(
             self.head_dim, self.spec.key_bits, self.spec.value_bits, self.spec.group_size,
-            self.value_group, self.n_out)
+            self.value_group, self.n_out, self.key_axis, self.value_axis, self.fp8)
         tables = 0
+        if self.fp8 and self.body_len:  # a float32 K and V scale per sequence and head
+            fp += 2 * 4
         if self.kvquant and self.body_len:
             tables = 4 * (self.codebooks.k_codebook.numel() + self.codebooks.v_codebook.numel())
         return int(round(self.batch * self.kv_heads * (fp + body) + tables))
@@ -174,6 +212,8 @@ class LayerStore:
         """
         self._check_input(k, v)
         k, v = k.to(self.dtype), v.to(self.dtype)
+        if self.hadamard is not None:
+            k = ref_hadamard.rotate(k, self.hadamard)
         take = min(self.spec.sink_tokens - self.sink_len, k.shape[2])
         if take > 0:
             self.sink_k[:, :, self.sink_len:self.sink_len + take] = k[:, :, :take]
@@ -213,6 +253,9 @@ class LayerStore:
         if self.inv_freq is not None:  # pre-RoPE keys: undo the model's rotation
             pos = ref_rope.token_positions(self.starts, first, n)
             k = ref_rope.unrotate(k, pos, self.inv_freq)
+        if self.fp8:
+            self._flush_fp8(k, v, valid, n)
+            return
         if self.kvquant:
             cb = self.codebooks
             k_codes, k_scale, k_zero, k_oi, k_ov = kvq.quantize_keys(
@@ -226,16 +269,40 @@ class LayerStore:
                 self.v_out_idx = _write(self.v_out_idx, self.body_len, v_oi)
                 self.v_out_val = _write(self.v_out_val, self.body_len, v_ov)
         else:
-            k_codes, k_scale, k_zero = ops.quantize_keys(k, s.key_bits, G, valid)
-            v_codes, v_scale, v_zero = ops.quantize_values(v, s.value_bits, self.value_group, G,
-                                                           valid)
+            k_codes, k_scale, k_zero = self._quantize(k, s.key_bits, self.key_axis, valid)
+            v_codes, v_scale, v_zero = self._quantize(v, s.value_bits, self.value_axis, valid)
         g0 = self.body_len // G
+        at = {"channel": g0, "token": self.body_len}
         self.k_codes = _write(self.k_codes, g0 * self.k_words, k_codes)
-        self.k_scale = _write(self.k_scale, g0, k_scale)
-        self.k_zero = _write(self.k_zero, g0, k_zero)
+        self.k_scale = _write(self.k_scale, at[self.key_axis], k_scale)
+        self.k_zero = _write(self.k_zero, at[self.key_axis], k_zero)
         self.v_codes = _write(self.v_codes, g0 * self.v_words, v_codes)
-        self.v_scale = _write(self.v_scale, self.body_len, v_scale)
-        self.v_zero = _write(self.v_zero, self.body_len, v_zero)
+        self.v_scale = _write(self.v_scale, at[self.value_axis], v_scale)
+        self.v_zero = _write(self.v_zero, at[self.value_axis], v_zero)
+        self._moved(n)
+
+    def _quantize(self, x: torch.Tensor, bits: int, axis: str, valid):
+        """Codes + scale + zero of ``x`` along ``axis``: "channel" = KIVI's key quantizer,
+        "token" = KIVI's value quantizer (both pack codes along tokens in blocks of G)."""
+        G = self.spec.group_size
+        if axis == "channel":
+            return ops.quantize_keys(x, bits, G, valid)
+        return ops.quantize_values(x, bits, self.value_group, G, valid)
+
+    def _flush_fp8(self, k: torch.Tensor, v: torch.Tensor, valid, n: int) -> None:
+        if not self._fp8_ready:  # dynamic: amax of the first quantized tokens (the prompt)
+            gran = self.spec.fp8_granularity
+            self.k_scale = ref_quant.fp8_scale_from_amax(ref_quant.fp8_amax(k, valid, gran))
+            self.v_scale = ref_quant.fp8_scale_from_amax(ref_quant.fp8_amax(v, valid, gran))
+            self._fp8_ready = True
+        self.k_codes = _write(self.k_codes, self.body_len,
+                              ref_quant.quantize_fp8(k, self.k_scale, valid))
+        self.v_codes = _write(self.v_codes, self.body_len,
+                              ref_quant.quantize_fp8(v, self.v_scale, valid))
+        self._moved(n)
+
+    def _moved(self, n: int) -> None:
+        """``n`` residual tokens went to the body: shift the residual."""
         self.body_len += n
         rest = self.res_len - n
         self.res_k[:, :, :rest] = self.res_k[:, :, n:self.res_len].clone()
@@ -247,7 +314,9 @@ class LayerStore:
         """Select sequences along the batch (beam search): every buffer follows ``index``."""
         index = index.to(self.device)
         for name in _BUFFERS:
-            setattr(self, name, getattr(self, name).index_select(0, index))
+            buf = getattr(self, name)
+            if buf is not None:
+                setattr(self, name, buf.index_select(0, index))
         self._dense = None
         self.starts = self.starts.index_select(0, index)
         self.batch = int(index.numel())

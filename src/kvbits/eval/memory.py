@@ -125,6 +125,12 @@ class MemoryReport:
         return asdict(self)
 
 
+def _body_bytes(spec: QuantSpec, head_dim: int) -> float:
+    return body_bytes_per_token(head_dim, spec.key_bits, spec.value_bits, spec.group_size,
+                                spec.value_group(head_dim), spec.n_outliers(head_dim),
+                                spec.key_axis, spec.value_axis, spec.method == "fp8")
+
+
 def kv_memory(config, preset: str | QuantSpec = "kivi-2", context: int = 4096, batch: int = 1,
               gpu_memory: int | None = None, weights_bytes: int = 0,
               **overrides) -> MemoryReport:
@@ -142,10 +148,14 @@ def kv_memory(config, preset: str | QuantSpec = "kivi-2", context: int = 4096, b
     if context < 0 or batch < 1:
         raise ValueError(f"context must be >= 0 and batch >= 1, got context={context}, batch={batch}")
     fp_tok = shape.layers * shape.kv_heads * fp_bytes_per_token(shape.head_dim)
-    if spec.quantized:
-        body_tok = shape.layers * shape.kv_heads * body_bytes_per_token(
-            shape.head_dim, spec.key_bits, spec.value_bits, spec.group_size,
-            spec.value_group(shape.head_dim), spec.n_outliers(shape.head_dim))
+    if spec.quantized and spec.per_layer:  # per-layer bits: sum over layers (FP16 ones too)
+        body_tok = shape.kv_heads * sum(
+            _body_bytes(spec.for_layer(i, shape.layers), shape.head_dim)
+            if spec.for_layer(i, shape.layers).quantized else fp_bytes_per_token(shape.head_dim)
+            for i in range(shape.layers))
+        fixed = spec.sink_tokens + spec.residual_length + spec.group_size - 1
+    elif spec.quantized:
+        body_tok = shape.layers * shape.kv_heads * _body_bytes(spec, shape.head_dim)
         fixed = spec.sink_tokens + spec.residual_length + spec.group_size - 1
     else:
         body_tok, fixed = float(fp_tok), 0

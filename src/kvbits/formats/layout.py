@@ -31,6 +31,28 @@ KVQuant additions (all optional, ``None`` for plain KIVI; see :mod:`kvbits.metho
   ``k * cos + rotate_half(k) * sin`` with ``angle = p * inv_freq`` repeated over both halves of D
   (transformers' Llama convention). Sink and residual keys stay post-RoPE.
 
+Method breadth (``QuantSpec.method`` "uniform" / "fp8", ``hadamard``; plain KIVI has
+``key_axis="channel"``, ``value_axis="token"``, ``fp8=False``):
+
+* ``key_axis`` / ``value_axis`` (str): which axis the scale/zero of keys / values run along.
+  ``"channel"``: scale/zero per (G-token group, channel), ``[B, H, NG_cap, D] float16`` indexed by
+  body group ``g = t // G`` (the KIVI key layout above). ``"token"``: scale/zero per (token,
+  channel group of ``Gq = value_group`` channels), ``[B, H, T_cap, D // Gq] float16`` indexed by
+  body token (the KIVI value layout above). Whatever the axis, the *codes* keep the layout above:
+  ``[B, H, NG_cap * W, D] int32`` packed along tokens within blocks of G (``W =
+  packed_length(G, bits)``), so element ``(t, d)`` is unpacked exactly as today; only where its
+  scale/zero is read changes: per-token keys use ``k_scale[b, h, t, d // Gq]``, per-channel
+  values ``v_scale[b, h, t // G, d]`` (same for zeros).
+* ``fp8`` (bool, with ``key_bits == value_bits == 8``): the body is float8 e4m3 (torch
+  ``float8_e4m3fn``), not packed: ``k_codes``, ``v_codes [B, H, T_cap, D] float8_e4m3fn`` indexed
+  by body token; ``k_scale``, ``v_scale [B, H, 1, 1] float32`` dequant multipliers (per sequence
+  and KV head; a per-tensor scale is the same value in every head); ``k_zero``, ``v_zero`` are
+  ``None``. A body element is ``float(code) * scale``. ``group_size`` only sets how many tokens
+  move from the residual at a time.
+* Hadamard keys (``QuantSpec.hadamard``) need no field: the store keeps *every* key (sink, body,
+  residual) rotated by a fixed orthonormal matrix and rotates the queries the same way before
+  calling attention, so ``q . k`` is unchanged and a kernel reads the layer as a plain one.
+
 Lengths are shared by the batch (as in transformers' caches); per-sequence validity is given to
 the ops separately (``starts``: left padding, ``lengths``: ragged ends). A dequantized value is
 ``code * scale + zero``: the reference computes it in float32, the decode kernel in float16
@@ -79,13 +101,18 @@ class PackedKV:
     v_out_idx: torch.Tensor | None = None
     v_out_val: torch.Tensor | None = None
     rope_inv_freq: torch.Tensor | None = None
+    # Method breadth (see the module docstring): axes of the key / value scales, FP8 body.
+    key_axis: str = "channel"
+    value_axis: str = "token"
+    fp8: bool = False
 
     @property
     def is_plain(self) -> bool:
-        """Plain KIVI body (uniform codes, no outliers, post-RoPE keys): what the fused decode
-        kernel reads today."""
-        return all(x is None for x in (self.k_codebook, self.v_codebook, self.k_out_idx,
-                                       self.v_out_idx, self.rope_inv_freq))
+        """Plain KIVI body (uniform codes, keys per-channel, values per-token, no outliers,
+        post-RoPE keys, integer codes): what the fused decode kernel reads today."""
+        return (all(x is None for x in (self.k_codebook, self.v_codebook, self.k_out_idx,
+                                        self.v_out_idx, self.rope_inv_freq))
+                and self.key_axis == "channel" and self.value_axis == "token" and not self.fp8)
 
     @property
     def total_len(self) -> int:
@@ -105,20 +132,26 @@ class PackedKV:
 
 
 def body_bytes_per_token(head_dim: int, key_bits: int, value_bits: int, group_size: int,
-                         value_group: int, outliers: int = 0) -> float:
+                         value_group: int, outliers: int = 0, key_axis: str = "channel",
+                         value_axis: str = "token", fp8: bool = False) -> float:
     """Bytes one token of one KV head occupies in the packed body (K and V, codes + scale + zero).
 
     Keys: ``Wk * 4 * D / G`` bytes of codes (= bits * D / 8) plus an FP16 scale and zero per
     channel per G tokens; values: the same code bytes plus an FP16 scale and zero per Gv channels.
     ``outliers`` per vector (KVQuant) add an index (1 byte, 2 when D > 256) and an FP16 value
     each, for K and for V. Per-layer codebooks are a constant, not counted here.
+    ``key_axis`` / ``value_axis`` "token" / "channel" swap the scale/zero cost of that tensor;
+    ``fp8``: one byte per element (the per-head scales are a constant).
     """
+    if fp8:
+        return 2.0 * head_dim
+    meta = {"channel": 2 * 2 * head_dim / group_size, "token": 2 * 2 * head_dim / value_group}
     index_bytes = 1 if head_dim <= 256 else 2
     sparse = 2 * outliers * (index_bytes + 2)
     key_codes = packed_length(group_size, key_bits) * 4 * head_dim / group_size
-    key_meta = 2 * 2 * head_dim / group_size
+    key_meta = meta[key_axis]
     value_codes = packed_length(group_size, value_bits) * 4 * head_dim / group_size
-    value_meta = 2 * 2 * head_dim / value_group
+    value_meta = meta[value_axis]
     return key_codes + key_meta + value_codes + value_meta + sparse
 
 

@@ -93,10 +93,11 @@ class KVBitsLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, spec: QuantSpec, sliding_window: int | None = None, cache=None,
-                 codebooks=None, inv_freq: torch.Tensor | None = None):
+                 codebooks=None, inv_freq: torch.Tensor | None = None, fp8_scales=None):
         super().__init__()
         self.spec = spec
         self.codebooks = codebooks  # kvquant: this layer's LayerCodebooks
+        self.fp8_scales = fp8_scales  # fp8 calibrated: this layer's (k_scale, v_scale) [H]
         self.inv_freq = inv_freq  # pre_rope: this layer's RoPE frequencies
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
@@ -114,7 +115,8 @@ class KVBitsLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape
         self.store = LayerStore(self.spec, B, H, D, key_states.dtype, key_states.device,
-                                codebooks=self.codebooks, inv_freq=self.inv_freq)
+                                codebooks=self.codebooks, inv_freq=self.inv_freq,
+                                fp8_scales=self.fp8_scales)
         self.device = key_states.device
         self.is_initialized = True
 
@@ -134,7 +136,7 @@ class KVBitsLayer(CacheLayerMixin):
             self._cache._warn_slow_path()
         store.flush()
         keys, values = dequantize_layer(store.view(), key_states.dtype, starts=store.starts)
-        return keys, values
+        return store.model_keys(keys), values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Every token is kept (sliding layers included): the mask covers the whole history.
@@ -216,14 +218,21 @@ class KVBitsCache(Cache):
             slow path described in the module docstring). Layers come from
             ``config.get_text_config()``: ``num_hidden_layers``, ``layer_types`` and
             ``sliding_window``.
-        spec: a preset name (see :data:`kvbits.spec.PRESETS`) or a :class:`QuantSpec`.
+        spec: a preset name (see :data:`kvbits.spec.PRESETS`), a spec file (``.json``, e.g.
+            written by ``kvbits tune``: per-layer bits) or a :class:`QuantSpec`. A spec with
+            ``layer_bits`` / ``skip_layers`` gives each layer its own bits (or FP16).
         calibration: for ``method="kvquant"`` presets: a :class:`kvbits.methods.kvquant.
             Calibration`, the path of a file written by ``kvbits calibrate``, or ``"auto"``
             (calibrate on SOTU 1900-1999 once, cached under the kvbits cache folder; needs a
             model loaded by :func:`kvbits.data.load_model`). A calibration made for another
             model or spec is refused (``ValueError``). ``"uniform"`` uses KIVI's uniform codes
-            (kvquant's outliers and pre-RoPE keys without codebooks).
-        **overrides: :class:`QuantSpec` fields replacing the preset's (``residual_length=0``, ...).
+            (kvquant's outliers and pre-RoPE keys without codebooks). For ``fp8`` presets with
+            calibrated scales: ``"auto"`` (per-head amax on SOTU 1900-1999, once per model),
+            the path of a file from :func:`kvbits.methods.fp8.save_fp8_scales`, or the list of
+            per-layer ``(k_scale, v_scale)``.
+        **overrides: :class:`QuantSpec` fields replacing the preset's (``residual_length=0``, ...),
+            or transformers' QuantizedCache names: ``KVBitsCache(model, "uniform", nbits=4,
+            axis_key=0, axis_value=0, q_group_size=64, residual_length=128)``.
 
     ``generate(..., past_key_values=cache)`` (or ``cache=cache`` on transformers versions that take
     it) uses it like any other cache: greedy, sampling, beam search (``reorder_cache``), left-padded
@@ -248,6 +257,14 @@ class KVBitsCache(Cache):
                 f"{type(model_or_config).__name__}")
         text_config = config.get_text_config(decoder=True)
         windows = _layer_windows(text_config)
+        n_layers = len(windows)
+        layer_specs = [self.spec.for_layer(i, n_layers) for i in range(n_layers)]
+        fp8_scales = [None] * n_layers
+        if self.spec.method == "fp8":
+            from ..methods import fp8 as fp8_method
+
+            fp8_scales = fp8_method.layer_scales(model_or_config, self.spec, calibration, n_layers)
+            calibration = None
         codebooks = _layer_codebooks(model_or_config, self.spec, calibration,
                                      spec if isinstance(spec, str) else "", len(windows))
         inv_freqs = [None] * len(windows)
@@ -255,8 +272,9 @@ class KVBitsCache(Cache):
             from ..reference.rope import model_inv_freqs
 
             inv_freqs = model_inv_freqs(model_or_config)
-        layers = [KVBitsLayer(self.spec, window, cache=self, codebooks=cb, inv_freq=inv)
-                  for window, cb, inv in zip(windows, codebooks, inv_freqs)]
+        layers = [KVBitsLayer(ls, window, cache=self, codebooks=cb, inv_freq=inv, fp8_scales=f8)
+                  for ls, window, cb, inv, f8 in zip(layer_specs, windows, codebooks, inv_freqs,
+                                                     fp8_scales)]
         super().__init__(layers=layers)
         self.config = text_config
         self._model_config = None
@@ -446,6 +464,7 @@ def _attend_as_generated(query: torch.Tensor, store, scale: float, window) -> to
     share one flush state (at most G rows each), flushing in between; ``lengths`` hides the
     tokens after each run's last row, so causality holds inside the run.
     """
+    query = store.rotate_query(query)  # Hadamard keys: queries in the same (rotated) space
     total, lq = store.seq_len, query.shape[2]
     spec = store.spec
     if lq == 1 or not spec.quantized:

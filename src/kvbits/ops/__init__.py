@@ -54,8 +54,10 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
                      window: int | None = None) -> torch.Tensor:
     """Attention of ``q [B, Hq, Lq, D]`` over a packed layer; see the reference for the rules.
 
-    KVQuant layers (codebooks, outliers, pre-RoPE keys: ``not kv.is_plain``) run the reference
-    until the fused kernel reads those fields.
+    Layers the fused kernel does not read yet (``not kv.is_plain``: KVQuant codebooks,
+    outliers, pre-RoPE keys; per-token keys or per-channel values of method "uniform"; FP8
+    bodies) run the reference until it reads those fields. Hadamard layers are plain: the
+    caller passes rotated queries.
     """
     if use_kernels(q) and kv.is_plain:
         from ..kernels.decode_attention import decode_attention as kernel

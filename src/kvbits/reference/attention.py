@@ -25,6 +25,12 @@ def dequantize_body(kv: PackedKV, t0: int, t1: int, starts: torch.Tensor | None 
     the model's (post-RoPE) key space: codebook lookup, outliers and re-rotation included."""
     G = kv.group_size
     g0, g1 = t0 // G, t1 // G
+    if kv.fp8:
+        k = ref_quant.dequantize_fp8(kv.k_codes[:, :, t0:t1], kv.k_scale)
+        v = ref_quant.dequantize_fp8(kv.v_codes[:, :, t0:t1], kv.v_scale)
+        return k, v
+    if kv.key_axis != "channel" or kv.value_axis != "token":
+        return _dequantize_axes(kv, t0, t1)
     wk = packed_length(G, kv.key_bits)
     wv = packed_length(G, kv.value_bits)
     kc = kv.k_codes[:, :, g0 * wk: g1 * wk].contiguous()
@@ -48,6 +54,25 @@ def dequantize_body(kv: PackedKV, t0: int, t1: int, starts: torch.Tensor | None 
         pos = ref_rope.token_positions(starts.to(k.device), kv.sink_len + t0, t1 - t0)
         k = ref_rope.rotate(k, pos, kv.rope_inv_freq)
     return k, v
+
+
+def _dequantize_axes(kv: PackedKV, t0: int, t1: int):
+    """Uniform method: keys and values each per-channel (KIVI key layout) or per-token (KIVI
+    value layout); codes packed along tokens in blocks of G either way."""
+    G = kv.group_size
+    g0, g1 = t0 // G, t1 // G
+    out = []
+    for codes, scale, zero, bits, axis in (
+            (kv.k_codes, kv.k_scale, kv.k_zero, kv.key_bits, kv.key_axis),
+            (kv.v_codes, kv.v_scale, kv.v_zero, kv.value_bits, kv.value_axis)):
+        w = packed_length(G, bits)
+        c = codes[:, :, g0 * w: g1 * w].contiguous()
+        if axis == "channel":
+            out.append(ref_quant.dequantize_keys(c, scale[:, :, g0:g1], zero[:, :, g0:g1], bits, G))
+        else:
+            out.append(ref_quant.dequantize_values(c, scale[:, :, t0:t1], zero[:, :, t0:t1], bits,
+                                                   kv.value_group, G))
+    return out[0], out[1]
 
 
 def _kvq():

@@ -137,3 +137,50 @@ def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
     q = unpack_bits(words, bits, group_size, dim=3).reshape(B, H, T, D // value_group, value_group)
     x = dequantize_with(q, scale.unsqueeze(-1), zero.unsqueeze(-1), dtype)
     return x.reshape(B, H, T, D)
+
+
+# ------------------------------------------------------------------------------------------ fp8
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# Scales are set from an amax (the prompt's, or calibration text's) times this headroom, so
+# later tokens up to twice as large are still represented; e4m3's relative precision is the same
+# over its normal range, so the headroom costs only the smallest (subnormal) values.
+FP8_HEADROOM = 2.0
+
+
+def fp8_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """float32 dequant multiplier for an absolute maximum: ``amax * headroom / 448`` (1 when
+    the amax is 0)."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax * FP8_HEADROOM / FP8_MAX, torch.ones_like(amax))
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor,
+                 valid: torch.Tensor | None = None) -> torch.Tensor:
+    """float8_e4m3fn codes of ``x / scale`` (``scale`` broadcast, e.g. ``[B, H, 1, 1]``),
+    saturated to +-448 (a cast would give NaN beyond it); invalid tokens -> 0.
+
+    ``valid``: optional ``[B, T]`` bool for ``x [B, H, T, D]``."""
+    y = (x.float() / scale.float()).clamp_(-FP8_MAX, FP8_MAX)
+    if valid is not None:
+        y = torch.where(valid[:, None, :, None], y, torch.zeros_like(y))
+    return y.to(FP8_DTYPE)
+
+
+def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``float(code) * scale`` in float32, cast to ``dtype``."""
+    return (codes.float() * scale.float()).to(dtype)
+
+
+def fp8_amax(x: torch.Tensor, valid: torch.Tensor | None = None,
+             granularity: str = "head") -> torch.Tensor:
+    """``|x|`` max of ``x [B, H, T, D]`` per sequence and head (``[B, H, 1, 1]``), or over all
+    heads too (``granularity="tensor"``, still ``[B, H, 1, 1]``); invalid tokens excluded."""
+    a = x.float().abs()
+    if valid is not None:
+        a = torch.where(valid[:, None, :, None], a, torch.zeros_like(a))
+    amax = a.amax(dim=(2, 3), keepdim=True)
+    if granularity == "tensor":
+        amax = amax.amax(dim=1, keepdim=True).expand_as(amax).contiguous()
+    return amax

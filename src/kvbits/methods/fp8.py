@@ -1,0 +1,124 @@
+"""FP8 (e4m3) KV cache: per-head float32 scales, dynamic or calibrated.
+
+* dynamic (``QuantSpec.fp8_scale="dynamic"``): the store sets the scale of each sequence and KV
+  head from the amax of the first tokens it quantizes (the prompt), see
+  :meth:`kvbits.cache.store.LayerStore.flush`.
+* calibrated (``"calibrated"``): one scale per layer and KV head (or per layer,
+  ``fp8_granularity="tensor"``) from the amax of K and V over calibration text, fixed for the
+  model. :func:`calibrate_fp8` measures it; :func:`save_fp8_scales` / :func:`load_fp8_scales`
+  keep it in a safetensors file.
+
+A scale is ``amax * FP8_HEADROOM / 448`` (:func:`kvbits.reference.quant.fp8_scale_from_amax`);
+elements beyond ``448 * scale`` saturate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..reference import hadamard as ref_hadamard
+from ..reference import quant as ref_quant
+from ..spec import QuantSpec
+
+__all__ = ["auto_fp8_scales", "calibrate_fp8", "layer_scales", "load_fp8_scales",
+           "save_fp8_scales"]
+
+_AUTO: dict = {}  # (id(model), granularity, hadamard, text, tokens) -> scales
+
+
+@torch.no_grad()
+def calibrate_fp8(model, input_ids: torch.Tensor, spec: QuantSpec, window: int = 512) -> list:
+    """Per layer ``(k_scale, v_scale)``, float32 ``[kv_heads]``: the amax of the model's K and V
+    on ``input_ids [1, T]`` (in windows of ``window`` tokens), per head or per layer."""
+    from transformers import DynamicCache
+
+    from ..eval.perplexity import cache_kwargs
+
+    amax = None
+    for s in range(0, input_ids.shape[1], window):
+        cache = DynamicCache(config=model.config)
+        model(input_ids[:, s:s + window].to(model.device), use_cache=True,
+              **cache_kwargs(model, cache))
+        cur = []
+        for layer in cache.layers:
+            k, v = layer.keys, layer.values
+            if spec.hadamard:
+                k = ref_hadamard.rotate(k.float(), ref_hadamard.hadamard_matrix(k.shape[-1],
+                                                                                k.device))
+            cur.append((k.float().abs().amax(dim=(0, 2, 3)), v.float().abs().amax(dim=(0, 2, 3))))
+        amax = cur if amax is None else [(torch.maximum(a, c), torch.maximum(b, d))
+                                         for (a, b), (c, d) in zip(amax, cur)]
+    out = []
+    for ka, va in amax:
+        if spec.fp8_granularity == "tensor":
+            ka, va = ka.max().expand_as(ka), va.max().expand_as(va)
+        out.append((ref_quant.fp8_scale_from_amax(ka).cpu().contiguous(),
+                    ref_quant.fp8_scale_from_amax(va).cpu().contiguous()))
+    return out
+
+
+def save_fp8_scales(path, scales: list, **metadata) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for i, (k, v) in enumerate(scales):
+        tensors[f"layer.{i}.k_scale"] = k.float().contiguous()
+        tensors[f"layer.{i}.v_scale"] = v.float().contiguous()
+    save_file(tensors, str(path), metadata={k: str(v) for k, v in metadata.items()})
+
+
+def load_fp8_scales(path) -> list:
+    from safetensors.torch import load_file
+
+    try:
+        t = load_file(str(path))
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(f"cannot read fp8 scales from {str(path)!r}: {exc}") from None
+    n = len([k for k in t if k.endswith(".k_scale")])
+    try:
+        return [(t[f"layer.{i}.k_scale"], t[f"layer.{i}.v_scale"]) for i in range(n)]
+    except KeyError as exc:
+        raise ValueError(f"{str(path)!r} is not an fp8 scale file (missing {exc})") from None
+
+
+def auto_fp8_scales(model, spec: QuantSpec, text: str = "sotu-pre-2000",
+                    tokens: int = 2048, log=None) -> list:
+    """Scales calibrated on ``text`` (SOTU 1900-1999 by default, disjoint from the evaluation
+    text), computed once per model and kept in memory."""
+    key = (id(model), spec.fp8_granularity, spec.hadamard, text, tokens)
+    if key not in _AUTO:
+        from ..data import load_text, tokenize_text
+
+        tok = getattr(model, "_kvbits_tokenizer", None)
+        if tok is None:
+            raise ValueError("calibration='auto' needs the model's tokenizer: set "
+                             "model._kvbits_tokenizer (kvbits.data.load_model does) or pass the "
+                             "scales")
+        ids = tokenize_text(tok, load_text(text, log=log), tokens)
+        _AUTO[key] = calibrate_fp8(model, ids, spec)
+    return _AUTO[key]
+
+
+def layer_scales(model_or_config, spec: QuantSpec, calibration, n_layers: int) -> list:
+    """Per layer: the ``(k_scale, v_scale)`` the stores of an fp8 cache start from (None for
+    dynamic scales)."""
+    if spec.fp8_scale == "dynamic":
+        if calibration is not None:
+            raise ValueError("calibration= applies to fp8_scale='calibrated' (preset 'fp8') and "
+                             "kvquant; this spec has dynamic fp8 scales")
+        return [None] * n_layers
+    if calibration is None:
+        raise ValueError("fp8_scale='calibrated' needs scales: KVBitsCache(model, 'fp8', "
+                         "calibration='auto') (amax on SOTU 1900-1999), a file from "
+                         "kvbits.methods.fp8.save_fp8_scales, or use preset 'fp8-dynamic'")
+    if isinstance(calibration, str) and calibration == "auto":
+        if not hasattr(model_or_config, "named_parameters"):
+            raise ValueError("calibration='auto' needs the model, not its config")
+        scales = auto_fp8_scales(model_or_config, spec)
+    elif isinstance(calibration, (list, tuple)):
+        scales = list(calibration)
+    else:
+        scales = load_fp8_scales(calibration)
+    if len(scales) != n_layers:
+        raise ValueError(f"fp8 calibration has {len(scales)} layers, the model {n_layers}")
+    return scales

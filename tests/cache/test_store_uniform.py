@@ -1,0 +1,92 @@
+"""Method "uniform": transformers' QuantizedCache knobs (axis_key / axis_value) on kvbits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbits.cache.store import LayerStore
+from kvbits.formats.packing import packed_length
+from kvbits.reference import quant as rq
+from kvbits.reference.attention import dequantize_layer
+from kvbits.spec import resolve_spec
+
+B, H, T, D = 1, 2, 128, 64
+
+
+@pytest.fixture(autouse=True)
+def _reference_quantizer(monkeypatch):
+    monkeypatch.setenv("KVBITS_KERNELS", "reference")
+
+
+def _kv(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, H, T, D, generator=g) * torch.linspace(0.2, 3, D)
+    return k, torch.randn(B, H, T, D, generator=g)
+
+
+@pytest.mark.parametrize("axis_key", [0, -1])
+@pytest.mark.parametrize("axis_value", [0, -1])
+def test_layout_per_axis(axis_key, axis_value):
+    spec = resolve_spec("uniform", nbits=2, axis_key=axis_key, axis_value=axis_value,
+                        q_group_size=32, residual_length=0)
+    k, v = _kv()
+    st = LayerStore(spec, B, H, D, torch.float32, "cpu")
+    st.append(k, v)
+    kv = st.view_raw()
+    G, Gq = 32, 32
+    shape = {"channel": (B, H, T // G, D), "token": (B, H, T, D // Gq)}
+    assert kv.key_axis == ("token" if axis_key == 0 else "channel")
+    assert kv.value_axis == ("token" if axis_value == 0 else "channel")
+    assert kv.is_plain == (kv.key_axis == "channel" and kv.value_axis == "token")
+    assert tuple(kv.k_scale[:, :, :shape[kv.key_axis][2]].shape) == shape[kv.key_axis]
+    assert tuple(kv.v_scale[:, :, :shape[kv.value_axis][2]].shape) == shape[kv.value_axis]
+    # codes packed along tokens in blocks of G, for K and V, whatever the axis
+    assert kv.k_codes.shape[2] >= T // G * packed_length(G, 2) and kv.k_codes.dtype == torch.int32
+    # exactly the reference quantizer of that axis, on the original tokens
+    for x, axis, got in ((k, kv.key_axis, dequantize_layer(st.view())[0]),
+                         (v, kv.value_axis, dequantize_layer(st.view())[1])):
+        if axis == "channel":
+            want = rq.dequantize_keys(*rq.quantize_keys(x, 2, G), 2, G)
+        else:
+            want = rq.dequantize_values(*rq.quantize_values(x, 2, Gq, G), 2, Gq, G)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("axis", [0, -1])
+@pytest.mark.parametrize("nbits", [2, 4])
+def test_axis_means_what_quanto_means(axis, nbits):
+    """Same knobs, same groups: >99% of elements dequantize like transformers' quanto layer
+    (the rest differ by a rounding tie / FP16 scale), the other axis agrees on < 50%."""
+    pytest.importorskip("optimum.quanto")
+    from transformers.cache_utils import QuantoQuantizedLayer
+
+    x, _ = _kv(3)
+    layer = QuantoQuantizedLayer(nbits=nbits, axis_key=axis, axis_value=axis, q_group_size=64)
+    theirs = layer._dequantize(layer._quantize(x, axis)).float()
+    step = (x.amax() - x.amin()) / (2 ** nbits - 1)
+
+    def ours(axis_key):
+        spec = resolve_spec("uniform", nbits=nbits, axis_key=axis_key, q_group_size=64,
+                            residual_length=0)
+        st = LayerStore(spec, B, H, D, torch.float32, "cpu")
+        st.append(x, x)
+        return dequantize_layer(st.view())[0]
+
+    agree = ((ours(axis) - theirs).abs() < 0.05 * step).float().mean()
+    other = ((ours(-1 - axis) - theirs).abs() < 0.05 * step).float().mean()
+    assert agree > 0.99 and other < 0.5, (agree, other)
+
+
+def test_history_quantized_once():
+    """Appending token by token gives the same body as one append (no re-quantization)."""
+    spec = resolve_spec("uniform-int2", residual_length=16, q_group_size=32)
+    k, v = _kv(1)
+    one = LayerStore(spec, B, H, D, torch.float32, "cpu")
+    one.append(k, v)
+    step = LayerStore(spec, B, H, D, torch.float32, "cpu")
+    for t in range(T):
+        step.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+    assert one.body_len == step.body_len > 0
+    a, b = dequantize_layer(one.view()), dequantize_layer(step.view())
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

@@ -1,0 +1,95 @@
+"""FP8 (e4m3) KV: round trip vs torch's own cast, dynamic and calibrated scales, layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbits.cache.store import LayerStore
+from kvbits.methods import fp8
+from kvbits.reference import quant as rq
+from kvbits.reference.attention import dequantize_layer
+from kvbits.spec import resolve_spec
+
+B, H, T, D = 2, 3, 64, 32
+
+
+def _kv(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, H, T, D, generator=g) * 5, torch.randn(B, H, T, D, generator=g)
+
+
+def test_round_trip_matches_torch_cast():
+    x, _ = _kv()
+    scale = torch.full((B, H, 1, 1), 0.05)
+    codes = rq.quantize_fp8(x, scale)
+    assert codes.dtype == torch.float8_e4m3fn
+    assert torch.equal(codes.float(), (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float())
+    back = rq.dequantize_fp8(codes, scale)
+    assert torch.equal(back, (x / scale).to(torch.float8_e4m3fn).float() * scale)
+    # e4m3: 3 mantissa bits, relative error <= 2^-4 in the normal range
+    normal = (x / scale).abs() > 2 ** -6
+    assert ((back - x).abs() <= x.abs() * 2 ** -4 + 1e-7)[normal].all()
+
+
+def test_saturates_instead_of_nan():
+    codes = rq.quantize_fp8(torch.tensor([[[[1e6, -1e6]]]]), torch.ones(1, 1, 1, 1))
+    assert codes.float().tolist() == [[[[448.0, -448.0]]]]
+
+
+def test_dynamic_store_layout_and_scale():
+    k, v = _kv()
+    st = LayerStore(resolve_spec("fp8-dynamic"), B, H, D, torch.float32, "cpu")
+    st.append(k, v)
+    kv = st.view_raw()
+    assert kv.fp8 and kv.key_bits == 8 and not kv.is_plain
+    assert kv.k_codes.dtype == torch.float8_e4m3fn and kv.k_codes.shape[2] >= T
+    assert kv.k_scale.shape == (B, H, 1, 1) and kv.k_scale.dtype == torch.float32
+    assert kv.k_zero is None and kv.v_zero is None
+    want = k.abs().amax(dim=(2, 3), keepdim=True) * rq.FP8_HEADROOM / 448
+    assert torch.allclose(kv.k_scale, want)
+    keys, values = dequantize_layer(st.view())
+    assert torch.equal(keys[:, :, :st.body_len],
+                       rq.dequantize_fp8(rq.quantize_fp8(k, want), want)[:, :, :st.body_len])
+    assert ((values - v).abs() <= v.abs() / 16 + 1e-3).all()
+    # the scale stays fixed after the prompt: a 4x larger token saturates at 448 * scale
+    big = torch.full((B, H, 32, D), 1.0) * want * 448 * 4
+    st.append(big, big)
+    keys, _ = dequantize_layer(st.view())
+    assert torch.allclose(keys[:, :, -32:], (want * 448).expand(B, H, 32, D))
+    st.reorder(torch.tensor([1, 0]))
+    assert torch.equal(st.k_scale[0], want[1])
+
+
+def test_tensor_granularity_and_calibrated_scales():
+    k, v = _kv()
+    st = LayerStore(resolve_spec("fp8-dynamic", fp8_granularity="tensor"), B, H, D,
+                    torch.float32, "cpu")
+    st.append(k, v)
+    assert torch.equal(st.k_scale, st.k_scale[:, :1].expand_as(st.k_scale))
+    scales = (torch.arange(1, H + 1).float(), torch.ones(H))
+    st = LayerStore(resolve_spec("fp8"), B, H, D, torch.float32, "cpu", fp8_scales=scales)
+    st.append(k, v)
+    assert torch.equal(st.k_scale[1, :, 0, 0], scales[0])
+    with pytest.raises(ValueError, match="calibrated"):
+        LayerStore(resolve_spec("fp8"), B, H, D, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"kv_heads=3"):
+        LayerStore(resolve_spec("fp8"), B, H, D, torch.float32, "cpu",
+                   fp8_scales=(torch.ones(2), torch.ones(2)))
+
+
+def test_scale_file_round_trip(tmp_path):
+    scales = [(torch.rand(4), torch.rand(4)) for _ in range(3)]
+    fp8.save_fp8_scales(tmp_path / "s.safetensors", scales, model="x")
+    back = fp8.load_fp8_scales(tmp_path / "s.safetensors")
+    assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(scales, back))
+    with pytest.raises(ValueError, match="cannot read fp8 scales"):
+        fp8.load_fp8_scales(tmp_path / "missing.safetensors")
+
+
+def test_nbytes_counts_one_byte_per_element():
+    k, v = _kv()
+    st = LayerStore(resolve_spec("fp8-dynamic"), B, H, D, torch.float32, "cpu")
+    st.append(k, v)
+    body = B * H * st.body_len * 2 * D + B * H * 8
+    assert st.nbytes() == body + B * H * 2 * st.res_len * D * 4

@@ -1,0 +1,65 @@
+"""QuantSpec fields of the breadth methods: every bad value names its field and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbits.spec import PRESETS, QuantSpec, resolve_spec
+
+
+def test_presets():
+    u = PRESETS["uniform"]
+    assert (u.method, u.key_bits, u.group_size, u.residual_length, u.key_axis, u.value_axis) == (
+        "uniform", 4, 64, 128, "token", "token")  # transformers' QuantizedCache defaults
+    assert PRESETS["uniform-int2"].key_bits == 2 and PRESETS["uniform-int8"].value_bits == 8
+    assert PRESETS["kivi-3-had"].hadamard and PRESETS["kivi-3-had"].key_bits == 3
+    assert PRESETS["fp8"].calibrated and not PRESETS["fp8-dynamic"].calibrated
+    assert "hadamard" in PRESETS["kivi-2-had"].describe()
+    assert "K:token V:token" in u.describe()
+
+
+def test_hf_names():
+    s = resolve_spec("uniform", nbits=8, axis_key=-1, axis_value=-1, q_group_size=128,
+                     residual_length=64)
+    assert (s.key_bits, s.value_bits, s.key_axis, s.value_axis, s.group_size,
+            s.residual_length) == (8, 8, "channel", "channel", 128, 64)
+    assert resolve_spec("uniform", nbits=2, key_bits=4).key_bits == 4  # explicit field wins
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"method": "uniform", "key_axis": "row"}, r"key_axis must be one of 'channel', 'token'"),
+    ({"method": "kivi", "key_axis": "token"}, r"need method 'uniform'"),
+    ({"method": "fp8", "key_bits": 4, "value_bits": 4}, r"must be 8 for method 'fp8'"),
+    ({"method": "fp8", "key_bits": 8, "value_bits": 8, "fp8_scale": "static"},
+     r"fp8_scale must be one of 'dynamic', 'calibrated'"),
+    ({"method": "kivi", "fp8_granularity": "tensor"}, r"apply to method 'fp8' only"),
+    ({"method": "kvquant", "hadamard": True}, r"hadamard applies to methods"),
+    ({"hadamard": True, "pre_rope": True}, r"cannot be combined with pre_rope"),
+    ({"hadamard": 1}, r"hadamard must be True or False"),
+    ({"layer_bits": ((0, 5, 2),)}, r"layer_bits: key_bits of layer 0 must be one of 2, 3, 4, 8"),
+    ({"layer_bits": ((0, 4),)}, r"integer triples"),
+    ({"layer_bits": [(0, 4, 4)]}, r"must be tuples"),
+    ({"skip_layers": ("first",)}, r"skip_layers entries must be layer indices"),
+    ({"method": "fp8", "key_bits": 8, "value_bits": 8, "skip_layers": (0,)},
+     r"apply to methods 'kivi', 'uniform'"),
+])
+def test_bad_fields(fields, match):
+    with pytest.raises(ValueError, match=match):
+        QuantSpec(**fields)
+
+
+def test_for_layer_and_average_bits():
+    s = resolve_spec("kivi-2", layer_bits=((0, 8, 8), (-1, 4, 2)), skip_layers=(1,))
+    assert s.for_layer(0, 4).key_bits == 8 and s.for_layer(3, 4).key_bits == 4
+    assert s.for_layer(1, 4).method == "fp16" and s.for_layer(2, 4).key_bits == 2
+    assert s.for_layer(2, 4).layer_bits == ()
+    assert s.average_bits(4) == (16 + 32 + 4 + 6) / 8
+    with pytest.raises(ValueError, match="layer -5 is out of range"):
+        resolve_spec("kivi-2", skip_layers=(-5,)).for_layer(0, 4)
+
+
+def test_unknown_preset_mentions_spec_files():
+    with pytest.raises(ValueError, match=r"spec file"):
+        resolve_spec("kivi-5")
+    with pytest.raises(ValueError, match="unknown QuantSpec field"):
+        QuantSpec.from_dict({"bits": 3})
