@@ -458,3 +458,78 @@ def test_million_token_offsets_past_int32():
                     res_k[:, sl], res_v[:, sl], 17, bits, bits, G, 32)
     r = reference(q[:, sl], part, scale=D ** -0.5, lengths=_seq((T + 17,)), window=T - 1000)
     compare(o[:, sl], r, torch.float16, "million tokens, heads 63-64 (past 2**31 words)")
+
+
+# ----------------------------------------------------------------------------- scale axes, FP8
+# The uniform method's layouts (scale/zero of keys per token, of values per channel) and FP8
+# bodies: the same codes layout, other places for the scales. Random codes and scales, with NaN
+# past every used region as in make_kv.
+def _axes_kv(c: Case, key_axis: str, value_axis: str, device=DEVICE, spare: int = 5) -> PackedKV:
+    kv = make_kv(c, device, spare)
+    g = torch.Generator(device=device).manual_seed(c.seed + 7)
+    B, H, D, G = c.B, c.Hkv, c.D, c.G
+    NG, Gq = c.body // G, kv.value_group
+
+    def params(rows: int, cols: int):
+        s = (torch.rand(B, H, rows, cols, generator=g, device=device) * 0.2 + 0.05).half()
+        z = (torch.randn(B, H, rows, cols, generator=g, device=device) * 0.5).half()
+        pad = torch.full((B, H, spare, cols), float("nan"), dtype=torch.float16, device=device)
+        return torch.cat([s, pad], 2), torch.cat([z, pad], 2)
+
+    ks, kz = params(c.body, D // Gq) if key_axis == "token" else params(NG, D)
+    vs, vz = params(NG, D) if value_axis == "channel" else params(c.body, D // Gq)
+    kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero = ks, kz, vs, vz
+    kv.key_axis, kv.value_axis = key_axis, value_axis
+    return kv
+
+
+def _fp8_kv(c: Case, device=DEVICE, spare: int = 5) -> PackedKV:
+    kv = make_kv(c, device, spare)
+    g = torch.Generator(device=device).manual_seed(c.seed + 9)
+    B, H, D = c.B, c.Hkv, c.D
+
+    def body():
+        x = (torch.randn(B, H, c.body + spare, D, generator=g, device=device) * 100).clamp(-448, 448)
+        x[:, :, c.body:] = float("nan")  # e4m3fn has a NaN: reading past the body shows
+        return x.to(torch.float8_e4m3fn)
+
+    kv.k_codes, kv.v_codes = body(), body()
+    kv.k_scale = (torch.rand(B, H, 1, 1, generator=g, device=device) * 0.02 + 0.005)
+    kv.v_scale = (torch.rand(B, H, 1, 1, generator=g, device=device) * 0.02 + 0.005)
+    kv.k_zero = kv.v_zero = None
+    kv.key_bits = kv.value_bits = 8
+    kv.fp8 = True
+    return kv
+
+
+AXES_CASES = {
+    "K2V2-G32-ragged": Case(kb=2, vb=2, G=32, body=96, HG=2, B=2, lengths=(120, 70),
+                            starts=(0, 9)),
+    "K4V4-G64-D96": Case(kb=4, vb=4, G=64, D=96, body=128, HG=3),
+    "K8V4-G32-sink-window": Case(kb=8, vb=4, G=32, body=96, S=4, Lq=4, window=60),
+    "K3V3-G32-D80": Case(kb=3, vb=3, G=32, D=80, body=64, HG=2),
+}
+
+
+@pytest.mark.parametrize("axes", [("token", "token"), ("channel", "channel"),
+                                  ("token", "channel")], ids="-".join)
+@pytest.mark.parametrize("name", list(AXES_CASES))
+def test_scale_axes_match_reference(name, axes):
+    c = AXES_CASES[name]
+    run_case(c, kv=_axes_kv(c, *axes))
+
+
+@pytest.mark.parametrize("name", ["K2V2-G32-ragged", "K4V4-G64-D96", "K8V4-G32-sink-window"])
+def test_fp8_body_matches_reference(name):
+    c = AXES_CASES[name]
+    run_case(c, kv=_fp8_kv(c))
+
+
+def test_kernel_reads_everything_but_kvquant():
+    from kvbits.kernels.decode_attention import reads
+
+    c = AXES_CASES["K2V2-G32-ragged"]
+    assert reads(make_kv(c)) and reads(_fp8_kv(c)) and reads(_axes_kv(c, "token", "channel"))
+    kv = make_kv(c)
+    kv.k_codebook = torch.arange(4.0).expand(c.Hkv, 4)
+    assert not reads(kv)

@@ -131,7 +131,7 @@ class LayerStore:
     def view(self) -> PackedKV:
         """The storage as a :class:`PackedKV` (views, no copies)."""
         raw = self.view_raw()
-        if not ops.use_kernels(self.res_k) or not raw.is_plain:
+        if not ops.use_kernels(self.res_k) or not ops.kernel_reads(raw):
             raw.dense_body = self._dense_body()
         return raw
 

@@ -128,6 +128,18 @@ def _scale_tile(s_base, z_base, g0, g_hi, offs_t, offs_d, d_ok, PER_TOKEN: tl.co
 
 
 @triton.jit
+def _fp8_tile(base, offs_t, g_hi, offs_d, d_ok, G: tl.constexpr, D: tl.constexpr,
+              EVEN_D: tl.constexpr):
+    """FP8 (e4m3) body rows ``offs_t`` as float16 ``[N, BLOCK_D]``: the body is stored token by
+    token, unpacked, so the tile is one load and one conversion (native on sm_89+)."""
+    mask = (offs_t < g_hi * G)[:, None]
+    if not EVEN_D:
+        mask = mask & d_ok[None, :]
+    x = tl.load(base + offs_t[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
+    return x.to(tl.float16)
+
+
+@triton.jit
 def _codes_to_f16(c, USE_PRMT: tl.constexpr):
     """int8 codes (0..255 read as unsigned) -> float16, exactly: ``(code | 0x6400)`` read as
     float16 is ``1024 + code``, so an OR (or one byte permute per pair, ``USE_PRMT``: PTX,
@@ -176,7 +188,7 @@ def _decode_kernel(
     KBITS: tl.constexpr, VBITS: tl.constexpr, G: tl.constexpr, GPT: tl.constexpr,
     GK: tl.constexpr, GV: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr,
     BLOCK_FP: tl.constexpr, HAS_WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
-    USE_PRMT: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_LENS: tl.constexpr,
+    USE_PRMT: tl.constexpr, FP8: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_LENS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -228,14 +240,20 @@ def _decode_kernel(
         vs_base = VS + bh64 * vs_slice
         vz_base = VZ + bh64 * vs_slice
         pos_min = length - Lq
+        if FP8:
+            k_mult = tl.load(ks_base)
         for g0 in range(g_lo, g_hi, GPT):
             offs_t = g0 * G + tl.arange(0, N)  # body token index of each tile row
-            # K tile [N, D] = code * scale + zero.
-            k_s, k_z = _scale_tile(ks_base, kz_base, g0, g_hi, offs_t, offs_d, d_ok, K_PER_TOKEN,
-                                   G, GPT, D, GK, EVEN_D)
-            kc = _group_codes(kc_base, g0, g_hi, offs_d, d_ok, KBITS, G, GPT, D, EVEN_D)
-            k = _codes_to_f16(kc, USE_PRMT) * k_s + k_z
-            sc = tl.dot(q, tl.trans(k.to(Q.dtype.element_ty)))  # [M, N]
+            if FP8:  # e4m3 body: one multiplier per (sequence, head), applied to the scores
+                k = _fp8_tile(kc_base, offs_t, g_hi, offs_d, d_ok, G, D, EVEN_D)
+                sc = tl.dot(q, tl.trans(k.to(Q.dtype.element_ty))) * k_mult
+            else:
+                # K tile [N, D] = code * scale + zero.
+                k_s, k_z = _scale_tile(ks_base, kz_base, g0, g_hi, offs_t, offs_d, d_ok,
+                                       K_PER_TOKEN, G, GPT, D, GK, EVEN_D)
+                kc = _group_codes(kc_base, g0, g_hi, offs_d, d_ok, KBITS, G, GPT, D, EVEN_D)
+                k = _codes_to_f16(kc, USE_PRMT) * k_s + k_z
+                sc = tl.dot(q, tl.trans(k.to(Q.dtype.element_ty)))  # [M, N]
             # Only tiles at the edges (padding, sequence end, window, last partial step) need the
             # per-element mask; rows past the real query rows are dropped at the store.
             t_lo = sink_len + g0 * G
@@ -246,11 +264,14 @@ def _decode_kernel(
                 vis = _visible(sink_len + offs_t, pos, start, length, window, HAS_WINDOW)
                 sc = tl.where(vis & (offs_t < g_hi * G)[None, :], sc, float("-inf"))
             p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
-            # V tile [N, D], the same way.
-            v_s, v_z = _scale_tile(vs_base, vz_base, g0, g_hi, offs_t, offs_d, d_ok, V_PER_TOKEN,
-                                   G, GPT, D, GV, EVEN_D)
-            vc = _group_codes(vc_base, g0, g_hi, offs_d, d_ok, VBITS, G, GPT, D, EVEN_D)
-            v = _codes_to_f16(vc, USE_PRMT) * v_s + v_z
+            if FP8:  # the value multiplier scales the finished partial output instead
+                v = _fp8_tile(vc_base, offs_t, g_hi, offs_d, d_ok, G, D, EVEN_D)
+            else:
+                # V tile [N, D], the same way.
+                v_s, v_z = _scale_tile(vs_base, vz_base, g0, g_hi, offs_t, offs_d, d_ok,
+                                       V_PER_TOKEN, G, GPT, D, GV, EVEN_D)
+                vc = _group_codes(vc_base, g0, g_hi, offs_d, d_ok, VBITS, G, GPT, D, EVEN_D)
+                v = _codes_to_f16(vc, USE_PRMT) * v_s + v_z
             acc = acc * alpha[:, None] + tl.dot(p.to(Q.dtype.element_ty), v.to(Q.dtype.element_ty))
     else:
         # FP16 tokens: index i < sink_len is sink token i, else residual token i - sink_len.
@@ -265,6 +286,9 @@ def _decode_kernel(
                                      sink_len + body_len, pos, start, length, window, m_i, l_i,
                                      acc, offs_d, d_ok, D, BLOCK_FP, HAS_WINDOW)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    if FP8:
+        if split < n_body_splits:
+            acc = acc * tl.load(VS + bh64 * vs_slice)
     tl.store(Out + o_row[:, None] * D + offs_d[None, :], acc / l_safe[:, None],
              mask=m_ok[:, None] & d_ok[None, :])
     # Base-2 log-sum-exp of this split (-inf if it saw nothing).
@@ -289,6 +313,13 @@ def _merge_kernel(Out, Lse, O, n_splits, D: tl.constexpr, BLOCK_D: tl.constexpr,
     total = tl.sum(w, axis=0)
     res = tl.sum(o * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
     tl.store(O + row * D + offs_d, res.to(O.dtype.element_ty), mask=offs_d < D)
+
+
+def reads(kv: PackedKV) -> bool:
+    """Whether this kernel reads the layer: KIVI and uniform codes on either scale axis, and FP8
+    bodies. KVQuant codebooks, outliers and pre-RoPE keys are left to the reference."""
+    return all(getattr(kv, name, None) is None for name in
+               ("k_codebook", "v_codebook", "k_out_idx", "v_out_idx", "rope_inv_freq"))
 
 
 def num_splits(batch_heads: int, work_units: int, sm_count: int) -> int:
@@ -335,7 +366,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
         raise ValueError(f"head_dim must be a multiple of 16, got {D}")
     for name in ("sink_k", "sink_v", "res_k", "res_v", "k_codes", "k_scale", "k_zero",
                  "v_codes", "v_scale", "v_zero"):
-        if not getattr(kv, name).is_contiguous():
+        t = getattr(kv, name)
+        if t is not None and not t.is_contiguous():
             raise ValueError(f"decode_attention: kv.{name} must be contiguous (the kernel derives "
                              "offsets from the layout contract, not from strides)")
     HG = Hq // Hkv
@@ -376,10 +408,13 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     # D // Gs] per (token, Gs channels). KIVI: keys by channel, values by token.
     k_tok = getattr(kv, "key_axis", "channel") == "token"
     v_tok = getattr(kv, "value_axis", "token") == "token"
+    fp8 = bool(getattr(kv, "fp8", False))  # e4m3 body; k/v_scale [B, H, 1, 1] fp32, no zeros
+    k_zero = kv.k_scale if kv.k_zero is None else kv.k_zero  # never read without zeros
+    v_zero = kv.v_scale if kv.v_zero is None else kv.v_zero
     _decode_kernel[(bhm, n_total)](
         q, out, lse,
         kv.sink_k, kv.sink_v, kv.res_k, kv.res_v,
-        kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero,
+        kv.k_codes, kv.k_scale, k_zero, kv.v_codes, kv.v_scale, v_zero,
         starts, lengths,
         scale * LOG2E, int(window) if window is not None else 0,
         kv.sink_len, kv.body_len, kv.res_len,
@@ -392,7 +427,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
         GK=D // kv.k_scale.shape[3] if k_tok else G, GV=D // kv.v_scale.shape[3] if v_tok else G,
         K_PER_TOKEN=k_tok, V_PER_TOKEN=v_tok,
         BLOCK_FP=BLOCK_FP, HAS_WINDOW=window is not None, EVEN_D=D == BLOCK_D,
-        USE_PRMT=_use_prmt(dev) if prmt is None else prmt, HAS_STARTS=has_starts,
+        USE_PRMT=_use_prmt(dev) if prmt is None else prmt, FP8=fp8, HAS_STARTS=has_starts,
         HAS_LENS=has_lens,
         num_warps=num_warps or DEFAULT_WARPS, num_stages=2 if BLOCK_D <= 128 else 1,
     )

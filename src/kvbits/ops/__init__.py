@@ -50,16 +50,23 @@ def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: in
     return _ref_quant.quantize_values(v, bits, value_group, group_size, valid)
 
 
+def kernel_reads(kv: PackedKV) -> bool:
+    """Whether the fused decode kernel reads this layer (call only where kernels are used)."""
+    from ..kernels.decode_attention import reads
+
+    return reads(kv)
+
+
 def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None, lengths=None,
                      window: int | None = None) -> torch.Tensor:
     """Attention of ``q [B, Hq, Lq, D]`` over a packed layer; see the reference for the rules.
 
-    Layers the fused kernel does not read yet (``not kv.is_plain``: KVQuant codebooks,
-    outliers, pre-RoPE keys; per-token keys or per-channel values of method "uniform"; FP8
-    bodies) run the reference until it reads those fields. Hadamard layers are plain: the
-    caller passes rotated queries.
+    The fused kernel reads KIVI and uniform layers (scales on either axis) and FP8 bodies;
+    layers with KVQuant codebooks, outliers or pre-RoPE keys run the reference (see
+    :func:`kvbits.kernels.decode_attention.reads`). Hadamard layers are plain: the caller
+    passes rotated queries.
     """
-    if use_kernels(q) and kv.is_plain:
+    if use_kernels(q) and kernel_reads(kv):
         from ..kernels.decode_attention import decode_attention as kernel
         return kernel(q, kv, scale=scale, starts=starts, lengths=lengths, window=window)
     return _ref_attention.decode_attention(q, kv, scale=scale, starts=starts, lengths=lengths,
