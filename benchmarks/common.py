@@ -66,33 +66,48 @@ def random_packed_kv(batch: int, kv_heads: int, context: int, head_dim: int, spe
         return (torch.rand(*shape, device=device) * 0.05 + lo).to(torch.float16)
 
     n_groups = body // G
-    return PackedKV(
+    k_rows, k_cols = (body, D // Gv) if spec.key_axis == "token" else (n_groups, D)
+    v_rows, v_cols = (n_groups, D) if spec.value_axis == "channel" else (body, D // Gv)
+    kv = PackedKV(
         sink_k=torch.empty(B, H, 0, D, dtype=dtype, device=device),
         sink_v=torch.empty(B, H, 0, D, dtype=dtype, device=device), sink_len=0,
         k_codes=words(B, H, n_groups * packed_length(G, spec.key_bits), D),
-        k_scale=scales(B, H, n_groups, D, lo=0.01), k_zero=scales(B, H, n_groups, D, lo=-1.0),
+        k_scale=scales(B, H, k_rows, k_cols, lo=0.01), k_zero=scales(B, H, k_rows, k_cols, lo=-1.0),
         v_codes=words(B, H, n_groups * packed_length(G, spec.value_bits), D),
-        v_scale=scales(B, H, body, D // Gv, lo=0.01), v_zero=scales(B, H, body, D // Gv, lo=-1.0),
+        v_scale=scales(B, H, v_rows, v_cols, lo=0.01), v_zero=scales(B, H, v_rows, v_cols, lo=-1.0),
         body_len=body,
         res_k=torch.randn(B, H, res, D, dtype=dtype, device=device),
         res_v=torch.randn(B, H, res, D, dtype=dtype, device=device), res_len=res,
         key_bits=spec.key_bits, value_bits=spec.value_bits, group_size=G, value_group=Gv,
+        key_axis=spec.key_axis, value_axis=spec.value_axis,
     )
+    if spec.method == "fp8":  # e4m3 body token by token, one float32 multiplier per head
+        def fp8(*shape):
+            return (torch.randn(*shape, device=device) * 64).to(torch.float8_e4m3fn)
+        kv.k_codes, kv.v_codes = fp8(B, H, body, D), fp8(B, H, body, D)
+        kv.k_scale = torch.rand(B, H, 1, 1, device=device) * 0.01 + 0.01
+        kv.v_scale = torch.rand(B, H, 1, 1, device=device) * 0.01 + 0.01
+        kv.k_zero = kv.v_zero = None
+        kv.fp8 = True
+    return kv
 
 
 def packed_nbytes(kv: PackedKV) -> int:
     """Bytes of the tokens a decode step must read from a packed layer."""
-    n_groups = kv.body_len // kv.group_size
-    parts = [
-        kv.k_codes[:, :, : n_groups * packed_length(kv.group_size, kv.key_bits)],
-        kv.k_scale[:, :, :n_groups], kv.k_zero[:, :, :n_groups],
-        kv.v_codes[:, :, : n_groups * packed_length(kv.group_size, kv.value_bits)],
-        kv.v_scale[:, :, : kv.body_len],
-        kv.v_zero[:, :, : kv.body_len],
-        kv.sink_k[:, :, : kv.sink_len], kv.sink_v[:, :, : kv.sink_len],
-        kv.res_k[:, :, : kv.res_len], kv.res_v[:, :, : kv.res_len],
-    ]
-    return sum(p.numel() * p.element_size() for p in parts)
+    G, T = kv.group_size, kv.body_len
+    n_groups = T // G
+    if kv.fp8:
+        body = [kv.k_codes[:, :, :T], kv.v_codes[:, :, :T], kv.k_scale, kv.v_scale]
+    else:
+        k_rows = T if kv.key_axis == "token" else n_groups
+        v_rows = n_groups if kv.value_axis == "channel" else T
+        body = [kv.k_codes[:, :, : n_groups * packed_length(G, kv.key_bits)],
+                kv.k_scale[:, :, :k_rows], kv.k_zero[:, :, :k_rows],
+                kv.v_codes[:, :, : n_groups * packed_length(G, kv.value_bits)],
+                kv.v_scale[:, :, :v_rows], kv.v_zero[:, :, :v_rows]]
+    fp = [kv.sink_k[:, :, : kv.sink_len], kv.sink_v[:, :, : kv.sink_len],
+          kv.res_k[:, :, : kv.res_len], kv.res_v[:, :, : kv.res_len]]
+    return sum(p.numel() * p.element_size() for p in body + fp)
 
 
 def batch_slice(kv: PackedKV, b: int) -> PackedKV:

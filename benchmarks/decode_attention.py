@@ -32,7 +32,7 @@ from kvbits.reference.attention import decode_attention as reference_attention  
 from kvbits.spec import resolve_spec  # noqa: E402
 
 MODELS = {"llama-2-7b": (32, 32, 128), "llama-3-8b": (32, 8, 128)}  # q heads, kv heads, head_dim
-PRESETS = ("kivi-2", "kivi-4", "k4v2")
+PRESETS = ("kivi-2", "kivi-4", "k4v2", "uniform-int4", "uniform-int2", "fp8-dynamic")
 
 
 def bench(fn) -> float:
@@ -246,6 +246,10 @@ def main(argv=None) -> None:
              "Triton GEMV on packed V; no GQA sharing)",
              "caches hold random codes: speed does not depend on values; rel_err is against the "
              "float32 PyTorch reference on sequence 0",
+             "uniform-int4/int2: transformers QuantizedCache's knobs (keys and values per token, "
+             "q_group_size 64) served by the same kernel; fp8-dynamic: e4m3 body, one scale per "
+             "head; kvquant presets are not in this table: the kernel does not read codebooks, "
+             "outliers or pre-RoPE keys yet (they run the PyTorch reference on the GPU)",
              f"kernel launch knobs per preset: {knobs or 'library defaults'}",
              "CUDA-graph µs: the same call captured once and replayed (how a decode loop runs it), "
              "with the same L2 flush; host µs/call: Python + launch time to enqueue one call; "
