@@ -82,8 +82,10 @@ def random_packed_kv(batch: int, kv_heads: int, context: int, head_dim: int, spe
         key_axis=spec.key_axis, value_axis=spec.value_axis,
     )
     if spec.method == "fp8":  # e4m3 body token by token, one float32 multiplier per head
-        def fp8(*shape):
-            return (torch.randn(*shape, device=device) * 64).to(torch.float8_e4m3fn)
+        def fp8(*shape):  # random e4m3 bit patterns without NaN (|x| bits < 0x7F), 1 B each
+            mag = torch.randint(0, 0x7F, shape, dtype=torch.uint8, device=device)
+            return (mag | (torch.randint(0, 2, shape, dtype=torch.uint8, device=device) << 7)
+                    ).view(torch.float8_e4m3fn)
         kv.k_codes, kv.v_codes = fp8(B, H, body, D), fp8(B, H, body, D)
         kv.k_scale = torch.rand(B, H, 1, 1, device=device) * 0.01 + 0.01
         kv.v_scale = torch.rand(B, H, 1, 1, device=device) * 0.01 + 0.01

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import sys
 import time
 from pathlib import Path
@@ -183,6 +184,7 @@ def run_shape(model, hq, hkv, d, batch, context, bw, presets, baselines, knobs) 
             rows.append(dict(base, preset=preset, provider="seed_unfused", us=ts,
                              speedup=t_fp / ts, bytes=nb))
             del seed
+        kv = None  # free this preset's layer before building the next
         gc.collect()
         torch.cuda.empty_cache()
     for r in rows:
@@ -225,6 +227,12 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, default=RESULTS, help="result folder")
     p.add_argument("--presets", default=",".join(PRESETS))
     p.add_argument("--tune", action="store_true", help="pick warps/tile per preset first")
+    p.add_argument("--shapes", default=None,
+                   help="only these shapes, MODEL:B:T with * wildcards, comma-separated")
+    p.add_argument("--merge", type=Path, default=None,
+                   help="a previous JSON of this benchmark: its rows for shapes not run here are "
+                        "kept (the notes say which run produced which rows)")
+    p.add_argument("--skip-quantize-pack", action="store_true")
     args = p.parse_args(argv)
     env = environment()
     bw = copy_bandwidth()
@@ -233,6 +241,10 @@ def main(argv=None) -> None:
     shapes = [(m, b, t) for m in MODELS for b in (1, 8, 32) for t in (4096, 32768, 131072)]
     if args.quick:
         shapes = [("llama-3-8b", 8, 32768), ("llama-2-7b", 1, 131072)]
+    if args.shapes:
+        pats = [tuple(x.split(":")) for x in args.shapes.split(",")]
+        shapes = [s for s in shapes if any(all(p in ("*", str(v)) for p, v in zip(pat, s))
+                                           for pat in pats)]
     knobs = tune([p for p in presets if p != "k4v2"], bw) if args.tune else {}
     if "kivi-2" in knobs:
         knobs.setdefault("k4v2", knobs["kivi-2"])
@@ -262,6 +274,14 @@ def main(argv=None) -> None:
             ("bytes", "bytes moved"), ("tbps", "TB/s"), ("frac_bw", "of copy bw"),
             ("rel_err", "rel err")]
     name = "decode_attention_quick" if args.quick else "decode_attention"
+    kept = []
+    if args.merge:
+        prev = json.loads(args.merge.read_text())
+        ran = set(shapes)
+        kept = [r for r in prev["rows"] if (r["model"], r["batch"], r["context"]) not in ran]
+        notes.append(f"rows of {len({(r['model'], r['batch'], r['context']) for r in kept})} "
+                     f"shapes come from an earlier run of the same commit's kernel "
+                     f"({prev['env']['date']}, `{prev['env']['command']}`); the rest from this run")
     rows = []
     free = torch.cuda.mem_get_info()[0]
     for model, batch, context in shapes:
@@ -272,7 +292,13 @@ def main(argv=None) -> None:
                   "does not fit beside its copies", flush=True)
             continue
         rows += run_shape(model, hq, hkv, d, batch, context, bw, presets, True, knobs)
-        write_results(name, rows, cols, env, notes, args.out)  # after every shape: partial runs count
+        order = {s: i for i, s in enumerate(
+            (m, b, t) for m in MODELS for b in (1, 8, 32) for t in (4096, 32768, 131072))}
+        merged = sorted(kept + rows, key=lambda r: order.get((r["model"], r["batch"],
+                                                               r["context"]), -1))
+        write_results(name, merged, cols, env, notes, args.out)  # after every shape
+    if args.skip_quantize_pack:
+        return
     qrows = bench_quantize_pack(bw)
     write_results(name + "_quantize_pack", qrows,
                   [("op", "op"), ("preset", "preset"), ("shape", "shape"), ("us", "median µs"),

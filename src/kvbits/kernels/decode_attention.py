@@ -323,9 +323,10 @@ def reads(kv: PackedKV) -> bool:
 
 
 def num_splits(batch_heads: int, work_units: int, sm_count: int) -> int:
-    """Token splits per (sequence, KV head): enough programs to fill the GPU about twice over,
-    never more than there are units of work (key groups or FP16 tiles)."""
-    want = max(1, (2 * sm_count + batch_heads - 1) // batch_heads)
+    """Token splits per (sequence, KV head): about three programs per SM (three 4-warp programs
+    fit an SM's registers, and the loop needs them resident to hide its load latency), never
+    more than there are units of work (key groups or FP16 tiles)."""
+    want = max(1, (3 * sm_count + batch_heads - 1) // batch_heads)
     return max(1, min(want, work_units))
 
 
