@@ -640,6 +640,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the reports as JSON")
     _spec_options(p)
     p.set_defaults(func=_cmd_memory)
+
+    from .evalcli import register as _register_evidence  # bench, needle
+
+    _register_evidence(sub)
     return parser
 
 
