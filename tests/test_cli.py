@@ -8,7 +8,7 @@ import pytest
 
 from kvbits.cli import build_parser, main, parse_hf_variants, parse_presets
 
-COMMANDS = ("demo", "generate", "ppl", "memory", "calibrate", "bench", "needle")
+COMMANDS = ("demo", "generate", "ppl", "memory", "calibrate", "tune", "bench", "needle")
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:

@@ -63,3 +63,12 @@ def test_unknown_preset_mentions_spec_files():
         resolve_spec("kivi-5")
     with pytest.raises(ValueError, match="unknown QuantSpec field"):
         QuantSpec.from_dict({"bits": 3})
+
+
+def test_cli_overrides():
+    from kvbits.cli import parse_presets
+
+    (u, h, f) = parse_presets("uniform-int2:axis_key=-1,q_group_size=32,kivi-2-had:hadamard=0,"
+                              "fp8-dynamic:fp8_granularity=tensor")
+    assert (u.spec.key_axis, u.spec.group_size, u.spec.key_bits) == ("channel", 32, 2)
+    assert not h.spec.hadamard and f.spec.fp8_granularity == "tensor"

@@ -1,4 +1,4 @@
-"""The ``kvbits`` command: demo, generate, ppl, memory.
+"""The ``kvbits`` command: demo, generate, ppl, memory, calibrate, tune.
 
 Each subcommand turns its arguments into a small config dataclass and calls library functions;
 what is fetched or converted is logged to stderr, results go to stdout.
@@ -8,6 +8,7 @@ what is fetched or converted is logged to stderr, results go to stdout.
     kvbits ppl --model smollm2 --text sotu-2010-2016 --presets fp16,kivi-4,kivi-2:R=0
     kvbits memory --config llama-3-8b --preset kivi-2 --context 131072 --gpu-memory 80GB
     kvbits calibrate --model smollm2 --text sotu-pre-2000 --preset kvquant-3 -o kvq3.safetensors
+    kvbits tune --model smollm2 --avg-bits 3 -o smollm2-avg3.json   # then --presets smollm2-avg3.json
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ from .spec import PRESETS, QuantSpec, resolve_spec
 KVBITS_ALIASES = {"R": "residual_length", "G": "group_size", "S": "sink_tokens",
                   "K": "key_bits", "V": "value_bits", "O": "outliers", "P": "pre_rope"}
 KVBITS_FIELDS = ("key_bits", "value_bits", "group_size", "residual_length", "sink_tokens", "bits",
-                 "pre_rope", "outliers", "codebook", "qnorm", "fisher")
-_BOOL_FIELDS = ("pre_rope", "qnorm", "fisher")
+                 "pre_rope", "outliers", "codebook", "qnorm", "fisher", "hadamard", "key_axis",
+                 "value_axis", "fp8_scale", "fp8_granularity", "nbits", "axis_key", "axis_value",
+                 "q_group_size")
+_BOOL_FIELDS = ("pre_rope", "qnorm", "fisher", "hadamard")
 _FLOAT_FIELDS = ("outliers",)
-_STR_FIELDS = ("codebook",)
+_STR_FIELDS = ("codebook", "key_axis", "value_axis", "fp8_scale", "fp8_granularity")
 HF_ALIASES = {"R": "residual_length", "G": "q_group_size"}
 HF_FIELDS = ("axis_key", "axis_value", "q_group_size", "residual_length")
 
@@ -101,15 +104,15 @@ def parse_presets(text: str, **defaults) -> list[Variant]:
     variants = []
     for item in _split_items(text):
         name, _, rest = item.partition(":")
-        if name not in PRESETS:
+        if name not in PRESETS and not name.endswith(".json"):
             raise ValueError(f"--presets: unknown preset {name!r} in {item!r}; presets are: "
-                             f"{', '.join(PRESETS)}")
+                             f"{', '.join(PRESETS)} (or a spec file, .json, from kvbits tune)")
         fields = _parse_fields(item, rest, KVBITS_ALIASES, KVBITS_FIELDS, "--presets")
         if "bits" in fields:
             bits = fields.pop("bits")
             fields.setdefault("key_bits", bits)
             fields.setdefault("value_bits", bits)
-        if PRESETS[name].quantized:
+        if name not in PRESETS or PRESETS[name].quantized:
             fields = {**{k: v for k, v in defaults.items() if v is not None}, **fields}
         try:
             spec = resolve_spec(name, **fields)
@@ -153,6 +156,12 @@ def make_cache_factory(model, variant: Variant, calib_text: str = "sotu-pre-2000
         return hf_quantized_cache_factory(model, variant.spec)
     from .integrations.hf import KVBitsCache
 
+    if variant.spec.method == "fp8" and variant.spec.calibrated:
+        from .methods.fp8 import auto_fp8_scales
+
+        scales = auto_fp8_scales(model, variant.spec, text=calib_text, tokens=calib_tokens,
+                                 log=_log)
+        return lambda: KVBitsCache(model, variant.spec, calibration=scales)
     if variant.spec.calibrated:
         from .methods.kvquant import auto_calibration
 
@@ -325,6 +334,42 @@ def _cmd_calibrate(args) -> int:
     (variant,) = parse_presets(args.preset)
     run_calibrate(CalibrateConfig(args.model, args.text, variant, args.tokens, args.window,
                                   args.output))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- tune
+@dataclass
+class TuneConfig:
+    model: str = "smollm2"
+    text: str = "sotu-pre-2000"
+    avg_bits: float = 3.0
+    base: Variant | None = None
+    tokens: int = 1024
+    window: int = 512
+    output: str | None = None
+
+
+def run_tune(cfg: TuneConfig) -> Path:
+    """Per-layer sensitivity on calibration text, bit allocation, spec file."""
+    from .methods.tune import tune
+
+    model, _, ids = _load(cfg.model, cfg.text, cfg.tokens)
+    t0 = time.perf_counter()
+    r = tune(model, ids, cfg.base.spec, cfg.avg_bits, window=cfg.window, log=_log)
+    out = Path(cfg.output or f"{cfg.model}-avg{cfg.avg_bits:g}.json")
+    r.spec.save(out, model=cfg.model, base=cfg.base.label, text=cfg.text,
+                tokens=int(ids.shape[1]), avg_bits=r.avg_bits, predicted_kl=r.predicted_kl,
+                sensitivity=r.sensitivity, **r.info)
+    _log(f"tuned in {time.perf_counter() - t0:.0f} s: average {r.avg_bits:.3f} bits, "
+         f"predicted KL {r.predicted_kl:.4f}; {r.spec.describe()}")
+    print(out)
+    return out
+
+
+def _cmd_tune(args) -> int:
+    (base,) = parse_presets(args.base)
+    run_tune(TuneConfig(args.model, args.text, args.avg_bits, base, args.tokens, args.window,
+                        args.output))
     return 0
 
 
@@ -535,10 +580,13 @@ def _spec_options(p: argparse.ArgumentParser) -> None:
                    help="S: first tokens kept in FP16 (attention sinks; default 0)")
 
 
-PRESET_HELP = ("preset name ({}), optionally with overrides PRESET:FIELD=VALUE,... where FIELD is "
+PRESET_HELP = ("preset name ({}) or a spec file (.json, from kvbits tune), optionally with "
+               "overrides PRESET:FIELD=VALUE,... where FIELD is "
                "key_bits, value_bits, bits, group_size, residual_length, sink_tokens, pre_rope, "
-               "outliers, codebook, qnorm, fisher (or K, V, G, R, S, P, O), e.g. kivi-2:R=0, "
-               "kvquant-3:O=0.02").format(", ".join(PRESETS))
+               "outliers, codebook, qnorm, fisher, hadamard, key_axis, value_axis, fp8_scale, "
+               "fp8_granularity or transformers' nbits, axis_key, axis_value, q_group_size "
+               "(or K, V, G, R, S, P, O), e.g. kivi-2:R=0, kvquant-3:O=0.02, "
+               "uniform-int2:axis_key=-1").format(", ".join(PRESETS))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -621,6 +669,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output .safetensors (default: the kvbits cache, where `kvbits ppl` "
                    "finds it)")
     p.set_defaults(func=_cmd_calibrate)
+
+    p = sub.add_parser("tune", help="per-layer bits for an average budget (mixed precision)",
+                       description="Measures how much each layer's keys and values hurt the "
+                       "model (KL of next-token distributions on calibration text) at 2 and 4 "
+                       "bits, allocates 2/3/4/8 bits per layer to K and V to meet --avg-bits, "
+                       "and writes a spec file for KVBitsCache(model, PATH) and kvbits ppl "
+                       "--presets PATH.")
+    p.add_argument("--model", default="smollm2", help=f"model: {model_help} (default smollm2)")
+    p.add_argument("--avg-bits", type=float, default=3.0,
+                   help="average code bits per K/V element over all layers (default 3)")
+    p.add_argument("--base", default="kivi-3",
+                   help="method and grouping the layers use (default kivi-3; e.g. kivi-3-had)")
+    p.add_argument("--text", default="sotu-pre-2000",
+                   help="calibration text (default sotu-pre-2000; evaluate on another one)")
+    p.add_argument("--tokens", type=_positive, default=1024, help="tokens (default 1024)")
+    p.add_argument("--window", type=_positive, default=512, help="tokens per forward (512)")
+    p.add_argument("-o", "--output", metavar="PATH",
+                   help="spec file to write (default MODEL-avgBITS.json)")
+    p.set_defaults(func=_cmd_tune)
 
     p = sub.add_parser("memory", help="KV cache bytes per token, max context and max batch",
                        description="KV-cache memory of a model configuration under presets "

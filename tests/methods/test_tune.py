@@ -1,0 +1,50 @@
+"""kvbits tune: sensitivities through the cache quantizer, exact allocation, spec file via CLI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvbits.cli import parse_presets
+from kvbits.methods.tune import _table, allocate, layer_sensitivity, tune
+from kvbits.spec import PRESETS, resolve_spec
+
+
+def test_allocate_is_exact_and_meets_budget():
+    costs = [_table(1.0, 0.1), _table(0.01, 0.001), _table(0.5, 0.01)]
+    assert allocate(costs, 9) == [4, 2, 3]
+    assert allocate(costs, 6) == [2, 2, 2]
+    assert allocate(costs, 12) == [4, 4, 4]
+    assert sum(allocate(costs, 10)) <= 10
+    with pytest.raises(ValueError, match="avg bits too low"):
+        allocate(costs, 5)
+    # 3 bits = geometric mean of 2 and 4; 8 bits extrapolated
+    assert _table(1.0, 0.01) == pytest.approx([1.0, 0.1, 0.01, 1e-6])
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: OpenMP barriers dominate on a shared CPU
+    yield LlamaForCausalLM(cfg).eval()
+    torch.set_num_threads(before)
+
+
+def test_tune_tiny_model(model, tmp_path):
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(0))
+    sens = layer_sensitivity(model, ids, PRESETS["kivi-3"], (2, 4), window=64)
+    assert sens["k"].shape == (3, 2) and (sens["k"] >= -1e-6).all()
+    assert (sens["k"][:, 0] >= sens["k"][:, 1]).all()  # 2 bits hurt more than 4
+    assert model.config._attn_implementation != "kvbits_tune"  # restored
+    r = tune(model, ids, PRESETS["kivi-3"], 3.0, window=64)
+    assert r.avg_bits <= 3.0 and len(r.spec.layer_bits) == 3
+    path = tmp_path / "t.json"
+    r.spec.save(path, sensitivity=r.sensitivity)
+    (v,) = parse_presets(str(path))
+    assert v.spec == r.spec == resolve_spec(str(path))
+    with pytest.raises(ValueError, match="base spec must be method"):
+        tune(model, ids, PRESETS["fp8-dynamic"], 3.0)
