@@ -29,6 +29,7 @@ import argparse
 import datetime
 import gc
 import json
+import math
 import platform
 import shlex
 import statistics
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
                 log(f"warm-up step {step + 1}: {1e3 * times[-1]:.1f} ms")
     steps = sorted(times[args.warmup:])
     med = statistics.median(steps)
-    p90 = steps[int(0.9 * (len(steps) - 1))]
+    p90 = steps[max(0, math.ceil(0.9 * len(steps)) - 1)]
     assert cache.get_seq_length() == args.tokens + args.warmup + args.steps
     gpu_total = torch.cuda.get_device_properties(0).total_memory if device.type == "cuda" else None
     result = {

@@ -340,7 +340,7 @@ def time_decode(model, variant: Variant, batch: int, context: int, steps: int = 
            "batch": batch, "context": context, "steps": len(step_s), "fill": fill,
            "presize": presize,
            "tpot_ms": 1e3 * med, "tpot_mean_ms": 1e3 * statistics.fmean(step_s),
-           "tpot_p90_ms": 1e3 * sorted(step_s)[int(0.9 * (len(step_s) - 1))],
+           "tpot_p90_ms": 1e3 * sorted(step_s)[max(0, math.ceil(0.9 * len(step_s)) - 1)],
            "tok_s": batch / med, "cache_bytes": cache_bytes,
            "fp16_cache_bytes": 2 * 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads
            * (context + n_new) * D,
