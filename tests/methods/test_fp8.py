@@ -93,3 +93,20 @@ def test_nbytes_counts_one_byte_per_element():
     st.append(k, v)
     body = B * H * st.body_len * 2 * D + B * H * 8
     assert st.nbytes() == body + B * H * 2 * st.res_len * D * 4
+
+
+@pytest.mark.parametrize("name", ["fp8-dynamic", "uniform-int2"])
+def test_presize_store_keeps_layout(name):
+    from kvbits.eval.cachefill import presize_store
+
+    k, v = _kv()
+    spec = resolve_spec(name, residual_length=0) if name == "fp8-dynamic" else resolve_spec(
+        name, residual_length=0, q_group_size=32)
+    a = LayerStore(spec, B, H, D, torch.float32, "cpu")
+    b = LayerStore(spec, B, H, D, torch.float32, "cpu")
+    presize_store(b, 256, residual=64)
+    a.append(k, v)
+    b.append(k, v)
+    ka, va = dequantize_layer(a.view())
+    kb, vb = dequantize_layer(b.view())
+    assert torch.equal(ka, kb) and torch.equal(va, vb)

@@ -86,9 +86,14 @@ def presize_store(store, tokens: int, residual: int = 0) -> None:
     G = spec.group_size
     groups = tokens // G + 1
     body = groups * G
-    caps = {"k_codes": groups * store.k_words, "k_scale": groups, "k_zero": groups,
-            "v_codes": groups * store.v_words, "v_scale": body, "v_zero": body,
+    rows = {"channel": groups, "token": body}  # scale/zero rows per axis (method "uniform")
+    k_rows = rows[getattr(store, "key_axis", "channel")]
+    v_rows = rows[getattr(store, "value_axis", "token")]
+    caps = {"k_codes": groups * store.k_words, "k_scale": k_rows, "k_zero": k_rows,
+            "v_codes": groups * store.v_words, "v_scale": v_rows, "v_zero": v_rows,
             "res_k": residual, "res_v": residual}
+    if getattr(store, "fp8", False):  # float8 codes per token; [B, H, 1, 1] scales stay
+        caps = {"k_codes": body, "v_codes": body, "res_k": residual, "res_v": residual}
     if getattr(store, "n_out", 0):
         caps.update({n: body for n in ("k_out_idx", "k_out_val", "v_out_idx", "v_out_val")})
     for name, cap in caps.items():
