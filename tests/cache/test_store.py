@@ -405,3 +405,20 @@ def test_three_bit_any_head_dim(d):
     store.append(k, v)
     assert store.body_len == 64
     _assert_matches_one_shot(store, k, v, f"3-bit D={d}")
+
+
+def test_allocation_stays_close_to_the_tokens_held():
+    # A prompt lands in the residual first; once its groups move to the body the residual must
+    # not keep prompt-sized FP16 capacity, and decode-time growth must not double the body.
+    spec = resolve_spec("kivi-2")
+    store = LayerStore(spec, 2, 2, 64, torch.float16, "cpu")
+    x = torch.randn(2, 2, 4000, 64, dtype=torch.float16)
+    store.append(x, x)
+    R, G = spec.residual_length, spec.group_size
+    assert store.res_k.shape[2] <= 2 * (R + G)
+    for _ in range(300):  # decode steps: several flushes grow the body
+        t = torch.randn(2, 2, 1, 64, dtype=torch.float16)
+        store.append(t, t)
+    body_words = store.body_len // G * packed_length(G, 2)
+    assert store.k_codes.shape[2] <= 1.25 * body_words + 16
+    assert store.res_k.shape[2] <= 2 * (R + G)

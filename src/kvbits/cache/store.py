@@ -305,8 +305,15 @@ class LayerStore:
         """``n`` residual tokens went to the body: shift the residual."""
         self.body_len += n
         rest = self.res_len - n
-        self.res_k[:, :, :rest] = self.res_k[:, :, n:self.res_len].clone()
-        self.res_v[:, :, :rest] = self.res_v[:, :, n:self.res_len].clone()
+        # Steady state needs R + G residual slots; a prompt leaves a prompt-sized buffer, so
+        # shrink it rather than keep FP16 capacity for the whole prompt alive.
+        keep = max(rest, self.spec.residual_length + self.spec.group_size, 16)
+        if self.res_k.shape[2] > 2 * keep:
+            self.res_k = self.res_k[:, :, n:n + keep].clone()
+            self.res_v = self.res_v[:, :, n:n + keep].clone()
+        else:
+            self.res_k[:, :, :rest] = self.res_k[:, :, n:self.res_len].clone()
+            self.res_v[:, :, :rest] = self.res_v[:, :, n:self.res_len].clone()
         self.res_len = rest
 
     # ------------------------------------------------------------------ edits
@@ -359,10 +366,13 @@ _BUFFERS = ("sink_k", "sink_v", "res_k", "res_v", "k_codes", "k_scale", "k_zero"
 
 
 def _write(buf: torch.Tensor, at: int, x: torch.Tensor) -> torch.Tensor:
-    """Write ``x`` into ``buf`` along dim 2 at ``at``, growing capacity geometrically if needed."""
+    """Write ``x`` into ``buf`` along dim 2 at ``at``, growing capacity geometrically if needed.
+
+    Growth is by 1/8 (amortized O(1) copies per token): doubling would leave up to half of a
+    long cache's memory allocated but unused, which is what a memory budget pays for."""
     end = at + x.shape[2]
     if end > buf.shape[2]:
-        cap = max(end, 2 * buf.shape[2], 16)
+        cap = max(end, buf.shape[2] + buf.shape[2] // 8, 16)
         grown = torch.empty(*buf.shape[:2], cap, *buf.shape[3:], dtype=buf.dtype, device=buf.device)
         grown[:, :, :at] = buf[:, :, :at]
         buf = grown
