@@ -530,10 +530,11 @@ def bench_markdown(speed: list[dict], budget_rows: list[dict], env: dict, cfg: B
              "TPOT = median step time, tok/s = batch / TPOT; peak = max allocated during decode."),
              ("- kvbits store buffers: " + (
                  "**pre-sized** for the final length before the fill, FP16 residual buffer shrunk "
-                 "to R + G tokens after it (`--presize`; not what `LayerStore` does by itself)"
-                 if cfg.presize else "`LayerStore`'s own growth policy (geometric growth; the "
-                 "residual buffer keeps its largest size). `cache GiB` is what the tokens need, "
-                 "`alloc GiB` what the buffers hold")),
+                 "to R + G tokens after it (`--presize`)"
+                 if cfg.presize else "`LayerStore`'s own growth policy (grow by 1/8; the FP16 "
+                 "residual buffer shrinks to R + G tokens once a prompt's groups are "
+                 "quantized). `cache GiB` is what the tokens need, `alloc GiB` what the buffers "
+                 "hold")),
              ("- `hf-int*`: transformers' `QuantizedLayer.update` (unchanged) over a PyTorch "
              "re-implementation of quanto's int storage (**emulated**: optimum-quanto is not "
              "installed on the GPU machine)."), ""]
