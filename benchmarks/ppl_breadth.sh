@@ -6,13 +6,14 @@
 #             the same knobs (nbits, axis_key=axis_value=0 i.e. per-token, G=64, R=128)
 #   fp8:      e4m3 with dynamic (prompt amax) and calibrated (SOTU 1900-1999 amax) scales
 #   tune:     kvbits tune --avg-bits 3 (per-layer K/V bits) vs kivi-3, and k4v2 (also 3 bits)
+#   qwen, gemma3: Hadamard vs plain KIVI on Qwen2.5-0.5B and Gemma3-270M
 # Each part writes benchmarks/results/ppl_breadth_PART.{md,json}; then
 # `python benchmarks/ppl_breadth_table.py` merges them into ppl_breadth.{md,json}.
 # PARTS="hadamard uniform" benchmarks/ppl_breadth.sh runs some. CPU only, slow (reference path).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TOKENS=${TOKENS:-1024}
-PARTS=${PARTS:-"hadamard uniform fp8 tune"}
+PARTS=${PARTS:-"hadamard uniform fp8 tune qwen gemma3"}
 OUT=benchmarks/results
 SPEC=$OUT/specs/smollm2-avg3.json
 run() {  # part, presets, hf variants
@@ -26,10 +27,15 @@ for part in $PARTS; do
   case $part in
     hadamard) run hadamard kivi-3-had,kivi-2-had "" ;;
     uniform) run uniform uniform-int2,uniform-int4 \
-      "quanto:int2,quanto:int4,hqq:int2:axis_key=1,axis_value=1" ;;
+      "quanto:int2,quanto:int4,hqq:int2:axis_key=1,axis_value=1,hqq:int4:axis_key=1,axis_value=1" ;;
     fp8) run fp8 fp8-dynamic,fp8 "" ;;
     tune)
       [ -f "$SPEC" ] || kvbits tune --model smollm2 --avg-bits 3 --base kivi-3 -o "$SPEC"
       run tune "$SPEC,k4v2" "" ;;
+    qwen|gemma3)  # Hadamard on the other models (own fp16 / kivi baselines)
+      model=$([ "$part" = qwen ] && echo qwen2.5-0.5b || echo gemma3-270m)
+      kvbits ppl --model "$model" --text sotu-2010-2016 --tokens "$TOKENS" --chunk 256 \
+        --presets fp16,kivi-2,kivi-2-had,kivi-3,kivi-3-had \
+        --json "$OUT/ppl_breadth_$part.json" --md "$OUT/ppl_breadth_$part.md" --no-progress ;;
   esac
 done

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
-PARTS = ("hadamard", "uniform", "fp8", "tune")
+PARTS = ("hadamard", "uniform", "fp8", "tune", "qwen", "gemma3")
 BASELINES = ("fp16", "kivi-4", "kivi-3", "kivi-2")
 
 
@@ -23,20 +23,23 @@ def main() -> None:
         if path.exists():
             doc = json.loads(path.read_text())
             meta = meta or {k: doc[k] for k in ("model", "text", "tokens", "chunk", "versions")}
-            rows += [dict(r, part=part, command=doc["command"]) for r in doc["results"]]
-    base = next((r for r in rows if r["label"] == "fp16"), None)
-    head = "| part | variant | spec | PPL | vs fp16 | KV MiB | KV vs FP16 |"
-    lines = [f"# Method breadth, perplexity through the cache: {meta.get('model')} on "
-             f"{meta.get('text')}", "",
+            rows += [dict(r, part=part, model=doc["model"], command=doc["command"])
+                     for r in doc["results"]]
+    for r in rows:
+        r.setdefault("model", meta.get("model"))
+    bases = {r["model"]: r for r in rows if r["label"] == "fp16"}
+    head = "| model | part | variant | spec | PPL | vs fp16 | KV MiB | KV vs FP16 |"
+    lines = [f"# Method breadth, perplexity through the cache on {meta.get('text')}", "",
              f"{meta.get('tokens')} tokens, chunks of {meta.get('chunk')}, torch "
              f"{meta.get('versions', {}).get('torch')}, transformers "
              f"{meta.get('versions', {}).get('transformers')}. Commands: "
              "`benchmarks/ppl_breadth.sh` (one `kvbits ppl` per part, files "
              "`ppl_breadth_PART.{md,json}`), baselines from `ppl_methods.json`.", "",
-             head, "|" + "---|" * 7]
+             head, "|" + "---|" * 8]
     for r in rows:
+        base = bases.get(r["model"])
         delta = f"{100 * (r['ppl'] / base['ppl'] - 1):+.2f}%" if base else ""
-        lines.append(f"| {r['part']} | {r['label']} | {r['spec']} | {r['ppl']:.3f} | {delta} | "
+        lines.append(f"| {r['model']} | {r['part']} | {r['label']} | {r['spec']} | {r['ppl']:.3f} | {delta} | "
                      f"{r['cache_bytes_fp16'] / 2**20:.2f} | "
                      f"{r['fp16_cache_bytes'] / r['cache_bytes_fp16']:.2f}x |")
     lines += ["", "KV MiB: cache at the end of the first window as an FP16 model would hold it; "
