@@ -525,11 +525,78 @@ def test_fp8_body_matches_reference(name):
     run_case(c, kv=_fp8_kv(c))
 
 
-def test_kernel_reads_everything_but_kvquant():
+def test_kernel_reads_every_layout_but_odd_pre_rope():
     from kvbits.kernels.decode_attention import reads
 
     c = AXES_CASES["K2V2-G32-ragged"]
     assert reads(make_kv(c)) and reads(_fp8_kv(c)) and reads(_axes_kv(c, "token", "channel"))
     kv = make_kv(c)
     kv.k_codebook = torch.arange(4.0).expand(c.Hkv, 4)
-    assert not reads(kv)
+    kv.rope_inv_freq = torch.ones(c.D // 2)
+    assert reads(kv)  # codebooks, pre-RoPE at head_dim 64
+    odd = make_kv(AXES_CASES["K3V3-G32-D80"])
+    odd.rope_inv_freq = torch.ones(40)
+    assert not reads(odd)  # pre-RoPE needs a power-of-two head_dim: the reference reads it
+
+
+# ----------------------------------------------------------------------------- KVQuant layers
+# Codebook codes (sorted non-uniform levels in code units, per KV head), a fixed count of FP16
+# outlier corrections per token, and keys stored before RoPE (the kernel rotates them at
+# position ``t - starts[b]``), built with the KVQuant quantizer on random data.
+def _kvquant_kv(c: Case, n_out: int, pre_rope: bool, device=DEVICE) -> PackedKV:
+    from kvbits.methods import kvquant as kvq
+
+    kv = make_kv(c, device)
+    g = torch.Generator(device=device).manual_seed(c.seed + 11)
+    B, H, D, G, T = c.B, c.Hkv, c.D, c.G, c.body
+
+    def codebook(bits):
+        n = 1 << bits
+        steps = torch.rand(H, n, generator=g, device=device) + 0.3
+        cb = torch.cumsum(steps, 1) - steps[:, :1]
+        return cb / cb[:, -1:] * (n - 1)  # sorted, 0 .. n-1, uneven spacing
+
+    kcb, vcb = codebook(c.kb), codebook(c.vb)
+    k = torch.randn(B, H, T, D, generator=g, device=device) * (1 + 3 * (torch.arange(D) == 1))
+    v = torch.randn(B, H, T, D, generator=g, device=device)
+    valid = None
+    if c.starts is not None:
+        valid = torch.arange(T, device=device)[None, :] + c.S >= torch.tensor(c.starts)[:, None]
+    kc, ks, kz, koi, kov = kvq.quantize_keys(k, c.kb, G, kcb, kvq.thresholds_of(kcb), n_out, valid)
+    vc, vs, vz, voi, vov = kvq.quantize_values(v, c.vb, kv.value_group, G, vcb,
+                                               kvq.thresholds_of(vcb), n_out, valid)
+    kv.k_codes, kv.k_scale, kv.k_zero = kc, ks, kz
+    kv.v_codes, kv.v_scale, kv.v_zero = vc, vs, vz
+    kv.k_codebook, kv.v_codebook = kcb, vcb
+    kv.k_out_idx, kv.k_out_val, kv.v_out_idx, kv.v_out_val = koi, kov, voi, vov
+    if pre_rope:
+        kv.rope_inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2, device=device).float() / D))
+    return kv
+
+
+KVQ_CASES = {
+    "K2V2-G32-MHA": Case(kb=2, vb=2, G=32, D=64, body=96, B=2, Hkv=2, lengths=(120, 70)),
+    "K3V3-G32-GQA-padded": Case(kb=3, vb=3, G=32, D=64, body=128, HG=3, B=2, S=4,
+                                starts=(0, 37), lengths=(150, 150)),
+    "K4V4-G64-D128-Lq4": Case(kb=4, vb=4, G=64, D=128, body=128, HG=2, Lq=4, window=100),
+}
+
+
+@pytest.mark.parametrize("n_out,pre_rope", [(0, False), (2, False), (1, True), (0, True)])
+@pytest.mark.parametrize("name", list(KVQ_CASES))
+def test_kvquant_layers_match_reference(name, n_out, pre_rope):
+    c = KVQ_CASES[name]
+    run_case(c, kv=_kvquant_kv(c, n_out, pre_rope))
+
+
+def test_kvquant_pre_rope_changes_the_answer():
+    # The rotation must really happen: the same layer read as post-RoPE differs.
+    from kvbits.kernels.decode_attention import decode_attention as kern
+
+    c = KVQ_CASES["K2V2-G32-MHA"]
+    kv = _kvquant_kv(c, 1, True)
+    q = torch.randn(c.B, c.Hkv, 1, c.D, generator=torch.Generator().manual_seed(3)).half()
+    q = q.to(DEVICE)
+    with_rope = kern(q, kv, scale=0.125)
+    kv.rope_inv_freq = None
+    assert (with_rope.float() - kern(q, kv, scale=0.125).float()).abs().max() > 1e-2

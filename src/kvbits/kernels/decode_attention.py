@@ -140,6 +140,44 @@ def _fp8_tile(base, offs_t, g_hi, offs_d, d_ok, G: tl.constexpr, D: tl.constexpr
 
 
 @triton.jit
+def _lookup(c, cb_ptr, NC: tl.constexpr):
+    """int8 codes -> float16 codebook entries ``cb_ptr[code]`` (KVQuant's non-uniform levels,
+    in code units): a select per entry, 3 / 7 / 15 for 2 / 3 / 4 bits."""
+    ci = c.to(tl.int32) & 0xFF
+    val = tl.zeros(c.shape, dtype=tl.float16) + tl.load(cb_ptr).to(tl.float16)
+    for j in tl.static_range(1, NC):
+        val = tl.where(ci == j, tl.load(cb_ptr + j).to(tl.float16), val)
+    return val
+
+
+@triton.jit
+def _add_outliers(x, idx_base, val_base, offs_t, t_end, offs_d, NOUT: tl.constexpr):
+    """Dense-and-sparse: add the ``NOUT`` FP16 corrections of each token (``x - dequant`` at the
+    channel in ``idx``) to the dequantized tile ``x [N, BLOCK_D]``."""
+    t_ok = offs_t < t_end
+    for j in tl.static_range(NOUT):
+        idx = tl.load(idx_base + offs_t * NOUT + j, mask=t_ok, other=0).to(tl.int32)
+        val = tl.load(val_base + offs_t * NOUT + j, mask=t_ok, other=0.0)
+        x = x + tl.where(offs_d[None, :] == idx[:, None], val[:, None], 0.0).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _rope(k, pos, inv_freq_ptr):
+    """RoPE (transformers' rotate-half convention) of a dequantized key tile ``k [N, D]`` at
+    positions ``pos [N]``: channel ``i`` pairs with ``i + D/2`` at angle ``pos * inv_freq[i]``,
+    computed in float32."""
+    N: tl.constexpr = k.shape[0]
+    HALF: tl.constexpr = k.shape[1] // 2
+    ang = pos.to(tl.float32)[:, None] * tl.load(inv_freq_ptr + tl.arange(0, HALF))[None, :]
+    cos = tl.cos(ang)
+    sin = tl.sin(ang)
+    a, b = tl.split(tl.permute(tl.reshape(k.to(tl.float32), [N, 2, HALF]), (0, 2, 1)))
+    rot = tl.join(a * cos - b * sin, b * cos + a * sin)  # [N, HALF, 2]
+    return tl.reshape(tl.permute(rot, (0, 2, 1)), [N, 2 * HALF]).to(tl.float16)
+
+
+@triton.jit
 def _codes_to_f16(c, USE_PRMT: tl.constexpr):
     """int8 codes (0..255 read as unsigned) -> float16, exactly: ``(code | 0x6400)`` read as
     float16 is ``1024 + code``, so an OR (or one byte permute per pair, ``USE_PRMT``: PTX,
@@ -179,16 +217,19 @@ def _decode_kernel(
     Q, Out, Lse,
     SinkK, SinkV, ResK, ResV,
     KC, KS, KZ, VC, VS, VZ,
+    KCB, VCB, KOI, KOV, VOI, VOV, InvFreq,
     Starts, Lens,
     qk_scale, window,
     sink_len, body_len, res_len,
-    sink_cap, res_cap, kc_cap, ks_slice, vc_cap, vs_slice,
+    sink_cap, res_cap, kc_cap, ks_slice, vc_cap, vs_slice, kout_cap, vout_cap,
     Hkv, Lq, m_tiles, n_body_splits, groups_per_split, fp_per_split,
     HG: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     KBITS: tl.constexpr, VBITS: tl.constexpr, G: tl.constexpr, GPT: tl.constexpr,
     GK: tl.constexpr, GV: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr,
     BLOCK_FP: tl.constexpr, HAS_WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
     USE_PRMT: tl.constexpr, FP8: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_LENS: tl.constexpr,
+    K_CB: tl.constexpr, V_CB: tl.constexpr, K_OUT: tl.constexpr, V_OUT: tl.constexpr,
+    PRE_ROPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -252,7 +293,16 @@ def _decode_kernel(
                 k_s, k_z = _scale_tile(ks_base, kz_base, g0, g_hi, offs_t, offs_d, d_ok,
                                        K_PER_TOKEN, G, GPT, D, GK, EVEN_D)
                 kc = _group_codes(kc_base, g0, g_hi, offs_d, d_ok, KBITS, G, GPT, D, EVEN_D)
-                k = _codes_to_f16(kc, USE_PRMT) * k_s + k_z
+                if K_CB:  # KVQuant: codes index the head's codebook (in code units)
+                    k = _lookup(kc, KCB + h * (1 << KBITS), 1 << KBITS) * k_s + k_z
+                else:
+                    k = _codes_to_f16(kc, USE_PRMT) * k_s + k_z
+                if K_OUT > 0:
+                    k = _add_outliers(k, KOI + bh64 * kout_cap * K_OUT,
+                                      KOV + bh64 * kout_cap * K_OUT, offs_t, g_hi * G, offs_d,
+                                      K_OUT)
+                if PRE_ROPE:  # keys stored before RoPE: rotate at their positions
+                    k = _rope(k, sink_len + offs_t - start, InvFreq)
                 sc = tl.dot(q, tl.trans(k.to(Q.dtype.element_ty)))  # [M, N]
             # Only tiles at the edges (padding, sequence end, window, last partial step) need the
             # per-element mask; rows past the real query rows are dropped at the store.
@@ -271,7 +321,14 @@ def _decode_kernel(
                 v_s, v_z = _scale_tile(vs_base, vz_base, g0, g_hi, offs_t, offs_d, d_ok,
                                        V_PER_TOKEN, G, GPT, D, GV, EVEN_D)
                 vc = _group_codes(vc_base, g0, g_hi, offs_d, d_ok, VBITS, G, GPT, D, EVEN_D)
-                v = _codes_to_f16(vc, USE_PRMT) * v_s + v_z
+                if V_CB:
+                    v = _lookup(vc, VCB + h * (1 << VBITS), 1 << VBITS) * v_s + v_z
+                else:
+                    v = _codes_to_f16(vc, USE_PRMT) * v_s + v_z
+                if V_OUT > 0:
+                    v = _add_outliers(v, VOI + bh64 * vout_cap * V_OUT,
+                                      VOV + bh64 * vout_cap * V_OUT, offs_t, g_hi * G, offs_d,
+                                      V_OUT)
             acc = acc * alpha[:, None] + tl.dot(p.to(Q.dtype.element_ty), v.to(Q.dtype.element_ty))
     else:
         # FP16 tokens: index i < sink_len is sink token i, else residual token i - sink_len.
@@ -316,10 +373,13 @@ def _merge_kernel(Out, Lse, O, n_splits, D: tl.constexpr, BLOCK_D: tl.constexpr,
 
 
 def reads(kv: PackedKV) -> bool:
-    """Whether this kernel reads the layer: KIVI and uniform codes on either scale axis, and FP8
-    bodies. KVQuant codebooks, outliers and pre-RoPE keys are left to the reference."""
-    return all(getattr(kv, name, None) is None for name in
-               ("k_codebook", "v_codebook", "k_out_idx", "v_out_idx", "rope_inv_freq"))
+    """Whether this kernel reads the layer: KIVI, uniform (either scale axis), FP8 and KVQuant
+    (codebooks, outliers, pre-RoPE keys) layers. Pre-RoPE keys need a power-of-two head_dim
+    (the rotation pairs the two halves of the tile); other head dims use the reference."""
+    if getattr(kv, "rope_inv_freq", None) is None:
+        return True
+    D = kv.res_k.shape[-1]
+    return D & (D - 1) == 0
 
 
 def num_splits(batch_heads: int, work_units: int, sm_count: int) -> int:
@@ -412,16 +472,32 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     fp8 = bool(getattr(kv, "fp8", False))  # e4m3 body; k/v_scale [B, H, 1, 1] fp32, no zeros
     k_zero = kv.k_scale if kv.k_zero is None else kv.k_zero  # never read without zeros
     v_zero = kv.v_scale if kv.v_zero is None else kv.v_zero
+    # KVQuant fields (absent ones are never read: q stands in for their pointers).
+    kcb, vcb = getattr(kv, "k_codebook", None), getattr(kv, "v_codebook", None)
+    koi, kov = getattr(kv, "k_out_idx", None), getattr(kv, "k_out_val", None)
+    voi, vov = getattr(kv, "v_out_idx", None), getattr(kv, "v_out_val", None)
+    inv_freq = getattr(kv, "rope_inv_freq", None)
+    if inv_freq is not None and D != BLOCK_D:
+        raise ValueError(f"decode_attention: pre-RoPE keys need a power-of-two head_dim, got {D}")
+
+    def arg(t, dtype=None):
+        if t is None:
+            return q
+        t = t if dtype is None else t.to(dtype)
+        return t.contiguous()
     _decode_kernel[(bhm, n_total)](
         q, out, lse,
         kv.sink_k, kv.sink_v, kv.res_k, kv.res_v,
         kv.k_codes, kv.k_scale, k_zero, kv.v_codes, kv.v_scale, v_zero,
+        arg(kcb, torch.float32), arg(vcb, torch.float32), arg(koi), arg(kov), arg(voi), arg(vov),
+        arg(inv_freq, torch.float32),
         starts, lengths,
         scale * LOG2E, int(window) if window is not None else 0,
         kv.sink_len, kv.body_len, kv.res_len,
         kv.sink_k.shape[2], kv.res_k.shape[2], kv.k_codes.shape[2],
         kv.k_scale.shape[2] * kv.k_scale.shape[3], kv.v_codes.shape[2],
         kv.v_scale.shape[2] * kv.v_scale.shape[3],
+        koi.shape[2] if koi is not None else 0, voi.shape[2] if voi is not None else 0,
         Hkv, Lq, m_tiles, splits, groups_per_split, fp_per_split,
         HG=HG, D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
         KBITS=kv.key_bits, VBITS=kv.value_bits, G=G, GPT=GPT,
@@ -429,7 +505,9 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
         K_PER_TOKEN=k_tok, V_PER_TOKEN=v_tok,
         BLOCK_FP=BLOCK_FP, HAS_WINDOW=window is not None, EVEN_D=D == BLOCK_D,
         USE_PRMT=_use_prmt(dev) if prmt is None else prmt, FP8=fp8, HAS_STARTS=has_starts,
-        HAS_LENS=has_lens,
+        HAS_LENS=has_lens, K_CB=kcb is not None, V_CB=vcb is not None,
+        K_OUT=koi.shape[3] if koi is not None else 0, V_OUT=voi.shape[3] if voi is not None else 0,
+        PRE_ROPE=inv_freq is not None,
         num_warps=num_warps or DEFAULT_WARPS, num_stages=2 if BLOCK_D <= 128 else 1,
     )
     o = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=dev)

@@ -61,10 +61,10 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
                      window: int | None = None) -> torch.Tensor:
     """Attention of ``q [B, Hq, Lq, D]`` over a packed layer; see the reference for the rules.
 
-    The fused kernel reads KIVI and uniform layers (scales on either axis) and FP8 bodies;
-    layers with KVQuant codebooks, outliers or pre-RoPE keys run the reference (see
-    :func:`kvbits.kernels.decode_attention.reads`). Hadamard layers are plain: the caller
-    passes rotated queries.
+    The fused kernel reads KIVI, uniform (scales on either axis), FP8 and KVQuant layers
+    (codebooks, outliers, pre-RoPE keys); only pre-RoPE keys with a head_dim that is not a power
+    of two run the reference (see :func:`kvbits.kernels.decode_attention.reads`). Hadamard
+    layers are plain: the caller passes rotated queries.
     """
     if use_kernels(q) and kernel_reads(kv):
         from ..kernels.decode_attention import decode_attention as kernel
