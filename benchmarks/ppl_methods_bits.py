@@ -1,4 +1,5 @@
-"""Add effective bits per element to benchmarks/results/ppl_methods.{json,md}.
+"""Add effective bits per element to benchmarks/results/ppl_methods.{json,md} (or to the
+benchmarks/results/NAME.{json,md} named on the command line, e.g. ppl_methods_qwen).
 
 * ``bits/elem (cache)``: every byte the cache held at the end of the window (codes, FP16
   scales/zeros, outliers, codebooks, FP16 sink and residual, as an FP16 model would hold them)
@@ -20,45 +21,53 @@ from kvbits.eval.memory import markdown_table  # noqa: E402
 from kvbits.formats.layout import body_bytes_per_token  # noqa: E402
 from kvbits.spec import QuantSpec  # noqa: E402
 
-HEAD_DIM = 64  # SmolLM2
+HEAD_DIMS = {"smollm2": 64, "qwen2.5-0.5b": 64, "gemma3-270m": 256}
 ROOT = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 
-def body_bits(r: dict) -> str:
+def body_bits(r: dict, head_dim: int) -> str:
     f = r.get("spec_fields", {})
     if r["kind"] != "kvbits":
         bits = f.get("nbits")
         if bits is None:
             return "-"
         return f"{bits + 2 * 16 / int(f.get('q_group_size') or 64):.2f}"
+    f = {k: tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list)
+         else v for k, v in f.items()}  # JSON lists back to the spec's tuples
     spec = QuantSpec(**f)
     if not spec.quantized:
         return "16.00"
-    b = body_bytes_per_token(HEAD_DIM, spec.key_bits, spec.value_bits, spec.group_size,
-                             spec.value_group(HEAD_DIM), spec.n_outliers(HEAD_DIM))
-    return f"{8 * b / (2 * HEAD_DIM):.2f}"
+    b = body_bytes_per_token(head_dim, spec.key_bits, spec.value_bits, spec.group_size,
+                             spec.value_group(head_dim), spec.n_outliers(head_dim))
+    return f"{8 * b / (2 * head_dim):.2f}"
 
 
 def main() -> None:
-    data = json.loads((ROOT / "ppl_methods.json").read_text())
+    for name in sys.argv[1:] or ["ppl_methods"]:
+        add_bits(name)
+
+
+def add_bits(name: str) -> None:
+    data = json.loads((ROOT / f"{name}.json").read_text())
+    head_dim = HEAD_DIMS[data["model"]]
     res = data["results"]
     base = next(r for r in res if r["label"] == "fp16")
     rows = []
     for r in res:
         r["bits_per_element_cache"] = 16 * r["cache_bytes_fp16"] / r["fp16_cache_bytes"]
-        r["bits_per_element_body"] = body_bits(r)
+        r["bits_per_element_body"] = body_bits(r, head_dim)
         rows.append([r["label"], r["spec"], f"{r['ppl']:.3f}",
                      f"{100 * (r['ppl'] / base['ppl'] - 1):+.2f}%",
                      f"{r['bits_per_element_cache']:.2f}", r["bits_per_element_body"],
                      f"{r['seconds']:.0f}"])
-    (ROOT / "ppl_methods.json").write_text(json.dumps(data, indent=1) + "\n")
+    (ROOT / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
     head = ["variant", "spec", "PPL", "vs fp16", "bits/elem (cache)", "bits/elem (body)", "s"]
-    md = (ROOT / "ppl_methods.md").read_text()
+    md = (ROOT / f"{name}.md").read_text()
     table = markdown_table(head, rows)
     marker = "\n## With effective bits per element\n"
     md = md.split(marker)[0].rstrip() + "\n" + marker + "\n" + table + "\n\n" + __doc__.split(
         "\n\n", 1)[1]
-    (ROOT / "ppl_methods.md").write_text(md)
+    (ROOT / f"{name}.md").write_text(md)
     print(table)
 
 
