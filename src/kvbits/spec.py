@@ -311,9 +311,12 @@ PRESETS: dict[str, QuantSpec] = {
     "k4v2": QuantSpec(key_bits=4, value_bits=2),
     "k8v4": QuantSpec(key_bits=8, value_bits=4),
 }
-# KVQuant: pre-RoPE keys, Fisher-weighted non-uniform codebooks, 1% outliers per vector; the
-# KIVI grouping (keys per channel over G tokens, values per token), residual and sink defaults.
-_KVQUANT = QuantSpec(method="kvquant", pre_rope=True, outliers=0.01)
+# KVQuant: pre-RoPE keys, Fisher-weighted non-uniform codebooks, 1% outliers per vector, the
+# first token kept in FP16 (attention sink, S=1: chosen by measurement in
+# benchmarks/results/ppl_kvquant_sinks.md; kvquant-2 on SmolLM2 +3.92% -> +1.45% vs FP16, more
+# FP16 recent tokens at the same bytes do not help, S=4/16 are not consistently better); the KIVI
+# grouping (keys per channel over G tokens, values per token) and residual.
+_KVQUANT = QuantSpec(method="kvquant", pre_rope=True, outliers=0.01, sink_tokens=1)
 for _b in (2, 3, 4):
     PRESETS[f"kvquant-{_b}"] = _KVQUANT.replace(key_bits=_b, value_bits=_b)
     PRESETS[f"kvquant-{_b}-dense"] = _KVQUANT.replace(key_bits=_b, value_bits=_b, outliers=0.0)

@@ -214,6 +214,9 @@ def test_kvquant_presets_and_validation():
                                                                            True, 0.01)
     assert s.n_outliers(64) == 1 and s.n_outliers(256) == 3 and s.calibrated
     assert PRESETS["kvquant-3-dense"].outliers == 0 and not PRESETS["kvquant-3-post"].pre_rope
+    # One attention-sink token in FP16 by default (benchmarks/results/ppl_kvquant_sinks.md).
+    assert {PRESETS[f"kvquant-{b}{v}"].sink_tokens for b in (2, 3, 4)
+            for v in ("", "-dense", "-post")} == {1}
     with pytest.raises(ValueError, match="outliers"):
         QuantSpec(method="kvquant", outliers=0.5)
     with pytest.raises(ValueError, match="codebook"):
