@@ -213,6 +213,26 @@ def _attend_fp16(q, k_base, v_base, lo, hi, pos0, pos, start, length, window, m_
 
 
 @triton.jit
+def _body_tile(c_base, s_base, z_base, cb_ptr, oi_base, ov_base, g0, g_hi, offs_t, offs_d, d_ok,
+               PER_TOKEN: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, GPT: tl.constexpr,
+               D: tl.constexpr, GS: tl.constexpr, EVEN_D: tl.constexpr, USE_PRMT: tl.constexpr,
+               CB: tl.constexpr, NOUT: tl.constexpr):
+    """Dequantized float16 body tile ``[GPT * G, BLOCK_D]`` of keys or values: ``code * scale +
+    zero`` (with ``CB``, the head's codebook entry in place of the code), plus ``NOUT`` outlier
+    corrections per token."""
+    sc, ze = _scale_tile(s_base, z_base, g0, g_hi, offs_t, offs_d, d_ok, PER_TOKEN, G, GPT, D, GS,
+                         EVEN_D)
+    codes = _group_codes(c_base, g0, g_hi, offs_d, d_ok, BITS, G, GPT, D, EVEN_D)
+    if CB:  # KVQuant: codes index the head's codebook (in code units)
+        x = _lookup(codes, cb_ptr, 1 << BITS) * sc + ze
+    else:
+        x = _codes_to_f16(codes, USE_PRMT) * sc + ze
+    if NOUT > 0:
+        x = _add_outliers(x, oi_base, ov_base, offs_t, g_hi * G, offs_d, NOUT)
+    return x
+
+
+@triton.jit
 def _decode_kernel(
     Q, Out, Lse,
     SinkK, SinkV, ResK, ResV,
@@ -289,18 +309,10 @@ def _decode_kernel(
                 k = _fp8_tile(kc_base, offs_t, g_hi, offs_d, d_ok, G, D, EVEN_D)
                 sc = tl.dot(q, tl.trans(k.to(Q.dtype.element_ty))) * k_mult
             else:
-                # K tile [N, D] = code * scale + zero.
-                k_s, k_z = _scale_tile(ks_base, kz_base, g0, g_hi, offs_t, offs_d, d_ok,
-                                       K_PER_TOKEN, G, GPT, D, GK, EVEN_D)
-                kc = _group_codes(kc_base, g0, g_hi, offs_d, d_ok, KBITS, G, GPT, D, EVEN_D)
-                if K_CB:  # KVQuant: codes index the head's codebook (in code units)
-                    k = _lookup(kc, KCB + h * (1 << KBITS), 1 << KBITS) * k_s + k_z
-                else:
-                    k = _codes_to_f16(kc, USE_PRMT) * k_s + k_z
-                if K_OUT > 0:
-                    k = _add_outliers(k, KOI + bh64 * kout_cap * K_OUT,
-                                      KOV + bh64 * kout_cap * K_OUT, offs_t, g_hi * G, offs_d,
-                                      K_OUT)
+                k = _body_tile(kc_base, ks_base, kz_base, KCB + h * (1 << KBITS),
+                               KOI + bh64 * kout_cap * K_OUT, KOV + bh64 * kout_cap * K_OUT,
+                               g0, g_hi, offs_t, offs_d, d_ok, K_PER_TOKEN, KBITS, G, GPT, D,
+                               GK, EVEN_D, USE_PRMT, K_CB, K_OUT)
                 if PRE_ROPE:  # keys stored before RoPE: rotate at their positions
                     k = _rope(k, sink_len + offs_t - start, InvFreq)
                 sc = tl.dot(q, tl.trans(k.to(Q.dtype.element_ty)))  # [M, N]
@@ -317,18 +329,10 @@ def _decode_kernel(
             if FP8:  # the value multiplier scales the finished partial output instead
                 v = _fp8_tile(vc_base, offs_t, g_hi, offs_d, d_ok, G, D, EVEN_D)
             else:
-                # V tile [N, D], the same way.
-                v_s, v_z = _scale_tile(vs_base, vz_base, g0, g_hi, offs_t, offs_d, d_ok,
-                                       V_PER_TOKEN, G, GPT, D, GV, EVEN_D)
-                vc = _group_codes(vc_base, g0, g_hi, offs_d, d_ok, VBITS, G, GPT, D, EVEN_D)
-                if V_CB:
-                    v = _lookup(vc, VCB + h * (1 << VBITS), 1 << VBITS) * v_s + v_z
-                else:
-                    v = _codes_to_f16(vc, USE_PRMT) * v_s + v_z
-                if V_OUT > 0:
-                    v = _add_outliers(v, VOI + bh64 * vout_cap * V_OUT,
-                                      VOV + bh64 * vout_cap * V_OUT, offs_t, g_hi * G, offs_d,
-                                      V_OUT)
+                v = _body_tile(vc_base, vs_base, vz_base, VCB + h * (1 << VBITS),
+                               VOI + bh64 * vout_cap * V_OUT, VOV + bh64 * vout_cap * V_OUT,
+                               g0, g_hi, offs_t, offs_d, d_ok, V_PER_TOKEN, VBITS, G, GPT, D,
+                               GV, EVEN_D, USE_PRMT, V_CB, V_OUT)
             acc = acc * alpha[:, None] + tl.dot(p.to(Q.dtype.element_ty), v.to(Q.dtype.element_ty))
     else:
         # FP16 tokens: index i < sink_len is sink token i, else residual token i - sink_len.
