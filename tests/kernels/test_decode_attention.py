@@ -600,3 +600,23 @@ def test_kvquant_pre_rope_changes_the_answer():
     with_rope = kern(q, kv, scale=0.125)
     kv.rope_inv_freq = None
     assert (with_rope.float() - kern(q, kv, scale=0.125).float()).abs().max() > 1e-2
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["uniform-token-token", "uniform-token-channel", "fp8",
+                                    "kvquant-3-prerope-out2", "kvquant-2-dense"])
+def test_realistic_sizes_other_layouts(layout):
+    # Llama-3-8B-like step (8 KV heads x 4 query heads, D=128) at 8k body tokens for each layout
+    # the kernel reads besides KIVI; compiled for the GPU, compared with the float32 reference.
+    c = Case(kb=3 if "kvquant-3" in layout else 2, vb=3 if "kvquant-3" in layout else 2, G=32,
+             D=128, B=2, Hkv=8, HG=4, Lq=2, S=4, body=8192, res=100,
+             lengths=(8192 + 104, 5000), starts=(0, 333), seed=len(layout))
+    if layout.startswith("uniform"):
+        _, k_axis, v_axis = layout.split("-")
+        kv = _axes_kv(c, k_axis, v_axis)
+    elif layout == "fp8":
+        kv = _fp8_kv(c)
+    else:
+        kv = _kvquant_kv(c, 2 if "out2" in layout else 0, "prerope" in layout)
+    run_case(c, kv=kv)
