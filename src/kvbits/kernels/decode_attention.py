@@ -163,15 +163,23 @@ def _add_outliers(x, idx_base, val_base, offs_t, t_end, offs_d, NOUT: tl.constex
 
 
 @triton.jit
-def _rope(k, pos, inv_freq_ptr):
-    """RoPE (transformers' rotate-half convention) of a dequantized key tile ``k [N, D]`` at
-    positions ``pos [N]``: channel ``i`` pairs with ``i + D/2`` at angle ``pos * inv_freq[i]``,
-    computed in float32."""
+def _rope(k, pos0, inv_freq_ptr, table_ptr):
+    """RoPE (transformers' rotate-half convention) of a dequantized key tile ``k [N, D]`` whose
+    rows sit at consecutive positions ``pos0 + j``: channel ``i`` pairs with ``i + D/2`` at angle
+    ``(pos0 + j) * inv_freq[i]``, in float32. Angle addition keeps transcendentals per tile, not
+    per element: ``cos/sin(pos0 * f)`` are computed for the ``D/2`` frequencies and combined with
+    the fixed ``cos/sin(j * f)`` table (``[2, N, D/2]`` float32, L1-resident)."""
     N: tl.constexpr = k.shape[0]
     HALF: tl.constexpr = k.shape[1] // 2
-    ang = pos.to(tl.float32)[:, None] * tl.load(inv_freq_ptr + tl.arange(0, HALF))[None, :]
-    cos = tl.cos(ang)
-    sin = tl.sin(ang)
+    offs_i = tl.arange(0, HALF)
+    a0 = pos0.to(tl.float32) * tl.load(inv_freq_ptr + offs_i)
+    c0 = tl.cos(a0)[None, :]
+    s0 = tl.sin(a0)[None, :]
+    tj = (tl.arange(0, N) * HALF)[:, None] + offs_i[None, :]
+    cj = tl.load(table_ptr + tj)
+    sj = tl.load(table_ptr + N * HALF + tj)
+    cos = c0 * cj - s0 * sj
+    sin = s0 * cj + c0 * sj
     a, b = tl.split(tl.permute(tl.reshape(k.to(tl.float32), [N, 2, HALF]), (0, 2, 1)))
     rot = tl.join(a * cos - b * sin, b * cos + a * sin)  # [N, HALF, 2]
     return tl.reshape(tl.permute(rot, (0, 2, 1)), [N, 2 * HALF]).to(tl.float16)
@@ -237,7 +245,7 @@ def _decode_kernel(
     Q, Out, Lse,
     SinkK, SinkV, ResK, ResV,
     KC, KS, KZ, VC, VS, VZ,
-    KCB, VCB, KOI, KOV, VOI, VOV, InvFreq,
+    KCB, VCB, KOI, KOV, VOI, VOV, InvFreq, RopeTable,
     Starts, Lens,
     qk_scale, window,
     sink_len, body_len, res_len,
@@ -314,7 +322,7 @@ def _decode_kernel(
                                g0, g_hi, offs_t, offs_d, d_ok, K_PER_TOKEN, KBITS, G, GPT, D,
                                GK, EVEN_D, USE_PRMT, K_CB, K_OUT)
                 if PRE_ROPE:  # keys stored before RoPE: rotate at their positions
-                    k = _rope(k, sink_len + offs_t - start, InvFreq)
+                    k = _rope(k, sink_len + g0 * G - start, InvFreq, RopeTable)
                 sc = tl.dot(q, tl.trans(k.to(Q.dtype.element_ty)))  # [M, N]
             # Only tiles at the edges (padding, sequence end, window, last partial step) need the
             # per-element mask; rows past the real query rows are dropped at the store.
@@ -494,7 +502,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
         kv.sink_k, kv.sink_v, kv.res_k, kv.res_v,
         kv.k_codes, kv.k_scale, k_zero, kv.v_codes, kv.v_scale, v_zero,
         arg(kcb, torch.float32), arg(vcb, torch.float32), arg(koi), arg(kov), arg(voi), arg(vov),
-        arg(inv_freq, torch.float32),
+        arg(inv_freq, torch.float32), _rope_table(inv_freq, GPT * G) if inv_freq is not None else q,
         starts, lengths,
         scale * LOG2E, int(window) if window is not None else 0,
         kv.sink_len, kv.body_len, kv.res_len,
@@ -518,6 +526,21 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     _merge_kernel[(B * Hq * Lq,)](out, lse, o, n_total, D=D, BLOCK_D=BLOCK_D,
                                   BLOCK_S=max(2, _next_pow2(n_total)))
     return o
+
+
+def _rope_table(inv_freq: torch.Tensor, n: int) -> torch.Tensor:
+    """``[2, n, D/2]`` float32 ``cos/sin(j * inv_freq)`` for the offsets ``j`` of a body tile,
+    built once and kept on the frequency tensor itself (a layer's store passes the same tensor
+    every step), so it can never outlive or mismatch the frequencies it was made from."""
+    tables = getattr(inv_freq, "_kvbits_rope_tables", None)
+    if tables is None:
+        tables = {}
+        inv_freq._kvbits_rope_tables = tables
+    if n not in tables:
+        ang = torch.arange(n, device=inv_freq.device, dtype=torch.float64)[:, None] \
+            * inv_freq.double()[None, :]
+        tables[n] = torch.stack([ang.cos(), ang.sin()]).float().contiguous()
+    return tables[n]
 
 
 def _use_prmt(device: torch.device) -> bool:
