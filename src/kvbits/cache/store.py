@@ -52,6 +52,7 @@ class LayerStore:
         self.dtype, self.device = dtype, torch.device(device)
         self.value_group = spec.value_group(head_dim)
         self.starts = torch.zeros(batch, dtype=torch.int32, device=self.device)
+        self._pad_end = 0  # host-side bound: no sequence has padding at positions >= this
         self._dense = None  # reference path only: see _dense_body
         self.sink_len = self.body_len = self.res_len = 0
         B, H, D = batch, kv_heads, head_dim
@@ -203,6 +204,8 @@ class LayerStore:
     def set_padding(self, starts: torch.Tensor) -> None:
         """Record left padding: sequence ``b`` has padding at positions ``< starts[b]``."""
         self.starts = starts.to(device=self.device, dtype=torch.int32)
+        # One host read here (at prefill) spares one per flush during decode.
+        self._pad_end = int(self.starts.max()) if self.starts.numel() else 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor, flush: bool = True) -> None:
         """Add ``k, v [B, H, T, D]`` at the end of every sequence.
@@ -246,10 +249,11 @@ class LayerStore:
             return
         n = n_groups * G
         k, v = self.res_k[:, :, :n], self.res_v[:, :, :n]
-        positions = self.sink_len + self.body_len + torch.arange(n, device=self.device)
-        valid = positions[None, :] >= self.starts[:, None]  # [B, n]
-        valid = None if bool(valid.all()) else valid
         first = self.sink_len + self.body_len
+        valid = None  # past every sequence's padding: no mask, and no device->host sync
+        if first < self._pad_end:
+            positions = first + torch.arange(n, device=self.device)
+            valid = positions[None, :] >= self.starts[:, None]  # [B, n]
         if self.inv_freq is not None:  # pre-RoPE keys: undo the model's rotation
             pos = ref_rope.token_positions(self.starts, first, n)
             k = ref_rope.unrotate(k, pos, self.inv_freq)
