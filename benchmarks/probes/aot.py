@@ -5,10 +5,16 @@
 ``summarize`` prints registers, shared memory, spills and the instruction mix, from the
 ``cuobjdump`` that ships in Triton's wheel. ``python benchmarks/probes/aot.py`` summarises the
 decode kernel at a few configurations."""
-import collections, os, re, subprocess, sys, tempfile
+import collections
+import importlib
+import os
+import re
+import subprocess
+import tempfile
+
 import triton
 from triton.backends.compiler import GPUTarget
-import importlib, os
+
 da = importlib.import_module(os.environ.get('DA', 'kvbits.kernels.decode_attention'))
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")

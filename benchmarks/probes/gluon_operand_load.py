@@ -1,12 +1,13 @@
 """Probe: can Gluon load packed words straight into an MMA operand layout and unpack there?"""
-import sys, re, collections, subprocess, tempfile, os
+import sys
+
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 import triton
+from aot import summarize
+from triton.backends.compiler import GPUTarget
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-from triton.backends.compiler import GPUTarget
-from aot import summarize
 
 
 @gluon.jit

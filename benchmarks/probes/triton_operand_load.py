@@ -1,7 +1,11 @@
-import sys, re
+import re
+import sys
+
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-import triton, triton.language as tl
+import triton
+import triton.language as tl
 from aot import compile_kernel, summarize
+
 
 @triton.jit
 def probe(Q, KW, Out, n_iter, D: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr, TRANSPOSED: tl.constexpr):
