@@ -2,13 +2,13 @@
 
 Stage 1, grid ``(B * Hkv * m_tiles, body_splits + fp_splits)``: each program owns one KV head of
 one sequence and a contiguous range of tokens. A body program loads whole key groups of packed
-codes (``[groups, words, D]`` int32), unpacks every slot with one shift (the slot-major layout of
-:mod:`kvbits.formats.packing` makes the unpacked slots contiguous token ranges, so the tile is a
-reshape that merges leading dims), dequantizes in registers, and computes the scores of *all*
-query rows of the GQA group with one ``tl.dot``; values are dequantized as ``V^T [D, tokens]`` the
-same way along channels. An FP16 program does the same over the sink and residual. Everything is
-computed transposed (``S^T = K Q^T``, ``O^T += V^T P^T``) so that both packed axes unpack into the
-leading dimension. Each program writes its normalised partial output and log-sum-exp (base 2).
+codes as contiguous word rows, unpacks every slot with one shift (the slot-major layout of
+:mod:`kvbits.formats.packing` makes the unpacked slots contiguous token ranges, so the tile
+``[tokens, D]`` is a reshape that merges leading dims), dequantizes K and V in registers (scales
+on either axis, FP8, or KVQuant codebooks, outliers and pre-RoPE keys), and computes the scores
+of *all* query rows of the GQA group with one ``tl.dot``, then ``P V`` with another. An FP16
+program does the same over the sink and residual. Each program writes its normalised partial
+output and log-sum-exp (base 2).
 
 Stage 2 merges the splits with the usual log-sum-exp weights.
 
@@ -57,17 +57,17 @@ def _group_codes(base, g0, g_end, offs_d, d_ok, BITS: tl.constexpr, G: tl.conste
     """Codes of ``GPT`` groups from group ``g0`` as int8 ``[GPT * G, BLOCK_D]`` in token order.
 
     Slot-major packing makes slot ``s`` of the W words of a group the tokens ``[s * W, (s + 1) *
-    W)``, so unpacking is one broadcast shift and a reshape that merges leading dims. The codes
-    stay int8 until after that reshape: the layout change the MMA operand needs then moves one
-    byte per element through shared memory instead of two (see :func:`_codes_to_f16`). The word
-    rows of the step are contiguous, so the loads vectorize; rows of groups at or past ``g_end``
-    are masked. Offsets are int32 within one (sequence, head) slice whose base the caller made
-    int64."""
+    W)``, so unpacking is one broadcast shift and a reshape that merges leading dims, done while
+    the codes are int8 (a quarter of the register bytes of int32). The word rows of the step are
+    contiguous, so the loads vectorize; rows of groups at or past ``g_end`` are masked. Offsets
+    are int32 within one (sequence, head) slice whose base the caller made int64."""
+    BLOCK_D: tl.constexpr = offs_d.shape[0]
     if BITS == 3:
         W3: tl.constexpr = G // 32  # words per plane per group
         rows = (g0 + tl.arange(0, GPT))[:, None] * (3 * W3) + tl.arange(0, W3)[None, :]
-        row_ok = (rows < g_end * (3 * W3))[:, :, None]
-        mask = row_ok & d_ok[None, None, :]
+        mask = (rows < g_end * (3 * W3))[:, :, None]
+        if not EVEN_D:
+            mask = mask & d_ok[None, None, :]
         ptrs = base + rows[:, :, None] * D + offs_d[None, None, :]
         slot = tl.arange(0, 32)[None, :, None, None]
         p0 = tl.load(ptrs, mask=mask, other=0)[:, None, :, :]
@@ -78,16 +78,14 @@ def _group_codes(base, g0, g_end, offs_d, d_ok, BITS: tl.constexpr, G: tl.conste
         W: tl.constexpr = G * BITS // 32
         SLOTS: tl.constexpr = 32 // BITS
         rows = g0 * W + tl.arange(0, GPT * W)  # contiguous rows: vector loads
-        if EVEN_D:
-            words = tl.load(base + rows[:, None] * D + offs_d[None, :],
-                            mask=(rows < g_end * W)[:, None], other=0)
-        else:
-            words = tl.load(base + rows[:, None] * D + offs_d[None, :],
-                            mask=(rows < g_end * W)[:, None] & d_ok[None, :], other=0)
-        words = tl.reshape(words, [GPT, 1, W, D if EVEN_D else offs_d.shape[0]])
+        mask = (rows < g_end * W)[:, None]
+        if not EVEN_D:
+            mask = mask & d_ok[None, :]
+        words = tl.load(base + rows[:, None] * D + offs_d[None, :], mask=mask, other=0)
+        words = tl.reshape(words, [GPT, 1, W, BLOCK_D])
         shift = (tl.arange(0, SLOTS) * BITS)[None, :, None, None]
         codes = (words >> shift) & ((1 << BITS) - 1)  # [GPT, SLOTS, W, D]
-    return tl.reshape(codes.to(tl.int8), [GPT * G, offs_d.shape[0]])
+    return tl.reshape(codes.to(tl.int8), [GPT * G, BLOCK_D])
 
 
 @triton.jit
