@@ -109,7 +109,8 @@ class PackedKV:
     @property
     def is_plain(self) -> bool:
         """Plain KIVI body (uniform codes, keys per-channel, values per-token, no outliers,
-        post-RoPE keys, integer codes): what the fused decode kernel reads today."""
+        post-RoPE keys, integer codes). Which layers the fused decode kernel reads is decided by
+        :func:`kvbits.kernels.decode_attention.reads` (all of these and more)."""
         return (all(x is None for x in (self.k_codebook, self.v_codebook, self.k_out_idx,
                                         self.v_out_idx, self.rope_inv_freq))
                 and self.key_axis == "channel" and self.value_axis == "token" and not self.fp8)
