@@ -309,16 +309,31 @@ class LayerStore:
         """``n`` residual tokens went to the body: shift the residual."""
         self.body_len += n
         rest = self.res_len - n
-        # Steady state needs R + G residual slots; a prompt leaves a prompt-sized buffer, so
-        # shrink it rather than keep FP16 capacity for the whole prompt alive.
-        keep = max(rest, self.spec.residual_length + self.spec.group_size, 16)
-        if self.res_k.shape[2] > 2 * keep:
-            self.res_k = self.res_k[:, :, n:n + keep].clone()
-            self.res_v = self.res_v[:, :, n:n + keep].clone()
+        # A prompt leaves a prompt-sized FP16 buffer: shrink it (in the same copy as the shift)
+        # rather than keep FP16 capacity for the whole prompt alive.
+        if self.res_k.shape[2] > 2 * self._residual_keep(rest):
+            self._set_residual(n, rest)
         else:
             self.res_k[:, :, :rest] = self.res_k[:, :, n:self.res_len].clone()
             self.res_v[:, :, :rest] = self.res_v[:, :, n:self.res_len].clone()
-        self.res_len = rest
+            self.res_len = rest
+
+    def _residual_keep(self, held: int) -> int:
+        """Residual capacity worth keeping: what it holds, at least the R + G slots of decode."""
+        return max(held, self.spec.residual_length + self.spec.group_size, 16)
+
+    def _set_residual(self, first: int, held: int) -> None:
+        """Reallocate the residual to the minimal capacity, keeping tokens ``first .. +held``."""
+        keep = self._residual_keep(held)
+        self.res_k = self.res_k[:, :, first:first + keep].clone()
+        self.res_v = self.res_v[:, :, first:first + keep].clone()
+        self.res_len = held
+
+    def compact_residual(self) -> None:
+        """Shrink the FP16 residual buffers to ``max(held, R + G)`` tokens of capacity when they
+        are larger (e.g. after a caller pre-sized them for a long fill)."""
+        if self.res_k.shape[2] > self._residual_keep(self.res_len):
+            self._set_residual(0, self.res_len)
 
     # ------------------------------------------------------------------ edits
     def reorder(self, index: torch.Tensor) -> None:

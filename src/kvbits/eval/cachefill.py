@@ -77,10 +77,9 @@ def presize_store(store, tokens: int, residual: int = 0) -> None:
     """Allocate the packed-body buffers of a kvbits ``LayerStore`` for ``tokens`` tokens, and the
     FP16 residual for ``residual`` tokens, up front (empty buffers only grow).
 
-    ``LayerStore`` grows a buffer geometrically (to twice its capacity) when an append does not
-    fit, and never shrinks the residual buffer, which after a prefill keeps the capacity of the
-    whole prompt in FP16. A serving engine that knows the final length allocates once; this is
-    that allocation. The values still go through ``append``/``flush`` unchanged.
+    ``LayerStore`` grows a buffer by 1/8 when an append does not fit (each growth copies it); a
+    serving engine that knows the final length allocates once, and this is that allocation. The
+    values still go through ``append``/``flush`` unchanged.
     """
     spec = store.spec
     G = spec.group_size
@@ -106,16 +105,9 @@ def presize_store(store, tokens: int, residual: int = 0) -> None:
 
 
 def compact_residual(store) -> None:
-    """Shrink the FP16 residual buffers of a ``LayerStore`` to ``R + G`` tokens of capacity
-    (what decoding one token at a time ever needs) when they are larger, e.g. after a prefill."""
-    cap = max(store.res_len, store.spec.residual_length + store.spec.group_size)
-    for name in ("res_k", "res_v"):
-        buf = getattr(store, name)
-        if buf.shape[2] > cap:
-            new = torch.empty(*buf.shape[:2], cap, *buf.shape[3:], dtype=buf.dtype,
-                              device=buf.device)
-            new[:, :, :store.res_len] = buf[:, :, :store.res_len]
-            setattr(store, name, new)
+    """Shrink the FP16 residual buffers of a ``LayerStore`` to ``R + G`` tokens of capacity (what
+    decoding one token at a time ever needs) when they are larger, e.g. after a pre-sized fill."""
+    store.compact_residual()
 
 
 def chunks(n: int, size: int) -> Iterable[tuple[int, int]]:
