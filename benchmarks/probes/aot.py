@@ -4,7 +4,9 @@
 ``*_cap`` / ``*_slice`` integers get the 16-divisibility the JIT specializes at run time);
 ``summarize`` prints registers, shared memory, spills and the instruction mix, from the
 ``cuobjdump`` that ships in Triton's wheel. ``python benchmarks/probes/aot.py`` summarises the
-decode kernel at a few configurations."""
+decode kernel at a few configurations; ``AOT_SET=kvquant`` (env) instead compares KVQuant layers
+(codebooks, outliers, pre-RoPE keys; 3 bits, D=128, tile 128) with plain KIVI, adding the size of
+the largest loop (the body loop: warp-instructions per tile step)."""
 import collections
 import importlib
 import os
@@ -46,10 +48,39 @@ SIG = {"KCB": "*fp32", "VCB": "*fp32", "KOI": "*u8", "KOV": "*fp16", "VOI": "*u8
        "qk_scale": "fp32", "window": "i32"} | {n: "i32" for n in ["sink_len","body_len","res_len","sink_cap","res_cap","kc_cap","ks_slice","vc_cap","vs_slice",
        "Hkv","Lq","m_tiles","n_body_splits","groups_per_split","fp_per_split"]}
 
+def loop_size(sass):
+    """Instructions in the largest backward-branch span of a SASS dump (the hot loop)."""
+    best = 0
+    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:!?U?P\w+,\s*)?0x([0-9a-f]+)", sass):
+        here, target = int(m.group(1), 16), int(m.group(2), 16)
+        if target < here:
+            best = max(best, (here - target) // 16 + 1)
+    return best
+
+# name: (KBITS, VBITS, K_CB/V_CB, K_OUT/V_OUT, PRE_ROPE)
+KVQ_SET = {"kivi-2": (2, 2, False, 0, False), "kivi-3": (3, 3, False, 0, False),
+           "kvquant-3 cb": (3, 3, True, 0, False), "kvquant-3 cb+out2": (3, 3, True, 2, False),
+           "kvquant-3 cb+rope": (3, 3, True, 0, True),
+           "kvquant-3 cb+out2+rope": (3, 3, True, 2, True),
+           "kvquant-2 cb+out2+rope": (2, 2, True, 2, True),
+           "kvquant-4 cb+out2+rope": (4, 4, True, 2, True)}
+
 if __name__ == "__main__":
     import inspect
     params = inspect.signature(da._decode_kernel.fn).parameters
-    sig = {k: v for k, v in SIG.items() if k in params}
+    # Run-time arguments SIG does not name (a kernel newer than this probe) are taken as i32.
+    sig = {k: SIG.get(k, "i32") for k, p in params.items()
+           if "constexpr" not in str(p.annotation)}
+    if os.environ.get("AOT_SET") == "kvquant":
+        for name, (kb, vb, cb, nout, rope) in KVQ_SET.items():
+            cx = {"HG": 4, "D": 128, "BLOCK_D": 128, "BLOCK_M": 16, "KBITS": kb, "VBITS": vb,
+                  "G": 32, "GPT": 4, "GK": 32, "GV": 32, "K_PER_TOKEN": False,
+                  "V_PER_TOKEN": True, "BLOCK_FP": 64, "HAS_WINDOW": False, "EVEN_D": True,
+                  "USE_PRMT": True, "FP8": False, "HAS_STARTS": True, "HAS_LENS": True,
+                  "K_CB": cb, "V_CB": cb, "K_OUT": nout, "V_OUT": nout, "PRE_ROPE": rope}
+            sass = summarize(compile_kernel(da._decode_kernel, sig, cx), name)
+            print(f"    loop={loop_size(sass)}")
+        raise SystemExit
     for bits, tile, warps, D in [(2, 128, 4, 128), (4, 128, 4, 128), (2, 64, 4, 256)]:
         cx = dict(HG=4, D=D, BLOCK_D=D, BLOCK_M=16, KBITS=bits, VBITS=bits, G=32, GPT=tile // 32,
                   GK=32, GV=32, K_PER_TOKEN=False, V_PER_TOKEN=True,

@@ -21,11 +21,14 @@ import torch
 if not torch.cuda.is_available():  # before triton is imported anywhere
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import triton
+import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbits.formats.layout import PackedKV
 from kvbits.formats.packing import packed_length
+from kvbits.kernels.decode_attention import _lookup
 from kvbits.kernels.decode_attention import decode_attention as kernel
 from kvbits.reference.attention import decode_attention as reference
 from kvbits.reference.quant import quantize_keys, quantize_values
@@ -620,3 +623,31 @@ def test_realistic_sizes_other_layouts(layout):
     else:
         kv = _kvquant_kv(c, 2 if "out2" in layout else 0, "prerope" in layout)
     run_case(c, kv=kv)
+
+
+# The codebook lookup alone, exactly: every code of 2, 3 and 4 bits against the float16-rounded
+# table, per head. On a GPU this checks the PTX byte-permute tables (USE_PRMT), which the
+# interpreter cannot run; under the interpreter it checks the select chain.
+@triton.jit
+def _lookup_probe(C, CB, Out, NC: tl.constexpr, BLOCK: tl.constexpr, USE_PRMT: tl.constexpr):
+    h = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    c = tl.load(C + h * BLOCK + offs).to(tl.int8)
+    tile = tl.reshape(c, [BLOCK // 32, 32])
+    val = _lookup(tile, CB + h * NC, NC, USE_PRMT)
+    tl.store(Out + h * BLOCK + offs, tl.reshape(val, [BLOCK]))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_codebook_lookup_is_exact(bits):
+    from kvbits.kernels.decode_attention import _use_prmt
+
+    H, n, BLOCK = 3, 1 << bits, 1024
+    g = torch.Generator().manual_seed(bits)
+    cb = (torch.randn(H, n, generator=g) * 3).to(DEVICE)  # any float32 table, not just sorted
+    codes = torch.randint(0, n, (H, BLOCK), generator=g, dtype=torch.int32).to(DEVICE)
+    out = torch.empty(H, BLOCK, dtype=torch.float16, device=DEVICE)
+    _lookup_probe[(H,)](codes, cb, out, NC=n, BLOCK=BLOCK,
+                        USE_PRMT=_use_prmt(torch.device(DEVICE)))
+    want = torch.gather(cb.half(), 1, codes.long())
+    assert torch.equal(out, want)

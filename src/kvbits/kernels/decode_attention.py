@@ -138,13 +138,113 @@ def _fp8_tile(base, offs_t, g_hi, offs_d, d_ok, G: tl.constexpr, D: tl.constexpr
 
 
 @triton.jit
-def _lookup(c, cb_ptr, NC: tl.constexpr):
-    """int8 codes -> float16 codebook entries ``cb_ptr[code]`` (KVQuant's non-uniform levels,
-    in code units): a select per entry, 3 / 7 / 15 for 2 / 3 / 4 bits."""
-    ci = c.to(tl.int32) & 0xFF
-    val = tl.zeros(c.shape, dtype=tl.float16) + tl.load(cb_ptr).to(tl.float16)
-    for j in tl.static_range(1, NC):
-        val = tl.where(ci == j, tl.load(cb_ptr + j).to(tl.float16), val)
+def _cb_word(cb_ptr, j0: tl.constexpr, B: tl.constexpr, SHIFT: tl.constexpr):
+    """A ``prmt`` pool register: the ``B``-bit field at ``SHIFT`` (16, 0: a whole entry; 8, 0 or
+    8, 8: its low or high byte) of the float16 bits of codebook entries ``j0, j0 + 1, ...``,
+    packed from the low end of an int32 (2 or 4 entries).
+
+    The value is the same in every thread; the ``%laneid >> 5`` (always 0) added in PTX hides that
+    from ptxas, which otherwise keeps the table in uniform registers and copies it back into a
+    vector register before nearly every ``prmt`` (~240 extra instructions per 3-bit loop step)."""
+    offs = tl.arange(0, 32 // B)
+    e = tl.load(cb_ptr + j0 + offs).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    w = tl.sum(((e >> SHIFT) & ((1 << B) - 1)) << (B * offs), axis=0)
+    return tl.inline_asm_elementwise(
+        "{.reg .u32 l; mov.u32 l, %laneid; shr.u32 l, l, 5; add.u32 $0, $1, l;}", "=r,r", [w],
+        dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _lookup(c, cb_ptr, NC: tl.constexpr, USE_PRMT: tl.constexpr):
+    """int8 codes ``c`` (0 .. NC - 1) -> float16 codebook entries ``cb_ptr[code]`` (KVQuant's
+    non-uniform levels in code units, float32 in memory, rounded to float16 here).
+
+    ``USE_PRMT`` (PTX, GPU only): the table lives in registers and a byte permute indexes it,
+    four codes (one int32 of packed int8 codes) per asm instance:
+
+    * 2 bits: the four entries are the eight bytes of two registers ``A | B``; the selector
+      nibbles ``(2c, 2c + 1)`` of each code (``c * 0x22 + 0x10`` per byte, one ``mad`` for four
+      codes) pick an entry's two bytes, so one ``prmt`` yields a half2: 4 instructions per four
+      codes, as many as the uniform ``_codes_to_f16``.
+    * 3 bits: the low bytes of the eight entries fill two registers and the high bytes two
+      more; selector nibbles ``(c, c)`` (``c * 0x11``) give ``[lo, lo, lo', lo']`` and
+      ``[hi, hi, hi', hi']``, one more ``prmt`` interleaves them: 8 instructions per four codes.
+    * 4 bits: the same for entries 0-7 and 8-15 (``c & 7``), then a ``lop3`` picks per code by
+      its bit 3, expanded to a 16-bit mask by ``prmt``'s sign-replicate mode: 20 per four.
+
+    Otherwise (the interpreter, CPU tests): a select per entry."""
+    if USE_PRMT:
+        z = tl.zeros(c.shape, dtype=tl.int32)
+        if NC == 4:
+            a = z + _cb_word(cb_ptr, 0, 16, 0)
+            b = z + _cb_word(cb_ptr, 2, 16, 0)
+            # $2: four codes; $3, $7: A, B (each int32 operand is passed once per packed element)
+            val = tl.inline_asm_elementwise(
+                "{.reg .b32 s;\n"
+                "mad.lo.u32 s, $2, 0x22, 0x10101010;\n"
+                "prmt.b32 $0, $3, $7, s;\n"
+                "shr.u32 s, s, 16;\n"
+                "prmt.b32 $1, $3, $7, s;}",
+                "=r,=r,r" + ",r" * 8, [c, a, b], dtype=tl.float16, is_pure=True, pack=4)
+        elif NC == 8:
+            l0 = z + _cb_word(cb_ptr, 0, 8, 0)
+            l1 = z + _cb_word(cb_ptr, 4, 8, 0)
+            h0 = z + _cb_word(cb_ptr, 0, 8, 8)
+            h1 = z + _cb_word(cb_ptr, 4, 8, 8)
+            # $3 $7: low bytes of entries 0-3, 4-7; $11 $15: high bytes.
+            val = tl.inline_asm_elementwise(
+                "{.reg .b32 s, lo, hi;\n"
+                "mul.lo.u32 s, $2, 0x11;\n"
+                "prmt.b32 lo, $3, $7, s;\n"
+                "prmt.b32 hi, $11, $15, s;\n"
+                "prmt.b32 $0, lo, hi, 0x7250;\n"
+                "shr.u32 s, s, 16;\n"
+                "prmt.b32 lo, $3, $7, s;\n"
+                "prmt.b32 hi, $11, $15, s;\n"
+                "prmt.b32 $1, lo, hi, 0x7250;}",
+                "=r,=r,r" + ",r" * 16, [c, l0, l1, h0, h1], dtype=tl.float16, is_pure=True,
+                pack=4)
+        else:
+            tl.static_assert(NC == 16, "codebooks of 2, 3 or 4 bits")
+            l0 = z + _cb_word(cb_ptr, 0, 8, 0)
+            l1 = z + _cb_word(cb_ptr, 4, 8, 0)
+            l2 = z + _cb_word(cb_ptr, 8, 8, 0)
+            l3 = z + _cb_word(cb_ptr, 12, 8, 0)
+            h0 = z + _cb_word(cb_ptr, 0, 8, 8)
+            h1 = z + _cb_word(cb_ptr, 4, 8, 8)
+            h2 = z + _cb_word(cb_ptr, 8, 8, 8)
+            h3 = z + _cb_word(cb_ptr, 12, 8, 8)
+            # $3 $7 $11 $15: low bytes of entries 0-3 .. 12-15; $19 $23 $27 $31: high bytes.
+            # m: 0xFFFF per half where the code's bit 3 is set (bit 3 moved to each byte's sign).
+            val = tl.inline_asm_elementwise(
+                "{.reg .b32 s, c4, lo, hi, e0, e1, m;\n"
+                "and.b32 s, $2, 0x07070707;\n"
+                "mul.lo.u32 s, s, 0x11;\n"
+                "shl.b32 c4, $2, 4;\n"
+                "prmt.b32 lo, $3, $7, s;\n"
+                "prmt.b32 hi, $19, $23, s;\n"
+                "prmt.b32 e0, lo, hi, 0x7250;\n"
+                "prmt.b32 lo, $11, $15, s;\n"
+                "prmt.b32 hi, $27, $31, s;\n"
+                "prmt.b32 e1, lo, hi, 0x7250;\n"
+                "prmt.b32 m, c4, 0, 0x9988;\n"
+                "lop3.b32 $0, e0, e1, m, 0xD8;\n"
+                "shr.u32 s, s, 16;\n"
+                "prmt.b32 lo, $3, $7, s;\n"
+                "prmt.b32 hi, $19, $23, s;\n"
+                "prmt.b32 e0, lo, hi, 0x7250;\n"
+                "prmt.b32 lo, $11, $15, s;\n"
+                "prmt.b32 hi, $27, $31, s;\n"
+                "prmt.b32 e1, lo, hi, 0x7250;\n"
+                "prmt.b32 m, c4, 0, 0xBBAA;\n"
+                "lop3.b32 $1, e0, e1, m, 0xD8;}",
+                "=r,=r,r" + ",r" * 32, [c, l0, l1, l2, l3, h0, h1, h2, h3], dtype=tl.float16,
+                is_pure=True, pack=4)
+    else:
+        ci = c.to(tl.int32) & 0xFF
+        val = tl.zeros(c.shape, dtype=tl.float16) + tl.load(cb_ptr).to(tl.float16)
+        for j in tl.static_range(1, NC):
+            val = tl.where(ci == j, tl.load(cb_ptr + j).to(tl.float16), val)
     return val
 
 
@@ -230,7 +330,7 @@ def _body_tile(c_base, s_base, z_base, cb_ptr, oi_base, ov_base, g0, g_hi, offs_
                          EVEN_D)
     codes = _group_codes(c_base, g0, g_hi, offs_d, d_ok, BITS, G, GPT, D, EVEN_D)
     if CB:  # KVQuant: codes index the head's codebook (in code units)
-        x = _lookup(codes, cb_ptr, 1 << BITS) * sc + ze
+        x = _lookup(codes, cb_ptr, 1 << BITS, USE_PRMT) * sc + ze
     else:
         x = _codes_to_f16(codes, USE_PRMT) * sc + ze
     if NOUT > 0:
