@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Perplexity through the cache for the method-breadth presets on SmolLM2-135M (held-out SOTU
 # 2010-2016, the settings of ppl_methods.sh, whose fp16 / kivi-2 / kivi-3 rows are the baselines):
-#   hadamard: kivi-{2,3}-had vs kivi-{2,3} at equal bits
+#   hadamard: kivi-{2,3}-had (every channel rotated) and kivi-{2,3}-hadc (channel subsets chosen
+#             per layer and KV head on 2048 tokens of SOTU 1900-1999) vs kivi-{2,3}, equal bits
 #   uniform:  the uniform method vs transformers' own QuantizedCache (quanto, HQQ per-token) at
 #             the same knobs (nbits, axis_key=axis_value=0 i.e. per-token, G=64, R=128)
 #   fp8:      e4m3 with dynamic (prompt amax) and calibrated (SOTU 1900-1999 amax) scales
@@ -25,7 +26,7 @@ run() {  # part, presets, hf variants
 }
 for part in $PARTS; do
   case $part in
-    hadamard) run hadamard kivi-3-had,kivi-2-had "" ;;
+    hadamard) run hadamard kivi-3-had,kivi-2-had,kivi-3-hadc,kivi-2-hadc "" ;;
     uniform) run uniform uniform-int2,uniform-int4 \
       "quanto:int2,quanto:int4,hqq:int2:axis_key=1,axis_value=1,hqq:int4:axis_key=1,axis_value=1" ;;
     fp8) run fp8 fp8-dynamic,fp8 "" ;;
@@ -35,7 +36,8 @@ for part in $PARTS; do
     qwen|gemma3)  # Hadamard on the other models (own fp16 / kivi baselines)
       model=$([ "$part" = qwen ] && echo qwen2.5-0.5b || echo gemma3-270m)
       kvbits ppl --model "$model" --text sotu-2010-2016 --tokens "$TOKENS" --chunk 256 \
-        --presets fp16,kivi-2,kivi-2-had,kivi-3,kivi-3-had \
+        --calib-tokens 2048 \
+        --presets fp16,kivi-2,kivi-2-had,kivi-2-hadc,kivi-3,kivi-3-had,kivi-3-hadc \
         --json "$OUT/ppl_breadth_$part.json" --md "$OUT/ppl_breadth_$part.md" --no-progress ;;
   esac
 done

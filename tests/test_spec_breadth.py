@@ -15,6 +15,10 @@ def test_presets():
     assert PRESETS["kivi-3-had"].hadamard and PRESETS["kivi-3-had"].key_bits == 3
     assert PRESETS["fp8"].calibrated and not PRESETS["fp8-dynamic"].calibrated
     assert "hadamard" in PRESETS["kivi-2-had"].describe()
+    c = PRESETS["kivi-2-hadc"]
+    assert c.hadamard and c.hadamard_calibrated and c.key_bits == 2 and not c.calibrated
+    assert c.describe().endswith("hadamard-calibrated")
+    assert QuantSpec.from_dict(c.to_dict()) == c
     assert "K:token V:token" in u.describe()
 
 
@@ -36,6 +40,9 @@ def test_hf_names():
     ({"method": "kvquant", "hadamard": True}, r"hadamard applies to methods"),
     ({"hadamard": True, "pre_rope": True}, r"cannot be combined with pre_rope"),
     ({"hadamard": 1}, r"hadamard must be True or False"),
+    ({"hadamard_calibrated": True}, r"hadamard_calibrated needs hadamard=True"),
+    ({"method": "fp8", "key_bits": 8, "value_bits": 8, "hadamard": True,
+      "hadamard_calibrated": True}, r"hadamard_calibrated needs hadamard=True and method"),
     ({"layer_bits": ((0, 5, 2),)}, r"layer_bits: key_bits of layer 0 must be one of 2, 3, 4, 8"),
     ({"layer_bits": ((0, 4),)}, r"integer triples"),
     ({"layer_bits": [(0, 4, 4)]}, r"must be tuples"),

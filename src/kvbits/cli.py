@@ -33,10 +33,10 @@ from .spec import PRESETS, QuantSpec, resolve_spec
 KVBITS_ALIASES = {"R": "residual_length", "G": "group_size", "S": "sink_tokens",
                   "K": "key_bits", "V": "value_bits", "O": "outliers", "P": "pre_rope"}
 KVBITS_FIELDS = ("key_bits", "value_bits", "group_size", "residual_length", "sink_tokens", "bits",
-                 "pre_rope", "outliers", "codebook", "qnorm", "fisher", "hadamard", "key_axis",
-                 "value_axis", "fp8_scale", "fp8_granularity", "nbits", "axis_key", "axis_value",
-                 "q_group_size")
-_BOOL_FIELDS = ("pre_rope", "qnorm", "fisher", "hadamard")
+                 "pre_rope", "outliers", "codebook", "qnorm", "fisher", "hadamard",
+                 "hadamard_calibrated", "key_axis", "value_axis", "fp8_scale", "fp8_granularity",
+                 "nbits", "axis_key", "axis_value", "q_group_size")
+_BOOL_FIELDS = ("pre_rope", "qnorm", "fisher", "hadamard", "hadamard_calibrated")
 _FLOAT_FIELDS = ("outliers",)
 _STR_FIELDS = ("codebook", "key_axis", "value_axis", "fp8_scale", "fp8_granularity")
 HF_ALIASES = {"R": "residual_length", "G": "q_group_size"}
@@ -162,6 +162,12 @@ def make_cache_factory(model, variant: Variant, calib_text: str = "sotu-pre-2000
         scales = auto_fp8_scales(model, variant.spec, text=calib_text, tokens=calib_tokens,
                                  log=_log)
         return lambda: KVBitsCache(model, variant.spec, calibration=scales)
+    if variant.spec.hadamard_calibrated:
+        from .methods.hadamard import auto_hadamard_channels
+
+        chans = auto_hadamard_channels(model, variant.spec, text=calib_text, tokens=calib_tokens,
+                                       log=_log)
+        return lambda: KVBitsCache(model, variant.spec, calibration=chans)
     if variant.spec.calibrated:
         from .methods.kvquant import auto_calibration
 
@@ -583,10 +589,10 @@ def _spec_options(p: argparse.ArgumentParser) -> None:
 PRESET_HELP = ("preset name ({}) or a spec file (.json, from kvbits tune), optionally with "
                "overrides PRESET:FIELD=VALUE,... where FIELD is "
                "key_bits, value_bits, bits, group_size, residual_length, sink_tokens, pre_rope, "
-               "outliers, codebook, qnorm, fisher, hadamard, key_axis, value_axis, fp8_scale, "
-               "fp8_granularity or transformers' nbits, axis_key, axis_value, q_group_size "
-               "(or K, V, G, R, S, P, O), e.g. kivi-2:R=0, kvquant-3:O=0.02, "
-               "uniform-int2:axis_key=-1").format(", ".join(PRESETS))
+               "outliers, codebook, qnorm, fisher, hadamard, hadamard_calibrated, key_axis, "
+               "value_axis, fp8_scale, fp8_granularity or transformers' nbits, axis_key, "
+               "axis_value, q_group_size (or K, V, G, R, S, P, O), e.g. kivi-2:R=0, "
+               "kvquant-3:O=0.02, uniform-int2:axis_key=-1").format(", ".join(PRESETS))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -100,3 +100,37 @@ def test_fp8_cache(model):
         KVBitsCache(model, "fp8")
     with pytest.raises(ValueError, match="calibration= applies to fp8_scale='calibrated'"):
         KVBitsCache(model, "fp8-dynamic", calibration=scales)
+
+
+def test_hadamard_calibrated_cache(model, tmp_path):
+    """kivi-2-hadc: channel subsets from calibration (post-RoPE q/k through the attention
+    interface); exact with every token FP; channels as a list, a file or refused when absent."""
+    from kvbits.methods.hadamard import (
+        calibrate_hadamard,
+        load_hadamard_channels,
+        save_hadamard_channels,
+    )
+
+    ids = _ids()
+    spec = resolve_spec("kivi-2-hadc")
+    chans = calibrate_hadamard(model, _ids(128), spec, window=64)
+    assert len(chans) == 4 and all(len(layer) == 2 for layer in chans)
+    for layer in chans:
+        for c in layer:
+            assert len(c) in (0, 8, 16, 32) and len(set(c)) == len(c)
+    assert model.config._attn_implementation != "kvbits_hadamard_calibrate"
+    want = _logits(model, DynamicCache(config=model.config), ids)
+    forced = [[list(range(16)), []] for _ in range(4)]  # make sure something rotates
+    got = _logits(model, KVBitsCache(model, spec, calibration=forced, residual_length=512), ids)
+    assert (got - want).abs().max() < 1e-4
+    q = _logits(model, KVBitsCache(model, spec, calibration=forced, residual_length=0), ids)
+    assert torch.isfinite(q).all()
+    assert (q - want).abs().mean() < 3 * (_logits(
+        model, KVBitsCache(model, "kivi-2", residual_length=0), ids) - want).abs().mean()
+    path = save_hadamard_channels(tmp_path / "c.json", chans, text="test")
+    assert load_hadamard_channels(path) == chans
+    KVBitsCache(model, spec, calibration=str(path))
+    with pytest.raises(ValueError, match="hadamard_calibrated needs the channel subsets"):
+        KVBitsCache(model, spec)
+    with pytest.raises(ValueError, match="Hadamard calibration has 3 layers"):
+        KVBitsCache(model, spec, calibration=chans[:3])

@@ -73,3 +73,99 @@ def test_rotation_shrinks_key_outlier_error():
         keys, _ = dequantize_layer(st.view())
         err[name] = (st.model_keys(keys) - k).pow(2).mean().item()
     assert err["kivi-2-had"] < err["kivi-2"], err
+
+
+# ------------------------------------------------------------------ calibrated channel subsets
+@pytest.mark.parametrize("d", [64, 128, 256, 80, 96])
+def test_subset_matrix_orthonormal_self_inverse(d):
+    from kvbits.reference.hadamard import subset_matrix
+
+    g = torch.Generator().manual_seed(d)
+    for n in (0, 8, 16, 32):
+        chans = torch.randperm(d, generator=g)[:n].tolist()
+        m = subset_matrix(d, chans).double()
+        assert torch.allclose(m, m.T) and torch.allclose(m @ m, torch.eye(d, dtype=torch.float64),
+                                                         atol=1e-6)
+        rest = sorted(set(range(d)) - set(chans))
+        assert torch.equal(m[rest][:, rest], torch.eye(len(rest), dtype=torch.float64))
+    with pytest.raises(ValueError, match="power-of-two size"):
+        subset_matrix(d, [0, 1, 2])
+    with pytest.raises(ValueError, match="distinct indices"):
+        subset_matrix(d, [0, 0])
+
+
+def test_per_head_store_is_exact_in_fp_with_gqa():
+    """Per-KV-head subsets (one head rotated, one not), 2 query heads per KV head: every token
+    FP, so the attention equals plain attention; quantized, the rotated head's keys differ."""
+    B, H, Hq, T, D = 1, 2, 4, 40, 64
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(B, H, T, D, generator=g) * 3, torch.randn(B, H, T, D, generator=g)
+    q = torch.randn(B, Hq, 3, D, generator=g)
+    chans = [list(range(8, 40)), []]
+    spec = resolve_spec("kivi-2-hadc", residual_length=64)
+    st = LayerStore(spec, B, H, D, torch.float32, "cpu", hadamard_channels=chans)
+    st.append(k, v)
+    keys, _ = dequantize_layer(st.view())
+    assert torch.allclose(keys[:, 1], k[:, 1]) and not torch.allclose(keys[:, 0], k[:, 0])
+    assert torch.allclose(st.model_keys(keys), k, atol=1e-5)
+    out = decode_attention(st.rotate_query(q), st.view(), scale=D ** -0.5)
+    ref = LayerStore(resolve_spec("kivi-2", residual_length=64), B, H, D, torch.float32, "cpu")
+    ref.append(k, v)
+    assert (out - decode_attention(q, ref.view(), scale=D ** -0.5)).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="needs the channels of each of the 2 KV heads"):
+        LayerStore(spec, B, H, D, torch.float32, "cpu")
+    none = LayerStore(spec, B, H, D, torch.float32, "cpu", hadamard_channels=[[], []])
+    assert none.hadamard is None  # nothing chosen: plain KIVI
+
+
+def _qk(anti: bool, seed: int = 4, D: int = 64, T: int = 512):
+    """Keys with 4 wide channels (range 30x the rest); queries weigh them (aligned) or weigh
+    the narrow channels only (anti-aligned, like Qwen2.5's first layer)."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(T, D, generator=g)
+    k[:, :4] *= 30
+    q = torch.randn(4 * T, D, generator=g)
+    if anti:
+        q[:, :4] *= 0.01
+    else:
+        q[:, 4:] *= 0.05
+    return q, k
+
+
+def test_choose_channels_rotates_only_when_it_lowers_the_error():
+    from kvbits.methods.hadamard import choose_channels, rotation_cost
+    from kvbits.reference.hadamard import subset_matrix
+
+    D = 64
+    for anti in (False, True):
+        q, k = _qk(anti)
+        chans = choose_channels(q, k, 32)
+        plain = rotation_cost(q, k, torch.eye(D), 32)
+        full = rotation_cost(q, k, hadamard_matrix(D), 32)
+        chosen = rotation_cost(q, k, subset_matrix(D, chans), 32)
+        assert chosen <= min(plain, full) + 1e-9
+        if anti:  # a full rotation spreads the wide channels where the queries look: worse
+            assert full > 2 * plain and not set(range(4)) & set(chans)
+        else:  # the queries read the wide channels: spreading them helps
+            assert full < plain and set(range(4)) <= set(chans) and chosen < 0.5 * plain
+
+
+def test_measured_key_score_error_follows_the_choice():
+    """The quantized store's real score error agrees with the proxy: on anti-aligned data the
+    full rotation is worse than plain KIVI, the calibrated subset is not."""
+    from kvbits.methods.hadamard import choose_channels
+
+    q, k = _qk(True, seed=5)
+    qc, kc = _qk(True, seed=6)  # calibration data: same statistics, other samples
+    chans = choose_channels(qc, kc, 32)
+    K = k[None, None]
+    err = {}
+    for name, kw in (("kivi-2", {}), ("kivi-2-had", {}),
+                     ("kivi-2-hadc", {"hadamard_channels": [chans]})):
+        st = LayerStore(resolve_spec(name, residual_length=0), 1, 1, 64, torch.float32, "cpu",
+                        **kw)
+        st.append(K, torch.zeros_like(K))
+        keys = st.model_keys(dequantize_layer(st.view())[0])[0, 0]
+        err[name] = ((q @ (keys - k).T) ** 2).mean().item()
+    assert err["kivi-2-had"] > 2 * err["kivi-2"], err
+    assert err["kivi-2-hadc"] <= 1.05 * err["kivi-2"], err

@@ -42,11 +42,14 @@ class LayerStore:
                  dtype: torch.dtype, device: torch.device | str,
                  codebooks: kvq.LayerCodebooks | None = None,
                  inv_freq: torch.Tensor | None = None,
-                 fp8_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 fp8_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 hadamard_channels: list | None = None):
         """``codebooks``: the layer's kvquant tables (uniform = KIVI codes when None);
         ``inv_freq [head_dim / 2]``: the layer's RoPE frequencies, needed when ``spec.pre_rope``;
         ``fp8_scales``: float32 ``(k_scale, v_scale)`` of shape ``[kv_heads]`` (dequant
-        multipliers) for ``fp8_scale="calibrated"``."""
+        multipliers) for ``fp8_scale="calibrated"``; ``hadamard_channels``: per KV head the
+        channels to rotate, for ``spec.hadamard_calibrated`` (see
+        :mod:`kvbits.methods.hadamard`)."""
         self.spec = spec
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
@@ -96,6 +99,13 @@ class LayerStore:
                 self._fp8_ready = True
         self.hadamard = (ref_hadamard.hadamard_matrix(D, self.device)
                          if spec.hadamard and spec.quantized else None)
+        if self.hadamard is not None and spec.hadamard_calibrated:
+            if hadamard_channels is None or len(hadamard_channels) != H:
+                raise ValueError("QuantSpec.hadamard_calibrated needs the channels of each of the "
+                                 f"{H} KV heads (KVBitsCache(model, spec, calibration='auto'))")
+            # [H, D, D]; None when no head rotates anything (plain KIVI for this layer)
+            self.hadamard = (ref_hadamard.head_matrices(D, hadamard_channels, self.device)
+                             if any(len(c) for c in hadamard_channels) else None)
         self.kvquant = spec.method == "kvquant"
         self.n_out = spec.n_outliers(D) if self.kvquant else 0
         self.codebooks = None
@@ -177,7 +187,10 @@ class LayerStore:
     def rotate_query(self, query: torch.Tensor) -> torch.Tensor:
         """``query [B, Hq, Lq, D]`` in the key space of the store: rotated like the keys when
         ``spec.hadamard`` (scores unchanged), else returned as is."""
-        return query if self.hadamard is None else ref_hadamard.rotate(query, self.hadamard)
+        if self.hadamard is None:
+            return query
+        return ref_hadamard.rotate(query, ref_hadamard.query_matrices(self.hadamard,
+                                                                      query.shape[1]))
 
     def model_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """Keys read from the store (e.g. :func:`dequantize_layer`) back in the model's space

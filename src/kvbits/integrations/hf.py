@@ -93,8 +93,10 @@ class KVBitsLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, spec: QuantSpec, sliding_window: int | None = None, cache=None,
-                 codebooks=None, inv_freq: torch.Tensor | None = None, fp8_scales=None):
+                 codebooks=None, inv_freq: torch.Tensor | None = None, fp8_scales=None,
+                 hadamard_channels=None):
         super().__init__()
+        self.hadamard_channels = hadamard_channels  # hadamard_calibrated: channels per KV head
         self.spec = spec
         self.codebooks = codebooks  # kvquant: this layer's LayerCodebooks
         self.fp8_scales = fp8_scales  # fp8 calibrated: this layer's (k_scale, v_scale) [H]
@@ -116,7 +118,8 @@ class KVBitsLayer(CacheLayerMixin):
         B, H, _, D = key_states.shape
         self.store = LayerStore(self.spec, B, H, D, key_states.dtype, key_states.device,
                                 codebooks=self.codebooks, inv_freq=self.inv_freq,
-                                fp8_scales=self.fp8_scales)
+                                fp8_scales=self.fp8_scales,
+                                hadamard_channels=self.hadamard_channels)
         self.device = key_states.device
         self.is_initialized = True
 
@@ -229,7 +232,9 @@ class KVBitsCache(Cache):
             (kvquant's outliers and pre-RoPE keys without codebooks). For ``fp8`` presets with
             calibrated scales: ``"auto"`` (per-head amax on SOTU 1900-1999, once per model),
             the path of a file from :func:`kvbits.methods.fp8.save_fp8_scales`, or the list of
-            per-layer ``(k_scale, v_scale)``.
+            per-layer ``(k_scale, v_scale)``. For ``hadamard_calibrated`` specs (``kivi-N-hadc``):
+            ``"auto"`` (channel subsets chosen on SOTU 1900-1999, once per model), a file from
+            :func:`kvbits.methods.hadamard.save_hadamard_channels` or the per-layer lists.
         **overrides: :class:`QuantSpec` fields replacing the preset's (``residual_length=0``, ...),
             or transformers' QuantizedCache names: ``KVBitsCache(model, "uniform", nbits=4,
             axis_key=0, axis_value=0, q_group_size=64, residual_length=128)``.
@@ -265,6 +270,13 @@ class KVBitsCache(Cache):
 
             fp8_scales = fp8_method.layer_scales(model_or_config, self.spec, calibration, n_layers)
             calibration = None
+        had_channels = [None] * n_layers
+        if self.spec.hadamard_calibrated:
+            from ..methods import hadamard as had_method
+
+            had_channels = had_method.layer_channels(model_or_config, self.spec, calibration,
+                                                     n_layers)
+            calibration = None
         codebooks = _layer_codebooks(model_or_config, self.spec, calibration,
                                      spec if isinstance(spec, str) else "", len(windows))
         inv_freqs = [None] * len(windows)
@@ -272,9 +284,10 @@ class KVBitsCache(Cache):
             from ..reference.rope import model_inv_freqs
 
             inv_freqs = model_inv_freqs(model_or_config)
-        layers = [KVBitsLayer(ls, window, cache=self, codebooks=cb, inv_freq=inv, fp8_scales=f8)
-                  for ls, window, cb, inv, f8 in zip(layer_specs, windows, codebooks, inv_freqs,
-                                                     fp8_scales)]
+        layers = [KVBitsLayer(ls, window, cache=self, codebooks=cb, inv_freq=inv, fp8_scales=f8,
+                              hadamard_channels=hc)
+                  for ls, window, cb, inv, f8, hc in zip(layer_specs, windows, codebooks,
+                                                         inv_freqs, fp8_scales, had_channels)]
         super().__init__(layers=layers)
         self.config = text_config
         self._model_config = None

@@ -6,6 +6,12 @@ attention score unchanged, ``(q H) . (k H) = q . k``, while a channel with large
 outlier) is spread over all channels before quantization. Head dimensions that are not a power of
 two (80, 96, ...) use a block-diagonal matrix of the largest power-of-two block dividing them
 (e.g. 96 = 3 blocks of 32, 80 = 5 of 16), still orthonormal and symmetric.
+
+Calibrated subsets (``QuantSpec.hadamard_calibrated``): :func:`subset_matrix` mixes only a chosen
+set of channels of one head (a Hadamard over them, identity elsewhere); it is still symmetric,
+orthonormal and its own inverse, so the same invariance holds. :func:`head_matrices` stacks one
+such matrix per KV head (``[H, D, D]``); :func:`rotate` broadcasts it over ``[B, H, T, D]`` and
+:func:`query_matrices` repeats it for the query heads of grouped-query attention.
 """
 
 from __future__ import annotations
@@ -47,5 +53,49 @@ def hadamard_matrix(head_dim: int, device=None) -> torch.Tensor:
 def rotate(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     """``x @ H`` over the last dimension, computed in float32, returned in ``x.dtype``.
 
-    ``H`` is its own inverse, so the same call undoes the rotation."""
+    ``matrix`` is ``[D, D]`` or per head ``[H, D, D]`` (``x [B, H, T, D]``). ``H`` is its own
+    inverse, so the same call undoes the rotation."""
     return (x.float() @ matrix).to(x.dtype)
+
+
+def _sylvester(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+def subset_matrix(head_dim: int, channels) -> torch.Tensor:
+    """float32 ``[head_dim, head_dim]``: a normalized Hadamard over ``channels`` (their count a
+    power of two, in the given order), identity on the other channels; no channel -> identity.
+
+    Symmetric and orthonormal (a permuted block-diagonal of a Hadamard and an identity), hence
+    its own inverse."""
+    chans = [int(c) for c in channels]
+    n = len(chans)
+    if len(set(chans)) != n or any(not 0 <= c < head_dim for c in chans):
+        raise ValueError(f"hadamard: channels must be distinct indices below head_dim "
+                         f"{head_dim}, got {chans}")
+    m = torch.eye(head_dim, dtype=torch.float64)
+    if n:
+        if n & (n - 1):
+            raise ValueError(f"hadamard: a channel subset must have a power-of-two size, got {n}")
+        idx = torch.tensor(chans)
+        m[idx[:, None], idx[None, :]] = _sylvester(n)
+    return m.float()
+
+
+def head_matrices(head_dim: int, subsets, device=None) -> torch.Tensor:
+    """float32 ``[H, D, D]``: :func:`subset_matrix` of each KV head's channel subset."""
+    return torch.stack([subset_matrix(head_dim, s) for s in subsets]).to(device)
+
+
+def query_matrices(matrix: torch.Tensor, q_heads: int) -> torch.Tensor:
+    """The rotation of ``q_heads`` query heads: ``matrix`` itself when it is one ``[D, D]``
+    matrix, else its per-KV-head ``[H, D, D]`` repeated for each group of query heads (GQA)."""
+    if matrix.dim() == 2:
+        return matrix
+    H = matrix.shape[0]
+    if q_heads % H:
+        raise ValueError(f"hadamard: {q_heads} query heads are not a multiple of {H} KV heads")
+    return matrix.repeat_interleave(q_heads // H, dim=0)

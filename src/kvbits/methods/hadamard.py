@@ -1,0 +1,201 @@
+"""Calibrated Hadamard channel subsets for per-channel (KIVI) key quantization.
+
+Why not rotate every channel: KIVI quantizes keys per channel over ``G`` tokens, so a channel's
+error is proportional to its own range. With query ``q`` the score error variance is about
+``sum_j E[q_j^2] * range_j^2``. A Hadamard over ``n`` channels replaces both factors by their
+block means, ``(sum q^2)(sum range^2) / n``: it lowers the error when the queries weigh the
+wide-range channels (the outliers get spread out) and raises it when they weigh the narrow ones
+(every channel inherits the outliers' range). On Qwen2.5-0.5B's first layer (k_proj bias,
+rotated by RoPE into channels of range ~300 that the queries barely read) a full rotation gives
+8x the score error of plain KIVI at 2 bits (benchmarks/results/ppl_breadth_qwen.md: kivi-3-had
++59% perplexity vs +0.7%).
+
+So per layer and KV head a short calibration text picks the channel subset to rotate:
+
+1. ``Q_c = E[q_c^2]`` over the head's query heads and ``s_c`` = mean within-group variance of
+   key channel ``c`` (groups of ``G`` tokens, as the quantizer sees them);
+2. greedily drop from the rotated set the channel whose removal lowers the variance model
+   ``sum_{c not in S} Q_c s_c + (sum_S Q)(sum_S s) / |S|`` most, recording the set at every
+   power-of-two size (a Hadamard needs one);
+3. keep, of those sets, no rotation and the full rotation, the one with the lowest measured
+   cost ``sum_j E[(qM)_j^2] * mean_groups(range_j(kM))^2`` on the calibration keys.
+
+The result (lists of channel indices per layer and head; an empty list = plain KIVI) does not
+depend on the bit width. Keys stay per-channel with FP16 scales/zeros and queries are rotated
+by the same (symmetric, orthonormal) matrix, so the kernels and the byte count are unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..reference import hadamard as ref_hadamard
+from ..spec import QuantSpec
+
+__all__ = ["auto_hadamard_channels", "calibrate_hadamard", "choose_channels", "collect_qk",
+           "layer_channels", "load_hadamard_channels", "rotation_cost",
+           "save_hadamard_channels"]
+
+FORMAT = "kvbits-hadamard-channels-1"
+_AUTO: dict = {}  # (id(model), group_size, text, tokens) -> channels
+
+
+def rotation_cost(q: torch.Tensor, k: torch.Tensor, matrix: torch.Tensor,
+                  group_size: int) -> float:
+    """Score-error proxy of per-channel key quantization after ``matrix``:
+    ``sum_j mean((q M)_j^2) * mean_groups(range_j(k M))^2`` for ``q [N, D]``, ``k [T, D]``
+    (the quantization step of channel j is its group range over ``2**bits - 1``: the bit width
+    only scales the cost)."""
+    m = matrix.to(torch.float64)
+    qm, km = q.double() @ m, k.double() @ m
+    t = km.shape[0] // group_size * group_size
+    if t == 0:
+        raise ValueError(f"rotation_cost: need at least group_size={group_size} key tokens")
+    kg = km[:t].reshape(-1, group_size, km.shape[1])
+    rng2 = (kg.amax(1) - kg.amin(1)).pow(2).mean(0)
+    return float((qm.pow(2).mean(0) * rng2).sum())
+
+
+def choose_channels(q: torch.Tensor, k: torch.Tensor, group_size: int = 32) -> list[int]:
+    """The channels of one KV head to rotate (see the module docstring): ``q [N, D]`` the
+    queries of its query heads, ``k [T, D]`` its keys (post-RoPE, as the cache stores them).
+    An empty list means no rotation."""
+    q, k = q.double(), k.double()
+    D = k.shape[1]
+    Q = q.pow(2).mean(0)
+    t = k.shape[0] // group_size * group_size
+    kg = k[:t].reshape(-1, group_size, D)
+    s = (kg - kg.mean(1, keepdim=True)).pow(2).mean((0, 1))
+    keep = torch.ones(D, dtype=torch.bool)
+    cands: list[list[int]] = [list(range(D))]
+    base = Q * s
+    n = D
+    while n > 8:  # smallest Hadamard block tried: 8 channels
+        # cost of S \ {c} for every c in S (vectorized): the dropped channel joins the plain part
+        qs, ss = Q[keep].sum(), s[keep].sum()
+        plain = base[~keep].sum()
+        cost = plain + base + (qs - Q) * (ss - s) / (n - 1)
+        cost[~keep] = torch.inf
+        keep[int(cost.argmin())] = False
+        n -= 1
+        if n & (n - 1) == 0:
+            cands.append(torch.nonzero(keep).flatten().tolist())
+    best, best_cost = [], rotation_cost(q, k, torch.eye(D, dtype=torch.float64), group_size)
+    for chans in cands:
+        c = rotation_cost(q, k, ref_hadamard.subset_matrix(D, chans), group_size)
+        if c < best_cost:
+            best, best_cost = chans, c
+    return best
+
+
+def _capture(store: dict):
+    """An attention function recording each layer's post-RoPE queries and keys, then SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def fn(module, query, key, value, attention_mask, **kwargs):
+        store[module.layer_idx] = (query.detach()[0].float().cpu(), key.detach()[0].float().cpu())
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return fn
+
+
+@torch.no_grad()
+def collect_qk(model, input_ids: torch.Tensor, window: int = 512) -> list:
+    """Per layer ``(Q [Hq, T, D], K [H, T, D])``, post-RoPE as attention sees them, over
+    ``input_ids [1, T]`` cut into windows of ``window`` tokens (each from position 0)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    name = "kvbits_hadamard_calibrate"
+    old_impl = model.config._attn_implementation
+    ids = input_ids.reshape(-1)
+    out: dict[int, list] = {}
+    try:
+        for w in range(max(1, ids.numel() // window)):
+            rec: dict[int, tuple] = {}
+            AttentionInterface.register(name, _capture(rec))
+            AttentionMaskInterface.register(name, sdpa_mask)
+            model.set_attn_implementation(name)
+            model(ids[w * window:(w + 1) * window][None].to(model.device), use_cache=False)
+            for i, qk in rec.items():
+                out.setdefault(i, []).append(qk)
+    finally:
+        model.set_attn_implementation(old_impl)
+    return [(torch.cat([p[0] for p in out[i]], 1), torch.cat([p[1] for p in out[i]], 1))
+            for i in sorted(out)]
+
+
+def calibrate_hadamard(model, input_ids: torch.Tensor, spec: QuantSpec,
+                       window: int = 512) -> list:
+    """Per layer, per KV head: the channels to rotate (:func:`choose_channels`) on
+    ``input_ids [1, T]``."""
+    out = []
+    for q, k in collect_qk(model, input_ids, window):
+        H, D = k.shape[0], k.shape[-1]
+        rep = q.shape[0] // H
+        out.append([choose_channels(q[h * rep:(h + 1) * rep].reshape(-1, D), k[h],
+                                    spec.group_size) for h in range(H)])
+    return out
+
+
+def save_hadamard_channels(path, channels: list, **info) -> Path:
+    """Write the per-layer, per-head channel lists as JSON (``info`` stored beside them)."""
+    path = Path(path)
+    path.write_text(json.dumps({"format": FORMAT, "layers": channels, "info": info}) + "\n")
+    return path
+
+
+def load_hadamard_channels(path) -> list:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read Hadamard channels from {str(path)!r}: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ValueError(f"{str(path)!r} is not a kvbits Hadamard channel file ({FORMAT})")
+    return doc["layers"]
+
+
+def auto_hadamard_channels(model, spec: QuantSpec, text: str = "sotu-pre-2000",
+                           tokens: int = 2048, log=None) -> list:
+    """Channels calibrated on ``text`` (SOTU 1900-1999 by default, disjoint from the evaluation
+    text), computed once per model and group size and kept in memory."""
+    key = (id(model), spec.group_size, text, tokens)
+    if key not in _AUTO:
+        from ..data import load_text, tokenize_text
+
+        tok = getattr(model, "_kvbits_tokenizer", None)
+        if tok is None:
+            raise ValueError("calibration='auto' needs the model's tokenizer: set "
+                             "model._kvbits_tokenizer (kvbits.data.load_model does) or pass the "
+                             "channels")
+        ids = tokenize_text(tok, load_text(text, log=log), tokens)
+        if log:
+            log(f"hadamard: choosing channel subsets on {ids.shape[1]} tokens of {text!r}")
+        _AUTO[key] = calibrate_hadamard(model, ids, spec)
+    return _AUTO[key]
+
+
+def layer_channels(model_or_config, spec: QuantSpec, calibration, n_layers: int) -> list:
+    """Per layer: the per-KV-head channel lists a ``hadamard_calibrated`` cache rotates (None
+    for other specs). ``calibration``: ``"auto"``, a list from :func:`calibrate_hadamard` or a
+    file from :func:`save_hadamard_channels`."""
+    if not spec.hadamard_calibrated:
+        return [None] * n_layers
+    if calibration is None:
+        raise ValueError("hadamard_calibrated needs the channel subsets: KVBitsCache(model, "
+                         "spec, calibration='auto') (chosen on SOTU 1900-1999), a list from "
+                         "kvbits.methods.hadamard.calibrate_hadamard or a file from "
+                         "save_hadamard_channels")
+    if isinstance(calibration, str) and calibration == "auto":
+        if not hasattr(model_or_config, "named_parameters"):
+            raise ValueError("calibration='auto' needs the model, not its config")
+        channels = auto_hadamard_channels(model_or_config, spec)
+    elif isinstance(calibration, (list, tuple)):
+        channels = list(calibration)
+    else:
+        channels = load_hadamard_channels(calibration)
+    if len(channels) != n_layers:
+        raise ValueError(f"Hadamard calibration has {len(channels)} layers, the model {n_layers}")
+    return channels
