@@ -651,3 +651,66 @@ def test_codebook_lookup_is_exact(bits):
                         USE_PRMT=_use_prmt(torch.device(DEVICE)))
     want = torch.gather(cb.half(), 1, codes.long())
     assert torch.equal(out, want)
+
+
+# ----------------------------------------------------------------------------- Gluon body (GPU)
+# kvbits.kernels.decode_gluon serves the body of plain KIVI layers on the GPU (MMA operands
+# built in registers); Gluon has no interpreter, so these run on a GPU only. Hostile as above:
+# NaN past every used region, ragged ends inside groups, left padding inside a group, odd group
+# counts (a half-empty last 64-token step), GQA groups from 1 to 16 query heads.
+GLUON_CASES = [
+    Case(kb=b, vb=b, G=G, D=D, B=3, Hkv=2, HG=HG, S=S, body=G * ng, res=40,
+         lengths=(S + G * ng + 40, S + G * ng - 7, S + 33), starts=(0, 5, 0), seed=b + G + HG)
+    for i, (b, G, D) in enumerate((b, G, D) for b in (2, 4) for G in (32, 64, 128)
+                                  for D in (64, 128))
+    for HG in [(1, 4, 7, 16, 8, 3)[i % 6]]
+    for S, ng in [((G + HG) % 3, max(3, 2113 // G))]
+]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", GLUON_CASES, ids=str)
+def test_gluon_body_matches_reference(c, monkeypatch):
+    from kvbits.kernels import decode_gluon
+    kv = make_kv(c)
+    assert decode_gluon.eligible(kv, c.Lq, c.HG, c.window), str(c)
+    used = []
+    real = decode_gluon.attend_body
+    monkeypatch.setattr(decode_gluon, "attend_body", lambda *a, **k: used.append(1) or real(*a, **k))
+    run_case(c, kv=kv)
+    run_case(c._replace(splits=1), kv=kv)  # one program walks the whole body
+    run_case(c._replace(lengths=None, starts=None, dtype=torch.bfloat16, seed=c.seed + 1))
+    assert used, "the Gluon kernel was not used"
+
+
+@gpu
+@pytest.mark.gpu
+def test_gluon_body_offsets_past_int32():
+    """kivi-2 with 2**20 body tokens x 257 heads: head 256 starts at word 2**31 of k_codes."""
+    dev = "cuda"
+    H, T, D, G, bits = 257, 2**20, 128, 32, 2
+    NG, W = T // G, packed_length(G, bits)
+    assert (H - 1) * NG * W * D == 2**31
+    g = torch.Generator(device=dev).manual_seed(1)
+    k_codes = torch.randint(-2**31, 2**31 - 1, (1, H, NG * W, D), generator=g,
+                            dtype=torch.int32, device=dev)
+    v_codes = torch.randint(-2**31, 2**31 - 1, (1, H, NG * W, D), generator=g,
+                            dtype=torch.int32, device=dev)
+    head_scale = torch.linspace(0.5, 1.5, H, device=dev).view(1, H, 1, 1)
+    k_scale = ((torch.rand(1, H, NG, D, generator=g, device=dev) + 0.5) * head_scale).half()
+    k_zero = (-k_scale.float() * 1.5).half()
+    v_scale = (torch.rand(1, H, T, 4, generator=g, device=dev) * 0.5 + 0.1).half()
+    v_zero = (torch.randn(1, H, T, 4, generator=g, device=dev) * 0.3).half()
+    res = torch.randn(1, H, 24, D, generator=g, device=dev).half()
+    empty = torch.zeros(1, H, 0, D, dtype=torch.float16, device=dev)
+    kv = PackedKV(empty, empty, 0, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, T,
+                  res, res, 17, bits, bits, G, 32)
+    q = (torch.randn(1, H, 1, D, generator=g, device=dev) * 3).half()
+    o = kernel(q, kv, scale=D ** -0.5, gluon=True)
+    sl = slice(H - 2, H)
+    part = PackedKV(empty[:, sl], empty[:, sl], 0, k_codes[:, sl], k_scale[:, sl],
+                    k_zero[:, sl], v_codes[:, sl], v_scale[:, sl], v_zero[:, sl], T,
+                    res[:, sl], res[:, sl], 17, bits, bits, G, 32)
+    r = reference(q[:, sl], part, scale=D ** -0.5)
+    compare(o[:, sl], r, torch.float16, "kivi-2 2**20 tokens, heads 255-256 (past 2**31 words)")

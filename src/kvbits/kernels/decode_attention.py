@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ..formats.layout import PackedKV
+from . import decode_gluon
 
 LOG2E = 1.4426950408889634
 
@@ -348,7 +349,7 @@ def _decode_kernel(
     qk_scale, window,
     sink_len, body_len, res_len,
     sink_cap, res_cap, kc_cap, ks_slice, vc_cap, vs_slice, kout_cap, vout_cap,
-    Hkv, Lq, m_tiles, n_body_splits, groups_per_split, fp_per_split,
+    Hkv, Lq, m_tiles, n_body_splits, groups_per_split, fp_per_split, split0, n_out,
     HG: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     KBITS: tl.constexpr, VBITS: tl.constexpr, G: tl.constexpr, GPT: tl.constexpr,
     GK: tl.constexpr, GV: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr,
@@ -358,8 +359,8 @@ def _decode_kernel(
     PRE_ROPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    split = tl.program_id(1)
-    n_splits = tl.num_programs(1)
+    split = tl.program_id(1) + split0  # columns [0, split0) are written by another kernel
+    n_splits = n_out
     mt = pid % m_tiles
     bh = pid // m_tiles
     h = bh % Hkv
@@ -521,13 +522,17 @@ def _sm_count(device: torch.device) -> int:
 def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None, lengths=None,
                      window: int | None = None, splits: int | None = None,
                      num_warps: int | None = None, tile_tokens: int | None = None,
-                     prmt: bool | None = None) -> torch.Tensor:
+                     prmt: bool | None = None, gluon: bool | None = None) -> torch.Tensor:
     """Attention of ``q [B, Hq, Lq, D]`` over a packed layer (rules of the reference op).
 
     ``starts``/``lengths``: optional ``[B]`` int tensors (first visible position; sequence end).
     ``splits``, ``num_warps`` and ``tile_tokens`` (body tokens per loop step, a power-of-two
     multiple of the group size) override the defaults (tests and tuning); ``prmt`` selects the
     PTX byte-permute code conversion (default: on a GPU, not under ``TRITON_INTERPRET``).
+    ``gluon``: the body goes to :mod:`kvbits.kernels.decode_gluon` (``True``: whenever the
+    layer is eligible; default: also only where PTX runs, with at least
+    ``decode_gluon.MIN_BATCH_HEADS`` (sequence, KV head) pairs, unless ``KVBITS_GLUON=0``); the
+    FP16 parts and the merge stay here.
     """
     B, Hq, Lq, D = q.shape
     Hkv = kv.kv_heads
@@ -558,12 +563,23 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     n_groups = kv.body_len // G
     bhm = B * Hkv * m_tiles
     sms = _sm_count(dev)
+    req_splits = splits
     if splits is None:
         splits = num_splits(bhm, _cdiv(n_groups, GPT), sms) if n_groups else 0
     splits = min(max(splits, 1), n_groups)
     groups_per_split = _cdiv(_cdiv(n_groups, splits), GPT) * GPT if splits else 1
     if splits:
         splits = _cdiv(n_groups, groups_per_split)
+    use_prmt = _use_prmt(dev) if prmt is None else prmt
+    if gluon is None:  # where PTX runs, for layers and batches where it is the faster kernel
+        gluon = (use_prmt and os.environ.get("KVBITS_GLUON", "1") != "0" and n_groups > 0
+                 and decode_gluon.serves(kv, Lq, HG, window, B * Hkv))
+    elif gluon:  # asked for explicitly (tests, benchmarks): any eligible layer
+        gluon = n_groups > 0 and decode_gluon.eligible(kv, Lq, HG, window)
+    if gluon:
+        splits = req_splits or decode_gluon.body_splits(B * Hkv, kv.body_len, sms)
+        steps = _cdiv(kv.body_len, decode_gluon.STEP)
+        splits = _cdiv(steps, _cdiv(steps, splits))
     BLOCK_FP = 64 if BLOCK_D <= 128 else 32
     n_fp = kv.sink_len + kv.res_len
     fp_splits = num_splits(bhm, _cdiv(n_fp, BLOCK_FP), sms) if n_fp else 0
@@ -595,31 +611,41 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
             return q
         t = t if dtype is None else t.to(dtype)
         return t.contiguous()
-    _decode_kernel[(bhm, n_total)](
-        q, out, lse,
-        kv.sink_k, kv.sink_v, kv.res_k, kv.res_v,
-        kv.k_codes, kv.k_scale, k_zero, kv.v_codes, kv.v_scale, v_zero,
-        arg(kcb, torch.float32), arg(vcb, torch.float32), arg(koi), arg(kov), arg(voi), arg(vov),
-        arg(inv_freq, torch.float32), _rope_table(inv_freq, GPT * G) if inv_freq is not None else q,
-        starts, lengths,
-        scale * LOG2E, int(window) if window is not None else 0,
-        kv.sink_len, kv.body_len, kv.res_len,
-        kv.sink_k.shape[2], kv.res_k.shape[2], kv.k_codes.shape[2],
-        kv.k_scale.shape[2] * kv.k_scale.shape[3], kv.v_codes.shape[2],
-        kv.v_scale.shape[2] * kv.v_scale.shape[3],
-        koi.shape[2] if koi is not None else 0, voi.shape[2] if voi is not None else 0,
-        Hkv, Lq, m_tiles, splits, groups_per_split, fp_per_split,
-        HG=HG, D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
-        KBITS=kv.key_bits, VBITS=kv.value_bits, G=G, GPT=GPT,
-        GK=D // kv.k_scale.shape[3] if k_tok else G, GV=D // kv.v_scale.shape[3] if v_tok else G,
-        K_PER_TOKEN=k_tok, V_PER_TOKEN=v_tok,
-        BLOCK_FP=BLOCK_FP, HAS_WINDOW=window is not None, EVEN_D=D == BLOCK_D,
-        USE_PRMT=_use_prmt(dev) if prmt is None else prmt, FP8=fp8, HAS_STARTS=has_starts,
-        HAS_LENS=has_lens, K_CB=kcb is not None, V_CB=vcb is not None,
-        K_OUT=koi.shape[3] if koi is not None else 0, V_OUT=voi.shape[3] if voi is not None else 0,
-        PRE_ROPE=inv_freq is not None,
-        num_warps=num_warps or DEFAULT_WARPS, num_stages=2 if BLOCK_D <= 128 else 1,
-    )
+    split0 = 0
+    if gluon:
+        decode_gluon.attend_body(q, kv, out, lse, scale_log2=scale * LOG2E, starts=starts,
+                                 lengths=lengths, has_starts=has_starts, has_lens=has_lens,
+                                 n_out=n_total, splits=splits)
+        split0 = splits
+    if n_total > split0:  # the Triton kernel: every split, or only the FP16 ones
+        _decode_kernel[(bhm, n_total - split0)](
+            q, out, lse,
+            kv.sink_k, kv.sink_v, kv.res_k, kv.res_v,
+            kv.k_codes, kv.k_scale, k_zero, kv.v_codes, kv.v_scale, v_zero,
+            arg(kcb, torch.float32), arg(vcb, torch.float32), arg(koi), arg(kov), arg(voi),
+            arg(vov), arg(inv_freq, torch.float32),
+            _rope_table(inv_freq, GPT * G) if inv_freq is not None else q,
+            starts, lengths,
+            scale * LOG2E, int(window) if window is not None else 0,
+            kv.sink_len, kv.body_len, kv.res_len,
+            kv.sink_k.shape[2], kv.res_k.shape[2], kv.k_codes.shape[2],
+            kv.k_scale.shape[2] * kv.k_scale.shape[3], kv.v_codes.shape[2],
+            kv.v_scale.shape[2] * kv.v_scale.shape[3],
+            koi.shape[2] if koi is not None else 0, voi.shape[2] if voi is not None else 0,
+            Hkv, Lq, m_tiles, splits, groups_per_split, fp_per_split, split0, n_total,
+            HG=HG, D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
+            KBITS=kv.key_bits, VBITS=kv.value_bits, G=G, GPT=GPT,
+            GK=D // kv.k_scale.shape[3] if k_tok else G,
+            GV=D // kv.v_scale.shape[3] if v_tok else G,
+            K_PER_TOKEN=k_tok, V_PER_TOKEN=v_tok,
+            BLOCK_FP=BLOCK_FP, HAS_WINDOW=window is not None, EVEN_D=D == BLOCK_D,
+            USE_PRMT=use_prmt, FP8=fp8, HAS_STARTS=has_starts,
+            HAS_LENS=has_lens, K_CB=kcb is not None, V_CB=vcb is not None,
+            K_OUT=koi.shape[3] if koi is not None else 0,
+            V_OUT=voi.shape[3] if voi is not None else 0,
+            PRE_ROPE=inv_freq is not None,
+            num_warps=num_warps or DEFAULT_WARPS, num_stages=2 if BLOCK_D <= 128 else 1,
+        )
     o = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=dev)
     _merge_kernel[(B * Hq * Lq,)](out, lse, o, n_total, D=D, BLOCK_D=BLOCK_D,
                                   BLOCK_S=max(2, _next_pow2(n_total)))

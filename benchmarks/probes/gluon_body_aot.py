@@ -1,0 +1,28 @@
+"""Compile kvbits.kernels.decode_gluon's body kernel for sm_90 on the CPU and summarise its SASS
+(registers, spills, instruction mix; no GPU needed). PIPE and MAXNREG environment variables select those knobs; SASS and TTGIR
+are written to /tmp/sass_* and /tmp/ttgir_*."""
+import importlib.util, sys
+from pathlib import Path
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks/probes"))
+import triton
+from triton.backends.compiler import GPUTarget
+spec = importlib.util.spec_from_file_location("dg", ROOT / "src/kvbits/kernels/decode_gluon.py")
+dg = importlib.util.module_from_spec(spec); spec.loader.exec_module(dg)
+from triton.experimental import gluon
+from aot import summarize
+import os
+PIPE = int(os.environ.get("PIPE", "1"))
+for bits, D, GV, G, HP in [(2, 128, 32, 32, 8), (4, 128, 32, 32, 8), (2, 64, 64, 64, 8), (2, 128, 128, 128, 16)]:
+    sig = {"Q": "*fp16", "Out": "*fp32", "Lse": "*fp32", "KC": "*i32", "KS": "*fp16", "KZ": "*fp16", "VC": "*i32", "VS": "*fp16", "VZ": "*fp16",
+           "Starts": "*i32", "Lens": "*i32", "qk_scale": "fp32"} | {k: "i32" for k in ["sink_len", "body_len", "res_len", "kc_cap", "ks_slice", "vc_cap", "vs_slice", "Hkv", "n_out", "steps_per_split"]}
+    lay = dg.layouts(bits, D, GV)
+    cx = dict(HG=4, HP=HP, D=D, BITS=bits, G=G, GV=GV, HAS_STARTS=True, HAS_LENS=True, KW=lay["KW"], VW=lay["VW"], VS_L=lay["VS"], PIPE=PIPE)
+    fn = dg._body_kernel
+    names = fn.arg_names
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*") or k.endswith("_cap") or k.endswith("_slice")}
+    src = gluon._runtime.GluonASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in cx}}, constexprs=cx, attrs=attrs)
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, **({"maxnreg": int(os.environ["MAXNREG"])} if os.environ.get("MAXNREG") else {})))
+    sass = summarize(c, f"gluon body bits={bits} D={D} GV={GV} G={G} HP={HP}")
+    open(f"/tmp/sass_{bits}_{D}_{G}.txt","w").write(sass); open(f"/tmp/ttgir_{bits}_{D}_{G}.txt","w").write(c.asm["ttgir"]); ir = c.asm["ttgir"]
+    print("   local_alloc:", ir.count("local_alloc"), "convert_layout:", ir.count("convert_layout"))

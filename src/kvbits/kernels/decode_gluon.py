@@ -1,0 +1,599 @@
+"""Decode attention over the packed body with the MMA operands built in registers (Gluon, sm_80+).
+
+The Triton kernel of :mod:`kvbits.kernels.decode_attention` cannot place a dequantized tile in
+the tensor-core operand layout: it writes the FP16 tile to shared memory and reads it back
+(``benchmarks/results/README.md``), and that round trip, not the bytes, bounds it. This kernel
+states the layouts explicitly (Gluon), so every thread loads exactly the packed words whose codes
+its own MMA fragments hold and unpacks them there: nothing but the small probability tile changes
+layout.
+
+One program is one warp over a range of 64-token steps of one (sequence, KV head):
+
+* ``S^T = K Q^T`` (``mma.m16n8k16``; tokens are the M dimension, the GQA group's query heads,
+  padded to 8 or 16, the N dimension), so one MMA serves all heads of the group;
+* online softmax per head over the tokens; ``O^T += V^T P^T`` with P converted once to the B
+  operand layout;
+* partial output and base-2 log-sum-exp per split, merged by the Triton merge kernel with the FP16
+  (sink and residual) splits that the Triton kernel computes.
+
+Token order inside a step is a permutation chosen so that each thread's codes sit in few words:
+logical token ``n = e + 2a + 8h + 16k`` (``e``, ``a``: lane bits of the fragments; ``h``, ``k``:
+register bits) is stored at word row ``R`` and slot ``s`` of the slot-major packing with, for 2
+bits, ``R = a, s = k + 4h + 8e`` and, for 4 bits, ``R = 2a + h, s = k + 4e``. Then a key fragment
+pair (channels d, d+1 of one token) is one byte permute of two words plus one mask, and a value
+fragment pair (tokens e = 0, 1 of one channel) is one mask of one word: both halves of the
+``half2`` come out of one ``lop3``. Softmax and P V do not care about the token order.
+
+Only the KIVI layout family is served here (keys scaled per channel over G tokens, values per
+token over GV channels, equal key/value bits of 2 or 4, one query row per sequence, no sliding
+window, head_dim 64 or 128); :func:`eligible` says which layers, the Triton kernel does the rest.
+"""
+
+from __future__ import annotations
+
+import os
+
+try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves everything.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    gluon = None
+
+STEP = 64  # body tokens per loop step
+
+
+def _pow2_bits(n: int) -> int:
+    return n.bit_length() - 1
+
+
+def _layouts(bits: int, D: int, GV: int) -> dict:
+    """Layouts for one channel chunk of ``D`` channels with ``GV``-channel scale groups (both
+    powers of two, ``GV <= D``); see :func:`layouts`."""
+    return _chunk_layouts(bits, D, GV)
+
+
+def layouts(bits: int, head_dim: int, value_group: int) -> dict:
+    """The kernel's layout constexprs for a head_dim, processed in two channel chunks."""
+    dc = head_dim // 2
+    return _chunk_layouts(bits, dc, min(value_group, dc))
+
+
+def _chunk_layouts(bits: int, D: int, GV: int) -> dict:
+    """The explicit register layouts of one warp, as Gluon ``DistributedLinearLayout``s.
+
+    ``KW``: key channel pairs ``[A, E, D/2]`` (2 bits) or ``[H, A, E, D/2]`` (4 bits): the lanes
+    of the A operand of ``K [64, D]`` (``d1, d2, e, a0, a1``) with the slot bits (``k``, and ``h``
+    for 2 bits) and the pair bit ``d0`` removed; a key element pair is one 64-bit word load and
+    one ``half2`` (int32) from then on. ``VW``: value words ``[NGV, GV, A]`` / ``[NGV, GV, H, A]``
+    (the channel axis split into scale groups, so a scale broadcasts over its group), lanes
+    ``a0, a1, d0, d1, d2`` like the A operand of ``V^T [D, 64]``. ``VS``: value scales ``[NGV,
+    H?, A, I..., E]`` with the group bits first in the registers (one vector load per token) and
+    no lanes for the channels (all lanes of a scale group read the same scale)."""
+    dbits = _pow2_bits(D)
+    gvb = _pow2_bits(GV)
+    nd = 4 if bits == 4 else 3  # [H?, A, E, D/2]
+    off = 1 if bits == 4 else 0
+
+    def kvec(dim, val):
+        v = [0] * nd
+        v[dim + off] = val
+        return v
+    kw_lanes = [kvec(2, 1), kvec(2, 2), kvec(1, 1), kvec(0, 1), kvec(0, 2)]
+    kw_regs = ([[1, 0, 0, 0]] if bits == 4 else []) + \
+        [kvec(2, 1 << (b - 1)) for b in range(3, dbits)]
+    kshape = ([2] if bits == 4 else []) + [4, 2, D // 2]
+    kw = gl.DistributedLinearLayout(reg_bases=kw_regs, lane_bases=kw_lanes, warp_bases=[],
+                                    block_bases=[], shape=kshape)
+
+    ngv = D // GV
+    vnd = 4 if bits == 4 else 3  # [NGV, GV, H?, A]
+    a_dim = vnd - 1
+
+    def dvec(b):  # channel bit b in [NGV, GV, ...]
+        v = [0] * vnd
+        if b < gvb:
+            v[1] = 1 << b
+        else:
+            v[0] = 1 << (b - gvb)
+        return v
+
+    def vvec(dim, val):
+        v = [0] * vnd
+        v[dim] = val
+        return v
+    vw_lanes = [vvec(a_dim, 1), vvec(a_dim, 2), dvec(0), dvec(1), dvec(2)]
+    vw_regs = [dvec(b) for b in range(3, dbits)] + ([vvec(2, 1)] if bits == 4 else [])
+    vshape = [ngv, GV] + ([2] if bits == 4 else []) + [4]
+    vw = gl.DistributedLinearLayout(reg_bases=vw_regs, lane_bases=vw_lanes, warp_bases=[],
+                                    block_bases=[], shape=vshape)
+
+    # Value scales [NGV, H?, A, I..., E]: 2 bits: I = k0, k1, h; 4 bits: I = k0, k1.
+    n_i = 2 if bits == 4 else 3
+    hb = 1 if bits == 4 else 0
+    snd = 1 + hb + 1 + n_i + 1
+    s_a = 1 + hb
+
+    def svec(dim, val):
+        v = [0] * snd
+        v[dim] = val
+        return v
+    vs_regs = [svec(0, 1 << b) for b in range(_pow2_bits(ngv))] + [svec(snd - 1, 1)] + \
+        ([svec(1, 1)] if bits == 4 else []) + [svec(s_a + 1 + i, 1) for i in range(n_i)]
+    vs_lanes = [svec(s_a, 1), svec(s_a, 2), [0] * snd, [0] * snd, [0] * snd]
+    sshape = [ngv] + ([2] if bits == 4 else []) + [4] + [2] * n_i + [2]
+    vs = gl.DistributedLinearLayout(reg_bases=vs_regs, lane_bases=vs_lanes, warp_bases=[],
+                                    block_bases=[], shape=sshape)
+    return {"KW": kw, "VW": vw, "VS": vs}
+
+
+if gluon is not None:
+
+    @gluon.constexpr_function
+    def _pair_asm(p, bits):
+        """PTX for one ``half2`` of codes at slot position ``p`` of each 16-bit half of a word,
+        ``code * scale + zero`` for both halves (scale and zero given as ``half2``), with the
+        code made exact before the FMA like the reference's FP16 path. Positions whose
+        ``code << (bits * p)`` stays below 1024 are masked in place (the magic ``0x6400``
+        exponent makes the half read ``1024 + code * 2^(bits p)``) and rescaled by a power of
+        two; the others (given a word already shifted right by ``bits * p0``) likewise."""
+        import struct
+
+        def h2(x):  # a float16 constant in both halves of a 32-bit immediate
+            b = struct.unpack("<H", struct.pack("<e", x))[0]
+            return f"0x{(b << 16) | b:08x}"
+        p = int(p)
+        bits = int(bits)
+        cmax = (1 << bits) - 1
+        sh = bits * p
+        mask = (cmax << sh) | (cmax << (sh + 16))
+        c1 = h2(2.0 ** -sh)
+        c2 = h2(-1024.0 * 2.0 ** -sh)
+        return ("{ .reg .b32 t, c1, c2; "
+                f"lop3.b32 t, $1, {hex(mask)}, 0x64006400, 0xea; "
+                f"mov.b32 c1, {c1}; mov.b32 c2, {c2}; "
+                "fma.rn.f16x2 t, t, c1, c2; fma.rn.f16x2 $0, t, $2, $3; }")
+
+    @gluon.constexpr_function
+    def _in_place(bits):
+        """Slot positions per 16-bit half that the magic-number trick reads without a shift."""
+        bits = int(bits)
+        cmax = (1 << bits) - 1
+        p = 0
+        while (cmax << (bits * (p + 1))) < 1024:
+            p += 1
+        return p + 1
+
+    @gluon.jit
+    def _dequant(u, sc, ze, P: gl.constexpr, BITS: gl.constexpr):
+        """``half2`` (as int32) of the codes at slot position P of both halves of ``u``."""
+        NP: gl.constexpr = _in_place(BITS)
+        if P >= NP:
+            u = u >> (BITS * NP)
+        return gl.inline_asm_elementwise(_pair_asm(P % NP, BITS), "=r,r,r,r", [u, sc, ze],
+                                         dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _key_halves(w, sel):
+        """Byte permute of a channel pair's two words (one int64): the half of each word that
+        holds the thread's slots (``sel`` 0x5410: low halves, 0x7632: high halves)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 lo, hi; mov.b64 {lo, hi}, $1; prmt.b32 $0, lo, hi, $2; }",
+            "=r,l,r", [w, sel], dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _pack_half2(lo, hi):
+        return gl.inline_asm_elementwise("mov.b32 $0, {$1, $2};", "=r,h,h", [lo, hi],
+                                         dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _unpack_half2(x):
+        """int32 ``half2`` tensor ``[..., N]`` -> float16 ``[..., 2 N]`` (pairs adjacent)."""
+        lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [x],
+                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=1)
+        y = gl.join(lo, hi)
+        shape: gl.constexpr = _double_last(x.shape)
+        return gl.reshape(y, shape)
+
+    @gluon.constexpr_function
+    def _double_last(shape):
+        shape = [int(x) for x in shape]
+        return shape[:-1] + [2 * shape[-1]]
+
+    @gluon.constexpr_function
+    def _all_but(layout, dim):
+        """``layout`` with every dim except ``dim`` sliced away (innermost first)."""
+        for d in reversed(range(len(layout.shape))):
+            if d != dim:
+                layout = gl.SliceLayout(d, layout)
+        return layout
+
+    @gluon.jit
+    def _ar(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
+        """``arange(n)`` along ``dim`` of ``layout``, shaped to broadcast against it."""
+        x = gl.arange(0, n, layout=_all_but(layout, dim))
+        for d in gl.static_range(len(layout.shape)):
+            if d != dim:
+                x = gl.expand_dims(x, d)
+        return x
+
+    @gluon.jit
+    def _join8(c0, c1, c2, c3, c4, c5, c6, c7):
+        """Eight tensors stacked on three new trailing size-2 dims: ``[..., i0, i1, i2]`` holds
+        ``c[i0 + 2 i1 + 4 i2]``."""
+        return gl.join(gl.join(gl.join(c0, c1), gl.join(c2, c3)),
+                       gl.join(gl.join(c4, c5), gl.join(c6, c7)))
+
+    @gluon.jit
+    def _join4(c0, c1, c2, c3):
+        return gl.join(gl.join(c0, c1), gl.join(c2, c3))
+
+    @gluon.jit
+    def _split8(x):
+        """Inverse of :func:`_join8`."""
+        x0, x1 = gl.split(x)
+        a0, a1 = gl.split(x0)
+        b0, b1 = gl.split(x1)
+        c0, c1 = gl.split(a0)
+        c2, c3 = gl.split(a1)
+        c4, c5 = gl.split(b0)
+        c6, c7 = gl.split(b1)
+        return c0, c1, c2, c3, c4, c5, c6, c7
+
+    @gluon.jit
+    def _split4(x):
+        x0, x1 = gl.split(x)
+        c0, c1 = gl.split(x0)
+        c2, c3 = gl.split(x1)
+        return c0, c1, c2, c3
+
+    @gluon.jit
+    def _tok(R, slot, W: gl.constexpr, G: gl.constexpr):
+        """Body-token offset (from the step's first token) of word row ``R``, slot ``slot``."""
+        return (R // W) * G + R % W + W * slot
+
+    @gluon.jit
+    def _key_loads(kc_base, ks_base, kz_base, row0, n_rows, DC0: gl.constexpr,
+                   BITS: gl.constexpr, W: gl.constexpr, D: gl.constexpr, DC: gl.constexpr,
+                   KW: gl.constexpr):
+        """The packed keys of one step, channels ``[DC0, DC0 + DC)``, in the threads that will
+        unpack them: channel-pair words (int64) and scale/zero pairs (int32 ``half2``)."""
+        D2: gl.constexpr = D // 2
+        j0: gl.constexpr = DC0 // 2
+        if BITS == 2:
+            a = _ar(4, 0, KW)
+            e = _ar(2, 1, KW)
+            j = _ar(DC // 2, 2, KW) + j0
+            R = a
+        else:
+            h = _ar(2, 0, KW)
+            a = _ar(4, 1, KW)
+            e = _ar(2, 2, KW)
+            j = _ar(DC // 2, 3, KW) + j0
+            R = 2 * a + h
+        row = row0 + R
+        w = gl.load(kc_base.to(gl.pointer_type(gl.int64), bitcast=True) + (row * D2 + j + e * 0),
+                    mask=row < n_rows, other=0)
+        ra = row0 + (2 if BITS == 4 else 1) * a
+        s_off = (ra // W) * D2 + j + e * 0  # one key group per thread and step
+        sc = gl.load(ks_base.to(gl.pointer_type(gl.int32), bitcast=True) + s_off,
+                     mask=ra < n_rows, other=0)
+        ze = gl.load(kz_base.to(gl.pointer_type(gl.int32), bitcast=True) + s_off,
+                     mask=ra < n_rows, other=0)
+        return w, sc, ze
+
+    @gluon.jit
+    def _key_operand(w, sc, ze, BITS: gl.constexpr, DC: gl.constexpr, KW: gl.constexpr,
+                     a_l: gl.constexpr):
+        """Dequantized keys of one step (from :func:`_key_loads`) as the A operand
+        ``[64, DC]`` of ``S^T = K Q^T``."""
+        if BITS == 2:
+            e = _ar(2, 1, KW)
+        else:
+            e = _ar(2, 2, KW)
+        u = _key_halves(w, 0x5410 + 0x2222 * e + 0 * sc)
+        if BITS == 2:
+            k = _join8(_dequant(u, sc, ze, 0, 2), _dequant(u, sc, ze, 1, 2),
+                       _dequant(u, sc, ze, 2, 2), _dequant(u, sc, ze, 3, 2),
+                       _dequant(u, sc, ze, 4, 2), _dequant(u, sc, ze, 5, 2),
+                       _dequant(u, sc, ze, 6, 2), _dequant(u, sc, ze, 7, 2))
+            k = gl.reshape(gl.permute(k, (4, 3, 5, 0, 1, 2)), [64, DC // 2])
+        else:
+            k = _join4(_dequant(u, sc, ze, 0, 4), _dequant(u, sc, ze, 1, 4),
+                       _dequant(u, sc, ze, 2, 4), _dequant(u, sc, ze, 3, 4))
+            k = gl.reshape(gl.permute(k, (5, 4, 0, 1, 2, 3)), [64, DC // 2])
+        return gl.convert_layout(_unpack_half2(k), a_l)
+
+    @gluon.jit
+    def _value_loads(vc_base, vs_base, vz_base, row0, n_rows, tok0, body_len,
+                     DC0: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
+                     D: gl.constexpr, DC: gl.constexpr, GV: gl.constexpr, VW: gl.constexpr,
+                     VS: gl.constexpr):
+        """The packed values of one step, channels ``[DC0, DC0 + DC)``: words in the threads
+        that unpack them, and per-token scales/zeros (one vector load per token)."""
+        NGV: gl.constexpr = D // GV  # scale groups per token
+        GVC: gl.constexpr = GV if GV < DC else DC  # noqa: FURB136 (channels per group, chunk)
+        NGC: gl.constexpr = DC // GVC
+        g = _ar(NGC, 0, VW)
+        c = _ar(GVC, 1, VW)
+        if BITS == 2:
+            R = _ar(4, 2, VW)
+        else:
+            R = _ar(2, 2, VW) + 2 * _ar(4, 3, VW)
+        row = row0 + R
+        w = gl.load(vc_base + (row * D + DC0 + g * GVC + c), mask=row < n_rows, other=0)
+        sg = _ar(NGC, 0, VS) + DC0 // GV
+        if BITS == 2:
+            sa = _ar(4, 1, VS)
+            idx = _ar(2, 2, VS) + 2 * _ar(2, 3, VS) + 4 * _ar(2, 4, VS)
+            se = _ar(2, 5, VS)
+            t = tok0 + _tok(sa, idx + 8 * se, W, G)
+        else:
+            sh = _ar(2, 1, VS)
+            sa = _ar(4, 2, VS)
+            kk = _ar(2, 3, VS) + 2 * _ar(2, 4, VS)
+            se = _ar(2, 5, VS)
+            t = tok0 + _tok(2 * sa + sh, kk + 4 * se, W, G)
+        s_ok = t < body_len
+        sc = gl.load(vs_base + (t * NGV + sg), mask=s_ok, other=0.0)
+        ze = gl.load(vz_base + (t * NGV + sg), mask=s_ok, other=0.0)
+        return w, sc, ze
+
+    @gluon.jit
+    def _value_operand(w, sc, ze, BITS: gl.constexpr, DC: gl.constexpr, VW: gl.constexpr,
+                       a_l: gl.constexpr):
+        """Dequantized values of one step (from :func:`_value_loads`) as the A operand
+        ``[DC, 64]`` of ``O^T += V^T P^T``: the scale pair of tokens (e = 0, 1) of each slot is
+        packed into one ``half2``, broadcast over its channel group."""
+        SL: gl.constexpr = gl.SliceLayout(1, VW)
+        s_lo, s_hi = gl.split(sc)
+        z_lo, z_hi = gl.split(ze)
+        sc = _pack_half2(s_lo, s_hi)
+        ze = _pack_half2(z_lo, z_hi)
+        if BITS == 2:
+            s0, s1, s2, s3, s4, s5, s6, s7 = _split8(sc)
+            z0, z1, z2, z3, z4, z5, z6, z7 = _split8(ze)
+            v = _join8(_vpair(w, s0, z0, 0, SL), _vpair(w, s1, z1, 1, SL),
+                       _vpair(w, s2, z2, 2, SL), _vpair(w, s3, z3, 3, SL),
+                       _vpair(w, s4, z4, 4, SL), _vpair(w, s5, z5, 5, SL),
+                       _vpair(w, s6, z6, 6, SL), _vpair(w, s7, z7, 7, SL))
+            v = gl.reshape(gl.permute(v, (0, 1, 4, 3, 5, 2)), [DC, 32])
+        else:
+            s0, s1, s2, s3 = _split4(sc)
+            z0, z1, z2, z3 = _split4(ze)
+            v = _join4(_vpair(w, s0, z0, 0, SL), _vpair(w, s1, z1, 1, SL),
+                       _vpair(w, s2, z2, 2, SL), _vpair(w, s3, z3, 3, SL))
+            v = gl.reshape(gl.permute(v, (0, 1, 5, 4, 2, 3)), [DC, 32])
+        return gl.convert_layout(_unpack_half2(v), a_l)
+
+    @gluon.jit
+    def _vpair(w, s, z, P: gl.constexpr, SL: gl.constexpr):
+        s = gl.expand_dims(gl.convert_layout(s, SL), 1)
+        z = gl.expand_dims(gl.convert_layout(z, SL), 1)
+        BITS: gl.constexpr = 2 if len(w.shape) == 3 else 4
+        return _dequant(w, s, z, P, BITS)
+
+    @gluon.jit
+    def _body_kernel(
+        Q, Out, Lse, KC, KS, KZ, VC, VS, VZ, Starts, Lens,
+        qk_scale, sink_len, body_len, res_len, kc_cap, ks_slice, vc_cap, vs_slice,
+        Hkv, n_out, steps_per_split,
+        HG: gl.constexpr, HP: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr,
+        G: gl.constexpr, GV: gl.constexpr, HAS_STARTS: gl.constexpr, HAS_LENS: gl.constexpr,
+        KW: gl.constexpr, VW: gl.constexpr, VS_L: gl.constexpr, PIPE: gl.constexpr,
+    ):
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
+                                                      instr_shape=[16, 8])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        W: gl.constexpr = G * BITS // 32  # word rows per key group
+        RS: gl.constexpr = 2 * BITS  # word rows per step
+        SPAN: gl.constexpr = G if G > 64 else 64  # noqa: FURB136 (tokens a step's groups span)
+        bh = gl.program_id(0)
+        split = gl.program_id(1)
+        h = bh % Hkv
+        b = bh // Hkv
+        bh64 = bh.to(gl.int64)
+        start = 0
+        length = sink_len + body_len + res_len
+        if HAS_STARTS:
+            start = gl.load(Starts + b)
+        if HAS_LENS:
+            length = gl.load(Lens + b)
+        q_row0 = (b.to(gl.int64) * Hkv + h) * HG  # first query row of the group in [B*Hq, D]
+
+        # Q^T [D, HP] as two B operands (channel halves), pre-scaled by scale * log2(e).
+        DC: gl.constexpr = D // 2
+        qd = gl.arange(0, DC, layout=gl.SliceLayout(1, b_l))
+        qj = gl.arange(0, HP, layout=gl.SliceLayout(0, b_l))
+        q_ptr = Q + (q_row0 + qj[None, :]) * D + qd[:, None]
+        q_ok = (qj[None, :] < HG) & (qd[:, None] < DC)
+        q0 = (gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
+        q1 = (gl.load(q_ptr + DC, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
+
+        # Token offset (from the step's first token) of each S^T row.
+        n = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+        ne = n % 2
+        na = (n // 2) % 4
+        nh = (n // 8) % 2
+        nk = n // 16
+        if BITS == 2:
+            dn = _tok(na, nk + 4 * nh + 8 * ne, W, G)
+        else:
+            dn = _tok(2 * na + nh, nk + 4 * ne, W, G)
+
+        n_rows = (body_len // G) * W
+        n_steps = (body_len + 63) // 64
+        s_lo = split * steps_per_split
+        s_hi = gl.minimum(s_lo + steps_per_split, n_steps)
+        first = gl.maximum(start - sink_len, 0)
+        s_lo = gl.maximum(s_lo, (first // SPAN) * (SPAN // 64))
+        end = gl.minimum(length - sink_len, body_len)  # body tokens visible: [first, end)
+        s_hi = gl.minimum(s_hi, ((end + SPAN - 1) // SPAN) * (SPAN // 64))
+
+        kc_base = KC + bh64 * kc_cap * D
+        vc_base = VC + bh64 * vc_cap * D
+        ks_base = KS + bh64 * ks_slice
+        kz_base = KZ + bh64 * ks_slice
+        vs_base = VS + bh64 * vs_slice
+        vz_base = VZ + bh64 * vs_slice
+        m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
+        l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, mma))
+        acc0 = gl.zeros([DC, HP], gl.float32, layout=mma)
+        acc1 = gl.zeros([DC, HP], gl.float32, layout=mma)
+        # PIPE (latency hiding inside one warp): 0 loads V after the softmax; 1 issues the K and
+        # V loads of a step together; 2 also requests the next step's words before unpacking this
+        # step; 3 requests all of the next step's bytes (words and scales) ahead.
+        row0 = s_lo * RS
+        tok0 = (row0 // W) * G + row0 % W
+        if PIPE >= 2:
+            kw0, ks0, kz0 = _key_loads(kc_base, ks_base, kz_base, row0, n_rows, 0, BITS, W, D,
+                                       DC, KW)
+            kw1, ks1, kz1 = _key_loads(kc_base, ks_base, kz_base, row0, n_rows, DC, BITS, W, D,
+                                       DC, KW)
+            vw0, vs0, vz0 = _value_loads(vc_base, vs_base, vz_base, row0, n_rows, tok0,
+                                         body_len, 0, BITS, W, G, D, DC, GV, VW, VS_L)
+            vw1, vs1, vz1 = _value_loads(vc_base, vs_base, vz_base, row0, n_rows, tok0,
+                                         body_len, DC, BITS, W, G, D, DC, GV, VW, VS_L)
+        for s in range(s_lo, s_hi):
+            lo = (row0 // W) * G
+            r_cur = row0
+            t_cur = tok0
+            row0 = row0 + RS  # the next step (its loads are masked past the body)
+            tok0 = (row0 // W) * G + row0 % W
+            if PIPE == 2:  # this step's scales now, with the words that are already on the way
+                _w, ks0, kz0 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, 0, BITS, W,
+                                          D, DC, KW)
+                _w, ks1, kz1 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, DC, BITS, W,
+                                          D, DC, KW)
+                _w, vs0, vz0 = _value_loads(vc_base, vs_base, vz_base, r_cur, n_rows, t_cur,
+                                            body_len, 0, BITS, W, G, D, DC, GV, VW, VS_L)
+                _w, vs1, vz1 = _value_loads(vc_base, vs_base, vz_base, r_cur, n_rows, t_cur,
+                                            body_len, DC, BITS, W, G, D, DC, GV, VW, VS_L)
+            if PIPE < 2:
+                kw0, ks0, kz0 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, 0, BITS, W,
+                                           D, DC, KW)
+                kw1, ks1, kz1 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, DC, BITS, W,
+                                           D, DC, KW)
+            if PIPE == 1:
+                vw0, vs0, vz0 = _value_loads(vc_base, vs_base, vz_base, r_cur, n_rows, t_cur,
+                                             body_len, 0, BITS, W, G, D, DC, GV, VW, VS_L)
+                vw1, vs1, vz1 = _value_loads(vc_base, vs_base, vz_base, r_cur, n_rows, t_cur,
+                                             body_len, DC, BITS, W, G, D, DC, GV, VW, VS_L)
+            k = _key_operand(kw0, ks0, kz0, BITS, DC, KW, a_l)
+            st = mma_v2(k, q0, gl.zeros([64, HP], gl.float32, layout=mma))
+            k = _key_operand(kw1, ks1, kz1, BITS, DC, KW, a_l)
+            st = mma_v2(k, q1, st)
+            if PIPE >= 2:
+                kw0, nks0, nkz0 = _key_loads(kc_base, ks_base, kz_base, row0, n_rows, 0, BITS, W,
+                                             D, DC, KW)
+                kw1, nks1, nkz1 = _key_loads(kc_base, ks_base, kz_base, row0, n_rows, DC, BITS, W,
+                                             D, DC, KW)
+            if (lo < first) | (lo + SPAN > end):
+                t = t_cur + dn
+                st = gl.where(((t >= first) & (t < end))[:, None], st, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(st, axis=0))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(st - m_safe[None, :])
+            alpha = gl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + gl.sum(p, axis=0)
+            m_i = m_new
+            pb = gl.convert_layout(p.to(gl.float16), b_l)
+            if PIPE == 0:
+                vw0, vs0, vz0 = _value_loads(vc_base, vs_base, vz_base, r_cur, n_rows, t_cur,
+                                             body_len, 0, BITS, W, G, D, DC, GV, VW, VS_L)
+                vw1, vs1, vz1 = _value_loads(vc_base, vs_base, vz_base, r_cur, n_rows, t_cur,
+                                             body_len, DC, BITS, W, G, D, DC, GV, VW, VS_L)
+            v = _value_operand(vw0, vs0, vz0, BITS, DC, VW, a_l)
+            acc0 = mma_v2(v, pb, acc0 * alpha[None, :])
+            v = _value_operand(vw1, vs1, vz1, BITS, DC, VW, a_l)
+            acc1 = mma_v2(v, pb, acc1 * alpha[None, :])
+            if PIPE >= 2:
+                vw0, nvs0, nvz0 = _value_loads(vc_base, vs_base, vz_base, row0, n_rows, tok0,
+                                               body_len, 0, BITS, W, G, D, DC, GV, VW, VS_L)
+                vw1, nvs1, nvz1 = _value_loads(vc_base, vs_base, vz_base, row0, n_rows, tok0,
+                                               body_len, DC, BITS, W, G, D, DC, GV, VW, VS_L)
+            if PIPE == 3:
+                ks0, kz0, ks1, kz1 = nks0, nkz0, nks1, nkz1
+                vs0, vz0, vs1, vz1 = nvs0, nvz0, nvs1, nvz1
+
+        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+        od = gl.arange(0, DC, layout=gl.SliceLayout(1, mma))
+        oj = gl.arange(0, HP, layout=gl.SliceLayout(0, mma))
+        o_row = (q_row0 + oj) * n_out + split
+        o_ptr = Out + o_row[None, :] * D + od[:, None]
+        o_ok = (oj[None, :] < HG) & (od[:, None] < DC)
+        gl.store(o_ptr, acc0 / l_safe[None, :], mask=o_ok)
+        gl.store(o_ptr + DC, acc1 / l_safe[None, :], mask=o_ok)
+        lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
+        gl.store(Lse + o_row, lse, mask=oj < HG)
+
+
+def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
+    """Whether :func:`attend_body` serves this layer and call: Gluon importable, a plain KIVI
+    body (per-channel key scales, per-token value scales, integer codes, no KVQuant parts) with
+    equal key/value bits of 2 or 4, group size 16-128, head_dim 64 or 128, value groups of at
+    least 8 channels, one query row per sequence, at most 16 query heads per KV head, no
+    sliding window."""
+    if gluon is None or not kv.is_plain or kv.body_len == 0:
+        return False
+    D = kv.res_k.shape[-1]
+    G, GV = kv.group_size, kv.value_group
+    return (kv.key_bits == kv.value_bits and kv.key_bits in (2, 4) and G in (16, 32, 64, 128)
+            and D in (64, 128) and GV in (8, 16, 32, 64, 128) and D % GV == 0 and q_rows == 1
+            and heads_per_kv <= 16 and window is None)
+
+
+# Below this many (sequence, KV head) pairs the Triton kernel is faster (measured on the H200:
+# a few long sequences leave too few one-warp programs per SM to hide memory latency, while the
+# Triton kernel's 4-warp programs pipeline their loads through shared memory).
+MIN_BATCH_HEADS = 32
+
+
+def serves(kv, q_rows: int, heads_per_kv: int, window, batch_heads: int) -> bool:
+    """:func:`eligible` and enough (sequence, KV head) pairs to fill the GPU."""
+    return batch_heads >= MIN_BATCH_HEADS and eligible(kv, q_rows, heads_per_kv, window)
+
+
+def body_splits(batch_heads: int, body_len: int, sm_count: int) -> int:
+    """One-warp programs per (sequence, KV head): about 32 per SM over the whole grid (about
+    ten are resident at ~200 registers per thread; the rest fill the tail), never more than
+    there are 64-token steps (sweep: ``benchmarks/gluon_sweep.py``)."""
+    steps = -(-body_len // STEP)
+    want = max(1, -(-32 * sm_count // batch_heads))
+    return max(1, min(want, steps))
+
+
+_LAYOUTS: dict = {}
+DEFAULT_PIPE = 0  # see _body_kernel (KVBITS_GLUON_PIPE overrides); 0 measured fastest
+DEFAULT_MAXNREG = 0  # 0: let ptxas choose (KVBITS_GLUON_MAXNREG overrides)
+
+
+def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_starts: bool,
+                has_lens: bool, n_out: int, splits: int, pipe: int | None = None,
+                maxnreg: int | None = None) -> int:
+    """Write the body partials of ``q [B, Hq, 1, D]`` over ``kv`` into columns ``[0, S)`` of
+    ``out [B*Hq, n_out, D]`` / ``lse [B*Hq, n_out]``; returns S (the splits actually used)."""
+    B, Hq, _, D = q.shape
+    Hkv = kv.kv_heads
+    HG = Hq // Hkv
+    steps = -(-kv.body_len // STEP)
+    per = -(-steps // splits)
+    splits = -(-steps // per)
+    key = (kv.key_bits, D, kv.value_group)
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = layouts(*key)
+    lay = _LAYOUTS[key]
+    env = os.environ
+    pipe = int(env.get("KVBITS_GLUON_PIPE", DEFAULT_PIPE)) if pipe is None else pipe
+    maxnreg = maxnreg or int(env.get("KVBITS_GLUON_MAXNREG", DEFAULT_MAXNREG)) or None
+    _body_kernel[(B * Hkv, splits)](
+        q, out, lse, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero,
+        starts, lengths, scale_log2, kv.sink_len, kv.body_len, kv.res_len,
+        kv.k_codes.shape[2], kv.k_scale.shape[2] * kv.k_scale.shape[3], kv.v_codes.shape[2],
+        kv.v_scale.shape[2] * kv.v_scale.shape[3], Hkv, n_out, per,
+        HG=HG, HP=8 if HG <= 8 else 16, D=D, BITS=kv.key_bits, G=kv.group_size,
+        GV=kv.value_group, HAS_STARTS=has_starts, HAS_LENS=has_lens,
+        KW=lay["KW"], VW=lay["VW"], VS_L=lay["VS"], PIPE=pipe, num_warps=1,
+        **({"maxnreg": maxnreg} if maxnreg else {}))
+    return splits
