@@ -560,11 +560,12 @@ def _kvquant_kv(c: Case, n_out: int, pre_rope: bool, device=DEVICE) -> PackedKV:
         return cb / cb[:, -1:] * (n - 1)  # sorted, 0 .. n-1, uneven spacing
 
     kcb, vcb = codebook(c.kb), codebook(c.vb)
-    k = torch.randn(B, H, T, D, generator=g, device=device) * (1 + 3 * (torch.arange(D) == 1))
+    k = torch.randn(B, H, T, D, generator=g, device=device) * (1 + 3 * (torch.arange(D, device=device) == 1))
     v = torch.randn(B, H, T, D, generator=g, device=device)
     valid = None
     if c.starts is not None:
-        valid = torch.arange(T, device=device)[None, :] + c.S >= torch.tensor(c.starts)[:, None]
+        valid = (torch.arange(T, device=device)[None, :] + c.S
+                 >= torch.tensor(c.starts, device=device)[:, None])
     kc, ks, kz, koi, kov = kvq.quantize_keys(k, c.kb, G, kcb, kvq.thresholds_of(kcb), n_out, valid)
     vc, vs, vz, voi, vov = kvq.quantize_values(v, c.vb, kv.value_group, G, vcb,
                                                kvq.thresholds_of(vcb), n_out, valid)

@@ -43,91 +43,82 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 STEP = 64  # body tokens per loop step
 
 
-def _pow2_bits(n: int) -> int:
-    return n.bit_length() - 1
-
-
-def _layouts(bits: int, D: int, GV: int) -> dict:
-    """Layouts for one channel chunk of ``D`` channels with ``GV``-channel scale groups (both
-    powers of two, ``GV <= D``); see :func:`layouts`."""
-    return _chunk_layouts(bits, D, GV)
-
-
-def layouts(bits: int, head_dim: int, value_group: int) -> dict:
-    """The kernel's layout constexprs for a head_dim, processed in two channel chunks."""
-    dc = head_dim // 2
-    return _chunk_layouts(bits, dc, min(value_group, dc))
-
-
-def _chunk_layouts(bits: int, D: int, GV: int) -> dict:
-    """The explicit register layouts of one warp, as Gluon ``DistributedLinearLayout``s.
-
-    ``KW``: key channel pairs ``[A, E, D/2]`` (2 bits) or ``[H, A, E, D/2]`` (4 bits): the lanes
-    of the A operand of ``K [64, D]`` (``d1, d2, e, a0, a1``) with the slot bits (``k``, and ``h``
-    for 2 bits) and the pair bit ``d0`` removed; a key element pair is one 64-bit word load and
-    one ``half2`` (int32) from then on. ``VW``: value words ``[NGV, GV, A]`` / ``[NGV, GV, H, A]``
-    (the channel axis split into scale groups, so a scale broadcasts over its group), lanes
-    ``a0, a1, d0, d1, d2`` like the A operand of ``V^T [D, 64]``. ``VS``: value scales ``[NGV,
-    H?, A, I..., E]`` with the group bits first in the registers (one vector load per token) and
-    no lanes for the channels (all lanes of a scale group read the same scale)."""
-    dbits = _pow2_bits(D)
-    gvb = _pow2_bits(GV)
-    nd = 4 if bits == 4 else 3  # [H?, A, E, D/2]
-    off = 1 if bits == 4 else 0
-
-    def kvec(dim, val):
-        v = [0] * nd
-        v[dim + off] = val
-        return v
-    kw_lanes = [kvec(2, 1), kvec(2, 2), kvec(1, 1), kvec(0, 1), kvec(0, 2)]
-    kw_regs = ([[1, 0, 0, 0]] if bits == 4 else []) + \
-        [kvec(2, 1 << (b - 1)) for b in range(3, dbits)]
-    kshape = ([2] if bits == 4 else []) + [4, 2, D // 2]
-    kw = gl.DistributedLinearLayout(reg_bases=kw_regs, lane_bases=kw_lanes, warp_bases=[],
-                                    block_bases=[], shape=kshape)
-
-    ngv = D // GV
-    vnd = 4 if bits == 4 else 3  # [NGV, GV, H?, A]
-    a_dim = vnd - 1
-
-    def dvec(b):  # channel bit b in [NGV, GV, ...]
-        v = [0] * vnd
-        if b < gvb:
-            v[1] = 1 << b
-        else:
-            v[0] = 1 << (b - gvb)
-        return v
-
-    def vvec(dim, val):
-        v = [0] * vnd
-        v[dim] = val
-        return v
-    vw_lanes = [vvec(a_dim, 1), vvec(a_dim, 2), dvec(0), dvec(1), dvec(2)]
-    vw_regs = [dvec(b) for b in range(3, dbits)] + ([vvec(2, 1)] if bits == 4 else [])
-    vshape = [ngv, GV] + ([2] if bits == 4 else []) + [4]
-    vw = gl.DistributedLinearLayout(reg_bases=vw_regs, lane_bases=vw_lanes, warp_bases=[],
-                                    block_bases=[], shape=vshape)
-
-    # Value scales [NGV, H?, A, I..., E]: 2 bits: I = k0, k1, h; 4 bits: I = k0, k1.
-    n_i = 2 if bits == 4 else 3
-    hb = 1 if bits == 4 else 0
-    snd = 1 + hb + 1 + n_i + 1
-    s_a = 1 + hb
-
-    def svec(dim, val):
-        v = [0] * snd
-        v[dim] = val
-        return v
-    vs_regs = [svec(0, 1 << b) for b in range(_pow2_bits(ngv))] + [svec(snd - 1, 1)] + \
-        ([svec(1, 1)] if bits == 4 else []) + [svec(s_a + 1 + i, 1) for i in range(n_i)]
-    vs_lanes = [svec(s_a, 1), svec(s_a, 2), [0] * snd, [0] * snd, [0] * snd]
-    sshape = [ngv] + ([2] if bits == 4 else []) + [4] + [2] * n_i + [2]
-    vs = gl.DistributedLinearLayout(reg_bases=vs_regs, lane_bases=vs_lanes, warp_bases=[],
-                                    block_bases=[], shape=sshape)
-    return {"KW": kw, "VW": vw, "VS": vs}
-
-
 if gluon is not None:
+
+    @gluon.constexpr_function
+    def _chunk_layouts(bits, D, GV):
+        """The explicit register layouts of one warp, as Gluon ``DistributedLinearLayout``s.
+
+        ``KW``: key channel pairs ``[A, E, D/2]`` (2 bits) or ``[H, A, E, D/2]`` (4 bits): the lanes
+        of the A operand of ``K [64, D]`` (``d1, d2, e, a0, a1``) with the slot bits (``k``, and ``h``
+        for 2 bits) and the pair bit ``d0`` removed; a key element pair is one 64-bit word load and
+        one ``half2`` (int32) from then on. ``VW``: value words ``[NGV, GV, A]`` / ``[NGV, GV, H, A]``
+        (the channel axis split into scale groups, so a scale broadcasts over its group), lanes
+        ``a0, a1, d0, d1, d2`` like the A operand of ``V^T [D, 64]``. ``VS``: value scales ``[NGV,
+        H?, A, I..., E]`` with the group bits first in the registers (one vector load per token) and
+        no lanes for the channels (all lanes of a scale group read the same scale)."""
+        bits, D, GV = (int(getattr(x, "value", x)) for x in (bits, D, GV))
+        dbits = D.bit_length() - 1
+        gvb = GV.bit_length() - 1
+        nd = 4 if bits == 4 else 3  # [H?, A, E, D/2]
+        off = 1 if bits == 4 else 0
+
+        def kvec(dim, val):
+            v = [0] * nd
+            v[dim + off] = val
+            return v
+        kw_lanes = [kvec(2, 1), kvec(2, 2), kvec(1, 1), kvec(0, 1), kvec(0, 2)]
+        kw_regs = ([[1, 0, 0, 0]] if bits == 4 else []) + \
+            [kvec(2, 1 << (b - 1)) for b in range(3, dbits)]
+        kshape = ([2] if bits == 4 else []) + [4, 2, D // 2]
+        kw = gl.DistributedLinearLayout(reg_bases=kw_regs, lane_bases=kw_lanes, warp_bases=[],
+                                        block_bases=[], shape=kshape)
+
+        ngv = D // GV
+        vnd = 4 if bits == 4 else 3  # [NGV, GV, H?, A]
+        a_dim = vnd - 1
+
+        def dvec(b):  # channel bit b in [NGV, GV, ...]
+            v = [0] * vnd
+            if b < gvb:
+                v[1] = 1 << b
+            else:
+                v[0] = 1 << (b - gvb)
+            return v
+
+        def vvec(dim, val):
+            v = [0] * vnd
+            v[dim] = val
+            return v
+        vw_lanes = [vvec(a_dim, 1), vvec(a_dim, 2), dvec(0), dvec(1), dvec(2)]
+        vw_regs = [dvec(b) for b in range(3, dbits)] + ([vvec(2, 1)] if bits == 4 else [])
+        vshape = [ngv, GV] + ([2] if bits == 4 else []) + [4]
+        vw = gl.DistributedLinearLayout(reg_bases=vw_regs, lane_bases=vw_lanes, warp_bases=[],
+                                        block_bases=[], shape=vshape)
+
+        # Value scales [NGV, H?, A, I..., E]: 2 bits: I = k0, k1, h; 4 bits: I = k0, k1.
+        n_i = 2 if bits == 4 else 3
+        hb = 1 if bits == 4 else 0
+        snd = 1 + hb + 1 + n_i + 1
+        s_a = 1 + hb
+
+        def svec(dim, val):
+            v = [0] * snd
+            v[dim] = val
+            return v
+        vs_regs = [svec(0, 1 << b) for b in range(ngv.bit_length() - 1)] + [svec(snd - 1, 1)] + \
+            ([svec(1, 1)] if bits == 4 else []) + [svec(s_a + 1 + i, 1) for i in range(n_i)]
+        vs_lanes = [svec(s_a, 1), svec(s_a, 2), [0] * snd, [0] * snd, [0] * snd]
+        sshape = [ngv] + ([2] if bits == 4 else []) + [4] + [2] * n_i + [2]
+        vs = gl.DistributedLinearLayout(reg_bases=vs_regs, lane_bases=vs_lanes, warp_bases=[],
+                                        block_bases=[], shape=sshape)
+        return {"KW": kw, "VW": vw, "VS": vs}
+
+    @gluon.constexpr_function
+    def _layout(name, bits, D, GV):
+        """One of :func:`_chunk_layouts`'s layouts, inside a kernel (compile time)."""
+        return _chunk_layouts(bits, D, GV)[getattr(name, "value", name)]
+
 
     @gluon.constexpr_function
     def _pair_asm(p, bits):
@@ -380,12 +371,17 @@ if gluon is not None:
         Hkv, n_out, steps_per_split,
         HG: gl.constexpr, HP: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr,
         G: gl.constexpr, GV: gl.constexpr, HAS_STARTS: gl.constexpr, HAS_LENS: gl.constexpr,
-        KW: gl.constexpr, VW: gl.constexpr, VS_L: gl.constexpr, PIPE: gl.constexpr,
+        PIPE: gl.constexpr,
     ):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                       instr_shape=[16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        DC: gl.constexpr = D // 2  # channels per chunk
+        GVC: gl.constexpr = GV if GV < DC else DC  # noqa: FURB136 (value-scale group in a chunk)
+        KW: gl.constexpr = _layout("KW", BITS, DC, GVC)
+        VW: gl.constexpr = _layout("VW", BITS, DC, GVC)
+        VS_L: gl.constexpr = _layout("VS", BITS, DC, GVC)
         W: gl.constexpr = G * BITS // 32  # word rows per key group
         RS: gl.constexpr = 2 * BITS  # word rows per step
         SPAN: gl.constexpr = G if G > 64 else 64  # noqa: FURB136 (tokens a step's groups span)
@@ -403,7 +399,6 @@ if gluon is not None:
         q_row0 = (b.to(gl.int64) * Hkv + h) * HG  # first query row of the group in [B*Hq, D]
 
         # Q^T [D, HP] as two B operands (channel halves), pre-scaled by scale * log2(e).
-        DC: gl.constexpr = D // 2
         qd = gl.arange(0, DC, layout=gl.SliceLayout(1, b_l))
         qj = gl.arange(0, HP, layout=gl.SliceLayout(0, b_l))
         q_ptr = Q + (q_row0 + qj[None, :]) * D + qd[:, None]
@@ -564,7 +559,6 @@ def body_splits(batch_heads: int, body_len: int, sm_count: int) -> int:
     return max(1, min(want, steps))
 
 
-_LAYOUTS: dict = {}
 DEFAULT_PIPE = 0  # see _body_kernel (KVBITS_GLUON_PIPE overrides); 0 measured fastest
 DEFAULT_MAXNREG = 0  # 0: let ptxas choose (KVBITS_GLUON_MAXNREG overrides)
 
@@ -580,10 +574,6 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
     steps = -(-kv.body_len // STEP)
     per = -(-steps // splits)
     splits = -(-steps // per)
-    key = (kv.key_bits, D, kv.value_group)
-    if key not in _LAYOUTS:
-        _LAYOUTS[key] = layouts(*key)
-    lay = _LAYOUTS[key]
     env = os.environ
     pipe = int(env.get("KVBITS_GLUON_PIPE", DEFAULT_PIPE)) if pipe is None else pipe
     maxnreg = maxnreg or int(env.get("KVBITS_GLUON_MAXNREG", DEFAULT_MAXNREG)) or None
@@ -594,6 +584,6 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         kv.v_scale.shape[2] * kv.v_scale.shape[3], Hkv, n_out, per,
         HG=HG, HP=8 if HG <= 8 else 16, D=D, BITS=kv.key_bits, G=kv.group_size,
         GV=kv.value_group, HAS_STARTS=has_starts, HAS_LENS=has_lens,
-        KW=lay["KW"], VW=lay["VW"], VS_L=lay["VS"], PIPE=pipe, num_warps=1,
+        PIPE=pipe, num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg else {}))
     return splits
