@@ -96,8 +96,11 @@ if gluon is not None:
         vw = gl.DistributedLinearLayout(reg_bases=vw_regs, lane_bases=vw_lanes, warp_bases=[],
                                         block_bases=[], shape=vshape)
 
-        # Value scales [NGV, H?, A, I..., E]: 2 bits: I = k0, k1, h; 4 bits: I = k0, k1.
+        # Value scales [NW, H?, A, I..., E]: 2 bits: I = k0, k1, h; 4 bits: I = k0, k1. With two
+        # or more scale groups in the chunk, NW = NGV / 2 int32 words each holding the float16
+        # scales of two groups (half the registers, one PRMT per pair later); else NW = 1 fp16.
         n_i = 2 if bits == 4 else 3
+        ngv = ngv // 2 if ngv >= 2 else 1
         hb = 1 if bits == 4 else 0
         snd = 1 + hb + 1 + n_i + 1
         s_a = 1 + hb
@@ -176,6 +179,28 @@ if gluon is not None:
     def _pack_half2(lo, hi):
         return gl.inline_asm_elementwise("mov.b32 $0, {$1, $2};", "=r,h,h", [lo, hi],
                                          dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _pairs_by_group(x0, x1):
+        """Scale words ``[NW, ...]`` of tokens e = 0 and e = 1 (each word: two groups' fp16) ->
+        ``half2 (token e=0, token e=1)`` per group, ``[2 NW, ...]``."""
+        lo, hi = gl.inline_asm_elementwise(
+            "prmt.b32 $0, $2, $3, 0x5410; prmt.b32 $1, $2, $3, 0x7632;", "=r,=r,r,r", [x0, x1],
+            dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+        y = gl.join(lo, hi)  # [NW, ..., 2]
+        R: gl.constexpr = len(y.shape)
+        y = gl.permute(y, _last_to_second(R))
+        return gl.reshape(y, _merge_first_two(y.shape))
+
+    @gluon.constexpr_function
+    def _last_to_second(rank):
+        rank = int(getattr(rank, "value", rank))
+        return [0, rank - 1] + list(range(1, rank - 1))
+
+    @gluon.constexpr_function
+    def _merge_first_two(shape):
+        shape = [int(getattr(x, "value", x)) for x in shape]
+        return [shape[0] * shape[1]] + shape[2:]
 
     @gluon.jit
     def _unpack_half2(x):
@@ -313,7 +338,8 @@ if gluon is not None:
             R = _ar(2, 2, VW) + 2 * _ar(4, 3, VW)
         row = row0 + R
         w = gl.load(vc_base + (row * D + DC0 + g * GVC + c), mask=row < n_rows, other=0)
-        sg = _ar(NGC, 0, VS) + DC0 // GV
+        NW: gl.constexpr = NGC // 2 if NGC >= 2 else 1  # scale loads per token (see VS)
+        sg = _ar(NW, 0, VS)
         if BITS == 2:
             sa = _ar(4, 1, VS)
             idx = _ar(2, 2, VS) + 2 * _ar(2, 3, VS) + 4 * _ar(2, 4, VS)
@@ -326,8 +352,15 @@ if gluon is not None:
             se = _ar(2, 5, VS)
             t = tok0 + _tok(2 * sa + sh, kk + 4 * se, W, G)
         s_ok = t < body_len
-        sc = gl.load(vs_base + (t * NGV + sg), mask=s_ok, other=0.0)
-        ze = gl.load(vz_base + (t * NGV + sg), mask=s_ok, other=0.0)
+        if NGC >= 2:  # int32 words of two groups' fp16 scales
+            off = (t * NGV + DC0 // GV) // 2 + sg
+            sc = gl.load(vs_base.to(gl.pointer_type(gl.int32), bitcast=True) + off, mask=s_ok,
+                         other=0)
+            ze = gl.load(vz_base.to(gl.pointer_type(gl.int32), bitcast=True) + off, mask=s_ok,
+                         other=0)
+        else:
+            sc = gl.load(vs_base + (t * NGV + DC0 // GV + sg), mask=s_ok, other=0.0)
+            ze = gl.load(vz_base + (t * NGV + DC0 // GV + sg), mask=s_ok, other=0.0)
         return w, sc, ze
 
     @gluon.jit
@@ -339,8 +372,12 @@ if gluon is not None:
         SL: gl.constexpr = gl.SliceLayout(1, VW)
         s_lo, s_hi = gl.split(sc)
         z_lo, z_hi = gl.split(ze)
-        sc = _pack_half2(s_lo, s_hi)
-        ze = _pack_half2(z_lo, z_hi)
+        if sc.dtype == gl.int32:  # words of two groups: one PRMT per (group, token pair)
+            sc = _pairs_by_group(s_lo, s_hi)
+            ze = _pairs_by_group(z_lo, z_hi)
+        else:
+            sc = _pack_half2(s_lo, s_hi)
+            ze = _pack_half2(z_lo, z_hi)
         if BITS == 2:
             s0, s1, s2, s3, s4, s5, s6, s7 = _split8(sc)
             z0, z1, z2, z3, z4, z5, z6, z7 = _split8(ze)
