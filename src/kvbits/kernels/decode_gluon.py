@@ -187,20 +187,8 @@ if gluon is not None:
         lo, hi = gl.inline_asm_elementwise(
             "prmt.b32 $0, $2, $3, 0x5410; prmt.b32 $1, $2, $3, 0x7632;", "=r,=r,r,r", [x0, x1],
             dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-        y = gl.join(lo, hi)  # [NW, ..., 2]
-        R: gl.constexpr = len(y.shape)
-        y = gl.permute(y, _last_to_second(R))
-        return gl.reshape(y, _merge_first_two(y.shape))
-
-    @gluon.constexpr_function
-    def _last_to_second(rank):
-        rank = int(getattr(rank, "value", rank))
-        return [0, rank - 1] + list(range(1, rank - 1))
-
-    @gluon.constexpr_function
-    def _merge_first_two(shape):
-        shape = [int(getattr(x, "value", x)) for x in shape]
-        return [shape[0] * shape[1]] + shape[2:]
+        y = gl.permute(gl.join(lo, hi), (0, 5, 1, 2, 3, 4))  # [NW, 2, ...] (rank 6 always)
+        return gl.reshape(y, [y.shape[0] * 2, y.shape[2], y.shape[3], y.shape[4], y.shape[5]])
 
     @gluon.jit
     def _unpack_half2(x):
@@ -564,15 +552,15 @@ if gluon is not None:
 def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
     """Whether :func:`attend_body` serves this layer and call: Gluon importable, a plain KIVI
     body (per-channel key scales, per-token value scales, integer codes, no KVQuant parts) with
-    equal key/value bits of 2 or 4, group size 16-128, head_dim 64 or 128, value groups of at
-    least 8 channels, one query row per sequence, at most 16 query heads per KV head, no
+    equal key/value bits of 2 or 4, group size 16-128, head_dim 64 or 128, value groups of 32
+    to 128 channels (smaller ones compile but are not tested on a GPU), one query row per sequence, at most 16 query heads per KV head, no
     sliding window."""
     if gluon is None or not kv.is_plain or kv.body_len == 0:
         return False
     D = kv.res_k.shape[-1]
     G, GV = kv.group_size, kv.value_group
     return (kv.key_bits == kv.value_bits and kv.key_bits in (2, 4) and G in (16, 32, 64, 128)
-            and D in (64, 128) and GV in (8, 16, 32, 64, 128) and D % GV == 0 and q_rows == 1
+            and D in (64, 128) and GV in (32, 64, 128) and D % GV == 0 and q_rows == 1
             and heads_per_kv <= 16 and window is None)
 
 
