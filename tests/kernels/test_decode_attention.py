@@ -680,6 +680,7 @@ def test_gluon_body_matches_reference(c, monkeypatch):
     real = decode_gluon.attend_body
     monkeypatch.setattr(decode_gluon, "attend_body", lambda *a, **k: used.append(1) or real(*a, **k))
     monkeypatch.setattr(decode_gluon, "MIN_BATCH_HEADS", 1)  # small test batches use it too
+    monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
     run_case(c, kv=kv)
     run_case(c._replace(splits=1), kv=kv)  # one program walks the whole body
     run_case(c._replace(lengths=None, starts=None, dtype=torch.bfloat16, seed=c.seed + 1))
@@ -716,3 +717,20 @@ def test_gluon_body_offsets_past_int32():
                     res[:, sl], res[:, sl], 17, bits, bits, G, 32)
     r = reference(q[:, sl], part, scale=D ** -0.5)
     compare(o[:, sl], r, torch.float16, "kivi-2 2**20 tokens, heads 255-256 (past 2**31 words)")
+
+
+def test_gluon_dispatch_rules():
+    """Which layers and calls the Gluon body kernel takes (no GPU needed: eligibility only)."""
+    from kvbits.kernels import decode_gluon
+    if decode_gluon.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    kv = make_kv(Case(kb=2, vb=2, G=32, D=128, B=1, Hkv=1, body=64, res=0), device="cpu")
+    assert decode_gluon.eligible(kv, 1, 4, None)
+    assert not decode_gluon.eligible(kv, 2, 4, None)  # chunked prefill: Triton
+    assert not decode_gluon.eligible(kv, 1, 17, None)  # > 16 query heads per KV head
+    assert not decode_gluon.eligible(kv, 1, 4, 128)  # sliding window
+    assert not decode_gluon.serves(kv, 1, 4, None, 8)  # too few (sequence, head) pairs
+    assert not decode_gluon.serves(kv, 1, 4, None, 64)  # 64 x 64 tokens: too small a step
+    for kb, vb, G, D in [(4, 2, 32, 128), (3, 3, 32, 128), (8, 8, 32, 128), (2, 2, 32, 96)]:
+        other = make_kv(Case(kb=kb, vb=vb, G=G, D=D, B=1, Hkv=1, body=64, res=0), device="cpu")
+        assert not decode_gluon.eligible(other, 1, 4, None), (kb, vb, G, D)

@@ -564,15 +564,18 @@ def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
             and heads_per_kv <= 16 and window is None)
 
 
-# Below this many (sequence, KV head) pairs the Triton kernel is faster (measured on the H200:
-# a few long sequences leave too few one-warp programs per SM to hide memory latency, while the
-# Triton kernel's 4-warp programs pipeline their loads through shared memory).
+# Below these sizes the Triton kernel is the better choice (H200, benchmarks/results/
+# decode_attention.md): with few (sequence, KV head) pairs the one-warp programs are too few per
+# SM to hide memory latency (the Triton kernel's 4-warp programs pipeline their loads through
+# shared memory), and on small steps the extra launch costs more host time than it saves.
 MIN_BATCH_HEADS = 32
+MIN_BODY_TOKENS = 1 << 20  # body tokens x (sequence, KV head) pairs
 
 
 def serves(kv, q_rows: int, heads_per_kv: int, window, batch_heads: int) -> bool:
-    """:func:`eligible` and enough (sequence, KV head) pairs to fill the GPU."""
-    return batch_heads >= MIN_BATCH_HEADS and eligible(kv, q_rows, heads_per_kv, window)
+    """:func:`eligible` and a step big enough for this kernel to be the faster one."""
+    return (batch_heads >= MIN_BATCH_HEADS and batch_heads * kv.body_len >= MIN_BODY_TOKENS
+            and eligible(kv, q_rows, heads_per_kv, window))
 
 
 def body_splits(batch_heads: int, body_len: int, sm_count: int) -> int:
