@@ -734,3 +734,39 @@ def test_gluon_dispatch_rules():
     for kb, vb, G, D in [(4, 2, 32, 128), (3, 3, 32, 128), (8, 8, 32, 128), (2, 2, 32, 96)]:
         other = make_kv(Case(kb=kb, vb=vb, G=G, D=D, B=1, Hkv=1, body=64, res=0), device="cpu")
         assert not decode_gluon.eligible(other, 1, 4, None), (kb, vb, G, D)
+
+
+def _store_layer(preset: str, device, tokens: int = 700, D: int = 128):
+    """A layer written by the real LayerStore (geometric capacity, token-by-token flushes)."""
+    from kvbits.cache.store import LayerStore
+    from kvbits.spec import resolve_spec
+    store = LayerStore(resolve_spec(preset), 2, 4, D, torch.float16, device)
+    g = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(2, 4, tokens, D, generator=g).half().to(device) for _ in range(2))
+    store.append(k[:, :, :500], v[:, :, :500])
+    for t in range(500, tokens):
+        store.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+    return store.view()
+
+
+@pytest.mark.parametrize("preset", ["kivi-2", "kivi-4"])
+def test_store_built_kivi_layers_are_gluon_eligible(preset, monkeypatch):
+    from kvbits.kernels import decode_gluon
+    if decode_gluon.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    monkeypatch.setenv("KVBITS_KERNELS", "reference")
+    kv = _store_layer(preset, "cpu")
+    assert kv.body_len > 0 and decode_gluon.eligible(kv, 1, 4, None)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["kivi-2", "kivi-4"])
+def test_gluon_store_built_layer(preset):
+    kv = _store_layer(preset, "cuda")
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 16, 1, 128, generator=g).half().cuda()
+    for kw in ({}, {"starts": _seq((0, 9)), "lengths": _seq((700, 611))}):
+        o = kernel(q, kv, scale=128 ** -0.5, gluon=True, **kw)
+        compare(o, reference(q, kv, scale=128 ** -0.5, **kw), torch.float16,
+                f"store-built {preset} through the Gluon body {kw}")
