@@ -42,22 +42,28 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
+def _preset_items(text: str) -> tuple[str, ...]:
+    """Presets with overrides, as ``kvbits ppl --presets`` splits them (``kivi-2:S=1,R=64``)."""
+    from .cli import _split_items
+
+    return tuple(_split_items(text))
+
+
 # ------------------------------------------------------------------------------------- needle
 def _cmd_needle(args) -> int:
     import torch
 
-    from .cli import _versions
+    from .cli import _versions, parse_presets
     from .data import load_model, load_text
     from .eval.needle import NeedleConfig, needle_meta, run_needle, write_needle
-    from .spec import resolve_spec
 
-    for p in args.presets:
-        resolve_spec(p)  # fail before loading anything
+    parse_presets(",".join(args.presets))  # fail before loading anything
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = NeedleConfig(model=args.model, text=args.text, lengths=args.lengths, depths=args.depths,
                        presets=args.presets, trials=args.trials,
-                       max_new_tokens=args.max_new_tokens, seed=args.seed, chat=not args.no_chat)
+                       max_new_tokens=args.max_new_tokens, seed=args.seed, chat=not args.no_chat,
+                       calib_text=args.calib_text, calib_tokens=args.calib_tokens)
     _log(f"loading model {cfg.model!r} and text {cfg.text!r}")
     model, tok = load_model(cfg.model, dtype=torch.float32, device=args.device, log=_log)
     text = load_text(cfg.text, log=_log)
@@ -103,12 +109,18 @@ def register(sub) -> None:
                    help="prompt lengths in tokens, e.g. 1k,2k,4k,8k (default)")
     p.add_argument("--depths", type=_depths, default=(0.0, 0.25, 0.5, 0.75, 1.0),
                    help="needle depths in percent (default 0,25,50,75,100)")
-    p.add_argument("--presets", type=_names, default=("fp16", "kivi-4", "kivi-2"),
-                   help="comma-separated presets (default fp16,kivi-4,kivi-2)")
+    p.add_argument("--presets", type=_preset_items, default=("fp16", "kivi-4", "kivi-2"),
+                   help="comma-separated presets, with overrides as in ppl (kivi-2:S=1) "
+                   "(default fp16,kivi-4,kivi-2)")
     p.add_argument("--trials", type=int, default=2, help="keys per (length, depth) (default 2)")
     p.add_argument("--max-new-tokens", type=int, default=8, help="answer tokens (default 8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-chat", action="store_true", help="plain prompt, no chat template")
+    p.add_argument("--calib-text", default="sotu-pre-2000",
+                   help="calibration text of calibrated presets (kvquant, -hadc, fp8); default "
+                   "sotu-pre-2000, disjoint from the haystack")
+    p.add_argument("--calib-tokens", type=int, default=4096,
+                   help="calibration tokens (default 4096)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--out", default="benchmarks/results", help="output folder")

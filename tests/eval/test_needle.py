@@ -94,6 +94,19 @@ def test_run_needle_on_a_tiny_random_model(tmp_path):
     assert "## kivi-2" in needle_markdown(rows, meta)
 
 
+def test_run_needle_presets_with_overrides_and_kv_bits():
+    from kvbits.eval.speed import build_model, model_config
+
+    model = build_model(model_config("tiny"), device="cpu")
+    cfg = NeedleConfig(lengths=(400,), depths=(0.5,), presets=("fp16", "kivi-2:S=1,R=64"),
+                       trials=1, max_new_tokens=2, chat=False)
+    rows = run_needle(model, CharTokenizer(), TEXT, cfg, log=lambda m: None)
+    assert [r["preset"] for r in rows] == ["fp16", "kivi-2:S=1,R=64"]
+    assert rows[1]["spec"] == "kivi K2V2 G=32 R=64 S=1"
+    assert rows[0]["kv_bits"] == 16.0 and 2.0 < rows[1]["kv_bits"] < 16.0
+    assert "## Effective KV bits" in needle_markdown(rows, {})
+
+
 def test_summary_accuracy_per_cell():
     rows = [{"preset": "a", "length": 1, "depth": 0.0, "correct": c, "trial": i}
             for i, c in enumerate([True, False, True, True])]

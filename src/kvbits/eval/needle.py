@@ -30,6 +30,14 @@ FP16 residual). This is the situation of a document cached once and queried late
 ``generate`` over the whole prompt would compute the first answer token from the full-precision
 prefill instead, which hides most of the quantization error. FP16 (``DynamicCache``) goes through
 the same procedure.
+
+Presets may carry field overrides (``kivi-2:S=1``, as in ``kvbits ppl``). Calibrated presets
+(``kvquant-*`` codebooks, ``kivi-N-hadc`` channel subsets, calibrated ``fp8`` scales) are
+calibrated once on ``NeedleConfig.calib_text`` (SOTU 1900-1999 by default, disjoint from the
+2010-2016 haystack), through the same cached calibration as ``kvbits ppl``. Every row records
+``kv_bits``: bits per stored K/V element of the document in that cache, floating-point parts
+counted at 2 bytes (16.0 for FP16; the FP16 residual and sink tokens included, so it is higher at
+short lengths).
 """
 
 from __future__ import annotations
@@ -44,8 +52,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 __all__ = ["NeedleConfig", "PasskeyPrompt", "build_passkey_prompt", "haystack_ids",
-           "needle_markdown", "needle_meta", "passkey_correct", "plot_needle", "run_needle",
-           "summarize", "write_needle"]
+           "needle_caches", "needle_markdown", "needle_meta", "passkey_correct", "plot_needle",
+           "run_needle", "summarize", "write_needle"]
 
 INSTRUCTION = ("There is an important pass key hidden inside a lot of irrelevant text. Find it "
                "and memorize it. I will quiz you about the pass key.\n\n")
@@ -65,6 +73,8 @@ class NeedleConfig:
     max_new_tokens: int = 8
     seed: int = 0
     chat: bool = True
+    calib_text: str = "sotu-pre-2000"  # calibrated presets (kvquant, -hadc, fp8) only
+    calib_tokens: int = 4096
 
 
 @dataclass
@@ -159,6 +169,29 @@ def _answer(model, cache, question: torch.Tensor, max_new_tokens: int) -> list[i
     return new
 
 
+def needle_caches(model, cfg: NeedleConfig) -> dict:
+    """``{preset: (spec, make_cache)}`` for ``cfg.presets`` (``kivi-2:S=1`` overrides allowed);
+    calibrated presets are calibrated once on ``cfg.calib_text`` (cached, as in ``kvbits ppl``).
+    ``make_cache`` is None for FP16 (the prefill's ``DynamicCache`` is used)."""
+    from ..cli import make_cache_factory, parse_presets
+
+    return {v.label: (v.spec, make_cache_factory(model, v, calib_text=cfg.calib_text,
+                                                 calib_tokens=cfg.calib_tokens)
+                      if v.spec.quantized else None)
+            for v in parse_presets(",".join(cfg.presets))}
+
+
+def _kv_bits(cache, config) -> float:
+    """Bits per stored K/V element, floating-point parts counted at 2 bytes."""
+    from .memory import kv_shape
+    from .perplexity import cache_nbytes
+
+    shape = kv_shape(config)
+    tokens = cache.get_seq_length()
+    elements = tokens * shape.layers * shape.kv_heads * 2 * shape.head_dim
+    return 8 * cache_nbytes(cache, fp16=True) / elements if elements else float("nan")
+
+
 def run_needle(model, tokenizer, text: str, cfg: NeedleConfig,
                log: Callable[[str], None] = print,
                on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
@@ -166,14 +199,14 @@ def run_needle(model, tokenizer, text: str, cfg: NeedleConfig,
     from transformers import DynamicCache
 
     from ..integrations.hf import KVBitsCache
-    from ..spec import resolve_spec
     from .cachefill import copy_dense_cache
     from .perplexity import cache_kwargs
 
     max_len = max(cfg.lengths)
     hay, ends = haystack_ids(tokenizer, text, 3 * max_len)
     rng = random.Random(cfg.seed)
-    specs = {p: resolve_spec(p) for p in cfg.presets}
+    caches = needle_caches(model, cfg)
+    specs = {p: spec for p, (spec, _) in caches.items()}
     # Switch the model to the "kvbits" attention once (untagged tensors, as from DynamicCache,
     # take plain SDPA there).
     KVBitsCache(model, "kivi-2")
@@ -202,10 +235,11 @@ def run_needle(model, tokenizer, text: str, cfg: NeedleConfig,
                 for preset in order:
                     t1 = time.perf_counter()
                     if specs[preset].quantized:
-                        cache = KVBitsCache(model, specs[preset])
+                        cache = caches[preset][1]()
                         copy_dense_cache(dense, cache)
                     else:
                         cache = dense  # FP16: the DynamicCache itself (used last)
+                    kv_bits = _kv_bits(cache, model.config)
                     new = _answer(model, cache, question, cfg.max_new_tokens)
                     answer = tokenizer.decode(new, skip_special_tokens=True)
                     ok = passkey_correct(answer, p.key)
@@ -213,9 +247,10 @@ def run_needle(model, tokenizer, text: str, cfg: NeedleConfig,
                                  "preset": preset, "spec": specs[preset].describe(),
                                  "key": p.key, "answer": answer, "correct": ok,
                                  "needle_at": p.needle_at, "prompt_tokens": len(p.ids),
+                                 "kv_bits": round(kv_bits, 3),
                                  "prefill_s": round(prefill_s, 2),
                                  "answer_s": round(time.perf_counter() - t1, 2)})
-                    log(f"len {length} depth {depth:.2f} trial {trial} {preset:>7}: "
+                    log(f"len {length} depth {depth:.2f} trial {trial} {preset:>11}: "
                         f"{'OK ' if ok else 'MISS'} key {p.key} -> {answer!r}")
                     del cache
                 del dense
@@ -278,6 +313,20 @@ def needle_markdown(rows: list[dict], meta: dict) -> str:
             per_len.append(f"{100 * sum(cells) / len(cells):.0f}%" if cells else "-")
         body.append([p, spec, f"{100 * s[p]['acc']:.1f}%", *per_len])
     lines += [markdown_table(head, body), ""]
+    if any("kv_bits" in r for r in rows):
+        lines += ["## Effective KV bits", "",
+                  ("Bits per stored K/V element of the document in the cache (mean over its "
+                   "trials), floating-point parts counted at 2 bytes; the FP16 residual and sink "
+                   "tokens are included, hence more bits at short lengths."), ""]
+        tab = []
+        for p in presets:
+            cells = []
+            for n in lengths:
+                b = [r["kv_bits"] for r in rows if r["preset"] == p and r["length"] == n
+                     and "kv_bits" in r]
+                cells.append(f"{sum(b) / len(b):.2f}" if b else "-")
+            tab.append([p, *cells])
+        lines += [markdown_table(["preset", *[str(n) for n in lengths]], tab), ""]
     for p in presets:
         lines += [f"## {p}: accuracy by depth (rows) and length (columns)", ""]
         tab = []
