@@ -671,9 +671,11 @@ GLUON_CASES = [
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("pipe", [0, 2])  # plain loads (default) / cp.async double buffering
 @pytest.mark.parametrize("c", GLUON_CASES, ids=str)
-def test_gluon_body_matches_reference(c, monkeypatch):
+def test_gluon_body_matches_reference(c, pipe, monkeypatch):
     from kvbits.kernels import decode_gluon
+    monkeypatch.setattr(decode_gluon, "DEFAULT_PIPE", pipe)
     kv = make_kv(c)
     assert decode_gluon.eligible(kv, c.Lq, c.HG, c.window), str(c)
     used = []

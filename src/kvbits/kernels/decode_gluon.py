@@ -36,7 +36,10 @@ import os
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves everything.
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+    # Names that changed after Triton 3.6 (the GPU machine's version) and 3.9 (this repo's CI).
+    _warp_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
@@ -257,11 +260,13 @@ if gluon is not None:
         return (R // W) * G + R % W + W * slot
 
     @gluon.jit
-    def _key_loads(kc_base, ks_base, kz_base, row0, n_rows, DC0: gl.constexpr,
-                   BITS: gl.constexpr, W: gl.constexpr, D: gl.constexpr, DC: gl.constexpr,
-                   KW: gl.constexpr):
-        """The packed keys of one step, channels ``[DC0, DC0 + DC)``, in the threads that will
-        unpack them: channel-pair words (int64) and scale/zero pairs (int32 ``half2``)."""
+    def _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, DC0: gl.constexpr,
+                  BITS: gl.constexpr, W: gl.constexpr, D: gl.constexpr, DC: gl.constexpr,
+                  KW: gl.constexpr, CLAMP: gl.constexpr):
+        """Addresses of the packed keys of one step, channels ``[DC0, DC0 + DC)``, in the
+        threads that will unpack them: channel-pair words (int64) and scale/zero pairs (int32
+        ``half2``), with the masks of rows past the body (``CLAMP``: rows clamped to the last
+        one instead, for copies that cannot be masked to zero)."""
         D2: gl.constexpr = D // 2
         j0: gl.constexpr = DC0 // 2
         if BITS == 2:
@@ -276,15 +281,51 @@ if gluon is not None:
             j = _ar(DC // 2, 3, KW) + j0
             R = 2 * a + h
         row = row0 + R
-        w = gl.load(kc_base.to(gl.pointer_type(gl.int64), bitcast=True) + (row * D2 + j + e * 0),
-                    mask=row < n_rows, other=0)
-        ra = row0 + (2 if BITS == 4 else 1) * a
-        s_off = (ra // W) * D2 + j + e * 0  # one key group per thread and step
-        sc = gl.load(ks_base.to(gl.pointer_type(gl.int32), bitcast=True) + s_off,
-                     mask=ra < n_rows, other=0)
-        ze = gl.load(kz_base.to(gl.pointer_type(gl.int32), bitcast=True) + s_off,
-                     mask=ra < n_rows, other=0)
-        return w, sc, ze
+        ra = row0 + (2 if BITS == 4 else 1) * a  # one key group per thread and step
+        if CLAMP:
+            row = gl.minimum(row, n_rows - 1)
+            ra = gl.minimum(ra, n_rows - 1)
+        wp = kc_base.to(gl.pointer_type(gl.int64), bitcast=True) + (row * D2 + j + e * 0)
+        s_off = (ra // W) * D2 + j + e * 0
+        sp = ks_base.to(gl.pointer_type(gl.int32), bitcast=True) + s_off
+        zp = kz_base.to(gl.pointer_type(gl.int32), bitcast=True) + s_off
+        return wp, sp, zp, row < n_rows, ra < n_rows
+
+    @gluon.jit
+    def _key_loads(kc_base, ks_base, kz_base, row0, n_rows, DC0: gl.constexpr,
+                   BITS: gl.constexpr, W: gl.constexpr, D: gl.constexpr, DC: gl.constexpr,
+                   KW: gl.constexpr):
+        """The packed keys of one step (see :func:`_key_ptrs`) loaded into registers."""
+        wp, sp, zp, w_ok, s_ok = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, DC0, BITS,
+                                           W, D, DC, KW, False)
+        return (gl.load(wp, mask=w_ok, other=0), gl.load(sp, mask=s_ok, other=0),
+                gl.load(zp, mask=s_ok, other=0))
+
+    @gluon.constexpr_function
+    def _staged(shape):
+        """Shape of a two-stage, two-chunk buffer of tensors of ``shape``."""
+        return [4] + [int(getattr(x, "value", x)) for x in shape]
+
+    @gluon.constexpr_function
+    def _smem_layout(rank):
+        rank = int(getattr(rank, "value", rank))
+        return gl.SwizzledSharedLayout(1, 1, 1, list(reversed(range(rank))))
+
+    @gluon.jit
+    def _buffer(ptr):
+        """Shared memory for two stages x two channel chunks of the tensor ``ptr`` points at."""
+        return gl.allocate_shared_memory(ptr.dtype.element_ty, _staged(ptr.shape),
+                                         _smem_layout(len(ptr.shape)))
+
+    @gluon.jit
+    def _copy_step(bufs, slot, k0, k1, v0, v1):
+        """cp.async the six tensors of each chunk (key words/scales/zeros, value words/scales/
+        zeros) of one step into stage ``slot``."""
+        for c in gl.static_range(3):
+            _async_load(bufs[c].index(slot * 2), k0[c])
+            _async_load(bufs[c].index(slot * 2 + 1), k1[c])
+            _async_load(bufs[3 + c].index(slot * 2), v0[c])
+            _async_load(bufs[3 + c].index(slot * 2 + 1), v1[c])
 
     @gluon.jit
     def _key_operand(w, sc, ze, BITS: gl.constexpr, DC: gl.constexpr, KW: gl.constexpr,
@@ -309,12 +350,13 @@ if gluon is not None:
         return gl.convert_layout(_unpack_half2(k), a_l)
 
     @gluon.jit
-    def _value_loads(vc_base, vs_base, vz_base, row0, n_rows, tok0, body_len,
-                     DC0: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
-                     D: gl.constexpr, DC: gl.constexpr, GV: gl.constexpr, VW: gl.constexpr,
-                     VS: gl.constexpr):
-        """The packed values of one step, channels ``[DC0, DC0 + DC)``: words in the threads
-        that unpack them, and per-token scales/zeros (one vector load per token)."""
+    def _value_ptrs(vc_base, vs_base, vz_base, row0, n_rows, tok0, body_len,
+                    DC0: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
+                    D: gl.constexpr, DC: gl.constexpr, GV: gl.constexpr, VW: gl.constexpr,
+                    VS: gl.constexpr, CLAMP: gl.constexpr):
+        """Addresses of the packed values of one step, channels ``[DC0, DC0 + DC)``: words in
+        the threads that unpack them, per-token scales/zeros (one vector per token), and their
+        masks (``CLAMP`` as in :func:`_key_ptrs`)."""
         NGV: gl.constexpr = D // GV  # scale groups per token
         GVC: gl.constexpr = GV if GV < DC else DC  # noqa: FURB136 (channels per group, chunk)
         NGC: gl.constexpr = DC // GVC
@@ -325,7 +367,10 @@ if gluon is not None:
         else:
             R = _ar(2, 2, VW) + 2 * _ar(4, 3, VW)
         row = row0 + R
-        w = gl.load(vc_base + (row * D + DC0 + g * GVC + c), mask=row < n_rows, other=0)
+        w_ok = row < n_rows
+        if CLAMP:
+            row = gl.minimum(row, n_rows - 1)
+        wp = vc_base + (row * D + DC0 + g * GVC + c)
         NW: gl.constexpr = NGC // 2 if NGC >= 2 else 1  # scale loads per token (see VS)
         sg = _ar(NW, 0, VS)
         if BITS == 2:
@@ -340,16 +385,27 @@ if gluon is not None:
             se = _ar(2, 5, VS)
             t = tok0 + _tok(2 * sa + sh, kk + 4 * se, W, G)
         s_ok = t < body_len
+        if CLAMP:
+            t = gl.minimum(t, body_len - 1)
         if NGC >= 2:  # int32 words of two groups' fp16 scales
             off = (t * NGV + DC0 // GV) // 2 + sg
-            sc = gl.load(vs_base.to(gl.pointer_type(gl.int32), bitcast=True) + off, mask=s_ok,
-                         other=0)
-            ze = gl.load(vz_base.to(gl.pointer_type(gl.int32), bitcast=True) + off, mask=s_ok,
-                         other=0)
+            sp = vs_base.to(gl.pointer_type(gl.int32), bitcast=True) + off
+            zp = vz_base.to(gl.pointer_type(gl.int32), bitcast=True) + off
         else:
-            sc = gl.load(vs_base + (t * NGV + DC0 // GV + sg), mask=s_ok, other=0.0)
-            ze = gl.load(vz_base + (t * NGV + DC0 // GV + sg), mask=s_ok, other=0.0)
-        return w, sc, ze
+            sp = vs_base + (t * NGV + DC0 // GV + sg)
+            zp = vz_base + (t * NGV + DC0 // GV + sg)
+        return wp, sp, zp, w_ok, s_ok
+
+    @gluon.jit
+    def _value_loads(vc_base, vs_base, vz_base, row0, n_rows, tok0, body_len,
+                     DC0: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
+                     D: gl.constexpr, DC: gl.constexpr, GV: gl.constexpr, VW: gl.constexpr,
+                     VS: gl.constexpr):
+        """The packed values of one step (see :func:`_value_ptrs`) loaded into registers."""
+        wp, sp, zp, w_ok, s_ok = _value_ptrs(vc_base, vs_base, vz_base, row0, n_rows, tok0,
+                                             body_len, DC0, BITS, W, G, D, DC, GV, VW, VS, False)
+        return (gl.load(wp, mask=w_ok, other=0), gl.load(sp, mask=s_ok, other=0),
+                gl.load(zp, mask=s_ok, other=0))
 
     @gluon.jit
     def _value_operand(w, sc, ze, BITS: gl.constexpr, DC: gl.constexpr, VW: gl.constexpr,
@@ -396,7 +452,7 @@ if gluon is not None:
         Hkv, n_out, steps_per_split,
         HG: gl.constexpr, HP: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr,
         G: gl.constexpr, GV: gl.constexpr, HAS_STARTS: gl.constexpr, HAS_LENS: gl.constexpr,
-        PIPE: gl.constexpr,
+        PIPE_ARG: gl.constexpr,
     ):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                       instr_shape=[16, 8])
@@ -404,6 +460,9 @@ if gluon is not None:
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
         DC: gl.constexpr = D // 2  # channels per chunk
         GVC: gl.constexpr = GV if GV < DC else DC  # noqa: FURB136 (value-scale group in a chunk)
+        # cp.async moves >= 4 bytes per element: PIPE 2 needs the int32 scale pairs (>= 2 value
+        # groups per channel chunk); otherwise the plain loads of PIPE 0.
+        PIPE: gl.constexpr = PIPE_ARG if (PIPE_ARG != 2 or DC // GVC >= 2) else 0
         KW: gl.constexpr = _layout("KW", BITS, DC, GVC)
         VW: gl.constexpr = _layout("VW", BITS, DC, GVC)
         VS_L: gl.constexpr = _layout("VS", BITS, DC, GVC)
@@ -462,35 +521,53 @@ if gluon is not None:
         acc0 = gl.zeros([DC, HP], gl.float32, layout=mma)
         acc1 = gl.zeros([DC, HP], gl.float32, layout=mma)
         # PIPE (latency hiding inside one warp): 0 loads V after the softmax; 1 issues the K and
-        # V loads of a step together; 2 also requests the next step's words before unpacking this
-        # step; 3 requests all of the next step's bytes (words and scales) ahead.
+        # V loads of a step together; 2 copies the next step's packed bytes into shared memory
+        # with cp.async (double buffered) while this step is unpacked from the other buffer.
+        # (Prefetching the next step into registers was measured slower: 255 registers, spills.)
         row0 = s_lo * RS
         tok0 = (row0 // W) * G + row0 % W
-        if PIPE >= 2:
-            kw0, ks0, kz0 = _key_loads(kc_base, ks_base, kz_base, row0, n_rows, 0, BITS, W, D,
-                                       DC, KW)
-            kw1, ks1, kz1 = _key_loads(kc_base, ks_base, kz_base, row0, n_rows, DC, BITS, W, D,
-                                       DC, KW)
-            vw0, vs0, vz0 = _value_loads(vc_base, vs_base, vz_base, row0, n_rows, tok0,
-                                         body_len, 0, BITS, W, G, D, DC, GV, VW, VS_L)
-            vw1, vs1, vz1 = _value_loads(vc_base, vs_base, vz_base, row0, n_rows, tok0,
-                                         body_len, DC, BITS, W, G, D, DC, GV, VW, VS_L)
+        if PIPE == 2:
+            a0, a1, a2, _m, _n = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, 0, BITS, W, D,
+                                           DC, KW, True)
+            b0, b1, b2, _m, _n = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, DC, BITS, W,
+                                           D, DC, KW, True)
+            c0, c1, c2, _m, _n = _value_ptrs(vc_base, vs_base, vz_base, row0, n_rows, tok0,
+                                             body_len, 0, BITS, W, G, D, DC, GV, VW, VS_L, True)
+            d0, d1, d2, _m, _n = _value_ptrs(vc_base, vs_base, vz_base, row0, n_rows, tok0,
+                                             body_len, DC, BITS, W, G, D, DC, GV, VW, VS_L, True)
+            bufs = (_buffer(a0), _buffer(a1), _buffer(a2), _buffer(c0), _buffer(c1), _buffer(c2))
+            _copy_step(bufs, 0, (a0, a1, a2), (b0, b1, b2), (c0, c1, c2), (d0, d1, d2))
+            async_copy.commit_group()
         for s in range(s_lo, s_hi):
             lo = (row0 // W) * G
             r_cur = row0
             t_cur = tok0
-            row0 = row0 + RS  # the next step (its loads are masked past the body)
+            row0 = row0 + RS  # the next step
             tok0 = (row0 // W) * G + row0 % W
-            if PIPE == 2:  # this step's scales now, with the words that are already on the way
-                _w, ks0, kz0 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, 0, BITS, W,
-                                          D, DC, KW)
-                _w, ks1, kz1 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, DC, BITS, W,
-                                          D, DC, KW)
-                _w, vs0, vz0 = _value_loads(vc_base, vs_base, vz_base, r_cur, n_rows, t_cur,
-                                            body_len, 0, BITS, W, G, D, DC, GV, VW, VS_L)
-                _w, vs1, vz1 = _value_loads(vc_base, vs_base, vz_base, r_cur, n_rows, t_cur,
-                                            body_len, DC, BITS, W, G, D, DC, GV, VW, VS_L)
-            if PIPE < 2:
+            if PIPE == 2:
+                cur = (s - s_lo) % 2
+                _warp_barrier()  # every lane is done with the buffer about to be refilled
+                a0, a1, a2, _m, _n = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, 0, BITS,
+                                               W, D, DC, KW, True)
+                b0, b1, b2, _m, _n = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, DC, BITS,
+                                               W, D, DC, KW, True)
+                c0, c1, c2, _m, _n = _value_ptrs(vc_base, vs_base, vz_base, row0, n_rows, tok0,
+                                                 body_len, 0, BITS, W, G, D, DC, GV, VW, VS_L,
+                                                 True)
+                d0, d1, d2, _m, _n = _value_ptrs(vc_base, vs_base, vz_base, row0, n_rows, tok0,
+                                                 body_len, DC, BITS, W, G, D, DC, GV, VW, VS_L,
+                                                 True)
+                _copy_step(bufs, 1 - cur, (a0, a1, a2), (b0, b1, b2), (c0, c1, c2),
+                           (d0, d1, d2))
+                async_copy.commit_group()
+                async_copy.wait_group(1)  # this step's copies (each lane reads what it copied)
+                kw0 = bufs[0].index(cur * 2).load(KW)
+                ks0 = bufs[1].index(cur * 2).load(KW)
+                kz0 = bufs[2].index(cur * 2).load(KW)
+                kw1 = bufs[0].index(cur * 2 + 1).load(KW)
+                ks1 = bufs[1].index(cur * 2 + 1).load(KW)
+                kz1 = bufs[2].index(cur * 2 + 1).load(KW)
+            else:
                 kw0, ks0, kz0 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, 0, BITS, W,
                                            D, DC, KW)
                 kw1, ks1, kz1 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, DC, BITS, W,
@@ -504,11 +581,6 @@ if gluon is not None:
             st = mma_v2(k, q0, gl.zeros([64, HP], gl.float32, layout=mma))
             k = _key_operand(kw1, ks1, kz1, BITS, DC, KW, a_l)
             st = mma_v2(k, q1, st)
-            if PIPE >= 2:
-                kw0, nks0, nkz0 = _key_loads(kc_base, ks_base, kz_base, row0, n_rows, 0, BITS, W,
-                                             D, DC, KW)
-                kw1, nks1, nkz1 = _key_loads(kc_base, ks_base, kz_base, row0, n_rows, DC, BITS, W,
-                                             D, DC, KW)
             if (lo < first) | (lo + SPAN > end):
                 t = t_cur + dn
                 st = gl.where(((t >= first) & (t < end))[:, None], st, float("-inf"))
@@ -524,18 +596,19 @@ if gluon is not None:
                                              body_len, 0, BITS, W, G, D, DC, GV, VW, VS_L)
                 vw1, vs1, vz1 = _value_loads(vc_base, vs_base, vz_base, r_cur, n_rows, t_cur,
                                              body_len, DC, BITS, W, G, D, DC, GV, VW, VS_L)
+            if PIPE == 2:  # values leave shared memory only now (registers)
+                vw0 = bufs[3].index(cur * 2).load(VW)
+                vs0 = bufs[4].index(cur * 2).load(VS_L)
+                vz0 = bufs[5].index(cur * 2).load(VS_L)
+                vw1 = bufs[3].index(cur * 2 + 1).load(VW)
+                vs1 = bufs[4].index(cur * 2 + 1).load(VS_L)
+                vz1 = bufs[5].index(cur * 2 + 1).load(VS_L)
             v = _value_operand(vw0, vs0, vz0, BITS, DC, VW, a_l)
             acc0 = mma_v2(v, pb, acc0 * alpha[None, :])
             v = _value_operand(vw1, vs1, vz1, BITS, DC, VW, a_l)
             acc1 = mma_v2(v, pb, acc1 * alpha[None, :])
-            if PIPE >= 2:
-                vw0, nvs0, nvz0 = _value_loads(vc_base, vs_base, vz_base, row0, n_rows, tok0,
-                                               body_len, 0, BITS, W, G, D, DC, GV, VW, VS_L)
-                vw1, nvs1, nvz1 = _value_loads(vc_base, vs_base, vz_base, row0, n_rows, tok0,
-                                               body_len, DC, BITS, W, G, D, DC, GV, VW, VS_L)
-            if PIPE == 3:
-                ks0, kz0, ks1, kz1 = nks0, nkz0, nks1, nkz1
-                vs0, vz0, vs1, vz1 = nvs0, nvz0, nvs1, nvz1
+        if PIPE == 2:
+            async_copy.wait_group(0)  # nothing in flight when the program ends
 
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
         od = gl.arange(0, DC, layout=gl.SliceLayout(1, mma))
@@ -587,7 +660,9 @@ def body_splits(batch_heads: int, body_len: int, sm_count: int) -> int:
     return max(1, min(want, steps))
 
 
-DEFAULT_PIPE = 0  # see _body_kernel (KVBITS_GLUON_PIPE overrides); 0 measured fastest
+# See _body_kernel (KVBITS_GLUON_PIPE overrides). 0 measured fastest of 0/1 and of the register
+# prefetches tried before; 2 (cp.async) compiles on Triton 3.6 and 3.9 but is not yet measured.
+DEFAULT_PIPE = 0
 DEFAULT_MAXNREG = 0  # 0: let ptxas choose (KVBITS_GLUON_MAXNREG overrides)
 
 
@@ -612,6 +687,6 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         kv.v_scale.shape[2] * kv.v_scale.shape[3], Hkv, n_out, per,
         HG=HG, HP=8 if HG <= 8 else 16, D=D, BITS=kv.key_bits, G=kv.group_size,
         GV=kv.value_group, HAS_STARTS=has_starts, HAS_LENS=has_lens,
-        PIPE=pipe, num_warps=1,
+        PIPE_ARG=pipe, num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg else {}))
     return splits
