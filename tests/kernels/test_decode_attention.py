@@ -772,3 +772,38 @@ def test_gluon_store_built_layer(preset):
         o = kernel(q, kv, scale=128 ** -0.5, gluon=True, **kw)
         compare(o, reference(q, kv, scale=128 ** -0.5, **kw), torch.float16,
                 f"store-built {preset} through the Gluon body {kw}")
+
+
+GLUON_TOKEN_KEY_CASES = [
+    Case(kb=b, vb=b, G=G, D=D, B=2, Hkv=2, HG=HG, S=1, body=G * 19, res=24,
+         lengths=(1 + G * 19 + 24, 1 + G * 19 - 5), starts=(0, 3), seed=b * G + HG)
+    for b, G, D, HG in [(4, 64, 128, 4), (2, 64, 128, 1), (2, 32, 64, 8), (4, 128, 128, 16)]
+]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", GLUON_TOKEN_KEY_CASES, ids=str)
+def test_gluon_body_token_keys(c, monkeypatch):
+    """The uniform method's layout (keys and values scaled per token) through the Gluon body."""
+    from kvbits.kernels import decode_gluon
+    monkeypatch.setattr(decode_gluon, "TOKEN_KEYS", True)
+    monkeypatch.setattr(decode_gluon, "MIN_BATCH_HEADS", 1)
+    monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
+    kv = _axes_kv(c, "token", "token")
+    assert decode_gluon.eligible(kv, 1, c.HG, None)
+    run_case(c, kv=kv)
+
+
+def test_gluon_token_keys_need_the_flag(monkeypatch):
+    from kvbits.kernels import decode_gluon
+    if decode_gluon.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    c = GLUON_TOKEN_KEY_CASES[0]
+    kv = _axes_kv(c._replace(body=c.G * 3), "token", "token", device="cpu")
+    monkeypatch.setattr(decode_gluon, "TOKEN_KEYS", False)
+    assert not decode_gluon.eligible(kv, 1, c.HG, None)
+    monkeypatch.setattr(decode_gluon, "TOKEN_KEYS", True)
+    assert decode_gluon.eligible(kv, 1, c.HG, None)
+    narrow = _axes_kv(c._replace(body=c.G * 3, G=32, D=128), "token", "token", device="cpu")
+    assert not decode_gluon.eligible(narrow, 1, c.HG, None)  # 32-channel key groups: Triton

@@ -118,7 +118,20 @@ if gluon is not None:
         sshape = [ngv] + ([2] if bits == 4 else []) + [4] + [2] * n_i + [2]
         vs = gl.DistributedLinearLayout(reg_bases=vs_regs, lane_bases=vs_lanes, warp_bases=[],
                                         block_bases=[], shape=sshape)
-        return {"KW": kw, "VW": vw, "VS": vs}
+        # Per-token key scales (uniform method), one scale group per chunk: [H?, A, E, I...] fp16,
+        # lanes e, a0, a1 like the keys, no lanes for the channel pairs (broadcast).
+        tnd = hb + 2 + n_i
+
+        def tvec(dim, val):
+            v = [0] * tnd
+            v[dim] = val
+            return v
+        kt_regs = ([tvec(0, 1)] if bits == 4 else []) + [tvec(hb + 2 + i, 1) for i in range(n_i)]
+        kt_lanes = [[0] * tnd, [0] * tnd, tvec(hb + 1, 1), tvec(hb, 1), tvec(hb, 2)]
+        kt = gl.DistributedLinearLayout(reg_bases=kt_regs, lane_bases=kt_lanes, warp_bases=[],
+                                        block_bases=[], shape=([2] if bits == 4 else []) + [4, 2]
+                                        + [2] * n_i)
+        return {"KW": kw, "VW": vw, "VS": vs, "KT": kt}
 
     @gluon.constexpr_function
     def _layout(name, bits, D, GV):
@@ -260,13 +273,16 @@ if gluon is not None:
         return (R // W) * G + R % W + W * slot
 
     @gluon.jit
-    def _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, DC0: gl.constexpr,
-                  BITS: gl.constexpr, W: gl.constexpr, D: gl.constexpr, DC: gl.constexpr,
-                  KW: gl.constexpr, CLAMP: gl.constexpr):
+    def _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, tok0, body_len, DC0: gl.constexpr,
+                  BITS: gl.constexpr, W: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
+                  DC: gl.constexpr, GK: gl.constexpr, KW: gl.constexpr, KT: gl.constexpr,
+                  K_TOK: gl.constexpr, CLAMP: gl.constexpr):
         """Addresses of the packed keys of one step, channels ``[DC0, DC0 + DC)``, in the
         threads that will unpack them: channel-pair words (int64) and scale/zero pairs (int32
         ``half2``), with the masks of rows past the body (``CLAMP``: rows clamped to the last
-        one instead, for copies that cannot be masked to zero)."""
+        one instead, for copies that cannot be masked to zero). ``K_TOK``: keys scaled per token
+        over ``GK >= DC`` channels (the uniform method): fp16 scales ``[H?, A, E, I...]``, one
+        per token of the thread (:func:`_key_operand` broadcasts them over the channels)."""
         D2: gl.constexpr = D // 2
         j0: gl.constexpr = DC0 // 2
         if BITS == 2:
@@ -286,18 +302,35 @@ if gluon is not None:
             row = gl.minimum(row, n_rows - 1)
             ra = gl.minimum(ra, n_rows - 1)
         wp = kc_base.to(gl.pointer_type(gl.int64), bitcast=True) + (row * D2 + j + e * 0)
-        s_off = (ra // W) * D2 + j + e * 0
-        sp = ks_base.to(gl.pointer_type(gl.int32), bitcast=True) + s_off
-        zp = kz_base.to(gl.pointer_type(gl.int32), bitcast=True) + s_off
-        return wp, sp, zp, row < n_rows, ra < n_rows
+        if K_TOK:
+            NGK: gl.constexpr = D // GK
+            if BITS == 2:
+                idx = _ar(2, 2, KT) + 2 * _ar(2, 3, KT) + 4 * _ar(2, 4, KT)
+                t = tok0 + _tok(_ar(4, 0, KT), idx + 8 * _ar(2, 1, KT), W, G)
+            else:
+                kk = _ar(2, 3, KT) + 2 * _ar(2, 4, KT)
+                t = tok0 + _tok(2 * _ar(4, 1, KT) + _ar(2, 0, KT), kk + 4 * _ar(2, 2, KT), W, G)
+            s_ok = t < body_len
+            if CLAMP:
+                t = gl.minimum(t, body_len - 1)
+            sp = ks_base + (t * NGK + DC0 // GK)
+            zp = kz_base + (t * NGK + DC0 // GK)
+        else:
+            s_ok = ra < n_rows
+            s_off = (ra // W) * D2 + j + e * 0
+            sp = ks_base.to(gl.pointer_type(gl.int32), bitcast=True) + s_off
+            zp = kz_base.to(gl.pointer_type(gl.int32), bitcast=True) + s_off
+        return wp, sp, zp, row < n_rows, s_ok
 
     @gluon.jit
-    def _key_loads(kc_base, ks_base, kz_base, row0, n_rows, DC0: gl.constexpr,
-                   BITS: gl.constexpr, W: gl.constexpr, D: gl.constexpr, DC: gl.constexpr,
-                   KW: gl.constexpr):
+    def _key_loads(kc_base, ks_base, kz_base, row0, n_rows, tok0, body_len, DC0: gl.constexpr,
+                   BITS: gl.constexpr, W: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
+                   DC: gl.constexpr, GK: gl.constexpr, KW: gl.constexpr, KT: gl.constexpr,
+                   K_TOK: gl.constexpr):
         """The packed keys of one step (see :func:`_key_ptrs`) loaded into registers."""
-        wp, sp, zp, w_ok, s_ok = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, DC0, BITS,
-                                           W, D, DC, KW, False)
+        wp, sp, zp, w_ok, s_ok = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, tok0,
+                                           body_len, DC0, BITS, W, G, D, DC, GK, KW, KT, K_TOK,
+                                           False)
         return (gl.load(wp, mask=w_ok, other=0), gl.load(sp, mask=s_ok, other=0),
                 gl.load(zp, mask=s_ok, other=0))
 
@@ -329,25 +362,57 @@ if gluon is not None:
 
     @gluon.jit
     def _key_operand(w, sc, ze, BITS: gl.constexpr, DC: gl.constexpr, KW: gl.constexpr,
-                     a_l: gl.constexpr):
+                     a_l: gl.constexpr, K_TOK: gl.constexpr):
         """Dequantized keys of one step (from :func:`_key_loads`) as the A operand
         ``[64, DC]`` of ``S^T = K Q^T``."""
         if BITS == 2:
             e = _ar(2, 1, KW)
         else:
             e = _ar(2, 2, KW)
-        u = _key_halves(w, 0x5410 + 0x2222 * e + 0 * sc)
-        if BITS == 2:
+        u = _key_halves(w, 0x5410 + 0x2222 * e + 0 * _ar(DC // 2, len(KW.shape) - 1, KW))
+        if K_TOK:  # per-token scales: half2(s, s) per slot, broadcast over the channel pairs
+            SK: gl.constexpr = gl.SliceLayout(len(KW.shape) - 1, KW)
+            sc = _dup_half2(sc)
+            ze = _dup_half2(ze)
+            if BITS == 2:
+                s0, s1, s2, s3, s4, s5, s6, s7 = _split8(sc)
+                z0, z1, z2, z3, z4, z5, z6, z7 = _split8(ze)
+                k = _join8(_kpair(u, s0, z0, 0, 2, SK), _kpair(u, s1, z1, 1, 2, SK),
+                           _kpair(u, s2, z2, 2, 2, SK), _kpair(u, s3, z3, 3, 2, SK),
+                           _kpair(u, s4, z4, 4, 2, SK), _kpair(u, s5, z5, 5, 2, SK),
+                           _kpair(u, s6, z6, 6, 2, SK), _kpair(u, s7, z7, 7, 2, SK))
+            else:
+                s0, s1, s2, s3 = _split4(sc)
+                z0, z1, z2, z3 = _split4(ze)
+                k = _join4(_kpair(u, s0, z0, 0, 4, SK), _kpair(u, s1, z1, 1, 4, SK),
+                           _kpair(u, s2, z2, 2, 4, SK), _kpair(u, s3, z3, 3, 4, SK))
+        elif BITS == 2:
             k = _join8(_dequant(u, sc, ze, 0, 2), _dequant(u, sc, ze, 1, 2),
                        _dequant(u, sc, ze, 2, 2), _dequant(u, sc, ze, 3, 2),
                        _dequant(u, sc, ze, 4, 2), _dequant(u, sc, ze, 5, 2),
                        _dequant(u, sc, ze, 6, 2), _dequant(u, sc, ze, 7, 2))
-            k = gl.reshape(gl.permute(k, (4, 3, 5, 0, 1, 2)), [64, DC // 2])
         else:
             k = _join4(_dequant(u, sc, ze, 0, 4), _dequant(u, sc, ze, 1, 4),
                        _dequant(u, sc, ze, 2, 4), _dequant(u, sc, ze, 3, 4))
+        if BITS == 2:
+            k = gl.reshape(gl.permute(k, (4, 3, 5, 0, 1, 2)), [64, DC // 2])
+        else:
             k = gl.reshape(gl.permute(k, (5, 4, 0, 1, 2, 3)), [64, DC // 2])
         return gl.convert_layout(_unpack_half2(k), a_l)
+
+    @gluon.jit
+    def _kpair(u, s, z, P: gl.constexpr, BITS: gl.constexpr, SK: gl.constexpr):
+        """Keys at slot position P with one per-token scale pair broadcast over the channels."""
+        R: gl.constexpr = len(u.shape) - 1
+        s = gl.expand_dims(gl.convert_layout(s, SK), R)
+        z = gl.expand_dims(gl.convert_layout(z, SK), R)
+        return _dequant(u, s, z, P, BITS)
+
+    @gluon.jit
+    def _dup_half2(x):
+        """float16 tensor -> int32 ``half2(x, x)``."""
+        return gl.inline_asm_elementwise("mov.b32 $0, {$1, $1};", "=r,h", [x], dtype=gl.int32,
+                                         is_pure=True, pack=1)
 
     @gluon.jit
     def _value_ptrs(vc_base, vs_base, vz_base, row0, n_rows, tok0, body_len,
@@ -452,7 +517,7 @@ if gluon is not None:
         Hkv, n_out, steps_per_split,
         HG: gl.constexpr, HP: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr,
         G: gl.constexpr, GV: gl.constexpr, HAS_STARTS: gl.constexpr, HAS_LENS: gl.constexpr,
-        PIPE_ARG: gl.constexpr,
+        GK: gl.constexpr, K_TOK: gl.constexpr, PIPE_ARG: gl.constexpr,
     ):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                       instr_shape=[16, 8])
@@ -462,8 +527,10 @@ if gluon is not None:
         GVC: gl.constexpr = GV if GV < DC else DC  # noqa: FURB136 (value-scale group in a chunk)
         # cp.async moves >= 4 bytes per element: PIPE 2 needs the int32 scale pairs (>= 2 value
         # groups per channel chunk); otherwise the plain loads of PIPE 0.
-        PIPE: gl.constexpr = PIPE_ARG if (PIPE_ARG != 2 or DC // GVC >= 2) else 0
+        # (per-token key scales are fp16, 2 bytes: PIPE 2 does not apply to them either)
+        PIPE: gl.constexpr = PIPE_ARG if (PIPE_ARG != 2 or (DC // GVC >= 2 and not K_TOK)) else 0
         KW: gl.constexpr = _layout("KW", BITS, DC, GVC)
+        KT: gl.constexpr = _layout("KT", BITS, DC, GVC)
         VW: gl.constexpr = _layout("VW", BITS, DC, GVC)
         VS_L: gl.constexpr = _layout("VS", BITS, DC, GVC)
         W: gl.constexpr = G * BITS // 32  # word rows per key group
@@ -527,10 +594,12 @@ if gluon is not None:
         row0 = s_lo * RS
         tok0 = (row0 // W) * G + row0 % W
         if PIPE == 2:
-            a0, a1, a2, _m, _n = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, 0, BITS, W, D,
-                                           DC, KW, True)
-            b0, b1, b2, _m, _n = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, DC, BITS, W,
-                                           D, DC, KW, True)
+            a0, a1, a2, _m, _n = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, tok0,
+                                           body_len, 0, BITS, W, G, D, DC, GK, KW, KT,
+                                           K_TOK, True)
+            b0, b1, b2, _m, _n = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, tok0,
+                                           body_len, DC, BITS, W, G, D, DC, GK, KW, KT,
+                                           K_TOK, True)
             c0, c1, c2, _m, _n = _value_ptrs(vc_base, vs_base, vz_base, row0, n_rows, tok0,
                                              body_len, 0, BITS, W, G, D, DC, GV, VW, VS_L, True)
             d0, d1, d2, _m, _n = _value_ptrs(vc_base, vs_base, vz_base, row0, n_rows, tok0,
@@ -547,10 +616,12 @@ if gluon is not None:
             if PIPE == 2:
                 cur = (s - s_lo) % 2
                 _warp_barrier()  # every lane is done with the buffer about to be refilled
-                a0, a1, a2, _m, _n = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, 0, BITS,
-                                               W, D, DC, KW, True)
-                b0, b1, b2, _m, _n = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, DC, BITS,
-                                               W, D, DC, KW, True)
+                a0, a1, a2, _m, _n = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, tok0,
+                                           body_len, 0, BITS, W, G, D, DC, GK, KW, KT,
+                                           K_TOK, True)
+                b0, b1, b2, _m, _n = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, tok0,
+                                           body_len, DC, BITS, W, G, D, DC, GK, KW, KT,
+                                           K_TOK, True)
                 c0, c1, c2, _m, _n = _value_ptrs(vc_base, vs_base, vz_base, row0, n_rows, tok0,
                                                  body_len, 0, BITS, W, G, D, DC, GV, VW, VS_L,
                                                  True)
@@ -568,18 +639,20 @@ if gluon is not None:
                 ks1 = bufs[1].index(cur * 2 + 1).load(KW)
                 kz1 = bufs[2].index(cur * 2 + 1).load(KW)
             else:
-                kw0, ks0, kz0 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, 0, BITS, W,
-                                           D, DC, KW)
-                kw1, ks1, kz1 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, DC, BITS, W,
-                                           D, DC, KW)
+                kw0, ks0, kz0 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur,
+                                           body_len, 0, BITS, W, G, D, DC, GK, KW, KT,
+                                           K_TOK)
+                kw1, ks1, kz1 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur,
+                                           body_len, DC, BITS, W, G, D, DC, GK, KW, KT,
+                                           K_TOK)
             if PIPE == 1:
                 vw0, vs0, vz0 = _value_loads(vc_base, vs_base, vz_base, r_cur, n_rows, t_cur,
                                              body_len, 0, BITS, W, G, D, DC, GV, VW, VS_L)
                 vw1, vs1, vz1 = _value_loads(vc_base, vs_base, vz_base, r_cur, n_rows, t_cur,
                                              body_len, DC, BITS, W, G, D, DC, GV, VW, VS_L)
-            k = _key_operand(kw0, ks0, kz0, BITS, DC, KW, a_l)
+            k = _key_operand(kw0, ks0, kz0, BITS, DC, KW, a_l, K_TOK)
             st = mma_v2(k, q0, gl.zeros([64, HP], gl.float32, layout=mma))
-            k = _key_operand(kw1, ks1, kz1, BITS, DC, KW, a_l)
+            k = _key_operand(kw1, ks1, kz1, BITS, DC, KW, a_l, K_TOK)
             st = mma_v2(k, q1, st)
             if (lo < first) | (lo + SPAN > end):
                 t = t_cur + dn
@@ -622,17 +695,30 @@ if gluon is not None:
         gl.store(Lse + o_row, lse, mask=oj < HG)
 
 
+# Keys scaled per token (the uniform method) compile (Triton 3.6 and 3.9) but have not run on a
+# GPU yet: off until the GPU tests (test_gluon_body_matches_reference, uniform cases) pass.
+TOKEN_KEYS = False
+
+
 def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
-    """Whether :func:`attend_body` serves this layer and call: Gluon importable, a plain KIVI
-    body (per-channel key scales, per-token value scales, integer codes, no KVQuant parts) with
-    equal key/value bits of 2 or 4, group size 16-128, head_dim 64 or 128, value groups of 32
-    to 128 channels (smaller ones compile but are not tested on a GPU), one query row per sequence, at most 16 query heads per KV head, no
+    """Whether :func:`attend_body` serves this layer and call: Gluon importable, integer codes
+    with no KVQuant parts, per-channel key scales (or, with ``TOKEN_KEYS``, per-token key scales
+    over at least half the head), per-token value scales, equal key/value bits of 2 or 4, group
+    size 16-128, head_dim 64 or 128, value groups of 32 to 128 channels (smaller ones compile but
+    are not tested on a GPU), one query row per sequence, at most 16 query heads per KV head, no
     sliding window."""
-    if gluon is None or not kv.is_plain or kv.body_len == 0:
+    if gluon is None or kv.body_len == 0 or getattr(kv, "fp8", False):
+        return False
+    if any(getattr(kv, n, None) is not None for n in ("k_codebook", "v_codebook", "k_out_idx",
+                                                      "v_out_idx", "rope_inv_freq")):
         return False
     D = kv.res_k.shape[-1]
     G, GV = kv.group_size, kv.value_group
-    return (kv.key_bits == kv.value_bits and kv.key_bits in (2, 4) and G in (16, 32, 64, 128)
+    key_axis = getattr(kv, "key_axis", "channel")
+    keys_ok = key_axis == "channel" or (TOKEN_KEYS and key_axis == "token"
+                                        and kv.k_scale.shape[3] <= 2)
+    return (keys_ok and getattr(kv, "value_axis", "token") == "token"
+            and kv.key_bits == kv.value_bits and kv.key_bits in (2, 4) and G in (16, 32, 64, 128)
             and D in (64, 128) and GV in (32, 64, 128) and D % GV == 0 and q_rows == 1
             and heads_per_kv <= 16 and window is None)
 
@@ -674,6 +760,7 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
     B, Hq, _, D = q.shape
     Hkv = kv.kv_heads
     HG = Hq // Hkv
+    k_tok = getattr(kv, "key_axis", "channel") == "token"
     steps = -(-kv.body_len // STEP)
     per = -(-steps // splits)
     splits = -(-steps // per)
@@ -687,6 +774,7 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         kv.v_scale.shape[2] * kv.v_scale.shape[3], Hkv, n_out, per,
         HG=HG, HP=8 if HG <= 8 else 16, D=D, BITS=kv.key_bits, G=kv.group_size,
         GV=kv.value_group, HAS_STARTS=has_starts, HAS_LENS=has_lens,
+        GK=D // kv.k_scale.shape[3] if k_tok else kv.group_size, K_TOK=k_tok,
         PIPE_ARG=pipe, num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg else {}))
     return splits
