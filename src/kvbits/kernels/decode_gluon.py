@@ -27,6 +27,9 @@ fragment pair (tokens e = 0, 1 of one channel) is one mask of one word: both hal
 Only the KIVI layout family is served here (keys scaled per channel over G tokens, values per
 token over GV channels, equal key/value bits of 2 or 4, one query row per sequence, no sliding
 window, head_dim 64 or 128); :func:`eligible` says which layers, the Triton kernel does the rest.
+Two extensions are written and compiled but wait for a GPU run before they are switched on: keys
+scaled per token (the uniform method, ``TOKEN_KEYS``) and a cp.async prefetch of the next step
+into shared memory (``PIPE=2``).
 """
 
 from __future__ import annotations
