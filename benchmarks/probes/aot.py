@@ -43,7 +43,7 @@ def summarize(c, label):
     print("   ", ", ".join(f"{k}:{v}" for k, v in ops.most_common(28)))
     return sass
 
-SIG = {"KCB": "*fp32", "VCB": "*fp32", "KOI": "*u8", "KOV": "*fp16", "VOI": "*u8", "VOV": "*fp16", "InvFreq": "*fp32", "RopeTable": "*fp32", "kout_cap": "i32", "vout_cap": "i32"} | {n: "*fp16" for n in ["Q"]} | {"Out": "*fp32", "Lse": "*fp32"} | {n: "*fp16" for n in ["SinkK","SinkV","ResK","ResV"]} \
+SIG = {"KCB": "*fp32", "VCB": "*fp32", "KOI": "*u8", "KOV": "*fp16", "VOI": "*u8", "VOV": "*fp16", "InvFreq": "*fp32", "RopeTable": "*fp16", "kout_cap": "i32", "vout_cap": "i32"} | {n: "*fp16" for n in ["Q"]} | {"Out": "*fp32", "Lse": "*fp32"} | {n: "*fp16" for n in ["SinkK","SinkV","ResK","ResV"]} \
     | {"KC": "*i32", "KS": "*fp16", "KZ": "*fp16", "VC": "*i32", "VS": "*fp16", "VZ": "*fp16", "Starts": "*i32", "Lens": "*i32",
        "qk_scale": "fp32", "window": "i32"} | {n: "i32" for n in ["sink_len","body_len","res_len","sink_cap","res_cap","kc_cap","ks_slice","vc_cap","vs_slice",
        "Hkv","Lq","m_tiles","n_body_splits","groups_per_split","fp_per_split","split0","n_out"]}

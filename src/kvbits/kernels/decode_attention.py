@@ -92,27 +92,29 @@ def _group_codes(base, g0, g_end, offs_d, d_ok, BITS: tl.constexpr, G: tl.conste
 @triton.jit
 def _scale_tile(s_base, z_base, g0, g_hi, offs_t, offs_d, d_ok, PER_TOKEN: tl.constexpr,
                 G: tl.constexpr, GPT: tl.constexpr, D: tl.constexpr, GS: tl.constexpr,
-                EVEN_D: tl.constexpr):
+                EVEN_D: tl.constexpr, D0: tl.constexpr = 0):
     """FP16 scale and zero of every element of a ``[GPT * G, BLOCK_D]`` body tile.
 
     ``PER_TOKEN``: one pair per (token, ``GS`` channels), stored ``[tokens, D // GS]`` (KIVI
     values, per-token keys); else one pair per (group of G tokens, channel), stored
     ``[groups, D]`` (KIVI keys, per-channel values). Either way the pair is broadcast with a
-    reshape that merges or splits dims, never gathered per element."""
+    reshape that merges or splits dims, never gathered per element. ``D0``: the first channel
+    of ``offs_d`` (``offs_d = D0 + arange``: half tiles of pre-RoPE keys)."""
     BLOCK_D: tl.constexpr = offs_d.shape[0]
     N: tl.constexpr = GPT * G
     if PER_TOKEN:
         NGS: tl.constexpr = D // GS
-        NGS_PAD: tl.constexpr = BLOCK_D // GS
-        offs_j = tl.arange(0, NGS_PAD)
+        NGS_PAD: tl.constexpr = BLOCK_D // GS if BLOCK_D >= GS else 1  # 1: a wider group
+        offs_j = D0 // GS + tl.arange(0, NGS_PAD)
         mask = (offs_t < g_hi * G)[:, None]
         if NGS != NGS_PAD:
             mask = mask & (offs_j < NGS)[None, :]
         ptr = (offs_t * NGS)[:, None] + offs_j[None, :]
         sc = tl.load(s_base + ptr, mask=mask, other=0.0)
         ze = tl.load(z_base + ptr, mask=mask, other=0.0)
-        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [N, NGS_PAD, GS]), [N, BLOCK_D])
-        ze = tl.reshape(tl.broadcast_to(ze[:, :, None], [N, NGS_PAD, GS]), [N, BLOCK_D])
+        W: tl.constexpr = BLOCK_D // NGS_PAD
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [N, NGS_PAD, W]), [N, BLOCK_D])
+        ze = tl.reshape(tl.broadcast_to(ze[:, :, None], [N, NGS_PAD, W]), [N, BLOCK_D])
     else:
         grp = g0 + tl.arange(0, GPT)
         mask = (grp < g_hi)[:, None]
@@ -250,38 +252,126 @@ def _lookup(c, cb_ptr, NC: tl.constexpr, USE_PRMT: tl.constexpr):
 
 
 @triton.jit
-def _add_outliers(x, idx_base, val_base, offs_t, t_end, offs_d, NOUT: tl.constexpr):
+def _add_outliers(x, idx_base, val_base, offs_t, t_end, offs_d, NOUT: tl.constexpr,
+                  USE_PTX: tl.constexpr):
     """Dense-and-sparse: add the ``NOUT`` FP16 corrections of each token (``x - dequant`` at the
-    channel in ``idx``) to the dequantized tile ``x [N, BLOCK_D]``."""
+    channel in ``idx``) to the dequantized tile ``x [N, BLOCK_D]`` (values; key outliers go to
+    the scores, ``_score_outliers``).
+
+    ``USE_PTX`` (GPU only): index and channel compared as float16 pairs: one ``prmt`` turns two
+    uint8 indices into the float16 ``1024 + idx`` (bytes ``idx, 0x64``), ``set.eq.u32.f16x2``
+    against ``1024 + channel`` gives a 0xFFFF mask per half, ``and`` keeps the correction where
+    it matches, ``add.f16x2`` adds it: four instructions per pair of elements where the integer
+    compare, select and conversions took ~6 per element. The mask (not a 1.0/0.0 factor) keeps
+    an infinite correction out of the other channels. Exact for channels < 1024."""
     t_ok = offs_t < t_end
+    if USE_PTX:  # 1024 + channel: the float16 that (0x6400 | idx) reads as
+        dch = tl.broadcast_to((offs_d + 1024).to(tl.float16)[None, :], x.shape)
     for j in tl.static_range(NOUT):
-        idx = tl.load(idx_base + offs_t * NOUT + j, mask=t_ok, other=0).to(tl.int32)
+        idx = tl.load(idx_base + offs_t * NOUT + j, mask=t_ok, other=0)
         val = tl.load(val_base + offs_t * NOUT + j, mask=t_ok, other=0.0)
-        x = x + tl.where(offs_d[None, :] == idx[:, None], val[:, None], 0.0).to(x.dtype)
+        if USE_PTX:
+            # $4: four uint8 indices; $2 $3: x; $5 $6: 1024 + channel; $7 $8: corrections.
+            x = tl.inline_asm_elementwise(
+                "{.reg .b32 i, m;\n"
+                "prmt.b32 i, $4, 0x64646464, 0x4140;\n"
+                "set.eq.u32.f16x2 m, i, $5;\n"
+                "and.b32 m, m, $7;\n"
+                "add.rn.f16x2 $0, $2, m;\n"
+                "prmt.b32 i, $4, 0x64646464, 0x4342;\n"
+                "set.eq.u32.f16x2 m, i, $6;\n"
+                "and.b32 m, m, $8;\n"
+                "add.rn.f16x2 $1, $3, m;}",
+                "=r,=r,r,r,r,r,r,r,r",
+                [x, tl.broadcast_to(idx.to(tl.uint8)[:, None], x.shape), dch,
+                 tl.broadcast_to(val.to(tl.float16)[:, None], x.shape)],
+                dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            idx = idx.to(tl.int32)
+            x = x + tl.where(offs_d[None, :] == idx[:, None], val[:, None], 0.0).to(x.dtype)
     return x
 
 
 @triton.jit
-def _rope(k, pos0, inv_freq_ptr, table_ptr):
-    """RoPE (transformers' rotate-half convention) of a dequantized key tile ``k [N, D]`` whose
-    rows sit at consecutive positions ``pos0 + j``: channel ``i`` pairs with ``i + D/2`` at angle
-    ``(pos0 + j) * inv_freq[i]``, in float32. Angle addition keeps transcendentals per tile, not
-    per element: ``cos/sin(pos0 * f)`` are computed for the ``D/2`` frequencies and combined with
-    the fixed ``cos/sin(j * f)`` table (``[2, N, D/2]`` float32, L1-resident)."""
-    N: tl.constexpr = k.shape[0]
-    HALF: tl.constexpr = k.shape[1] // 2
-    offs_i = tl.arange(0, HALF)
-    a0 = pos0.to(tl.float32) * tl.load(inv_freq_ptr + offs_i)
-    c0 = tl.cos(a0)[None, :]
-    s0 = tl.sin(a0)[None, :]
-    tj = (tl.arange(0, N) * HALF)[:, None] + offs_i[None, :]
+def _cos_sin(a, USE_PTX: tl.constexpr):
+    """``cos(a), sin(a)`` of float32 angles. ``USE_PTX`` (GPU only): reduced to ``[-pi, pi]``
+    (Cody-Waite: ``a - k * 2pi`` with 2pi in two float32 parts, FMA) and the MUFU
+    ``cos/sin.approx`` (absolute error ~2**-21 there): ~6 instructions, where libdevice's
+    ``cosf/sinf`` take ~40 each with a branch to a slow path for large angles. The angle
+    itself (position times frequency, float32) carries the larger error at large positions."""
+    if USE_PTX:
+        k = tl.floor(a * 0.15915494309189535 + 0.5)
+        r = a - k * 6.2831854820251465
+        r = r - k * -1.7484556000744883e-07
+        c, s = tl.inline_asm_elementwise(
+            "cos.approx.f32 $0, $2; sin.approx.f32 $1, $2;", "=r,=r,r", [r],
+            dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        c = tl.cos(a)
+        s = tl.sin(a)
+    return c, s
+
+
+@triton.jit
+def _rope_query(qa, qb, pos0, inv_freq, USE_PTX: tl.constexpr):
+    """``R(pos0)^T q`` for a tile of pre-RoPE keys at positions ``pos0 + j`` (transformers'
+    rotate-half convention: channel ``i`` pairs with ``i + D/2`` at angle ``pos * inv_freq[i]``).
+
+    ``q . R(pos0 + j) k = (R(pos0)^T q) . (R(j) k)``, so the per-tile angle goes to the query
+    (``[M, D]`` float32, two sines and cosines per frequency) and the keys only take the fixed
+    ``R(j)`` of their offset in the tile (``_rope_keys``). ``qa, qb``: the two halves of ``q``
+    (float32 ``[M, D/2]``); returns the halves of the rotated query, float32."""
+    c0, s0 = _cos_sin(pos0.to(tl.float32) * inv_freq, USE_PTX)
+    c0 = c0[None, :]
+    s0 = s0[None, :]
+    return qa * c0 + qb * s0, qb * c0 - qa * s0
+
+
+@triton.jit
+def _rope_keys(ka, kb, table_ptr, N: tl.constexpr, HALF: tl.constexpr):
+    """``R(j) k`` of the halves ``ka, kb [N, D/2]`` (float16) of a key tile, row ``j`` rotated
+    by the angles ``j * inv_freq``: the fixed ``cos/sin`` table ``[2, N, D/2]`` (float16,
+    L1-resident; the same for every tile, see ``_rope_query``). Float16 arithmetic: two
+    roundings of 2**-11 on the order of the dequantization's one."""
+    tj = (tl.arange(0, N) * HALF)[:, None] + tl.arange(0, HALF)[None, :]
     cj = tl.load(table_ptr + tj)
     sj = tl.load(table_ptr + N * HALF + tj)
-    cos = c0 * cj - s0 * sj
-    sin = s0 * cj + c0 * sj
-    a, b = tl.split(tl.permute(tl.reshape(k.to(tl.float32), [N, 2, HALF]), (0, 2, 1)))
-    rot = tl.join(a * cos - b * sin, b * cos + a * sin)  # [N, HALF, 2]
-    return tl.reshape(tl.permute(rot, (0, 2, 1)), [N, 2 * HALF]).to(tl.float16)
+    return ka * cj - kb * sj, kb * cj + ka * sj
+
+
+@triton.jit
+def _score_outliers(sc, qa, qb, idx_base, val_base, offs_t, t_end, table_ptr,
+                    NOUT: tl.constexpr, ROPE: tl.constexpr):
+    """Key outliers applied on the score side: ``S[m, t] += val[t] * q'[m, idx[t]]`` for the
+    ``NOUT`` FP16 corrections of each token, instead of adding them to the key tile (a compare
+    per element of ``[N, D]``, ``[M, N]`` here: the query rows are few).
+
+    Without ``ROPE``, ``qa`` is the whole (scaled) query ``[M, D]`` and ``q' = q``. With it,
+    ``qa, qb`` are the halves of ``R(pos0)^T q`` (``_rope_query``), and the key of row ``j`` is
+    ``R(j) (k + val e_idx)``: ``R(j) e_idx`` has two non-zeros, so with ``i = idx mod D/2``,
+    ``c, s = cos, sin(j * inv_freq[i])`` (the table of ``_rope_keys``):
+    ``q'[idx] = qa[i] c + qb[i] s`` for ``idx < D/2``, ``qb[i] c - qa[i] s`` above."""
+    M: tl.constexpr = sc.shape[0]
+    N: tl.constexpr = sc.shape[1]
+    HALF: tl.constexpr = qa.shape[1]
+    t_ok = offs_t < t_end
+    for j in tl.static_range(NOUT):
+        idx = tl.load(idx_base + offs_t * NOUT + j, mask=t_ok, other=0).to(tl.int32)
+        val = tl.load(val_base + offs_t * NOUT + j, mask=t_ok, other=0.0).to(tl.float32)
+        if ROPE:
+            i = idx & (HALF - 1)
+            ib = tl.broadcast_to(i[None, :], [M, N])
+            ga = tl.gather(qa, ib, axis=1)
+            gb = tl.gather(qb, ib, axis=1)
+            row = tl.arange(0, N) * HALF + i
+            c = tl.load(table_ptr + row).to(tl.float32)[None, :]
+            s = tl.load(table_ptr + N * HALF + row).to(tl.float32)[None, :]
+            hi = (idx >= HALF)[None, :]
+            qv = tl.where(hi, gb, ga) * c + tl.where(hi, -ga, gb) * s
+        else:
+            qv = tl.gather(qa, tl.broadcast_to(idx[None, :], [M, N]), axis=1).to(tl.float32)
+        sc = sc + qv * val[None, :]
+    return sc
 
 
 @triton.jit
@@ -323,19 +413,19 @@ def _attend_fp16(q, k_base, v_base, lo, hi, pos0, pos, start, length, window, m_
 def _body_tile(c_base, s_base, z_base, cb_ptr, oi_base, ov_base, g0, g_hi, offs_t, offs_d, d_ok,
                PER_TOKEN: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, GPT: tl.constexpr,
                D: tl.constexpr, GS: tl.constexpr, EVEN_D: tl.constexpr, USE_PRMT: tl.constexpr,
-               CB: tl.constexpr, NOUT: tl.constexpr):
+               CB: tl.constexpr, NOUT: tl.constexpr, D0: tl.constexpr = 0):
     """Dequantized float16 body tile ``[GPT * G, BLOCK_D]`` of keys or values: ``code * scale +
     zero`` (with ``CB``, the head's codebook entry in place of the code), plus ``NOUT`` outlier
-    corrections per token."""
+    corrections per token. ``D0``: the first channel of ``offs_d`` (see ``_scale_tile``)."""
     sc, ze = _scale_tile(s_base, z_base, g0, g_hi, offs_t, offs_d, d_ok, PER_TOKEN, G, GPT, D, GS,
-                         EVEN_D)
+                         EVEN_D, D0)
     codes = _group_codes(c_base, g0, g_hi, offs_d, d_ok, BITS, G, GPT, D, EVEN_D)
     if CB:  # KVQuant: codes index the head's codebook (in code units)
         x = _lookup(codes, cb_ptr, 1 << BITS, USE_PRMT) * sc + ze
     else:
         x = _codes_to_f16(codes, USE_PRMT) * sc + ze
     if NOUT > 0:
-        x = _add_outliers(x, oi_base, ov_base, offs_t, g_hi * G, offs_d, NOUT)
+        x = _add_outliers(x, oi_base, ov_base, offs_t, g_hi * G, offs_d, NOUT, USE_PRMT)
     return x
 
 
@@ -410,19 +500,42 @@ def _decode_kernel(
         pos_min = length - Lq
         if FP8:
             k_mult = tl.load(ks_base)
+        if PRE_ROPE:  # the query in halves, float32, rotated per tile (_rope_query)
+            HALF: tl.constexpr = D // 2
+            offs_h = tl.arange(0, HALF)
+            q_h = Q + q_row[:, None] * D + offs_h[None, :]
+            qa = tl.load(q_h, mask=m_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+            qb = tl.load(q_h + HALF, mask=m_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+            inv_freq = tl.load(InvFreq + offs_h)
         for g0 in range(g_lo, g_hi, GPT):
             offs_t = g0 * G + tl.arange(0, N)  # body token index of each tile row
             if FP8:  # e4m3 body: one multiplier per (sequence, head), applied to the scores
                 k = _fp8_tile(kc_base, offs_t, g_hi, offs_d, d_ok, G, D, EVEN_D)
                 sc = tl.dot(q, tl.trans(k.to(Q.dtype.element_ty))) * k_mult
+            elif PRE_ROPE:  # keys stored before RoPE, in halves: q takes R(pos0), keys R(j)
+                xa, xb = _rope_query(qa, qb, sink_len + g0 * G - start, inv_freq, USE_PRMT)
+                ka = _body_tile(kc_base, ks_base, kz_base, KCB + h * (1 << KBITS), KOI, KOV,
+                                g0, g_hi, offs_t, offs_h, d_ok, K_PER_TOKEN, KBITS, G, GPT, D,
+                                GK, EVEN_D, USE_PRMT, K_CB, 0, 0)
+                kb = _body_tile(kc_base, ks_base, kz_base, KCB + h * (1 << KBITS), KOI, KOV,
+                                g0, g_hi, offs_t, HALF + offs_h, d_ok, K_PER_TOKEN, KBITS, G, GPT,
+                                D, GK, EVEN_D, USE_PRMT, K_CB, 0, HALF)
+                ka, kb = _rope_keys(ka, kb, RopeTable, N, HALF)
+                sc = tl.dot(xa.to(Q.dtype.element_ty), tl.trans(ka.to(Q.dtype.element_ty)))
+                sc = tl.dot(xb.to(Q.dtype.element_ty), tl.trans(kb.to(Q.dtype.element_ty)), sc)
+                if K_OUT > 0:
+                    sc = _score_outliers(sc, xa, xb, KOI + bh64 * kout_cap * K_OUT,
+                                         KOV + bh64 * kout_cap * K_OUT, offs_t, g_hi * G,
+                                         RopeTable, K_OUT, True)
             else:
-                k = _body_tile(kc_base, ks_base, kz_base, KCB + h * (1 << KBITS),
-                               KOI + bh64 * kout_cap * K_OUT, KOV + bh64 * kout_cap * K_OUT,
+                k = _body_tile(kc_base, ks_base, kz_base, KCB + h * (1 << KBITS), KOI, KOV,
                                g0, g_hi, offs_t, offs_d, d_ok, K_PER_TOKEN, KBITS, G, GPT, D,
-                               GK, EVEN_D, USE_PRMT, K_CB, K_OUT)
-                if PRE_ROPE:  # keys stored before RoPE: rotate at their positions
-                    k = _rope(k, sink_len + g0 * G - start, InvFreq, RopeTable)
+                               GK, EVEN_D, USE_PRMT, K_CB, 0)
                 sc = tl.dot(q, tl.trans(k.to(Q.dtype.element_ty)))  # [M, N]
+                if K_OUT > 0:
+                    sc = _score_outliers(sc, q, q, KOI + bh64 * kout_cap * K_OUT,
+                                         KOV + bh64 * kout_cap * K_OUT, offs_t, g_hi * G,
+                                         RopeTable, K_OUT, False)
             # Only tiles at the edges (padding, sequence end, window, last partial step) need the
             # per-element mask; rows past the real query rows are dropped at the store.
             t_lo = sink_len + g0 * G
@@ -653,7 +766,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
 
 
 def _rope_table(inv_freq: torch.Tensor, n: int) -> torch.Tensor:
-    """``[2, n, D/2]`` float32 ``cos/sin(j * inv_freq)`` for the offsets ``j`` of a body tile,
+    """``[2, n, D/2]`` float16 ``cos/sin(j * inv_freq)`` for the offsets ``j`` of a body tile,
     built once and kept on the frequency tensor itself (a layer's store passes the same tensor
     every step), so it can never outlive or mismatch the frequencies it was made from."""
     tables = getattr(inv_freq, "_kvbits_rope_tables", None)
@@ -663,7 +776,7 @@ def _rope_table(inv_freq: torch.Tensor, n: int) -> torch.Tensor:
     if n not in tables:
         ang = torch.arange(n, device=inv_freq.device, dtype=torch.float64)[:, None] \
             * inv_freq.double()[None, :]
-        tables[n] = torch.stack([ang.cos(), ang.sin()]).float().contiguous()
+        tables[n] = torch.stack([ang.cos(), ang.sin()]).half().contiguous()
     return tables[n]
 
 
