@@ -19,6 +19,7 @@ import torch
 from ..reference import hadamard as ref_hadamard
 from ..reference import quant as ref_quant
 from ..spec import QuantSpec
+from . import per_layer_calibration
 
 __all__ = ["auto_fp8_scales", "calibrate_fp8", "layer_scales", "load_fp8_scales",
            "save_fp8_scales"]
@@ -111,14 +112,6 @@ def layer_scales(model_or_config, spec: QuantSpec, calibration, n_layers: int) -
         raise ValueError("fp8_scale='calibrated' needs scales: KVBitsCache(model, 'fp8', "
                          "calibration='auto') (amax on SOTU 1900-1999), a file from "
                          "kvbits.methods.fp8.save_fp8_scales, or use preset 'fp8-dynamic'")
-    if isinstance(calibration, str) and calibration == "auto":
-        if not hasattr(model_or_config, "named_parameters"):
-            raise ValueError("calibration='auto' needs the model, not its config")
-        scales = auto_fp8_scales(model_or_config, spec)
-    elif isinstance(calibration, (list, tuple)):
-        scales = list(calibration)
-    else:
-        scales = load_fp8_scales(calibration)
-    if len(scales) != n_layers:
-        raise ValueError(f"fp8 calibration has {len(scales)} layers, the model {n_layers}")
-    return scales
+    return per_layer_calibration(calibration, model_or_config,
+                                 lambda model: auto_fp8_scales(model, spec), load_fp8_scales,
+                                 "fp8 calibration", n_layers)

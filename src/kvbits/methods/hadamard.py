@@ -34,6 +34,7 @@ import torch
 
 from ..reference import hadamard as ref_hadamard
 from ..spec import QuantSpec
+from . import per_layer_calibration
 
 __all__ = ["auto_hadamard_channels", "calibrate_hadamard", "choose_channels", "collect_qk",
            "layer_channels", "load_hadamard_channels", "rotation_cost",
@@ -188,14 +189,6 @@ def layer_channels(model_or_config, spec: QuantSpec, calibration, n_layers: int)
                          "spec, calibration='auto') (chosen on SOTU 1900-1999), a list from "
                          "kvbits.methods.hadamard.calibrate_hadamard or a file from "
                          "save_hadamard_channels")
-    if isinstance(calibration, str) and calibration == "auto":
-        if not hasattr(model_or_config, "named_parameters"):
-            raise ValueError("calibration='auto' needs the model, not its config")
-        channels = auto_hadamard_channels(model_or_config, spec)
-    elif isinstance(calibration, (list, tuple)):
-        channels = list(calibration)
-    else:
-        channels = load_hadamard_channels(calibration)
-    if len(channels) != n_layers:
-        raise ValueError(f"Hadamard calibration has {len(channels)} layers, the model {n_layers}")
-    return channels
+    return per_layer_calibration(calibration, model_or_config,
+                                 lambda model: auto_hadamard_channels(model, spec),
+                                 load_hadamard_channels, "Hadamard calibration", n_layers)
