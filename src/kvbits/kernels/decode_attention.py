@@ -614,6 +614,9 @@ def num_splits(batch_heads: int, work_units: int, sm_count: int) -> int:
     return max(1, min(want, work_units))
 
 
+# KVBITS_GLUON=0 keeps every layer on this kernel (read once: the check runs every decode step).
+GLUON_ENABLED = os.environ.get("KVBITS_GLUON", "1") != "0"
+
 # Body tokens per loop step for head_dim <= 128 (half that above): the fewest SASS instructions
 # per token without register spills on sm_90 (see benchmarks/results/README.md).
 DEFAULT_TILE_TOKENS = 128
@@ -685,14 +688,13 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
         splits = _cdiv(n_groups, groups_per_split)
     use_prmt = _use_prmt(dev) if prmt is None else prmt
     if gluon is None:  # where PTX runs, for layers and batches where it is the faster kernel
-        gluon = (use_prmt and os.environ.get("KVBITS_GLUON", "1") != "0" and n_groups > 0
+        gluon = (use_prmt and GLUON_ENABLED and n_groups > 0
                  and decode_gluon.serves(kv, Lq, HG, window, B * Hkv))
     elif gluon:  # asked for explicitly (tests, benchmarks): any eligible layer
         gluon = n_groups > 0 and decode_gluon.eligible(kv, Lq, HG, window)
     if gluon:
-        splits = req_splits or decode_gluon.body_splits(B * Hkv, kv.body_len, sms)
-        steps = _cdiv(kv.body_len, decode_gluon.STEP)
-        splits = _cdiv(steps, _cdiv(steps, splits))
+        splits = decode_gluon.split_count(
+            kv.body_len, req_splits or decode_gluon.body_splits(B * Hkv, kv.body_len, sms))
     BLOCK_FP = 64 if BLOCK_D <= 128 else 32
     n_fp = kv.sink_len + kv.res_len
     fp_splits = num_splits(bhm, _cdiv(n_fp, BLOCK_FP), sms) if n_fp else 0

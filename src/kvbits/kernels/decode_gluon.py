@@ -354,6 +354,24 @@ if gluon is not None:
                                          _smem_layout(len(ptr.shape)))
 
     @gluon.jit
+    def _step_ptrs(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, row0, n_rows, tok0,
+                   body_len, BITS: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
+                   D: gl.constexpr, DC: gl.constexpr, GK: gl.constexpr, GV: gl.constexpr,
+                   KW: gl.constexpr, KT: gl.constexpr, VW: gl.constexpr, VS: gl.constexpr,
+                   K_TOK: gl.constexpr):
+        """Clamped addresses of one step's packed bytes for :func:`_copy_step`: (words, scales,
+        zeros) of the keys and of the values, for each channel half."""
+        a0, a1, a2, _m, _n = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, tok0, body_len,
+                                       0, BITS, W, G, D, DC, GK, KW, KT, K_TOK, True)
+        b0, b1, b2, _m, _n = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, tok0, body_len,
+                                       DC, BITS, W, G, D, DC, GK, KW, KT, K_TOK, True)
+        c0, c1, c2, _m, _n = _value_ptrs(vc_base, vs_base, vz_base, row0, n_rows, tok0, body_len,
+                                         0, BITS, W, G, D, DC, GV, VW, VS, True)
+        d0, d1, d2, _m, _n = _value_ptrs(vc_base, vs_base, vz_base, row0, n_rows, tok0, body_len,
+                                         DC, BITS, W, G, D, DC, GV, VW, VS, True)
+        return (a0, a1, a2), (b0, b1, b2), (c0, c1, c2), (d0, d1, d2)
+
+    @gluon.jit
     def _copy_step(bufs, slot, k0, k1, v0, v1):
         """cp.async the six tensors of each chunk (key words/scales/zeros, value words/scales/
         zeros) of one step into stage ``slot``."""
@@ -597,18 +615,12 @@ if gluon is not None:
         row0 = s_lo * RS
         tok0 = (row0 // W) * G + row0 % W
         if PIPE == 2:
-            a0, a1, a2, _m, _n = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, tok0,
-                                           body_len, 0, BITS, W, G, D, DC, GK, KW, KT,
-                                           K_TOK, True)
-            b0, b1, b2, _m, _n = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, tok0,
-                                           body_len, DC, BITS, W, G, D, DC, GK, KW, KT,
-                                           K_TOK, True)
-            c0, c1, c2, _m, _n = _value_ptrs(vc_base, vs_base, vz_base, row0, n_rows, tok0,
-                                             body_len, 0, BITS, W, G, D, DC, GV, VW, VS_L, True)
-            d0, d1, d2, _m, _n = _value_ptrs(vc_base, vs_base, vz_base, row0, n_rows, tok0,
-                                             body_len, DC, BITS, W, G, D, DC, GV, VW, VS_L, True)
-            bufs = (_buffer(a0), _buffer(a1), _buffer(a2), _buffer(c0), _buffer(c1), _buffer(c2))
-            _copy_step(bufs, 0, (a0, a1, a2), (b0, b1, b2), (c0, c1, c2), (d0, d1, d2))
+            k0, k1, v0, v1 = _step_ptrs(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base,
+                                        row0, n_rows, tok0, body_len, BITS, W, G, D, DC, GK, GV,
+                                        KW, KT, VW, VS_L, K_TOK)
+            bufs = (_buffer(k0[0]), _buffer(k0[1]), _buffer(k0[2]), _buffer(v0[0]),
+                    _buffer(v0[1]), _buffer(v0[2]))
+            _copy_step(bufs, 0, k0, k1, v0, v1)
             async_copy.commit_group()
         for s in range(s_lo, s_hi):
             lo = (row0 // W) * G
@@ -619,20 +631,10 @@ if gluon is not None:
             if PIPE == 2:
                 cur = (s - s_lo) % 2
                 _warp_barrier()  # every lane is done with the buffer about to be refilled
-                a0, a1, a2, _m, _n = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, tok0,
-                                           body_len, 0, BITS, W, G, D, DC, GK, KW, KT,
-                                           K_TOK, True)
-                b0, b1, b2, _m, _n = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, tok0,
-                                           body_len, DC, BITS, W, G, D, DC, GK, KW, KT,
-                                           K_TOK, True)
-                c0, c1, c2, _m, _n = _value_ptrs(vc_base, vs_base, vz_base, row0, n_rows, tok0,
-                                                 body_len, 0, BITS, W, G, D, DC, GV, VW, VS_L,
-                                                 True)
-                d0, d1, d2, _m, _n = _value_ptrs(vc_base, vs_base, vz_base, row0, n_rows, tok0,
-                                                 body_len, DC, BITS, W, G, D, DC, GV, VW, VS_L,
-                                                 True)
-                _copy_step(bufs, 1 - cur, (a0, a1, a2), (b0, b1, b2), (c0, c1, c2),
-                           (d0, d1, d2))
+                k0, k1, v0, v1 = _step_ptrs(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base,
+                                            row0, n_rows, tok0, body_len, BITS, W, G, D, DC, GK,
+                                            GV, KW, KT, VW, VS_L, K_TOK)
+                _copy_step(bufs, 1 - cur, k0, k1, v0, v1)
                 async_copy.commit_group()
                 async_copy.wait_group(1)  # this step's copies (each lane reads what it copied)
                 kw0 = bufs[0].index(cur * 2).load(KW)
@@ -749,27 +751,34 @@ def body_splits(batch_heads: int, body_len: int, sm_count: int) -> int:
     return max(1, min(want, steps))
 
 
-# See _body_kernel (KVBITS_GLUON_PIPE overrides). 0 measured fastest of 0/1 and of the register
-# prefetches tried before; 2 (cp.async) compiles on Triton 3.6 and 3.9 but is not yet measured.
-DEFAULT_PIPE = 0
-DEFAULT_MAXNREG = 0  # 0: let ptxas choose (KVBITS_GLUON_MAXNREG overrides)
+# See _body_kernel. 0 measured fastest of 0/1 and of the register prefetches tried before; 2
+# (cp.async) compiles on Triton 3.6 and 3.9 but is not yet measured. Read once at import (the
+# launch is on every decode step): KVBITS_GLUON_PIPE / KVBITS_GLUON_MAXNREG (0: ptxas chooses).
+DEFAULT_PIPE = int(os.environ.get("KVBITS_GLUON_PIPE", "0"))
+DEFAULT_MAXNREG = int(os.environ.get("KVBITS_GLUON_MAXNREG", "0"))
+
+
+def split_count(body_len: int, splits: int) -> int:
+    """The number of non-empty splits when ``body_len`` tokens of 64-token steps are cut into
+    about ``splits`` equal ranges."""
+    steps = -(-body_len // STEP)
+    return -(-steps // -(-steps // splits))
 
 
 def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_starts: bool,
                 has_lens: bool, n_out: int, splits: int, pipe: int | None = None,
-                maxnreg: int | None = None) -> int:
-    """Write the body partials of ``q [B, Hq, 1, D]`` over ``kv`` into columns ``[0, S)`` of
-    ``out [B*Hq, n_out, D]`` / ``lse [B*Hq, n_out]``; returns S (the splits actually used)."""
+                maxnreg: int | None = None) -> None:
+    """Write the body partials of ``q [B, Hq, 1, D]`` over ``kv`` into columns ``[0, splits)``
+    of ``out [B*Hq, n_out, D]`` / ``lse [B*Hq, n_out]``. ``splits`` must already be
+    :func:`split_count`'s (every split non-empty)."""
     B, Hq, _, D = q.shape
     Hkv = kv.kv_heads
     HG = Hq // Hkv
     k_tok = getattr(kv, "key_axis", "channel") == "token"
     steps = -(-kv.body_len // STEP)
-    per = -(-steps // splits)
-    splits = -(-steps // per)
-    env = os.environ
-    pipe = int(env.get("KVBITS_GLUON_PIPE", DEFAULT_PIPE)) if pipe is None else pipe
-    maxnreg = maxnreg or int(env.get("KVBITS_GLUON_MAXNREG", DEFAULT_MAXNREG)) or None
+    per = -(-steps // splits)  # steps per split
+    pipe = DEFAULT_PIPE if pipe is None else pipe
+    maxnreg = maxnreg or DEFAULT_MAXNREG or None
     _body_kernel[(B * Hkv, splits)](
         q, out, lse, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero,
         starts, lengths, scale_log2, kv.sink_len, kv.body_len, kv.res_len,
@@ -780,4 +789,3 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         GK=D // kv.k_scale.shape[3] if k_tok else kv.group_size, K_TOK=k_tok,
         PIPE_ARG=pipe, num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg else {}))
-    return splits
