@@ -1,5 +1,10 @@
-"""Sweep the Gluon body kernel's latency-hiding knobs (PIPE, maxnreg) on a few decode shapes,
-against the Triton kernel and FP16 SDPA in the same process (prints only)."""
+"""Sweep the Gluon body kernel's launch knobs (splits per SM, maxnreg) on a few decode shapes,
+against the Triton kernel and FP16 SDPA in the same process (prints only).
+
+    python3 benchmarks/gluon_sweep.py [PRESET ...]   (env SWEEP_MAXNREG=0,168 SWEEP_SPLITS=3,6)
+
+Uniform presets (per-token key scales) switch on ``decode_gluon.TOKEN_KEYS``."""
+import os
 import sys
 from pathlib import Path
 
@@ -13,9 +18,11 @@ from kvbits.kernels import decode_gluon  # noqa: E402
 from kvbits.kernels.decode_attention import decode_attention  # noqa: E402
 from kvbits.spec import resolve_spec  # noqa: E402
 
-VARIANTS = [(p, r) for p in (0, 1, 2) for r in (0,)]
+MAXNREGS = [int(r) for r in os.environ.get("SWEEP_MAXNREG", "0").split(",")]
+SPLIT_MULTS = [int(m) for m in os.environ.get("SWEEP_SPLITS", "3,6,12").split(",")]
 SHAPES = ((32, 32, 8, 32768), (8, 32, 32, 32768), (1, 32, 8, 131072), (32, 32, 32, 4096))
 for preset in sys.argv[1:] or ["kivi-2", "kivi-4"]:
+    decode_gluon.TOKEN_KEYS = preset.startswith("uniform")
     for B, Hq, Hkv, T in SHAPES:
         kv = random_packed_kv(B, Hkv, T, 128, resolve_spec(preset))
         q = torch.randn(B, Hq, 1, 128, dtype=torch.float16, device="cuda")
@@ -30,20 +37,20 @@ for preset in sys.argv[1:] or ["kivi-2", "kivi-4"]:
         nb = B * Hkv * T * 128 * (2 * kv.key_bits / 8) + B * Hkv * T * 2 * 2 * (128 // 32 + 128 / 32)
         print(f"{preset} B={B} Hkv={Hkv} T={T}: fp16 {tf * 1e3:.1f} us, triton v4 {t4 * 1e3:.1f} "
               f"us (x{tf / t4:.2f})", flush=True)
-        for pipe, reg in VARIANTS:
-            for sp_mult in (3, 6, 12):
+        for reg in MAXNREGS:
+            for sp_mult in SPLIT_MULTS:
                 splits = decode_gluon.body_splits(B * Hkv, T, 132 * sp_mult)
                 try:
                     def fn():
                         return decode_attention(q, kv, scale=s, gluon=True, splits=splits)
-                    decode_gluon.DEFAULT_PIPE, decode_gluon.DEFAULT_MAXNREG = pipe, reg
+                    decode_gluon.DEFAULT_MAXNREG = reg
                     o5 = fn()
                     d = ((o5.float() - o4.float()).norm() / o4.float().norm()).item()
                     t5 = do_bench(fn, warmup=25, rep=100)
                 except Exception as e:  # noqa: BLE001
-                    print(f"   pipe={pipe} maxnreg={reg}: {type(e).__name__} {str(e)[:200]}")
+                    print(f"   maxnreg={reg}: {type(e).__name__} {str(e)[:200]}")
                     break
-                print(f"   pipe={pipe} maxnreg={reg:3d} splits={splits:4d}: {t5 * 1e3:8.1f} us "
+                print(f"   maxnreg={reg:3d} splits={splits:4d}: {t5 * 1e3:8.1f} us "
                       f"x{tf / t5:4.2f} ({nb / t5 * 1e-9:.2f} TB/s)  diff {d:.1e}", flush=True)
         del kv
         torch.cuda.empty_cache()

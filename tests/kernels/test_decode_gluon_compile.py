@@ -46,13 +46,11 @@ for cx in json.loads(sys.argv[1]):
 print(json.dumps(out))
 '''
 
-CONFIGS = [  # (2-bit, GQA 4, per-channel keys) and (4-bit, 16 heads, per-token keys); PIPE 0 / 2
+CONFIGS = [  # (2-bit, GQA 4, per-channel keys) and (4-bit, 16 heads, per-token keys)
     {"HG": 4, "HP": 8, "D": 128, "BITS": 2, "G": 32, "GV": 32, "HAS_STARTS": True,
-     "HAS_LENS": True, "GK": 32, "K_TOK": False, "PIPE_ARG": 0},
+     "HAS_LENS": True, "GK": 32, "K_TOK": False},
     {"HG": 16, "HP": 16, "D": 64, "BITS": 4, "G": 64, "GV": 64, "HAS_STARTS": True,
-     "HAS_LENS": True, "GK": 64, "K_TOK": True, "PIPE_ARG": 0},
-    {"HG": 4, "HP": 8, "D": 128, "BITS": 2, "G": 32, "GV": 32, "HAS_STARTS": True,
-     "HAS_LENS": True, "GK": 32, "K_TOK": False, "PIPE_ARG": 2},
+     "HAS_LENS": True, "GK": 64, "K_TOK": True},
 ]
 
 
@@ -63,11 +61,8 @@ def test_body_kernel_compiles_for_sm90_without_shared_memory_tiles():
     if res.returncode and "ptxas" in res.stderr.lower() and "not found" in res.stderr.lower():
         pytest.skip("this Triton build has no ptxas")
     assert res.returncode == 0, res.stderr[-3000:]
-    plain, token_keys, cp_async = json.loads(res.stdout.strip().splitlines()[-1])
-    for r in (plain, token_keys):  # operands built in registers: no shared memory at all
+    for r in json.loads(res.stdout.strip().splitlines()[-1]):  # operands built in registers: no shared memory at all
         assert r["mma"] and r["local_alloc"] == 0 and r["shared"] == 0, r
         # and no cross-lane moves beyond the softmax reductions and the P conversion (20 / 40
         # shuffles at 8 / 16 heads; a key layout off by one lane bit costs 100+)
         assert r["shfl"] <= 64, r
-    assert cp_async["local_alloc"] == 6, cp_async  # six double-buffered streams
-    assert 0 < cp_async["shared"] <= 32 * 1024, cp_async

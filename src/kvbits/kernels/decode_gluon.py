@@ -27,9 +27,10 @@ fragment pair (tokens e = 0, 1 of one channel) is one mask of one word: both hal
 Only the KIVI layout family is served here (keys scaled per channel over G tokens, values per
 token over GV channels, equal key/value bits of 2 or 4, one query row per sequence, no sliding
 window, head_dim 64 or 128); :func:`eligible` says which layers, the Triton kernel does the rest.
-Two extensions are written and compiled but wait for a GPU run before they are switched on: keys
-scaled per token (the uniform method, ``TOKEN_KEYS``) and a cp.async prefetch of the next step
-into shared memory (``PIPE=2``).
+Keys scaled per token over at least half the head (the uniform method, ``TOKEN_KEYS``) are served
+too. The loop has no prefetch: each step's key words are loaded at its start and its value words
+after the softmax. Prefetches of the next step measured slower on the H200: in registers (255
+registers and spills) and through shared memory with cp.async, double buffered (2x slower).
 """
 
 from __future__ import annotations
@@ -39,10 +40,7 @@ import os
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves everything.
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-    # Names that changed after Triton 3.6 (the GPU machine's version) and 3.9 (this repo's CI).
-    _warp_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
@@ -279,11 +277,10 @@ if gluon is not None:
     def _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, tok0, body_len, DC0: gl.constexpr,
                   BITS: gl.constexpr, W: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
                   DC: gl.constexpr, GK: gl.constexpr, KW: gl.constexpr, KT: gl.constexpr,
-                  K_TOK: gl.constexpr, CLAMP: gl.constexpr):
+                  K_TOK: gl.constexpr):
         """Addresses of the packed keys of one step, channels ``[DC0, DC0 + DC)``, in the
         threads that will unpack them: channel-pair words (int64) and scale/zero pairs (int32
-        ``half2``), with the masks of rows past the body (``CLAMP``: rows clamped to the last
-        one instead, for copies that cannot be masked to zero). ``K_TOK``: keys scaled per token
+        ``half2``), with the masks of rows past the body. ``K_TOK``: keys scaled per token
         over ``GK >= DC`` channels (the uniform method): fp16 scales ``[H?, A, E, I...]``, one
         per token of the thread (:func:`_key_operand` broadcasts them over the channels)."""
         D2: gl.constexpr = D // 2
@@ -301,9 +298,6 @@ if gluon is not None:
             R = 2 * a + h
         row = row0 + R
         ra = row0 + (2 if BITS == 4 else 1) * a  # one key group per thread and step
-        if CLAMP:
-            row = gl.minimum(row, n_rows - 1)
-            ra = gl.minimum(ra, n_rows - 1)
         wp = kc_base.to(gl.pointer_type(gl.int64), bitcast=True) + (row * D2 + j + e * 0)
         if K_TOK:
             NGK: gl.constexpr = D // GK
@@ -314,8 +308,6 @@ if gluon is not None:
                 kk = _ar(2, 3, KT) + 2 * _ar(2, 4, KT)
                 t = tok0 + _tok(2 * _ar(4, 1, KT) + _ar(2, 0, KT), kk + 4 * _ar(2, 2, KT), W, G)
             s_ok = t < body_len
-            if CLAMP:
-                t = gl.minimum(t, body_len - 1)
             sp = ks_base + (t * NGK + DC0 // GK)
             zp = kz_base + (t * NGK + DC0 // GK)
         else:
@@ -332,54 +324,9 @@ if gluon is not None:
                    K_TOK: gl.constexpr):
         """The packed keys of one step (see :func:`_key_ptrs`) loaded into registers."""
         wp, sp, zp, w_ok, s_ok = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, tok0,
-                                           body_len, DC0, BITS, W, G, D, DC, GK, KW, KT, K_TOK,
-                                           False)
+                                           body_len, DC0, BITS, W, G, D, DC, GK, KW, KT, K_TOK)
         return (gl.load(wp, mask=w_ok, other=0), gl.load(sp, mask=s_ok, other=0),
                 gl.load(zp, mask=s_ok, other=0))
-
-    @gluon.constexpr_function
-    def _staged(shape):
-        """Shape of a two-stage, two-chunk buffer of tensors of ``shape``."""
-        return [4] + [int(getattr(x, "value", x)) for x in shape]
-
-    @gluon.constexpr_function
-    def _smem_layout(rank):
-        rank = int(getattr(rank, "value", rank))
-        return gl.SwizzledSharedLayout(1, 1, 1, list(reversed(range(rank))))
-
-    @gluon.jit
-    def _buffer(ptr):
-        """Shared memory for two stages x two channel chunks of the tensor ``ptr`` points at."""
-        return gl.allocate_shared_memory(ptr.dtype.element_ty, _staged(ptr.shape),
-                                         _smem_layout(len(ptr.shape)))
-
-    @gluon.jit
-    def _step_ptrs(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, row0, n_rows, tok0,
-                   body_len, BITS: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
-                   D: gl.constexpr, DC: gl.constexpr, GK: gl.constexpr, GV: gl.constexpr,
-                   KW: gl.constexpr, KT: gl.constexpr, VW: gl.constexpr, VS: gl.constexpr,
-                   K_TOK: gl.constexpr):
-        """Clamped addresses of one step's packed bytes for :func:`_copy_step`: (words, scales,
-        zeros) of the keys and of the values, for each channel half."""
-        a0, a1, a2, _m, _n = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, tok0, body_len,
-                                       0, BITS, W, G, D, DC, GK, KW, KT, K_TOK, True)
-        b0, b1, b2, _m, _n = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, tok0, body_len,
-                                       DC, BITS, W, G, D, DC, GK, KW, KT, K_TOK, True)
-        c0, c1, c2, _m, _n = _value_ptrs(vc_base, vs_base, vz_base, row0, n_rows, tok0, body_len,
-                                         0, BITS, W, G, D, DC, GV, VW, VS, True)
-        d0, d1, d2, _m, _n = _value_ptrs(vc_base, vs_base, vz_base, row0, n_rows, tok0, body_len,
-                                         DC, BITS, W, G, D, DC, GV, VW, VS, True)
-        return (a0, a1, a2), (b0, b1, b2), (c0, c1, c2), (d0, d1, d2)
-
-    @gluon.jit
-    def _copy_step(bufs, slot, k0, k1, v0, v1):
-        """cp.async the six tensors of each chunk (key words/scales/zeros, value words/scales/
-        zeros) of one step into stage ``slot``."""
-        for c in gl.static_range(3):
-            _async_load(bufs[c].index(slot * 2), k0[c])
-            _async_load(bufs[c].index(slot * 2 + 1), k1[c])
-            _async_load(bufs[3 + c].index(slot * 2), v0[c])
-            _async_load(bufs[3 + c].index(slot * 2 + 1), v1[c])
 
     @gluon.jit
     def _key_operand(w, sc, ze, BITS: gl.constexpr, DC: gl.constexpr, KW: gl.constexpr,
@@ -439,10 +386,10 @@ if gluon is not None:
     def _value_ptrs(vc_base, vs_base, vz_base, row0, n_rows, tok0, body_len,
                     DC0: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
                     D: gl.constexpr, DC: gl.constexpr, GV: gl.constexpr, VW: gl.constexpr,
-                    VS: gl.constexpr, CLAMP: gl.constexpr):
+                    VS: gl.constexpr):
         """Addresses of the packed values of one step, channels ``[DC0, DC0 + DC)``: words in
         the threads that unpack them, per-token scales/zeros (one vector per token), and their
-        masks (``CLAMP`` as in :func:`_key_ptrs`)."""
+        masks."""
         NGV: gl.constexpr = D // GV  # scale groups per token
         GVC: gl.constexpr = GV if GV < DC else DC  # noqa: FURB136 (channels per group, chunk)
         NGC: gl.constexpr = DC // GVC
@@ -454,8 +401,6 @@ if gluon is not None:
             R = _ar(2, 2, VW) + 2 * _ar(4, 3, VW)
         row = row0 + R
         w_ok = row < n_rows
-        if CLAMP:
-            row = gl.minimum(row, n_rows - 1)
         wp = vc_base + (row * D + DC0 + g * GVC + c)
         NW: gl.constexpr = NGC // 2 if NGC >= 2 else 1  # scale loads per token (see VS)
         sg = _ar(NW, 0, VS)
@@ -471,8 +416,6 @@ if gluon is not None:
             se = _ar(2, 5, VS)
             t = tok0 + _tok(2 * sa + sh, kk + 4 * se, W, G)
         s_ok = t < body_len
-        if CLAMP:
-            t = gl.minimum(t, body_len - 1)
         if NGC >= 2:  # int32 words of two groups' fp16 scales
             off = (t * NGV + DC0 // GV) // 2 + sg
             sp = vs_base.to(gl.pointer_type(gl.int32), bitcast=True) + off
@@ -489,7 +432,7 @@ if gluon is not None:
                      VS: gl.constexpr):
         """The packed values of one step (see :func:`_value_ptrs`) loaded into registers."""
         wp, sp, zp, w_ok, s_ok = _value_ptrs(vc_base, vs_base, vz_base, row0, n_rows, tok0,
-                                             body_len, DC0, BITS, W, G, D, DC, GV, VW, VS, False)
+                                             body_len, DC0, BITS, W, G, D, DC, GV, VW, VS)
         return (gl.load(wp, mask=w_ok, other=0), gl.load(sp, mask=s_ok, other=0),
                 gl.load(zp, mask=s_ok, other=0))
 
@@ -538,7 +481,7 @@ if gluon is not None:
         Hkv, n_out, steps_per_split,
         HG: gl.constexpr, HP: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr,
         G: gl.constexpr, GV: gl.constexpr, HAS_STARTS: gl.constexpr, HAS_LENS: gl.constexpr,
-        GK: gl.constexpr, K_TOK: gl.constexpr, PIPE_ARG: gl.constexpr,
+        GK: gl.constexpr, K_TOK: gl.constexpr,
     ):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                       instr_shape=[16, 8])
@@ -546,10 +489,6 @@ if gluon is not None:
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
         DC: gl.constexpr = D // 2  # channels per chunk
         GVC: gl.constexpr = GV if GV < DC else DC  # noqa: FURB136 (value-scale group in a chunk)
-        # cp.async moves >= 4 bytes per element: PIPE 2 needs the int32 scale pairs (>= 2 value
-        # groups per channel chunk); otherwise the plain loads of PIPE 0.
-        # (per-token key scales are fp16, 2 bytes: PIPE 2 does not apply to them either)
-        PIPE: gl.constexpr = PIPE_ARG if (PIPE_ARG != 2 or (DC // GVC >= 2 and not K_TOK)) else 0
         KW: gl.constexpr = _layout("KW", BITS, DC, GVC)
         KT: gl.constexpr = _layout("KT", BITS, DC, GVC)
         VW: gl.constexpr = _layout("VW", BITS, DC, GVC)
@@ -608,53 +547,18 @@ if gluon is not None:
         l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, mma))
         acc0 = gl.zeros([DC, HP], gl.float32, layout=mma)
         acc1 = gl.zeros([DC, HP], gl.float32, layout=mma)
-        # PIPE (latency hiding inside one warp): 0 loads V after the softmax; 1 issues the K and
-        # V loads of a step together; 2 copies the next step's packed bytes into shared memory
-        # with cp.async (double buffered) while this step is unpacked from the other buffer.
-        # (Prefetching the next step into registers was measured slower: 255 registers, spills.)
         row0 = s_lo * RS
         tok0 = (row0 // W) * G + row0 % W
-        if PIPE == 2:
-            k0, k1, v0, v1 = _step_ptrs(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base,
-                                        row0, n_rows, tok0, body_len, BITS, W, G, D, DC, GK, GV,
-                                        KW, KT, VW, VS_L, K_TOK)
-            bufs = (_buffer(k0[0]), _buffer(k0[1]), _buffer(k0[2]), _buffer(v0[0]),
-                    _buffer(v0[1]), _buffer(v0[2]))
-            _copy_step(bufs, 0, k0, k1, v0, v1)
-            async_copy.commit_group()
         for s in range(s_lo, s_hi):
             lo = (row0 // W) * G
             r_cur = row0
             t_cur = tok0
             row0 = row0 + RS  # the next step
             tok0 = (row0 // W) * G + row0 % W
-            if PIPE == 2:
-                cur = (s - s_lo) % 2
-                _warp_barrier()  # every lane is done with the buffer about to be refilled
-                k0, k1, v0, v1 = _step_ptrs(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base,
-                                            row0, n_rows, tok0, body_len, BITS, W, G, D, DC, GK,
-                                            GV, KW, KT, VW, VS_L, K_TOK)
-                _copy_step(bufs, 1 - cur, k0, k1, v0, v1)
-                async_copy.commit_group()
-                async_copy.wait_group(1)  # this step's copies (each lane reads what it copied)
-                kw0 = bufs[0].index(cur * 2).load(KW)
-                ks0 = bufs[1].index(cur * 2).load(KW)
-                kz0 = bufs[2].index(cur * 2).load(KW)
-                kw1 = bufs[0].index(cur * 2 + 1).load(KW)
-                ks1 = bufs[1].index(cur * 2 + 1).load(KW)
-                kz1 = bufs[2].index(cur * 2 + 1).load(KW)
-            else:
-                kw0, ks0, kz0 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur,
-                                           body_len, 0, BITS, W, G, D, DC, GK, KW, KT,
-                                           K_TOK)
-                kw1, ks1, kz1 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur,
-                                           body_len, DC, BITS, W, G, D, DC, GK, KW, KT,
-                                           K_TOK)
-            if PIPE == 1:
-                vw0, vs0, vz0 = _value_loads(vc_base, vs_base, vz_base, r_cur, n_rows, t_cur,
-                                             body_len, 0, BITS, W, G, D, DC, GV, VW, VS_L)
-                vw1, vs1, vz1 = _value_loads(vc_base, vs_base, vz_base, r_cur, n_rows, t_cur,
-                                             body_len, DC, BITS, W, G, D, DC, GV, VW, VS_L)
+            kw0, ks0, kz0 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur, body_len,
+                                       0, BITS, W, G, D, DC, GK, KW, KT, K_TOK)
+            kw1, ks1, kz1 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur, body_len,
+                                       DC, BITS, W, G, D, DC, GK, KW, KT, K_TOK)
             k = _key_operand(kw0, ks0, kz0, BITS, DC, KW, a_l, K_TOK)
             st = mma_v2(k, q0, gl.zeros([64, HP], gl.float32, layout=mma))
             k = _key_operand(kw1, ks1, kz1, BITS, DC, KW, a_l, K_TOK)
@@ -669,24 +573,16 @@ if gluon is not None:
             l_i = l_i * alpha + gl.sum(p, axis=0)
             m_i = m_new
             pb = gl.convert_layout(p.to(gl.float16), b_l)
-            if PIPE == 0:
-                vw0, vs0, vz0 = _value_loads(vc_base, vs_base, vz_base, r_cur, n_rows, t_cur,
-                                             body_len, 0, BITS, W, G, D, DC, GV, VW, VS_L)
-                vw1, vs1, vz1 = _value_loads(vc_base, vs_base, vz_base, r_cur, n_rows, t_cur,
-                                             body_len, DC, BITS, W, G, D, DC, GV, VW, VS_L)
-            if PIPE == 2:  # values leave shared memory only now (registers)
-                vw0 = bufs[3].index(cur * 2).load(VW)
-                vs0 = bufs[4].index(cur * 2).load(VS_L)
-                vz0 = bufs[5].index(cur * 2).load(VS_L)
-                vw1 = bufs[3].index(cur * 2 + 1).load(VW)
-                vs1 = bufs[4].index(cur * 2 + 1).load(VS_L)
-                vz1 = bufs[5].index(cur * 2 + 1).load(VS_L)
+            # values only now: loading them with the keys measured no faster, and holds more
+            # registers through the key MMA and the softmax
+            vw0, vs0, vz0 = _value_loads(vc_base, vs_base, vz_base, r_cur, n_rows, t_cur,
+                                         body_len, 0, BITS, W, G, D, DC, GV, VW, VS_L)
+            vw1, vs1, vz1 = _value_loads(vc_base, vs_base, vz_base, r_cur, n_rows, t_cur,
+                                         body_len, DC, BITS, W, G, D, DC, GV, VW, VS_L)
             v = _value_operand(vw0, vs0, vz0, BITS, DC, VW, a_l)
             acc0 = mma_v2(v, pb, acc0 * alpha[None, :])
             v = _value_operand(vw1, vs1, vz1, BITS, DC, VW, a_l)
             acc1 = mma_v2(v, pb, acc1 * alpha[None, :])
-        if PIPE == 2:
-            async_copy.wait_group(0)  # nothing in flight when the program ends
 
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
         od = gl.arange(0, DC, layout=gl.SliceLayout(1, mma))
@@ -700,9 +596,10 @@ if gluon is not None:
         gl.store(Lse + o_row, lse, mask=oj < HG)
 
 
-# Keys scaled per token (the uniform method) compile (Triton 3.6 and 3.9) but have not run on a
-# GPU yet: off until the GPU tests (test_gluon_body_matches_reference, uniform cases) pass.
-TOKEN_KEYS = False
+# Keys scaled per token (the uniform method) through this kernel: uniform-int4 B=32 32k on the H200
+# 522 us here against 870 us through the Triton kernel (benchmarks/gluon_sweep.py). False sends
+# those layers to the Triton kernel (a switch for comparisons).
+TOKEN_KEYS = True
 
 
 def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
@@ -751,10 +648,8 @@ def body_splits(batch_heads: int, body_len: int, sm_count: int) -> int:
     return max(1, min(want, steps))
 
 
-# See _body_kernel. 0 measured fastest of 0/1 and of the register prefetches tried before; 2
-# (cp.async) compiles on Triton 3.6 and 3.9 but is not yet measured. Read once at import (the
-# launch is on every decode step): KVBITS_GLUON_PIPE / KVBITS_GLUON_MAXNREG (0: ptxas chooses).
-DEFAULT_PIPE = int(os.environ.get("KVBITS_GLUON_PIPE", "0"))
+# Register cap for ptxas (0: ptxas chooses; caps measured slower: spills). Read once at import:
+# the launch is on every decode step.
 DEFAULT_MAXNREG = int(os.environ.get("KVBITS_GLUON_MAXNREG", "0"))
 
 
@@ -766,8 +661,7 @@ def split_count(body_len: int, splits: int) -> int:
 
 
 def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_starts: bool,
-                has_lens: bool, n_out: int, splits: int, pipe: int | None = None,
-                maxnreg: int | None = None) -> None:
+                has_lens: bool, n_out: int, splits: int, maxnreg: int | None = None) -> None:
     """Write the body partials of ``q [B, Hq, 1, D]`` over ``kv`` into columns ``[0, splits)``
     of ``out [B*Hq, n_out, D]`` / ``lse [B*Hq, n_out]``. ``splits`` must already be
     :func:`split_count`'s (every split non-empty)."""
@@ -777,7 +671,6 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
     k_tok = getattr(kv, "key_axis", "channel") == "token"
     steps = -(-kv.body_len // STEP)
     per = -(-steps // splits)  # steps per split
-    pipe = DEFAULT_PIPE if pipe is None else pipe
     maxnreg = maxnreg or DEFAULT_MAXNREG or None
     _body_kernel[(B * Hkv, splits)](
         q, out, lse, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero,
@@ -786,6 +679,5 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         kv.v_scale.shape[2] * kv.v_scale.shape[3], Hkv, n_out, per,
         HG=HG, HP=8 if HG <= 8 else 16, D=D, BITS=kv.key_bits, G=kv.group_size,
         GV=kv.value_group, HAS_STARTS=has_starts, HAS_LENS=has_lens,
-        GK=D // kv.k_scale.shape[3] if k_tok else kv.group_size, K_TOK=k_tok,
-        PIPE_ARG=pipe, num_warps=1,
+        GK=D // kv.k_scale.shape[3] if k_tok else kv.group_size, K_TOK=k_tok, num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg else {}))
