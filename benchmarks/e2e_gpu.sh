@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end evidence on one GPU, one part per device call (each well under 5 minutes on an H200):
 #   bash benchmarks/e2e_gpu.sh OUT_DIR PART
-# PART: llama2 | llama3 | smollm2 | budget | budget-presize | million
+# PART: llama2 | llama3 | smollm2 | budget | budget32k | budget-presize | million
 # Random weights everywhere (configs only, no network). Copy OUT_DIR/* into benchmarks/results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +19,8 @@ case "$part" in
             --presets fp16,hf-int2,kivi-4,kivi-2 --name e2e_smollm2 ;;
   budget) bench --model llama-2-7b --contexts 4k --presets fp16,hf-int2,kivi-4,kivi-2 --steps 16 \
             --memory-budget 80GB --budget-contexts 4k --name e2e_budget_llama2_7b ;;
+  budget32k) bench --model llama-2-7b --contexts 32k --presets fp16,hf-int2,kivi-4,kivi-2 --steps 16 \
+            --memory-budget 80GB --budget-contexts 32k --name e2e_budget32k_llama2_7b ;;
   budget-presize) bench --model llama-2-7b --contexts 4k --presets fp16,kivi-4,kivi-2 --steps 16 \
             --memory-budget 80GB --budget-contexts 4k --presize --name e2e_budget_llama2_7b_presize ;;
   million) python3 benchmarks/million_tokens.py --out "$out" 2>&1 | tee -a "$out/million_tokens.log" ;;
