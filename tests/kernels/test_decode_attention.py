@@ -805,3 +805,52 @@ def test_gluon_token_keys_need_the_flag(monkeypatch):
     assert decode_gluon.eligible(kv, 1, c.HG, None)
     narrow = _axes_kv(c._replace(body=c.G * 3, G=32, D=128), "token", "token", device="cpu")
     assert not decode_gluon.eligible(narrow, 1, c.HG, None)  # 32-channel key groups: Triton
+
+
+def test_store_capacities_are_multiples_of_16(monkeypatch):
+    """Capacities are kernel strides: they stay in one divisibility class as the cache grows (see
+    ``store._capacity``), so decoding never recompiles a kernel for a new class."""
+    monkeypatch.setenv("KVBITS_KERNELS", "reference")
+    from kvbits.cache.store import LayerStore
+    from kvbits.spec import resolve_spec
+    store = LayerStore(resolve_spec("kivi-2"), 1, 2, 64, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(3)
+    store.append(*(torch.randn(1, 2, 37, 64, generator=g) for _ in range(2)))
+    for _ in range(300):
+        store.append(*(torch.randn(1, 2, 1, 64, generator=g) for _ in range(2)))
+        kv = store.view()
+        for name in ("res_k", "k_codes", "k_scale", "v_codes", "v_scale"):
+            assert getattr(kv, name).shape[2] % 16 == 0, (name, getattr(kv, name).shape)
+
+
+def _compiled_variants(fn) -> int:
+    caches = getattr(fn, "device_caches", {})
+    return sum(len(c[0]) for c in caches.values())
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("gluon", [False, True])
+def test_decode_steps_do_not_recompile(gluon):
+    """A generation's later steps reuse the kernels compiled for its first ones: lengths and
+    split counts that change every step are not specialized on (``_STEP_VARYING``)."""
+    from kvbits.cache.store import LayerStore
+    from kvbits.kernels import decode_attention as da
+    from kvbits.kernels import decode_gluon
+    from kvbits.spec import resolve_spec
+    store = LayerStore(resolve_spec("kivi-2"), 2, 8, 128, torch.float16, "cuda")
+    g = torch.Generator().manual_seed(8)
+    store.append(*(torch.randn(2, 8, 2100, 128, generator=g).half().cuda() for _ in range(2)))
+    q = torch.randn(2, 32, 1, 128, generator=g).half().cuda()
+    fns = (da._decode_kernel, da._merge_kernel, decode_gluon._body_kernel)
+
+    def steps(n):
+        for _ in range(n):
+            store.append(*(torch.randn(2, 8, 1, 128, generator=g).half().cuda()
+                           for _ in range(2)))
+            kernel(q, store.view(), scale=128 ** -0.5, gluon=gluon)
+    steps(70)  # every residual length class and a flush
+    before = [_compiled_variants(f) for f in fns]
+    steps(300)  # more flushes, buffer growth, split counts that change with the length
+    torch.cuda.synchronize()
+    assert [_compiled_variants(f) for f in fns] == before

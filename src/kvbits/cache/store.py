@@ -332,8 +332,9 @@ class LayerStore:
             self.res_len = rest
 
     def _residual_keep(self, held: int) -> int:
-        """Residual capacity worth keeping: what it holds, at least the R + G slots of decode."""
-        return max(held, self.spec.residual_length + self.spec.group_size, 16)
+        """Residual capacity worth keeping: what it holds, at least the R + G slots of decode
+        (a multiple of 16, see :func:`_capacity`)."""
+        return _capacity(max(held, self.spec.residual_length + self.spec.group_size))
 
     def _set_residual(self, first: int, held: int) -> None:
         """Reallocate the residual to the minimal capacity, keeping tokens ``first .. +held``."""
@@ -397,6 +398,14 @@ _BUFFERS = ("sink_k", "sink_v", "res_k", "res_v", "k_codes", "k_scale", "k_zero"
             "v_codes", "v_scale", "v_zero", "k_out_idx", "k_out_val", "v_out_idx", "v_out_val")
 
 
+def _capacity(n: int) -> int:
+    """Buffer capacities are multiples of 16 tokens (or rows): the kernels take them as strides,
+    and Triton compiles one variant per divisibility class of an integer argument, so a capacity
+    that drifted between classes as the cache grows would recompile (~1 s) in the middle of a
+    generation."""
+    return max(16, -(-n // 16) * 16)
+
+
 def _write(buf: torch.Tensor, at: int, x: torch.Tensor) -> torch.Tensor:
     """Write ``x`` into ``buf`` along dim 2 at ``at``, growing capacity geometrically if needed.
 
@@ -404,7 +413,7 @@ def _write(buf: torch.Tensor, at: int, x: torch.Tensor) -> torch.Tensor:
     long cache's memory allocated but unused, which is what a memory budget pays for."""
     end = at + x.shape[2]
     if end > buf.shape[2]:
-        cap = max(end, buf.shape[2] + buf.shape[2] // 8, 16)
+        cap = _capacity(max(end, buf.shape[2] + buf.shape[2] // 8))
         grown = torch.empty(*buf.shape[:2], cap, *buf.shape[3:], dtype=buf.dtype, device=buf.device)
         grown[:, :, :at] = buf[:, :, :at]
         buf = grown

@@ -429,7 +429,15 @@ def _body_tile(c_base, s_base, z_base, cb_ptr, oi_base, ov_base, g0, g_hi, offs_
     return x
 
 
-@triton.jit
+# Integers that change from one decode step to the next (lengths, split geometry) are not
+# specialized: Triton would compile a new variant (~1 s) whenever one crosses a divisibility
+# class (== 1, % 16), i.e. again and again during a generation. None of them is a stride; the
+# strides (capacities) stay specialized, and the cache keeps them multiples of 16.
+_STEP_VARYING = ("sink_len", "res_len", "n_body_splits", "groups_per_split", "fp_per_split",
+                 "split0", "n_out")
+
+
+@triton.jit(do_not_specialize=_STEP_VARYING)
 def _decode_kernel(
     Q, Out, Lse,
     SinkK, SinkV, ResK, ResV,
@@ -577,7 +585,7 @@ def _decode_kernel(
     tl.store(Lse + o_row, lse, mask=m_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_splits",))
 def _merge_kernel(Out, Lse, O, n_splits, D: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_S: tl.constexpr):
     """Merge the per-split partials of one query row: weights exp2(lse_s - max)."""

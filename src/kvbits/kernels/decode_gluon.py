@@ -474,7 +474,8 @@ if gluon is not None:
         BITS: gl.constexpr = 2 if len(w.shape) == 3 else 4
         return _dequant(w, s, z, P, BITS)
 
-    @gluon.jit
+    # Step-varying integers are not specialized (see decode_attention._STEP_VARYING).
+    @gluon.jit(do_not_specialize=("sink_len", "res_len", "n_out", "steps_per_split"))
     def _body_kernel(
         Q, Out, Lse, KC, KS, KZ, VC, VS, VZ, Starts, Lens,
         qk_scale, sink_len, body_len, res_len, kc_cap, ks_slice, vc_cap, vs_slice,
