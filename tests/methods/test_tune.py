@@ -48,3 +48,29 @@ def test_tune_tiny_model(model, tmp_path):
     assert v.spec == r.spec == resolve_spec(str(path))
     with pytest.raises(ValueError, match="base spec must be method"):
         tune(model, ids, PRESETS["fp8-dynamic"], 3.0)
+
+
+def test_tune_with_calibrated_hadamard_base(model):
+    """A kivi-N-hadc base: every trial rotates the calibrated channel subsets, and the tuned spec
+    keeps the rotation; without the subsets it is refused with the calibration hint."""
+    from kvbits.methods.hadamard import calibrate_hadamard
+    from kvbits.methods.tune import _fake_quantize
+
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(1))
+    base = PRESETS["kivi-3-hadc"]
+    chans = calibrate_hadamard(model, ids, base, window=64)
+    assert any(len(c) for layer in chans for c in layer)  # something is rotated
+    r = tune(model, ids, base, 3.0, window=64, calibration=chans)
+    assert r.spec.hadamard_calibrated and len(r.spec.layer_bits) == 3 and r.avg_bits <= 3.0
+    # the rotation changes what the quantizer sees (so the sensitivities are the rotated ones)
+    g = torch.Generator().manual_seed(2)
+    k, v = (torch.randn(1, 1, 64, 32, generator=g) * 3 for _ in range(2))
+    k[..., 5] += 40  # an outlier channel, the case the rotation exists for
+    layer = next(i for i, layer in enumerate(chans) if len(layer[0]))
+    spec = base.replace(key_bits=2, value_bits=2)
+    plain, _ = _fake_quantize(k, v, spec.replace(hadamard=False, hadamard_calibrated=False), "k")
+    rotated, _ = _fake_quantize(k, v, spec, "k", chans[layer])
+    assert not torch.allclose(plain, rotated)
+    assert (rotated - k).norm() < k.norm()  # back in the model's space, not still rotated
+    with pytest.raises(ValueError, match="calibration"):
+        tune(model, ids, base, 3.0, window=64, calibration=None)

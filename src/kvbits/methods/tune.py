@@ -16,6 +16,10 @@
 
 The result is a :class:`~kvbits.spec.QuantSpec` with one ``layer_bits`` entry per layer, saved as
 a spec file that ``KVBitsCache(model, path)`` and ``kvbits ppl --presets path`` read.
+
+A base with calibrated Hadamard subsets (``kivi-3-hadc``) is measured with its rotation: the
+channel subsets (chosen once, independent of the bits) rotate the keys of every trial, and the
+tuned spec keeps ``hadamard_calibrated`` (load it with ``calibration='auto'`` or the same file).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ __all__ = ["TuneResult", "allocate", "layer_sensitivity", "tune"]
 
 CHOICES = (2, 3, 4, 8)
 _ATTN = "kvbits_tune"
-_STATE: dict = {"layer": None, "kind": None, "spec": None}
+_STATE: dict = {"layer": None, "kind": None, "spec": None, "channels": None}
 
 
 @dataclass
@@ -43,14 +47,16 @@ class TuneResult:
     info: dict = field(default_factory=dict)
 
 
-def _fake_quantize(key: torch.Tensor, value: torch.Tensor, spec: QuantSpec, kind: str):
+def _fake_quantize(key: torch.Tensor, value: torch.Tensor, spec: QuantSpec, kind: str,
+                   hadamard_channels=None):
     """K or V of one layer through the cache quantizer (no residual); the other one untouched."""
     from ..cache.store import LayerStore
     from ..reference.attention import dequantize_layer
 
     B, H, _, D = key.shape
     store = LayerStore(spec.replace(residual_length=0, sink_tokens=0, layer_bits=(),
-                                    skip_layers=()), B, H, D, torch.float32, key.device)
+                                    skip_layers=()), B, H, D, torch.float32, key.device,
+                       hadamard_channels=hadamard_channels)
     store.append(key.float(), value.float())
     k, v = dequantize_layer(store.view())
     if kind == "k":
@@ -61,8 +67,10 @@ def _fake_quantize(key: torch.Tensor, value: torch.Tensor, spec: QuantSpec, kind
 def _attention(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if _STATE["layer"] is not None and getattr(module, "layer_idx", None) == _STATE["layer"]:
-        key, value = _fake_quantize(key, value, _STATE["spec"], _STATE["kind"])
+    layer = _STATE["layer"]
+    if layer is not None and getattr(module, "layer_idx", None) == layer:
+        channels = _STATE["channels"][layer] if _STATE["channels"] else None
+        key, value = _fake_quantize(key, value, _STATE["spec"], _STATE["kind"], channels)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -76,12 +84,18 @@ def _register() -> None:
 
 @torch.no_grad()
 def layer_sensitivity(model, input_ids: torch.Tensor, base: QuantSpec, bits=(2, 4),
-                      window: int = 512, log=None) -> dict:
+                      window: int = 512, log=None, calibration="auto") -> dict:
     """``{"k": tensor [layers, len(bits)], "v": ...}``: mean KL (nats per token) of the model
-    with one layer's K (or V) quantized at each of ``bits`` by ``base``'s method, vs FP."""
+    with one layer's K (or V) quantized at each of ``bits`` by ``base``'s method, vs FP.
+    ``calibration``: the Hadamard channel subsets of a ``hadamard_calibrated`` base (as for
+    ``KVBitsCache``: ``"auto"``, the per-layer lists or a file); ignored otherwise."""
+    from .hadamard import layer_channels
+
     _register()
     config = model.config.get_text_config(decoder=True)
     n_layers = config.num_hidden_layers
+    channels = (layer_channels(model, base, calibration, n_layers)
+                if base.hadamard_calibrated else None)
     before = model.config._attn_implementation
     model.set_attn_implementation(_ATTN)
     windows = [input_ids[:, s:s + window].to(model.device)
@@ -91,7 +105,7 @@ def layer_sensitivity(model, input_ids: torch.Tensor, base: QuantSpec, bits=(2, 
         return [torch.log_softmax(model(w, use_cache=False).logits.float(), -1) for w in windows]
 
     try:
-        _STATE.update(layer=None)
+        _STATE.update(layer=None, channels=channels)
         ref = logprobs()
         out = {"k": torch.zeros(n_layers, len(bits)), "v": torch.zeros(n_layers, len(bits))}
         for layer in range(n_layers):
@@ -108,7 +122,7 @@ def layer_sensitivity(model, input_ids: torch.Tensor, base: QuantSpec, bits=(2, 
                     + " | V " + " ".join(f"{b}b {out['v'][layer, j]:.4f}"
                                          for j, b in enumerate(bits)))
     finally:
-        _STATE.update(layer=None, kind=None, spec=None)
+        _STATE.update(layer=None, kind=None, spec=None, channels=None)
         model.set_attn_implementation(before)
     return out
 
@@ -154,16 +168,17 @@ def allocate(costs: list[list[float]], budget_bits: int, choices=CHOICES) -> lis
 
 
 def tune(model, input_ids: torch.Tensor, base: QuantSpec, avg_bits: float,
-         window: int = 512, log=None) -> TuneResult:
+         window: int = 512, log=None, calibration="auto") -> TuneResult:
     """Sensitivities on ``input_ids`` and the allocation for ``avg_bits`` (per element, over
-    every layer's K and V); ``base`` gives the method and grouping (e.g. kivi-3)."""
+    every layer's K and V); ``base`` gives the method and grouping (e.g. kivi-3, or kivi-3-hadc
+    with its ``calibration``, see :func:`layer_sensitivity`)."""
     if base.method not in ("kivi", "uniform"):
         raise ValueError(f"tune: the base spec must be method 'kivi' or 'uniform', got "
                          f"{base.method!r}")
     if not min(CHOICES) <= avg_bits <= max(CHOICES):
         raise ValueError(f"tune: avg_bits must be in [{min(CHOICES)}, {max(CHOICES)}], "
                          f"got {avg_bits}")
-    sens = layer_sensitivity(model, input_ids, base, (2, 4), window, log)
+    sens = layer_sensitivity(model, input_ids, base, (2, 4), window, log, calibration)
     n = sens["k"].shape[0]
     costs = ([_table(*map(float, sens["k"][i])) for i in range(n)]
              + [_table(*map(float, sens["v"][i])) for i in range(n)])
