@@ -1,5 +1,5 @@
 """Compile kvbits.kernels.decode_gluon's body kernel for sm_90 on the CPU and summarise its SASS
-(registers, spills, instruction mix; no GPU needed). MAXNREG and KTOK=1 (per-token keys) environment variables select variants; SASS and TTGIR
+(registers, spills, instruction mix; no GPU needed). MAXNREG, KTOK=1 (per-token keys) and VBITS (value bits, default = key bits) environment variables select variants; SASS and TTGIR
 are written to /tmp/sass_* and /tmp/ttgir_*."""
 import importlib.util, sys
 from pathlib import Path
@@ -16,7 +16,7 @@ for bits, D, GV, G, HP in [(2, 128, 32, 32, 8), (4, 128, 32, 32, 8), (2, 64, 64,
     sig = {"Q": "*fp16", "Out": "*fp32", "Lse": "*fp32", "KC": "*i32", "KS": "*fp16", "KZ": "*fp16", "VC": "*i32", "VS": "*fp16", "VZ": "*fp16",
            "Starts": "*i32", "Lens": "*i32", "qk_scale": "fp32"} | {k: "i32" for k in ["sink_len", "body_len", "res_len", "kc_cap", "ks_slice", "vc_cap", "vs_slice", "Hkv", "n_out", "steps_per_split"]}
     KT = os.environ.get("KTOK") == "1"
-    cx = dict(HG=4, HP=HP, D=D, BITS=bits, G=G, GV=GV, HAS_STARTS=True, HAS_LENS=True, GK=GV if KT else G, K_TOK=KT)
+    cx = dict(HG=4, HP=HP, D=D, KBITS=bits, VBITS=int(os.environ.get("VBITS", bits)), G=G, GV=GV, HAS_STARTS=True, HAS_LENS=True, GK=GV if KT else G, K_TOK=KT)
     fn = dg._body_kernel
     names = fn.arg_names
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*") or k.endswith("_cap") or k.endswith("_slice")}

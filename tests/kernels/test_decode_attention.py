@@ -807,6 +807,57 @@ def test_gluon_token_keys_need_the_flag(monkeypatch):
     assert not decode_gluon.eligible(narrow, 1, c.HG, None)  # 32-channel key groups: Triton
 
 
+GLUON_MIXED_CASES = [
+    Case(kb=kb, vb=vb, G=G, D=D, B=2, Hkv=2, HG=HG, S=S, body=G * ng, res=24,
+         lengths=(S + G * ng + 24, S + G * ng - 9), starts=(0, 4), seed=kb * 10 + G + HG)
+    for kb, vb, G, D, HG, S, ng in [(4, 2, 32, 128, 4, 0, 41), (2, 4, 32, 128, 8, 1, 37),
+                                    (4, 2, 64, 64, 16, 2, 19), (2, 4, 16, 128, 1, 0, 75),
+                                    (4, 2, 16, 64, 3, 1, 70)]
+]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", GLUON_MIXED_CASES, ids=str)
+def test_gluon_body_mixed_bits(c, monkeypatch):
+    """Different key and value widths through the Gluon body (P permuted between the keys' and
+    the values' token orders)."""
+    from kvbits.kernels import decode_gluon
+    monkeypatch.setattr(decode_gluon, "MIXED_BITS", True)
+    monkeypatch.setattr(decode_gluon, "MIN_BATCH_HEADS", 1)
+    monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
+    kv = make_kv(c)
+    assert decode_gluon.eligible(kv, 1, c.HG, None)
+    run_case(c, kv=kv)
+    run_case(c._replace(splits=1), kv=kv)
+
+
+def test_gluon_token_orders_permute_by_bits(monkeypatch):
+    """The P reordering of mixed widths, on the CPU with torch's reshape/permute (the same
+    row-major semantics as Gluon's): row n of the result holds the token that the value operand
+    expects at row n; and the eligibility switch."""
+    from kvbits.kernels import decode_gluon
+    if decode_gluon.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    for G in (16, 32, 64):
+        for kb, vb in ((4, 2), (2, 4)):
+            key_tok = torch.tensor(decode_gluon.token_order(kb, G))
+            val_tok = torch.tensor(decode_gluon.token_order(vb, G))
+            assert sorted(key_tok.tolist()) == list(range(64))  # each a permutation of the step
+            axes = [decode_gluon._p_axis(kb, vb, G, d) for d in range(6)] + [6]
+            p = key_tok.view(64, 1)  # P's rows in the keys' order, labelled by token
+            moved = p.reshape(2, 2, 2, 2, 2, 2, 1).permute(*axes).reshape(64)
+            assert torch.equal(moved, val_tok), (kb, vb, G)
+    c = GLUON_MIXED_CASES[0]
+    kv = make_kv(c._replace(body=c.G * 3, lengths=None, starts=None), device="cpu")
+    monkeypatch.setattr(decode_gluon, "MIXED_BITS", False)
+    assert not decode_gluon.eligible(kv, 1, c.HG, None)
+    monkeypatch.setattr(decode_gluon, "MIXED_BITS", True)
+    assert decode_gluon.eligible(kv, 1, c.HG, None)
+    wide = make_kv(c._replace(G=128, body=384, lengths=None, starts=None), device="cpu")
+    assert not decode_gluon.eligible(wide, 1, c.HG, None)  # G > 64: steps differ by width
+
+
 def test_store_capacities_are_multiples_of_16(monkeypatch):
     """Capacities are kernel strides: they stay in one divisibility class as the cache grows (see
     ``store._capacity``), so decoding never recompiles a kernel for a new class."""

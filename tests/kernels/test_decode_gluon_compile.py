@@ -46,11 +46,13 @@ for cx in json.loads(sys.argv[1]):
 print(json.dumps(out))
 '''
 
-CONFIGS = [  # (2-bit, GQA 4, per-channel keys) and (4-bit, 16 heads, per-token keys)
-    {"HG": 4, "HP": 8, "D": 128, "BITS": 2, "G": 32, "GV": 32, "HAS_STARTS": True,
+CONFIGS = [  # 2-bit, GQA 4, per-channel keys; 4-bit, 16 heads, per-token keys; K4V2 (mixed)
+    {"HG": 4, "HP": 8, "D": 128, "KBITS": 2, "VBITS": 2, "G": 32, "GV": 32, "HAS_STARTS": True,
      "HAS_LENS": True, "GK": 32, "K_TOK": False},
-    {"HG": 16, "HP": 16, "D": 64, "BITS": 4, "G": 64, "GV": 64, "HAS_STARTS": True,
+    {"HG": 16, "HP": 16, "D": 64, "KBITS": 4, "VBITS": 4, "G": 64, "GV": 64, "HAS_STARTS": True,
      "HAS_LENS": True, "GK": 64, "K_TOK": True},
+    {"HG": 4, "HP": 8, "D": 128, "KBITS": 4, "VBITS": 2, "G": 32, "GV": 32, "HAS_STARTS": True,
+     "HAS_LENS": True, "GK": 32, "K_TOK": False},
 ]
 
 
@@ -61,8 +63,12 @@ def test_body_kernel_compiles_for_sm90_without_shared_memory_tiles():
     if res.returncode and "ptxas" in res.stderr.lower() and "not found" in res.stderr.lower():
         pytest.skip("this Triton build has no ptxas")
     assert res.returncode == 0, res.stderr[-3000:]
-    for r in json.loads(res.stdout.strip().splitlines()[-1]):  # operands built in registers: no shared memory at all
+    *equal, mixed = json.loads(res.stdout.strip().splitlines()[-1])
+    for r in equal:  # operands built in registers: no shared memory at all
         assert r["mma"] and r["local_alloc"] == 0 and r["shared"] == 0, r
         # and no cross-lane moves beyond the softmax reductions and the P conversion (20 / 40
         # shuffles at 8 / 16 heads; a key layout off by one lane bit costs 100+)
         assert r["shfl"] <= 64, r
+    # mixed widths: only P (64 tokens x 8 heads, fp16) crosses shared memory, to be permuted
+    # from the keys' token order to the values'; no K or V tile does
+    assert mixed["mma"] and mixed["shared"] <= 64 * 8 * 2, mixed

@@ -25,8 +25,10 @@ fragment pair (tokens e = 0, 1 of one channel) is one mask of one word: both hal
 ``half2`` come out of one ``lop3``. Softmax and P V do not care about the token order.
 
 Only the KIVI layout family is served here (keys scaled per channel over G tokens, values per
-token over GV channels, equal key/value bits of 2 or 4, one query row per sequence, no sliding
-window, head_dim 64 or 128); :func:`eligible` says which layers, the Triton kernel does the rest.
+token over GV channels, key/value bits of 2 or 4, one query row per sequence, no sliding window,
+head_dim 64 or 128); :func:`eligible` says which layers, the Triton kernel does the rest.
+Different key and value widths (``MIXED_BITS``, off until run on a GPU) permute P's rows between
+the two token orders, which differ only by a permutation of the row index's six bits.
 Keys scaled per token over at least half the head (the uniform method, ``TOKEN_KEYS``) are served
 too. The loop has no prefetch: each step's key words are loaded at its start and its value words
 after the softmax. Prefetches of the next step measured slower on the H200: in registers (255
@@ -273,6 +275,60 @@ if gluon is not None:
         """Body-token offset (from the step's first token) of word row ``R``, slot ``slot``."""
         return (R // W) * G + R % W + W * slot
 
+    @gluon.constexpr_function
+    def token_order(bits: int, G: int) -> list[int]:
+        """Body-token offset (within a 64-token step, G <= 64) of each MMA row ``n`` for codes of
+        ``bits`` bits: ``n = e + 2a + 8h + 16k`` is stored at word row ``R`` and slot ``s`` (module
+        docstring), i.e. token ``(R // W) G + R % W + W s`` with ``W = G bits / 32`` word rows per
+        group."""
+        W = G * bits // 32
+        out = []
+        for n in range(64):
+            e, a, h, k = n & 1, (n >> 1) & 3, (n >> 3) & 1, n >> 4
+            R, slot = (a, k + 4 * h + 8 * e) if bits == 2 else (2 * a + h, k + 4 * e)
+            out.append((R // W) * G + R % W + W * slot)
+        return out
+
+    @gluon.constexpr_function
+    def token_bit_map(kbits: int, vbits: int, G: int) -> list[int]:
+        """For each bit ``i`` of a value-order row index, the bit of the key-order row index that
+        holds the same token: both orders put the six row bits at distinct token bits, so P moves
+        from one to the other by permuting bits (``_reorder_tokens``)."""
+        key_row = {t: n for n, t in enumerate(token_order(kbits, G))}
+        val = token_order(vbits, G)
+        out = []
+        for i in range(6):
+            n = key_row[val[1 << i]]
+            if n & (n - 1):
+                raise AssertionError(f"token orders of {kbits} and {vbits} bits (G={G}) are not a "
+                                     "bit permutation of each other")
+            out.append(n.bit_length() - 1)
+        return out
+
+    @gluon.constexpr_function
+    def _p_axis(kbits, vbits, G, d):
+        """Source axis of axis ``d`` when P's rows (tokens), viewed as six size-2 axes (row bits,
+        most significant first), go from the keys' token order to the values' (see
+        :func:`token_bit_map`)."""
+        bit = token_bit_map(*(int(getattr(x, "value", x)) for x in (kbits, vbits, G)))
+        d = int(getattr(d, "value", d))
+        return 5 - bit[5 - d]
+
+    @gluon.jit
+    def _reorder_tokens(p, KBITS: gl.constexpr, VBITS: gl.constexpr, G: gl.constexpr,
+                        HP: gl.constexpr):
+        """P ``[64, HP]`` with its rows moved from the keys' token order to the values' (mixed
+        key/value widths): a permutation of the six bits of the row index."""
+        # (one constexpr per axis: Triton 3.6's permute takes a tuple, not a constexpr sequence)
+        A0: gl.constexpr = _p_axis(KBITS, VBITS, G, 0)
+        A1: gl.constexpr = _p_axis(KBITS, VBITS, G, 1)
+        A2: gl.constexpr = _p_axis(KBITS, VBITS, G, 2)
+        A3: gl.constexpr = _p_axis(KBITS, VBITS, G, 3)
+        A4: gl.constexpr = _p_axis(KBITS, VBITS, G, 4)
+        A5: gl.constexpr = _p_axis(KBITS, VBITS, G, 5)
+        x = gl.permute(gl.reshape(p, [2, 2, 2, 2, 2, 2, HP]), (A0, A1, A2, A3, A4, A5, 6))
+        return gl.reshape(x, [64, HP])
+
     @gluon.jit
     def _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, tok0, body_len, DC0: gl.constexpr,
                   BITS: gl.constexpr, W: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
@@ -480,9 +536,9 @@ if gluon is not None:
         Q, Out, Lse, KC, KS, KZ, VC, VS, VZ, Starts, Lens,
         qk_scale, sink_len, body_len, res_len, kc_cap, ks_slice, vc_cap, vs_slice,
         Hkv, n_out, steps_per_split,
-        HG: gl.constexpr, HP: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr,
-        G: gl.constexpr, GV: gl.constexpr, HAS_STARTS: gl.constexpr, HAS_LENS: gl.constexpr,
-        GK: gl.constexpr, K_TOK: gl.constexpr,
+        HG: gl.constexpr, HP: gl.constexpr, D: gl.constexpr, KBITS: gl.constexpr,
+        VBITS: gl.constexpr, G: gl.constexpr, GV: gl.constexpr, HAS_STARTS: gl.constexpr,
+        HAS_LENS: gl.constexpr, GK: gl.constexpr, K_TOK: gl.constexpr,
     ):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                       instr_shape=[16, 8])
@@ -490,12 +546,14 @@ if gluon is not None:
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
         DC: gl.constexpr = D // 2  # channels per chunk
         GVC: gl.constexpr = GV if GV < DC else DC  # noqa: FURB136 (value-scale group in a chunk)
-        KW: gl.constexpr = _layout("KW", BITS, DC, GVC)
-        KT: gl.constexpr = _layout("KT", BITS, DC, GVC)
-        VW: gl.constexpr = _layout("VW", BITS, DC, GVC)
-        VS_L: gl.constexpr = _layout("VS", BITS, DC, GVC)
-        W: gl.constexpr = G * BITS // 32  # word rows per key group
-        RS: gl.constexpr = 2 * BITS  # word rows per step
+        KW: gl.constexpr = _layout("KW", KBITS, DC, GVC)
+        KT: gl.constexpr = _layout("KT", KBITS, DC, GVC)
+        VW: gl.constexpr = _layout("VW", VBITS, DC, GVC)
+        VS_L: gl.constexpr = _layout("VS", VBITS, DC, GVC)
+        W: gl.constexpr = G * KBITS // 32  # word rows per key group
+        RS: gl.constexpr = 2 * KBITS  # key word rows per step
+        WV: gl.constexpr = G * VBITS // 32  # the same for the values
+        RSV: gl.constexpr = 2 * VBITS
         SPAN: gl.constexpr = G if G > 64 else 64  # noqa: FURB136 (tokens a step's groups span)
         bh = gl.program_id(0)
         split = gl.program_id(1)
@@ -524,12 +582,13 @@ if gluon is not None:
         na = (n // 2) % 4
         nh = (n // 8) % 2
         nk = n // 16
-        if BITS == 2:
+        if KBITS == 2:
             dn = _tok(na, nk + 4 * nh + 8 * ne, W, G)
         else:
             dn = _tok(2 * na + nh, nk + 4 * ne, W, G)
 
         n_rows = (body_len // G) * W
+        nv_rows = (body_len // G) * WV
         n_steps = (body_len + 63) // 64
         s_lo = split * steps_per_split
         s_hi = gl.minimum(s_lo + steps_per_split, n_steps)
@@ -557,12 +616,12 @@ if gluon is not None:
             row0 = row0 + RS  # the next step
             tok0 = (row0 // W) * G + row0 % W
             kw0, ks0, kz0 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur, body_len,
-                                       0, BITS, W, G, D, DC, GK, KW, KT, K_TOK)
+                                       0, KBITS, W, G, D, DC, GK, KW, KT, K_TOK)
             kw1, ks1, kz1 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur, body_len,
-                                       DC, BITS, W, G, D, DC, GK, KW, KT, K_TOK)
-            k = _key_operand(kw0, ks0, kz0, BITS, DC, KW, a_l, K_TOK)
+                                       DC, KBITS, W, G, D, DC, GK, KW, KT, K_TOK)
+            k = _key_operand(kw0, ks0, kz0, KBITS, DC, KW, a_l, K_TOK)
             st = mma_v2(k, q0, gl.zeros([64, HP], gl.float32, layout=mma))
-            k = _key_operand(kw1, ks1, kz1, BITS, DC, KW, a_l, K_TOK)
+            k = _key_operand(kw1, ks1, kz1, KBITS, DC, KW, a_l, K_TOK)
             st = mma_v2(k, q1, st)
             if (lo < first) | (lo + SPAN > end):
                 t = t_cur + dn
@@ -573,16 +632,23 @@ if gluon is not None:
             alpha = gl.exp2(m_i - m_safe)
             l_i = l_i * alpha + gl.sum(p, axis=0)
             m_i = m_new
-            pb = gl.convert_layout(p.to(gl.float16), b_l)
+            p = p.to(gl.float16)
+            if KBITS != VBITS:  # P's rows from the keys' token order to the values'
+                p = _reorder_tokens(p, KBITS, VBITS, G, HP)
+            pb = gl.convert_layout(p, b_l)
             # values only now: loading them with the keys measured no faster, and holds more
             # registers through the key MMA and the softmax
-            vw0, vs0, vz0 = _value_loads(vc_base, vs_base, vz_base, r_cur, n_rows, t_cur,
-                                         body_len, 0, BITS, W, G, D, DC, GV, VW, VS_L)
-            vw1, vs1, vz1 = _value_loads(vc_base, vs_base, vz_base, r_cur, n_rows, t_cur,
-                                         body_len, DC, BITS, W, G, D, DC, GV, VW, VS_L)
-            v = _value_operand(vw0, vs0, vz0, BITS, DC, VW, a_l)
+            if KBITS == VBITS:
+                rv = r_cur
+            else:  # G <= 64 (eligible): a step is whole groups for either width
+                rv = s * RSV
+            vw0, vs0, vz0 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
+                                         body_len, 0, VBITS, WV, G, D, DC, GV, VW, VS_L)
+            vw1, vs1, vz1 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
+                                         body_len, DC, VBITS, WV, G, D, DC, GV, VW, VS_L)
+            v = _value_operand(vw0, vs0, vz0, VBITS, DC, VW, a_l)
             acc0 = mma_v2(v, pb, acc0 * alpha[None, :])
-            v = _value_operand(vw1, vs1, vz1, BITS, DC, VW, a_l)
+            v = _value_operand(vw1, vs1, vz1, VBITS, DC, VW, a_l)
             acc1 = mma_v2(v, pb, acc1 * alpha[None, :])
 
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
@@ -602,11 +668,18 @@ if gluon is not None:
 # those layers to the Triton kernel (a switch for comparisons).
 TOKEN_KEYS = True
 
+# Different key and value widths (e.g. k4v2: P's rows are permuted between the two token orders,
+# group size <= 64 so that a step covers the same tokens at both widths). Compiled on Triton 3.6
+# and 3.9, not yet run on a GPU: off (those layers use the Triton kernel) until the GPU tests
+# (test_gluon_body_mixed_bits) pass.
+MIXED_BITS = False
+
 
 def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
     """Whether :func:`attend_body` serves this layer and call: Gluon importable, integer codes
     with no KVQuant parts, per-channel key scales (or, with ``TOKEN_KEYS``, per-token key scales
-    over at least half the head), per-token value scales, equal key/value bits of 2 or 4, group
+    over at least half the head), per-token value scales, key/value bits of 2 or 4 (equal, or
+    with ``MIXED_BITS`` any pair at group size <= 64), group
     size 16-128, head_dim 64 or 128, value groups of 32 to 128 channels (smaller ones compile but
     are not tested on a GPU), one query row per sequence, at most 16 query heads per KV head, no
     sliding window."""
@@ -620,8 +693,9 @@ def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
     key_axis = getattr(kv, "key_axis", "channel")
     keys_ok = key_axis == "channel" or (TOKEN_KEYS and key_axis == "token"
                                         and kv.k_scale.shape[3] <= 2)
-    return (keys_ok and getattr(kv, "value_axis", "token") == "token"
-            and kv.key_bits == kv.value_bits and kv.key_bits in (2, 4) and G in (16, 32, 64, 128)
+    bits_ok = kv.key_bits == kv.value_bits or (MIXED_BITS and G <= 64)
+    return (keys_ok and bits_ok and getattr(kv, "value_axis", "token") == "token"
+            and kv.key_bits in (2, 4) and kv.value_bits in (2, 4) and G in (16, 32, 64, 128)
             and D in (64, 128) and GV in (32, 64, 128) and D % GV == 0 and q_rows == 1
             and heads_per_kv <= 16 and window is None)
 
@@ -678,7 +752,8 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         starts, lengths, scale_log2, kv.sink_len, kv.body_len, kv.res_len,
         kv.k_codes.shape[2], kv.k_scale.shape[2] * kv.k_scale.shape[3], kv.v_codes.shape[2],
         kv.v_scale.shape[2] * kv.v_scale.shape[3], Hkv, n_out, per,
-        HG=HG, HP=8 if HG <= 8 else 16, D=D, BITS=kv.key_bits, G=kv.group_size,
+        HG=HG, HP=8 if HG <= 8 else 16, D=D, KBITS=kv.key_bits, VBITS=kv.value_bits,
+        G=kv.group_size,
         GV=kv.value_group, HAS_STARTS=has_starts, HAS_LENS=has_lens,
         GK=D // kv.k_scale.shape[3] if k_tok else kv.group_size, K_TOK=k_tok, num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg else {}))
