@@ -11,12 +11,12 @@ mkdir -p "$out"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 bench() { python3 benchmarks/e2e.py --out "$out" "$@" 2>&1 | tee -a "$out/e2e_$part.log"; }
 case "$part" in
-  llama2) bench --model llama-2-7b --contexts 1k,4k,16k,32k --presets fp16,hf-int2,kivi-4,kivi-2 \
+  llama2) bench --model llama-2-7b --contexts 1k,4k,16k,32k --presets fp16,fp16-flash,hf-int2,kivi-4,kivi-2 \
             --name e2e_llama2_7b ;;
-  llama3) bench --model llama-3-8b --contexts 1k,4k,16k,32k --presets fp16,hf-int2,kivi-4,kivi-2 \
+  llama3) bench --model llama-3-8b --contexts 1k,4k,16k,32k --presets fp16,fp16-flash,hf-int2,kivi-4,kivi-2 \
             --name e2e_llama3_8b ;;
   smollm2) bench --model smollm2 --contexts 1k,2k,4k,8k --batches 1,16 \
-            --presets fp16,hf-int2,kivi-4,kivi-2 --name e2e_smollm2 ;;
+            --presets fp16,fp16-flash,hf-int2,kivi-4,kivi-2 --name e2e_smollm2 ;;
   budget) bench --model llama-2-7b --contexts 4k --presets fp16,hf-int2,kivi-4,kivi-2 --steps 16 \
             --memory-budget 80GB --budget-contexts 4k --name e2e_budget_llama2_7b ;;
   budget32k) bench --model llama-2-7b --contexts 32k --presets fp16,hf-int2,kivi-4,kivi-2 --steps 16 \

@@ -172,7 +172,8 @@ def _register_bench(sub) -> None:
                    help="llama-2-7b, llama-3-8b, smollm2 or tiny (configs, random weights)")
     p.add_argument("--layers", type=int, help="decoder layers (default: the model's)")
     p.add_argument("--presets", type=_names, default=("fp16", "hf-int2", "kivi-4", "kivi-2"),
-                   help="comma-separated: fp16, hf-int2, hf-int4 (emulated QuantizedCache, "
+                   help="comma-separated: fp16, fp16-flash (SDPA without the cuDNN backend), "
+                   "hf-int2, hf-int4 (emulated QuantizedCache, "
                    "options :G=64,R=128) and kvbits presets (kivi-2, kivi-2:R=64, ...) "
                    "(default fp16,hf-int2,kivi-4,kivi-2)")
     p.add_argument("--contexts", type=_ints, default=(1024, 4096, 16384, 32768),

@@ -36,7 +36,10 @@ def test_named_configs_have_the_published_shapes():
 
 
 def test_parse_variant():
-    assert parse_variant("fp16").kind == "fp16"
+    assert parse_variant("fp16").kind == "fp16" and parse_variant("fp16").sdpa_backends is None
+    flash = parse_variant("fp16-flash")
+    assert flash.kind == "fp16" and "cudnn" not in str(flash.sdpa_backends).lower()
+    assert "flash" in flash.describe()
     hf = parse_variant("hf-int4:G=32,R=64")
     assert hf.kind == "hf" and hf.spec == {"nbits": 4, "q_group_size": 32, "residual_length": 64}
     assert "emulated" in hf.describe()
@@ -65,10 +68,15 @@ def test_emulated_quanto_layer_round_trip(nbits):
     assert k.shape[2] == 55 and layer.keys.numel() == 0 or layer.keys.shape[2] < 4
 
 
-@pytest.mark.parametrize("variant", ["fp16", "hf-int2", "kivi-2", "kivi-4:R=32"])
-def test_time_decode_on_cpu(tiny, variant):
+@pytest.mark.parametrize("variant", ["fp16", "fp16-flash", "hf-int2", "kivi-2", "kivi-4:R=32"])
+def test_time_decode_on_cpu(tiny, variant, monkeypatch):
+    from kvbits.eval import speed
     v = parse_variant(variant)
+    used = []
+    real = speed.sdpa_kernel
+    monkeypatch.setattr(speed, "sdpa_kernel", lambda b: used.append(b) or real(b))
     r = time_decode(tiny, v, batch=2, context=224, steps=3, warmup=1)
+    assert bool(used) == (variant == "fp16-flash")  # only that variant restricts SDPA
     assert r["steps"] == 3 and r["tok_s"] > 0 and r["tpot_ms"] > 0
     # generate fed one token per step on top of the filled cache (no second prefill)
     assert r["cache_tokens_after"] == 224 + 1 + 1 + 3  # prompt C+1, then warmup + steps fed

@@ -28,7 +28,9 @@ which costs prefill activations and time but is exactly what ``generate`` does.
 
 Caches compared
 ---------------
-* ``fp16``: transformers' ``DynamicCache`` with SDPA attention (flash on CUDA).
+* ``fp16``: transformers' ``DynamicCache`` with SDPA attention, torch's default backend (cuDNN
+  on the H200 with torch 2.11, ~1 ms of host time per call); ``fp16-flash``: the same with the
+  cuDNN backend excluded (flash, then mem-efficient, then math).
 * ``hf-int2`` / ``hf-int4`` (``hf-intN[:G=..,R=..]``): transformers' ``QuantizedCache`` update rule
   (``transformers.cache_utils.QuantizedLayer.update``, used unchanged: every step dequantizes the
   whole history, every ``R`` steps everything is re-quantized) with a **PyTorch re-implementation
@@ -41,6 +43,7 @@ Caches compared
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import statistics
@@ -48,6 +51,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = ["MODEL_CONFIGS", "BenchConfig", "build_model", "emulated_layer_class",
            "emulated_quantized_cache", "make_cache", "max_batch", "model_config", "parse_variant",
@@ -184,9 +188,18 @@ class Variant:
     kind: str  # "fp16", "hf", "kvbits"
     spec: object = None  # QuantSpec for kvbits; dict(nbits, q_group_size, residual_length) for hf
 
+    @property
+    def sdpa_backends(self):
+        """SDPA backends the variant's generate() may use (None: torch's default choice, which
+        is cuDNN on H100/H200 with torch >= 2.5; ``fp16-flash`` excludes it, see
+        :func:`flash_backends`)."""
+        return flash_backends() if isinstance(self.spec, dict) and self.spec.get("sdpa") == \
+            "flash" else None
+
     def describe(self) -> str:
         if self.kind == "fp16":
-            return "DynamicCache FP16, SDPA"
+            return ("DynamicCache FP16, SDPA (flash / mem-efficient backends)"
+                    if self.sdpa_backends else "DynamicCache FP16, SDPA (torch's default backend)")
         if self.kind == "hf":
             s = self.spec
             return (f"QuantizedCache update rule, quanto-like int{s['nbits']} storage "
@@ -194,11 +207,20 @@ class Variant:
         return f"KVBitsCache {self.spec.describe()}"
 
 
+def flash_backends() -> list:
+    """Flash first, then mem-efficient, then math: everything but cuDNN, whose forward costs
+    ~1 ms of host time per call on the H200 (benchmarks/results/e2e_host_profile.log)."""
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def parse_variant(text: str) -> Variant:
-    """``fp16`` | ``hf-int2[:G=64,R=128]`` | a kvbits preset with overrides (``kivi-2:R=64``)."""
+    """``fp16`` | ``fp16-flash`` (SDPA without the cuDNN backend) | ``hf-int2[:G=64,R=128]`` |
+    a kvbits preset with overrides (``kivi-2:R=64``)."""
     text = text.strip()
     if text == "fp16":
         return Variant("fp16", "fp16")
+    if text == "fp16-flash":
+        return Variant("fp16-flash", "fp16", {"sdpa": "flash"})
     if text.startswith("hf-int"):
         name, _, rest = text.partition(":")
         try:
@@ -329,9 +351,11 @@ def time_decode(model, variant: Variant, batch: int, context: int, steps: int = 
         torch.cuda.reset_peak_memory_stats()
     timer = _step_timer(device)
     t0 = time.perf_counter()
-    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
-                   min_new_tokens=n_new, do_sample=False, stopping_criteria=[timer],
-                   temperature=None, top_p=None, top_k=None, **cache_kwargs(model, cache))
+    backends = variant.sdpa_backends
+    with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
+                       min_new_tokens=n_new, do_sample=False, stopping_criteria=[timer],
+                       temperature=None, top_p=None, top_k=None, **cache_kwargs(model, cache))
     _sync(device)
     total_s = time.perf_counter() - t0
     step_s = [b - a for a, b in zip(timer.times, timer.times[1:])][warmup:]
@@ -545,8 +569,10 @@ def bench_markdown(speed: list[dict], budget_rows: list[dict], env: dict, cfg: B
              ("- `hf-int*`: transformers' `QuantizedLayer.update` (unchanged) over a PyTorch "
              "re-implementation of quanto's int storage (**emulated**: optimum-quanto is not "
              "installed on the GPU machine)."), ""]
-    fp = {(r["batch"], r["context"]): r for r in speed if r["kind"] == "fp16" and "tok_s" in r}
-    hf = {(r["batch"], r["context"]): r for r in speed if r["kind"] == "hf" and "tok_s" in r}
+    fp, hf = {}, {}  # the first FP16 / hf variant listed is the "vs" base
+    for r in speed:
+        if "tok_s" in r and r["kind"] in ("fp16", "hf"):
+            (fp if r["kind"] == "fp16" else hf).setdefault((r["batch"], r["context"]), r)
     head = ["variant", "batch", "context", "tok/s", "TPOT ms", "TPOT p90 ms", "vs FP16",
             "vs hf", "cache GiB", "alloc GiB", "FP16 cache GiB", "peak GiB"]
     rows = []
@@ -563,7 +589,10 @@ def bench_markdown(speed: list[dict], budget_rows: list[dict], env: dict, cfg: B
                      _gib(r["fp16_cache_bytes"]), _gib(r.get("peak_bytes"))])
     lines += ["## Decode speed", "", markdown_table(head, rows), ""]
     if budget_rows:
-        base = {r["context"]: r for r in budget_rows if r["kind"] == "fp16"}
+        base = {}
+        for r in budget_rows:
+            if r["kind"] == "fp16":
+                base.setdefault(r["context"], r)
         head = ["variant", "context", "budget GB", "max batch", "vs FP16 batch", "tok/s",
                 "vs FP16 tok/s", "TPOT ms", "peak GiB", "tries (batch, peak GiB)"]
         rows = []
