@@ -15,6 +15,12 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$out/gpu_
 python3 -m pytest -q ${TESTS:--m gpu tests} 2>&1 | tee -a "$out/gpu_check.log" | tail -5
 python3 -m pytest -q tests/kernels/test_decode_attention.py -k "axes or fp8 or reads" 2>&1 \
   | tee -a "$out/gpu_check.log" | tail -3
-# shellcheck disable=SC2086
-python3 benchmarks/decode_attention.py --out "$out" ${BENCH_ARGS:-} 2>&1 \
-  | tee -a "$out/gpu_check.log" | grep -v "^skip"
+if [ -n "${SWEEP:-}" ]; then
+  # shellcheck disable=SC2086
+  python3 benchmarks/gluon_sweep.py $SWEEP 2>&1 | tee -a "$out/gpu_check.log"
+fi
+if [ "${BENCH:-1}" != 0 ]; then
+  # shellcheck disable=SC2086
+  python3 benchmarks/decode_attention.py --out "$out" ${BENCH_ARGS:-} 2>&1 \
+    | tee -a "$out/gpu_check.log" | grep -v "^skip"
+fi
