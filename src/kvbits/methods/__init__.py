@@ -20,3 +20,17 @@ def per_layer_calibration(calibration, model_or_config, auto, load, what: str,
     if len(values) != n_layers:
         raise ValueError(f"{what} has {len(values)} layers, the model {n_layers}")
     return values
+
+
+def calibration_ids(model, text: str, tokens: int, what: str, log=None):
+    """``[1, tokens]`` ids of the named ``text`` for a ``calibration='auto'`` run, tokenized with
+    the tokenizer :func:`kvbits.data.load_model` attaches to the model (``what``: what the caller
+    calibrates, for the error that asks for it instead)."""
+    from ..data import load_text, tokenize_text
+
+    tok = getattr(model, "_kvbits_tokenizer", None)
+    if tok is None:
+        raise ValueError("calibration='auto' needs the model's tokenizer: set "
+                         "model._kvbits_tokenizer (kvbits.data.load_model does) or pass the "
+                         f"{what}")
+    return tokenize_text(tok, load_text(text, log=log), tokens)

@@ -19,7 +19,7 @@ import torch
 from ..reference import hadamard as ref_hadamard
 from ..reference import quant as ref_quant
 from ..spec import QuantSpec
-from . import per_layer_calibration
+from . import calibration_ids, per_layer_calibration
 
 __all__ = ["auto_fp8_scales", "calibrate_fp8", "layer_scales", "load_fp8_scales",
            "save_fp8_scales"]
@@ -88,14 +88,7 @@ def auto_fp8_scales(model, spec: QuantSpec, text: str = "sotu-pre-2000",
     text), computed once per model and kept in memory."""
     key = (id(model), spec.fp8_granularity, spec.hadamard, text, tokens)
     if key not in _AUTO:
-        from ..data import load_text, tokenize_text
-
-        tok = getattr(model, "_kvbits_tokenizer", None)
-        if tok is None:
-            raise ValueError("calibration='auto' needs the model's tokenizer: set "
-                             "model._kvbits_tokenizer (kvbits.data.load_model does) or pass the "
-                             "scales")
-        ids = tokenize_text(tok, load_text(text, log=log), tokens)
+        ids = calibration_ids(model, text, tokens, "scales", log)
         _AUTO[key] = calibrate_fp8(model, ids, spec)
     return _AUTO[key]
 

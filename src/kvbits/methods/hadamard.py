@@ -34,7 +34,7 @@ import torch
 
 from ..reference import hadamard as ref_hadamard
 from ..spec import QuantSpec
-from . import per_layer_calibration
+from . import calibration_ids, per_layer_calibration
 
 __all__ = ["auto_hadamard_channels", "calibrate_hadamard", "choose_channels", "collect_qk",
            "layer_channels", "load_hadamard_channels", "rotation_cost",
@@ -164,14 +164,7 @@ def auto_hadamard_channels(model, spec: QuantSpec, text: str = "sotu-pre-2000",
     text), computed once per model and group size and kept in memory."""
     key = (id(model), spec.group_size, text, tokens)
     if key not in _AUTO:
-        from ..data import load_text, tokenize_text
-
-        tok = getattr(model, "_kvbits_tokenizer", None)
-        if tok is None:
-            raise ValueError("calibration='auto' needs the model's tokenizer: set "
-                             "model._kvbits_tokenizer (kvbits.data.load_model does) or pass the "
-                             "channels")
-        ids = tokenize_text(tok, load_text(text, log=log), tokens)
+        ids = calibration_ids(model, text, tokens, "channels", log)
         if log:
             log(f"hadamard: choosing channel subsets on {ids.shape[1]} tokens of {text!r}")
         _AUTO[key] = calibrate_hadamard(model, ids, spec)
