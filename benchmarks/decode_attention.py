@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import sys
 import time
@@ -219,26 +220,39 @@ def run_shape(model, hq, hkv, d, batch, context, bw, presets, baselines, knobs,
 
 
 def bench_quantize_pack(bw) -> list[dict]:
-    """quantize_pack throughput: bytes read (FP16) + written (codes, scales, zeros) per second."""
+    """quantize_pack throughput: bytes read (FP16) + written (codes, scales, zeros) per second,
+    for the library's dispatch (the Gluon kernels where they serve the shape) and the Triton
+    kernels alone, on a prefill-sized input and on a decode-step flush (one group per head)."""
+    from kvbits.kernels import quantize_pack as qp
+
     rows = []
-    for preset in ("kivi-2", "kivi-4", "kivi-8"):
-        spec = resolve_spec(preset)
-        x = torch.randn(8, 8, 32768, 128, dtype=torch.float16, device="cuda")
-        for name, fn in (("keys", lambda: quantize_keys(x, spec.key_bits, spec.group_size)),
-                         ("values", lambda: quantize_values(x, spec.value_bits, spec.value_group(128),
-                                                            spec.group_size))):
-            try:
-                outs = fn()
-            except Exception as e:  # reported in the table rather than losing the run
-                print(f"quantize_pack {name} {preset}: {type(e).__name__}: {e}", flush=True)
-                rows.append(dict(op=f"quantize_pack {name}", preset=preset, error=str(e)[:200]))
-                continue
-            nbytes = x.numel() * 2 + sum(o.numel() * o.element_size() for o in outs)
-            t = bench(fn)
-            rows.append(dict(op=f"quantize_pack {name}", preset=preset, shape="8x8x32768x128",
-                             us=t, bytes=nbytes, tbps=nbytes / t * 1e-6, frac_bw=nbytes / t * 1e6 / bw))
-            print(f"quantize_pack {name:6} {preset}: {t:8.1f} us {nbytes / t * 1e-6:5.2f} TB/s "
-                  f"({nbytes / t * 1e6 / bw * 100:.0f}% of copy)", flush=True)
+    for shape in ((8, 8, 32768, 128), (32, 8, 32, 128)):
+        x = torch.randn(*shape, dtype=torch.float16, device="cuda")
+        for preset, kernel in itertools.product(("kivi-2", "kivi-3", "kivi-4", "kivi-8"),
+                                                ("gluon", "triton")):
+            spec = resolve_spec(preset)
+            qp.GLUON = kernel == "gluon"
+            for name, fn in (("keys", lambda: quantize_keys(x, spec.key_bits, spec.group_size)),
+                             ("values", lambda: quantize_values(x, spec.value_bits,
+                                                                spec.value_group(128),
+                                                                spec.group_size))):
+                label = dict(op=f"quantize_pack {name}", preset=preset, kernel=kernel,
+                             shape="x".join(map(str, shape)))
+                try:
+                    outs = fn()
+                except Exception as e:  # reported in the table rather than losing the run
+                    print(f"quantize_pack {name} {preset} {kernel}: {type(e).__name__}: {e}",
+                          flush=True)
+                    rows.append(dict(label, error=str(e)[:200]))
+                    continue
+                nbytes = x.numel() * 2 + sum(o.numel() * o.element_size() for o in outs)
+                t = bench(fn)
+                rows.append(dict(label, us=t, bytes=nbytes, tbps=nbytes / t * 1e-6,
+                                 frac_bw=nbytes / t * 1e6 / bw))
+                print(f"quantize_pack {name:6} {preset} {kernel:6} {label['shape']}: {t:8.1f} us "
+                      f"{nbytes / t * 1e-6:5.2f} TB/s ({nbytes / t * 1e6 / bw * 100:.0f}% of copy)",
+                      flush=True)
+        qp.GLUON = True
         del x
     return rows
 
@@ -255,6 +269,8 @@ def main(argv=None) -> None:
                    help="a previous JSON of this benchmark: its rows for shapes not run here are "
                         "kept (the notes say which run produced which rows)")
     p.add_argument("--skip-quantize-pack", action="store_true")
+    p.add_argument("--quantize-pack-only", action="store_true",
+                   help="only the quantize_pack table (no attention shapes)")
     args = p.parse_args(argv)
     env = environment()
     bw = copy_bandwidth()
@@ -268,6 +284,8 @@ def main(argv=None) -> None:
         pats = [tuple(x.split(":")) for x in args.shapes.split(",")]
         shapes = [s for s in shapes if any(all(p in ("*", str(v)) for p, v in zip(pat, s))
                                            for pat in pats)]
+    if args.quantize_pack_only:
+        shapes = []
     knobs = tune([p for p in presets if p != "k4v2"], bw) if args.tune else {}
     if "kivi-2" in knobs:
         knobs.setdefault("k4v2", knobs["kivi-2"])
@@ -332,7 +350,8 @@ def main(argv=None) -> None:
         return
     qrows = bench_quantize_pack(bw)
     write_results(name + "_quantize_pack", qrows,
-                  [("op", "op"), ("preset", "preset"), ("shape", "shape"), ("us", "median µs"),
+                  [("op", "op"), ("preset", "preset"), ("kernel", "kernel"), ("shape", "shape"),
+                   ("us", "median µs"),
                    ("bytes", "bytes"), ("tbps", "TB/s"), ("frac_bw", "of copy bw")],
                   env, notes[:1], args.out)
 

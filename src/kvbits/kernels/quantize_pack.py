@@ -35,6 +35,12 @@ import triton
 import triton.language as tl
 
 from ..formats.packing import PACK_BITS, packed_length, slots_per_column
+from . import quantize_pack_gluon as _gluon
+
+# On CUDA, shapes with a Gluon plan go to quantize_pack_gluon (the slot axis in-thread; H200:
+# benchmarks/results/decode_attention_quantize_pack.md). False keeps every call on the Triton
+# kernels below (a switch for comparisons).
+GLUON = True
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NUM_WARPS = 4
@@ -229,12 +235,16 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int,
     codes, scale, zero = _packed_outputs(k, bits, G, NG, (NG, D))
     if codes.numel() == 0:
         return codes, scale, zero
+    vptr, vsb, vst = _valid_args(valid, k)
+    if GLUON and _gluon.eligible(k, bits, G):
+        _gluon.quantize_keys(k, bits, G, NG, codes, scale, zero, (vptr, vsb, vst),
+                             valid is not None)
+        return codes, scale, zero
     w_pad = _next_pow2(W)
     tile, _ = _TILES["cuda" if k.is_cuda else "cpu"]
     # Stats span the whole group, so a program takes every token and splits the channels.
     block_d = max(1, min(_next_pow2(D), tile // (slots * w_pad)))
     grid = (NG * _cdiv(D, block_d), H, B)
-    vptr, vsb, vst = _valid_args(valid, k)
     _quantize_keys_kernel[grid](
         k, vptr, codes, scale, zero, H, NG, *k.stride(), vsb, vst,
         D=D, G=G, BITS=bits, SLOTS=slots, W=W, W_PAD=w_pad, WORDS=packed_length(G, bits),
@@ -273,13 +283,17 @@ def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: in
     codes, scale, zero = _packed_outputs(v, bits, G, NG, (T, NGV))
     if codes.numel() == 0:
         return codes, scale, zero
+    vptr, vsb, vst = _valid_args(valid, v)
+    if GLUON and _gluon.eligible(v, bits, G, value_group):
+        _gluon.quantize_values(v, bits, value_group, G, NG, codes, scale, zero, (vptr, vsb, vst),
+                               valid is not None)
+        return codes, scale, zero
     gv_pad = _next_pow2(value_group)
     tile, channels = _TILES["cuda" if v.is_cuda else "cpu"]
     # Stats are per token, so a program takes whole channel groups and splits the columns.
     block_ng = max(1, min(_next_pow2(NGV), channels // gv_pad))
     block_w = max(1, min(_next_pow2(W), tile // (slots * block_ng * gv_pad)))
     grid = (NG * _cdiv(W, block_w) * _cdiv(NGV, block_ng), H, B)
-    vptr, vsb, vst = _valid_args(valid, v)
     _quantize_values_kernel[grid](
         v, vptr, codes, scale, zero, H, NG, *v.stride(), vsb, vst,
         D=D, G=G, GV=value_group, GV_PAD=gv_pad, NGV=NGV, BITS=bits, SLOTS=slots, W=W,
