@@ -16,15 +16,22 @@ RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = ["e2e_llama3_8b", "e2e_llama2_7b", "e2e_budget_llama2_7b", "e2e_budget32k_llama2_7b",
          "e2e_smollm2"]
 CAVEATS = [
-    "Batch-1 rows are host-bound: HF eager `generate` spends ~30 ms per step on the host for a "
-    "30-32-layer model (~60 ms with the FP16 path, next item), and step times vary by +-30% "
-    "between runs on the shared GPU host.",
-    "The FP16 rows use transformers' SDPA attention with torch's default backend, which is cuDNN "
-    "on the H200 (torch 2.11): its forward costs ~1 ms of host time per call, i.e. ~30 ms per "
-    "step at batch 1, against ~6 us of GPU time (`e2e_host_profile.log`). That host cost, not "
-    "attention bandwidth, is most of kvbits' batch-1 lead over FP16 (~2x). `hf-int2` runs "
-    "the same transformers SDPA path at ~31-39 ms per step at 1-4k, kvbits at 27-33 ms: at "
-    "batch 1 both are host-bound, and kvbits' attention is not what sets its step time. Every part runs one short untimed generate per variant first (one-time costs).",
+    "Batch-1 and small-model rows are host-bound: HF eager `generate` spends 20-60 ms per step on "
+    "the host for a 30-32-layer model against ~3-4 ms of GPU time (`e2e_host_profile.log`), and "
+    "step times vary by +-30% between runs on the shared GPU host.",
+    "Two FP16 rows: `fp16` is transformers' SDPA attention with torch's default backend, which is "
+    "cuDNN on the H200 (torch 2.11): its forward costs ~1 ms of host time per call, ~30 ms per "
+    "step; `fp16-flash` is the same `DynamicCache` path with SDPA restricted to the flash/"
+    "efficient/math backends, which removes that host cost. \"vs FP16\" in the tables is against "
+    "`fp16`; compare with the `fp16-flash` row for the apples-to-apples number.",
+    "Against `fp16-flash` at batch 1 (this run): kivi-2 is 0.64x at 4k and 1.50x at 32k on "
+    "Llama-2-7B, 0.76x / 0.72x on Llama-3-8B; on SmolLM2 it is 0.7-1.9x. kvbits' cache update "
+    "and attention cost ~250-300 us of Python/launch time per layer per step (two Triton launches, "
+    "the residual append, the flush bookkeeping) against ~70 us for `DynamicCache` + flash SDPA; "
+    "its GPU time is lower (decode_attention.md), but at batch 1 the host sets the step time. The "
+    "route is CUDA graphs, which needs device-side lengths in the kernels (not done).",
+    "At batch x context >= 256k tokens attention dominates and kvbits leads: the 32k memory-budget "
+    "run (`e2e_budget32k_llama2_7b`) serves 6.7x the sequences at 15x FP16's tokens/s.",
     "FP16 `DynamicCache` concatenates the whole history every step (transformers' behaviour), "
     "which is part of why FP16 slows down at large batch x context.",
     "`hf-int2`: transformers' `QuantizedLayer.update` over an emulated quanto storage (optimum-"
