@@ -790,12 +790,19 @@ def _rope_table(inv_freq: torch.Tensor, n: int) -> torch.Tensor:
     return tables[n]
 
 
+# Triton reads TRITON_INTERPRET when a kernel is defined, so it cannot change afterwards either.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def _use_prmt(device: torch.device) -> bool:
     """Inline PTX runs on CUDA devices only: not on CPU tensors, not in Triton's interpreter."""
-    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    return device.type == "cuda" and not _INTERPRETED
 
 
 def _as_i32(x, batch: int, device) -> torch.Tensor:
+    if (isinstance(x, torch.Tensor) and x.dtype == torch.int32 and x.device == device
+            and x.shape == (batch,) and x.is_contiguous()):
+        return x  # the store's own starts: no conversion ops on every decode step
     return torch.as_tensor(x, device=device).to(torch.int32).expand(batch).contiguous()
 
 

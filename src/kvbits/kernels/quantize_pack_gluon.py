@@ -103,7 +103,7 @@ def _keys_plan(bits: int, G: int, D: int):
     if sw is None:
         return None
     slots, W = sw
-    vec = min(4, max(1, 32 // slots))
+    vec = min(4, max(2, 32 // slots))  # 3 bits: 32 slots x 2 channels (4-byte loads)
     wt = min(W, max(1, 32 // (slots * vec)))
     block_d = min(_next_pow2(D), max(vec, TILE // G))
     lanes_d = min(block_d // vec, max(1, 16 // vec))
@@ -200,12 +200,26 @@ if gluon is not None:
         return r.to(gl.int32, bitcast=True) - _MAGIC_BITS
 
     @gluon.jit
+    def _bit_or(a, b):
+        return a | b
+
+    @gluon.jit
     def _store_words(ptrs, code, slot, mask, plane_stride, BITS: gl.constexpr,
                      MASKED: gl.constexpr):
         """Pack int32 codes ``[SLOTS, ...]`` (slot axis in-thread) over axis 0 and store."""
         if BITS == 3:
+            # Bit j of slot s goes to bit s of plane j. Shifting each code once by s puts its bit
+            # j at s + j, so the slots with s + j < 32 take one AND-OR (lop3) per plane into an
+            # accumulator shifted right by j at the end; the top j slots, whose bit would leave
+            # the word, are placed directly.
+            u = code.to(gl.uint32)
+            sl = slot.to(gl.uint32)
+            y = u << sl
             for j in gl.static_range(3):
-                plane = gl.sum(((code >> j) & 1) << slot, axis=0)
+                low = gl.reduce(gl.where(sl + j < 32, y & (gl.full_like(y, 1) << (sl + j)), 0),
+                                0, _bit_or) >> j
+                high = gl.reduce(gl.where(sl + j >= 32, ((u >> j) & 1) << sl, 0), 0, _bit_or)
+                plane = (low | high).to(gl.int32, bitcast=True)
                 if MASKED:
                     gl.store(ptrs + j * plane_stride, plane, mask=mask)
                 else:
