@@ -397,6 +397,25 @@ def test_output_dtype_shape_and_q_untouched():
     compare(o, reference(q, kv, scale=0.125), torch.float32, "strided q")
 
 
+def test_starts_and_lengths_any_form():
+    """``starts``/``lengths`` as ints, int64 tensors or the store's own int32 ``[B]`` tensor (taken
+    as is: no conversion ops per decode step) give the same answer."""
+    from kvbits.kernels.decode_attention import _as_i32
+
+    own = torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)
+    assert _as_i32(own, 2, own.device) is own
+    assert torch.equal(_as_i32(3, 2, own.device), torch.tensor([3, 3], dtype=torch.int32,
+                                                               device=DEVICE))
+    c = Case(B=2, body=64, res=16, lengths=None, starts=None)
+    kv = make_kv(c)
+    q = torch.randn(2, 2, 1, 64).half().to(DEVICE)
+    a = kernel(q, kv, scale=0.125, starts=own, lengths=70)
+    b = kernel(q, kv, scale=0.125, starts=own.long(), lengths=torch.tensor([70, 70]).to(DEVICE))
+    assert torch.equal(a, b)
+    compare(a, reference(q, kv, scale=0.125, starts=own.long(), lengths=70), torch.float16,
+            "starts/lengths")
+
+
 # ----------------------------------------------------------------------------- GPU only
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (realistic sizes)")
 
@@ -731,9 +750,11 @@ def test_gluon_dispatch_rules():
     assert not decode_gluon.eligible(kv, 1, 4, 128)  # sliding window
     assert not decode_gluon.serves(kv, 1, 4, None, 8)  # too few (sequence, head) pairs
     assert not decode_gluon.serves(kv, 1, 4, None, 64)  # 64 x 64 tokens: too small a step
-    for kb, vb, G, D in [(4, 2, 32, 128), (3, 3, 32, 128), (8, 8, 32, 128), (2, 2, 32, 96)]:
-        other = make_kv(Case(kb=kb, vb=vb, G=G, D=D, B=1, Hkv=1, body=64, res=0), device="cpu")
+    for kb, vb, G, D in [(4, 2, 128, 128), (3, 3, 32, 128), (8, 8, 32, 128), (2, 2, 32, 96)]:
+        other = make_kv(Case(kb=kb, vb=vb, G=G, D=D, B=1, Hkv=1, body=128, res=0), device="cpu")
         assert not decode_gluon.eligible(other, 1, 4, None), (kb, vb, G, D)
+    mixed = make_kv(Case(kb=4, vb=2, G=32, D=128, B=1, Hkv=1, body=64, res=0), device="cpu")
+    assert decode_gluon.eligible(mixed, 1, 4, None) == decode_gluon.MIXED_BITS  # on by default
 
 
 def _store_layer(preset: str, device, tokens: int = 700, D: int = 128):
