@@ -45,7 +45,11 @@ def test_parse_variant():
     assert "emulated" in hf.describe()
     kv = parse_variant("kivi-2:R=64")
     assert kv.kind == "kvbits" and kv.spec.residual_length == 64
-    for bad in ("hf-int3", "hf-int2:X=1", "nope"):
+    g = parse_variant("kivi-2+graphs")
+    assert g.graphs and g.kind == "kvbits" and "CUDA graph" in g.describe()
+    f = parse_variant("fp16+graphs")
+    assert f.graphs and f.kind == "fp16" and "StaticCache" in f.describe() and f.sdpa_backends
+    for bad in ("hf-int3", "hf-int2:X=1", "nope", "hf-int2+graphs"):
         with pytest.raises(ValueError):
             parse_variant(bad)
 
@@ -68,7 +72,8 @@ def test_emulated_quanto_layer_round_trip(nbits):
     assert k.shape[2] == 55 and layer.keys.numel() == 0 or layer.keys.shape[2] < 4
 
 
-@pytest.mark.parametrize("variant", ["fp16", "fp16-flash", "hf-int2", "kivi-2", "kivi-4:R=32"])
+@pytest.mark.parametrize("variant", ["fp16", "fp16-flash", "hf-int2", "kivi-2", "kivi-4:R=32",
+                                     "fp16+graphs", "kivi-2+graphs"])
 def test_time_decode_on_cpu(tiny, variant, monkeypatch):
     from kvbits.eval import speed
     v = parse_variant(variant)
@@ -76,7 +81,7 @@ def test_time_decode_on_cpu(tiny, variant, monkeypatch):
     real = speed.sdpa_kernel
     monkeypatch.setattr(speed, "sdpa_kernel", lambda b: used.append(b) or real(b))
     r = time_decode(tiny, v, batch=2, context=224, steps=3, warmup=1)
-    assert bool(used) == (variant == "fp16-flash")  # only that variant restricts SDPA
+    assert bool(used) == (variant in ("fp16-flash", "fp16+graphs"))  # those restrict SDPA
     assert r["steps"] == 3 and r["tok_s"] > 0 and r["tpot_ms"] > 0
     # generate fed one token per step on top of the filled cache (no second prefill)
     assert r["cache_tokens_after"] == 224 + 1 + 1 + 3  # prompt C+1, then warmup + steps fed

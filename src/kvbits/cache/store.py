@@ -243,6 +243,50 @@ class LayerStore:
         if flush:
             self.flush()
 
+    # ------------------------------------------------------------------ captured decode steps
+    def static_room(self) -> int:
+        """Decode steps (one token each) that can still append without a flush: a step whose
+        token brings the residual to ``R + G`` flushes, and flushing is host work that a
+        captured step cannot do. Unquantized layers never flush."""
+        if not self.spec.quantized:
+            return 1 << 30
+        return max(0, self.spec.residual_length + self.spec.group_size - 1 - self.res_len)
+
+    def reserve_residual(self, n: int) -> None:
+        """Grow the FP16 residual buffers now to hold ``n`` more tokens (a captured step must not
+        reallocate: the graph keeps the buffers' addresses)."""
+        for name in ("res_k", "res_v"):
+            buf = getattr(self, name)
+            if self.res_len + n > buf.shape[2]:
+                buf = _write(buf, self.res_len, buf.new_empty(*buf.shape[:2], n, buf.shape[3]))
+                setattr(self, name, buf)
+            # finite until written: attention hides these tokens, and 0 * garbage may be NaN
+            buf.narrow(2, self.res_len, n).zero_()
+
+    def append_at(self, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
+        """Write ``k, v [B, H, 1, D]`` into the residual at the device position ``index`` (int64
+        ``[1]``): the append of a decode step that may be captured in a CUDA graph. Nothing on
+        the host changes; :meth:`advance` records the token once the step has run. Needs a full
+        sink and room reserved with :meth:`reserve_residual`."""
+        self._check_input(k, v)
+        k, v = k.to(self.dtype), v.to(self.dtype)
+        if self.hadamard is not None:
+            k = ref_hadamard.rotate(k, self.hadamard)
+        self.res_k.index_copy_(2, index, k)
+        self.res_v.index_copy_(2, index, v)
+
+    def advance(self, n: int = 1) -> None:
+        """Count ``n`` tokens written by :meth:`append_at` (host bookkeeping after a step ran)."""
+        self.res_len += n
+
+    def view_until(self, res_tokens: int) -> PackedKV:
+        """:meth:`view` with the residual taken as ``res_tokens`` long: a captured step attends
+        with per-sequence ``lengths`` on the device, which hide the residual tokens not yet
+        written, so one graph serves every step until the next flush."""
+        kv = self.view()
+        kv.res_len = res_tokens
+        return kv
+
     def flush(self, upto: int | None = None) -> None:
         """Quantize the oldest whole groups of the residual while it holds >= R + G tokens.
 

@@ -24,8 +24,10 @@ import torch
 __all__ = ["append_kv", "compact_residual", "copy_dense_cache", "fill_random", "presize_store"]
 
 
-def append_kv(cache, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Append ``k, v [B, H_kv, T, D]`` to layer ``layer_idx`` as a prefill (chunk) would."""
+def append_kv(cache, layer_idx: int, k: torch.Tensor, v: torch.Tensor, first: int = 0) -> None:
+    """Append ``k, v [B, H_kv, T, D]`` to layer ``layer_idx`` as a prefill (chunk) would;
+    ``first``: the position of the chunk's first token (transformers caches that index by
+    ``cache_position``, e.g. ``StaticCache`` on older versions)."""
     layers = getattr(cache, "layers", None)
     layer = layers[layer_idx] if layers is not None else None
     if layer is not None and hasattr(layer, "store") and hasattr(layer, "_attended"):
@@ -37,7 +39,8 @@ def append_kv(cache, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         layer.store.flush()
         layer._attended = True
         return
-    cache.update(k, v, layer_idx)
+    positions = torch.arange(first, first + k.shape[2], device=k.device)
+    cache.update(k, v, layer_idx, {"cache_position": positions})
 
 
 def copy_dense_cache(dense, cache) -> None:
@@ -67,7 +70,7 @@ def fill_random(cache, num_layers: int, batch: int, kv_heads: int, head_dim: int
             k = torch.randn(shape, generator=gen, device=device, dtype=dtype)
             k[..., :4] *= 8
             v = torch.randn(shape, generator=gen, device=device, dtype=dtype)
-            append_kv(cache, i, k, v)
+            append_kv(cache, i, k, v, first=t0)
             del k, v
         if progress is not None:
             progress(i)

@@ -187,6 +187,7 @@ class Variant:
     label: str
     kind: str  # "fp16", "hf", "kvbits"
     spec: object = None  # QuantSpec for kvbits; dict(nbits, q_group_size, residual_length) for hf
+    graphs: bool = False  # decode steps captured in CUDA graphs (integrations.decode_loop)
 
     @property
     def sdpa_backends(self):
@@ -197,6 +198,10 @@ class Variant:
             "flash" else None
 
     def describe(self) -> str:
+        if self.graphs:
+            base = ("StaticCache FP16, SDPA (flash / mem-efficient backends)" if self.kind == "fp16"
+                    else f"KVBitsCache {self.spec.describe()}")
+            return base + "; greedy loop with each decode step replayed from a CUDA graph"
         if self.kind == "fp16":
             return ("DynamicCache FP16, SDPA (flash / mem-efficient backends)"
                     if self.sdpa_backends else "DynamicCache FP16, SDPA (torch's default backend)")
@@ -215,8 +220,17 @@ def flash_backends() -> list:
 
 def parse_variant(text: str) -> Variant:
     """``fp16`` | ``fp16-flash`` (SDPA without the cuDNN backend) | ``hf-int2[:G=64,R=128]`` |
-    a kvbits preset with overrides (``kivi-2:R=64``)."""
+    a kvbits preset with overrides (``kivi-2:R=64``); ``+graphs`` after ``fp16`` or a kvbits
+    preset (``fp16+graphs``, ``kivi-2+graphs``): decode with each step replayed from a CUDA
+    graph (:mod:`kvbits.integrations.decode_loop`; FP16 then uses transformers' ``StaticCache``
+    and SDPA without cuDNN) instead of eager ``generate``."""
     text = text.strip()
+    if text.endswith("+graphs"):
+        base = parse_variant(text[: -len("+graphs")])
+        if base.kind not in ("fp16", "kvbits"):
+            raise ValueError(f"bad variant {text!r}: +graphs applies to fp16 or a kvbits preset")
+        spec = {"sdpa": "flash"} if base.kind == "fp16" else base.spec
+        return Variant(text, base.kind, spec, graphs=True)
     if text == "fp16":
         return Variant("fp16", "fp16")
     if text == "fp16-flash":
@@ -246,8 +260,9 @@ def parse_variant(text: str) -> Variant:
     return Variant(text, "kvbits", v.spec)
 
 
-def make_cache(model, variant: Variant):
-    """A fresh cache of ``variant`` for ``model``; sets the model's attention implementation."""
+def make_cache(model, variant: Variant, max_len: int | None = None):
+    """A fresh cache of ``variant`` for ``model``; sets the model's attention implementation.
+    ``max_len``: the capacity of the ``StaticCache`` that ``fp16+graphs`` uses."""
     from transformers import DynamicCache
 
     if variant.kind == "kvbits":
@@ -256,6 +271,12 @@ def make_cache(model, variant: Variant):
         return KVBitsCache(model, variant.spec)  # switches the model to "kvbits"
     if model.config._attn_implementation != "sdpa":
         model.set_attn_implementation("sdpa")
+    if variant.kind == "fp16" and variant.graphs:
+        from transformers import StaticCache
+
+        if max_len is None:
+            raise ValueError("make_cache: fp16+graphs needs max_len (the StaticCache capacity)")
+        return StaticCache(config=model.config, max_cache_len=max_len)
     if variant.kind == "fp16":
         return DynamicCache(config=model.config)
     return emulated_quantized_cache(model.config, **variant.spec)
@@ -316,10 +337,10 @@ def time_decode(model, variant: Variant, batch: int, context: int, steps: int = 
     if cuda:
         torch.cuda.empty_cache()
         base_alloc = torch.cuda.memory_allocated()
-    cache = make_cache(model, variant)
+    n_new = warmup + steps + 1
+    cache = make_cache(model, variant, max_len=context + n_new + 1)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     ids = torch.randint(1, cfg.vocab_size, (batch, context + 1), generator=gen).to(device)
-    n_new = warmup + steps + 1
     presize = presize and variant.kind == "kvbits"
     fill_chunk = 8192
     if presize:
@@ -353,9 +374,16 @@ def time_decode(model, variant: Variant, batch: int, context: int, steps: int = 
     t0 = time.perf_counter()
     backends = variant.sdpa_backends
     with sdpa_kernel(backends) if backends else contextlib.nullcontext():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
-                       min_new_tokens=n_new, do_sample=False, stopping_criteria=[timer],
-                       temperature=None, top_p=None, top_k=None, **cache_kwargs(model, cache))
+        if variant.graphs:  # the prompt's last token is the first decode input, as in generate
+            from ..integrations.decode_loop import GreedyDecoder
+
+            GreedyDecoder(model, cache, step_done=lambda _: timer(ids, None)).decode(
+                ids[:, context:], context, n_new + 1)
+        else:
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
+                           min_new_tokens=n_new, do_sample=False, stopping_criteria=[timer],
+                           temperature=None, top_p=None, top_k=None,
+                           **cache_kwargs(model, cache))
     _sync(device)
     total_s = time.perf_counter() - t0
     step_s = [b - a for a, b in zip(timer.times, timer.times[1:])][warmup:]
