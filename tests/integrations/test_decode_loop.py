@@ -47,7 +47,10 @@ def prompt(n=37, batch=2):
 
 
 PRESETS = [("kivi-2", dict(residual_length=4, group_size=32)),
-           ("kivi-4", dict(residual_length=0, group_size=32)), ("fp16", {})]
+           ("kivi-4", dict(residual_length=0, group_size=32)), ("fp16", {}),
+           ("kivi-2-had", dict(residual_length=8, group_size=32, sink_tokens=2)),
+           ("uniform-int4", dict(residual_length=16)), ("fp8-dynamic", dict(residual_length=4)),
+           ("kvquant-3", dict(residual_length=4, group_size=32, calibration="uniform"))]
 
 
 def decode(model, ids, preset, kw, static=True):
@@ -70,7 +73,7 @@ def test_static_runs_match_generate(model, preset, kw):
     assert torch.equal(got, want), (got, want)
     assert runs and sum(runs) > NEW // 2  # most steps ran as static runs
     if preset != "fp16":  # runs stop before each flush
-        G, R = kw["group_size"], kw["residual_length"]
+        G, R = cache.spec.group_size, cache.spec.residual_length
         assert max(runs) <= G - 1 and len(runs) >= NEW // G
         assert cache.layers[0].store.body_len >= (ids.shape[1] + NEW - R - G) // G * G
 

@@ -44,7 +44,10 @@ Known limits
   masking, so such layers cost the full history in memory instead of ``window`` tokens.
 * Attention-logit softcapping (Gemma2) is not supported (``NotImplementedError``).
 * Layer types other than full and sliding attention (chunked, linear/SSM, KV sharing) are rejected.
-* Not ``torch.compile``-able (``is_compileable`` is False); crop can only cut quantized history at
+* Not ``torch.compile``-able (``is_compileable`` is False). CUDA graphs instead: between flushes
+  :meth:`KVBitsCache.begin_static` makes decode steps replayable (device-side residual slot and
+  lengths); :mod:`kvbits.integrations.decode_loop` captures and replays them.
+* Crop can only cut quantized history at
   a group boundary (``is_croppable`` is False, so assisted generation will not rely on it).
 """
 
