@@ -95,10 +95,10 @@ def _shape_ok(bits: int, G: int) -> tuple[int, int] | None:
 def _keys_plan(bits: int, G: int, D: int):
     """Launch plan for the key kernel: ``dict(block_d, num_warps, layout)`` or None (the Triton
     kernel then serves). A program holds one group of G tokens x ``block_d`` channels, each
-    thread all slots x ``wt`` word columns x ``vec`` channels (32 elements). Lanes go first to
-    channels until a warp reads 32 bytes of each token row (whole sectors), then to the word
-    columns (a shuffle per lane bit, per channel: cheap next to the slots' in-thread work), then
-    to channels; warps to channels, then columns."""
+    thread all slots x ``wt`` word columns x ``vec`` channels (32 elements; 64 at 3 bits). Lanes
+    go first to channels until a warp reads 32 bytes of each token row (whole sectors), then to
+    the word columns (a shuffle per lane bit, per channel: cheap next to the slots' in-thread
+    work), then to channels; warps to channels, then columns."""
     sw = _shape_ok(bits, G)
     if sw is None:
         return None
