@@ -89,6 +89,7 @@ def test_time_decode_on_cpu(tiny, variant, monkeypatch):
         # float32 model: the FP residual counts 4 bytes per element, the body 2-4 bits
         assert r["cache_bytes"] < r["fp16_cache_bytes"] * 1.5
     assert "peak_bytes" not in r  # CPU: no CUDA memory numbers
+    assert ("graph_captures" in r) == v.graphs and r.get("graph_captures", 0) == 0  # CPU: eager
 
 
 def test_time_decode_with_a_real_prefill(tiny):

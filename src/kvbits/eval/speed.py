@@ -377,8 +377,8 @@ def time_decode(model, variant: Variant, batch: int, context: int, steps: int = 
         if variant.graphs:  # the prompt's last token is the first decode input, as in generate
             from ..integrations.decode_loop import GreedyDecoder
 
-            GreedyDecoder(model, cache, step_done=lambda _: timer(ids, None)).decode(
-                ids[:, context:], context, n_new + 1)
+            decoder = GreedyDecoder(model, cache, step_done=lambda _: timer(ids, None))
+            decoder.decode(ids[:, context:], context, n_new + 1)
         else:
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
                            min_new_tokens=n_new, do_sample=False, stopping_criteria=[timer],
@@ -399,6 +399,8 @@ def time_decode(model, variant: Variant, batch: int, context: int, steps: int = 
            "fill_s": fill_s, "generate_s": total_s,
            # prompt C+1 (the last token fed by the first step) + n_new - 1 generated ones
            "cache_tokens_after": int(cache.get_seq_length())}
+    if variant.graphs:  # runs captured (kvbits: one per G steps, each after an eager flush)
+        row["graph_captures"] = decoder.captures
     if cuda:
         row["cache_alloc_bytes"] = cache_alloc
         row["peak_bytes"] = torch.cuda.max_memory_allocated()
