@@ -45,6 +45,7 @@ class GreedyDecoder:
         self.captures = 0
         self._kw = _cache_kwargs(model, cache)
         self._pool = None
+        self._warm = False  # a run has been stepped eagerly (its kernels are compiled)
 
     # ------------------------------------------------------------------ cache kinds
     def _room(self, left: int) -> int:
@@ -120,19 +121,29 @@ class GreedyDecoder:
                 continue
             self._begin(run)
             try:
-                self._step()  # eagerly first: compiles whatever this run launches
-                self._advance()
-                done += 1
-                self._tick(done)
-                graph = None
-                if capture and run > 1:
+                graph, left = None, run
+                if capture and self._warm and run > 1:
+                    # the kernels of a run were compiled by an earlier one: capture right away
+                    # (a capture that fails, e.g. on a first-time compile, only costs the try)
                     try:
                         graph = self._capture()
-                    except RuntimeError as e:  # e.g. a host sync in the model's forward
-                        warnings.warn(f"CUDA graph capture failed ({e}); decoding eagerly",
-                                      stacklevel=2)
-                        capture = False
-                for _ in range(run - 1):
+                    except RuntimeError:
+                        graph = None
+                if graph is None:
+                    self._step()  # eagerly first: compiles whatever this run launches
+                    self._advance()
+                    done += 1
+                    left -= 1
+                    self._tick(done)
+                    self._warm = True
+                    if capture and left > 0:
+                        try:
+                            graph = self._capture()
+                        except RuntimeError as e:  # e.g. a host sync in the model's forward
+                            warnings.warn(f"CUDA graph capture failed ({e}); decoding eagerly",
+                                          stacklevel=2)
+                            capture = False
+                for _ in range(left):
                     if graph is not None:
                         graph.replay()
                     else:
