@@ -14,7 +14,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = ["e2e_llama3_8b", "e2e_llama2_7b", "e2e_budget_llama2_7b", "e2e_budget32k_llama2_7b",
-         "e2e_smollm2", "e2e_graphs_llama3_8b"]
+         "e2e_smollm2", "e2e_graphs_llama3_8b", "e2e_graphs_llama2_7b"]
 CAVEATS = [
     "Batch-1 and small-model rows are host-bound: HF eager `generate` spends 20-60 ms per step on "
     "the host for a 30-32-layer model against ~3-4 ms of GPU time (`e2e_host_profile.log`), and "
