@@ -43,7 +43,7 @@ def summarize(c, label):
     print("   ", ", ".join(f"{k}:{v}" for k, v in ops.most_common(28)))
     return sass
 
-SIG = {"KCB": "*fp32", "VCB": "*fp32", "KOI": "*u8", "KOV": "*fp16", "VOI": "*u8", "VOV": "*fp16", "InvFreq": "*fp32", "RopeTable": "*fp16", "kout_cap": "i32", "vout_cap": "i32"} | {n: "*fp16" for n in ["Q"]} | {"Out": "*fp32", "Lse": "*fp32"} | {n: "*fp16" for n in ["SinkK","SinkV","ResK","ResV"]} \
+SIG = {"LenTab": "*i32", "KCB": "*fp32", "VCB": "*fp32", "KOI": "*u8", "KOV": "*fp16", "VOI": "*u8", "VOV": "*fp16", "InvFreq": "*fp32", "RopeTable": "*fp16", "kout_cap": "i32", "vout_cap": "i32"} | {n: "*fp16" for n in ["Q"]} | {"Out": "*fp32", "Lse": "*fp32"} | {n: "*fp16" for n in ["SinkK","SinkV","ResK","ResV"]} \
     | {"KC": "*i32", "KS": "*fp16", "KZ": "*fp16", "VC": "*i32", "VS": "*fp16", "VZ": "*fp16", "Starts": "*i32", "Lens": "*i32",
        "qk_scale": "fp32", "window": "i32"} | {n: "i32" for n in ["sink_len","body_len","res_len","sink_cap","res_cap","kc_cap","ks_slice","vc_cap","vs_slice",
        "Hkv","Lq","m_tiles","n_body_splits","groups_per_split","fp_per_split","split0","n_out"]}
@@ -77,7 +77,8 @@ if __name__ == "__main__":
                   "G": 32, "GPT": 4, "GK": 32, "GV": 32, "K_PER_TOKEN": False,
                   "V_PER_TOKEN": True, "BLOCK_FP": 64, "HAS_WINDOW": False, "EVEN_D": True,
                   "USE_PRMT": True, "FP8": False, "HAS_STARTS": True, "HAS_LENS": True,
-                  "K_CB": cb, "V_CB": cb, "K_OUT": nout, "V_OUT": nout, "PRE_ROPE": rope}
+                  "K_CB": cb, "V_CB": cb, "K_OUT": nout, "V_OUT": nout, "PRE_ROPE": rope,
+                  "LENS_DEV": False}
             sass = summarize(compile_kernel(da._decode_kernel, sig, cx), name)
             print(f"    loop={loop_size(sass)}")
         raise SystemExit
@@ -86,7 +87,7 @@ if __name__ == "__main__":
                   GK=32, GV=32, K_PER_TOKEN=False, V_PER_TOKEN=True,
                   BLOCK_FP=64 if D <= 128 else 32, HAS_WINDOW=False, EVEN_D=True, USE_PRMT=True,
                   FP8=False, HAS_STARTS=True, HAS_LENS=True, K_CB=False, V_CB=False, K_OUT=0,
-                  V_OUT=0, PRE_ROPE=False)
+                  V_OUT=0, PRE_ROPE=False, LENS_DEV=False)
         c = compile_kernel(da._decode_kernel, sig, cx, num_warps=warps,
                            num_stages=2 if D <= 128 else 1)
         summarize(c, f"bits={bits} tile={tile} warps={warps} D={D}")

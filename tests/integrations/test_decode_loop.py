@@ -53,23 +53,27 @@ PRESETS = [("kivi-2", dict(residual_length=4, group_size=32)),
            ("kvquant-3", dict(residual_length=4, group_size=32, calibration="uniform"))]
 
 
-def decode(model, ids, preset, kw, static=True):
-    """Tokens of the loop, and the lengths of its static runs (``static=False``: every step
-    through the cache's ordinary path)."""
+def decode(model, ids, preset, kw, mode="static", new=NEW):
+    """Tokens of the loop and the calls it made: ``mode`` "static" (runs between flushes),
+    "device" (lengths on the device where the layers allow it) or "eager" (every step through
+    the cache's ordinary path)."""
     cache = KVBitsCache(model, preset, **kw)
-    runs = []
-    begin = cache.begin_static
-    cache.begin_static = lambda n: (runs.append(n), begin(n))[1]
-    if not static:
+    calls = {"static": [], "device": []}
+    begin, begin_dev = cache.begin_static, cache.begin_device_lengths
+    cache.begin_static = lambda n: (calls["static"].append(n), begin(n))[1]
+    cache.begin_device_lengths = lambda n: (calls["device"].append(n), begin_dev(n))[1]
+    if mode == "eager":
         cache.static_room = lambda: 0
-    return GreedyDecoder(model, cache, graphs=False).generate(ids, NEW), runs, cache
+    dec = GreedyDecoder(model, cache, graphs=False, device_lengths=mode == "device")
+    return dec.generate(ids, new), calls, cache
 
 
 @pytest.mark.parametrize("preset,kw", PRESETS)
 def test_static_runs_match_generate(model, preset, kw):
     ids = prompt(batch=1)
     want = reference_tokens(model, ids, KVBitsCache(model, preset, **kw))
-    got, runs, cache = decode(model, ids, preset, kw)
+    got, calls, cache = decode(model, ids, preset, kw)
+    runs = calls["static"]
     assert torch.equal(got, want), (got, want)
     assert runs and sum(runs) > NEW // 2  # most steps ran as static runs
     if preset != "fp16":  # runs stop before each flush
@@ -83,10 +87,48 @@ def test_static_runs_match_eager_steps_batched(model, preset, kw):
     # Batch 2 through the same loop, static runs against ordinary cache updates: equal tokens.
     # (transformers' batched generate itself differs in float order from an unmasked forward.)
     ids = prompt(batch=2)
-    got, runs, _ = decode(model, ids, preset, kw)
-    want, none, _ = decode(model, ids, preset, kw, static=False)
-    assert runs and not none
+    got, calls, _ = decode(model, ids, preset, kw)
+    want, none, _ = decode(model, ids, preset, kw, mode="eager")
+    assert calls["static"] and not none["static"]
     assert torch.equal(got, want)
+
+
+DEVICE_OK = {"kivi-2", "kivi-4", "fp16", "kivi-2-had", "uniform-int4"}  # KIVI-family layers
+
+
+@pytest.mark.parametrize("preset,kw", PRESETS)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_device_lengths_match_eager_steps(model, preset, kw, batch):
+    """Lengths on the device (a fixed-size flush at a device offset, two graphs' worth of
+    launches) give the tokens of ordinary steps; layers that cannot (KVQuant, FP8) fall back
+    to static runs."""
+    ids = prompt(batch=batch)
+    want, _, _ = decode(model, ids, preset, kw, mode="eager")
+    got, calls, cache = decode(model, ids, preset, kw, mode="device")
+    assert torch.equal(got, want)
+    assert bool(calls["device"]) == (preset in DEVICE_OK)
+    assert bool(calls["static"]) == (preset not in DEVICE_OK)
+    store = cache.layers[0].store
+    assert store.lens_dev is None and store.seq_len == ids.shape[1] + NEW - 1
+    if preset in DEVICE_OK and preset != "fp16":
+        G = cache.spec.group_size
+        assert store.body_len >= (ids.shape[1] + NEW - cache.spec.residual_length - G) // G * G
+
+
+@pytest.mark.parametrize("preset,kw", [("kivi-2", dict(residual_length=4, group_size=32)),
+                                       ("uniform-int4", dict(residual_length=0))])
+def test_device_lengths_on_the_kernels(model, preset, kw, monkeypatch):
+    """The same through the Triton kernels (interpreted on the CPU): the decode kernel reads the
+    true lengths from ``lens_dev`` with the launch sized by the buffers' capacities, and the
+    quantize kernels write the flushed group at the device offset."""
+    monkeypatch.setenv("KVBITS_KERNELS", "triton")
+    ids = prompt(batch=1)  # 37 tokens: the first decode flush comes at step ~31
+    want, _, _ = decode(model, ids, preset, kw, mode="eager", new=40)
+    got, calls, cache = decode(model, ids, preset, kw, mode="device", new=40)
+    assert calls["device"] and torch.equal(got, want)
+    G, R = cache.spec.group_size, cache.spec.residual_length
+    assert cache.layers[0].store.body_len == (ids.shape[1] + 39 - R) // G * G  # a decode flush
+    assert cache.layers[0].store.body_len > (ids.shape[1] - R) // G * G
 
 
 def test_fp16_caches_match_generate(model):
@@ -111,15 +153,18 @@ def test_begin_static_checks_room(model):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["kivi-2", "kivi-4"])
-def test_gpu_captured_runs_match_eager(model, preset):
+@pytest.mark.parametrize("device_lengths", [True, False], ids=["two-graphs", "per-run"])
+@pytest.mark.parametrize("preset", ["kivi-2", "kivi-4", "uniform-int4"])
+def test_gpu_captured_runs_match_eager(model, preset, device_lengths):
     m = LlamaForCausalLM(model.config).half().cuda().eval()
     m.load_state_dict(model.state_dict())
     ids = prompt(300, 1).cuda()
-    eager = GreedyDecoder(m, KVBitsCache(m, preset), graphs=False).generate(ids, 80)
-    dec = GreedyDecoder(m, KVBitsCache(m, preset), graphs=True)
-    got = dec.generate(ids, 80)
-    assert dec.captures >= 2  # one per run between flushes
+    eager = GreedyDecoder(m, KVBitsCache(m, preset), graphs=False,
+                          device_lengths=False).generate(ids, 200)
+    dec = GreedyDecoder(m, KVBitsCache(m, preset), graphs=True, device_lengths=device_lengths)
+    got = dec.generate(ids, 200)
+    # two graphs (plain, flushing) for the generation; or one per run between flushes
+    assert dec.captures == 2 if device_lengths else dec.captures >= 2
     assert torch.equal(got, eager)
 
 

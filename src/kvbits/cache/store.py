@@ -56,6 +56,7 @@ class LayerStore:
         self.value_group = spec.value_group(head_dim)
         self.starts = torch.zeros(batch, dtype=torch.int32, device=self.device)
         self._pad_end = 0  # host-side bound: no sequence has padding at positions >= this
+        self.lens_dev: torch.Tensor | None = None  # device lengths mode (begin_device_lengths)
         self._dense = None  # reference path only: see _dense_body
         self.sink_len = self.body_len = self.res_len = 0
         B, H, D = batch, kv_heads, head_dim
@@ -285,6 +286,121 @@ class LayerStore:
         written, so one graph serves every step until the next flush."""
         kv = self.view()
         kv.res_len = res_tokens
+        return kv
+
+    # ------------------------------------------------------------------ lengths on the device
+    # A replayable decode step that also flushes: the true lengths live in ``lens_dev`` (int32
+    # [sink, body, residual]), every write goes to a device index, the flush is of a fixed size
+    # (the residual's first G tokens, when it holds exactly R + G), and the buffers are sized for
+    # the whole generation up front. Then two CUDA graphs, a plain step and a flushing step,
+    # serve every step. The host keeps its lengths in step with :meth:`device_step_done`.
+    def device_lengths_ok(self) -> bool:
+        """Whether this layer can run with its lengths on the device: KIVI-family codes (no
+        KVQuant tables or outliers, no FP8, keys not pre-RoPE), a full sink, no padding left
+        to quantize, and a residual that flushes one group at a time."""
+        s = self.spec
+        if not s.quantized:
+            return self.sink_len >= s.sink_tokens
+        return (not self.kvquant and not self.fp8 and self.inv_freq is None
+                and self.sink_len >= s.sink_tokens and self._pad_end <= self.sink_len + self.body_len
+                and self.res_len < s.residual_length + s.group_size)
+
+    def reserve(self, tokens: int, residual: int = 0) -> None:
+        """Allocate the packed-body buffers for ``tokens`` tokens and the FP16 residual for
+        ``residual`` tokens now (buffers only grow; contents kept): a serving engine that knows
+        the final length allocates once, and a captured step must never reallocate."""
+        G = self.spec.group_size
+        groups = tokens // G + 1
+        rows = {"channel": groups, "token": groups * G}  # scale/zero rows per axis
+        caps = {"k_codes": groups * self.k_words, "v_codes": groups * self.v_words,
+                "res_k": residual, "res_v": residual}
+        if not self.fp8:
+            caps.update(k_scale=rows[self.key_axis], k_zero=rows[self.key_axis],
+                        v_scale=rows[self.value_axis], v_zero=rows[self.value_axis])
+        else:  # float8 codes per token; [B, H, 1, 1] scales stay
+            caps.update(k_codes=groups * G, v_codes=groups * G)
+        if self.n_out:
+            caps.update(dict.fromkeys(("k_out_idx", "k_out_val", "v_out_idx", "v_out_val"),
+                                      groups * G))
+        for name, cap in caps.items():
+            buf = getattr(self, name)
+            if buf is not None and buf.shape[2] < cap:
+                grown = buf.new_empty(*buf.shape[:2], _capacity(cap), *buf.shape[3:])
+                grown.narrow(2, 0, buf.shape[2]).copy_(buf)
+                setattr(self, name, grown)
+
+    def begin_device_lengths(self, tokens: int) -> torch.Tensor:
+        """Enter the mode for a generation of up to ``tokens`` tokens in all: sizes every buffer,
+        returns ``lens_dev``. Requires :meth:`device_lengths_ok`."""
+        if not self.device_lengths_ok():
+            raise ValueError("begin_device_lengths: this layer cannot keep its lengths on the "
+                             "device (see LayerStore.device_lengths_ok)")
+        s = self.spec
+        fp_max = tokens if not s.quantized else s.residual_length + s.group_size
+        self.reserve(tokens, max(fp_max, self.res_len))
+        self.res_k.narrow(2, self.res_len, self.res_k.shape[2] - self.res_len).zero_()
+        self.res_v.narrow(2, self.res_len, self.res_v.shape[2] - self.res_len).zero_()
+        self.lens_dev = torch.tensor([self.sink_len, self.body_len, self.res_len],
+                                     dtype=torch.int32, device=self.device)
+        return self.lens_dev
+
+    def append_dev(self, k: torch.Tensor, v: torch.Tensor, host: bool = True) -> None:
+        """One token per sequence into the residual at the device length, which then grows.
+        ``host``: count it on the host too (an eager step; not while a graph is captured, whose
+        replays the host counts with :meth:`device_step_done`)."""
+        index = self.lens_dev[2:3].long()
+        self.append_at(k, v, index)
+        self.lens_dev[2:3].add_(1)
+        if host:
+            self.res_len += 1
+
+    def flush_dev(self, host: bool = True) -> None:
+        """Quantize the residual's first G tokens into the body at the device body length (the
+        residual holds exactly R + G tokens: the host calls this on the step that brings it
+        there), shift the remaining R tokens down, and move the lengths. Fixed shapes only."""
+        s, G, R = self.spec, self.spec.group_size, self.spec.residual_length
+        k, v = self.res_k[:, :, :G], self.res_v[:, :, :G]
+        kc, ks, kz = self._quantize(k, s.key_bits, self.key_axis, None)
+        vc, vs, vz = self._quantize(v, s.value_bits, self.value_axis, None)
+        body = self.lens_dev[1:2].long()
+        group = body // G
+        word_rows = lambda words: group * words + torch.arange(words, device=self.device)
+        meta_rows = {"channel": group, "token": body + torch.arange(G, device=self.device)}
+        self.k_codes.index_copy_(2, word_rows(self.k_words), kc)
+        self.v_codes.index_copy_(2, word_rows(self.v_words), vc)
+        for buf, x, axis in ((self.k_scale, ks, self.key_axis), (self.k_zero, kz, self.key_axis),
+                             (self.v_scale, vs, self.value_axis),
+                             (self.v_zero, vz, self.value_axis)):
+            buf.index_copy_(2, meta_rows[axis], x)
+        if R:
+            for buf in (self.res_k, self.res_v):
+                buf.narrow(2, 0, R).copy_(buf.narrow(2, G, R).clone())
+        self.lens_dev[1:2].add_(G)
+        self.lens_dev[2:3].sub_(G)
+        if host:
+            self.body_len += G
+            self.res_len -= G
+
+    def device_step_done(self, flushed: bool) -> None:
+        """Host lengths after one replayed step in this mode (a token appended; a group
+        flushed)."""
+        self.res_len += 1
+        if flushed:
+            self.body_len += self.spec.group_size
+            self.res_len -= self.spec.group_size
+
+    def end_device_lengths(self) -> None:
+        self.lens_dev = None
+
+    def view_dev(self) -> PackedKV:
+        """The layer for a step with device lengths: on the kernels, the lengths are bounds
+        (the buffers' capacities) and ``lens_dev`` has the true ones; on the reference path
+        (CPU) the host lengths, kept in step, are the true ones."""
+        kv = self.view()
+        if ops.use_kernels(self.res_k) and ops.kernel_reads(kv):
+            G = self.spec.group_size
+            kv.body_len = self.k_codes.shape[2] // self.k_words * G if self.spec.quantized else 0
+            kv.res_len = self.res_k.shape[2]
         return kv
 
     def flush(self, upto: int | None = None) -> None:

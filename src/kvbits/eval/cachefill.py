@@ -78,33 +78,13 @@ def fill_random(cache, num_layers: int, batch: int, kv_heads: int, head_dim: int
 
 def presize_store(store, tokens: int, residual: int = 0) -> None:
     """Allocate the packed-body buffers of a kvbits ``LayerStore`` for ``tokens`` tokens, and the
-    FP16 residual for ``residual`` tokens, up front (empty buffers only grow).
+    FP16 residual for ``residual`` tokens, up front (:meth:`LayerStore.reserve`).
 
     ``LayerStore`` grows a buffer by 1/8 when an append does not fit (each growth copies it); a
     serving engine that knows the final length allocates once, and this is that allocation. The
     values still go through ``append``/``flush`` unchanged.
     """
-    spec = store.spec
-    G = spec.group_size
-    groups = tokens // G + 1
-    body = groups * G
-    rows = {"channel": groups, "token": body}  # scale/zero rows per axis (method "uniform")
-    k_rows = rows[getattr(store, "key_axis", "channel")]
-    v_rows = rows[getattr(store, "value_axis", "token")]
-    caps = {"k_codes": groups * store.k_words, "k_scale": k_rows, "k_zero": k_rows,
-            "v_codes": groups * store.v_words, "v_scale": v_rows, "v_zero": v_rows,
-            "res_k": residual, "res_v": residual}
-    if getattr(store, "fp8", False):  # float8 codes per token; [B, H, 1, 1] scales stay
-        caps = {"k_codes": body, "v_codes": body, "res_k": residual, "res_v": residual}
-    if getattr(store, "n_out", 0):
-        caps.update({n: body for n in ("k_out_idx", "k_out_val", "v_out_idx", "v_out_val")})
-    for name, cap in caps.items():
-        buf = getattr(store, name, None)
-        if buf is not None and buf.shape[2] < cap:
-            new = torch.empty(*buf.shape[:2], cap, *buf.shape[3:], dtype=buf.dtype,
-                              device=buf.device)
-            new[:, :, :buf.shape[2]] = buf
-            setattr(store, name, new)
+    store.reserve(tokens, residual)
 
 
 def compact_residual(store) -> None:

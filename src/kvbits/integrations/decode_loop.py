@@ -5,10 +5,12 @@ step against 3-4 ms of GPU work on an H200 for a 7-8B model; ``benchmarks/result
 neither FP16 nor kvbits shows its GPU speed. A captured step replays every kernel of the forward
 without the host. This loop captures the step once and replays it, for
 
-* :class:`~kvbits.integrations.hf.KVBitsCache`: the steps between two flushes form a *static run*
-  (:meth:`~kvbits.integrations.hf.KVBitsCache.begin_static`: the residual slot and the lengths live
-  on the device), so one graph serves a run; the step that flushes runs eagerly and the next run
-  is captured again (once per G steps);
+* :class:`~kvbits.integrations.hf.KVBitsCache`, KIVI-family layers: the lengths live on the
+  device (:meth:`~kvbits.integrations.hf.KVBitsCache.begin_device_lengths`; the flush is of a
+  fixed size at a device offset), so two graphs, a plain step and a flushing step, serve the whole
+  generation; other layers (KVQuant, FP8, pre-RoPE keys): the steps between two flushes form a
+  *static run* (:meth:`~kvbits.integrations.hf.KVBitsCache.begin_static`), one graph per run,
+  the flushing step eager;
 * transformers' ``StaticCache`` (the FP16 baseline): one graph serves every step;
 * any other cache: every step eagerly (same loop, for comparisons).
 
@@ -38,9 +40,13 @@ class GreedyDecoder:
     ``step_done`` (optional callable) is called after every step with the number of tokens
     produced so far (timing hooks); ``captures`` counts the CUDA graphs captured."""
 
-    def __init__(self, model, cache, *, graphs: bool = True, step_done=None):
+    def __init__(self, model, cache, *, graphs: bool = True, step_done=None,
+                 device_lengths: bool = True):
         self.model, self.cache = model, cache
         self.graphs = graphs
+        # kvbits: keep the lengths on the device where every layer allows it (two graphs for the
+        # whole generation); False: static runs between flushes (a capture per run)
+        self.device_lengths = device_lengths
         self.step_done = step_done
         self.captures = 0
         self._kw = _cache_kwargs(model, cache)
@@ -112,6 +118,9 @@ class GreedyDecoder:
         self._count = torch.ones(1, 1, dtype=torch.long, device=dev)
         done = 1
         capture = self.graphs and dev.type == "cuda"
+        if self.device_lengths and isinstance(self.cache, KVBitsCache) and \
+                self.cache.device_lengths_ok():
+            return self._decode_device_lengths(position, n, capture)
         while done < n:
             run = self._room(n - done)
             if run == 0:  # this step flushes: eagerly, through the cache's ordinary path
@@ -154,6 +163,41 @@ class GreedyDecoder:
                 del graph
             finally:
                 self._end()
+        return self.tokens
+
+    def _decode_device_lengths(self, position: int, n: int, capture: bool) -> torch.Tensor:
+        """Every step with the cache's lengths on the device: two graphs, a plain step and a
+        flushing one, each captured after its first eager run, then replayed as the host's
+        schedule says (the flush every G steps is known in advance)."""
+        cache = self.cache
+        cache.begin_device_lengths(position + n + 1)
+        graphs: dict = {}
+        try:
+            for done in range(2, n + 1):
+                flush = cache.prepare_device_step()
+                graph = graphs.get(flush)
+                if graph is not None:
+                    graph.replay()
+                else:
+                    self._step()
+                cache.device_step_done(replayed=graph is not None)
+                self._tick(done)
+                if capture and graph is None and done < n:
+                    cache._capturing = True
+                    try:  # own pool per graph: the two replay in any order
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph):
+                            self._step()
+                        graphs[flush] = graph
+                        self.captures += 1
+                    except RuntimeError as e:
+                        warnings.warn(f"CUDA graph capture failed ({e}); decoding eagerly",
+                                      stacklevel=2)
+                        capture = False
+                    finally:
+                        cache._capturing = False
+        finally:
+            cache.end_device_lengths()
         return self.tokens
 
     def _tick(self, done: int) -> None:

@@ -44,9 +44,10 @@ Known limits
   masking, so such layers cost the full history in memory instead of ``window`` tokens.
 * Attention-logit softcapping (Gemma2) is not supported (``NotImplementedError``).
 * Layer types other than full and sliding attention (chunked, linear/SSM, KV sharing) are rejected.
-* Not ``torch.compile``-able (``is_compileable`` is False). CUDA graphs instead: between flushes
-  :meth:`KVBitsCache.begin_static` makes decode steps replayable (device-side residual slot and
-  lengths); :mod:`kvbits.integrations.decode_loop` captures and replays them.
+* Not ``torch.compile``-able (``is_compileable`` is False). CUDA graphs instead:
+  :meth:`KVBitsCache.begin_device_lengths` (KIVI-family layers: lengths on the device, fixed-size
+  flushes) or :meth:`KVBitsCache.begin_static` (any layer, between flushes) make decode steps
+  replayable; :mod:`kvbits.integrations.decode_loop` captures and replays them.
 * Crop can only cut quantized history at
   a group boundary (``is_croppable`` is False, so assisted generation will not rely on it).
 """
@@ -84,6 +85,7 @@ class _Tag:
     layer: KVBitsLayer
     prefill: bool
     static: _StaticSteps | None = None
+    device: bool = False  # a step with the lengths on the device (begin_device_lengths)
 
 
 @dataclass
@@ -143,6 +145,13 @@ class KVBitsLayer(CacheLayerMixin):
         if self.store is None:
             self.lazy_initialization(key_states, value_states)
         store = self.store
+        if store.lens_dev is not None:  # lengths on the device: append, flush if due, attend
+            host = self._cache is None or not self._cache._capturing
+            store.append_dev(key_states, value_states, host=host)
+            if self._cache is not None and self._cache._flush_now and store.spec.quantized:
+                store.flush_dev(host=host)
+            key_states._kvbits = _Tag(self, False, device=True)
+            return key_states, value_states
         if self._static is not None:  # a step of a static run: device-side append only
             store.append_at(key_states, value_states, self._static.pos)
             self._static.pos.add_(1)
@@ -313,6 +322,8 @@ class KVBitsCache(Cache):
         self.config = text_config
         self._model_config = None
         self._warned_slow = False
+        self._flush_now = False  # lengths on the device: this step flushes
+        self._capturing = False  # a CUDA graph is being captured: no host bookkeeping
         if model is not None:
             _use_kvbits_attention(model)
             self._model_config = model.config.get_text_config(decoder=True)
@@ -352,6 +363,46 @@ class KVBitsCache(Cache):
     def end_static(self) -> None:
         for layer in self.layers:
             layer._static = None
+
+    # ------------------------------------------------------------------ lengths on the device
+    def device_lengths_ok(self) -> bool:
+        """Whether every layer can keep its lengths on the device (:meth:`LayerStore.
+        device_lengths_ok`), so that two CUDA graphs, a plain and a flushing step, serve a whole
+        generation."""
+        quantized = {(ly.store.spec.residual_length, ly.store.spec.group_size)
+                     for ly in self.layers if ly.store is not None and ly.store.spec.quantized}
+        return (len(quantized) <= 1 and all(ly.store is not None for ly in self.layers)
+                and all(ly.store.device_lengths_ok() for ly in self.layers))
+
+    def begin_device_lengths(self, tokens: int) -> None:
+        """Size every buffer for ``tokens`` tokens in all and move the lengths to the device.
+        Before each step call :meth:`prepare_device_step`, after it :meth:`device_step_done`."""
+        if not self.device_lengths_ok():
+            raise ValueError("begin_device_lengths: some layer cannot keep its lengths on the "
+                             "device (see KVBitsCache.device_lengths_ok)")
+        for layer in self.layers:
+            layer.store.begin_device_lengths(tokens)
+        self._flush_now = False
+
+    def prepare_device_step(self) -> bool:
+        """Whether the next step flushes (its token brings the residual to R + G): the host
+        knows, so it picks the graph to replay."""
+        self._flush_now = any(ly.store.spec.quantized and ly.store.res_len + 1 ==
+                              ly.store.spec.residual_length + ly.store.spec.group_size
+                              for ly in self.layers)
+        return self._flush_now
+
+    def device_step_done(self, replayed: bool) -> None:
+        """After each step: a replayed graph did not run the Python that counts the token (and
+        the flushed group) on the host, so count them here; an eager step already did."""
+        if replayed:
+            for layer in self.layers:
+                layer.store.device_step_done(self._flush_now and layer.store.spec.quantized)
+
+    def end_device_lengths(self) -> None:
+        for layer in self.layers:
+            layer.store.end_device_lengths()
+        self._flush_now = False
 
     # generate() / masking only need what Cache implements on top of the layers; these are the
     # kvbits-specific extras.
@@ -489,6 +540,8 @@ def kvbits_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     layer._attended = True
     if tag.static is not None:
         return _attend_static(query, store, tag.static, module, scaling, layer, kwargs), None
+    if tag.device:
+        return _attend_device(query, store, scaling, layer, kwargs), None
     if tag.prefill:
         B = query.shape[0]
         store.set_padding(padding_starts(attention_mask, B, key.shape[2], query.device))
@@ -521,6 +574,17 @@ def _attend_static(query, store, st: _StaticSteps, module, scaling, layer, kwarg
     lengths = (st.pos + st.base).to(torch.int32).expand(query.shape[0]).contiguous()
     out = ops.decode_attention(store.rotate_query(query), store.view_until(st.res_max),
                                scale=scale, starts=store.starts, lengths=lengths, window=window)
+    return out.transpose(1, 2).contiguous()
+
+
+def _attend_device(query, store, scaling, layer, kwargs):
+    """One query row over the store with its lengths on the device (``lens_dev``)."""
+    window = kwargs.get("sliding_window")
+    if window is None:
+        window = layer.sliding_window
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    out = ops.decode_attention(store.rotate_query(query), store.view_dev(), scale=scale,
+                               starts=store.starts, window=window, lens_dev=store.lens_dev)
     return out.transpose(1, 2).contiguous()
 
 

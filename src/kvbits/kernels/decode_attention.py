@@ -443,7 +443,7 @@ def _decode_kernel(
     SinkK, SinkV, ResK, ResV,
     KC, KS, KZ, VC, VS, VZ,
     KCB, VCB, KOI, KOV, VOI, VOV, InvFreq, RopeTable,
-    Starts, Lens,
+    Starts, Lens, LenTab,
     qk_scale, window,
     sink_len, body_len, res_len,
     sink_cap, res_cap, kc_cap, ks_slice, vc_cap, vs_slice, kout_cap, vout_cap,
@@ -454,9 +454,13 @@ def _decode_kernel(
     BLOCK_FP: tl.constexpr, HAS_WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
     USE_PRMT: tl.constexpr, FP8: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_LENS: tl.constexpr,
     K_CB: tl.constexpr, V_CB: tl.constexpr, K_OUT: tl.constexpr, V_OUT: tl.constexpr,
-    PRE_ROPE: tl.constexpr,
+    PRE_ROPE: tl.constexpr, LENS_DEV: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    if LENS_DEV:  # (sink, body, residual) lengths on the device; the ints are only bounds
+        sink_len = tl.load(LenTab)
+        body_len = tl.load(LenTab + 1)
+        res_len = tl.load(LenTab + 2)
     split = tl.program_id(1) + split0  # columns [0, split0) are written by another kernel
     n_splits = n_out
     mt = pid % m_tiles
@@ -646,7 +650,8 @@ def _sm_count(device: torch.device) -> int:
 def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None, lengths=None,
                      window: int | None = None, splits: int | None = None,
                      num_warps: int | None = None, tile_tokens: int | None = None,
-                     prmt: bool | None = None, gluon: bool | None = None) -> torch.Tensor:
+                     prmt: bool | None = None, gluon: bool | None = None,
+                     lens_dev: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``q [B, Hq, Lq, D]`` over a packed layer (rules of the reference op).
 
     ``starts``/``lengths``: optional ``[B]`` int tensors (first visible position; sequence end).
@@ -657,6 +662,9 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     layer is eligible; default: also only where PTX runs, with at least
     ``decode_gluon.MIN_BATCH_HEADS`` (sequence, KV head) pairs, unless ``KVBITS_GLUON=0``); the
     FP16 parts and the merge stay here.
+    ``lens_dev``: int32 ``[3]`` on the device, the layer's true (sink, body, residual) lengths,
+    read by the kernel; ``kv``'s lengths are then upper bounds that only set the launch
+    geometry, so one launch (one CUDA graph) serves many decode steps. Triton kernel only.
     """
     B, Hq, Lq, D = q.shape
     Hkv = kv.kv_heads
@@ -695,6 +703,11 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     if splits:
         splits = _cdiv(n_groups, groups_per_split)
     use_prmt = _use_prmt(dev) if prmt is None else prmt
+    if lens_dev is not None:
+        if lens_dev.dtype != torch.int32 or lens_dev.numel() != 3 or lens_dev.device != dev:
+            raise ValueError("decode_attention: lens_dev must be an int32 [3] tensor (sink, body, "
+                             f"residual lengths) on {dev}")
+        gluon = False
     if gluon is None:  # where PTX runs, for layers and batches where it is the faster kernel
         gluon = (use_prmt and GLUON_ENABLED and n_groups > 0
                  and decode_gluon.serves(kv, Lq, HG, window, B * Hkv))
@@ -748,7 +761,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
             arg(kcb, torch.float32), arg(vcb, torch.float32), arg(koi), arg(kov), arg(voi),
             arg(vov), arg(inv_freq, torch.float32),
             _rope_table(inv_freq, GPT * G) if inv_freq is not None else q,
-            starts, lengths,
+            starts, lengths, lens_dev if lens_dev is not None else q,
             scale * LOG2E, int(window) if window is not None else 0,
             kv.sink_len, kv.body_len, kv.res_len,
             kv.sink_k.shape[2], kv.res_k.shape[2], kv.k_codes.shape[2],
@@ -766,7 +779,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
             HAS_LENS=has_lens, K_CB=kcb is not None, V_CB=vcb is not None,
             K_OUT=koi.shape[3] if koi is not None else 0,
             V_OUT=voi.shape[3] if voi is not None else 0,
-            PRE_ROPE=inv_freq is not None,
+            PRE_ROPE=inv_freq is not None, LENS_DEV=lens_dev is not None,
             num_warps=num_warps or DEFAULT_WARPS, num_stages=2 if BLOCK_D <= 128 else 1,
         )
     o = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=dev)

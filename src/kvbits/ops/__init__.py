@@ -58,16 +58,21 @@ def kernel_reads(kv: PackedKV) -> bool:
 
 
 def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None, lengths=None,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None,
+                     lens_dev: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``q [B, Hq, Lq, D]`` over a packed layer; see the reference for the rules.
 
     The fused kernel reads KIVI, uniform (scales on either axis), FP8 and KVQuant layers
     (codebooks, outliers, pre-RoPE keys); only pre-RoPE keys with a head_dim that is not a power
     of two run the reference (see :func:`kvbits.kernels.decode_attention.reads`). Hadamard
-    layers are plain: the caller passes rotated queries.
+    layers are plain: the caller passes rotated queries. ``lens_dev`` (kernels only): the true
+    int32 (sink, body, residual) lengths on the device, ``kv``'s being bounds
+    (:meth:`kvbits.cache.store.LayerStore.view_dev`); the reference path ignores it (there the
+    view's host lengths are the true ones).
     """
     if use_kernels(q) and kernel_reads(kv):
         from ..kernels.decode_attention import decode_attention as kernel
-        return kernel(q, kv, scale=scale, starts=starts, lengths=lengths, window=window)
+        return kernel(q, kv, scale=scale, starts=starts, lengths=lengths, window=window,
+                      lens_dev=lens_dev)
     return _ref_attention.decode_attention(q, kv, scale=scale, starts=starts, lengths=lengths,
                                            window=window)
