@@ -93,15 +93,15 @@ def test_static_runs_match_eager_steps_batched(model, preset, kw):
     assert torch.equal(got, want)
 
 
-DEVICE_OK = {"kivi-2", "kivi-4", "fp16", "kivi-2-had", "uniform-int4"}  # KIVI-family layers
+DEVICE_OK = {p for p, _ in PRESETS}  # every method keeps its lengths on the device
 
 
 @pytest.mark.parametrize("preset,kw", PRESETS)
 @pytest.mark.parametrize("batch", [1, 2])
 def test_device_lengths_match_eager_steps(model, preset, kw, batch):
     """Lengths on the device (a fixed-size flush at a device offset, two graphs' worth of
-    launches) give the tokens of ordinary steps; layers that cannot (KVQuant, FP8) fall back
-    to static runs."""
+    launches) give the tokens of ordinary steps, for every method (KVQuant's pre-RoPE keys and
+    outliers, FP8 and Hadamard included)."""
     ids = prompt(batch=batch)
     want, _, _ = decode(model, ids, preset, kw, mode="eager")
     got, calls, cache = decode(model, ids, preset, kw, mode="device")
@@ -116,7 +116,10 @@ def test_device_lengths_match_eager_steps(model, preset, kw, batch):
 
 
 @pytest.mark.parametrize("preset,kw", [("kivi-2", dict(residual_length=4, group_size=32)),
-                                       ("uniform-int4", dict(residual_length=0))])
+                                       ("uniform-int4", dict(residual_length=0)),
+                                       ("fp8-dynamic", dict(residual_length=4)),
+                                       ("kvquant-3", dict(residual_length=4, group_size=32,
+                                                          calibration="uniform"))])
 def test_device_lengths_on_the_kernels(model, preset, kw, monkeypatch):
     """The same through the Triton kernels (interpreted on the CPU): the decode kernel reads the
     true lengths from ``lens_dev`` with the launch sized by the buffers' capacities, and the

@@ -295,15 +295,20 @@ class LayerStore:
     # the whole generation up front. Then two CUDA graphs, a plain step and a flushing step,
     # serve every step. The host keeps its lengths in step with :meth:`device_step_done`.
     def device_lengths_ok(self) -> bool:
-        """Whether this layer can run with its lengths on the device: KIVI-family codes (no
-        KVQuant tables or outliers, no FP8, keys not pre-RoPE), a full sink, no padding left
-        to quantize, and a residual that flushes one group at a time."""
+        """Whether this layer can run with its lengths on the device: a full sink, no padding
+        left to quantize, a residual that flushes one group at a time, FP8 scales already set
+        (dynamic ones are fixed by the first flush), and a layout the decode kernel reads
+        (pre-RoPE keys need a power-of-two head_dim)."""
         s = self.spec
+        if self.sink_len < s.sink_tokens:
+            return False
         if not s.quantized:
-            return self.sink_len >= s.sink_tokens
-        return (not self.kvquant and not self.fp8 and self.inv_freq is None
-                and self.sink_len >= s.sink_tokens and self._pad_end <= self.sink_len + self.body_len
-                and self.res_len < s.residual_length + s.group_size)
+            return True
+        D = self.head_dim
+        return (self._pad_end <= self.sink_len + self.body_len
+                and self.res_len < s.residual_length + s.group_size
+                and (not self.fp8 or self._fp8_ready)
+                and (self.inv_freq is None or D & (D - 1) == 0))
 
     def reserve(self, tokens: int, residual: int = 0) -> None:
         """Allocate the packed-body buffers for ``tokens`` tokens and the FP16 residual for
@@ -357,21 +362,44 @@ class LayerStore:
     def flush_dev(self, host: bool = True) -> None:
         """Quantize the residual's first G tokens into the body at the device body length (the
         residual holds exactly R + G tokens: the host calls this on the step that brings it
-        there), shift the remaining R tokens down, and move the lengths. Fixed shapes only."""
+        there), shift the remaining R tokens down, and move the lengths. Fixed shapes only:
+        the same launches whatever the lengths."""
         s, G, R = self.spec, self.spec.group_size, self.spec.residual_length
         k, v = self.res_k[:, :, :G], self.res_v[:, :, :G]
-        kc, ks, kz = self._quantize(k, s.key_bits, self.key_axis, None)
-        vc, vs, vz = self._quantize(v, s.value_bits, self.value_axis, None)
         body = self.lens_dev[1:2].long()
-        group = body // G
-        word_rows = lambda words: group * words + torch.arange(words, device=self.device)
-        meta_rows = {"channel": group, "token": body + torch.arange(G, device=self.device)}
-        self.k_codes.index_copy_(2, word_rows(self.k_words), kc)
-        self.v_codes.index_copy_(2, word_rows(self.v_words), vc)
-        for buf, x, axis in ((self.k_scale, ks, self.key_axis), (self.k_zero, kz, self.key_axis),
-                             (self.v_scale, vs, self.value_axis),
-                             (self.v_zero, vz, self.value_axis)):
-            buf.index_copy_(2, meta_rows[axis], x)
+        tokens = body + torch.arange(G, device=self.device)  # rows of per-token buffers
+        if self.inv_freq is not None:  # pre-RoPE keys: undo the model's rotation
+            pos = ref_rope.token_positions(self.starts, self.lens_dev[0:1].long() + body, G)
+            k = ref_rope.unrotate(k, pos, self.inv_freq)
+        if self.fp8:  # as bytes: index_copy_ has no float8 implementation
+            for buf, x, sc in ((self.k_codes, k, self.k_scale), (self.v_codes, v, self.v_scale)):
+                codes = ref_quant.quantize_fp8(x, sc, None)
+                buf.view(torch.uint8).index_copy_(2, tokens, codes.view(torch.uint8))
+        else:
+            if self.kvquant:
+                cb = self.codebooks
+                kc, ks, kz, koi, kov = kvq.quantize_keys(
+                    k, s.key_bits, G, cb.k_codebook, cb.k_thresholds, self.n_out, None)
+                vc, vs, vz, voi, vov = kvq.quantize_values(
+                    v, s.value_bits, self.value_group, G, cb.v_codebook, cb.v_thresholds,
+                    self.n_out, None)
+                if self.n_out:
+                    for buf, x in ((self.k_out_idx, koi), (self.k_out_val, kov),
+                                   (self.v_out_idx, voi), (self.v_out_val, vov)):
+                        buf.index_copy_(2, tokens, x)
+            else:
+                kc, ks, kz = self._quantize(k, s.key_bits, self.key_axis, None)
+                vc, vs, vz = self._quantize(v, s.value_bits, self.value_axis, None)
+            group = body // G
+            words = lambda n: group * n + torch.arange(n, device=self.device)
+            self.k_codes.index_copy_(2, words(self.k_words), kc)
+            self.v_codes.index_copy_(2, words(self.v_words), vc)
+            rows = {"channel": group, "token": tokens}
+            for buf, x, axis in ((self.k_scale, ks, self.key_axis),
+                                 (self.k_zero, kz, self.key_axis),
+                                 (self.v_scale, vs, self.value_axis),
+                                 (self.v_zero, vz, self.value_axis)):
+                buf.index_copy_(2, rows[axis], x)
         if R:
             for buf in (self.res_k, self.res_v):
                 buf.narrow(2, 0, R).copy_(buf.narrow(2, G, R).clone())

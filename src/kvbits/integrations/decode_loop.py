@@ -5,12 +5,13 @@ step against 3-4 ms of GPU work on an H200 for a 7-8B model; ``benchmarks/result
 neither FP16 nor kvbits shows its GPU speed. A captured step replays every kernel of the forward
 without the host. This loop captures the step once and replays it, for
 
-* :class:`~kvbits.integrations.hf.KVBitsCache`, KIVI-family layers: the lengths live on the
-  device (:meth:`~kvbits.integrations.hf.KVBitsCache.begin_device_lengths`; the flush is of a
-  fixed size at a device offset), so two graphs, a plain step and a flushing step, serve the whole
-  generation; other layers (KVQuant, FP8, pre-RoPE keys): the steps between two flushes form a
-  *static run* (:meth:`~kvbits.integrations.hf.KVBitsCache.begin_static`), one graph per run,
-  the flushing step eager;
+* :class:`~kvbits.integrations.hf.KVBitsCache`: the lengths live on the device
+  (:meth:`~kvbits.integrations.hf.KVBitsCache.begin_device_lengths`; the flush is of a fixed
+  size at a device offset), so two graphs, a plain step and a flushing step, serve the whole
+  generation; where that is not possible yet (padding still in the residual, a sink not full)
+  the steps between two flushes form a *static run*
+  (:meth:`~kvbits.integrations.hf.KVBitsCache.begin_static`), one graph per run, the flushing
+  step eager;
 * transformers' ``StaticCache`` (the FP16 baseline): one graph serves every step;
 * any other cache: every step eagerly (same loop, for comparisons).
 

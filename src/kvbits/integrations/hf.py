@@ -45,9 +45,9 @@ Known limits
 * Attention-logit softcapping (Gemma2) is not supported (``NotImplementedError``).
 * Layer types other than full and sliding attention (chunked, linear/SSM, KV sharing) are rejected.
 * Not ``torch.compile``-able (``is_compileable`` is False). CUDA graphs instead:
-  :meth:`KVBitsCache.begin_device_lengths` (KIVI-family layers: lengths on the device, fixed-size
-  flushes) or :meth:`KVBitsCache.begin_static` (any layer, between flushes) make decode steps
-  replayable; :mod:`kvbits.integrations.decode_loop` captures and replays them.
+  :meth:`KVBitsCache.begin_device_lengths` (lengths on the device, fixed-size flushes) or
+  :meth:`KVBitsCache.begin_static` (between flushes) make decode steps replayable;
+  :mod:`kvbits.integrations.decode_loop` captures and replays them.
 * Crop can only cut quantized history at
   a group boundary (``is_croppable`` is False, so assisted generation will not rely on it).
 """
