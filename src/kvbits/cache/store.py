@@ -325,8 +325,7 @@ class LayerStore:
         else:  # float8 codes per token; [B, H, 1, 1] scales stay
             caps.update(k_codes=groups * G, v_codes=groups * G)
         if self.n_out:
-            caps.update(dict.fromkeys(("k_out_idx", "k_out_val", "v_out_idx", "v_out_val"),
-                                      groups * G))
+            caps.update(dict.fromkeys(_OUTLIER_BUFFERS, groups * G))
         for name, cap in caps.items():
             buf = getattr(self, name)
             if buf is not None and buf.shape[2] < cap:
@@ -376,20 +375,10 @@ class LayerStore:
                 codes = ref_quant.quantize_fp8(x, sc, None)
                 buf.view(torch.uint8).index_copy_(2, tokens, codes.view(torch.uint8))
         else:
-            if self.kvquant:
-                cb = self.codebooks
-                kc, ks, kz, koi, kov = kvq.quantize_keys(
-                    k, s.key_bits, G, cb.k_codebook, cb.k_thresholds, self.n_out, None)
-                vc, vs, vz, voi, vov = kvq.quantize_values(
-                    v, s.value_bits, self.value_group, G, cb.v_codebook, cb.v_thresholds,
-                    self.n_out, None)
-                if self.n_out:
-                    for buf, x in ((self.k_out_idx, koi), (self.k_out_val, kov),
-                                   (self.v_out_idx, voi), (self.v_out_val, vov)):
-                        buf.index_copy_(2, tokens, x)
-            else:
-                kc, ks, kz = self._quantize(k, s.key_bits, self.key_axis, None)
-                vc, vs, vz = self._quantize(v, s.value_bits, self.value_axis, None)
+            (kc, ks, kz), (vc, vs, vz), outliers = self._quantize_layer(k, v, None)
+            if outliers is not None:
+                for name, x in zip(_OUTLIER_BUFFERS, outliers):
+                    getattr(self, name).index_copy_(2, tokens, x)
             group = body // G
             words = lambda n: group * n + torch.arange(n, device=self.device)
             self.k_codes.index_copy_(2, words(self.k_words), kc)
@@ -461,21 +450,11 @@ class LayerStore:
         if self.fp8:
             self._flush_fp8(k, v, valid, n)
             return
-        if self.kvquant:
-            cb = self.codebooks
-            k_codes, k_scale, k_zero, k_oi, k_ov = kvq.quantize_keys(
-                k, s.key_bits, G, cb.k_codebook, cb.k_thresholds, self.n_out, valid)
-            v_codes, v_scale, v_zero, v_oi, v_ov = kvq.quantize_values(
-                v, s.value_bits, self.value_group, G, cb.v_codebook, cb.v_thresholds,
-                self.n_out, valid)
-            if self.n_out:
-                self.k_out_idx = _write(self.k_out_idx, self.body_len, k_oi)
-                self.k_out_val = _write(self.k_out_val, self.body_len, k_ov)
-                self.v_out_idx = _write(self.v_out_idx, self.body_len, v_oi)
-                self.v_out_val = _write(self.v_out_val, self.body_len, v_ov)
-        else:
-            k_codes, k_scale, k_zero = self._quantize(k, s.key_bits, self.key_axis, valid)
-            v_codes, v_scale, v_zero = self._quantize(v, s.value_bits, self.value_axis, valid)
+        (k_codes, k_scale, k_zero), (v_codes, v_scale, v_zero), outliers = \
+            self._quantize_layer(k, v, valid)
+        if outliers is not None:
+            for name, x in zip(_OUTLIER_BUFFERS, outliers):
+                setattr(self, name, _write(getattr(self, name), self.body_len, x))
         g0 = self.body_len // G
         at = {"channel": g0, "token": self.body_len}
         self.k_codes = _write(self.k_codes, g0 * self.k_words, k_codes)
@@ -485,6 +464,21 @@ class LayerStore:
         self.v_scale = _write(self.v_scale, at[self.value_axis], v_scale)
         self.v_zero = _write(self.v_zero, at[self.value_axis], v_zero)
         self._moved(n)
+
+    def _quantize_layer(self, k: torch.Tensor, v: torch.Tensor, valid):
+        """K and V of whole groups with the layer's method: ``(codes, scale, zero)`` of each,
+        and KVQuant's outliers in :data:`_OUTLIER_BUFFERS` order (None without outliers)."""
+        s, G = self.spec, self.spec.group_size
+        if not self.kvquant:
+            return (self._quantize(k, s.key_bits, self.key_axis, valid),
+                    self._quantize(v, s.value_bits, self.value_axis, valid), None)
+        cb = self.codebooks
+        kc, ks, kz, koi, kov = kvq.quantize_keys(k, s.key_bits, G, cb.k_codebook,
+                                                 cb.k_thresholds, self.n_out, valid)
+        vc, vs, vz, voi, vov = kvq.quantize_values(v, s.value_bits, self.value_group, G,
+                                                   cb.v_codebook, cb.v_thresholds, self.n_out,
+                                                   valid)
+        return (kc, ks, kz), (vc, vs, vz), ((koi, kov, voi, vov) if self.n_out else None)
 
     def _quantize(self, x: torch.Tensor, bits: int, axis: str, valid):
         """Codes + scale + zero of ``x`` along ``axis``: "channel" = KIVI's key quantizer,
@@ -582,6 +576,7 @@ class LayerStore:
             raise ValueError(f"key_states has {k.shape[2]} tokens but value_states {v.shape[2]}")
 
 
+_OUTLIER_BUFFERS = ("k_out_idx", "k_out_val", "v_out_idx", "v_out_val")
 _BUFFERS = ("sink_k", "sink_v", "res_k", "res_v", "k_codes", "k_scale", "k_zero",
             "v_codes", "v_scale", "v_zero", "k_out_idx", "k_out_val", "v_out_idx", "v_out_val")
 
