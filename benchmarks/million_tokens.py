@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="output folder")
     args = ap.parse_args(argv)
 
-    from kvbits.eval.perplexity import cache_kwargs
+    from kvbits.integrations.hf import cache_kwargs
     from kvbits.eval.speed import build_model, model_config
     from kvbits.integrations.hf import KVBitsCache
 

@@ -398,7 +398,8 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
     """Generate with a :class:`KVBitsCache`; returns the text, token counts, cache bytes and time."""
     import torch
 
-    from .eval.perplexity import cache_kwargs, cache_nbytes
+    from .eval.perplexity import cache_nbytes
+    from .integrations.hf import cache_kwargs
     from .integrations.hf import KVBitsCache
 
     if cfg.chat and getattr(tokenizer, "chat_template", None):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from kvbits.eval.perplexity import cache_kwargs
+from kvbits.integrations.hf import cache_kwargs
 from kvbits.integrations.hf import KVBitsCache
 from kvbits.spec import QuantSpec, resolve_spec
 

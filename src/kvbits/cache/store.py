@@ -256,11 +256,8 @@ class LayerStore:
     def reserve_residual(self, n: int) -> None:
         """Grow the FP16 residual buffers now to hold ``n`` more tokens (a captured step must not
         reallocate: the graph keeps the buffers' addresses)."""
-        for name in ("res_k", "res_v"):
-            buf = getattr(self, name)
-            if self.res_len + n > buf.shape[2]:
-                buf = _write(buf, self.res_len, buf.new_empty(*buf.shape[:2], n, buf.shape[3]))
-                setattr(self, name, buf)
+        self.reserve(0, self.res_len + n)
+        for buf in (self.res_k, self.res_v):
             # finite until written: attention hides these tokens, and 0 * garbage may be NaN
             buf.narrow(2, self.res_len, n).zero_()
 
@@ -578,7 +575,7 @@ class LayerStore:
 
 _OUTLIER_BUFFERS = ("k_out_idx", "k_out_val", "v_out_idx", "v_out_val")
 _BUFFERS = ("sink_k", "sink_v", "res_k", "res_v", "k_codes", "k_scale", "k_zero",
-            "v_codes", "v_scale", "v_zero", "k_out_idx", "k_out_val", "v_out_idx", "v_out_val")
+            "v_codes", "v_scale", "v_zero", *_OUTLIER_BUFFERS)
 
 
 def _capacity(n: int) -> int:

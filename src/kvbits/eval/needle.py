@@ -157,7 +157,7 @@ def build_passkey_prompt(tokenizer, hay: list[int], ends: list[int], length: int
 @torch.no_grad()
 def _answer(model, cache, question: torch.Tensor, max_new_tokens: int) -> list[int]:
     """Feed ``question [1, T]`` through ``cache`` as one chunk, then decode greedily."""
-    from .perplexity import cache_kwargs
+    from ..integrations.hf import cache_kwargs
 
     kw = cache_kwargs(model, cache)
     out = model(question, use_cache=True, logits_to_keep=1, **kw)
@@ -200,7 +200,7 @@ def run_needle(model, tokenizer, text: str, cfg: NeedleConfig,
 
     from ..integrations.hf import KVBitsCache
     from .cachefill import copy_dense_cache
-    from .perplexity import cache_kwargs
+    from ..integrations.hf import cache_kwargs
 
     max_len = max(cfg.lengths)
     hay, ends = haystack_ids(tokenizer, text, 3 * max_len)

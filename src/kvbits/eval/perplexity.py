@@ -31,16 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["cache_kwargs", "cache_nbytes", "default_window", "perplexity", "plan_windows"]
-
-
-def cache_kwargs(model, cache) -> dict:
-    """``{"cache": cache}`` where the model's ``forward`` takes ``cache=`` (transformers >= 5.2x,
-    where ``past_key_values=`` is deprecated), else ``{"past_key_values": cache}``."""
-    import inspect
-
-    params = inspect.signature(type(model).forward).parameters
-    return {"cache" if "cache" in params else "past_key_values": cache}
+__all__ = [ "cache_nbytes", "default_window", "perplexity", "plan_windows"]
 
 
 def default_window(model, cap: int = 8192) -> int:
@@ -115,6 +106,8 @@ def perplexity(model, input_ids: torch.Tensor, make_cache: Callable[[], object],
     window = default_window(model) if window is None else window
     plan = plan_windows(n, window, stride)
     input_ids = input_ids.to(model.device)
+    from ..integrations.hf import cache_kwargs
+
     n_chunks = sum(math.ceil((end - start) / chunk_size) for start, end, _ in plan)
     bar = _progress(n_chunks, progress, desc)
     nll, scored, first = 0.0, 0, {}

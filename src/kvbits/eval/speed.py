@@ -327,7 +327,7 @@ def time_decode(model, variant: Variant, batch: int, context: int, steps: int = 
     (:func:`~kvbits.eval.cachefill.presize_store`, :func:`~kvbits.eval.cachefill.compact_residual`)
     instead of ``LayerStore``'s own growth policy."""
     from .cachefill import compact_residual, fill_random, presize_store
-    from .perplexity import cache_kwargs
+    from ..integrations.hf import cache_kwargs
 
     device = next(model.parameters()).device
     cuda = device.type == "cuda"

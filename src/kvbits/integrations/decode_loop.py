@@ -25,14 +25,7 @@ import warnings
 
 import torch
 
-from .hf import KVBitsCache
-
-
-def _cache_kwargs(model, cache) -> dict:
-    import inspect
-
-    params = inspect.signature(type(model).forward).parameters
-    return {"cache" if "cache" in params else "past_key_values": cache}
+from .hf import KVBitsCache, cache_kwargs
 
 
 class GreedyDecoder:
@@ -50,7 +43,7 @@ class GreedyDecoder:
         self.device_lengths = device_lengths
         self.step_done = step_done
         self.captures = 0
-        self._kw = _cache_kwargs(model, cache)
+        self._kw = cache_kwargs(model, cache)
         self._pool = None
         self._warm = False  # a run has been stepped eagerly (its kernels are compiled)
 

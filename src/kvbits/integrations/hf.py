@@ -69,8 +69,8 @@ from ..cache.store import LayerStore
 from ..reference.attention import dequantize_layer
 from ..spec import QuantSpec, resolve_spec
 
-__all__ = ["ATTN_IMPLEMENTATION", "KVBitsCache", "KVBitsLayer", "kvbits_attention_forward",
-           "padding_starts", "register"]
+__all__ = ["ATTN_IMPLEMENTATION", "KVBitsCache", "KVBitsLayer", "cache_kwargs",
+           "kvbits_attention_forward", "padding_starts", "register"]
 
 ATTN_IMPLEMENTATION = "kvbits"
 
@@ -538,10 +538,6 @@ def kvbits_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     layer: KVBitsLayer = tag.layer
     store = layer.store
     layer._attended = True
-    if tag.static is not None:
-        return _attend_static(query, store, tag.static, module, scaling, layer, kwargs), None
-    if tag.device:
-        return _attend_device(query, store, scaling, layer, kwargs), None
     if tag.prefill:
         B = query.shape[0]
         store.set_padding(padding_starts(attention_mask, B, key.shape[2], query.device))
@@ -551,41 +547,40 @@ def kvbits_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                                      scaling=scaling, is_causal=is_causal, **kwargs)
         store.flush()  # the prompt is quantized in one call, padding excluded
         return out
-    if store.inv_freq is not None:
-        _check_positions(store, kwargs.get("position_ids"), query.shape[2])
     window = kwargs.get("sliding_window")
     if window is None:
         window = layer.sliding_window
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    out = _attend_as_generated(query, store, scale, window)
+    if tag.static is not None:
+        out = _attend_static(query, store, tag.static, scale, window)
+    elif tag.device:
+        out = ops.decode_attention(store.rotate_query(query), store.view_dev(), scale=scale,
+                                   starts=store.starts, window=window, lens_dev=store.lens_dev)
+    else:
+        if store.inv_freq is not None:
+            _check_positions(store, kwargs.get("position_ids"), query.shape[2])
+        out = _attend_as_generated(query, store, scale, window)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _attend_static(query, store, st: _StaticSteps, module, scaling, layer, kwargs):
+def _attend_static(query, store, st: _StaticSteps, scale: float, window):
     """One query row over the store during a static run: lengths from the device counter (the
     row sits at position ``length - 1``), the residual read up to the run's end and hidden
     beyond the length. No flush, no host reads."""
-    window = kwargs.get("sliding_window")
-    if window is None:
-        window = layer.sliding_window
-    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     if query.shape[2] != 1:
         raise ValueError(f"a static run decodes one token per step, got {query.shape[2]} rows")
     lengths = (st.pos + st.base).to(torch.int32).expand(query.shape[0]).contiguous()
-    out = ops.decode_attention(store.rotate_query(query), store.view_until(st.res_max),
-                               scale=scale, starts=store.starts, lengths=lengths, window=window)
-    return out.transpose(1, 2).contiguous()
+    return ops.decode_attention(store.rotate_query(query), store.view_until(st.res_max),
+                                scale=scale, starts=store.starts, lengths=lengths, window=window)
 
 
-def _attend_device(query, store, scaling, layer, kwargs):
-    """One query row over the store with its lengths on the device (``lens_dev``)."""
-    window = kwargs.get("sliding_window")
-    if window is None:
-        window = layer.sliding_window
-    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    out = ops.decode_attention(store.rotate_query(query), store.view_dev(), scale=scale,
-                               starts=store.starts, window=window, lens_dev=store.lens_dev)
-    return out.transpose(1, 2).contiguous()
+def cache_kwargs(model, cache) -> dict:
+    """``{"cache": cache}`` where the model's ``forward`` takes ``cache=`` (transformers >= 5.2x,
+    where ``past_key_values=`` is deprecated), else ``{"past_key_values": cache}``."""
+    import inspect
+
+    params = inspect.signature(type(model).forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache}
 
 
 def _check_positions(store, position_ids, q_len: int) -> None:

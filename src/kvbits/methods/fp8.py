@@ -33,7 +33,7 @@ def calibrate_fp8(model, input_ids: torch.Tensor, spec: QuantSpec, window: int =
     on ``input_ids [1, T]`` (in windows of ``window`` tokens), per head or per layer."""
     from transformers import DynamicCache
 
-    from ..eval.perplexity import cache_kwargs
+    from ..integrations.hf import cache_kwargs
 
     amax = None
     for s in range(0, input_ids.shape[1], window):
