@@ -1,4 +1,4 @@
-"""Shared pytest fixtures (keep small: one fixture per real model)."""
+"""Shared pytest fixtures (keep small: one fixture per real model, and the sm_90 compile runner)."""
 
 from __future__ import annotations
 
@@ -28,3 +28,25 @@ def smollm2():
     except Exception as exc:  # noqa: BLE001 (no network and no cached copy)
         pytest.skip(f"SmolLM2 is not available: {exc}")
     return model, tokenizer
+
+
+@pytest.fixture
+def compile_sm90():
+    """``run(child_source, configs) -> list``: run a script that compiles kernels for sm_90 (it
+    gets ``json.dumps(configs)`` as argv[1] and prints one JSON list last) in a child process
+    outside Triton's interpreter mode, which this process may be in. Skips where the Triton
+    build has no ptxas."""
+    import json
+    import subprocess
+    import sys
+
+    def run(child: str, configs) -> list:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        res = subprocess.run([sys.executable, "-c", child, json.dumps(configs)], check=False,
+                             env=env, capture_output=True, text=True, timeout=600)
+        if res.returncode and "ptxas" in res.stderr.lower() and "not found" in res.stderr.lower():
+            pytest.skip("this Triton build has no ptxas")
+        assert res.returncode == 0, res.stderr[-3000:]
+        return json.loads(res.stdout.strip().splitlines()[-1])
+    return run
+

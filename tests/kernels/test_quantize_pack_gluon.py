@@ -9,11 +9,7 @@ the slot axis in-thread (no shared memory for the keys, no local memory at all).
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -114,14 +110,9 @@ CONFIGS = [("keys", b, 32, 0, 128, False) for b in BITS] + [
 
 
 @pytest.mark.skipif(qg.gluon is None, reason="this Triton has no Gluon")
-def test_kernels_compile_for_sm90_with_slots_in_thread():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", CHILD, json.dumps(CONFIGS)], check=False, env=env,
-                         capture_output=True, text=True, timeout=600)
-    if res.returncode and "ptxas" in res.stderr.lower() and "not found" in res.stderr.lower():
-        pytest.skip("this Triton build has no ptxas")
-    assert res.returncode == 0, res.stderr[-3000:]
-    for r in json.loads(res.stdout.strip().splitlines()[-1]):
+def test_kernels_compile_for_sm90_with_slots_in_thread(compile_sm90):
+    results = compile_sm90(CHILD, CONFIGS)
+    for r in results:
         kind, bits, G, _, D, _ = r["cfg"]
         assert r["local"] == 0, r  # no spills, no local arrays
         if kind == "keys" and G == 32:  # min/max and packing in-thread or across lanes only
