@@ -142,3 +142,17 @@ def _fmt(x) -> str:
     if isinstance(x, float):
         return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
     return str(x)
+
+
+def host_us(fn, n: int = 200) -> float:
+    """Host microseconds per call to enqueue ``fn`` (no synchronisation inside the loop)."""
+    import time
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+

@@ -16,7 +16,6 @@ import gc
 import itertools
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,8 +23,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (RESULTS, batch_slice, copy_bandwidth, environment, packed_nbytes,  # noqa: E402
-                    random_packed_kv, write_results)
+from common import (RESULTS, batch_slice, copy_bandwidth, environment, host_us,  # noqa: E402
+                    packed_nbytes, random_packed_kv, write_results)
 from seed_unfused import SeedCache  # noqa: E402
 
 from kvbits.kernels import decode_gluon  # noqa: E402
@@ -57,17 +56,6 @@ def bench_graph(fn) -> float:
     us = bench(graph.replay)
     del graph
     return us
-
-
-def host_us(fn, n: int = 200) -> float:
-    """Host microseconds per call to enqueue ``fn`` (no synchronisation inside the loop)."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
 
 
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

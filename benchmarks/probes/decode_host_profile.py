@@ -9,10 +9,13 @@ bounds the step) and a cProfile of the kvbits steps.
 import cProfile
 import pstats
 import sys
-import time
+from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import host_us  # noqa: E402
 
 from kvbits.cache.store import LayerStore
 from kvbits.integrations.hf import _attend_as_generated
@@ -53,25 +56,21 @@ def steps_kvbits(preset):
     return step
 
 
-def host_us(step, n=N):
-    for _ in range(200):  # past a flush of every kind: compiles stay out of the timing
+def warm_host_us(step, n=N):
+    """Host µs per step after 200 warm-up steps (past a flush of every kind: compiles stay out
+    of the timing)."""
+    for _ in range(200):
         step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6, (time.perf_counter() - t0) / n * 1e6
+    return host_us(step, n)
 
 
-print(f"B={B} Hq={HQ} Hkv={HKV} D={D} T={T}: host µs per layer step (enqueue) / wall µs")
-print("fp16 concat + flash SDPA: %.1f / %.1f" % host_us(steps_fp16()))
+print(f"B={B} Hq={HQ} Hkv={HKV} D={D} T={T}: host µs per layer step (enqueue)")
+print("fp16 concat + flash SDPA: %.1f" % warm_host_us(steps_fp16()))
 for preset in sys.argv[1:] or ["kivi-2", "kivi-4"]:
-    print(f"{preset}: %.1f / %.1f" % host_us(steps_kvbits(preset)))
+    print(f"{preset}: %.1f" % warm_host_us(steps_kvbits(preset)))
 prof = cProfile.Profile()
 step = steps_kvbits((sys.argv[1:] or ["kivi-2"])[0])
-host_us(step, 50)
+warm_host_us(step, 50)
 prof.enable()
 for _ in range(N):
     step()
