@@ -174,6 +174,17 @@ if gluon is not None:
         return layout
 
     @gluon.jit
+    def _program(BLOCKS: gl.constexpr, H):
+        """Where a program of the grid ``(NG * BLOCKS, H, B)`` works: token group, block within
+        the group, sequence, head, and the (sequence, head) slice index (int64 offsets)."""
+        pid = gl.program_id(0)
+        g = (pid // BLOCKS).to(gl.int64)
+        block = pid % BLOCKS
+        h = gl.program_id(1).to(gl.int64)
+        b = gl.program_id(2).to(gl.int64)
+        return g, block, b, h, b * H + h
+
+    @gluon.jit
     def _over_tokens(v):
         """``[BLOCK_D]`` (a reduction over both token axes) back to ``[1, 1, BLOCK_D]``."""
         return gl.expand_dims(gl.expand_dims(v, 0), 0)
@@ -246,16 +257,12 @@ if gluon is not None:
         WORDS: gl.constexpr = 3 * W if BITS == 3 else W
         MASK_D: gl.constexpr = D % BLOCK_D != 0
         MASKED: gl.constexpr = MASK_D or HAS_VALID
-        pid = gl.program_id(0)
-        g = (pid // D_BLOCKS).to(gl.int64)
-        h = gl.program_id(1).to(gl.int64)
-        b = gl.program_id(2).to(gl.int64)
-        bh = b * H + h
+        g, block, b, h, bh = _program(D_BLOCKS, H)
 
         s = gl.arange(0, SLOTS, layout=_axis(gl.SliceLayout(2, L), 0, 2))
         w = gl.arange(0, W, layout=_axis(gl.SliceLayout(2, L), 1, 2))
         # channels in the layout of a reduction over both token axes (scales, words' rows)
-        d = (pid % D_BLOCKS) * BLOCK_D + gl.arange(
+        d = block * BLOCK_D + gl.arange(
             0, BLOCK_D, layout=gl.SliceLayout(0, gl.SliceLayout(0, L)))
         d3 = _over_tokens(d)
         t = g * G + s[:, None] * W + w[None, :]  # [SLOTS, W]: token of each slot
@@ -307,12 +314,8 @@ if gluon is not None:
         WORDS: gl.constexpr = 3 * W if BITS == 3 else W
         MASK_C: gl.constexpr = NGV % NGB != 0
         MASKED: gl.constexpr = MASK_C or HAS_VALID
-        pid = gl.program_id(0)
-        g = (pid // C_BLOCKS).to(gl.int64)
-        n0 = (pid % C_BLOCKS) * NGB
-        h = gl.program_id(1).to(gl.int64)
-        b = gl.program_id(2).to(gl.int64)
-        bh = b * H + h
+        g, block, b, h, bh = _program(C_BLOCKS, H)
+        n0 = block * NGB
 
         # statistics layout: token of (slot, column), value group, channel in group
         A3: gl.constexpr = gl.SliceLayout(3, A)
