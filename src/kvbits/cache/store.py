@@ -255,11 +255,11 @@ class LayerStore:
 
     def reserve_residual(self, n: int) -> None:
         """Grow the FP16 residual buffers now to hold ``n`` more tokens (a captured step must not
-        reallocate: the graph keeps the buffers' addresses)."""
+        reallocate: the graph keeps the buffers' addresses), and zero every slot past the tokens
+        held: attention hides them, but 0 * garbage may be NaN."""
         self.reserve(0, self.res_len + n)
         for buf in (self.res_k, self.res_v):
-            # finite until written: attention hides these tokens, and 0 * garbage may be NaN
-            buf.narrow(2, self.res_len, n).zero_()
+            buf.narrow(2, self.res_len, buf.shape[2] - self.res_len).zero_()
 
     def append_at(self, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
         """Write ``k, v [B, H, 1, D]`` into the residual at the device position ``index`` (int64
@@ -308,21 +308,23 @@ class LayerStore:
                 and (self.inv_freq is None or D & (D - 1) == 0))
 
     def reserve(self, tokens: int, residual: int = 0) -> None:
-        """Allocate the packed-body buffers for ``tokens`` tokens and the FP16 residual for
-        ``residual`` tokens now (buffers only grow; contents kept): a serving engine that knows
-        the final length allocates once, and a captured step must never reallocate."""
+        """Allocate the packed-body buffers for ``tokens`` tokens (0: leave them) and the FP16
+        residual for ``residual`` tokens now (buffers only grow; contents kept): a serving engine
+        that knows the final length allocates once, and a captured step must never reallocate."""
         G = self.spec.group_size
         groups = tokens // G + 1
         rows = {"channel": groups, "token": groups * G}  # scale/zero rows per axis
-        caps = {"k_codes": groups * self.k_words, "v_codes": groups * self.v_words,
-                "res_k": residual, "res_v": residual}
-        if not self.fp8:
+        caps = {"k_codes": groups * self.k_words, "v_codes": groups * self.v_words}
+        if not tokens:
+            caps = {}
+        elif not self.fp8:
             caps.update(k_scale=rows[self.key_axis], k_zero=rows[self.key_axis],
                         v_scale=rows[self.value_axis], v_zero=rows[self.value_axis])
         else:  # float8 codes per token; [B, H, 1, 1] scales stay
             caps.update(k_codes=groups * G, v_codes=groups * G)
-        if self.n_out:
+        if self.n_out and tokens:
             caps.update(dict.fromkeys(_OUTLIER_BUFFERS, groups * G))
+        caps.update(res_k=residual, res_v=residual)
         for name, cap in caps.items():
             buf = getattr(self, name)
             if buf is not None and buf.shape[2] < cap:
@@ -338,9 +340,8 @@ class LayerStore:
                              "device (see LayerStore.device_lengths_ok)")
         s = self.spec
         fp_max = tokens if not s.quantized else s.residual_length + s.group_size
-        self.reserve(tokens, max(fp_max, self.res_len))
-        self.res_k.narrow(2, self.res_len, self.res_k.shape[2] - self.res_len).zero_()
-        self.res_v.narrow(2, self.res_len, self.res_v.shape[2] - self.res_len).zero_()
+        self.reserve(tokens)
+        self.reserve_residual(max(fp_max - self.res_len, 0))
         self.lens_dev = torch.tensor([self.sink_len, self.body_len, self.res_len],
                                      dtype=torch.int32, device=self.device)
         return self.lens_dev
@@ -412,8 +413,10 @@ class LayerStore:
         (CPU) the host lengths, kept in step, are the true ones."""
         kv = self.view()
         if ops.use_kernels(self.res_k) and ops.kernel_reads(kv):
+            rows = self.k_codes.shape[2]  # float8: one per token; else k_words per group
             G = self.spec.group_size
-            kv.body_len = self.k_codes.shape[2] // self.k_words * G if self.spec.quantized else 0
+            kv.body_len = (rows if self.fp8 else rows // self.k_words * G) \
+                if self.spec.quantized else 0
             kv.res_len = self.res_k.shape[2]
         return kv
 
