@@ -57,6 +57,7 @@ class LayerStore:
         self.starts = torch.zeros(batch, dtype=torch.int32, device=self.device)
         self._pad_end = 0  # host-side bound: no sequence has padding at positions >= this
         self.lens_dev: torch.Tensor | None = None  # device lengths mode (begin_device_lengths)
+        self._dev_valid = False  # that mode: flushes still need a padding mask
         self._dense = None  # reference path only: see _dense_body
         self.sink_len = self.body_len = self.res_len = 0
         B, H, D = batch, kv_heads, head_dim
@@ -244,47 +245,6 @@ class LayerStore:
         if flush:
             self.flush()
 
-    # ------------------------------------------------------------------ captured decode steps
-    def static_room(self) -> int:
-        """Decode steps (one token each) that can still append without a flush: a step whose
-        token brings the residual to ``R + G`` flushes, and flushing is host work that a
-        captured step cannot do. Unquantized layers never flush."""
-        if not self.spec.quantized:
-            return 1 << 30
-        return max(0, self.spec.residual_length + self.spec.group_size - 1 - self.res_len)
-
-    def reserve_residual(self, n: int) -> None:
-        """Grow the FP16 residual buffers now to hold ``n`` more tokens (a captured step must not
-        reallocate: the graph keeps the buffers' addresses), and zero every slot past the tokens
-        held: attention hides them, but 0 * garbage may be NaN."""
-        self.reserve(0, self.res_len + n)
-        for buf in (self.res_k, self.res_v):
-            buf.narrow(2, self.res_len, buf.shape[2] - self.res_len).zero_()
-
-    def append_at(self, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
-        """Write ``k, v [B, H, 1, D]`` into the residual at the device position ``index`` (int64
-        ``[1]``): the append of a decode step that may be captured in a CUDA graph. Nothing on
-        the host changes; :meth:`advance` records the token once the step has run. Needs a full
-        sink and room reserved with :meth:`reserve_residual`."""
-        self._check_input(k, v)
-        k, v = k.to(self.dtype), v.to(self.dtype)
-        if self.hadamard is not None:
-            k = ref_hadamard.rotate(k, self.hadamard)
-        self.res_k.index_copy_(2, index, k)
-        self.res_v.index_copy_(2, index, v)
-
-    def advance(self, n: int = 1) -> None:
-        """Count ``n`` tokens written by :meth:`append_at` (host bookkeeping after a step ran)."""
-        self.res_len += n
-
-    def view_until(self, res_tokens: int) -> PackedKV:
-        """:meth:`view` with the residual taken as ``res_tokens`` long: a captured step attends
-        with per-sequence ``lengths`` on the device, which hide the residual tokens not yet
-        written, so one graph serves every step until the next flush."""
-        kv = self.view()
-        kv.res_len = res_tokens
-        return kv
-
     # ------------------------------------------------------------------ lengths on the device
     # A replayable decode step that also flushes: the true lengths live in ``lens_dev`` (int32
     # [sink, body, residual]), every write goes to a device index, the flush is of a fixed size
@@ -292,18 +252,17 @@ class LayerStore:
     # the whole generation up front. Then two CUDA graphs, a plain step and a flushing step,
     # serve every step. The host keeps its lengths in step with :meth:`device_step_done`.
     def device_lengths_ok(self) -> bool:
-        """Whether this layer can run with its lengths on the device: a full sink, no padding
-        left to quantize, a residual that flushes one group at a time, FP8 scales already set
-        (dynamic ones are fixed by the first flush), and a layout the decode kernel reads
-        (pre-RoPE keys need a power-of-two head_dim)."""
+        """Whether this layer can run with its lengths on the device: a full sink, a residual
+        that flushes one group at a time, FP8 scales already set (dynamic ones are fixed by the
+        first flush), and a layout the decode kernel reads (pre-RoPE keys need a power-of-two
+        head_dim)."""
         s = self.spec
         if self.sink_len < s.sink_tokens:
             return False
         if not s.quantized:
             return True
         D = self.head_dim
-        return (self._pad_end <= self.sink_len + self.body_len
-                and self.res_len < s.residual_length + s.group_size
+        return (self.res_len < s.residual_length + s.group_size
                 and (not self.fp8 or self._fp8_ready)
                 and (self.inv_freq is None or D & (D - 1) == 0))
 
@@ -340,8 +299,13 @@ class LayerStore:
                              "device (see LayerStore.device_lengths_ok)")
         s = self.spec
         fp_max = tokens if not s.quantized else s.residual_length + s.group_size
-        self.reserve(tokens)
-        self.reserve_residual(max(fp_max - self.res_len, 0))
+        self.reserve(tokens, max(fp_max, self.res_len))
+        for buf in (self.res_k, self.res_v):
+            # finite until written: the kernel hides these slots, but 0 * garbage may be NaN
+            buf.narrow(2, self.res_len, buf.shape[2] - self.res_len).zero_()
+        # left padding still in the residual: its groups flush with a validity mask (all True
+        # past the padding, so the same graph serves every flush)
+        self._dev_valid = self._pad_end > self.sink_len + self.body_len
         self.lens_dev = torch.tensor([self.sink_len, self.body_len, self.res_len],
                                      dtype=torch.int32, device=self.device)
         return self.lens_dev
@@ -350,8 +314,13 @@ class LayerStore:
         """One token per sequence into the residual at the device length, which then grows.
         ``host``: count it on the host too (an eager step; not while a graph is captured, whose
         replays the host counts with :meth:`device_step_done`)."""
+        self._check_input(k, v)
+        k, v = k.to(self.dtype), v.to(self.dtype)
+        if self.hadamard is not None:
+            k = ref_hadamard.rotate(k, self.hadamard)
         index = self.lens_dev[2:3].long()
-        self.append_at(k, v, index)
+        self.res_k.index_copy_(2, index, k)
+        self.res_v.index_copy_(2, index, v)
         self.lens_dev[2:3].add_(1)
         if host:
             self.res_len += 1
@@ -365,15 +334,19 @@ class LayerStore:
         k, v = self.res_k[:, :, :G], self.res_v[:, :, :G]
         body = self.lens_dev[1:2].long()
         tokens = body + torch.arange(G, device=self.device)  # rows of per-token buffers
+        first = self.lens_dev[0:1].long() + body  # sequence index of the group's first token
+        valid = None
+        if self._dev_valid:
+            valid = (first + torch.arange(G, device=self.device))[None, :] >= self.starts[:, None]
         if self.inv_freq is not None:  # pre-RoPE keys: undo the model's rotation
-            pos = ref_rope.token_positions(self.starts, self.lens_dev[0:1].long() + body, G)
-            k = ref_rope.unrotate(k, pos, self.inv_freq)
+            k = ref_rope.unrotate(k, ref_rope.token_positions(self.starts, first, G),
+                                  self.inv_freq)
         if self.fp8:  # as bytes: index_copy_ has no float8 implementation
             for buf, x, sc in ((self.k_codes, k, self.k_scale), (self.v_codes, v, self.v_scale)):
-                codes = ref_quant.quantize_fp8(x, sc, None)
+                codes = ref_quant.quantize_fp8(x, sc, valid)
                 buf.view(torch.uint8).index_copy_(2, tokens, codes.view(torch.uint8))
         else:
-            (kc, ks, kz), (vc, vs, vz), outliers = self._quantize_layer(k, v, None)
+            (kc, ks, kz), (vc, vs, vz), outliers = self._quantize_layer(k, v, valid)
             if outliers is not None:
                 for name, x in zip(_OUTLIER_BUFFERS, outliers):
                     getattr(self, name).index_copy_(2, tokens, x)

@@ -399,7 +399,7 @@ def time_decode(model, variant: Variant, batch: int, context: int, steps: int = 
            "fill_s": fill_s, "generate_s": total_s,
            # prompt C+1 (the last token fed by the first step) + n_new - 1 generated ones
            "cache_tokens_after": int(cache.get_seq_length())}
-    if variant.graphs:  # runs captured (kvbits: one per G steps, each after an eager flush)
+    if variant.graphs:  # kvbits: a plain and a flushing step; StaticCache: one step
         row["graph_captures"] = decoder.captures
     if cuda:
         row["cache_alloc_bytes"] = cache_alloc

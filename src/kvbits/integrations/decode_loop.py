@@ -3,20 +3,18 @@
 Why: at batch 1, eager ``generate`` is bound by host time (20-60 ms of Python and launches per
 step against 3-4 ms of GPU work on an H200 for a 7-8B model; ``benchmarks/results/e2e.md``), so
 neither FP16 nor kvbits shows its GPU speed. A captured step replays every kernel of the forward
-without the host. This loop captures the step once and replays it, for
+without the host. Steps of the same *kind* launch the same kernels with the same arguments, so
+each kind is captured once (after one eager run, which compiles its kernels) and replayed:
 
 * :class:`~kvbits.integrations.hf.KVBitsCache`: the lengths live on the device
   (:meth:`~kvbits.integrations.hf.KVBitsCache.begin_device_lengths`; the flush is of a fixed
-  size at a device offset), so two graphs, a plain step and a flushing step, serve the whole
-  generation; where that is not possible yet (padding still in the residual, a sink not full)
-  the steps between two flushes form a *static run*
-  (:meth:`~kvbits.integrations.hf.KVBitsCache.begin_static`), one graph per run, the flushing
-  step eager;
-* transformers' ``StaticCache`` (the FP16 baseline): one graph serves every step;
+  size at a device offset), so there are two kinds, a plain step and a flushing step (every G
+  steps, known on the host); a cache that cannot yet (a sink not full) decodes eagerly;
+* transformers' ``StaticCache`` (the FP16 baseline): one kind;
 * any other cache: every step eagerly (same loop, for comparisons).
 
 Sampling is greedy and inside the graph (``argmax`` feeds the next step's input), so a replayed
-run does not touch the host at all. ``graphs=False`` runs the same steps eagerly (CPU, tests).
+step does not touch the host. ``graphs=False`` runs the same steps eagerly (CPU, tests).
 """
 
 from __future__ import annotations
@@ -34,39 +32,12 @@ class GreedyDecoder:
     ``step_done`` (optional callable) is called after every step with the number of tokens
     produced so far (timing hooks); ``captures`` counts the CUDA graphs captured."""
 
-    def __init__(self, model, cache, *, graphs: bool = True, step_done=None,
-                 device_lengths: bool = True):
+    def __init__(self, model, cache, *, graphs: bool = True, step_done=None):
         self.model, self.cache = model, cache
         self.graphs = graphs
-        # kvbits: keep the lengths on the device where every layer allows it (two graphs for the
-        # whole generation); False: static runs between flushes (a capture per run)
-        self.device_lengths = device_lengths
         self.step_done = step_done
         self.captures = 0
         self._kw = cache_kwargs(model, cache)
-        self._pool = None
-        self._warm = False  # a run has been stepped eagerly (its kernels are compiled)
-
-    # ------------------------------------------------------------------ cache kinds
-    def _room(self, left: int) -> int:
-        """Steps that can share one captured graph from here (0: run the next one eagerly)."""
-        if isinstance(self.cache, KVBitsCache):
-            return min(left, self.cache.static_room())
-        if type(self.cache).__name__ == "StaticCache":
-            return left
-        return 0
-
-    def _begin(self, n: int) -> None:
-        if isinstance(self.cache, KVBitsCache):
-            self.cache.begin_static(n)
-
-    def _advance(self) -> None:
-        if isinstance(self.cache, KVBitsCache):
-            self.cache.advance_static(1)
-
-    def _end(self) -> None:
-        if isinstance(self.cache, KVBitsCache):
-            self.cache.end_static()
 
     # ------------------------------------------------------------------ steps
     @torch.no_grad()
@@ -83,9 +54,15 @@ class GreedyDecoder:
 
     def _capture(self):
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._step()
-        self._pool = graph.pool()
+        kvbits = isinstance(self.cache, KVBitsCache)
+        if kvbits:
+            self.cache._capturing = True  # the Python runs, the step does not: no host counts
+        try:
+            with torch.cuda.graph(graph):  # own pool per graph: the kinds replay in any order
+                self._step()
+        finally:
+            if kvbits:
+                self.cache._capturing = False
         self.captures += 1
         return graph
 
@@ -110,88 +87,38 @@ class GreedyDecoder:
         self._pos = torch.full((B, 1), position, dtype=torch.long, device=dev)
         self._cpos = torch.full((1,), position, dtype=torch.long, device=dev)
         self._count = torch.ones(1, 1, dtype=torch.long, device=dev)
-        done = 1
-        capture = self.graphs and dev.type == "cuda"
-        if self.device_lengths and isinstance(self.cache, KVBitsCache) and \
-                self.cache.device_lengths_ok():
-            return self._decode_device_lengths(position, n, capture)
-        while done < n:
-            run = self._room(n - done)
-            if run == 0:  # this step flushes: eagerly, through the cache's ordinary path
-                self._step()
-                done += 1
-                self._tick(done)
-                continue
-            self._begin(run)
-            try:
-                graph, left = None, run
-                if capture and self._warm and run > 1:
-                    # the kernels of a run were compiled by an earlier one: capture right away
-                    # (a capture that fails, e.g. on a first-time compile, only costs the try)
-                    try:
-                        graph = self._capture()
-                    except RuntimeError:
-                        graph = None
-                if graph is None:
-                    self._step()  # eagerly first: compiles whatever this run launches
-                    self._advance()
-                    done += 1
-                    left -= 1
-                    self._tick(done)
-                    self._warm = True
-                    if capture and left > 0:
-                        try:
-                            graph = self._capture()
-                        except RuntimeError as e:  # e.g. a host sync in the model's forward
-                            warnings.warn(f"CUDA graph capture failed ({e}); decoding eagerly",
-                                          stacklevel=2)
-                            capture = False
-                for _ in range(left):
-                    if graph is not None:
-                        graph.replay()
-                    else:
-                        self._step()
-                    self._advance()
-                    done += 1
-                    self._tick(done)
-                del graph
-            finally:
-                self._end()
-        return self.tokens
-
-    def _decode_device_lengths(self, position: int, n: int, capture: bool) -> torch.Tensor:
-        """Every step with the cache's lengths on the device: two graphs, a plain step and a
-        flushing one, each captured after its first eager run, then replayed as the host's
-        schedule says (the flush every G steps is known in advance)."""
         cache = self.cache
-        cache.begin_device_lengths(position + n + 1)
+        device_lengths = isinstance(cache, KVBitsCache) and cache.device_lengths_ok()
+        if device_lengths:
+            cache.begin_device_lengths(position + n + 1)
+            kind_of_next = cache.prepare_device_step  # True: the step flushes
+        elif type(cache).__name__ == "StaticCache":
+            kind_of_next = lambda: "step"  # noqa: E731
+        else:
+            kind_of_next = lambda: None  # noqa: E731  (not replayable: always eager)
+        capture = self.graphs and dev.type == "cuda"
         graphs: dict = {}
         try:
             for done in range(2, n + 1):
-                flush = cache.prepare_device_step()
-                graph = graphs.get(flush)
+                kind = kind_of_next()
+                graph = graphs.get(kind)
                 if graph is not None:
                     graph.replay()
                 else:
                     self._step()
-                cache.device_step_done(replayed=graph is not None)
+                if device_lengths:
+                    cache.device_step_done(replayed=graph is not None)
                 self._tick(done)
-                if capture and graph is None and done < n:
-                    cache._capturing = True
-                    try:  # own pool per graph: the two replay in any order
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph):
-                            self._step()
-                        graphs[flush] = graph
-                        self.captures += 1
-                    except RuntimeError as e:
+                if capture and kind is not None and graph is None and done < n:
+                    try:
+                        graphs[kind] = self._capture()
+                    except RuntimeError as e:  # e.g. a host sync in the model's forward
                         warnings.warn(f"CUDA graph capture failed ({e}); decoding eagerly",
                                       stacklevel=2)
                         capture = False
-                    finally:
-                        cache._capturing = False
         finally:
-            cache.end_device_lengths()
+            if device_lengths:
+                cache.end_device_lengths()
         return self.tokens
 
     def _tick(self, done: int) -> None:

@@ -45,9 +45,8 @@ Known limits
 * Attention-logit softcapping (Gemma2) is not supported (``NotImplementedError``).
 * Layer types other than full and sliding attention (chunked, linear/SSM, KV sharing) are rejected.
 * Not ``torch.compile``-able (``is_compileable`` is False). CUDA graphs instead:
-  :meth:`KVBitsCache.begin_device_lengths` (lengths on the device, fixed-size flushes) or
-  :meth:`KVBitsCache.begin_static` (between flushes) make decode steps replayable;
-  :mod:`kvbits.integrations.decode_loop` captures and replays them.
+  :meth:`KVBitsCache.begin_device_lengths` (lengths on the device, fixed-size flushes) makes
+  decode steps replayable; :mod:`kvbits.integrations.decode_loop` captures and replays them.
 * Crop can only cut quantized history at
   a group boundary (``is_croppable`` is False, so assisted generation will not rely on it).
 """
@@ -84,19 +83,7 @@ class _Tag:
 
     layer: KVBitsLayer
     prefill: bool
-    static: _StaticSteps | None = None
     device: bool = False  # a step with the lengths on the device (begin_device_lengths)
-
-
-@dataclass
-class _StaticSteps:
-    """A run of decode steps that append without flushing (see :meth:`KVBitsCache.begin_static`):
-    the next residual slot lives on the device, so the same launches (one CUDA graph) serve every
-    step of the run."""
-
-    pos: torch.Tensor  # int64 [1]: residual slot of the next token
-    base: int  # sink + body tokens (fixed until the next flush)
-    res_max: int  # residual length at the end of the run
 
 
 # --------------------------------------------------------------------------------------- layer
@@ -124,7 +111,6 @@ class KVBitsLayer(CacheLayerMixin):
         self._cache = cache
         # Set by the kvbits attention when it consumed this layer's last update.
         self._attended = False
-        self._static: _StaticSteps | None = None
 
     def __repr__(self):
         n = 0 if self.store is None else self.store.seq_len
@@ -151,11 +137,6 @@ class KVBitsLayer(CacheLayerMixin):
             if self._cache is not None and self._cache._flush_now and store.spec.quantized:
                 store.flush_dev(host=host)
             key_states._kvbits = _Tag(self, False, device=True)
-            return key_states, value_states
-        if self._static is not None:  # a step of a static run: device-side append only
-            store.append_at(key_states, value_states, self._static.pos)
-            self._static.pos.add_(1)
-            key_states._kvbits = _Tag(self, False, self._static)
             return key_states, value_states
         prefill = store.seq_len == 0
         fast = prefill or (self._attended and self._impl_is_kvbits())
@@ -330,39 +311,6 @@ class KVBitsCache(Cache):
 
     def __repr__(self):
         return f"KVBitsCache({self.spec.describe()}, layers={len(self.layers)})"
-
-    # ------------------------------------------------------------------ static decode runs
-    def static_room(self) -> int:
-        """How many one-token decode steps can run before some layer has to flush (0: the next
-        step flushes and must run eagerly)."""
-        return min(layer.store.static_room() for layer in self.layers)
-
-    def begin_static(self, steps: int) -> None:
-        """Start a run of ``steps`` one-token decode steps (at most :meth:`static_room`) whose
-        appends and lengths live on the device: every step launches the same kernels with the
-        same arguments, so one CUDA graph captured from a step replays the rest. After each step
-        has run call :meth:`advance_static`; :meth:`end_static` returns to ordinary updates."""
-        if steps < 1 or steps > self.static_room():
-            raise ValueError(f"begin_static: steps must be in [1, static_room()="
-                             f"{self.static_room()}], got {steps}")
-        for layer in self.layers:
-            st = layer.store
-            if st.sink_len < st.spec.sink_tokens:
-                raise ValueError("begin_static: the prompt must fill the sink "
-                                 f"({st.spec.sink_tokens} tokens) first")
-            st.reserve_residual(steps)
-            layer._static = _StaticSteps(
-                pos=torch.full((1,), st.res_len, dtype=torch.int64, device=st.device),
-                base=st.sink_len + st.body_len, res_max=st.res_len + steps)
-
-    def advance_static(self, n: int = 1) -> None:
-        """Record on the host the ``n`` tokens that the last static step(s) appended."""
-        for layer in self.layers:
-            layer.store.advance(n)
-
-    def end_static(self) -> None:
-        for layer in self.layers:
-            layer._static = None
 
     # ------------------------------------------------------------------ lengths on the device
     def device_lengths_ok(self) -> bool:
@@ -551,9 +499,7 @@ def kvbits_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if window is None:
         window = layer.sliding_window
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    if tag.static is not None:
-        out = _attend_static(query, store, tag.static, scale, window)
-    elif tag.device:
+    if tag.device:
         out = ops.decode_attention(store.rotate_query(query), store.view_dev(), scale=scale,
                                    starts=store.starts, window=window, lens_dev=store.lens_dev)
     else:
@@ -561,17 +507,6 @@ def kvbits_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
             _check_positions(store, kwargs.get("position_ids"), query.shape[2])
         out = _attend_as_generated(query, store, scale, window)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _attend_static(query, store, st: _StaticSteps, scale: float, window):
-    """One query row over the store during a static run: lengths from the device counter (the
-    row sits at position ``length - 1``), the residual read up to the run's end and hidden
-    beyond the length. No flush, no host reads."""
-    if query.shape[2] != 1:
-        raise ValueError(f"a static run decodes one token per step, got {query.shape[2]} rows")
-    lengths = (st.pos + st.base).to(torch.int32).expand(query.shape[0]).contiguous()
-    return ops.decode_attention(store.rotate_query(query), store.view_until(st.res_max),
-                                scale=scale, starts=store.starts, lengths=lengths, window=window)
 
 
 def cache_kwargs(model, cache) -> dict:
