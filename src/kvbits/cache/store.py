@@ -330,7 +330,7 @@ class LayerStore:
         residual holds exactly R + G tokens: the host calls this on the step that brings it
         there), shift the remaining R tokens down, and move the lengths. Fixed shapes only:
         the same launches whatever the lengths."""
-        s, G, R = self.spec, self.spec.group_size, self.spec.residual_length
+        G, R = self.spec.group_size, self.spec.residual_length
         k, v = self.res_k[:, :, :G], self.res_v[:, :, :G]
         body = self.lens_dev[1:2].long()
         tokens = body + torch.arange(G, device=self.device)  # rows of per-token buffers
