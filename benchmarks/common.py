@@ -91,7 +91,34 @@ def random_packed_kv(batch: int, kv_heads: int, context: int, head_dim: int, spe
         kv.v_scale = torch.rand(B, H, 1, 1, device=device) * 0.01 + 0.01
         kv.k_zero = kv.v_zero = None
         kv.fp8 = True
+    if spec.method == "kvquant":
+        _add_kvquant_fields(kv, spec, body)
     return kv
+
+
+def _add_kvquant_fields(kv: PackedKV, spec: QuantSpec, body: int) -> None:
+    """What a KVQuant layer carries besides the codes: per-head codebooks (sorted, unevenly
+    spaced levels in code units), ``spec.n_outliers(D)`` FP16 corrections per token for keys
+    and values (random channels), and the rotary frequencies of pre-RoPE keys."""
+    B, H, _, D = kv.res_k.shape
+    device = kv.res_k.device
+
+    def codebook(bits):
+        steps = torch.rand(H, 1 << bits, device=device) + 0.3
+        cb = torch.cumsum(steps, 1) - steps[:, :1]
+        return cb / cb[:, -1:] * ((1 << bits) - 1)
+
+    kv.k_codebook, kv.v_codebook = codebook(spec.key_bits), codebook(spec.value_bits)
+    n_out = spec.n_outliers(D)
+    if n_out:
+        def idx():
+            return torch.randint(0, D, (B, H, body, n_out), dtype=torch.uint8, device=device)
+
+        def val():
+            return torch.randn(B, H, body, n_out, device=device).to(torch.float16)
+        kv.k_out_idx, kv.k_out_val, kv.v_out_idx, kv.v_out_val = idx(), val(), idx(), val()
+    if spec.pre_rope:
+        kv.rope_inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2, device=device).float() / D))
 
 
 def packed_nbytes(kv: PackedKV) -> int:
@@ -107,6 +134,8 @@ def packed_nbytes(kv: PackedKV) -> int:
                 kv.k_scale[:, :, :k_rows], kv.k_zero[:, :, :k_rows],
                 kv.v_codes[:, :, : n_groups * packed_length(G, kv.value_bits)],
                 kv.v_scale[:, :, :v_rows], kv.v_zero[:, :, :v_rows]]
+    body += [t[:, :, :T] for t in (kv.k_out_idx, kv.k_out_val, kv.v_out_idx, kv.v_out_val)
+             if t is not None]  # KVQuant's outliers (its codebooks: a few bytes per head)
     fp = [kv.sink_k[:, :, : kv.sink_len], kv.sink_v[:, :, : kv.sink_len],
           kv.res_k[:, :, : kv.res_len], kv.res_v[:, :, : kv.res_len]]
     return sum(p.numel() * p.element_size() for p in body + fp)
@@ -115,8 +144,9 @@ def packed_nbytes(kv: PackedKV) -> int:
 def batch_slice(kv: PackedKV, b: int) -> PackedKV:
     """The layer restricted to sequence ``b`` (views), for reference checks at scale."""
     fields = {f: getattr(kv, f) for f in kv.__dataclass_fields__}
+    per_layer = ("k_codebook", "v_codebook", "rope_inv_freq")  # no batch axis
     for name, value in fields.items():
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and name not in per_layer:
             fields[name] = value[b:b + 1]
     return PackedKV(**fields)
 

@@ -289,7 +289,8 @@ def main(argv=None) -> None:
              "float32 PyTorch reference on sequence 0",
              "uniform-int4/int2: transformers QuantizedCache's knobs (keys and values per token, "
              "q_group_size 64) served by the same kernels; fp8-dynamic: e4m3 body, one scale per "
-             "head; kvquant-3: codebooks, 1% outliers as a fixed count, pre-RoPE keys (Triton "
+             "head; kvquant-3: per-head codebooks, 1% outliers as a fixed count (2 per token "
+             "for keys and for values at head_dim 128, counted in bytes), pre-RoPE keys (Triton "
              "kernel)",
              "speedup vs FP16: against SDPA restricted to the flash backend (the issue's baseline); "
              "vs best SDPA: against the faster of that and torch's default SDPA backend (cuDNN on "

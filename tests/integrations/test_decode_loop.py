@@ -34,6 +34,18 @@ def model():
     return m
 
 
+@pytest.fixture(scope="module")
+def model32():
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                      max_position_embeddings=512)
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(8.0)
+    return m
+
+
 def reference_tokens(model, ids, cache):
     kw = {"cache" if "cache" in model.generate.__code__.co_varnames else "past_key_values": cache}
     with torch.no_grad(), warnings.catch_warnings():
@@ -124,11 +136,14 @@ def _kwarg(model):
                                        ("fp8-dynamic", dict(residual_length=4)),
                                        ("kvquant-3", dict(residual_length=4, group_size=32,
                                                           calibration="uniform"))])
-def test_device_lengths_on_the_kernels(model, preset, kw, monkeypatch):
+def test_device_lengths_on_the_kernels(model, model32, preset, kw, monkeypatch):
     """The same through the Triton kernels (interpreted on the CPU): the decode kernel reads the
     true lengths from ``lens_dev`` with the launch sized by the buffers' capacities, and the
-    quantize kernels write the flushed group at the device offset."""
+    quantize kernels write the flushed group at the device offset. (KVQuant's pre-RoPE keys
+    need head_dim >= 32 in the kernel.)"""
     monkeypatch.setenv("KVBITS_KERNELS", "triton")
+    if preset == "kvquant-3":
+        model = model32
     ids = prompt(batch=1)  # 37 tokens: the first decode flush comes at step ~31
     want, _, _ = decode(model, ids, preset, kw, device=False, new=40)
     got, calls, cache = decode(model, ids, preset, kw, new=40)
@@ -148,15 +163,30 @@ def test_fp16_caches_match_generate(model):
     assert torch.equal(got, want)
 
 
+@pytest.fixture(scope="module")
+def gpu_model():
+    """head_dim 64: the kernels' pre-RoPE path needs >= 32 (a smaller one decodes eagerly)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      max_position_embeddings=1024)
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(8.0)
+    return m.half().cuda()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["kivi-2", "kivi-4", "uniform-int4"])
-def test_gpu_captured_runs_match_eager(model, preset):
-    m = LlamaForCausalLM(model.config).half().cuda().eval()
-    m.load_state_dict(model.state_dict())
+@pytest.mark.parametrize("preset,kw", [("kivi-2", {}), ("kivi-4", {}), ("uniform-int4", {}),
+                                       ("kivi-2-had", dict(sink_tokens=2)),
+                                       ("fp8-dynamic", dict(residual_length=4)),
+                                       ("kvquant-3", dict(calibration="uniform"))])
+def test_gpu_captured_runs_match_eager(gpu_model, preset, kw):
+    m = gpu_model
     ids = prompt(300, 1).cuda()
-    eager = GreedyDecoder(m, KVBitsCache(m, preset), graphs=False).generate(ids, 200)
-    dec = GreedyDecoder(m, KVBitsCache(m, preset), graphs=True)
+    eager = GreedyDecoder(m, KVBitsCache(m, preset, **kw), graphs=False).generate(ids, 200)
+    dec = GreedyDecoder(m, KVBitsCache(m, preset, **kw), graphs=True)
     got = dec.generate(ids, 200)
     assert dec.captures == 2  # a plain step and a flushing step, for the whole generation
     assert torch.equal(got, eager)
@@ -164,9 +194,8 @@ def test_gpu_captured_runs_match_eager(model, preset):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.gpu
-def test_gpu_captured_static_cache_matches_eager(model):
-    m = LlamaForCausalLM(model.config).half().cuda().eval()
-    m.load_state_dict(model.state_dict())
+def test_gpu_captured_static_cache_matches_eager(gpu_model):
+    m = gpu_model
     ids = prompt(300, 1).cuda()
     n = 60
 
@@ -177,3 +206,16 @@ def test_gpu_captured_static_cache_matches_eager(model):
     eager, _ = run(False)
     got, captures = run(True)
     assert captures == 1 and torch.equal(got, eager)
+
+
+def test_small_pre_rope_head_dim_decodes_eagerly_under_kernels(model, monkeypatch):
+    """head_dim 16 pre-RoPE keys: the kernel cannot read them (``tl.dot`` needs an inner dim
+    >= 16 per half), so where kernels run the cache refuses device lengths (the reference would
+    read stale host lengths inside a graph) and the loop decodes eagerly, still correctly."""
+    monkeypatch.setenv("KVBITS_KERNELS", "triton")
+    ids = prompt(batch=1)
+    want, _, _ = decode(model, ids, "kvquant-3", dict(residual_length=4, group_size=32,
+                                                     calibration="uniform"), device=False, new=8)
+    got, calls, _ = decode(model, ids, "kvquant-3", dict(residual_length=4, group_size=32,
+                                                        calibration="uniform"), new=8)
+    assert not calls and torch.equal(got, want)

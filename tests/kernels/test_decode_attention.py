@@ -559,6 +559,10 @@ def test_kernel_reads_every_layout_but_odd_pre_rope():
     odd = make_kv(AXES_CASES["K3V3-G32-D80"])
     odd.rope_inv_freq = torch.ones(40)
     assert not reads(odd)  # pre-RoPE needs a power-of-two head_dim: the reference reads it
+    from kvbits.formats.layout import pre_rope_kernel_ok
+
+    assert [d for d in (16, 32, 48, 64, 80, 96, 128, 256) if pre_rope_kernel_ok(d)] == \
+        [32, 64, 128, 256]  # halves of >= 16 channels: tl.dot's smallest inner dimension
 
 
 # ----------------------------------------------------------------------------- KVQuant layers

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ..formats.layout import PackedKV, body_bytes_per_token
+from ..formats.layout import PackedKV, body_bytes_per_token, pre_rope_kernel_ok
 from ..formats.packing import packed_length
 from ..methods import kvquant as kvq
 from ..reference import hadamard as ref_hadamard
@@ -254,8 +254,9 @@ class LayerStore:
     def device_lengths_ok(self) -> bool:
         """Whether this layer can run with its lengths on the device: a full sink, a residual
         that flushes one group at a time, FP8 scales already set (dynamic ones are fixed by the
-        first flush), and a layout the decode kernel reads (pre-RoPE keys need a power-of-two
-        head_dim)."""
+        first flush), and, where the kernels run, a layout the decode kernel reads (it reads the
+        device lengths; the reference reads the host ones): pre-RoPE keys need a power-of-two
+        head_dim >= 32 (:func:`~kvbits.formats.layout.pre_rope_kernel_ok`)."""
         s = self.spec
         if self.sink_len < s.sink_tokens:
             return False
@@ -264,7 +265,8 @@ class LayerStore:
         D = self.head_dim
         return (self.res_len < s.residual_length + s.group_size
                 and (not self.fp8 or self._fp8_ready)
-                and (self.inv_freq is None or D & (D - 1) == 0))
+                and (self.inv_freq is None or pre_rope_kernel_ok(D)
+                     or not ops.use_kernels(self.res_k)))
 
     def reserve(self, tokens: int, residual: int = 0) -> None:
         """Allocate the packed-body buffers for ``tokens`` tokens (0: leave them) and the FP16

@@ -132,6 +132,13 @@ class PackedKV:
         return self.res_k.shape[1]
 
 
+def pre_rope_kernel_ok(head_dim: int) -> bool:
+    """Whether the fused decode kernel reads pre-RoPE keys of this head_dim: it rotates a key
+    tile as two halves (a power of two) and multiplies each with ``tl.dot``, whose inner
+    dimension must be >= 16 (so head_dim >= 32). Other head dims attend through the reference."""
+    return head_dim >= 32 and head_dim & (head_dim - 1) == 0
+
+
 def body_bytes_per_token(head_dim: int, key_bits: int, value_bits: int, group_size: int,
                          value_group: int, outliers: int = 0, key_axis: str = "channel",
                          value_axis: str = "token", fp8: bool = False) -> float:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats.layout import PackedKV
+from ..formats.layout import PackedKV, pre_rope_kernel_ok
 from . import decode_gluon
 
 LOG2E = 1.4426950408889634
@@ -610,12 +610,9 @@ def _merge_kernel(Out, Lse, O, n_splits, D: tl.constexpr, BLOCK_D: tl.constexpr,
 
 def reads(kv: PackedKV) -> bool:
     """Whether this kernel reads the layer: KIVI, uniform (either scale axis), FP8 and KVQuant
-    (codebooks, outliers, pre-RoPE keys) layers. Pre-RoPE keys need a power-of-two head_dim
-    (the rotation pairs the two halves of the tile); other head dims use the reference."""
-    if getattr(kv, "rope_inv_freq", None) is None:
-        return True
-    D = kv.res_k.shape[-1]
-    return D & (D - 1) == 0
+    (codebooks, outliers, pre-RoPE keys) layers; pre-RoPE keys only where
+    :func:`~kvbits.formats.layout.pre_rope_kernel_ok` (other head dims use the reference)."""
+    return getattr(kv, "rope_inv_freq", None) is None or pre_rope_kernel_ok(kv.res_k.shape[-1])
 
 
 def num_splits(batch_heads: int, work_units: int, sm_count: int) -> int:
@@ -739,8 +736,9 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     koi, kov = getattr(kv, "k_out_idx", None), getattr(kv, "k_out_val", None)
     voi, vov = getattr(kv, "v_out_idx", None), getattr(kv, "v_out_val", None)
     inv_freq = getattr(kv, "rope_inv_freq", None)
-    if inv_freq is not None and D != BLOCK_D:
-        raise ValueError(f"decode_attention: pre-RoPE keys need a power-of-two head_dim, got {D}")
+    if inv_freq is not None and not pre_rope_kernel_ok(D):
+        raise ValueError("decode_attention: pre-RoPE keys need a power-of-two head_dim >= 32, "
+                         f"got {D}")
 
     def arg(t, dtype=None):
         if t is None:
