@@ -18,9 +18,11 @@ case "$part" in
   smollm2) bench --model smollm2 --contexts 1k,2k,4k,8k --batches 1,16 \
             --presets fp16,fp16-flash,hf-int2,kivi-4,kivi-2 --name e2e_smollm2 ;;
   graphs) bench --model llama-3-8b --contexts 4k,32k \
-            --presets fp16-flash,fp16+graphs,kivi-2,kivi-2+graphs,kivi-4+graphs --name e2e_graphs_llama3_8b ;;
+            --presets fp16-flash,fp16+graphs,kvbits-fp16+graphs,kivi-2,kivi-2+graphs,kivi-4+graphs \
+            --name e2e_graphs_llama3_8b ;;
   graphs-llama2) bench --model llama-2-7b --contexts 4k,32k \
-            --presets fp16-flash,fp16+graphs,kivi-2,kivi-2+graphs --name e2e_graphs_llama2_7b ;;
+            --presets fp16-flash,fp16+graphs,kvbits-fp16+graphs,kivi-2,kivi-2+graphs,kivi-4+graphs \
+            --name e2e_graphs_llama2_7b ;;
   budget) bench --model llama-2-7b --contexts 4k --presets fp16,hf-int2,kivi-4,kivi-2 --steps 16 \
             --memory-budget 80GB --budget-contexts 4k --name e2e_budget_llama2_7b ;;
   budget32k) bench --model llama-2-7b --contexts 32k --presets fp16,hf-int2,kivi-4,kivi-2 --steps 16 \

@@ -49,6 +49,8 @@ def test_parse_variant():
     assert g.graphs and g.kind == "kvbits" and "CUDA graph" in g.describe()
     f = parse_variant("fp16+graphs")
     assert f.graphs and f.kind == "fp16" and "StaticCache" in f.describe() and f.sdpa_backends
+    k16 = parse_variant("kvbits-fp16+graphs")  # FP16 through kvbits' own path: the control
+    assert k16.graphs and k16.kind == "kvbits" and not k16.spec.quantized
     for bad in ("hf-int3", "hf-int2:X=1", "nope", "hf-int2+graphs"):
         with pytest.raises(ValueError):
             parse_variant(bad)
@@ -73,7 +75,7 @@ def test_emulated_quanto_layer_round_trip(nbits):
 
 
 @pytest.mark.parametrize("variant", ["fp16", "fp16-flash", "hf-int2", "kivi-2", "kivi-4:R=32",
-                                     "fp16+graphs", "kivi-2+graphs"])
+                                     "fp16+graphs", "kivi-2+graphs", "kvbits-fp16+graphs"])
 def test_time_decode_on_cpu(tiny, variant, monkeypatch):
     from kvbits.eval import speed
     v = parse_variant(variant)
@@ -85,7 +87,7 @@ def test_time_decode_on_cpu(tiny, variant, monkeypatch):
     assert r["steps"] == 3 and r["tok_s"] > 0 and r["tpot_ms"] > 0
     # generate fed one token per step on top of the filled cache (no second prefill)
     assert r["cache_tokens_after"] == 224 + 1 + 1 + 3  # prompt C+1, then warmup + steps fed
-    if v.kind == "kvbits":
+    if v.kind == "kvbits" and v.spec.quantized:
         # float32 model: the FP residual counts 4 bytes per element, the body 2-4 bits
         assert r["cache_bytes"] < r["fp16_cache_bytes"] * 1.5
     assert "peak_bytes" not in r  # CPU: no CUDA memory numbers

@@ -187,8 +187,11 @@ def test_gpu_captured_runs_match_eager(gpu_model, preset, kw):
     ids = prompt(300, 1).cuda()
     eager = GreedyDecoder(m, KVBitsCache(m, preset, **kw), graphs=False).generate(ids, 200)
     dec = GreedyDecoder(m, KVBitsCache(m, preset, **kw), graphs=True)
-    got = dec.generate(ids, 200)
-    assert dec.captures == 2  # a plain step and a flushing step, for the whole generation
+    with warnings.catch_warnings(record=True) as caught:  # a failed capture says why
+        warnings.simplefilter("always")
+        got = dec.generate(ids, 200)
+    # a plain step and a flushing step, for the whole generation
+    assert dec.captures == 2, [str(w.message)[:300] for w in caught]
     assert torch.equal(got, eager)
 
 

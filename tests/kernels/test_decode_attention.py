@@ -702,8 +702,7 @@ def test_gluon_body_matches_reference(c, monkeypatch):
     used = []
     real = decode_gluon.attend_body
     monkeypatch.setattr(decode_gluon, "attend_body", lambda *a, **k: used.append(1) or real(*a, **k))
-    monkeypatch.setattr(decode_gluon, "MIN_BATCH_HEADS", 1)  # small test batches use it too
-    monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
+    monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)  # small test batches use it too
     run_case(c, kv=kv)
     run_case(c._replace(splits=1), kv=kv)  # one program walks the whole body
     run_case(c._replace(lengths=None, starts=None, dtype=torch.bfloat16, seed=c.seed + 1))
@@ -742,6 +741,36 @@ def test_gluon_body_offsets_past_int32():
     compare(o[:, sl], r, torch.float16, "kivi-2 2**20 tokens, heads 255-256 (past 2**31 words)")
 
 
+# Device lengths (CUDA-graph decode): the view's lengths are bounds over real data and lens_dev
+# holds the true (sink, body, residual) lengths; anything read past them changes the answer.
+LENS_DEV_CASES = [
+    Case(kb=2, vb=2, G=32, D=64, B=2, Hkv=2, HG=4, S=3, body=32 * 40, res=48, starts=(0, 7),
+         seed=21),
+    Case(kb=4, vb=4, G=64, D=128, B=1, Hkv=2, HG=1, body=64 * 20, res=70, seed=22),
+]
+
+
+@pytest.mark.parametrize("gluon", [False, pytest.param(True, marks=[gpu, pytest.mark.gpu])])
+@pytest.mark.parametrize("c", LENS_DEV_CASES, ids=str)
+def test_device_lengths_inside_bounds(c, gluon, monkeypatch):
+    import dataclasses
+
+    from kvbits.kernels import decode_gluon
+    monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
+    bound = make_kv(c)
+    true_body, true_res = c.body - 3 * c.G, c.res - 17
+    view = dataclasses.replace(bound, body_len=true_body, res_len=true_res)
+    assert not gluon or decode_gluon.eligible(bound, 1, c.HG, None)
+    g = torch.Generator().manual_seed(c.seed + 1)
+    q = torch.randn(c.B, c.Hkv * c.HG, 1, c.D, generator=g).to(c.dtype).to(DEVICE)
+    lens = torch.tensor([c.S, true_body, true_res], dtype=torch.int32, device=DEVICE)
+    args = {"scale": c.D ** -0.5, "starts": _seq(c.starts)}
+    got = kernel(q, bound, lens_dev=lens, gluon=gluon, **args)
+    compare(got, reference(q, view, **args), c.dtype, f"{c} lens_dev gluon={gluon}")
+    with pytest.raises(ValueError, match="lens_dev"):
+        kernel(q, bound, lens_dev=lens.long(), **args)
+
+
 def test_gluon_dispatch_rules():
     """Which layers and calls the Gluon body kernel takes (no GPU needed: eligibility only)."""
     from kvbits.kernels import decode_gluon
@@ -752,8 +781,14 @@ def test_gluon_dispatch_rules():
     assert not decode_gluon.eligible(kv, 2, 4, None)  # chunked prefill: Triton
     assert not decode_gluon.eligible(kv, 1, 17, None)  # > 16 query heads per KV head
     assert not decode_gluon.eligible(kv, 1, 4, 128)  # sliding window
-    assert not decode_gluon.serves(kv, 1, 4, None, 8)  # too few (sequence, head) pairs
     assert not decode_gluon.serves(kv, 1, 4, None, 64)  # 64 x 64 tokens: too small a step
+    kv.body_len = 32768
+    assert decode_gluon.serves(kv, 1, 4, None, 8)  # Llama-3 batch 1 at 32k: 8 x 32k tokens
+    assert not decode_gluon.serves(kv, 1, 4, None, 4)
+    # one wave for small grids, 32 programs per SM for large ones; never more than the steps
+    assert decode_gluon.body_splits(8, 32768, 132) == 132
+    assert decode_gluon.body_splits(1024, 32768, 132) == 5
+    assert decode_gluon.body_splits(8, 640, 132) == 10
     for kb, vb, G, D in [(4, 2, 128, 128), (3, 3, 32, 128), (8, 8, 32, 128), (2, 2, 32, 96)]:
         other = make_kv(Case(kb=kb, vb=vb, G=G, D=D, B=1, Hkv=1, body=128, res=0), device="cpu")
         assert not decode_gluon.eligible(other, 1, 4, None), (kb, vb, G, D)
@@ -811,7 +846,6 @@ def test_gluon_body_token_keys(c, monkeypatch):
     """The uniform method's layout (keys and values scaled per token) through the Gluon body."""
     from kvbits.kernels import decode_gluon
     monkeypatch.setattr(decode_gluon, "TOKEN_KEYS", True)
-    monkeypatch.setattr(decode_gluon, "MIN_BATCH_HEADS", 1)
     monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
     kv = _axes_kv(c, "token", "token")
     assert decode_gluon.eligible(kv, 1, c.HG, None)
@@ -849,7 +883,6 @@ def test_gluon_body_mixed_bits(c, monkeypatch):
     the values' token orders)."""
     from kvbits.kernels import decode_gluon
     monkeypatch.setattr(decode_gluon, "MIXED_BITS", True)
-    monkeypatch.setattr(decode_gluon, "MIN_BATCH_HEADS", 1)
     monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
     kv = make_kv(c)
     assert decode_gluon.eligible(kv, 1, c.HG, None)

@@ -25,7 +25,7 @@ from triton.experimental import gluon
 from kvbits.kernels import decode_gluon
 SIG = {"Q": "*fp16", "Out": "*fp32", "Lse": "*fp32", "KC": "*i32", "KS": "*fp16", "KZ": "*fp16",
        "VC": "*i32", "VS": "*fp16", "VZ": "*fp16", "Starts": "*i32", "Lens": "*i32",
-       "qk_scale": "fp32"}
+       "LenTab": "*i32", "qk_scale": "fp32"}
 SIG.update({k: "i32" for k in ("sink_len", "body_len", "res_len", "kc_cap", "ks_slice", "vc_cap",
                                "vs_slice", "Hkv", "n_out", "steps_per_split")})
 out = []
@@ -42,13 +42,14 @@ for cx in json.loads(sys.argv[1]):
 print(json.dumps(out))
 '''
 
-CONFIGS = [  # 2-bit, GQA 4, per-channel keys; 4-bit, 16 heads, per-token keys; K4V2 (mixed)
+CONFIGS = [  # 2-bit, GQA 4, per-channel keys; 4-bit, 16 heads, per-token keys, lengths on the
+    # device (CUDA-graph decode); K4V2 (mixed)
     {"HG": 4, "HP": 8, "D": 128, "KBITS": 2, "VBITS": 2, "G": 32, "GV": 32, "HAS_STARTS": True,
-     "HAS_LENS": True, "GK": 32, "K_TOK": False},
+     "HAS_LENS": True, "GK": 32, "K_TOK": False, "LENS_DEV": False},
     {"HG": 16, "HP": 16, "D": 64, "KBITS": 4, "VBITS": 4, "G": 64, "GV": 64, "HAS_STARTS": True,
-     "HAS_LENS": True, "GK": 64, "K_TOK": True},
+     "HAS_LENS": False, "GK": 64, "K_TOK": True, "LENS_DEV": True},
     {"HG": 4, "HP": 8, "D": 128, "KBITS": 4, "VBITS": 2, "G": 32, "GV": 32, "HAS_STARTS": True,
-     "HAS_LENS": True, "GK": 32, "K_TOK": False},
+     "HAS_LENS": True, "GK": 32, "K_TOK": False, "LENS_DEV": False},
 ]
 
 

@@ -219,7 +219,9 @@ def flash_backends() -> list:
 
 
 def parse_variant(text: str) -> Variant:
-    """``fp16`` | ``fp16-flash`` (SDPA without the cuDNN backend) | ``hf-int2[:G=64,R=128]`` |
+    """``fp16`` | ``fp16-flash`` (SDPA without the cuDNN backend) | ``kvbits-fp16`` (an FP16
+    ``KVBitsCache``: the same decode path and kernels as the presets, nothing quantized) |
+    ``hf-int2[:G=64,R=128]`` |
     a kvbits preset with overrides (``kivi-2:R=64``); ``+graphs`` after ``fp16`` or a kvbits
     preset (``fp16+graphs``, ``kivi-2+graphs``): decode with each step replayed from a CUDA
     graph (:mod:`kvbits.integrations.decode_loop`; FP16 then uses transformers' ``StaticCache``
@@ -235,6 +237,10 @@ def parse_variant(text: str) -> Variant:
         return Variant("fp16", "fp16")
     if text == "fp16-flash":
         return Variant("fp16-flash", "fp16", {"sdpa": "flash"})
+    if text == "kvbits-fp16":  # FP16 history in a KVBitsCache: kvbits' kernels, no quantization
+        from ..spec import resolve_spec
+
+        return Variant(text, "kvbits", resolve_spec("fp16"))
     if text.startswith("hf-int"):
         name, _, rest = text.partition(":")
         try:

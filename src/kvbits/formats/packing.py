@@ -37,13 +37,16 @@ def packed_length(n: int, bits: int) -> int:
     return columns * (3 if bits == 3 else 1)
 
 
-def pack_bits(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
+def pack_bits(codes: torch.Tensor, bits: int, dim: int = -1, check: bool = True) -> torch.Tensor:
     """Pack integer codes in ``[0, 2**bits)`` along ``dim`` into int32 words.
 
     Args:
         codes: integer tensor (any int dtype) of codes; never modified.
         bits: 2, 3, 4 or 8.
         dim: the axis to pack; its length N may be anything >= 1 (padded with zero codes).
+        check: verify the range (reads the codes' min and max on the host: a device sync, not
+            allowed inside a CUDA-graph capture); callers whose codes are in range by
+            construction pass False.
 
     Returns:
         int32 tensor with ``dim`` of length ``packed_length(N, bits)``; other dims unchanged.
@@ -58,7 +61,7 @@ def pack_bits(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     slots = slots_per_column(bits)
     columns = -(-n // slots)
     x = codes.movedim(dim, -1).to(torch.int64)
-    if x.numel() and (int(x.min()) < 0 or int(x.max()) >= (1 << bits)):
+    if check and x.numel() and (int(x.min()) < 0 or int(x.max()) >= (1 << bits)):
         raise ValueError(f"pack_bits: codes must lie in [0, {1 << bits}) for bits={bits}")
     x = torch.nn.functional.pad(x, (0, columns * slots - n))
     x = x.reshape(*x.shape[:-1], slots, columns)  # [..., slot, column]

@@ -656,12 +656,12 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     multiple of the group size) override the defaults (tests and tuning); ``prmt`` selects the
     PTX byte-permute code conversion (default: on a GPU, not under ``TRITON_INTERPRET``).
     ``gluon``: the body goes to :mod:`kvbits.kernels.decode_gluon` (``True``: whenever the
-    layer is eligible; default: also only where PTX runs, with at least
-    ``decode_gluon.MIN_BATCH_HEADS`` (sequence, KV head) pairs, unless ``KVBITS_GLUON=0``); the
-    FP16 parts and the merge stay here.
+    layer is eligible; default: also only where PTX runs, for steps of at least
+    ``decode_gluon.MIN_BODY_TOKENS`` body tokens x (sequence, KV head) pairs, unless
+    ``KVBITS_GLUON=0``); the FP16 parts and the merge stay here.
     ``lens_dev``: int32 ``[3]`` on the device, the layer's true (sink, body, residual) lengths,
-    read by the kernel; ``kv``'s lengths are then upper bounds that only set the launch
-    geometry, so one launch (one CUDA graph) serves many decode steps. Triton kernel only.
+    read by both kernels; ``kv``'s lengths are then upper bounds that only set the launch
+    geometry, so one launch (one CUDA graph) serves many decode steps.
     """
     B, Hq, Lq, D = q.shape
     Hkv = kv.kv_heads
@@ -700,11 +700,10 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     if splits:
         splits = _cdiv(n_groups, groups_per_split)
     use_prmt = _use_prmt(dev) if prmt is None else prmt
-    if lens_dev is not None:
-        if lens_dev.dtype != torch.int32 or lens_dev.numel() != 3 or lens_dev.device != dev:
-            raise ValueError("decode_attention: lens_dev must be an int32 [3] tensor (sink, body, "
-                             f"residual lengths) on {dev}")
-        gluon = False
+    if lens_dev is not None and (lens_dev.dtype != torch.int32 or lens_dev.numel() != 3
+                                 or lens_dev.device != dev):
+        raise ValueError("decode_attention: lens_dev must be an int32 [3] tensor (sink, body, "
+                         f"residual lengths) on {dev}")
     if gluon is None:  # where PTX runs, for layers and batches where it is the faster kernel
         gluon = (use_prmt and GLUON_ENABLED and n_groups > 0
                  and decode_gluon.serves(kv, Lq, HG, window, B * Hkv))
@@ -749,7 +748,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     if gluon:
         decode_gluon.attend_body(q, kv, out, lse, scale_log2=scale * LOG2E, starts=starts,
                                  lengths=lengths, has_starts=has_starts, has_lens=has_lens,
-                                 n_out=n_total, splits=splits)
+                                 n_out=n_total, splits=splits, lens_dev=lens_dev)
         split0 = splits
     if n_total > split0:  # the Triton kernel: every split, or only the FP16 ones
         _decode_kernel[(bhm, n_total - split0)](

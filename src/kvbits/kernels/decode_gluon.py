@@ -533,12 +533,13 @@ if gluon is not None:
     # Step-varying integers are not specialized (see decode_attention._STEP_VARYING).
     @gluon.jit(do_not_specialize=("sink_len", "res_len", "n_out", "steps_per_split"))
     def _body_kernel(
-        Q, Out, Lse, KC, KS, KZ, VC, VS, VZ, Starts, Lens,
+        Q, Out, Lse, KC, KS, KZ, VC, VS, VZ, Starts, Lens, LenTab,
         qk_scale, sink_len, body_len, res_len, kc_cap, ks_slice, vc_cap, vs_slice,
         Hkv, n_out, steps_per_split,
         HG: gl.constexpr, HP: gl.constexpr, D: gl.constexpr, KBITS: gl.constexpr,
         VBITS: gl.constexpr, G: gl.constexpr, GV: gl.constexpr, HAS_STARTS: gl.constexpr,
         HAS_LENS: gl.constexpr, GK: gl.constexpr, K_TOK: gl.constexpr,
+        LENS_DEV: gl.constexpr,
     ):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                       instr_shape=[16, 8])
@@ -555,6 +556,10 @@ if gluon is not None:
         WV: gl.constexpr = G * VBITS // 32  # the same for the values
         RSV: gl.constexpr = 2 * VBITS
         SPAN: gl.constexpr = G if G > 64 else 64  # noqa: FURB136 (tokens a step's groups span)
+        if LENS_DEV:  # (sink, body, residual) lengths on the device; the ints are only bounds
+            sink_len = gl.load(LenTab)
+            body_len = gl.load(LenTab + 1)
+            res_len = gl.load(LenTab + 2)
         bh = gl.program_id(0)
         split = gl.program_id(1)
         h = bh % Hkv
@@ -700,26 +705,39 @@ def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
             and heads_per_kv <= 16 and window is None)
 
 
-# Below these sizes the Triton kernel is the better choice (H200, benchmarks/results/
-# decode_attention.md): with few (sequence, KV head) pairs the one-warp programs are too few per
-# SM to hide memory latency (the Triton kernel's 4-warp programs pipeline their loads through
-# shared memory), and on small steps the extra launch costs more host time than it saves.
-MIN_BATCH_HEADS = 32
-MIN_BODY_TOKENS = 1 << 20  # body tokens x (sequence, KV head) pairs
+# Below this size the Triton kernel is the better choice: on the H200 in CUDA-graph time
+# (benchmarks/probes/decode_small_batch.py, the session-12 probe in benchmarks/results/
+# decode_small_batch.log) Llama-3-8B batch 1 at 4k (8 pairs x ~4k tokens) takes 13 us through
+# Triton against 17 us here, and the two are even at ~128-256k tokens (Llama-2 batch 1 at 4k,
+# Llama-3 batch 8 at 4k); from 256k up this kernel leads (Llama-3 batch 1 32k: 34 vs 39 us,
+# Llama-2 batch 1 32k: 75 vs 136 us, Llama-2 batch 8 4k: 81 vs 131 us).
+MIN_BODY_TOKENS = 1 << 18  # body tokens x (sequence, KV head) pairs
 
 
 def serves(kv, q_rows: int, heads_per_kv: int, window, batch_heads: int) -> bool:
     """:func:`eligible` and a step big enough for this kernel to be the faster one."""
-    return (batch_heads >= MIN_BATCH_HEADS and batch_heads * kv.body_len >= MIN_BODY_TOKENS
+    return (batch_heads * kv.body_len >= MIN_BODY_TOKENS
             and eligible(kv, q_rows, heads_per_kv, window))
 
 
+# Fewer (sequence, KV head) pairs than this: the grid is sized to one wave (SMALL_GRID_PER_SM
+# programs per SM, ~10 fit); more: LARGE_GRID_PER_SM per SM, the tail spread over several waves.
+SMALL_GRID_PAIRS = 256
+SMALL_GRID_PER_SM = 8
+LARGE_GRID_PER_SM = 32
+
+
 def body_splits(batch_heads: int, body_len: int, sm_count: int) -> int:
-    """One-warp programs per (sequence, KV head): about 32 per SM over the whole grid (about
-    ten are resident at ~200 registers per thread; the rest fill the tail), never more than
-    there are 64-token steps (sweep: ``benchmarks/gluon_sweep.py``)."""
+    """One-warp programs per (sequence, KV head), never more than there are 64-token steps.
+
+    Large grids: about 32 per SM (about ten are resident at ~200 registers per thread; the rest
+    fill the tail; sweep: ``benchmarks/gluon_sweep.py``). Small grids (few pairs, so many splits
+    each): one wave, ~8 per SM. A second wave of short programs costs a whole program's latency
+    again, and every split adds a partial to merge: Llama-3-8B batch 1 at 32k took 80 us at 32
+    per SM (510 one-step splits per pair), 70 us at 16, 34 us at 8 (probe above)."""
     steps = -(-body_len // STEP)
-    want = max(1, -(-32 * sm_count // batch_heads))
+    per_sm = SMALL_GRID_PER_SM if batch_heads < SMALL_GRID_PAIRS else LARGE_GRID_PER_SM
+    want = max(1, -(-per_sm * sm_count // batch_heads))
     return max(1, min(want, steps))
 
 
@@ -736,10 +754,13 @@ def split_count(body_len: int, splits: int) -> int:
 
 
 def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_starts: bool,
-                has_lens: bool, n_out: int, splits: int, maxnreg: int | None = None) -> None:
+                has_lens: bool, n_out: int, splits: int, maxnreg: int | None = None,
+                lens_dev=None) -> None:
     """Write the body partials of ``q [B, Hq, 1, D]`` over ``kv`` into columns ``[0, splits)``
     of ``out [B*Hq, n_out, D]`` / ``lse [B*Hq, n_out]``. ``splits`` must already be
-    :func:`split_count`'s (every split non-empty)."""
+    :func:`split_count`'s (every split non-empty). ``lens_dev``: int32 ``[3]`` true (sink, body,
+    residual) lengths on the device, ``kv``'s being bounds (splits past the true body end
+    write empty partials)."""
     B, Hq, _, D = q.shape
     Hkv = kv.kv_heads
     HG = Hq // Hkv
@@ -749,11 +770,13 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
     maxnreg = maxnreg or DEFAULT_MAXNREG or None
     _body_kernel[(B * Hkv, splits)](
         q, out, lse, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero,
-        starts, lengths, scale_log2, kv.sink_len, kv.body_len, kv.res_len,
+        starts, lengths, lens_dev if lens_dev is not None else starts, scale_log2,
+        kv.sink_len, kv.body_len, kv.res_len,
         kv.k_codes.shape[2], kv.k_scale.shape[2] * kv.k_scale.shape[3], kv.v_codes.shape[2],
         kv.v_scale.shape[2] * kv.v_scale.shape[3], Hkv, n_out, per,
         HG=HG, HP=8 if HG <= 8 else 16, D=D, KBITS=kv.key_bits, VBITS=kv.value_bits,
         G=kv.group_size,
         GV=kv.value_group, HAS_STARTS=has_starts, HAS_LENS=has_lens,
-        GK=D // kv.k_scale.shape[3] if k_tok else kv.group_size, K_TOK=k_tok, num_warps=1,
+        GK=D // kv.k_scale.shape[3] if k_tok else kv.group_size, K_TOK=k_tok,
+        LENS_DEV=lens_dev is not None, num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg else {}))

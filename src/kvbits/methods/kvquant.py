@@ -293,7 +293,7 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int, codebook: torch.T
     codes = _codes(_normalize(kg, scale, zero), thresholds.to(k.device))
     if valid is not None:
         codes = torch.where(valid.reshape(B, 1, T // group_size, group_size, 1), codes, 0)
-    words = pack_bits(codes, bits, dim=3).reshape(B, H, -1, D)
+    words = pack_bits(codes, bits, dim=3, check=False).reshape(B, H, -1, D)  # < 2**bits
     out_idx = out_val = None
     if n_out:
         deq = _lookup(codebook.to(k.device), codes) * scale.float() + zero.float()
@@ -319,7 +319,8 @@ def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: in
     codes = _codes(_normalize(vg, scale, zero), thresholds.to(v.device))
     if valid is not None:
         codes = torch.where(valid.reshape(B, 1, T, 1, 1), codes, 0)
-    words = pack_bits(codes.reshape(B, H, T // G, G, D), bits, dim=3).reshape(B, H, -1, D)
+    words = pack_bits(codes.reshape(B, H, T // G, G, D), bits, dim=3,
+                      check=False).reshape(B, H, -1, D)  # searchsorted: < 2**bits
     out_idx = out_val = None
     if n_out:
         deq = _lookup(codebook.to(v.device), codes) * scale.float() + zero.float()

@@ -79,7 +79,7 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int,
     vg = None if valid is None else valid.reshape(B, 1, T // G, G, 1)
     scale, zero = minmax_qparams(kg, bits, dim=3, valid=vg)  # [B, H, NG, 1, D]
     codes = quantize_with(kg, scale, zero, bits, vg)
-    words = pack_bits(codes, bits, dim=3)  # [B, H, NG, Wk, D]
+    words = pack_bits(codes, bits, dim=3, check=False)  # [B, H, NG, Wk, D]; clamped codes
     return (words.reshape(B, H, -1, D), scale.squeeze(3), zero.squeeze(3))
 
 
@@ -121,7 +121,7 @@ def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: in
     ok = None if valid is None else valid.reshape(B, 1, T, 1, 1)
     scale, zero = minmax_qparams(vg, bits, dim=4, valid=ok)  # [B, H, T, NGv, 1]
     codes = quantize_with(vg, scale, zero, bits, ok).reshape(B, H, T // G, G, D)
-    words = pack_bits(codes, bits, dim=3)  # [B, H, NG, Wv, D]
+    words = pack_bits(codes, bits, dim=3, check=False)  # [B, H, NG, Wv, D]; clamped codes
     return words.reshape(B, H, -1, D), scale.squeeze(4), zero.squeeze(4)
 
 
