@@ -4,6 +4,8 @@
    at half and double that, at 64-token tiles; the Gluon body forced on at its default split count
    and at half / double. Which kernel and split count to use where ``decode_gluon.serves`` now
    sends small steps to Triton.
+3. (``splits`` argument) The Gluon body's split count as programs per SM, 4 to 64, over
+   batch 1 to 8 shapes: the rule of ``decode_gluon.body_splits``.
 2. KVQuant-3 layers with every part (codebooks, 2 outliers per token, pre-RoPE keys) and with
    parts removed, at a few warps / tile sizes: what each part costs and the best launch knobs.
 
@@ -102,8 +104,31 @@ def kvquant_parts(bw):
             del kv
 
 
+def gluon_splits(bw):
+    sms = _sm_count(torch.device("cuda"))
+    for model, B, T in [("llama-3-8b", 1, 32768), ("llama-3-8b", 1, 131072), ("llama-2-7b", 1, 32768),
+                        ("llama-2-7b", 1, 131072), ("llama-3-8b", 4, 32768), ("llama-3-8b", 8, 32768),
+                        ("llama-3-8b", 8, 131072), ("llama-2-7b", 8, 32768)]:
+        hq, hkv, d = MODELS[model]
+        q = torch.randn(B, hq, 1, d, dtype=torch.float16, device="cuda")
+        kv = random_packed_kv(B, hkv, T, d, resolve_spec("kivi-2"))
+        nb = packed_nbytes(kv)
+        for per_sm in (4, 8, 16, 32, 64):
+            splits = -(-per_sm * sms // (B * hkv))
+            us = bench_graph(lambda: decode_attention(q, kv, scale=d ** -0.5, gluon=True,
+                                                      splits=splits))
+            steps = -(-kv.body_len // 64)
+            emit(part="splits", model=model, B=B, T=T, per_sm=per_sm,
+                 splits=decode_gluon.split_count(kv.body_len, splits), steps=steps, us=us,
+                 frac_bw=nb / us * 1e6 / bw)
+        del kv
+
+
 if __name__ == "__main__":
     bw = copy_bandwidth()
     emit(part="bw", tbps=bw / 1e12, gpu=torch.cuda.get_device_name())
-    small_batch(bw)
-    kvquant_parts(bw)
+    if sys.argv[1:] == ["splits"]:
+        gluon_splits(bw)
+    else:
+        small_batch(bw)
+        kvquant_parts(bw)
