@@ -789,6 +789,7 @@ def test_gluon_dispatch_rules():
     assert decode_gluon.body_splits(8, 32768, 132) == 132
     assert decode_gluon.body_splits(1024, 32768, 132) == 5
     assert decode_gluon.body_splits(64, 32768, 132) == 66
+    assert decode_gluon.body_splits(20, 32768, 132) == 52  # 1040 programs: within one wave
     assert decode_gluon.body_splits(8, 640, 132) == 10
     for kb, vb, G, D in [(4, 2, 128, 128), (3, 3, 32, 128), (8, 8, 32, 128), (2, 2, 32, 96)]:
         other = make_kv(Case(kb=kb, vb=vb, G=G, D=D, B=1, Hkv=1, body=128, res=0), device="cpu")

@@ -706,7 +706,7 @@ def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
 
 
 # Below this size the Triton kernel is the better choice: on the H200 in CUDA-graph time
-# (benchmarks/probes/decode_small_batch.py, the session-12 probe in benchmarks/results/
+# (benchmarks/probes/decode_small_batch.py; its output is benchmarks/results/
 # decode_small_batch.log) Llama-3-8B batch 1 at 4k (8 pairs x ~4k tokens) takes 13 us through
 # Triton against 17 us here, and the two are even at ~128-256k tokens (Llama-2 batch 1 at 4k,
 # Llama-3 batch 8 at 4k); from 256k up this kernel leads (Llama-3 batch 1 32k: 34 vs 39 us,
@@ -720,10 +720,13 @@ def serves(kv, q_rows: int, heads_per_kv: int, window, batch_heads: int) -> bool
             and eligible(kv, q_rows, heads_per_kv, window))
 
 
-# Fewer (sequence, KV head) pairs than this: the grid is sized to one wave (SMALL_GRID_PER_SM
-# programs per SM, ~10 fit); more: LARGE_GRID_PER_SM per SM, the tail spread over several waves.
-# (At 64 pairs, Llama-3 batch 8 at 32k, one wave measured slower: 198 against 143 us.)
-SMALL_GRID_PAIRS = 32
+# Fewer (sequence, KV head) pairs than this: the grid is one wave, SMALL_GRID_PER_SM programs per
+# SM (about that many fit at ~200 registers per thread); more: LARGE_GRID_PER_SM per SM, several
+# waves. H200 sweep (kivi-2, graph time; benchmarks/results/decode_gluon_splits.log): below 64
+# pairs one wave wins (Llama-3 batch 1 32k: 33 us against 83 us at 32 per SM; Llama-2 batch 1
+# 32k: 76 against 81 us), and a grid just past one wave costs nearly a second one (Llama-3 batch
+# 8 32k at 17 x 64 = 1088 programs: 202 us, at 32 per SM: 142 us).
+SMALL_GRID_PAIRS = 64
 SMALL_GRID_PER_SM = 8
 LARGE_GRID_PER_SM = 32
 
@@ -731,14 +734,16 @@ LARGE_GRID_PER_SM = 32
 def body_splits(batch_heads: int, body_len: int, sm_count: int) -> int:
     """One-warp programs per (sequence, KV head), never more than there are 64-token steps.
 
-    Large grids: about 32 per SM (about ten are resident at ~200 registers per thread; the rest
-    fill the tail; sweep: ``benchmarks/gluon_sweep.py``). Small grids (few pairs, so many splits
-    each): one wave, ~8 per SM. A second wave of short programs costs a whole program's latency
-    again, and every split adds a partial to merge: Llama-3-8B batch 1 at 32k took 80 us at 32
-    per SM (510 one-step splits per pair), 70 us at 16, 34 us at 8 (probe above)."""
+    Large grids: about 32 per SM (about eight are resident; the rest fill the tail; sweeps:
+    ``benchmarks/gluon_sweep.py``, ``benchmarks/probes/decode_small_batch.py splits``). Small
+    grids (few pairs, so many splits each): at most one wave of ~8 per SM, rounded down: a second
+    wave of short programs costs a whole program's latency again, and every split adds a partial
+    to merge."""
     steps = -(-body_len // STEP)
-    per_sm = SMALL_GRID_PER_SM if batch_heads < SMALL_GRID_PAIRS else LARGE_GRID_PER_SM
-    want = max(1, -(-per_sm * sm_count // batch_heads))
+    if batch_heads < SMALL_GRID_PAIRS:
+        want = SMALL_GRID_PER_SM * sm_count // batch_heads
+    else:
+        want = -(-LARGE_GRID_PER_SM * sm_count // batch_heads)
     return max(1, min(want, steps))
 
 
