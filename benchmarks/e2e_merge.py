@@ -24,12 +24,19 @@ CAVEATS = [
     "step; `fp16-flash` is the same `DynamicCache` path with SDPA restricted to the flash/"
     "efficient/math backends, which removes that host cost. \"vs FP16\" in the tables is against "
     "`fp16`; compare with the `fp16-flash` row for the apples-to-apples number.",
-    "Against `fp16-flash` at batch 1 (this run): kivi-2 is 0.64x at 4k and 1.50x at 32k on "
-    "Llama-2-7B, 0.76x / 0.72x on Llama-3-8B; on SmolLM2 it is 0.7-1.9x. kvbits' cache update "
-    "and attention cost ~250-300 us of Python/launch time per layer per step (two Triton launches, "
-    "the residual append, the flush bookkeeping) against ~70 us for `DynamicCache` + flash SDPA; "
-    "its GPU time is lower (decode_attention.md), but at batch 1 the host sets the step time. The "
-    "route is CUDA graphs, which needs device-side lengths in the kernels (not done).",
+    "Against `fp16-flash` at batch 1 (the llama2/llama3 parts): kivi-2 is 0.64x at 4k and 1.50x "
+    "at 32k on Llama-2-7B, 0.76x / 0.72x on Llama-3-8B; on SmolLM2 it is 0.7-1.9x. kvbits' cache "
+    "update and attention cost ~250-300 us of Python/launch time per layer per step against ~70 "
+    "us for `DynamicCache` + flash SDPA; at batch 1 eager the host sets the step time.",
+    "The graphs parts remove the host: `+graphs` rows decode through "
+    "`kvbits.integrations.decode_loop.GreedyDecoder` (greedy, each step replayed from a CUDA "
+    "graph; kvbits: two graphs per generation, lengths on the device). `fp16+graphs` is "
+    "transformers' `StaticCache` in the same loop: its SDPA attends over the whole static buffer "
+    "with a mask (no flash backend; with GQA, K/V repeated), so it slows with context. "
+    "`kvbits-fp16+graphs` is the control: an FP16 `KVBitsCache`, same loop, graphs and kernels, "
+    "nothing quantized. kivi-2+graphs against it: 1.01x / 1.35x (Llama-2-7B 4k / 32k), 1.00x / "
+    "1.03x (Llama-3-8B): at batch 1 the weights dominate, and HF's eager forward (~1000 kernels "
+    "per step) sets a ~7.3 ms floor.",
     "At batch x context >= 256k tokens attention dominates and kvbits leads: the 32k memory-budget "
     "run (`e2e_budget32k_llama2_7b`) serves 6.7x the sequences at 15x FP16's tokens/s.",
     "FP16 `DynamicCache` concatenates the whole history every step (transformers' behaviour), "
