@@ -154,3 +154,45 @@ def test_ppl_command_writes_json_and_markdown(smollm2, capsys, tmp_path):
     assert fp["tokens_scored"] == q["tokens_scored"] == 159
     assert q["cache_bytes_fp16"] < fp["cache_bytes_fp16"] == fp["fp16_cache_bytes"]
     assert "| fp16" in md.read_text()
+
+
+# ------------------------------------------------------------------------------ generate
+class _StubTokenizer:
+    """Token ids as text: enough for generate_text on a random tiny model."""
+    chat_template = None
+
+    def __call__(self, text, return_tensors="pt"):
+        import torch
+        return {"input_ids": torch.tensor([[int(t) for t in text.split()]])}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(int(i)) for i in ids)
+
+
+def test_generate_text_decode_loop_equals_generate():
+    """The CUDA-graph loop's path (eager here, on the CPU) gives generate's greedy tokens and
+    stops where generate stops."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvbits.cli import GenerateConfig, _until_eos, generate_text
+    from kvbits.spec import resolve_spec
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.generation_config.eos_token_id = None
+    prompt = " ".join(str(i) for i in torch.randint(1, 64, (40,)).tolist())
+    spec = resolve_spec("kivi-2").replace(residual_length=4)
+    runs = {g: generate_text(model, _StubTokenizer(), GenerateConfig(spec=spec, prompt=prompt,
+                                                                     max_new_tokens=40, graphs=g))
+            for g in (False, True)}
+    assert runs[True]["text"] == runs[False]["text"] and runs[True]["new_tokens"] == 40
+    assert _until_eos(torch.tensor([5, 7, 2, 7]), 7) == 2
+    assert _until_eos(torch.tensor([5, 7, 2]), [2, 9]) == 3 and _until_eos(torch.tensor([5]), None) == 1
+    with pytest.raises(ValueError, match="greedy"):
+        generate_text(model, _StubTokenizer(), GenerateConfig(spec=spec, prompt=prompt,
+                                                              sample=True, graphs=True))

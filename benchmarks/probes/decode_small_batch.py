@@ -4,12 +4,12 @@
    at half and double that, at 64-token tiles; the Gluon body forced on at its default split count
    and at half / double. Which kernel and split count to use where ``decode_gluon.serves`` now
    sends small steps to Triton.
-3. (``splits`` argument) The Gluon body's split count as programs per SM, 4 to 64, over
-   batch 1 to 8 shapes: the rule of ``decode_gluon.body_splits``.
 2. KVQuant-3 layers with every part (codebooks, 2 outliers per token, pre-RoPE keys) and with
    parts removed, at a few warps / tile sizes: what each part costs and the best launch knobs.
+3. (``splits`` argument) The Gluon body's split count as programs per SM, 4 to 64, over
+   batch 1 to 8 shapes: the rule of ``decode_gluon.body_splits``.
 
-    PYTHONPATH=src python3 benchmarks/probes/decode_small_batch.py > probe.log
+    PYTHONPATH=src python3 benchmarks/probes/decode_small_batch.py [splits] > probe.log
 """
 from __future__ import annotations
 

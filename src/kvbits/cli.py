@@ -392,10 +392,16 @@ class GenerateConfig:
     num_beams: int = 1
     chat: bool = False
     seed: int = 0
+    graphs: bool | None = None  # None: CUDA graphs where they apply (CUDA, greedy, one beam)
 
 
 def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
-    """Generate with a :class:`KVBitsCache`; returns the text, token counts, cache bytes and time."""
+    """Generate with a :class:`KVBitsCache`; returns the text, token counts, cache bytes and time.
+
+    Greedy single-beam decoding on CUDA goes through
+    :class:`~kvbits.integrations.decode_loop.GreedyDecoder` (each step replayed from a CUDA
+    graph; the same tokens as ``generate``, which is host-bound at small batch), stopping at the
+    first end-of-sequence token as ``generate`` does; ``cfg.graphs=False`` keeps ``generate``."""
     import torch
 
     from .eval.perplexity import cache_nbytes
@@ -415,23 +421,43 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
         opts.update(temperature=cfg.temperature, top_p=cfg.top_p)
     else:
         opts.update(temperature=None, top_p=None, top_k=None)
+    greedy = not cfg.sample and cfg.num_beams == 1
+    graphs = (greedy and model.device.type == "cuda") if cfg.graphs is None else cfg.graphs
+    if graphs and not greedy:
+        raise ValueError("generate: graphs=True needs greedy decoding with one beam "
+                         f"(sample={cfg.sample}, num_beams={cfg.num_beams})")
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids.to(model.device), attention_mask=torch.ones_like(ids),
-                             **opts, **cache_kwargs(model, cache))
+        if graphs:
+            from .integrations.decode_loop import GreedyDecoder
+
+            new = GreedyDecoder(model, cache).generate(ids.to(model.device), cfg.max_new_tokens)[0]
+            new = new[: _until_eos(new, model.generation_config.eos_token_id)]
+        else:
+            out = model.generate(ids.to(model.device), attention_mask=torch.ones_like(ids),
+                                 **opts, **cache_kwargs(model, cache))
+            new = out[0, ids.shape[1]:]
     seconds = time.perf_counter() - t0
-    new = out[0, ids.shape[1]:]
     return {"text": tokenizer.decode(new, skip_special_tokens=True), "prompt_tokens": ids.shape[1],
             "new_tokens": int(new.numel()), "seconds": seconds,
             "cache_bytes": cache_nbytes(cache), "cache_bytes_fp16": cache_nbytes(cache, fp16=True),
             "fp16_cache_bytes": cache.fp16_nbytes() * 2 // next(model.parameters()).element_size()}
 
 
+def _until_eos(tokens, eos) -> int:
+    """Tokens to keep: up to and including the first end-of-sequence token (``eos``: an id, a
+    list of ids or None), as ``generate`` stops."""
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    hits = [i for i, t in enumerate(tokens.tolist()) if t in ids]
+    return hits[0] + 1 if hits else len(tokens)
+
+
 def _cmd_generate(args) -> int:
     (variant,) = parse_presets(args.preset, group_size=args.group_size,
                                residual_length=args.residual_length, sink_tokens=args.sink_tokens)
     cfg = GenerateConfig(args.model, variant.spec, args.prompt, args.max_new_tokens, args.sample,
-                         args.temperature, args.top_p, args.num_beams, args.chat, args.seed)
+                         args.temperature, args.top_p, args.num_beams, args.chat, args.seed,
+                         args.graphs)
     model, tok, _ = _load(cfg.model)
     r = generate_text(model, tok, cfg)
     print(r["text"])
@@ -627,6 +653,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-beams", type=_positive, default=1, help="beam search width (default 1)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--seed", type=int, default=0, help="random seed for --sample (default 0)")
+    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="greedy decoding with each step replayed from a CUDA graph (default: on "
+                        "a GPU when greedy with one beam; --no-graphs uses transformers' "
+                        "generate)")
     _spec_options(p)
     p.set_defaults(func=_cmd_generate)
 
