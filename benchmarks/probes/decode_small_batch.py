@@ -33,19 +33,24 @@ def emit(**row):
     print(json.dumps(row), flush=True)
 
 
+def query_and_flash(part, model, B, T):
+    """A decode query for the shape, and FP16 flash SDPA's graph time over random K/V (reported)."""
+    hq, hkv, d = MODELS[model]
+    q = torch.randn(B, hq, 1, d, dtype=torch.float16, device="cuda")
+    k = torch.randn(B, hkv, T, d, dtype=torch.float16, device="cuda")
+    v = torch.randn_like(k)
+    fp = bench_graph(lambda: sdpa_fp16(q, k, v, d ** -0.5))
+    emit(part=part, model=model, B=B, T=T, cfg="flash", us=fp)
+    return q, hkv, d, fp
+
+
 def small_batch(bw):
     sms = _sm_count(torch.device("cuda"))
     shapes = [("llama-2-7b", 1, 4096), ("llama-2-7b", 1, 32768), ("llama-3-8b", 1, 4096),
               ("llama-3-8b", 1, 32768), ("llama-3-8b", 1, 131072), ("llama-3-8b", 8, 4096),
               ("llama-2-7b", 8, 4096), ("llama-3-8b", 4, 32768)]
     for model, B, T in shapes:
-        hq, hkv, d = MODELS[model]
-        q = torch.randn(B, hq, 1, d, dtype=torch.float16, device="cuda")
-        k = torch.randn(B, hkv, T, d, dtype=torch.float16, device="cuda")
-        v = torch.randn_like(k)
-        fp = bench_graph(lambda: sdpa_fp16(q, k, v, d ** -0.5))
-        emit(part="small", model=model, B=B, T=T, cfg="flash", us=fp)
-        del k, v
+        q, hkv, d, fp = query_and_flash("small", model, B, T)
         for preset in ("kivi-2", "kivi-4"):
             kv = random_packed_kv(B, hkv, T, d, resolve_spec(preset))
             nb = packed_nbytes(kv)
@@ -77,13 +82,7 @@ def kvquant_parts(bw):
                 "no-prerope": dataclasses.replace(full, pre_rope=False),
                 "codebook-only": dataclasses.replace(full, outliers=0.0, pre_rope=False)}
     for model, B, T in [("llama-3-8b", 8, 32768), ("llama-2-7b", 8, 32768), ("llama-3-8b", 32, 4096)]:
-        hq, hkv, d = MODELS[model]
-        q = torch.randn(B, hq, 1, d, dtype=torch.float16, device="cuda")
-        k = torch.randn(B, hkv, T, d, dtype=torch.float16, device="cuda")
-        v = torch.randn_like(k)
-        fp = bench_graph(lambda: sdpa_fp16(q, k, v, d ** -0.5))
-        emit(part="kvq", model=model, B=B, T=T, cfg="flash", us=fp)
-        del k, v
+        q, hkv, d, fp = query_and_flash("kvq", model, B, T)
         for vname, spec in variants.items():
             kv = random_packed_kv(B, hkv, T, d, spec)
             nb = packed_nbytes(kv)

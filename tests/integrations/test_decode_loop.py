@@ -21,12 +21,10 @@ from kvbits.integrations.hf import KVBitsCache
 NEW = 80
 
 
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=512)
+def tiny_llama(seed: int, **shape) -> LlamaForCausalLM:
+    """A random two-layer Llama (vocabulary 96) with ``shape``'s config fields."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=96, num_hidden_layers=2, **shape)
     m = LlamaForCausalLM(cfg).eval()
     # a peaked output distribution, so greedy tokens are stable under float-order differences
     with torch.no_grad():
@@ -35,15 +33,15 @@ def model():
 
 
 @pytest.fixture(scope="module")
+def model():
+    return tiny_llama(0, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
 def model32():
-    torch.manual_seed(1)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                      max_position_embeddings=512)
-    m = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        m.lm_head.weight.mul_(8.0)
-    return m
+    return tiny_llama(1, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=32, max_position_embeddings=512)
 
 
 def reference_tokens(model, ids, cache):
@@ -166,14 +164,8 @@ def test_fp16_caches_match_generate(model):
 @pytest.fixture(scope="module")
 def gpu_model():
     """head_dim 64: the kernels' pre-RoPE path needs >= 32 (a smaller one decodes eagerly)."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                      max_position_embeddings=1024)
-    m = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        m.lm_head.weight.mul_(8.0)
-    return m.half().cuda()
+    return tiny_llama(0, hidden_size=256, intermediate_size=256, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=64, max_position_embeddings=1024).half().cuda()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
