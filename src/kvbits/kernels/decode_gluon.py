@@ -30,9 +30,11 @@ head_dim 64 or 128); :func:`eligible` says which layers, the Triton kernel does 
 Different key and value widths (``MIXED_BITS``) permute P's rows between
 the two token orders, which differ only by a permutation of the row index's six bits.
 Keys scaled per token over at least half the head (the uniform method, ``TOKEN_KEYS``) are served
-too. The loop has no prefetch: each step's key words are loaded at its start and its value words
-after the softmax. Prefetches of the next step measured slower on the H200: in registers (255
-registers and spills) and through shared memory with cp.async, double buffered (2x slower).
+too. Each step's key words are loaded at its start and its value words after the softmax; right
+after its key loads a step asks, with ``prefetch.global.L2`` (no registers, no shared memory), for
+every byte of the next step, so the one warp waits on L2 rather than DRAM (``DEFAULT_PREFETCH``).
+Prefetches of the next step *into registers* measured slower on the H200 (255 registers and
+spills), and so did a cp.async double buffer through shared memory (2x slower).
 """
 
 from __future__ import annotations
@@ -530,6 +532,51 @@ if gluon is not None:
         BITS: gl.constexpr = 2 if len(w.shape) == 3 else 4
         return _dequant(w, s, z, P, BITS)
 
+    @gluon.constexpr_function
+    def _prefetch_asm(l1):
+        level = "L1" if getattr(l1, "value", l1) else "L2"
+        return ("{ .reg .pred p; setp.ne.b32 p, $2, 0; "
+                f"@p prefetch.global.{level} [$1]; mov.b32 $0, 0; }}")
+
+    @gluon.jit
+    def _prefetch(base, nbytes, NBYTES: gl.constexpr, L1: gl.constexpr):
+        """Ask for ``[base, base + nbytes)`` (``nbytes <= NBYTES``) to be brought into L2 (or L1),
+        one 128-byte line per lane: no register waits on it, so the loads of a later step find
+        their bytes close instead of in DRAM."""
+        PL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        line = gl.arange(0, 32, layout=PL) * 128
+        b8 = base.to(gl.pointer_type(gl.int8), bitcast=True)
+        for i in gl.static_range((NBYTES + 4095) // 4096):
+            off = line + i * 4096
+            ok = (off < nbytes).to(gl.int32)
+            gl.inline_asm_elementwise(_prefetch_asm(L1), "=r,l,r", [b8 + off, ok], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+
+    @gluon.jit
+    def _prefetch_step(s, kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, D: gl.constexpr,
+                       RS: gl.constexpr, RSV: gl.constexpr, G: gl.constexpr, SPAN: gl.constexpr,
+                       NGV: gl.constexpr, NGK: gl.constexpr, K_TOK: gl.constexpr,
+                       L1: gl.constexpr):
+        """Prefetch every byte step ``s`` will load: key and value words, key scales/zeros (per
+        channel over the step's groups, or per token), value scales/zeros of its tokens."""
+        KWB: gl.constexpr = RS * D * 4
+        VWB: gl.constexpr = RSV * D * 4
+        _prefetch(kc_base + s * (RS * D), KWB, KWB, L1)
+        _prefetch(vc_base + s * (RSV * D), VWB, VWB, L1)
+        t0 = (s * 64 // SPAN) * SPAN
+        VSB: gl.constexpr = SPAN * NGV * 2
+        _prefetch(vs_base + t0 * NGV, VSB, VSB, L1)
+        _prefetch(vz_base + t0 * NGV, VSB, VSB, L1)
+        if K_TOK:
+            KSB: gl.constexpr = SPAN * NGK * 2
+            _prefetch(ks_base + t0 * NGK, KSB, KSB, L1)
+            _prefetch(kz_base + t0 * NGK, KSB, KSB, L1)
+        else:
+            SG: gl.constexpr = SPAN // G
+            KSB2: gl.constexpr = SG * D * 2
+            _prefetch(ks_base + (t0 // G) * D, KSB2, KSB2, L1)
+            _prefetch(kz_base + (t0 // G) * D, KSB2, KSB2, L1)
+
     # Step-varying integers are not specialized (see decode_attention._STEP_VARYING).
     @gluon.jit(do_not_specialize=("sink_len", "res_len", "n_out", "steps_per_split"))
     def _body_kernel(
@@ -539,7 +586,8 @@ if gluon is not None:
         HG: gl.constexpr, HP: gl.constexpr, D: gl.constexpr, KBITS: gl.constexpr,
         VBITS: gl.constexpr, G: gl.constexpr, GV: gl.constexpr, HAS_STARTS: gl.constexpr,
         HAS_LENS: gl.constexpr, GK: gl.constexpr, K_TOK: gl.constexpr,
-        LENS_DEV: gl.constexpr,
+        LENS_DEV: gl.constexpr, PF: gl.constexpr = 0, PF_L1: gl.constexpr = False,
+        PF_AFTER: gl.constexpr = False, EARLY_V: gl.constexpr = False,
     ):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                       instr_shape=[16, 8])
@@ -614,7 +662,17 @@ if gluon is not None:
         acc1 = gl.zeros([DC, HP], gl.float32, layout=mma)
         row0 = s_lo * RS
         tok0 = (row0 // W) * G + row0 % W
+        NGV: gl.constexpr = D // GV
+        NGK: gl.constexpr = D // GK
+        if PF > 0:  # the first steps' bytes on their way before the loop starts
+            for s in range(s_lo + 1, gl.minimum(s_lo + PF, s_hi)):
+                _prefetch_step(s, kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, D, RS,
+                               RSV, G, SPAN, NGV, NGK, K_TOK, PF_L1)
         for s in range(s_lo, s_hi):
+            if PF > 0 and not PF_AFTER:
+                if s + PF < s_hi:
+                    _prefetch_step(s + PF, kc_base, ks_base, kz_base, vc_base, vs_base, vz_base,
+                                   D, RS, RSV, G, SPAN, NGV, NGK, K_TOK, PF_L1)
             lo = (row0 // W) * G
             r_cur = row0
             t_cur = tok0
@@ -624,6 +682,19 @@ if gluon is not None:
                                        0, KBITS, W, G, D, DC, GK, KW, KT, K_TOK)
             kw1, ks1, kz1 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur, body_len,
                                        DC, KBITS, W, G, D, DC, GK, KW, KT, K_TOK)
+            if KBITS == VBITS:
+                rv = r_cur
+            else:  # G <= 64 (eligible): a step is whole groups for either width
+                rv = s * RSV
+            if EARLY_V:  # this step's values requested with its keys
+                vw0, vs0, vz0 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
+                                             body_len, 0, VBITS, WV, G, D, DC, GV, VW, VS_L)
+                vw1, vs1, vz1 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
+                                             body_len, DC, VBITS, WV, G, D, DC, GV, VW, VS_L)
+            if PF > 0 and PF_AFTER:  # after this step's own loads are issued
+                if s + PF < s_hi:
+                    _prefetch_step(s + PF, kc_base, ks_base, kz_base, vc_base, vs_base, vz_base,
+                                   D, RS, RSV, G, SPAN, NGV, NGK, K_TOK, PF_L1)
             k = _key_operand(kw0, ks0, kz0, KBITS, DC, KW, a_l, K_TOK)
             st = mma_v2(k, q0, gl.zeros([64, HP], gl.float32, layout=mma))
             k = _key_operand(kw1, ks1, kz1, KBITS, DC, KW, a_l, K_TOK)
@@ -641,16 +712,11 @@ if gluon is not None:
             if KBITS != VBITS:  # P's rows from the keys' token order to the values'
                 p = _reorder_tokens(p, KBITS, VBITS, G, HP)
             pb = gl.convert_layout(p, b_l)
-            # values only now: loading them with the keys measured no faster, and holds more
-            # registers through the key MMA and the softmax
-            if KBITS == VBITS:
-                rv = r_cur
-            else:  # G <= 64 (eligible): a step is whole groups for either width
-                rv = s * RSV
-            vw0, vs0, vz0 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
-                                         body_len, 0, VBITS, WV, G, D, DC, GV, VW, VS_L)
-            vw1, vs1, vz1 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
-                                         body_len, DC, VBITS, WV, G, D, DC, GV, VW, VS_L)
+            if not EARLY_V:  # values only now: fewer registers through the key MMA and softmax
+                vw0, vs0, vz0 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
+                                             body_len, 0, VBITS, WV, G, D, DC, GV, VW, VS_L)
+                vw1, vs1, vz1 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
+                                             body_len, DC, VBITS, WV, G, D, DC, GV, VW, VS_L)
             v = _value_operand(vw0, vs0, vz0, VBITS, DC, VW, a_l)
             acc0 = mma_v2(v, pb, acc0 * alpha[None, :])
             v = _value_operand(vw1, vs1, vz1, VBITS, DC, VW, a_l)
@@ -751,6 +817,21 @@ def body_splits(batch_heads: int, body_len: int, sm_count: int) -> int:
 # the launch is on every decode step.
 DEFAULT_MAXNREG = int(os.environ.get("KVBITS_GLUON_MAXNREG", "0"))
 
+# Prefetch distance in 64-token steps (0: none): each step asks for the bytes of the step PF
+# ahead with ``prefetch.global`` (no registers, no shared memory), so the one warp of a program
+# finds its next loads in L2 (or L1, KVBITS_GLUON_PREFETCH_L1=1) instead of waiting on DRAM.
+# H200 sweep (benchmarks/gluon_sweep.py, SWEEP_PF; benchmarks/results/decode_gluon_prefetch.log):
+# one step ahead, issued after the step's own key loads, is the best of 0-4 steps, L1/L2, before
+# or after: kivi-2 Llama-3-8B B=32 32k 518 -> 402 us, Llama-3 B=8 32k 146 -> 116 us, Llama-2-7B
+# B=8 32k 500 -> 395 us; kivi-4, uniform-int4 and k4v2 gain 5-25%. Two or more steps ahead
+# measured slower (the prefetches crowd the demand loads).
+DEFAULT_PREFETCH = int(os.environ.get("KVBITS_GLUON_PREFETCH", "1"))
+PREFETCH_L1 = os.environ.get("KVBITS_GLUON_PREFETCH_L1", "0") == "1"
+PREFETCH_AFTER_KEYS = os.environ.get("KVBITS_GLUON_PREFETCH_AFTER", "1") == "1"
+# Issue a step's value loads with its key loads (one wait per step instead of two; ~250
+# registers): measured 0-6% faster with 4-bit keys, 4-50% slower for kivi-2, so off.
+EARLY_VALUES = os.environ.get("KVBITS_GLUON_EARLY_V", "0") == "1"
+
 
 def split_count(body_len: int, splits: int) -> int:
     """The number of non-empty splits when ``body_len`` tokens of 64-token steps are cut into
@@ -761,7 +842,7 @@ def split_count(body_len: int, splits: int) -> int:
 
 def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_starts: bool,
                 has_lens: bool, n_out: int, splits: int, maxnreg: int | None = None,
-                lens_dev=None) -> None:
+                lens_dev=None, prefetch: int | None = None) -> None:
     """Write the body partials of ``q [B, Hq, 1, D]`` over ``kv`` into columns ``[0, splits)``
     of ``out [B*Hq, n_out, D]`` / ``lse [B*Hq, n_out]``. ``splits`` must already be
     :func:`split_count`'s (every split non-empty). ``lens_dev``: int32 ``[3]`` true (sink, body,
@@ -784,5 +865,6 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         G=kv.group_size,
         GV=kv.value_group, HAS_STARTS=has_starts, HAS_LENS=has_lens,
         GK=D // kv.k_scale.shape[3] if k_tok else kv.group_size, K_TOK=k_tok,
-        LENS_DEV=lens_dev is not None, num_warps=1,
+        LENS_DEV=lens_dev is not None, PF=DEFAULT_PREFETCH if prefetch is None else prefetch,
+        PF_L1=PREFETCH_L1, PF_AFTER=PREFETCH_AFTER_KEYS, EARLY_V=EARLY_VALUES, num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg else {}))
