@@ -38,18 +38,22 @@ for cx in json.loads(sys.argv[1]):
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
     ir = c.asm["ttgir"]
     out.append({"mma": "mma" in ir, "local_alloc": ir.count("local_alloc"),
-                "shared": c.metadata.shared, "shfl": c.asm["ptx"].count("shfl.sync")})
+                "shared": c.metadata.shared, "shfl": c.asm["ptx"].count("shfl.sync"),
+                "prefetch": c.asm["ptx"].count("prefetch.global.L2")})
 print(json.dumps(out))
 '''
 
 CONFIGS = [  # 2-bit, GQA 4, per-channel keys; 4-bit, 16 heads, per-token keys, lengths on the
     # device (CUDA-graph decode); K4V2 (mixed)
     {"HG": 4, "HP": 8, "D": 128, "KBITS": 2, "VBITS": 2, "G": 32, "GV": 32, "HAS_STARTS": True,
-     "HAS_LENS": True, "GK": 32, "K_TOK": False, "LENS_DEV": False},
+     "HAS_LENS": True, "GK": 32, "K_TOK": False, "LENS_DEV": False, "PF": 1, "PF_L1": False,
+     "PF_AFTER": True, "EARLY_V": False},
     {"HG": 16, "HP": 16, "D": 64, "KBITS": 4, "VBITS": 4, "G": 64, "GV": 64, "HAS_STARTS": True,
-     "HAS_LENS": False, "GK": 64, "K_TOK": True, "LENS_DEV": True},
+     "HAS_LENS": False, "GK": 64, "K_TOK": True, "LENS_DEV": True, "PF": 1, "PF_L1": False,
+     "PF_AFTER": False, "EARLY_V": True},
     {"HG": 4, "HP": 8, "D": 128, "KBITS": 4, "VBITS": 2, "G": 32, "GV": 32, "HAS_STARTS": True,
-     "HAS_LENS": True, "GK": 32, "K_TOK": False, "LENS_DEV": False},
+     "HAS_LENS": True, "GK": 32, "K_TOK": False, "LENS_DEV": False, "PF": 0, "PF_L1": False,
+     "PF_AFTER": False, "EARLY_V": False},
 ]
 
 
@@ -61,6 +65,9 @@ def test_body_kernel_compiles_for_sm90_without_shared_memory_tiles(compile_sm90)
         # and no cross-lane moves beyond the softmax reductions and the P conversion (20 / 40
         # shuffles at 8 / 16 heads; a key layout off by one lane bit costs 100+)
         assert r["shfl"] <= 64, r
+        # the next step's bytes are asked for (PF=1): key/value words and their scales/zeros
+        assert r["prefetch"] >= 6, r
+    assert mixed["prefetch"] == 0, mixed  # PF=0: none
     # mixed widths: only P (64 tokens x 8 heads, fp16) crosses shared memory, to be permuted
     # from the keys' token order to the values'; no K or V tile does
     assert mixed["mma"] and mixed["shared"] <= 64 * 8 * 2, mixed
