@@ -4,7 +4,7 @@ few decode shapes, against the Triton kernel and FP16 SDPA in the same process (
     python3 benchmarks/gluon_sweep.py [PRESET ...]
     env: SWEEP_PF=0,1,1A,1E,2L (prefetch distance in steps; flags: L prefetch into L1, else L2;
          A prefetch after the step's own key loads; E value loads issued with the key loads),
-         SWEEP_MAXNREG=0,168, SWEEP_SPLITS=3,6 (programs per SM; default: the library's rule)
+         SWEEP_MAXNREG=0,168, SWEEP_SPLITS=8,16 (programs per SM; 0: the library's rule)
 
 Every timing is checked against the Triton kernel's output (relative difference printed)."""
 import os
@@ -48,7 +48,8 @@ for preset in sys.argv[1:] or ["kivi-2", "kivi-4"]:
               f"triton v4 {t4 * 1e3:.1f} us (x{tf / t4:.2f})", flush=True)
         for reg in MAXNREGS:
             for sp_mult in SPLIT_MULTS:
-                splits = decode_gluon.body_splits(B * Hkv, T, SMS * sp_mult) if sp_mult else None
+                splits = decode_gluon.split_count(T, -(-sp_mult * SMS // (B * Hkv))) \
+                    if sp_mult else None
                 for var in VARIANTS:
                     decode_gluon.DEFAULT_MAXNREG = reg
                     decode_gluon.DEFAULT_PREFETCH = int(var.rstrip("LAE"))

@@ -787,7 +787,9 @@ def test_gluon_dispatch_rules():
     assert not decode_gluon.serves(kv, 1, 4, None, 4)
     # one wave for small grids, 32 programs per SM for large ones; never more than the steps
     assert decode_gluon.body_splits(8, 32768, 132) == 132
-    assert decode_gluon.body_splits(1024, 32768, 132) == 5
+    assert decode_gluon.body_splits(1024, 32768, 132) == 7  # 48 per SM from 256 pairs
+    assert decode_gluon.body_splits(256, 32768, 132) == 25
+    assert decode_gluon.body_splits(128, 32768, 132) == 33  # 32 per SM below 256
     assert decode_gluon.body_splits(64, 32768, 132) == 66
     assert decode_gluon.body_splits(20, 32768, 132) == 52  # 1040 programs: within one wave
     assert decode_gluon.body_splits(8, 640, 132) == 10

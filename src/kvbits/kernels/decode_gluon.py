@@ -787,29 +787,36 @@ def serves(kv, q_rows: int, heads_per_kv: int, window, batch_heads: int) -> bool
 
 
 # Fewer (sequence, KV head) pairs than this: the grid is one wave, SMALL_GRID_PER_SM programs per
-# SM (about that many fit at ~200 registers per thread); more: LARGE_GRID_PER_SM per SM, several
-# waves. H200 sweep (kivi-2, graph time; benchmarks/results/decode_gluon_splits.log): below 64
-# pairs one wave wins (Llama-3 batch 1 32k: 33 us against 83 us at 32 per SM; Llama-2 batch 1
-# 32k: 76 against 81 us), and a grid just past one wave costs nearly a second one (Llama-3 batch
-# 8 32k at 17 x 64 = 1088 programs: 202 us, at 32 per SM: 142 us).
+# SM (about that many fit at ~170 registers per thread); more: LARGE_GRID_PER_SM per SM, several
+# waves, and MANY_PAIRS_PER_SM from MANY_PAIRS pairs. H200 sweeps (kivi-2, graph time;
+# benchmarks/results/decode_gluon_splits.log): below 64 pairs one wave wins (Llama-3 batch 1 32k:
+# 33 us against 83 us at 32 per SM; Llama-2 batch 1 32k: 76 against 81 us), and a grid just past
+# one wave costs nearly a second one (Llama-3 batch 8 32k at 17 x 64 = 1088 programs: 202 us, at
+# 32 per SM: 142 us). With the L2 prefetch (benchmarks/results/decode_gluon_prefetch.log, eager):
+# at 256 pairs 48 per SM is ~5% faster than 32 (kivi-2 Llama-2 B=8 32k 374 vs 396 us, Llama-3
+# B=32 32k 385 vs 403; kivi-4 473 vs 499, 479 vs 498); at 64 pairs 32 per SM stays best (115 us,
+# against 119-158 at 8-48 per SM).
 SMALL_GRID_PAIRS = 64
 SMALL_GRID_PER_SM = 8
 LARGE_GRID_PER_SM = 32
+MANY_PAIRS = 256
+MANY_PAIRS_PER_SM = 48
 
 
 def body_splits(batch_heads: int, body_len: int, sm_count: int) -> int:
     """One-warp programs per (sequence, KV head), never more than there are 64-token steps.
 
-    Large grids: about 32 per SM (about eight are resident; the rest fill the tail; sweeps:
-    ``benchmarks/gluon_sweep.py``, ``benchmarks/probes/decode_small_batch.py splits``). Small
-    grids (few pairs, so many splits each): at most one wave of ~8 per SM, rounded down: a second
-    wave of short programs costs a whole program's latency again, and every split adds a partial
-    to merge."""
+    Large grids: 32 or 48 programs per SM (about eight are resident; the rest fill the tail;
+    sweeps: ``benchmarks/gluon_sweep.py``, ``benchmarks/probes/decode_small_batch.py splits``).
+    Small grids (few pairs, so many splits each): at most one wave of ~8 per SM, rounded down: a
+    second wave of short programs costs a whole program's latency again, and every split adds a
+    partial to merge."""
     steps = -(-body_len // STEP)
     if batch_heads < SMALL_GRID_PAIRS:
         want = SMALL_GRID_PER_SM * sm_count // batch_heads
     else:
-        want = -(-LARGE_GRID_PER_SM * sm_count // batch_heads)
+        per_sm = MANY_PAIRS_PER_SM if batch_heads >= MANY_PAIRS else LARGE_GRID_PER_SM
+        want = -(-per_sm * sm_count // batch_heads)
     return max(1, min(want, steps))
 
 
