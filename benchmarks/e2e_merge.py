@@ -34,7 +34,7 @@ CAVEATS = [
     "transformers' `StaticCache` in the same loop: its SDPA attends over the whole static buffer "
     "with a mask (no flash backend; with GQA, K/V repeated), so it slows with context. "
     "`kvbits-fp16+graphs` is the control: an FP16 `KVBitsCache`, same loop, graphs and kernels, "
-    "nothing quantized. kivi-2+graphs against it: 1.01x / 1.35x (Llama-2-7B 4k / 32k), 1.00x / "
+    "nothing quantized. kivi-2+graphs against it: 1.03x / 1.39x (Llama-2-7B 4k / 32k), 1.00x / "
     "1.03x (Llama-3-8B): at batch 1 the weights dominate, and HF's eager forward (~1000 kernels "
     "per step) sets a ~7.3 ms floor.",
     "At batch x context >= 256k tokens attention dominates and kvbits leads: the 32k memory-budget "
