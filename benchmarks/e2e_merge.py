@@ -34,8 +34,8 @@ CAVEATS = [
     "transformers' `StaticCache` in the same loop: its SDPA attends over the whole static buffer "
     "with a mask (no flash backend; with GQA, K/V repeated), so it slows with context. "
     "`kvbits-fp16+graphs` is the control: an FP16 `KVBitsCache`, same loop, graphs and kernels, "
-    "nothing quantized. kivi-2+graphs against it: 1.03x / 1.39x (Llama-2-7B 4k / 32k), 1.00x / "
-    "1.03x (Llama-3-8B): at batch 1 the weights dominate, and HF's eager forward (~1000 kernels "
+    "nothing quantized. kivi-2+graphs against it: 1.03x / 1.39x (Llama-2-7B 4k / 32k), 1.01x / "
+    "1.05x (Llama-3-8B): at batch 1 the weights dominate, and HF's eager forward (~1000 kernels "
     "per step) sets a ~7.3 ms floor.",
     "At batch x context >= 256k tokens attention dominates and kvbits leads: the 32k memory-budget "
     "run (`e2e_budget32k_llama2_7b`) serves 6.7x the sequences at 15x FP16's tokens/s.",
