@@ -2,8 +2,9 @@
 few decode shapes, against the Triton kernel and FP16 SDPA in the same process (prints only).
 
     python3 benchmarks/gluon_sweep.py [PRESET ...]
-    env: SWEEP_PF=0,1,1A,1E,2L (prefetch distance in steps; flags: L prefetch into L1, else L2;
-         A prefetch after the step's own key loads; E value loads issued with the key loads),
+    env: SWEEP_PF=0,1,1A,1E,2L,0T,0T2 (prefetch distance in steps; flags: L prefetch into L1,
+         else L2; A prefetch after the step's own key loads; E value loads issued with the key
+         loads; T the TMA ring of decode_gluon_tma where it serves, optionally its stage count),
          SWEEP_MAXNREG=0,168, SWEEP_SPLITS=8,16 (programs per SM; 0: the library's rule)
 
 Every timing is checked against the Triton kernel's output (relative difference printed)."""
@@ -14,12 +15,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import packed_nbytes, random_packed_kv  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+from common import packed_nbytes, random_packed_kv
+from triton.testing import do_bench
 
-from kvbits.kernels import decode_gluon  # noqa: E402
-from kvbits.kernels.decode_attention import decode_attention  # noqa: E402
-from kvbits.spec import resolve_spec  # noqa: E402
+from kvbits.kernels import decode_gluon, decode_gluon_tma
+from kvbits.kernels.decode_attention import decode_attention
+from kvbits.spec import resolve_spec
 
 MAXNREGS = [int(r) for r in os.environ.get("SWEEP_MAXNREG", "0").split(",")]
 SPLIT_MULTS = [int(m) for m in os.environ.get("SWEEP_SPLITS", "0").split(",")]
@@ -31,6 +32,7 @@ VARIANTS = os.environ.get("SWEEP_PF", "0").split(",")
 SHAPES = tuple(tuple(int(x) for x in sh.split("x")) for sh in os.environ.get(
     "SWEEP_SHAPES", "32x32x8x32768,8x32x8x32768,8x32x32x32768,1x32x8x131072,32x32x32x4096").split(","))
 SMS = torch.cuda.get_device_properties(0).multi_processor_count
+TMA_STAGES = dict(decode_gluon_tma.STAGES)
 for preset in sys.argv[1:] or ["kivi-2", "kivi-4"]:
     for B, Hq, Hkv, T in SHAPES:
         kv = random_packed_kv(B, Hkv, T, 128, resolve_spec(preset))
@@ -51,11 +53,15 @@ for preset in sys.argv[1:] or ["kivi-2", "kivi-4"]:
                 splits = decode_gluon.split_count(T, -(-sp_mult * SMS // (B * Hkv))) \
                     if sp_mult else None
                 for var in VARIANTS:
+                    flags, _, stages = var.partition("T")
                     decode_gluon.DEFAULT_MAXNREG = reg
-                    decode_gluon.DEFAULT_PREFETCH = int(var.rstrip("LAE"))
-                    decode_gluon.PREFETCH_L1 = "L" in var
-                    decode_gluon.PREFETCH_AFTER_KEYS = "A" in var
-                    decode_gluon.EARLY_VALUES = "E" in var
+                    decode_gluon.DEFAULT_PREFETCH = int(flags.rstrip("LAE") or 0)
+                    decode_gluon.PREFETCH_L1 = "L" in flags
+                    decode_gluon.PREFETCH_AFTER_KEYS = "A" in flags
+                    decode_gluon.EARLY_VALUES = "E" in flags
+                    decode_gluon_tma.ENABLED = "T" in var
+                    decode_gluon_tma.STAGES = ({2: int(stages), 4: int(stages)} if stages
+                                               else dict(TMA_STAGES))
 
                     def fn():
                         return decode_attention(q, kv, scale=s, gluon=True, splits=splits)

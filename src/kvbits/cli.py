@@ -409,8 +409,7 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
     import torch
 
     from .eval.perplexity import cache_nbytes
-    from .integrations.hf import cache_kwargs
-    from .integrations.hf import KVBitsCache
+    from .integrations.hf import KVBitsCache, cache_kwargs
 
     if cfg.chat and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": cfg.prompt}],

@@ -72,12 +72,13 @@ class Case(NamedTuple):
     window: int | None = None
     splits: int | None = None
     seed: int = 0
+    Gv: int | None = None  # value group (channels); None: gcd(G, D)
 
     def __str__(self) -> str:
         s = (f"K{self.kb}V{self.vb} G={self.G} D={self.D} B={self.B} Hkv={self.Hkv} "
              f"HG={self.HG} Lq={self.Lq} sink={self.S} body={self.body} res={self.res} "
              f"{str(self.dtype).replace('torch.', '')}")
-        for f in ("lengths", "starts", "window", "splits"):
+        for f in ("lengths", "starts", "window", "splits", "Gv"):
             if getattr(self, f) is not None:
                 s += f" {f}={getattr(self, f)}"
         return s
@@ -109,7 +110,7 @@ def make_kv(c: Case, device=DEVICE, spare: int = 5) -> PackedKV:
         buf[:, :, :n] = x
         return buf
 
-    Gv = math.gcd(G, D)
+    Gv = c.Gv or math.gcd(G, D)
     NG = c.body // G
     assert NG * G == c.body, "body must hold whole key groups"
     Wk, Wv = packed_length(G, c.kb), packed_length(G, c.vb)
@@ -741,6 +742,36 @@ def test_gluon_body_offsets_past_int32():
     compare(o[:, sl], r, torch.float16, "kivi-2 2**20 tokens, heads 255-256 (past 2**31 words)")
 
 
+# The same body through a TMA ring (kernels/decode_gluon_tma.py, Hopper): every step's bytes
+# copied into shared memory stages ahead of use. Buffers with an even number of spare (NaN)
+# tokens, so that the value scales' rows are whole 16-byte TMA rows.
+TMA_CASES = [
+    Case(kb=b, vb=b, G=G, D=128, B=3, Hkv=2, HG=HG, S=S, body=G * ng, res=40, Gv=32,
+         lengths=(S + G * ng + 40, S + G * ng - 7, S + 33), starts=(0, 5, 0), seed=b + G + HG)
+    for b in (2, 4) for G, HG in ((16, 1), (32, 4), (64, 16), (32, 7))
+    for S, ng in [((G + HG) % 3, max(3, 2113 // G))]
+]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", TMA_CASES, ids=str)
+def test_gluon_tma_body_matches_reference(c, monkeypatch):
+    from kvbits.kernels import decode_gluon, decode_gluon_tma
+    kv = make_kv(c, spare=8)
+    assert decode_gluon_tma.eligible(kv, False), str(c)
+    used = []
+    real = decode_gluon_tma.attend_body
+    monkeypatch.setattr(decode_gluon_tma, "attend_body",
+                        lambda *a, **k: used.append(1) or real(*a, **k))
+    monkeypatch.setattr(decode_gluon_tma, "ENABLED", True)
+    monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
+    run_case(c, kv=kv)
+    run_case(c._replace(splits=1), kv=kv)  # one program walks the whole body through the ring
+    run_case(c._replace(splits=3), kv=kv)  # ranges that start mid-body
+    assert used, "the TMA kernel was not used"
+
+
 # Device lengths (CUDA-graph decode): the view's lengths are bounds over real data and lens_dev
 # holds the true (sink, body, residual) lengths; anything read past them changes the answer.
 LENS_DEV_CASES = [
@@ -769,6 +800,48 @@ def test_device_lengths_inside_bounds(c, gluon, monkeypatch):
     compare(got, reference(q, view, **args), c.dtype, f"{c} lens_dev gluon={gluon}")
     with pytest.raises(ValueError, match="lens_dev"):
         kernel(q, bound, lens_dev=lens.long(), **args)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [2, 4])
+def test_gluon_tma_device_lengths_inside_bounds(bits, monkeypatch):
+    """The TMA ring with lengths on the device: steps past the true body are never copied or
+    read (the bounds' tail holds real data that would change the answer)."""
+    import dataclasses
+
+    from kvbits.kernels import decode_gluon, decode_gluon_tma
+    monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
+    monkeypatch.setattr(decode_gluon_tma, "ENABLED", True)
+    c = Case(kb=bits, vb=bits, G=32, D=128, B=2, Hkv=2, HG=4, S=3, body=32 * 40, res=48,
+             starts=(0, 7), Gv=32, seed=23 + bits)
+    bound = make_kv(c, spare=8)
+    assert decode_gluon_tma.eligible(bound, False)
+    true_body, true_res = c.body - 3 * c.G, c.res - 17
+    view = dataclasses.replace(bound, body_len=true_body, res_len=true_res)
+    g = torch.Generator().manual_seed(c.seed + 1)
+    q = torch.randn(c.B, c.Hkv * c.HG, 1, c.D, generator=g).to(c.dtype).to(DEVICE)
+    lens = torch.tensor([c.S, true_body, true_res], dtype=torch.int32, device=DEVICE)
+    args = {"scale": c.D ** -0.5, "starts": _seq(c.starts)}
+    got = kernel(q, bound, lens_dev=lens, gluon=True, **args)
+    compare(got, reference(q, view, **args), c.dtype, f"{c} lens_dev TMA")
+
+
+def test_gluon_tma_eligibility():
+    """Which layers the TMA ring takes (no GPU needed): G = 32 KIVI layers at head_dim 128 with
+    32-channel value groups and TMA-addressable buffers; not per-token keys, mixed widths,
+    other value groups, or value-scale rows that are not whole 16-byte rows."""
+    from kvbits.kernels import decode_gluon_tma
+    if decode_gluon_tma.gluon is None:
+        pytest.skip("this Triton has no Gluon TMA")
+    base = Case(kb=2, vb=2, G=32, D=128, body=32 * 4, Gv=32)
+    assert decode_gluon_tma.eligible(make_kv(base, spare=8), False)
+    assert not decode_gluon_tma.eligible(make_kv(base, spare=8), True)  # per-token keys
+    assert not decode_gluon_tma.eligible(make_kv(base, spare=5), False)  # odd scale rows
+    assert not decode_gluon_tma.eligible(make_kv(base._replace(vb=4), spare=8), False)
+    assert not decode_gluon_tma.eligible(make_kv(base._replace(Gv=64), spare=8), False)
+    assert not decode_gluon_tma.eligible(make_kv(base._replace(D=64), spare=8), False)
+    assert not decode_gluon_tma.serves(make_kv(base, spare=8), False, torch.device("cpu"))
 
 
 def test_gluon_dispatch_rules():

@@ -10,7 +10,6 @@ every kernel for the CPU.
 
 from __future__ import annotations
 
-
 import pytest
 
 from kvbits.kernels import decode_gluon
@@ -71,3 +70,62 @@ def test_body_kernel_compiles_for_sm90_without_shared_memory_tiles(compile_sm90)
     # mixed widths: only P (64 tokens x 8 heads, fp16) crosses shared memory, to be permuted
     # from the keys' token order to the values'; no K or V tile does
     assert mixed["mma"] and mixed["shared"] <= 64 * 8 * 2, mixed
+
+
+TMA_CHILD = r'''
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental import gluon
+from kvbits.kernels import decode_gluon_tma as dt
+
+
+def desc(rows, cols):
+    return (f"tensordesc<i32[{rows}, {cols}],NVMMASharedLayout(swizzle_byte_width=0, "
+            "element_bitwidth=32, rank=2)>")
+
+
+out = []
+for cx in json.loads(sys.argv[1]):
+    D, RS, SG = cx["D"], 2 * cx["BITS"], 64 // cx["G"]
+    sig = {"Q": "*fp16", "Out": "*fp32", "Lse": "*fp32", "kc_d": desc(RS, D),
+           "ks_d": desc(SG, D // 2), "kz_d": desc(SG, D // 2), "vc_d": desc(RS, D),
+           "vs_d": desc(32, 4), "vz_d": desc(32, 4), "Starts": "*i32", "Lens": "*i32",
+           "LenTab": "*i32", "qk_scale": "fp32"}
+    sig.update({k: "i32" for k in ("sink_len", "body_len", "res_len", "kc_cap", "ng_cap",
+                                   "vc_cap", "vs_rows", "Hkv", "n_out", "steps_per_split")})
+    fn = dt._body_tma_kernel
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items()
+             if v.startswith("*")}
+    src = gluon._runtime.GluonASTSource(fn=fn, signature={**sig, **dict.fromkeys(cx, "constexpr")},
+                                        constexprs=cx, attrs=attrs)
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+    ptx = c.asm["ptx"]
+    out.append({"mma": "mma.sync" in ptx, "tma": ptx.count("cp.async.bulk.tensor"),
+                "shfl": ptx.count("shfl.sync"), "st_shared": ptx.count("st.shared"),
+                "shared": c.metadata.shared})
+print(json.dumps(out))
+'''
+
+TMA_CONFIGS = [  # 2 bits, 3 stages, GQA 4, device lengths; 4 bits, 2 stages, 16 heads; G = 16
+    {"HG": 4, "HP": 8, "D": 128, "BITS": 2, "G": 32, "GV": 32, "HAS_STARTS": True,
+     "HAS_LENS": True, "LENS_DEV": True, "NS": 3},
+    {"HG": 16, "HP": 16, "D": 128, "BITS": 4, "G": 32, "GV": 32, "HAS_STARTS": True,
+     "HAS_LENS": False, "LENS_DEV": False, "NS": 2},
+    {"HG": 1, "HP": 8, "D": 128, "BITS": 2, "G": 16, "GV": 32, "HAS_STARTS": False,
+     "HAS_LENS": True, "LENS_DEV": False, "NS": 3},
+]
+
+
+def test_tma_body_kernel_compiles_for_sm90(compile_sm90):
+    """The TMA ring (decode_gluon_tma): six bulk tensor copies per step (more for small key
+    groups: their scale rows are copied where the lanes read them), shared memory only for the
+    ring (no tile crosses lanes through it: ``st.shared`` stays at the P conversion's level),
+    and no more shuffles than the register body's softmax reductions and P conversion."""
+    from kvbits.kernels import decode_gluon_tma
+    if decode_gluon_tma.gluon is None:
+        pytest.skip("this Triton has no Gluon TMA")
+    for cx, r in zip(TMA_CONFIGS, compile_sm90(TMA_CHILD, TMA_CONFIGS)):
+        ring = cx["NS"] * (2 * 2 * cx["BITS"] * cx["D"] * 4 + 2 * 4 * cx["D"] * 2 + 2 * 512)
+        assert r["mma"] and r["tma"] >= 6 and r["shared"] >= ring, (cx, r)
+        assert r["shfl"] <= 64 and r["st_shared"] <= 16, (cx, r)

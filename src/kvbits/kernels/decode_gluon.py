@@ -391,11 +391,23 @@ if gluon is not None:
                      a_l: gl.constexpr, K_TOK: gl.constexpr):
         """Dequantized keys of one step (from :func:`_key_loads`) as the A operand
         ``[64, DC]`` of ``S^T = K Q^T``."""
+        u = _key_halves(w, _half_selector(BITS, DC, KW))
+        return _key_operand_u(u, sc, ze, BITS, DC, KW, a_l, K_TOK)
+
+    @gluon.jit
+    def _half_selector(BITS: gl.constexpr, DC: gl.constexpr, KW: gl.constexpr):
+        """``prmt`` selector per key word pair: the low halves (0x5410) for lanes with e = 0,
+        the high halves (0x7632) for e = 1."""
         if BITS == 2:
             e = _ar(2, 1, KW)
         else:
             e = _ar(2, 2, KW)
-        u = _key_halves(w, 0x5410 + 0x2222 * e + 0 * _ar(DC // 2, len(KW.shape) - 1, KW))
+        return 0x5410 + 0x2222 * e + 0 * _ar(DC // 2, len(KW.shape) - 1, KW)
+
+    @gluon.jit
+    def _key_operand_u(u, sc, ze, BITS: gl.constexpr, DC: gl.constexpr, KW: gl.constexpr,
+                       a_l: gl.constexpr, K_TOK: gl.constexpr):
+        """:func:`_key_operand` from the thread's halves ``u`` (layout ``KW``)."""
         if K_TOK:  # per-token scales: half2(s, s) per slot, broadcast over the channel pairs
             SK: gl.constexpr = gl.SliceLayout(len(KW.shape) - 1, KW)
             sc = _dup_half2(sc)
@@ -859,6 +871,13 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
     Hkv = kv.kv_heads
     HG = Hq // Hkv
     k_tok = getattr(kv, "key_axis", "channel") == "token"
+    from . import decode_gluon_tma  # (imports this module: imported here, not at the top)
+
+    if decode_gluon_tma.serves(kv, k_tok, q.device):
+        decode_gluon_tma.attend_body(q, kv, out, lse, scale_log2=scale_log2, starts=starts,
+                                     lengths=lengths, has_starts=has_starts, has_lens=has_lens,
+                                     n_out=n_out, splits=splits, lens_dev=lens_dev)
+        return
     steps = -(-kv.body_len // STEP)
     per = -(-steps // splits)  # steps per split
     maxnreg = maxnreg or DEFAULT_MAXNREG or None

@@ -1,0 +1,443 @@
+"""The Gluon body of :mod:`kvbits.kernels.decode_gluon` fed by a TMA ring (Hopper, sm_90+).
+
+The register body waits on memory twice per 64-token step (keys, then values); the L2 prefetch
+makes those waits L2 latencies instead of DRAM ones, and the one-warp programs still issue at
+about half of peak. Here every byte of a step (key and value words, key scales/zeros of its
+groups, value scales/zeros of its tokens) is copied by the TMA engine into a ring of ``NS``
+shared-memory stages, ``NS - 1`` steps ahead, completing on one ``mbarrier`` per stage: the warp
+only waits when the ring runs dry, and the copies cost no registers (one elected thread issues
+six copies per step). Each thread then reads exactly the words and scales its MMA fragments
+need, from shared memory, in the register layouts of :mod:`kvbits.kernels.decode_gluon`
+(``LDS.64`` per key channel pair; the layout conversions after the loads are register
+renamings), and the step's math is that kernel's own (``_key_operand_u``, ``_value_operand``).
+
+Served: KIVI layers with equal key/value bits 2 or 4, keys scaled per channel over G = 16, 32 or
+64 tokens, values per token over 32 channels, head_dim 128, contiguous buffers (TMA needs
+16-byte-aligned rows); :func:`eligible` says which. ``ENABLED`` (``KVBITS_GLUON_TMA=1``) switches
+it on: it compiles for sm_90 (``tests/kernels/test_decode_gluon_compile.py``) and has not yet run
+on a GPU, so the library keeps the register body by default.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from . import decode_gluon as dg
+
+try:  # Hopper's TMA and mbarriers in Gluon (Triton >= 3.5)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # async_load in newer Triton; async_copy_global_to_shared (same arguments) in 3.5/3.6
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    gluon = None
+
+ENABLED = os.environ.get("KVBITS_GLUON_TMA", "0") == "1"
+# Ring depth (stages of one step each): 3 at 2 bits (6 KB per stage), 2 at 4 bits (10 KB), so
+# that ~10 one-warp programs per SM fit in shared memory.
+STAGES = {2: 3, 4: 2}
+
+
+if gluon is not None:
+
+    @gluon.constexpr_function
+    def _tbit(kind, i, bits, G):
+        """The bit of a step's token offset that bit ``i`` of a word row (``kind="R"``) or of a
+        slot (``"S"``) lands on: token ``(R // W) G + R % W + W slot`` with ``W = G bits / 32``."""
+        kind, i, bits, G = (getattr(x, "value", x) for x in (kind, i, bits, G))
+        lw = (G * bits // 32).bit_length() - 1
+        lg = G.bit_length() - 1
+        if kind == "S":
+            return lw + i
+        return i if i < lw else lg + i - lw
+
+    @gluon.constexpr_function
+    def _smem_layouts(bits, D, G):
+        """Register layouts for reading one stage from shared memory, each the layout of
+        :func:`kvbits.kernels.decode_gluon._chunk_layouts` it feeds, re-indexed by the stage's
+        own coordinates (broadcast lanes get zero bases):
+
+        ``KWS``: key words ``[RS, DC]`` int32 (one channel half), the pair bit first in the
+        registers (one ``LDS.64`` per pair); ``KSS``: key scale pairs ``[4, DC/2]`` int32 (the
+        step's groups copied 4 / SG times, so each thread's group is at a row its own lanes
+        address and no lane exchange follows); ``VWS``: value words ``[RS, DC]``; ``VSS``: value scale words ``[32, 4]``
+        int32 (the stage's 64 tokens x 2 words of two groups' fp16, 16-byte rows as TMA wants)."""
+        bits, D, G = (int(getattr(x, "value", x)) for x in (bits, D, G))
+
+        def _dll(regs, lanes, shape):
+            return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes, warp_bases=[],
+                                              block_bases=[], shape=shape)
+
+        def tb(kind, i):
+            return int(getattr(_tbit(kind, i, bits, G), "value", _tbit(kind, i, bits, G)))
+        DC = D // 2
+        dbits = DC.bit_length() - 1
+        RS = 2 * bits
+        a_row = [[1, 0], [2, 0]] if bits == 2 else [[2, 0], [4, 0]]  # R = a, or R = h + 2a
+        h_row = [[1, 0]] if bits == 4 else []
+        kws = _dll([[0, 1]] + h_row + [[0, 1 << (b + 1)] for b in range(2, dbits - 1)],
+                   [[0, 2], [0, 4], [0, 0], a_row[0], a_row[1]], [RS, DC])
+        # key scales: the stage holds the step's SG group rows 4 / SG times over (rows k SG +
+        # g), so the group of word row a (a, a1 or the only one) is at a row the lanes of a reach
+        a0, a1 = ([2, 0], [1, 0]) if 64 // G == 2 else ([1, 0], [2, 0])
+        kss = _dll([[0, 1 << b] for b in range(2, dbits - 1)],
+                   [[0, 1], [0, 2], [0, 0], a0, a1], [4, DC // 2])
+        vws = _dll([[0, 1 << b] for b in range(3, dbits)] + h_row,
+                   [a_row[0], a_row[1], [0, 1], [0, 2], [0, 4]], [RS, DC])
+
+        def at(t):  # token bit t of the flat int32 index 2 t + w in [32, 4]
+            return [0, 2] if t == 0 else [1 << (t - 1), 0]
+        r_bits = 2 if bits == 2 else 3
+        R = [tb("R", i) for i in range(r_bits)]
+        S = [tb("S", i) for i in range(6 - r_bits)]
+        if bits == 2:  # VS registers: E (slot bit 3), I0..I2 (slot bits 0-2); lanes a0, a1
+            regs = [at(S[3])] + [at(S[i]) for i in range(3)]
+            lanes = [at(R[0]), at(R[1])]
+        else:  # E (slot bit 2), H (row bit 0), K0, K1 (slot bits 0, 1); lanes a0, a1 (rows 1, 2)
+            regs = [at(S[2]), at(R[0]), at(S[0]), at(S[1])]
+            lanes = [at(R[1]), at(R[2])]
+        vss = _dll([[0, 1]] + regs, lanes + [[0, 0]] * 3, [32, 4])
+        return {"KWS": kws, "KSS": kss, "VWS": vws, "VSS": vss}
+
+    @gluon.constexpr_function
+    def _lay(name, bits, D, G):
+        return _smem_layouts(bits, D, G)[getattr(name, "value", name)]
+
+    @gluon.constexpr_function
+    def _vs_axis(bits, G, d):
+        """Axis ``d`` of the permutation that takes a value-scale word ``[2] * 6`` (token bits
+        5..0) to the order of ``decode_gluon``'s ``VS`` layout: ``[a1, a0, i0, i1, i2, e]`` (2
+        bits) or ``[h, a1, a0, k0, k1, e]`` (4 bits)."""
+        bits, G, d = (int(getattr(x, "value", x)) for x in (bits, G, d))
+        if bits == 2:
+            order = [("R", 1), ("R", 0), ("S", 0), ("S", 1), ("S", 2), ("S", 3)]
+        else:
+            order = [("R", 0), ("R", 2), ("R", 1), ("S", 0), ("S", 1), ("S", 2)]
+        kind, i = order[d]
+        t = _tbit(kind, i, bits, G)
+        return 5 - int(getattr(t, "value", t))
+
+    @gluon.jit
+    def _halves2(lo, hi, sel):
+        """``_key_halves`` from the two words of a channel pair."""
+        return gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [lo, hi, sel],
+                                         dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _smem_keys(kc, ks, kz, DC0: gl.constexpr, BITS: gl.constexpr, D: gl.constexpr,
+                   G: gl.constexpr, KW: gl.constexpr):
+        """A stage's keys for channels ``[DC0, DC0 + DC)``: the halves ``u`` and the scale/zero
+        pairs, shaped for ``decode_gluon._key_operand_u``."""
+        DC: gl.constexpr = D // 2
+        J: gl.constexpr = DC // 2
+        x = kc.slice(DC0, DC, dim=1).load(_lay("KWS", BITS, D, G))
+        if BITS == 2:
+            lo, hi = gl.split(gl.reshape(x, [4, J, 2]))
+            SK: gl.constexpr = gl.SliceLayout(1, KW)
+            lo = gl.expand_dims(gl.convert_layout(lo, SK), 1)
+            hi = gl.expand_dims(gl.convert_layout(hi, SK), 1)
+        else:
+            lo, hi = gl.split(gl.reshape(x, [4, 2, J, 2]))
+            SK: gl.constexpr = gl.SliceLayout(2, KW)
+            lo = gl.expand_dims(gl.convert_layout(gl.permute(lo, (1, 0, 2)), SK), 2)
+            hi = gl.expand_dims(gl.convert_layout(gl.permute(hi, (1, 0, 2)), SK), 2)
+        u = _halves2(lo, hi, dg._half_selector(BITS, DC, KW))
+        KSS: gl.constexpr = _lay("KSS", BITS, D, G)
+        sc = _rows_to_kw(ks.slice(DC0 // 2, J, dim=1).load(KSS), BITS, J, G, KW)
+        ze = _rows_to_kw(kz.slice(DC0 // 2, J, dim=1).load(KSS), BITS, J, G, KW)
+        return u, sc, ze
+
+    @gluon.jit
+    def _rows_to_kw(y, BITS: gl.constexpr, J: gl.constexpr, G: gl.constexpr, KW: gl.constexpr):
+        """Key scale pairs as loaded (``KSS``) -> ``[A, J]`` by word row, expanded to broadcast
+        over ``KW`` (and ``H``, 4 bits). With two groups per step the stage rows are ``2 a0 +
+        a1`` (two copies of the groups): swapping the two index bits makes the index ``a``."""
+        if 64 // G == 2:
+            y = gl.reshape(gl.permute(gl.reshape(y, [2, 2, J]), (1, 0, 2)), [4, J])
+        if BITS == 2:
+            out = gl.expand_dims(gl.convert_layout(y, gl.SliceLayout(1, KW)), 1)
+        else:
+            y = gl.convert_layout(y, gl.SliceLayout(0, gl.SliceLayout(2, KW)))
+            out = gl.expand_dims(gl.expand_dims(y, 0), 2)
+        return out
+
+    @gluon.jit
+    def _smem_values(vc, vsw, vzw, c: gl.constexpr, BITS: gl.constexpr, D: gl.constexpr,
+                     G: gl.constexpr, GV: gl.constexpr, VW: gl.constexpr, VS: gl.constexpr):
+        """A stage's values for channel half ``c``: words ``[NGC, GV, (H,) A]`` and the scale
+        and zero words (two groups' fp16 each) ``[1, (H,) A, I..., E]``, shaped for
+        ``decode_gluon._value_operand``. ``vsw``/``vzw``: the stage's scale/zero words, both
+        halves (from :func:`_smem_value_scales`)."""
+        DC: gl.constexpr = D // 2
+        NGC: gl.constexpr = DC // GV
+        x = vc.slice(c * DC, DC, dim=1).load(_lay("VWS", BITS, D, G))
+        if BITS == 2:
+            w = gl.permute(gl.reshape(x, [4, NGC, GV]), (1, 2, 0))
+        else:
+            w = gl.permute(gl.reshape(x, [4, 2, NGC, GV]), (2, 3, 1, 0))
+        w = gl.convert_layout(w, VW)
+        s0, s1 = gl.split(gl.reshape(vsw, [32, 2, 2]))
+        z0, z1 = gl.split(gl.reshape(vzw, [32, 2, 2]))
+        if c == 0:
+            vs = _words_to_vs(s0, BITS, G, VS)
+            vz = _words_to_vs(z0, BITS, G, VS)
+        else:
+            vs = _words_to_vs(s1, BITS, G, VS)
+            vz = _words_to_vs(z1, BITS, G, VS)
+        return w, vs, vz
+
+    @gluon.jit
+    def _words_to_vs(x, BITS: gl.constexpr, G: gl.constexpr, VS: gl.constexpr):
+        """One channel half's scale words ``[32, 2]`` (token bits 5..1, 0) -> ``VS``."""
+        A0: gl.constexpr = _vs_axis(BITS, G, 0)
+        A1: gl.constexpr = _vs_axis(BITS, G, 1)
+        A2: gl.constexpr = _vs_axis(BITS, G, 2)
+        A3: gl.constexpr = _vs_axis(BITS, G, 3)
+        A4: gl.constexpr = _vs_axis(BITS, G, 4)
+        A5: gl.constexpr = _vs_axis(BITS, G, 5)
+        y = gl.permute(gl.reshape(x, [2, 2, 2, 2, 2, 2]), (A0, A1, A2, A3, A4, A5))
+        if BITS == 2:
+            y = gl.reshape(y, [4, 2, 2, 2, 2])
+        else:
+            y = gl.reshape(y, [2, 4, 2, 2, 2])
+        return gl.expand_dims(gl.convert_layout(y, gl.SliceLayout(0, VS)), 0)
+
+    @gluon.jit
+    def _issue_step(s, bh, st, bars, kc_s, ks_s, kz_s, vc_s, vs_s, vz_s, kc_d, ks_d, kz_d, vc_d,
+                    vs_d, vz_d, kc_cap, ng_cap, vc_cap, vs_rows, RS: gl.constexpr,
+                    SG: gl.constexpr, D: gl.constexpr):
+        """Copy every byte of step ``s`` into stage ``st`` (completing on ``bars[st]``)."""
+        bar = bars.index(st)
+        mbarrier.expect(bar, 2 * RS * D * 4 + 2 * 4 * D * 2 + 2 * 32 * 4 * 4)
+        _tma_load(kc_d, [bh * kc_cap + s * RS, 0], bar, kc_s.index(st))
+        for k in gl.static_range(4 // SG):  # the step's SG key-scale rows, 4 / SG times
+            _tma_load(ks_d, [bh * ng_cap + s * SG, 0], bar, ks_s.index(st).slice(k * SG, SG, dim=0))
+            _tma_load(kz_d, [bh * ng_cap + s * SG, 0], bar, kz_s.index(st).slice(k * SG, SG, dim=0))
+        _tma_load(vc_d, [bh * vc_cap + s * RS, 0], bar, vc_s.index(st))
+        _tma_load(vs_d, [bh * vs_rows + s * 32, 0], bar, vs_s.index(st))
+        _tma_load(vz_d, [bh * vs_rows + s * 32, 0], bar, vz_s.index(st))
+
+    @gluon.jit(do_not_specialize=("sink_len", "res_len", "n_out", "steps_per_split"))
+    def _body_tma_kernel(
+        Q, Out, Lse, kc_d, ks_d, kz_d, vc_d, vs_d, vz_d, Starts, Lens, LenTab,
+        qk_scale, sink_len, body_len, res_len, kc_cap, ng_cap, vc_cap, vs_rows, Hkv, n_out,
+        steps_per_split,
+        HG: gl.constexpr, HP: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, G: gl.constexpr,
+        GV: gl.constexpr, HAS_STARTS: gl.constexpr, HAS_LENS: gl.constexpr,
+        LENS_DEV: gl.constexpr, NS: gl.constexpr,
+    ):
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
+                                                      instr_shape=[16, 8])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        DC: gl.constexpr = D // 2
+        KW: gl.constexpr = dg._layout("KW", BITS, DC, GV)
+        VW: gl.constexpr = dg._layout("VW", BITS, DC, GV)
+        VS_L: gl.constexpr = dg._layout("VS", BITS, DC, GV)
+        W: gl.constexpr = G * BITS // 32
+        RS: gl.constexpr = 2 * BITS
+        SG: gl.constexpr = 64 // G
+        if LENS_DEV:
+            sink_len = gl.load(LenTab)
+            body_len = gl.load(LenTab + 1)
+            res_len = gl.load(LenTab + 2)
+        bh = gl.program_id(0)
+        split = gl.program_id(1)
+        h = bh % Hkv
+        b = bh // Hkv
+        start = 0
+        length = sink_len + body_len + res_len
+        if HAS_STARTS:
+            start = gl.load(Starts + b)
+        if HAS_LENS:
+            length = gl.load(Lens + b)
+        q_row0 = (b.to(gl.int64) * Hkv + h) * HG
+
+        qd = gl.arange(0, DC, layout=gl.SliceLayout(1, b_l))
+        qj = gl.arange(0, HP, layout=gl.SliceLayout(0, b_l))
+        q_ptr = Q + (q_row0 + qj[None, :]) * D + qd[:, None]
+        q_ok = (qj[None, :] < HG) & (qd[:, None] < DC)
+        q0 = (gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
+        q1 = (gl.load(q_ptr + DC, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
+
+        n = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+        ne = n % 2
+        na = (n // 2) % 4
+        nh = (n // 8) % 2
+        nk = n // 16
+        if BITS == 2:
+            dn = dg._tok(na, nk + 4 * nh + 8 * ne, W, G)
+        else:
+            dn = dg._tok(2 * na + nh, nk + 4 * ne, W, G)
+
+        n_steps = (body_len + 63) // 64
+        s_lo = split * steps_per_split
+        s_hi = gl.minimum(s_lo + steps_per_split, n_steps)
+        first = gl.maximum(start - sink_len, 0)
+        s_lo = gl.maximum(s_lo, first // 64)
+        end = gl.minimum(length - sink_len, body_len)
+        s_hi = gl.minimum(s_hi, (end + 63) // 64)
+
+        kc_s = gl.allocate_shared_memory(gl.int32, [NS, RS, D], kc_d.layout)
+        ks_s = gl.allocate_shared_memory(gl.int32, [NS, 4, D // 2], ks_d.layout)
+        kz_s = gl.allocate_shared_memory(gl.int32, [NS, 4, D // 2], kz_d.layout)
+        vc_s = gl.allocate_shared_memory(gl.int32, [NS, RS, D], vc_d.layout)
+        vs_s = gl.allocate_shared_memory(gl.int32, [NS, 32, 4], vs_d.layout)
+        vz_s = gl.allocate_shared_memory(gl.int32, [NS, 32, 4], vz_d.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NS):
+            mbarrier.init(bars.index(i), count=1)
+        fence_async_shared()
+        for i in gl.static_range(NS - 1):  # the ring's first steps
+            if s_lo + i < s_hi:
+                _issue_step(s_lo + i, bh, i, bars, kc_s, ks_s, kz_s, vc_s, vs_s, vz_s, kc_d,
+                            ks_d, kz_d, vc_d, vs_d, vz_d, kc_cap, ng_cap, vc_cap, vs_rows, RS, SG, D)
+
+        m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
+        l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, mma))
+        acc0 = gl.zeros([DC, HP], gl.float32, layout=mma)
+        acc1 = gl.zeros([DC, HP], gl.float32, layout=mma)
+        for s in range(s_lo, s_hi):
+            it = s - s_lo
+            st = it % NS
+            if s + NS - 1 < s_hi:  # refill the stage the previous step read
+                fence_async_shared()
+                _issue_step(s + NS - 1, bh, (it + NS - 1) % NS, bars, kc_s, ks_s, kz_s, vc_s,
+                            vs_s, vz_s, kc_d, ks_d, kz_d, vc_d, vs_d, vz_d, kc_cap, ng_cap,
+                            vc_cap, vs_rows, RS, SG, D)
+            mbarrier.wait(bars.index(st), (it // NS) & 1)
+            tok0 = s * 64
+            kc = kc_s.index(st)
+            u, sc, ze = _smem_keys(kc, ks_s.index(st), kz_s.index(st), 0, BITS, D, G, KW)
+            k = dg._key_operand_u(u, sc, ze, BITS, DC, KW, a_l, False)
+            st_ = mma_v2(k, q0, gl.zeros([64, HP], gl.float32, layout=mma))
+            u, sc, ze = _smem_keys(kc, ks_s.index(st), kz_s.index(st), DC, BITS, D, G, KW)
+            k = dg._key_operand_u(u, sc, ze, BITS, DC, KW, a_l, False)
+            st_ = mma_v2(k, q1, st_)
+            boundary = (tok0 < first) | (tok0 + 64 > end)
+            if boundary:  # tokens outside [first, end); rows past the body hold anything
+                t = tok0 + dn
+                st_ = gl.where(((t >= first) & (t < end))[:, None], st_, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(st_, axis=0))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(st_ - m_safe[None, :])
+            alpha = gl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + gl.sum(p, axis=0)
+            m_i = m_new
+            pb = gl.convert_layout(p.to(gl.float16), b_l)
+            vsw = vs_s.index(st).load(_lay("VSS", BITS, D, G))
+            vzw = vz_s.index(st).load(_lay("VSS", BITS, D, G))
+            vc = vc_s.index(st)
+            w, vs, vz = _smem_values(vc, vsw, vzw, 0, BITS, D, G, GV, VW, VS_L)
+            if tok0 + 64 > body_len:  # scales past the body may be anything (not even finite)
+                _, _, _, _, s_ok = dg._value_ptrs(Q, Q, Q, 0, 0, tok0, body_len, 0, BITS, W, G,
+                                                  D, DC, GV, VW, VS_L)
+                vs = gl.where(s_ok, vs, 0)
+                vz = gl.where(s_ok, vz, 0)
+            v = dg._value_operand(w, vs, vz, BITS, DC, VW, a_l)
+            acc0 = mma_v2(v, pb, acc0 * alpha[None, :])
+            w, vs, vz = _smem_values(vc, vsw, vzw, 1, BITS, D, G, GV, VW, VS_L)
+            if tok0 + 64 > body_len:
+                _, _, _, _, s_ok = dg._value_ptrs(Q, Q, Q, 0, 0, tok0, body_len, DC, BITS, W, G,
+                                                  D, DC, GV, VW, VS_L)
+                vs = gl.where(s_ok, vs, 0)
+                vz = gl.where(s_ok, vz, 0)
+            v = dg._value_operand(w, vs, vz, BITS, DC, VW, a_l)
+            acc1 = mma_v2(v, pb, acc1 * alpha[None, :])
+
+        for i in gl.static_range(NS):
+            mbarrier.invalidate(bars.index(i))
+        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+        od = gl.arange(0, DC, layout=gl.SliceLayout(1, mma))
+        oj = gl.arange(0, HP, layout=gl.SliceLayout(0, mma))
+        o_row = (q_row0 + oj) * n_out + split
+        o_ptr = Out + o_row[None, :] * D + od[:, None]
+        o_ok = (oj[None, :] < HG) & (od[:, None] < DC)
+        gl.store(o_ptr, acc0 / l_safe[None, :], mask=o_ok)
+        gl.store(o_ptr + DC, acc1 / l_safe[None, :], mask=o_ok)
+        lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
+        gl.store(Lse + o_row, lse, mask=oj < HG)
+
+
+def eligible(kv, k_tok: bool) -> bool:
+    """Whether :func:`attend_body` serves a layer that ``decode_gluon.eligible`` accepts: equal
+    key/value bits, keys per channel over G <= 64, values per token over 32 channels, head_dim
+    128, and buffers TMA can address (contiguous, 16-byte rows; the value scales' per-head rows
+    a whole number of 16-byte rows)."""
+    if gluon is None or k_tok or kv.key_bits != kv.value_bits or kv.group_size not in (16, 32, 64):
+        return False
+    D = kv.res_k.shape[-1]
+    if D != 128 or kv.value_group != 32:
+        return False
+    ts = (kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero)
+    if any(t is None or not t.is_contiguous() or t.data_ptr() % 16 for t in ts):
+        return False
+    return (kv.v_scale.shape[2] * kv.v_scale.shape[3]) % 8 == 0 and kv.v_scale.shape[3] == 4
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    import torch
+
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def serves(kv, k_tok: bool, device) -> bool:
+    """``ENABLED``, a Hopper-or-newer GPU (TMA) and an :func:`eligible` layer."""
+    return (ENABLED and device.type == "cuda" and eligible(kv, k_tok)
+            and _hopper(device.index or 0))
+
+
+_DESC_CACHE: dict = {}
+
+
+def _descriptors(kv):
+    """TMA descriptors of the layer's six buffers (2D int32 views), cached by buffer address and
+    shape: a cache's buffers are sized once and then reused step after step."""
+    key = tuple((t.data_ptr(), tuple(t.shape)) for t in (kv.k_codes, kv.k_scale, kv.k_zero,
+                                                           kv.v_codes, kv.v_scale, kv.v_zero))
+    hit = _DESC_CACHE.get(key)
+    if hit is not None:
+        return hit
+    import torch
+
+    D = kv.k_codes.shape[-1]
+    RS = 2 * kv.key_bits
+    SG = 64 // kv.group_size
+
+    def desc(t, block):
+        t2 = t.view(torch.int32).reshape(-1, block[1])
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        return TensorDescriptor(t2, list(t2.shape), list(t2.stride()), list(block), layout)
+    out = (desc(kv.k_codes, [RS, D]), desc(kv.k_scale, [SG, D // 2]),
+           desc(kv.k_zero, [SG, D // 2]), desc(kv.v_codes, [RS, D]), desc(kv.v_scale, [32, 4]),
+           desc(kv.v_zero, [32, 4]))
+    if len(_DESC_CACHE) > 256:
+        _DESC_CACHE.clear()
+    _DESC_CACHE[key] = out
+    return out
+
+
+def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_starts: bool,
+                has_lens: bool, n_out: int, splits: int, lens_dev=None) -> None:
+    """``decode_gluon.attend_body`` for :func:`eligible` layers, through the TMA ring."""
+    B, Hq, _, D = q.shape
+    Hkv = kv.kv_heads
+    HG = Hq // Hkv
+    steps = -(-kv.body_len // dg.STEP)
+    kc_d, ks_d, kz_d, vc_d, vs_d, vz_d = _descriptors(kv)
+    bits = kv.key_bits
+    _body_tma_kernel[(B * Hkv, splits)](
+        q, out, lse, kc_d, ks_d, kz_d, vc_d, vs_d, vz_d, starts, lengths,
+        lens_dev if lens_dev is not None else starts, scale_log2,
+        kv.sink_len, kv.body_len, kv.res_len, kv.k_codes.shape[2], kv.k_scale.shape[2],
+        kv.v_codes.shape[2], kv.v_scale.shape[2] * kv.v_scale.shape[3] // 8, Hkv, n_out,
+        -(-steps // splits),
+        HG=HG, HP=8 if HG <= 8 else 16, D=D, BITS=bits, G=kv.group_size, GV=kv.value_group,
+        HAS_STARTS=has_starts, HAS_LENS=has_lens, LENS_DEV=lens_dev is not None,
+        NS=STAGES[bits], num_warps=1)
