@@ -6,7 +6,7 @@ about half of peak. Here every byte of a step (key and value words, key scales/z
 groups, value scales/zeros of its tokens) is copied by the TMA engine into a ring of ``NS``
 shared-memory stages, ``NS - 1`` steps ahead, completing on one ``mbarrier`` per stage: the warp
 only waits when the ring runs dry, and the copies cost no registers (one elected thread issues
-six copies per step). Each thread then reads exactly the words and scales its MMA fragments
+6-12 copies per step: small key groups' scale rows are copied where the lanes read them). Each thread then reads exactly the words and scales its MMA fragments
 need, from shared memory, in the register layouts of :mod:`kvbits.kernels.decode_gluon`
 (``LDS.64`` per key channel pair; the layout conversions after the loads are register
 renamings), and the step's math is that kernel's own (``_key_operand_u``, ``_value_operand``).
