@@ -589,6 +589,61 @@ if gluon is not None:
             _prefetch(ks_base + (t0 // G) * D, KSB2, KSB2, L1)
             _prefetch(kz_base + (t0 // G) * D, KSB2, KSB2, L1)
 
+    @gluon.jit
+    def _query_operands(Q, q_row0, qk_scale, HG: gl.constexpr, HP: gl.constexpr,
+                        D: gl.constexpr, b_l: gl.constexpr):
+        """Q^T ``[D, HP]`` of one GQA group as two B operands (channel halves), pre-scaled by
+        ``scale * log2(e)``; heads past ``HG`` are zero."""
+        DC: gl.constexpr = D // 2
+        qd = gl.arange(0, DC, layout=gl.SliceLayout(1, b_l))
+        qj = gl.arange(0, HP, layout=gl.SliceLayout(0, b_l))
+        q_ptr = Q + (q_row0 + qj[None, :]) * D + qd[:, None]
+        q_ok = (qj[None, :] < HG) & (qd[:, None] < DC)
+        q0 = (gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
+        q1 = (gl.load(q_ptr + DC, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
+        return q0, q1
+
+    @gluon.jit
+    def _row_tokens(KBITS: gl.constexpr, W: gl.constexpr, G: gl.constexpr, mma: gl.constexpr):
+        """Token offset (from the step's first token) of each ``S^T`` row (module docstring)."""
+        n = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+        ne = n % 2
+        na = (n // 2) % 4
+        nh = (n // 8) % 2
+        nk = n // 16
+        if KBITS == 2:
+            dn = _tok(na, nk + 4 * nh + 8 * ne, W, G)
+        else:
+            dn = _tok(2 * na + nh, nk + 4 * ne, W, G)
+        return dn
+
+    @gluon.jit
+    def _online_softmax(st, m_i, l_i):
+        """One step of the online softmax over the token rows of ``S^T`` (base 2): the step's
+        probabilities, the factor that rescales what came before, the new max and sum."""
+        m_new = gl.maximum(m_i, gl.max(st, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(st - m_safe[None, :])
+        alpha = gl.exp2(m_i - m_safe)
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=0)
+
+    @gluon.jit
+    def _store_partial(Out, Lse, acc0, acc1, m_i, l_i, q_row0, n_out, split, HG: gl.constexpr,
+                       HP: gl.constexpr, D: gl.constexpr, mma: gl.constexpr):
+        """A split's normalized partial output and base-2 log-sum-exp (``-inf`` when it saw no
+        token), for the merge kernel."""
+        DC: gl.constexpr = D // 2
+        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+        od = gl.arange(0, DC, layout=gl.SliceLayout(1, mma))
+        oj = gl.arange(0, HP, layout=gl.SliceLayout(0, mma))
+        o_row = (q_row0 + oj) * n_out + split
+        o_ptr = Out + o_row[None, :] * D + od[:, None]
+        o_ok = (oj[None, :] < HG) & (od[:, None] < DC)
+        gl.store(o_ptr, acc0 / l_safe[None, :], mask=o_ok)
+        gl.store(o_ptr + DC, acc1 / l_safe[None, :], mask=o_ok)
+        lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
+        gl.store(Lse + o_row, lse, mask=oj < HG)
+
     # Step-varying integers are not specialized (see decode_attention._STEP_VARYING).
     @gluon.jit(do_not_specialize=("sink_len", "res_len", "n_out", "steps_per_split"))
     def _body_kernel(
@@ -633,24 +688,8 @@ if gluon is not None:
             length = gl.load(Lens + b)
         q_row0 = (b.to(gl.int64) * Hkv + h) * HG  # first query row of the group in [B*Hq, D]
 
-        # Q^T [D, HP] as two B operands (channel halves), pre-scaled by scale * log2(e).
-        qd = gl.arange(0, DC, layout=gl.SliceLayout(1, b_l))
-        qj = gl.arange(0, HP, layout=gl.SliceLayout(0, b_l))
-        q_ptr = Q + (q_row0 + qj[None, :]) * D + qd[:, None]
-        q_ok = (qj[None, :] < HG) & (qd[:, None] < DC)
-        q0 = (gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
-        q1 = (gl.load(q_ptr + DC, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
-
-        # Token offset (from the step's first token) of each S^T row.
-        n = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
-        ne = n % 2
-        na = (n // 2) % 4
-        nh = (n // 8) % 2
-        nk = n // 16
-        if KBITS == 2:
-            dn = _tok(na, nk + 4 * nh + 8 * ne, W, G)
-        else:
-            dn = _tok(2 * na + nh, nk + 4 * ne, W, G)
+        q0, q1 = _query_operands(Q, q_row0, qk_scale, HG, HP, D, b_l)
+        dn = _row_tokens(KBITS, W, G, mma)
 
         n_rows = (body_len // G) * W
         nv_rows = (body_len // G) * WV
@@ -714,12 +753,7 @@ if gluon is not None:
             if (lo < first) | (lo + SPAN > end):
                 t = t_cur + dn
                 st = gl.where(((t >= first) & (t < end))[:, None], st, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(st, axis=0))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(st - m_safe[None, :])
-            alpha = gl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + gl.sum(p, axis=0)
-            m_i = m_new
+            p, alpha, m_i, l_i = _online_softmax(st, m_i, l_i)
             p = p.to(gl.float16)
             if KBITS != VBITS:  # P's rows from the keys' token order to the values'
                 p = _reorder_tokens(p, KBITS, VBITS, G, HP)
@@ -734,16 +768,7 @@ if gluon is not None:
             v = _value_operand(vw1, vs1, vz1, VBITS, DC, VW, a_l)
             acc1 = mma_v2(v, pb, acc1 * alpha[None, :])
 
-        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-        od = gl.arange(0, DC, layout=gl.SliceLayout(1, mma))
-        oj = gl.arange(0, HP, layout=gl.SliceLayout(0, mma))
-        o_row = (q_row0 + oj) * n_out + split
-        o_ptr = Out + o_row[None, :] * D + od[:, None]
-        o_ok = (oj[None, :] < HG) & (od[:, None] < DC)
-        gl.store(o_ptr, acc0 / l_safe[None, :], mask=o_ok)
-        gl.store(o_ptr + DC, acc1 / l_safe[None, :], mask=o_ok)
-        lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
-        gl.store(Lse + o_row, lse, mask=oj < HG)
+        _store_partial(Out, Lse, acc0, acc1, m_i, l_i, q_row0, n_out, split, HG, HP, D, mma)
 
 
 # Keys scaled per token (the uniform method) through this kernel: uniform-int4 B=32 32k on the H200

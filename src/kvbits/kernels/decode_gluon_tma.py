@@ -258,22 +258,8 @@ if gluon is not None:
             length = gl.load(Lens + b)
         q_row0 = (b.to(gl.int64) * Hkv + h) * HG
 
-        qd = gl.arange(0, DC, layout=gl.SliceLayout(1, b_l))
-        qj = gl.arange(0, HP, layout=gl.SliceLayout(0, b_l))
-        q_ptr = Q + (q_row0 + qj[None, :]) * D + qd[:, None]
-        q_ok = (qj[None, :] < HG) & (qd[:, None] < DC)
-        q0 = (gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
-        q1 = (gl.load(q_ptr + DC, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
-
-        n = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
-        ne = n % 2
-        na = (n // 2) % 4
-        nh = (n // 8) % 2
-        nk = n // 16
-        if BITS == 2:
-            dn = dg._tok(na, nk + 4 * nh + 8 * ne, W, G)
-        else:
-            dn = dg._tok(2 * na + nh, nk + 4 * ne, W, G)
+        q0, q1 = dg._query_operands(Q, q_row0, qk_scale, HG, HP, D, b_l)
+        dn = dg._row_tokens(BITS, W, G, mma)
 
         n_steps = (body_len + 63) // 64
         s_lo = split * steps_per_split
@@ -323,12 +309,7 @@ if gluon is not None:
             if boundary:  # tokens outside [first, end); rows past the body hold anything
                 t = tok0 + dn
                 st_ = gl.where(((t >= first) & (t < end))[:, None], st_, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(st_, axis=0))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(st_ - m_safe[None, :])
-            alpha = gl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + gl.sum(p, axis=0)
-            m_i = m_new
+            p, alpha, m_i, l_i = dg._online_softmax(st_, m_i, l_i)
             pb = gl.convert_layout(p.to(gl.float16), b_l)
             vsw = vs_s.index(st).load(_lay("VSS", BITS, D, G))
             vzw = vz_s.index(st).load(_lay("VSS", BITS, D, G))
@@ -352,16 +333,7 @@ if gluon is not None:
 
         for i in gl.static_range(NS):
             mbarrier.invalidate(bars.index(i))
-        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-        od = gl.arange(0, DC, layout=gl.SliceLayout(1, mma))
-        oj = gl.arange(0, HP, layout=gl.SliceLayout(0, mma))
-        o_row = (q_row0 + oj) * n_out + split
-        o_ptr = Out + o_row[None, :] * D + od[:, None]
-        o_ok = (oj[None, :] < HG) & (od[:, None] < DC)
-        gl.store(o_ptr, acc0 / l_safe[None, :], mask=o_ok)
-        gl.store(o_ptr + DC, acc1 / l_safe[None, :], mask=o_ok)
-        lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
-        gl.store(Lse + o_row, lse, mask=oj < HG)
+        dg._store_partial(Out, Lse, acc0, acc1, m_i, l_i, q_row0, n_out, split, HG, HP, D, mma)
 
 
 def eligible(kv, k_tok: bool) -> bool:
