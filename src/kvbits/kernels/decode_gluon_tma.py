@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
 ENABLED = os.environ.get("KVBITS_GLUON_TMA", "0") == "1"
-# Ring depth (stages of one step each): 3 at 2 bits (6 KB per stage), 2 at 4 bits (10 KB), so
+# Ring depth (stages of one step each): 3 at 2 bits (7 KB per stage), 2 at 4 bits (11 KB), so
 # that ~10 one-warp programs per SM fit in shared memory.
 STAGES = {2: 3, 4: 2}
 
