@@ -1,0 +1,109 @@
+"""The TMA ring's stage indexing, checked on the CPU against the register body's pointer math.
+
+``kernels/decode_gluon_tma.py`` reads each step from shared-memory stages laid out as TMA copies
+them (whole rows, scale rows copied 4 / SG times, value scales as a flat ``[32, 4]`` int32 tile)
+and turns them into the register body's tensors by reshapes, permutes, splits and joins. The
+compiler checks that those conversions move no data between lanes; it cannot check that they
+put the right element at each index. This test replays the same tensor operations in NumPy on
+stage tiles whose elements are their own addresses, and compares every element with the address
+the register body's loads compute (``decode_gluon._key_ptrs`` / ``_value_ptrs``, restated here
+from their formulas). No GPU needed; numerics are tested on the GPU
+(``test_decode_attention.py -k tma``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvbits.kernels import decode_gluon_tma as dt
+
+pytestmark = pytest.mark.skipif(dt.gluon is None, reason="this Triton has no Gluon")
+
+D, DC, GV = 128, 64, 32
+J = DC // 2  # channel pairs per chunk
+
+
+def tok(R, slot, W, G):
+    """Token offset of word row R, slot ``slot`` within a step (``decode_gluon._tok``)."""
+    return (R // W) * G + R % W + W * slot
+
+
+def key_words_smem(bits, c):
+    """(lo, hi) ``[A, J]`` (2 bits) / ``[H, A, J]`` (4 bits) as ``_smem_keys`` builds them."""
+    RS = 2 * bits
+    tile = np.arange(RS)[:, None] * 1000 + np.arange(D)[None, :]  # id = row * 1000 + column
+    x = tile[:, c * DC:(c + 1) * DC]
+    if bits == 2:
+        x = x.reshape(4, J, 2)
+        return x[..., 0], x[..., 1]
+    x = x.reshape(4, 2, J, 2)
+    return x[..., 0].transpose(1, 0, 2), x[..., 1].transpose(1, 0, 2)
+
+
+def key_scales_smem(G, c):
+    """Key scale pairs ``[A, J]`` as ``_smem_keys`` / ``_rows_to_kw`` build them."""
+    SG = 64 // G
+    groups = np.arange(SG)[:, None] * 1000 + np.arange(D // 2)[None, :]  # id = group, pair
+    stage = np.concatenate([groups] * (4 // SG))  # the step's rows copied 4 / SG times
+    y = stage[:, c * J:(c + 1) * J]
+    if SG == 2:
+        y = y.reshape(2, 2, J).transpose(1, 0, 2).reshape(4, J)
+    return y
+
+
+def value_words_smem(bits, c):
+    """Value words ``[NGC, GV, (H,) A]`` as ``_smem_values`` builds them."""
+    RS = 2 * bits
+    tile = np.arange(RS)[:, None] * 1000 + np.arange(D)[None, :]
+    x = tile[:, c * DC:(c + 1) * DC]
+    if bits == 2:
+        return x.reshape(4, DC // GV, GV).transpose(1, 2, 0)
+    return x.reshape(4, 2, DC // GV, GV).transpose(2, 3, 1, 0)
+
+
+def value_scales_smem(bits, G, c):
+    """Value scale words ``[1, (H,) A, I..., E]`` as ``_smem_values`` / ``_words_to_vs``."""
+    t = np.arange(64)
+    flat = np.stack([t * 10, t * 10 + 1], axis=1).reshape(32, 4)  # id = token * 10 + word
+    x = flat.reshape(32, 2, 2)[..., c]  # the chunk's word: [32, 2] (token bits 5..1, 0)
+    order = [int(dt._vs_axis(bits, G, d)) for d in range(6)]
+    y = x.reshape([2] * 6).transpose(order)
+    y = y.reshape(4, 2, 2, 2, 2) if bits == 2 else y.reshape(2, 4, 2, 2, 2)
+    return y[None]
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("G", [16, 32, 64])
+@pytest.mark.parametrize("c", [0, 1])
+def test_stage_reads_match_the_register_body(bits, G, c):
+    W = G * bits // 32
+    m = 1 if bits == 2 else 2  # the thread's key group row: row0 + m a (decode_gluon._key_ptrs)
+    lo, hi = key_words_smem(bits, c)
+    sc = key_scales_smem(G, c)
+    vw = value_words_smem(bits, c)
+    vs = value_scales_smem(bits, G, c)
+    for a in range(4):
+        for j in range(J):
+            pair = c * J + j  # the register body's j0 + j
+            for h in range(2 if bits == 4 else 1):
+                R = a if bits == 2 else 2 * a + h
+                got = (lo[a, j], hi[a, j]) if bits == 2 else (lo[h, a, j], hi[h, a, j])
+                assert got == (R * 1000 + 2 * pair, R * 1000 + 2 * pair + 1), (a, h, j)
+            assert sc[a, j] == ((m * a) // W) * 1000 + pair, (a, j)
+    for g in range(DC // GV):
+        for ch in range(GV):
+            for a in range(4):
+                for h in range(2 if bits == 4 else 1):
+                    R = a if bits == 2 else h + 2 * a
+                    got = vw[g, ch, a] if bits == 2 else vw[g, ch, h, a]
+                    assert got == R * 1000 + c * DC + g * GV + ch, (g, ch, h, a)
+    word = c * DC // (2 * GV)  # decode_gluon._value_ptrs: (t NGV + DC0 // GV) // 2
+    for idx in np.ndindex(vs.shape):
+        if bits == 2:
+            _, sa, i0, i1, i2, se = idx
+            t = tok(sa, i0 + 2 * i1 + 4 * i2 + 8 * se, W, G)
+        else:
+            _, sh, sa, k0, k1, se = idx
+            t = tok(2 * sa + sh, k0 + 2 * k1 + 4 * se, W, G)
+        assert vs[idx] == t * 10 + word, idx
