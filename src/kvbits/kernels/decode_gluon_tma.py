@@ -365,17 +365,9 @@ def serves(kv, k_tok: bool, device) -> bool:
             and _hopper(device.index or 0))
 
 
-_DESC_CACHE: dict = {}
-
-
 def _descriptors(kv):
-    """TMA descriptors of the layer's six buffers (2D int32 views), cached by buffer address and
-    shape: a cache's buffers are sized once and then reused step after step."""
-    key = tuple((t.data_ptr(), tuple(t.shape)) for t in (kv.k_codes, kv.k_scale, kv.k_zero,
-                                                           kv.v_codes, kv.v_scale, kv.v_zero))
-    hit = _DESC_CACHE.get(key)
-    if hit is not None:
-        return hit
+    """TMA descriptors of the layer's six buffers (2D int32 views). Built per call and not
+    cached: a descriptor holds its buffer, and a cache of them would keep freed caches alive."""
     import torch
 
     D = kv.k_codes.shape[-1]
@@ -386,13 +378,9 @@ def _descriptors(kv):
         t2 = t.view(torch.int32).reshape(-1, block[1])
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
         return TensorDescriptor(t2, list(t2.shape), list(t2.stride()), list(block), layout)
-    out = (desc(kv.k_codes, [RS, D]), desc(kv.k_scale, [SG, D // 2]),
-           desc(kv.k_zero, [SG, D // 2]), desc(kv.v_codes, [RS, D]), desc(kv.v_scale, [32, 4]),
-           desc(kv.v_zero, [32, 4]))
-    if len(_DESC_CACHE) > 256:
-        _DESC_CACHE.clear()
-    _DESC_CACHE[key] = out
-    return out
+    return (desc(kv.k_codes, [RS, D]), desc(kv.k_scale, [SG, D // 2]),
+            desc(kv.k_zero, [SG, D // 2]), desc(kv.v_codes, [RS, D]), desc(kv.v_scale, [32, 4]),
+            desc(kv.v_zero, [32, 4]))
 
 
 def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_starts: bool,
