@@ -1,4 +1,6 @@
-# One device call: the Gluon body's latency knobs swept, then `kvbits generate` on the GPU.
+# One device call: the Gluon body's latency knobs swept (SWEEP_PF), then `kvbits generate` on the
+# GPU with and without CUDA graphs (probes/cli_graphs_gpu.py; carry .devcarry/ with SmolLM2's
+# config, tokenizer and kvbits' cached texts).
 set -x
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm --format=csv
