@@ -207,3 +207,33 @@ def test_generate_text_decode_loop_equals_generate():
     with pytest.raises(ValueError, match="greedy"):
         generate_text(model, _StubTokenizer(), GenerateConfig(spec=spec, prompt=prompt,
                                                               sample=True, graphs=True))
+
+
+def test_generate_calibrates_kvquant_presets_on_the_fly(monkeypatch):
+    """A kvquant preset in ``kvbits generate`` gets its (cached) calibration instead of failing
+    for want of codebooks, through the same factory as ``kvbits ppl``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import kvbits.methods.kvquant as kvq
+    from kvbits.cli import GenerateConfig, generate_text
+    from kvbits.spec import resolve_spec
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None
+    spec = resolve_spec("kvquant-3").replace(residual_length=4, group_size=32)
+    ids = torch.randint(0, 64, (1, 256))
+    made = []
+
+    def fake_auto(m, sp, **kw):  # calibrate on random tokens instead of fetching SOTU
+        made.append(kw.get("preset"))
+        return kvq.calibrate(m, ids, sp, model_name="tiny", preset=kw.get("preset", ""),
+                             data="random", window=128)
+    monkeypatch.setattr(kvq, "auto_calibration", fake_auto)
+    prompt = " ".join(str(i) for i in torch.randint(1, 64, (70,)).tolist())
+    out = generate_text(model, _StubTokenizer(), GenerateConfig(
+        spec=spec, prompt=prompt, max_new_tokens=8, graphs=False, label="kvquant-3"))
+    assert made == ["kvquant-3"] and out["new_tokens"] == 8
