@@ -769,7 +769,10 @@ def test_gluon_tma_body_matches_reference(c, monkeypatch):
     run_case(c, kv=kv)
     run_case(c._replace(splits=1), kv=kv)  # one program walks the whole body through the ring
     run_case(c._replace(splits=3), kv=kv)  # ranges that start mid-body
-    assert used, "the TMA kernel was not used"
+    n = len(used)
+    c16 = c._replace(lengths=None, starts=None, dtype=torch.bfloat16, seed=c.seed + 1)
+    run_case(c16, kv=make_kv(c16, spare=8))  # bf16 queries and cache
+    assert n == 3 and len(used) == 4, "the TMA kernel was not used for every call"
 
 
 # Device lengths (CUDA-graph decode): the view's lengths are bounds over real data and lens_dev
