@@ -787,22 +787,30 @@ LENS_DEV_CASES = [
 @pytest.mark.parametrize("gluon", [False, pytest.param(True, marks=[gpu, pytest.mark.gpu])])
 @pytest.mark.parametrize("c", LENS_DEV_CASES, ids=str)
 def test_device_lengths_inside_bounds(c, gluon, monkeypatch):
-    import dataclasses
-
     from kvbits.kernels import decode_gluon
     monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
     bound = make_kv(c)
+    assert not gluon or decode_gluon.eligible(bound, 1, c.HG, None)
+    q, lens, args = _check_device_lengths(c, bound, gluon, f"{c} lens_dev gluon={gluon}")
+    with pytest.raises(ValueError, match="lens_dev"):
+        kernel(q, bound, lens_dev=lens.long(), **args)
+
+
+def _check_device_lengths(c, bound, gluon, what):
+    """Run ``bound`` (lengths that are upper bounds over real data) with the true lengths on the
+    device (body 3 groups and residual 17 tokens shorter) and compare with the reference over a
+    view that holds only the true lengths; returns ``(q, lens, args)``."""
+    import dataclasses
+
     true_body, true_res = c.body - 3 * c.G, c.res - 17
     view = dataclasses.replace(bound, body_len=true_body, res_len=true_res)
-    assert not gluon or decode_gluon.eligible(bound, 1, c.HG, None)
     g = torch.Generator().manual_seed(c.seed + 1)
     q = torch.randn(c.B, c.Hkv * c.HG, 1, c.D, generator=g).to(c.dtype).to(DEVICE)
     lens = torch.tensor([c.S, true_body, true_res], dtype=torch.int32, device=DEVICE)
     args = {"scale": c.D ** -0.5, "starts": _seq(c.starts)}
     got = kernel(q, bound, lens_dev=lens, gluon=gluon, **args)
-    compare(got, reference(q, view, **args), c.dtype, f"{c} lens_dev gluon={gluon}")
-    with pytest.raises(ValueError, match="lens_dev"):
-        kernel(q, bound, lens_dev=lens.long(), **args)
+    compare(got, reference(q, view, **args), c.dtype, what)
+    return q, lens, args
 
 
 @gpu
@@ -811,8 +819,6 @@ def test_device_lengths_inside_bounds(c, gluon, monkeypatch):
 def test_gluon_tma_device_lengths_inside_bounds(bits, monkeypatch):
     """The TMA ring with lengths on the device: steps past the true body are never copied or
     read (the bounds' tail holds real data that would change the answer)."""
-    import dataclasses
-
     from kvbits.kernels import decode_gluon, decode_gluon_tma
     monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
     monkeypatch.setattr(decode_gluon_tma, "ENABLED", True)
@@ -820,14 +826,7 @@ def test_gluon_tma_device_lengths_inside_bounds(bits, monkeypatch):
              starts=(0, 7), Gv=32, seed=23 + bits)
     bound = make_kv(c, spare=8)
     assert decode_gluon_tma.eligible(bound, False)
-    true_body, true_res = c.body - 3 * c.G, c.res - 17
-    view = dataclasses.replace(bound, body_len=true_body, res_len=true_res)
-    g = torch.Generator().manual_seed(c.seed + 1)
-    q = torch.randn(c.B, c.Hkv * c.HG, 1, c.D, generator=g).to(c.dtype).to(DEVICE)
-    lens = torch.tensor([c.S, true_body, true_res], dtype=torch.int32, device=DEVICE)
-    args = {"scale": c.D ** -0.5, "starts": _seq(c.starts)}
-    got = kernel(q, bound, lens_dev=lens, gluon=True, **args)
-    compare(got, reference(q, view, **args), c.dtype, f"{c} lens_dev TMA")
+    _check_device_lengths(c, bound, True, f"{c} lens_dev TMA")
 
 
 def test_gluon_tma_eligibility():

@@ -74,32 +74,12 @@ def test_body_kernel_compiles_for_sm90_without_shared_memory_tiles(compile_sm90)
 
 TMA_CHILD = r'''
 import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental import gluon
 from kvbits.kernels import decode_gluon_tma as dt
-
-
-def desc(rows, cols):
-    return (f"tensordesc<i32[{rows}, {cols}],NVMMASharedLayout(swizzle_byte_width=0, "
-            "element_bitwidth=32, rank=2)>")
 
 
 out = []
 for cx in json.loads(sys.argv[1]):
-    D, RS, SG = cx["D"], 2 * cx["BITS"], 64 // cx["G"]
-    sig = {"Q": "*fp16", "Out": "*fp32", "Lse": "*fp32", "kc_d": desc(RS, D),
-           "ks_d": desc(SG, D // 2), "kz_d": desc(SG, D // 2), "vc_d": desc(RS, D),
-           "vs_d": desc(32, 4), "vz_d": desc(32, 4), "Starts": "*i32", "Lens": "*i32",
-           "LenTab": "*i32", "qk_scale": "fp32"}
-    sig.update({k: "i32" for k in ("sink_len", "body_len", "res_len", "kc_cap", "ng_cap",
-                                   "vc_cap", "vs_rows", "Hkv", "n_out", "steps_per_split")})
-    fn = dt._body_tma_kernel
-    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items()
-             if v.startswith("*")}
-    src = gluon._runtime.GluonASTSource(fn=fn, signature={**sig, **dict.fromkeys(cx, "constexpr")},
-                                        constexprs=cx, attrs=attrs)
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+    c = dt.compile_sm90(cx)
     ptx = c.asm["ptx"]
     out.append({"mma": "mma.sync" in ptx, "tma": ptx.count("cp.async.bulk.tensor"),
                 "shfl": ptx.count("shfl.sync"), "st_shared": ptx.count("st.shared"),

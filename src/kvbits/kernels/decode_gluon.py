@@ -590,6 +590,29 @@ if gluon is not None:
             _prefetch(kz_base + (t0 // G) * D, KSB2, KSB2, L1)
 
     @gluon.jit
+    def _program_bounds(Starts, Lens, LenTab, sink_len, body_len, res_len, Hkv, HG: gl.constexpr,
+                        HAS_STARTS: gl.constexpr, HAS_LENS: gl.constexpr,
+                        LENS_DEV: gl.constexpr):
+        """What a body program works within: the layer's (sink, body, residual) lengths (from
+        the device with ``LENS_DEV``; the ints are then only bounds), its (sequence, KV head)
+        and split, the sequence's first visible position and end, and the first query row of
+        its GQA group in ``[B*Hq, D]``."""
+        if LENS_DEV:
+            sink_len = gl.load(LenTab)
+            body_len = gl.load(LenTab + 1)
+            res_len = gl.load(LenTab + 2)
+        bh = gl.program_id(0)
+        b = bh // Hkv
+        start = 0
+        length = sink_len + body_len + res_len
+        if HAS_STARTS:
+            start = gl.load(Starts + b)
+        if HAS_LENS:
+            length = gl.load(Lens + b)
+        q_row0 = (b.to(gl.int64) * Hkv + bh % Hkv) * HG
+        return sink_len, body_len, res_len, bh, gl.program_id(1), start, length, q_row0
+
+    @gluon.jit
     def _query_operands(Q, q_row0, qk_scale, HG: gl.constexpr, HP: gl.constexpr,
                         D: gl.constexpr, b_l: gl.constexpr):
         """Q^T ``[D, HP]`` of one GQA group as two B operands (channel halves), pre-scaled by
@@ -671,22 +694,10 @@ if gluon is not None:
         WV: gl.constexpr = G * VBITS // 32  # the same for the values
         RSV: gl.constexpr = 2 * VBITS
         SPAN: gl.constexpr = G if G > 64 else 64  # noqa: FURB136 (tokens a step's groups span)
-        if LENS_DEV:  # (sink, body, residual) lengths on the device; the ints are only bounds
-            sink_len = gl.load(LenTab)
-            body_len = gl.load(LenTab + 1)
-            res_len = gl.load(LenTab + 2)
-        bh = gl.program_id(0)
-        split = gl.program_id(1)
-        h = bh % Hkv
-        b = bh // Hkv
+        sink_len, body_len, res_len, bh, split, start, length, q_row0 = _program_bounds(
+            Starts, Lens, LenTab, sink_len, body_len, res_len, Hkv, HG, HAS_STARTS, HAS_LENS,
+            LENS_DEV)
         bh64 = bh.to(gl.int64)
-        start = 0
-        length = sink_len + body_len + res_len
-        if HAS_STARTS:
-            start = gl.load(Starts + b)
-        if HAS_LENS:
-            length = gl.load(Lens + b)
-        q_row0 = (b.to(gl.int64) * Hkv + h) * HG  # first query row of the group in [B*Hq, D]
 
         q0, q1 = _query_operands(Q, q_row0, qk_scale, HG, HP, D, b_l)
         dn = _row_tokens(KBITS, W, G, mma)

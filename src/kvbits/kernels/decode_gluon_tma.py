@@ -242,21 +242,9 @@ if gluon is not None:
         W: gl.constexpr = G * BITS // 32
         RS: gl.constexpr = 2 * BITS
         SG: gl.constexpr = 64 // G
-        if LENS_DEV:
-            sink_len = gl.load(LenTab)
-            body_len = gl.load(LenTab + 1)
-            res_len = gl.load(LenTab + 2)
-        bh = gl.program_id(0)
-        split = gl.program_id(1)
-        h = bh % Hkv
-        b = bh // Hkv
-        start = 0
-        length = sink_len + body_len + res_len
-        if HAS_STARTS:
-            start = gl.load(Starts + b)
-        if HAS_LENS:
-            length = gl.load(Lens + b)
-        q_row0 = (b.to(gl.int64) * Hkv + h) * HG
+        sink_len, body_len, res_len, bh, split, start, length, q_row0 = dg._program_bounds(
+            Starts, Lens, LenTab, sink_len, body_len, res_len, Hkv, HG, HAS_STARTS, HAS_LENS,
+            LENS_DEV)
 
         q0, q1 = dg._query_operands(Q, q_row0, qk_scale, HG, HP, D, b_l)
         dn = dg._row_tokens(BITS, W, G, mma)
@@ -365,22 +353,57 @@ def serves(kv, k_tok: bool, device) -> bool:
             and _hopper(device.index or 0))
 
 
+def block_shapes(bits: int, D: int, G: int) -> dict:
+    """The TMA box of each descriptor (int32 elements): a step's key and value word rows, its
+    key scale/zero group rows (channel pairs), its value scale/zero words as 16-byte rows."""
+    RS, SG = 2 * bits, 64 // G
+    return {"kc_d": [RS, D], "ks_d": [SG, D // 2], "kz_d": [SG, D // 2], "vc_d": [RS, D],
+            "vs_d": [32, 4], "vz_d": [32, 4]}
+
+
+def _kernel_signature(bits: int, D: int, G: int) -> dict:
+    """``_body_tma_kernel``'s argument types (constexprs excluded)."""
+    def desc(block):
+        return (f"tensordesc<i32[{block[0]}, {block[1]}],NVMMASharedLayout(swizzle_byte_width=0, "
+                "element_bitwidth=32, rank=2)>")
+    sig = {"Q": "*fp16", "Out": "*fp32", "Lse": "*fp32"}
+    sig.update({k: desc(b) for k, b in block_shapes(bits, D, G).items()})
+    sig.update({"Starts": "*i32", "Lens": "*i32", "LenTab": "*i32", "qk_scale": "fp32"})
+    sig.update(dict.fromkeys(("sink_len", "body_len", "res_len", "kc_cap", "ng_cap", "vc_cap",
+                              "vs_rows", "Hkv", "n_out", "steps_per_split"), "i32"))
+    return sig
+
+
+def compile_sm90(constexprs: dict):
+    """``_body_tma_kernel`` compiled for sm_90 without a GPU (Triton ships ptxas): the compile
+    test and ``benchmarks/probes/gluon_tma_aot.py`` read its PTX/SASS. ``constexprs``: the
+    kernel's constexpr arguments (``BITS``, ``D``, ``G``, ...)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    cx = constexprs
+    sig = _kernel_signature(cx["BITS"], cx["D"], cx["G"])
+    fn = _body_tma_kernel
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items()
+             if v.startswith("*")}
+    src = gluon._runtime.GluonASTSource(fn=fn, signature={**sig, **dict.fromkeys(cx, "constexpr")},
+                                        constexprs=cx, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+
+
 def _descriptors(kv):
     """TMA descriptors of the layer's six buffers (2D int32 views). Built per call and not
     cached: a descriptor holds its buffer, and a cache of them would keep freed caches alive."""
     import torch
 
-    D = kv.k_codes.shape[-1]
-    RS = 2 * kv.key_bits
-    SG = 64 // kv.group_size
-
-    def desc(t, block):
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    blocks = block_shapes(kv.key_bits, kv.k_codes.shape[-1], kv.group_size)
+    out = []
+    for t, block in zip((kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero),
+                        blocks.values()):
         t2 = t.view(torch.int32).reshape(-1, block[1])
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-        return TensorDescriptor(t2, list(t2.shape), list(t2.stride()), list(block), layout)
-    return (desc(kv.k_codes, [RS, D]), desc(kv.k_scale, [SG, D // 2]),
-            desc(kv.k_zero, [SG, D // 2]), desc(kv.v_codes, [RS, D]), desc(kv.v_scale, [32, 4]),
-            desc(kv.v_zero, [32, 4]))
+        out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), list(block), layout))
+    return out
 
 
 def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_starts: bool,
