@@ -551,16 +551,16 @@ if gluon is not None:
                 f"@p prefetch.global.{level} [$1]; mov.b32 $0, 0; }}")
 
     @gluon.jit
-    def _prefetch(base, nbytes, NBYTES: gl.constexpr, L1: gl.constexpr):
-        """Ask for ``[base, base + nbytes)`` (``nbytes <= NBYTES``) to be brought into L2 (or L1),
-        one 128-byte line per lane: no register waits on it, so the loads of a later step find
-        their bytes close instead of in DRAM."""
+    def _prefetch(base, NBYTES: gl.constexpr, L1: gl.constexpr):
+        """Ask for ``[base, base + NBYTES)`` to be brought into L2 (or L1), one 128-byte line per
+        lane: no register waits on it, so the loads of a later step find their bytes close
+        instead of in DRAM."""
         PL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         line = gl.arange(0, 32, layout=PL) * 128
         b8 = base.to(gl.pointer_type(gl.int8), bitcast=True)
         for i in gl.static_range((NBYTES + 4095) // 4096):
             off = line + i * 4096
-            ok = (off < nbytes).to(gl.int32)
+            ok = (off < NBYTES).to(gl.int32)
             gl.inline_asm_elementwise(_prefetch_asm(L1), "=r,l,r", [b8 + off, ok], dtype=gl.int32,
                                       is_pure=False, pack=1)
 
@@ -573,21 +573,21 @@ if gluon is not None:
         channel over the step's groups, or per token), value scales/zeros of its tokens."""
         KWB: gl.constexpr = RS * D * 4
         VWB: gl.constexpr = RSV * D * 4
-        _prefetch(kc_base + s * (RS * D), KWB, KWB, L1)
-        _prefetch(vc_base + s * (RSV * D), VWB, VWB, L1)
+        _prefetch(kc_base + s * (RS * D), KWB, L1)
+        _prefetch(vc_base + s * (RSV * D), VWB, L1)
         t0 = (s * 64 // SPAN) * SPAN
         VSB: gl.constexpr = SPAN * NGV * 2
-        _prefetch(vs_base + t0 * NGV, VSB, VSB, L1)
-        _prefetch(vz_base + t0 * NGV, VSB, VSB, L1)
+        _prefetch(vs_base + t0 * NGV, VSB, L1)
+        _prefetch(vz_base + t0 * NGV, VSB, L1)
         if K_TOK:
             KSB: gl.constexpr = SPAN * NGK * 2
-            _prefetch(ks_base + t0 * NGK, KSB, KSB, L1)
-            _prefetch(kz_base + t0 * NGK, KSB, KSB, L1)
+            _prefetch(ks_base + t0 * NGK, KSB, L1)
+            _prefetch(kz_base + t0 * NGK, KSB, L1)
         else:
             SG: gl.constexpr = SPAN // G
             KSB2: gl.constexpr = SG * D * 2
-            _prefetch(ks_base + (t0 // G) * D, KSB2, KSB2, L1)
-            _prefetch(kz_base + (t0 // G) * D, KSB2, KSB2, L1)
+            _prefetch(ks_base + (t0 // G) * D, KSB2, L1)
+            _prefetch(kz_base + (t0 // G) * D, KSB2, L1)
 
     @gluon.jit
     def _program_bounds(Starts, Lens, LenTab, sink_len, body_len, res_len, Hkv, HG: gl.constexpr,
