@@ -24,8 +24,8 @@ from kvbits.spec import resolve_spec
 
 MAXNREGS = [int(r) for r in os.environ.get("SWEEP_MAXNREG", "0").split(",")]
 SPLIT_MULTS = [int(m) for m in os.environ.get("SWEEP_SPLITS", "0").split(",")]
-# variants: prefetch distance digits, then flags L (into L1), A (prefetch after the step's own
-# key loads), E (value loads issued with the key loads), e.g. "0,1,1A,1AE"
+# variants (see the docstring): prefetch distance digits, flags L, A, E, then T[stages] for the
+# TMA ring, e.g. "0,1,1A,1AE,0T,0T2"
 VARIANTS = os.environ.get("SWEEP_PF", "0").split(",")
 # (batch, query heads, KV heads, context), SWEEP_SHAPES=BxHqxHkvxT,...: default Llama-3-8B
 # B=32/8/1, Llama-2-7B B=8, Llama-2 B=32 4k

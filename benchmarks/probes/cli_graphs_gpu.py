@@ -4,8 +4,9 @@ against `--no-graphs` (transformers' generate), same tokens expected.
     python3 benchmarks/probes/cli_graphs_gpu.py CONFIG_DIR
 
 CONFIG_DIR holds SmolLM2's config and tokenizer files (no weights: the hub and PyPI are out of
-reach there), and its sibling `texts/` kvbits' cached texts; the model gets random weights (seeded), written as `$KVBITS_CACHE/models/smollm2`
-so that `--model smollm2` finds it. Prints both texts, the step times and whether they agree."""
+reach there), and its sibling `texts/` kvbits' cached texts (kvquant calibrates on them). The
+model gets random weights (seeded), written as `$KVBITS_CACHE/models/smollm2` so that
+`--model smollm2` finds it. Prints both texts, the CLI's timing lines and whether they agree."""
 import json
 import os
 import shutil
