@@ -59,7 +59,7 @@ for preset in sys.argv[1:] or ["kivi-2", "kivi-4"]:
                     decode_gluon.PREFETCH_L1 = "L" in flags
                     decode_gluon.PREFETCH_AFTER_KEYS = "A" in flags
                     decode_gluon.EARLY_VALUES = "E" in flags
-                    decode_gluon_tma.ENABLED = "T" in var
+                    decode_gluon_tma.MODE = "1" if "T" in var else "0"
                     decode_gluon_tma.STAGES = ({2: int(stages), 4: int(stages)} if stages
                                                else dict(TMA_STAGES))
 

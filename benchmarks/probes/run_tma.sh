@@ -1,8 +1,10 @@
-# One device call for the TMA ring (kernels/decode_gluon_tma.py, off by default): its GPU tests
-# against the reference, then the sweep against the register body with the L2 prefetch (1A).
+# One device call for the TMA ring (kernels/decode_gluon_tma.py; KVBITS_GLUON_TMA=auto by
+# default): its GPU tests against the reference, then the sweep against the register body
+# with the L2 prefetch (1A).
 set -x
 export PYTHONPATH=src PYTHONUNBUFFERED=1
-python3 -m pytest -q -x tests/kernels/test_decode_attention.py -k "tma" 2>&1 | tail -5
+timeout -s KILL 200 python3 -m pytest -v -x tests/kernels/test_decode_attention.py -k "gluon_tma" \
+  -p no:cacheprovider > "$OUT/tma_tests.log" 2>&1; tail -5 "$OUT/tma_tests.log"
 SWEEP_SHAPES=${SWEEP_SHAPES:-32x32x8x32768,8x32x8x32768,8x32x32x32768,32x32x32x131072} \
 SWEEP_PF=${SWEEP_PF:-1A,0T,1AT,0T2,0T4} timeout 300 python3 benchmarks/gluon_sweep.py \
   ${PRESETS:-kivi-2 kivi-4} 2>&1 | tee "$OUT/tma_sweep.log"

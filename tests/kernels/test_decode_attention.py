@@ -764,7 +764,7 @@ def test_gluon_tma_body_matches_reference(c, monkeypatch):
     real = decode_gluon_tma.attend_body
     monkeypatch.setattr(decode_gluon_tma, "attend_body",
                         lambda *a, **k: used.append(1) or real(*a, **k))
-    monkeypatch.setattr(decode_gluon_tma, "ENABLED", True)
+    monkeypatch.setattr(decode_gluon_tma, "MODE", "1")
     monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
     run_case(c, kv=kv)
     run_case(c._replace(splits=1), kv=kv)  # one program walks the whole body through the ring
@@ -821,7 +821,7 @@ def test_gluon_tma_device_lengths_inside_bounds(bits, monkeypatch):
     read (the bounds' tail holds real data that would change the answer)."""
     from kvbits.kernels import decode_gluon, decode_gluon_tma
     monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
-    monkeypatch.setattr(decode_gluon_tma, "ENABLED", True)
+    monkeypatch.setattr(decode_gluon_tma, "MODE", "1")
     c = Case(kb=bits, vb=bits, G=32, D=128, B=2, Hkv=2, HG=4, S=3, body=32 * 40, res=48,
              starts=(0, 7), Gv=32, seed=23 + bits)
     bound = make_kv(c, spare=8)
@@ -845,6 +845,37 @@ def test_gluon_tma_eligibility():
     assert not decode_gluon_tma.eligible(make_kv(base._replace(D=64), spare=8), False)
     assert not decode_gluon_tma.serves(make_kv(base, spare=8), False, torch.device("cpu"))
 
+
+
+def test_gluon_tma_serves_rule(monkeypatch):
+    """When the ring serves an eligible layer on a Hopper GPU (no GPU needed): ``auto`` takes
+    2-bit layers inside CUDA-graph capture or for calls of >= EAGER_MIN_WORK body tokens x
+    pairs (below, the register body's shorter host path wins eager), 4-bit layers only from
+    MANY_PAIRS pairs; ``1`` always, ``0`` never."""
+    import dataclasses
+
+    from kvbits.kernels import decode_gluon
+    from kvbits.kernels import decode_gluon_tma as dt
+    if dt.gluon is None:
+        pytest.skip("this Triton has no Gluon TMA")
+    monkeypatch.setattr(dt, "_hopper", lambda index: True)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    cuda = torch.device("cuda", 0)
+    kv2 = make_kv(Case(kb=2, vb=2, G=32, D=128, body=32 * 4, Gv=32), spare=8)  # 2 pairs
+    kv4 = make_kv(Case(kb=4, vb=4, G=32, D=128, body=32 * 4, Gv=32), spare=8)
+    big2 = dataclasses.replace(kv2, body_len=dt.EAGER_MIN_WORK // 2)  # (2 pairs) x body
+    big4 = dataclasses.replace(kv4, body_len=dt.EAGER_MIN_WORK)
+    assert decode_gluon.MANY_PAIRS > 2
+    for mode, want in {"auto": [False, True, True, False, False],
+                       "1": [True] * 5, "0": [False] * 5}.items():
+        monkeypatch.setattr(dt, "MODE", mode)
+        got = [dt.serves(kv2, False, cuda), dt.serves(big2, False, cuda)]
+        capturing[0] = True
+        got += [dt.serves(kv2, False, cuda), dt.serves(big4, False, cuda),
+                dt.serves(kv4, False, cuda)]
+        capturing[0] = False
+        assert got == want, (mode, got)
 
 def test_gluon_dispatch_rules():
     """Which layers and calls the Gluon body kernel takes (no GPU needed: eligibility only)."""

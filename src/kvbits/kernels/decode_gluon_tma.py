@@ -6,16 +6,18 @@ about half of peak. Here every byte of a step (key and value words, key scales/z
 groups, value scales/zeros of its tokens) is copied by the TMA engine into a ring of ``NS``
 shared-memory stages, ``NS - 1`` steps ahead, completing on one ``mbarrier`` per stage: the warp
 only waits when the ring runs dry, and the copies cost no registers (one elected thread issues
-6-12 copies per step: small key groups' scale rows are copied where the lanes read them). Each thread then reads exactly the words and scales its MMA fragments
-need, from shared memory, in the register layouts of :mod:`kvbits.kernels.decode_gluon`
+6-12 copies per step: small key groups' scale rows are copied where the lanes read them). Each
+thread then reads exactly the words and scales its MMA fragments need, from shared memory, in the register layouts of :mod:`kvbits.kernels.decode_gluon`
 (``LDS.64`` per key channel pair; the layout conversions after the loads are register
 renamings), and the step's math is that kernel's own (``_key_operand_u``, ``_value_operand``).
 
 Served: KIVI layers with equal key/value bits 2 or 4, keys scaled per channel over G = 16, 32 or
 64 tokens, values per token over 32 channels, head_dim 128, contiguous buffers (TMA needs
-16-byte-aligned rows); :func:`eligible` says which. ``ENABLED`` (``KVBITS_GLUON_TMA=1``) switches
-it on: it compiles for sm_90 (``tests/kernels/test_decode_gluon_compile.py``) and has not yet run
-on a GPU, so the library keeps the register body by default.
+16-byte-aligned rows); :func:`eligible` says which, :func:`serves` when (``KVBITS_GLUON_TMA``:
+``auto`` by default, ``1`` always, ``0`` never). H200, against the register body with the L2
+prefetch (``benchmarks/results/decode_gluon_tma.log``): kivi-2 5-18% faster, kivi-4 11% faster
+from 256 (sequence, KV head) pairs and 2x slower below (the 4-bit ring's shared memory halves
+the resident programs there), so ``auto`` leaves those to the register body.
 """
 
 from __future__ import annotations
@@ -37,7 +39,16 @@ try:  # Hopper's TMA and mbarriers in Gluon (Triton >= 3.5)
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
-ENABLED = os.environ.get("KVBITS_GLUON_TMA", "0") == "1"
+# KVBITS_GLUON_TMA: "auto" (default) serves where the H200 sweep measured a win (2-bit layers;
+# 4-bit layers from dg.MANY_PAIRS (sequence, KV head) pairs: below that the 4-bit ring's 22 KB
+# per program halves the resident programs and it ran at half speed); "1" always; "0" never.
+# An eager call of the ring costs ~100 us more host time than the register body (six tensor
+# descriptors built and encoded per launch), so "auto" takes it outside CUDA-graph capture
+# only for calls of at least EAGER_MIN_WORK body tokens x (sequence, KV head) pairs, where the
+# kernel outlasts that (H200: Llama-3-8B B=8 32k, 2^21, ran 117 us eager on the register body
+# and 204 us on the ring, which wins in graph time, 108 us).
+MODE = os.environ.get("KVBITS_GLUON_TMA", "auto")
+EAGER_MIN_WORK = 2**23
 # Ring depth (stages of one step each): 3 at 2 bits (7 KB per stage), 2 at 4 bits (11 KB), so
 # that ~10 one-warp programs per SM fit in shared memory.
 STAGES = {2: 3, 4: 2}
@@ -348,9 +359,18 @@ def _hopper(index: int) -> bool:
 
 
 def serves(kv, k_tok: bool, device) -> bool:
-    """``ENABLED``, a Hopper-or-newer GPU (TMA) and an :func:`eligible` layer."""
-    return (ENABLED and device.type == "cuda" and eligible(kv, k_tok)
-            and _hopper(device.index or 0))
+    """``MODE`` allows it, a Hopper-or-newer GPU (TMA) and an :func:`eligible` layer."""
+    if not (MODE != "0" and device.type == "cuda" and eligible(kv, k_tok)
+            and _hopper(device.index or 0)):
+        return False
+    if MODE == "1":
+        return True
+    import torch
+
+    pairs = kv.k_codes.shape[0] * kv.k_codes.shape[1]
+    if kv.key_bits != 2 and pairs < dg.MANY_PAIRS:
+        return False
+    return pairs * kv.body_len >= EAGER_MIN_WORK or torch.cuda.is_current_stream_capturing()
 
 
 def block_shapes(bits: int, D: int, G: int) -> dict:
