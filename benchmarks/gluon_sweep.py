@@ -1,5 +1,6 @@
 """Sweep the Gluon body kernel's knobs (prefetch distance and level, maxnreg, splits per SM) on a
-few decode shapes, against the Triton kernel and FP16 SDPA in the same process (prints only).
+few decode shapes, against the Triton kernel and FP16 SDPA in the same process (prints only),
+eager and in CUDA-graph time (the eager time of small calls is host launch time).
 
     python3 benchmarks/gluon_sweep.py [PRESET ...]
     env: SWEEP_PF=0,1,1A,1E,2L,0T,0T2 (prefetch distance in steps; flags: L prefetch into L1,
@@ -69,12 +70,18 @@ for preset in sys.argv[1:] or ["kivi-2", "kivi-4"]:
                         o5 = fn()
                         d = ((o5.float() - o4.float()).norm() / o4.float().norm()).item()
                         t5 = do_bench(fn, warmup=25, rep=100)
+                        graph = torch.cuda.CUDAGraph()  # graph time: no host launch cost
+                        with torch.cuda.graph(graph):
+                            fn()
+                        tg = do_bench(graph.replay, warmup=25, rep=100)
+                        del graph
                     except Exception as e:  # noqa: BLE001
                         print(f"   maxnreg={reg} pf={var}: "
                               f"{type(e).__name__} {str(e)[:300]}", flush=True)
                         continue
                     print(f"   maxnreg={reg:3d} splits={splits or 'lib'} pf={var:4s}: "
-                          f"{t5 * 1e3:8.1f} us x{tf / t5:4.2f} "
-                          f"({nb / t5 * 1e-9:.2f} TB/s)  diff {d:.1e}", flush=True)
+                          f"{t5 * 1e3:8.1f} us x{tf / t5:4.2f}, graph {tg * 1e3:8.1f} us "
+                          f"x{tf / tg:4.2f} ({nb / min(t5, tg) * 1e-9:.2f} TB/s)  diff {d:.1e}",
+                          flush=True)
         del kv
         torch.cuda.empty_cache()

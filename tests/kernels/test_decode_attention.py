@@ -829,6 +829,43 @@ def test_gluon_tma_device_lengths_inside_bounds(bits, monkeypatch):
     _check_device_lengths(c, bound, True, f"{c} lens_dev TMA")
 
 
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [2, 4])
+def test_gluon_tma_inside_cuda_graph(bits, monkeypatch):
+    """Where ``auto`` takes the ring most (CUDA-graph decode): captured once with lengths on the
+    device, then replayed with new queries and shorter true lengths written in place; every
+    replay equals the reference over the true lengths."""
+    import dataclasses
+
+    from kvbits.kernels import decode_gluon
+    from kvbits.kernels import decode_gluon_tma as dt
+    monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
+    monkeypatch.setattr(decode_gluon, "MANY_PAIRS", 1)  # 4-bit layers too at this small batch
+    monkeypatch.setattr(dt, "MODE", "auto")
+    used = []
+    real = dt.attend_body
+    monkeypatch.setattr(dt, "attend_body", lambda *a, **k: used.append(1) or real(*a, **k))
+    c = Case(kb=bits, vb=bits, G=32, D=128, B=2, Hkv=2, HG=4, S=3, body=32 * 40, res=48,
+             starts=(0, 7), Gv=32, seed=31 + bits)
+    bound = make_kv(c, spare=8)
+    g = torch.Generator().manual_seed(c.seed)
+    q = torch.empty(c.B, c.Hkv * c.HG, 1, c.D, dtype=c.dtype, device=DEVICE)
+    lens = torch.tensor([c.S, c.body, c.res], dtype=torch.int32, device=DEVICE)
+    args = {"scale": c.D ** -0.5, "starts": _seq(c.starts)}
+    q.copy_(torch.randn(q.shape, generator=g))
+    kernel(q, bound, lens_dev=lens, **args)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernel(q, bound, lens_dev=lens, **args)
+    assert used, "the TMA ring was not taken inside the capture"
+    for body, res in [(c.body, c.res), (c.body - 3 * c.G, c.res - 17), (c.body - 5 * c.G, 5)]:
+        q.copy_(torch.randn(q.shape, generator=g))
+        lens.copy_(torch.tensor([c.S, body, res], dtype=torch.int32))
+        graph.replay()
+        view = dataclasses.replace(bound, body_len=body, res_len=res)
+        compare(out, reference(q, view, **args), c.dtype, f"{c} graph replay body={body}")
+
 def test_gluon_tma_eligibility():
     """Which layers the TMA ring takes (no GPU needed): G = 32 KIVI layers at head_dim 128 with
     32-channel value groups and TMA-addressable buffers; not per-token keys, mixed widths,
