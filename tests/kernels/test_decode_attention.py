@@ -712,8 +712,12 @@ def test_gluon_body_matches_reference(c, monkeypatch):
 
 @gpu
 @pytest.mark.gpu
-def test_gluon_body_offsets_past_int32():
-    """kivi-2 with 2**20 body tokens x 257 heads: head 256 starts at word 2**31 of k_codes."""
+@pytest.mark.parametrize("tma", ["0", "1"])
+def test_gluon_body_offsets_past_int32(tma, monkeypatch):
+    """kivi-2 with 2**20 body tokens x 257 heads: head 256 starts at word 2**31 of k_codes
+    (register body: int64 pointer math; TMA ring: row coordinates of the 2D descriptors)."""
+    from kvbits.kernels import decode_gluon_tma
+    monkeypatch.setattr(decode_gluon_tma, "MODE", tma)
     dev = "cuda"
     H, T, D, G, bits = 257, 2**20, 128, 32, 2
     NG, W = T // G, packed_length(G, bits)
@@ -732,6 +736,7 @@ def test_gluon_body_offsets_past_int32():
     empty = torch.zeros(1, H, 0, D, dtype=torch.float16, device=dev)
     kv = PackedKV(empty, empty, 0, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, T,
                   res, res, 17, bits, bits, G, 32)
+    assert tma == "0" or decode_gluon_tma.eligible(kv, False)
     q = (torch.randn(1, H, 1, D, generator=g, device=dev) * 3).half()
     o = kernel(q, kv, scale=D ** -0.5, gluon=True)
     sl = slice(H - 2, H)
