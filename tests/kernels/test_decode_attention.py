@@ -871,6 +871,17 @@ def test_gluon_tma_inside_cuda_graph(bits, monkeypatch):
         view = dataclasses.replace(bound, body_len=body, res_len=res)
         compare(out, reference(q, view, **args), c.dtype, f"{c} graph replay body={body}")
 
+def test_gluon_tma_mode_is_checked():
+    """A mistyped KVBITS_GLUON_TMA is refused at import, naming the variable and its values."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KVBITS_GLUON_TMA": "yes"}
+    res = subprocess.run([sys.executable, "-c", "import kvbits.kernels.decode_gluon_tma"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0
+    assert "KVBITS_GLUON_TMA must be 'auto', '0' or '1', got 'yes'" in res.stderr
+
 def test_gluon_tma_eligibility():
     """Which layers the TMA ring takes (no GPU needed): G = 32 KIVI layers at head_dim 128 with
     32-channel value groups and TMA-addressable buffers; not per-token keys, mixed widths,

@@ -7,9 +7,10 @@ groups, value scales/zeros of its tokens) is copied by the TMA engine into a rin
 shared-memory stages, ``NS - 1`` steps ahead, completing on one ``mbarrier`` per stage: the warp
 only waits when the ring runs dry, and the copies cost no registers (one elected thread issues
 6-12 copies per step: small key groups' scale rows are copied where the lanes read them). Each
-thread then reads exactly the words and scales its MMA fragments need, from shared memory, in the register layouts of :mod:`kvbits.kernels.decode_gluon`
-(``LDS.64`` per key channel pair; the layout conversions after the loads are register
-renamings), and the step's math is that kernel's own (``_key_operand_u``, ``_value_operand``).
+thread then reads exactly the words and scales its MMA fragments need, from shared memory, in the
+register layouts of :mod:`kvbits.kernels.decode_gluon` (``LDS.64`` per key channel pair; the
+layout conversions after the loads are register renamings), and the step's math is that kernel's
+own (``_key_operand_u``, ``_value_operand``).
 
 Served: KIVI layers with equal key/value bits 2 or 4, keys scaled per channel over G = 16, 32 or
 64 tokens, values per token over 32 channels, head_dim 128, contiguous buffers (TMA needs
@@ -48,6 +49,8 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 # kernel outlasts that (H200: Llama-3-8B B=8 32k, 2^21, ran 117 us eager on the register body
 # and 204 us on the ring, which wins in graph time, 108 us).
 MODE = os.environ.get("KVBITS_GLUON_TMA", "auto")
+if MODE not in ("auto", "0", "1"):
+    raise ValueError(f"KVBITS_GLUON_TMA must be 'auto', '0' or '1', got {MODE!r}")
 EAGER_MIN_WORK = 2**23
 # Ring depth (stages of one step each): 3 at 2 bits (7 KB per stage), 2 at 4 bits (11 KB), so
 # that ~10 one-warp programs per SM fit in shared memory.
