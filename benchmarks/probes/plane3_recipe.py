@@ -6,7 +6,8 @@ codes, before any kernel is written. No GPU needed:
 
 Token order of a 64-token step at G = 32 (the register body's ``n = e + 2a + 8h + 16k`` with lane
 bits ``e, a0, a1`` and register bits ``h, k``): token ``n`` is plane bit position
-``p = 16e + 4k + h + 2a0`` of column (group) ``a1``. Each sequence of integer operations below is
+``p = 16e + 4k + h + 2a0`` of column (group) ``a1`` (at G = 64, one group of two columns,
+the same bits name token ``2p + a1``: the thread code is the same). Each sequence of integer operations below is
 one PTX instruction per line (``prmt``, ``shf``, ``lop3``), counted in ``OPS``:
 
 * keys, a thread (``e, a0, a1``; one channel pair ``d, d+1``): ``u_j = prmt(P_j[d], P_j[d+1])``
