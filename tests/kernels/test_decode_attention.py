@@ -692,12 +692,21 @@ GLUON_CASES = [
     for S, ng in [((G + HG) % 3, max(3, 2113 // G))]
 ]
 
+# 3-bit planes (decode_gluon.PLANES3): G 32 and 64, head dims 64 and 128, GQA 1 to 16
+GLUON_CASES += [
+    Case(kb=3, vb=3, G=G, D=D, B=3, Hkv=2, HG=HG, S=S, body=G * ng, res=40,
+         lengths=(S + G * ng + 40, S + G * ng - 7, S + 33), starts=(0, 5, 0), seed=3 + G + HG)
+    for G, D, HG in ((32, 128, 4), (32, 64, 1), (64, 128, 16), (64, 64, 7))
+    for S, ng in [((G + HG) % 3, max(3, 2113 // G))]
+]
+
 
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("c", GLUON_CASES, ids=str)
 def test_gluon_body_matches_reference(c, monkeypatch):
     from kvbits.kernels import decode_gluon
+    monkeypatch.setattr(decode_gluon, "PLANES3", True)
     kv = make_kv(c)
     assert decode_gluon.eligible(kv, c.Lq, c.HG, c.window), str(c)
     used = []
@@ -932,6 +941,38 @@ def test_gluon_tma_serves_rule(monkeypatch):
         capturing[0] = False
         assert got == want, (mode, got)
 
+@pytest.mark.parametrize("G", [32, 64])
+def test_gluon_plane_token_order_matches_packing(G):
+    """The 3-bit body's addressing replayed on the CPU: for every MMA row ``n = e + 2a + 8h +
+    16k`` of a step, the word rows and bit the kernel reads (``_key_loads3``: row ``g 3 CW + j CW
+    + c`` of the step's groups, bit ``p = 16e + 4k + h + 2 a0``, then ``>> 2 a0`` and the merge's
+    bit ``4k + h`` of half ``e``) hold the three bits of the code of the token that
+    ``token_order(3, G)`` gives it (the token its mask and value scales use), in the cache's
+    layout from ``quantize_keys``; and every token of the step is read exactly once."""
+    from kvbits.kernels import decode_gluon
+    if decode_gluon.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    order = decode_gluon.token_order(3, G)
+    assert sorted(order) == list(range(64))
+    CW = G // 32
+    g = torch.Generator().manual_seed(G)
+    x = torch.randn(1, 1, 128, 4, generator=g)  # two steps of 64 tokens, 4 channels
+    words, _, _ = quantize_keys(x, 3, G)  # [1, 1, rows, 4], packed per group of G tokens
+    from kvbits.formats.packing import unpack_bits
+    codes = torch.cat([unpack_bits(words[0, 0, r * 3 * CW:(r + 1) * 3 * CW], 3, G, dim=0)
+                       for r in range(128 // G)])  # [128, 4]
+    w = (words[0, 0].to(torch.int64) & 0xFFFFFFFF).tolist()
+    for s in range(2):
+        for n in range(64):
+            e, a, h, k = n & 1, (n >> 1) & 3, (n >> 3) & 1, n >> 4
+            a0, a1 = a % 2, a // 2
+            grp = s * (64 // G) + a1 // CW
+            p = 16 * e + 4 * k + h + 2 * a0
+            for ch in range(4):
+                code = sum(((w[grp * 3 * CW + j * CW + a1 % CW][ch] >> p) & 1) << j
+                           for j in range(3))
+                assert code == codes[s * 64 + order[n], ch], (G, s, n, ch)
+
 def test_gluon_dispatch_rules():
     """Which layers and calls the Gluon body kernel takes (no GPU needed: eligibility only)."""
     from kvbits.kernels import decode_gluon
@@ -957,6 +998,18 @@ def test_gluon_dispatch_rules():
     for kb, vb, G, D in [(4, 2, 128, 128), (3, 3, 32, 128), (8, 8, 32, 128), (2, 2, 32, 96)]:
         other = make_kv(Case(kb=kb, vb=vb, G=G, D=D, B=1, Hkv=1, body=128, res=0), device="cpu")
         assert not decode_gluon.eligible(other, 1, 4, None), (kb, vb, G, D)
+    # 3-bit planes only with PLANES3, equal widths, G 32 / 64
+    three = make_kv(Case(kb=3, vb=3, G=32, D=128, B=1, Hkv=1, body=128, res=0), device="cpu")
+    assert decode_gluon.PLANES3 or not decode_gluon.eligible(three, 1, 4, None)
+    decode_gluon.PLANES3, was = True, decode_gluon.PLANES3
+    try:
+        assert decode_gluon.eligible(three, 1, 4, None)
+        for kb, vb, G in [(3, 3, 128), (3, 2, 32), (2, 3, 32), (3, 4, 64)]:
+            other = make_kv(Case(kb=kb, vb=vb, G=G, D=128, B=1, Hkv=1, body=128, res=0),
+                            device="cpu")
+            assert not decode_gluon.eligible(other, 1, 4, None), (kb, vb, G)
+    finally:
+        decode_gluon.PLANES3 = was
     mixed = make_kv(Case(kb=4, vb=2, G=32, D=128, B=1, Hkv=1, body=64, res=0), device="cpu")
     assert decode_gluon.eligible(mixed, 1, 4, None) == decode_gluon.MIXED_BITS  # on by default
 

@@ -28,7 +28,9 @@ Only the KIVI layout family is served here (keys scaled per channel over G token
 token over GV channels, key/value bits of 2 or 4, one query row per sequence, no sliding window,
 head_dim 64 or 128); :func:`eligible` says which layers, the Triton kernel does the rest.
 Different key and value widths (``MIXED_BITS``) permute P's rows between
-the two token orders, which differ only by a permutation of the row index's six bits.
+the two token orders, which differ only by a permutation of the row index's six bits. 3-bit
+layers (bit planes; ``PLANES3``, off until GPU-verified) use their own token order (``_tok3``),
+in which three plane words merge into 4-bit fields, and from there the 4-bit path.
 Keys scaled per token over at least half the head (the uniform method, ``TOKEN_KEYS``) are served
 too. Each step's key words are loaded at its start and its value words after the softmax; right
 after its key loads a step asks, with ``prefetch.global.L2`` (no registers, no shared memory), for
@@ -287,6 +289,10 @@ if gluon is not None:
         out = []
         for n in range(64):
             e, a, h, k = n & 1, (n >> 1) & 3, (n >> 3) & 1, n >> 4
+            if bits == 3:  # see _tok3
+                cw, a1 = G // 32, a // 2
+                out.append((a1 // cw) * G + a1 % cw + cw * (16 * e + 4 * k + h + 2 * (a % 2)))
+                continue
             R, slot = (a, k + 4 * h + 8 * e) if bits == 2 else (2 * a + h, k + 4 * e)
             out.append((R // W) * G + R % W + W * slot)
         return out
@@ -330,6 +336,130 @@ if gluon is not None:
         A5: gl.constexpr = _p_axis(KBITS, VBITS, G, 5)
         x = gl.permute(gl.reshape(p, [2, 2, 2, 2, 2, 2, HP]), (A0, A1, A2, A3, A4, A5, 6))
         return gl.reshape(x, [64, HP])
+
+    @gluon.jit
+    def _tok3(a, e, h, k, G: gl.constexpr):
+        """Token offset (in its step) of row ``n = e + 2a + 8h + 16k`` for 3-bit planes (32
+        tokens per column): the thread's codes sit at plane bit ``p = 16e + 4k + h + 2 a0`` of
+        column ``a1`` (``a = a0 + 2 a1``), the order in which :func:`_merge_planes` turns three
+        plane words into 4-bit fields (``benchmarks/probes/plane3_recipe.py``); column ``a1`` is
+        group ``a1 // (G / 32)`` of the step, column ``a1 % (G / 32)`` of it."""
+        CW: gl.constexpr = G // 32
+        a1 = a // 2
+        return (a1 // CW) * G + a1 % CW + CW * (16 * e + 4 * k + h + 2 * (a % 2))
+
+    @gluon.jit
+    def _merge_planes(v0, v1, v2, H: gl.constexpr):
+        """Three plane words (uint32, already shifted right by ``2 a0``) -> one word of 4-bit
+        fields: field ``m`` holds bits ``4m + H`` of ``v0, v1, v2`` as its bits 0, 1, 2 (bit 3
+        stays 0), i.e. the 3-bit code of the thread's token ``k = m % 4`` (register bit ``h =
+        H``), read from then on exactly like a 4-bit word."""
+        M: gl.constexpr = 0x11111111
+        if H == 0:
+            x = (v0 & M) | ((v1 << 1) & (M << 1)) | ((v2 << 2) & (M << 2))
+        else:
+            x = ((v0 >> 1) & M) | (v1 & (M << 1)) | ((v2 << 1) & (M << 2))
+        return x.to(gl.int32, bitcast=True)
+
+    @gluon.jit
+    def _stack_h(x0, x1, dim: gl.constexpr):
+        """Tensors with a size-1 axis ``dim`` (h = 0 and h = 1) -> one with h at ``dim``."""
+        x = gl.join(x0, x1)  # h last
+        if dim == 0:
+            x = gl.permute(x, (4, 1, 2, 3, 0))
+        else:
+            x = gl.permute(x, (0, 1, 4, 3, 2))
+        shape: gl.constexpr = _h_shape(x.shape, dim)
+        return gl.reshape(x, shape)
+
+    @gluon.constexpr_function
+    def _h_shape(shape, dim):
+        shape = [int(v) for v in shape][:-1]
+        shape[int(getattr(dim, "value", dim))] = 2
+        return shape
+
+    @gluon.jit
+    def _key_loads3(kc_base, ks_base, kz_base, s, n_groups, DC0: gl.constexpr, G: gl.constexpr,
+                    D: gl.constexpr, DC: gl.constexpr, KW: gl.constexpr):
+        """3-bit keys of step ``s``, channels ``[DC0, DC0 + DC)``: the three plane words (int64
+        channel pairs) of the thread's column, ``[1, A, E, D/2]`` in the 4-bit ``KW``, and the
+        scale / zero pairs of the thread's group (:func:`_key_operand3` unpacks them)."""
+        D2: gl.constexpr = D // 2
+        CW: gl.constexpr = G // 32
+        a = _ar(4, 1, KW)
+        e = _ar(2, 2, KW)
+        j = _ar(DC // 2, 3, KW) + DC0 // 2
+        a1 = a // 2
+        g = s * (64 // G) + a1 // CW  # the thread's key group
+        ok = g < n_groups
+        wp = kc_base.to(gl.pointer_type(gl.int64), bitcast=True) + (
+            (g * (3 * CW) + a1 % CW) * D2 + j + e * 0)
+        s_off = g * D2 + j + e * 0
+        sp = ks_base.to(gl.pointer_type(gl.int32), bitcast=True) + s_off
+        zp = kz_base.to(gl.pointer_type(gl.int32), bitcast=True) + s_off
+        return (gl.load(wp, mask=ok, other=0), gl.load(wp + CW * D2, mask=ok, other=0),
+                gl.load(wp + 2 * CW * D2, mask=ok, other=0), gl.load(sp, mask=ok, other=0),
+                gl.load(zp, mask=ok, other=0))
+
+    @gluon.jit
+    def _key_operand3(w0, w1, w2, sc, ze, DC: gl.constexpr, KW: gl.constexpr,
+                      a_l: gl.constexpr):
+        """:func:`_key_operand` for 3-bit planes: half ``e`` of both channels' words of each
+        plane (``prmt``), shifted by ``2 a0``, merged into the 4-bit body's key halves ``[H, A,
+        E, D/2]``, then that body's dequant."""
+        sel = _half_selector(4, DC, KW)
+        sh = (2 * (_ar(4, 1, KW) % 2)).to(gl.uint32)
+        v0 = _key_halves(w0, sel).to(gl.uint32, bitcast=True) >> sh
+        v1 = _key_halves(w1, sel).to(gl.uint32, bitcast=True) >> sh
+        v2 = _key_halves(w2, sel).to(gl.uint32, bitcast=True) >> sh
+        u = _stack_h(_merge_planes(v0, v1, v2, 0), _merge_planes(v0, v1, v2, 1), 0)
+        return _key_operand_u(gl.convert_layout(u, KW), sc, ze, 4, DC, KW, a_l, False)
+
+    @gluon.jit
+    def _value_loads3(vc_base, vs_base, vz_base, s, n_groups, tok0, body_len,
+                      DC0: gl.constexpr, G: gl.constexpr, D: gl.constexpr, DC: gl.constexpr,
+                      GV: gl.constexpr, VW: gl.constexpr, VS: gl.constexpr):
+        """3-bit values of step ``s``, channels ``[DC0, DC0 + DC)``: the three plane words of the
+        thread's column, ``[NGC, GVC, 1, A]`` in the 4-bit ``VW``, and the per-token scales /
+        zeros in the 4-bit ``VS`` layout at the 3-bit token order."""
+        CW: gl.constexpr = G // 32
+        GVC: gl.constexpr = GV if GV < DC else DC  # noqa: FURB136
+        NGC: gl.constexpr = DC // GVC
+        NGV: gl.constexpr = D // GV
+        gi = _ar(NGC, 0, VW)
+        c = _ar(GVC, 1, VW)
+        a1 = _ar(4, 3, VW) // 2
+        g = s * (64 // G) + a1 // CW
+        ok = g < n_groups
+        wp = vc_base + ((g * (3 * CW) + a1 % CW) * D + DC0 + gi * GVC + c)
+        NW: gl.constexpr = NGC // 2 if NGC >= 2 else 1  # scale loads per token (see VS)
+        sg = _ar(NW, 0, VS)
+        kk = _ar(2, 3, VS) + 2 * _ar(2, 4, VS)
+        t = tok0 + _tok3(_ar(4, 2, VS), _ar(2, 5, VS), _ar(2, 1, VS), kk, G)
+        s_ok = t < body_len
+        if NGC >= 2:  # int32 words of two groups' fp16 scales
+            off = (t * NGV + DC0 // GV) // 2 + sg
+            sp = vs_base.to(gl.pointer_type(gl.int32), bitcast=True) + off
+            zp = vz_base.to(gl.pointer_type(gl.int32), bitcast=True) + off
+        else:
+            sp = vs_base + (t * NGV + DC0 // GV + sg)
+            zp = vz_base + (t * NGV + DC0 // GV + sg)
+        return (gl.load(wp, mask=ok, other=0), gl.load(wp + CW * D, mask=ok, other=0),
+                gl.load(wp + 2 * CW * D, mask=ok, other=0), gl.load(sp, mask=s_ok, other=0),
+                gl.load(zp, mask=s_ok, other=0))
+
+    @gluon.jit
+    def _value_operand3(w0, w1, w2, sc, ze, DC: gl.constexpr, VW: gl.constexpr,
+                        a_l: gl.constexpr):
+        """:func:`_value_operand` for 3-bit planes: each plane word shifted by ``2 a0`` and the
+        three merged into the 4-bit body's value words ``[NGC, GVC, H, A]`` (field ``k + 4e``:
+        tokens e = 0, 1 of one ``half2``), then that body's dequant."""
+        sh = (2 * (_ar(4, 3, VW) % 2)).to(gl.uint32)
+        v0 = w0.to(gl.uint32, bitcast=True) >> sh
+        v1 = w1.to(gl.uint32, bitcast=True) >> sh
+        v2 = w2.to(gl.uint32, bitcast=True) >> sh
+        w = _stack_h(_merge_planes(v0, v1, v2, 0), _merge_planes(v0, v1, v2, 1), 2)
+        return _value_operand(gl.convert_layout(w, VW), sc, ze, 4, DC, VW, a_l)
 
     @gluon.jit
     def _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, tok0, body_len, DC0: gl.constexpr,
@@ -636,6 +766,8 @@ if gluon is not None:
         nk = n // 16
         if KBITS == 2:
             dn = _tok(na, nk + 4 * nh + 8 * ne, W, G)
+        elif KBITS == 3:
+            dn = _tok3(na, ne, nh, nk, G)
         else:
             dn = _tok(2 * na + nh, nk + 4 * ne, W, G)
         return dn
@@ -685,10 +817,13 @@ if gluon is not None:
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
         DC: gl.constexpr = D // 2  # channels per chunk
         GVC: gl.constexpr = GV if GV < DC else DC  # noqa: FURB136 (value-scale group in a chunk)
-        KW: gl.constexpr = _layout("KW", KBITS, DC, GVC)
-        KT: gl.constexpr = _layout("KT", KBITS, DC, GVC)
-        VW: gl.constexpr = _layout("VW", VBITS, DC, GVC)
-        VS_L: gl.constexpr = _layout("VS", VBITS, DC, GVC)
+        # 3-bit planes are merged into 4-bit fields after loading: the 4-bit layouts serve them
+        KL: gl.constexpr = 4 if KBITS == 3 else KBITS
+        VL: gl.constexpr = 4 if VBITS == 3 else VBITS
+        KW: gl.constexpr = _layout("KW", KL, DC, GVC)
+        KT: gl.constexpr = _layout("KT", KL, DC, GVC)
+        VW: gl.constexpr = _layout("VW", VL, DC, GVC)
+        VS_L: gl.constexpr = _layout("VS", VL, DC, GVC)
         W: gl.constexpr = G * KBITS // 32  # word rows per key group
         RS: gl.constexpr = 2 * KBITS  # key word rows per step
         WV: gl.constexpr = G * VBITS // 32  # the same for the values
@@ -702,8 +837,9 @@ if gluon is not None:
         q0, q1 = _query_operands(Q, q_row0, qk_scale, HG, HP, D, b_l)
         dn = _row_tokens(KBITS, W, G, mma)
 
-        n_rows = (body_len // G) * W
-        nv_rows = (body_len // G) * WV
+        n_groups = body_len // G
+        n_rows = n_groups * W
+        nv_rows = n_groups * WV
         n_steps = (body_len + 63) // 64
         s_lo = split * steps_per_split
         s_hi = gl.minimum(s_lo + steps_per_split, n_steps)
@@ -740,15 +876,21 @@ if gluon is not None:
             t_cur = tok0
             row0 = row0 + RS  # the next step
             tok0 = (row0 // W) * G + row0 % W
-            kw0, ks0, kz0 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur, body_len,
-                                       0, KBITS, W, G, D, DC, GK, KW, KT, K_TOK)
-            kw1, ks1, kz1 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur, body_len,
-                                       DC, KBITS, W, G, D, DC, GK, KW, KT, K_TOK)
+            if KBITS == 3:
+                kp0, kq0, kr0, ks0, kz0 = _key_loads3(kc_base, ks_base, kz_base, s, n_groups, 0,
+                                                      G, D, DC, KW)
+                kp1, kq1, kr1, ks1, kz1 = _key_loads3(kc_base, ks_base, kz_base, s, n_groups,
+                                                      DC, G, D, DC, KW)
+            else:
+                kw0, ks0, kz0 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur,
+                                           body_len, 0, KBITS, W, G, D, DC, GK, KW, KT, K_TOK)
+                kw1, ks1, kz1 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur,
+                                           body_len, DC, KBITS, W, G, D, DC, GK, KW, KT, K_TOK)
             if KBITS == VBITS:
                 rv = r_cur
             else:  # G <= 64 (eligible): a step is whole groups for either width
                 rv = s * RSV
-            if EARLY_V:  # this step's values requested with its keys
+            if EARLY_V and VBITS != 3:  # this step's values requested with its keys
                 vw0, vs0, vz0 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
                                              body_len, 0, VBITS, WV, G, D, DC, GV, VW, VS_L)
                 vw1, vs1, vz1 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
@@ -757,9 +899,15 @@ if gluon is not None:
                 if s + PF < s_hi:
                     _prefetch_step(s + PF, kc_base, ks_base, kz_base, vc_base, vs_base, vz_base,
                                    D, RS, RSV, G, SPAN, NGV, NGK, K_TOK, PF_L1)
-            k = _key_operand(kw0, ks0, kz0, KBITS, DC, KW, a_l, K_TOK)
+            if KBITS == 3:
+                k = _key_operand3(kp0, kq0, kr0, ks0, kz0, DC, KW, a_l)
+            else:
+                k = _key_operand(kw0, ks0, kz0, KBITS, DC, KW, a_l, K_TOK)
             st = mma_v2(k, q0, gl.zeros([64, HP], gl.float32, layout=mma))
-            k = _key_operand(kw1, ks1, kz1, KBITS, DC, KW, a_l, K_TOK)
+            if KBITS == 3:
+                k = _key_operand3(kp1, kq1, kr1, ks1, kz1, DC, KW, a_l)
+            else:
+                k = _key_operand(kw1, ks1, kz1, KBITS, DC, KW, a_l, K_TOK)
             st = mma_v2(k, q1, st)
             if (lo < first) | (lo + SPAN > end):
                 t = t_cur + dn
@@ -769,15 +917,27 @@ if gluon is not None:
             if KBITS != VBITS:  # P's rows from the keys' token order to the values'
                 p = _reorder_tokens(p, KBITS, VBITS, G, HP)
             pb = gl.convert_layout(p, b_l)
-            if not EARLY_V:  # values only now: fewer registers through the key MMA and softmax
-                vw0, vs0, vz0 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
-                                             body_len, 0, VBITS, WV, G, D, DC, GV, VW, VS_L)
-                vw1, vs1, vz1 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
-                                             body_len, DC, VBITS, WV, G, D, DC, GV, VW, VS_L)
-            v = _value_operand(vw0, vs0, vz0, VBITS, DC, VW, a_l)
-            acc0 = mma_v2(v, pb, acc0 * alpha[None, :])
-            v = _value_operand(vw1, vs1, vz1, VBITS, DC, VW, a_l)
-            acc1 = mma_v2(v, pb, acc1 * alpha[None, :])
+            if VBITS == 3:  # (EARLY_V does not apply)
+                vp0, vq0, vr0, vs0, vz0 = _value_loads3(vc_base, vs_base, vz_base, s, n_groups,
+                                                        t_cur, body_len, 0, G, D, DC, GV, VW,
+                                                        VS_L)
+                vp1, vq1, vr1, vs1, vz1 = _value_loads3(vc_base, vs_base, vz_base, s, n_groups,
+                                                        t_cur, body_len, DC, G, D, DC, GV, VW,
+                                                        VS_L)
+                v = _value_operand3(vp0, vq0, vr0, vs0, vz0, DC, VW, a_l)
+                acc0 = mma_v2(v, pb, acc0 * alpha[None, :])
+                v = _value_operand3(vp1, vq1, vr1, vs1, vz1, DC, VW, a_l)
+                acc1 = mma_v2(v, pb, acc1 * alpha[None, :])
+            else:
+                if not EARLY_V:  # values only now: fewer registers through the key MMA and softmax
+                    vw0, vs0, vz0 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
+                                                 body_len, 0, VBITS, WV, G, D, DC, GV, VW, VS_L)
+                    vw1, vs1, vz1 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
+                                                 body_len, DC, VBITS, WV, G, D, DC, GV, VW, VS_L)
+                v = _value_operand(vw0, vs0, vz0, VBITS, DC, VW, a_l)
+                acc0 = mma_v2(v, pb, acc0 * alpha[None, :])
+                v = _value_operand(vw1, vs1, vz1, VBITS, DC, VW, a_l)
+                acc1 = mma_v2(v, pb, acc1 * alpha[None, :])
 
         _store_partial(Out, Lse, acc0, acc1, m_i, l_i, q_row0, n_out, split, HG, HP, D, mma)
 
@@ -793,12 +953,20 @@ TOKEN_KEYS = True
 # False sends those layers to the Triton kernel.
 MIXED_BITS = True
 
+# 3-bit KIVI layers (bit planes, equal key/value bits, G = 32 or 64, keys per channel): the
+# planes of a thread's column are merged into 4-bit fields after loading and the 4-bit body does
+# the rest (_merge_planes; token order in _tok3). Compiled for sm_90 (CI) and its unpacking
+# emulated against the packing (benchmarks/probes/plane3_recipe.py), but not yet run on a GPU:
+# off until it is (KVBITS_GLUON_3BIT=1 turns it on).
+PLANES3 = os.environ.get("KVBITS_GLUON_3BIT", "0") == "1"
+
 
 def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
     """Whether :func:`attend_body` serves this layer and call: Gluon importable, integer codes
     with no KVQuant parts, per-channel key scales (or, with ``TOKEN_KEYS``, per-token key scales
     over at least half the head), per-token value scales, key/value bits of 2 or 4 (equal, or
-    with ``MIXED_BITS`` any pair at group size <= 64), group
+    with ``MIXED_BITS`` any pair at group size <= 64) or, with ``PLANES3``, both 3 at group
+    size 32 or 64 with per-channel key scales, group
     size 16-128, head_dim 64 or 128, value groups of 32 to 128 channels (smaller ones compile but
     are not tested on a GPU), one query row per sequence, at most 16 query heads per KV head, no
     sliding window."""
@@ -812,9 +980,14 @@ def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
     key_axis = getattr(kv, "key_axis", "channel")
     keys_ok = key_axis == "channel" or (TOKEN_KEYS and key_axis == "token"
                                         and kv.k_scale.shape[3] <= 2)
-    bits_ok = kv.key_bits == kv.value_bits or (MIXED_BITS and G <= 64)
+    if kv.key_bits == 3 or kv.value_bits == 3:  # bit planes: equal widths, G 32 or 64
+        bits_ok = (PLANES3 and kv.key_bits == kv.value_bits and G in (32, 64)
+                   and key_axis == "channel")
+    else:
+        bits_ok = (kv.key_bits in (2, 4) and kv.value_bits in (2, 4)
+                   and (kv.key_bits == kv.value_bits or (MIXED_BITS and G <= 64)))
     return (keys_ok and bits_ok and getattr(kv, "value_axis", "token") == "token"
-            and kv.key_bits in (2, 4) and kv.value_bits in (2, 4) and G in (16, 32, 64, 128)
+            and G in (16, 32, 64, 128)
             and D in (64, 128) and GV in (32, 64, 128) and D % GV == 0 and q_rows == 1
             and heads_per_kv <= 16 and window is None)
 

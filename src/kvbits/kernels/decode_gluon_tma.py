@@ -343,7 +343,8 @@ def eligible(kv, k_tok: bool) -> bool:
     key/value bits, keys per channel over G <= 64, values per token over 32 channels, head_dim
     128, and buffers TMA can address (contiguous, 16-byte rows; the value scales' per-head rows
     a whole number of 16-byte rows)."""
-    if gluon is None or k_tok or kv.key_bits != kv.value_bits or kv.group_size not in (16, 32, 64):
+    if (gluon is None or k_tok or kv.key_bits != kv.value_bits or kv.key_bits not in STAGES
+            or kv.group_size not in (16, 32, 64)):
         return False
     D = kv.res_k.shape[-1]
     if D != 128 or kv.value_group != 32:
