@@ -1,5 +1,7 @@
 """Compile kvbits.kernels.decode_gluon's body kernel for sm_90 on the CPU and summarise its SASS
-(registers, spills, instruction mix; no GPU needed). MAXNREG, KTOK=1 (per-token keys) and VBITS (value bits, default = key bits) environment variables select variants; SASS and TTGIR
+(registers, spills, instruction mix; no GPU needed). MAXNREG, KTOK=1 (per-token keys), VBITS
+(value bits, default = key bits) and CB=1 (KVQuant codebooks on the 3-bit row) environment
+variables select variants; SASS and TTGIR
 are written to /tmp/sass_* and /tmp/ttgir_*."""
 import importlib.util, sys
 from pathlib import Path
@@ -12,11 +14,12 @@ dg = importlib.util.module_from_spec(spec); spec.loader.exec_module(dg)
 from triton.experimental import gluon
 from aot import summarize
 import os
-for bits, D, GV, G, HP in [(2, 128, 32, 32, 8), (4, 128, 32, 32, 8), (2, 64, 64, 64, 8), (2, 128, 128, 128, 16)]:
+# 3-bit planes (PLANES3) at the end, with CB=1 their KVQuant codebook variant
+for bits, D, GV, G, HP in [(2, 128, 32, 32, 8), (4, 128, 32, 32, 8), (2, 64, 64, 64, 8), (2, 128, 128, 128, 16), (3, 128, 32, 32, 8)]:
     sig = {"Q": "*fp16", "Out": "*fp32", "Lse": "*fp32", "KC": "*i32", "KS": "*fp16", "KZ": "*fp16", "VC": "*i32", "VS": "*fp16", "VZ": "*fp16",
-           "Starts": "*i32", "Lens": "*i32", "LenTab": "*i32", "qk_scale": "fp32"} | {k: "i32" for k in ["sink_len", "body_len", "res_len", "kc_cap", "ks_slice", "vc_cap", "vs_slice", "Hkv", "n_out", "steps_per_split"]}
+           "Starts": "*i32", "Lens": "*i32", "LenTab": "*i32", "KCB": "*fp32", "VCB": "*fp32", "qk_scale": "fp32"} | {k: "i32" for k in ["sink_len", "body_len", "res_len", "kc_cap", "ks_slice", "vc_cap", "vs_slice", "Hkv", "n_out", "steps_per_split"]}
     KT = os.environ.get("KTOK") == "1"
-    cx = dict(HG=4, HP=HP, D=D, KBITS=bits, VBITS=int(os.environ.get("VBITS", bits)), G=G, GV=GV, HAS_STARTS=True, HAS_LENS=True, GK=GV if KT else G, K_TOK=KT, LENS_DEV=False, PF=int(os.environ.get('PF', 0)), PF_L1=os.environ.get('PF_L1') == '1', PF_AFTER=os.environ.get('PF_AFTER') == '1', EARLY_V=os.environ.get('EARLY_V') == '1')
+    cx = dict(HG=4, HP=HP, D=D, KBITS=bits, VBITS=int(os.environ.get("VBITS", bits)), G=G, GV=GV, HAS_STARTS=True, HAS_LENS=True, GK=GV if KT else G, K_TOK=KT, LENS_DEV=False, PF=int(os.environ.get('PF', 0)), PF_L1=os.environ.get('PF_L1') == '1', PF_AFTER=os.environ.get('PF_AFTER') == '1', EARLY_V=os.environ.get('EARLY_V') == '1', CB=bits == 3 and os.environ.get('CB') == '1')
     fn = dg._body_kernel
     names = fn.arg_names
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*") or k.endswith("_cap") or k.endswith("_slice")}

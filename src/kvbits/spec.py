@@ -332,6 +332,9 @@ for _b in (2, 3, 4):
     PRESETS[f"kvquant-{_b}"] = _KVQUANT.replace(key_bits=_b, value_bits=_b)
     PRESETS[f"kvquant-{_b}-dense"] = _KVQUANT.replace(key_bits=_b, value_bits=_b, outliers=0.0)
     PRESETS[f"kvquant-{_b}-post"] = _KVQUANT.replace(key_bits=_b, value_bits=_b, pre_rope=False)
+    # codebooks only (no outliers, post-RoPE keys): at 3 bits the layers the Gluon body serves
+    PRESETS[f"kvquant-{_b}-dense-post"] = _KVQUANT.replace(key_bits=_b, value_bits=_b,
+                                                           outliers=0.0, pre_rope=False)
 
 # Uniform: transformers' QuantizedCache knobs and defaults (quanto backend: nbits 4, axis_key 0,
 # axis_value 0 = per-token, q_group_size 64, residual_length 128); history quantized once.

@@ -617,6 +617,50 @@ def test_kvquant_layers_match_reference(name, n_out, pre_rope):
     run_case(c, kv=_kvquant_kv(c, n_out, pre_rope))
 
 
+# KVQuant codebook layers (no outliers, post-RoPE keys: the kvquant-3-dense-post preset) through
+# the 3-bit Gluon body (decode_gluon.PLANES3): codes looked up in the head's codebook by prmt.
+GLUON_KVQ_CASES = [
+    Case(kb=3, vb=3, G=G, D=D, B=3, Hkv=2, HG=HG, S=S, body=G * ng, res=40,
+         lengths=(S + G * ng + 40, S + G * ng - 7, S + 33), starts=(0, 5, 0), seed=5 + G + HG)
+    for G, D, HG in ((32, 128, 4), (64, 64, 7), (32, 64, 16))
+    for S, ng in [((G + HG) % 3, max(3, 2113 // G))]
+]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", GLUON_KVQ_CASES, ids=str)
+def test_gluon_kvquant_codebooks_match_reference(c, monkeypatch):
+    from kvbits.kernels import decode_gluon
+    monkeypatch.setattr(decode_gluon, "PLANES3", True)
+    monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
+    kv = _kvquant_kv(c, 0, False)
+    assert decode_gluon.eligible(kv, 1, c.HG, None), str(c)
+    used = []
+    real = decode_gluon.attend_body
+    monkeypatch.setattr(decode_gluon, "attend_body", lambda *a, **k: used.append(1) or real(*a, **k))
+    run_case(c, kv=kv)
+    run_case(c._replace(splits=1), kv=kv)
+    assert len(used) == 2, "the Gluon kernel was not used"
+
+
+def test_gluon_kvquant_dispatch(monkeypatch):
+    """Which KVQuant layers the Gluon body takes (no GPU needed): 3-bit codebooks without
+    outliers or pre-RoPE keys, with PLANES3 only."""
+    from kvbits.kernels import decode_gluon
+    if decode_gluon.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    c = Case(kb=3, vb=3, G=32, D=128, B=1, Hkv=2, body=128, res=0)
+    kv = _kvquant_kv(c, 0, False, device="cpu")
+    monkeypatch.setattr(decode_gluon, "PLANES3", False)
+    assert not decode_gluon.eligible(kv, 1, 4, None)
+    monkeypatch.setattr(decode_gluon, "PLANES3", True)
+    assert decode_gluon.eligible(kv, 1, 4, None)
+    assert not decode_gluon.eligible(_kvquant_kv(c, 2, False, device="cpu"), 1, 4, None)
+    assert not decode_gluon.eligible(_kvquant_kv(c, 0, True, device="cpu"), 1, 4, None)
+    two = c._replace(kb=2, vb=2)
+    assert not decode_gluon.eligible(_kvquant_kv(two, 0, False, device="cpu"), 1, 4, None)
+
 def test_kvquant_pre_rope_changes_the_answer():
     # The rotation must really happen: the same layer read as post-RoPE differs.
     from kvbits.kernels.decode_attention import decode_attention as kern

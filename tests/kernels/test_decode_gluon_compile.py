@@ -24,11 +24,12 @@ from triton.experimental import gluon
 from kvbits.kernels import decode_gluon
 SIG = {"Q": "*fp16", "Out": "*fp32", "Lse": "*fp32", "KC": "*i32", "KS": "*fp16", "KZ": "*fp16",
        "VC": "*i32", "VS": "*fp16", "VZ": "*fp16", "Starts": "*i32", "Lens": "*i32",
-       "LenTab": "*i32", "qk_scale": "fp32"}
+       "LenTab": "*i32", "KCB": "*fp32", "VCB": "*fp32", "qk_scale": "fp32"}
 SIG.update({k: "i32" for k in ("sink_len", "body_len", "res_len", "kc_cap", "ks_slice", "vc_cap",
                                "vs_slice", "Hkv", "n_out", "steps_per_split")})
 out = []
 for cx in json.loads(sys.argv[1]):
+    cx = {"CB": False, **cx}  # every constexpr named (a default is not part of the signature)
     fn = decode_gluon._body_kernel
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in SIG.items()
              if v.startswith("*") or k.endswith(("_cap", "_slice"))}
@@ -43,7 +44,7 @@ print(json.dumps(out))
 '''
 
 CONFIGS = [  # 2-bit, GQA 4, per-channel keys; 4-bit, 16 heads, per-token keys, lengths on the
-    # device (CUDA-graph decode); 3-bit planes; K4V2 (mixed, last)
+    # device (CUDA-graph decode); 3-bit planes, with KVQuant codebooks; K4V2 (mixed, last)
     {"HG": 4, "HP": 8, "D": 128, "KBITS": 2, "VBITS": 2, "G": 32, "GV": 32, "HAS_STARTS": True,
      "HAS_LENS": True, "GK": 32, "K_TOK": False, "LENS_DEV": False, "PF": 1, "PF_L1": False,
      "PF_AFTER": True, "EARLY_V": False},
@@ -57,6 +58,10 @@ CONFIGS = [  # 2-bit, GQA 4, per-channel keys; 4-bit, 16 heads, per-token keys, 
     {"HG": 16, "HP": 16, "D": 64, "KBITS": 3, "VBITS": 3, "G": 64, "GV": 64, "HAS_STARTS": False,
      "HAS_LENS": True, "GK": 64, "K_TOK": False, "LENS_DEV": True, "PF": 1, "PF_L1": False,
      "PF_AFTER": True, "EARLY_V": False},
+    # KVQuant 3-bit codebooks (prmt tables) on the planes
+    {"HG": 4, "HP": 8, "D": 128, "KBITS": 3, "VBITS": 3, "G": 32, "GV": 32, "HAS_STARTS": True,
+     "HAS_LENS": True, "GK": 32, "K_TOK": False, "LENS_DEV": False, "PF": 1, "PF_L1": False,
+     "PF_AFTER": True, "EARLY_V": False, "CB": True},
     {"HG": 4, "HP": 8, "D": 128, "KBITS": 4, "VBITS": 2, "G": 32, "GV": 32, "HAS_STARTS": True,
      "HAS_LENS": True, "GK": 32, "K_TOK": False, "LENS_DEV": False, "PF": 0, "PF_L1": False,
      "PF_AFTER": False, "EARLY_V": False},

@@ -402,8 +402,8 @@ if gluon is not None:
                 gl.load(zp, mask=ok, other=0))
 
     @gluon.jit
-    def _key_operand3(w0, w1, w2, sc, ze, DC: gl.constexpr, KW: gl.constexpr,
-                      a_l: gl.constexpr):
+    def _key_operand3(w0, w1, w2, sc, ze, lo0, lo1, hi0, hi1, DC: gl.constexpr,
+                      KW: gl.constexpr, a_l: gl.constexpr, CB: gl.constexpr):
         """:func:`_key_operand` for 3-bit planes: half ``e`` of both channels' words of each
         plane (``prmt``), shifted by ``2 a0``, merged into the 4-bit body's key halves ``[H, A,
         E, D/2]``, then that body's dequant."""
@@ -412,8 +412,11 @@ if gluon is not None:
         v0 = _key_halves(w0, sel).to(gl.uint32, bitcast=True) >> sh
         v1 = _key_halves(w1, sel).to(gl.uint32, bitcast=True) >> sh
         v2 = _key_halves(w2, sel).to(gl.uint32, bitcast=True) >> sh
-        u = _stack_h(_merge_planes(v0, v1, v2, 0), _merge_planes(v0, v1, v2, 1), 0)
-        return _key_operand_u(gl.convert_layout(u, KW), sc, ze, 4, DC, KW, a_l, False)
+        u = gl.convert_layout(
+            _stack_h(_merge_planes(v0, v1, v2, 0), _merge_planes(v0, v1, v2, 1), 0), KW)
+        if CB:  # KVQuant: the head's codebook (lo0 .. hi1: _cb_tables)
+            return _key_operand_cb(u, sc, ze, lo0, lo1, hi0, hi1, DC, KW, a_l)
+        return _key_operand_u(u, sc, ze, 4, DC, KW, a_l, False)
 
     @gluon.jit
     def _value_loads3(vc_base, vs_base, vz_base, s, n_groups, tok0, body_len,
@@ -449,8 +452,8 @@ if gluon is not None:
                 gl.load(zp, mask=s_ok, other=0))
 
     @gluon.jit
-    def _value_operand3(w0, w1, w2, sc, ze, DC: gl.constexpr, VW: gl.constexpr,
-                        a_l: gl.constexpr):
+    def _value_operand3(w0, w1, w2, sc, ze, lo0, lo1, hi0, hi1, DC: gl.constexpr,
+                        VW: gl.constexpr, a_l: gl.constexpr, CB: gl.constexpr):
         """:func:`_value_operand` for 3-bit planes: each plane word shifted by ``2 a0`` and the
         three merged into the 4-bit body's value words ``[NGC, GVC, H, A]`` (field ``k + 4e``:
         tokens e = 0, 1 of one ``half2``), then that body's dequant."""
@@ -458,8 +461,11 @@ if gluon is not None:
         v0 = w0.to(gl.uint32, bitcast=True) >> sh
         v1 = w1.to(gl.uint32, bitcast=True) >> sh
         v2 = w2.to(gl.uint32, bitcast=True) >> sh
-        w = _stack_h(_merge_planes(v0, v1, v2, 0), _merge_planes(v0, v1, v2, 1), 2)
-        return _value_operand(gl.convert_layout(w, VW), sc, ze, 4, DC, VW, a_l)
+        w = gl.convert_layout(
+            _stack_h(_merge_planes(v0, v1, v2, 0), _merge_planes(v0, v1, v2, 1), 2), VW)
+        if CB:
+            return _value_operand_cb(w, sc, ze, lo0, lo1, hi0, hi1, DC, VW, a_l)
+        return _value_operand(w, sc, ze, 4, DC, VW, a_l)
 
     @gluon.jit
     def _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, tok0, body_len, DC0: gl.constexpr,
@@ -562,6 +568,11 @@ if gluon is not None:
         else:
             k = _join4(_dequant(u, sc, ze, 0, 4), _dequant(u, sc, ze, 1, 4),
                        _dequant(u, sc, ze, 2, 4), _dequant(u, sc, ze, 3, 4))
+        return _key_tile(k, BITS, DC, a_l)
+
+    @gluon.jit
+    def _key_tile(k, BITS: gl.constexpr, DC: gl.constexpr, a_l: gl.constexpr):
+        """The dequantized key ``half2``s, stacked by slot, as the A operand ``[64, DC]``."""
         if BITS == 2:
             k = gl.reshape(gl.permute(k, (4, 3, 5, 0, 1, 2)), [64, DC // 2])
         else:
@@ -643,14 +654,7 @@ if gluon is not None:
         ``[DC, 64]`` of ``O^T += V^T P^T``: the scale pair of tokens (e = 0, 1) of each slot is
         packed into one ``half2``, broadcast over its channel group."""
         SL: gl.constexpr = gl.SliceLayout(1, VW)
-        s_lo, s_hi = gl.split(sc)
-        z_lo, z_hi = gl.split(ze)
-        if sc.dtype == gl.int32:  # words of two groups: one PRMT per (group, token pair)
-            sc = _pairs_by_group(s_lo, s_hi)
-            ze = _pairs_by_group(z_lo, z_hi)
-        else:
-            sc = _pack_half2(s_lo, s_hi)
-            ze = _pack_half2(z_lo, z_hi)
+        sc, ze = _value_scale_pairs(sc, ze)
         if BITS == 2:
             s0, s1, s2, s3, s4, s5, s6, s7 = _split8(sc)
             z0, z1, z2, z3, z4, z5, z6, z7 = _split8(ze)
@@ -668,11 +672,100 @@ if gluon is not None:
         return gl.convert_layout(_unpack_half2(v), a_l)
 
     @gluon.jit
+    def _value_scale_pairs(sc, ze):
+        """Per-token value scales / zeros -> ``half2 (token e=0, token e=1)`` per slot and group
+        (words of two groups: one PRMT per (group, token pair))."""
+        s_lo, s_hi = gl.split(sc)
+        z_lo, z_hi = gl.split(ze)
+        if sc.dtype == gl.int32:
+            sc = _pairs_by_group(s_lo, s_hi)
+            ze = _pairs_by_group(z_lo, z_hi)
+        else:
+            sc = _pack_half2(s_lo, s_hi)
+            ze = _pack_half2(z_lo, z_hi)
+        return sc, ze
+
+    @gluon.constexpr_function
+    def _cb_pair_asm(p0):
+        """PTX: the ``half2``s of fields ``p0`` and ``p0 + 1`` of both 16-bit halves of a word of
+        4-bit fields holding 3-bit codes (field bit 3 zero), looked up in an 8-entry float16
+        table held as its low bytes (``$3``: entries 0-3, ``$4``: 4-7) and high bytes (``$5``,
+        ``$6``), then ``* scale + zero`` (``$7, $8`` for field ``p0``, ``$9, $10`` for ``p0 +
+        1``). One ``prmt`` gathers the four codes into a selector, two look up their low and
+        high bytes, two interleave them: 5 per two pairs, then the FMAs."""
+        gather = "0x4420" if int(getattr(p0, "value", p0)) == 0 else "0x4431"
+        return ("{ .reg .b32 g, lo, hi, t0, t1, z; mov.b32 z, 0; "
+                f"prmt.b32 g, $2, z, {gather}; "
+                "prmt.b32 lo, $3, $4, g; prmt.b32 hi, $5, $6, g; "
+                "prmt.b32 t0, lo, hi, 0x6240; prmt.b32 t1, lo, hi, 0x7351; "
+                "fma.rn.f16x2 $0, t0, $7, $8; fma.rn.f16x2 $1, t1, $9, $10; }")
+
+    @gluon.jit
+    def _cb_pair(u, lo0, lo1, hi0, hi1, s0, z0, s1, z1, P0: gl.constexpr):
+        """:func:`_cb_pair_asm` over a tensor of words (tables and scales broadcast)."""
+        zero = u * 0  # the scalar tables as tensors of u's shape (folded to one register each)
+        return gl.inline_asm_elementwise(
+            _cb_pair_asm(P0), "=r,=r,r,r,r,r,r,r,r,r,r",
+            [u, zero + lo0, zero + lo1, zero + hi0, zero + hi1, s0, z0, s1, z1],
+            dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+
+    @gluon.jit
+    def _cb_byte(ptr, i: gl.constexpr, HI: gl.constexpr):
+        """Low (or high) byte of the float16 bits of float32 codebook entry ``ptr[i]``, shifted to
+        byte ``i % 4`` of a word."""
+        b = gl.load(ptr + i).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        if HI:
+            b = b >> 8
+        return (b & 0xFF) << (8 * (i % 4))
+
+    @gluon.jit
+    def _cb_tables(ptr):
+        """A head's 8-entry codebook as ``prmt`` tables: low bytes of entries 0-3 and 4-7, high
+        bytes of 0-3 and 4-7."""
+        lo0 = _cb_byte(ptr, 0, False) | _cb_byte(ptr, 1, False) | _cb_byte(ptr, 2, False) | \
+            _cb_byte(ptr, 3, False)
+        lo1 = _cb_byte(ptr, 4, False) | _cb_byte(ptr, 5, False) | _cb_byte(ptr, 6, False) | \
+            _cb_byte(ptr, 7, False)
+        hi0 = _cb_byte(ptr, 0, True) | _cb_byte(ptr, 1, True) | _cb_byte(ptr, 2, True) | \
+            _cb_byte(ptr, 3, True)
+        hi1 = _cb_byte(ptr, 4, True) | _cb_byte(ptr, 5, True) | _cb_byte(ptr, 6, True) | \
+            _cb_byte(ptr, 7, True)
+        return lo0, lo1, hi0, hi1
+
+    @gluon.jit
+    def _key_operand_cb(u, sc, ze, lo0, lo1, hi0, hi1, DC: gl.constexpr, KW: gl.constexpr,
+                        a_l: gl.constexpr):
+        """KVQuant keys (3-bit codes in 4-bit fields ``u``, layout ``KW`` of 4 bits): the head's
+        codebook entry of each code ``* scale + zero``, as the A operand."""
+        k0, k1 = _cb_pair(u, lo0, lo1, hi0, hi1, sc, ze, sc, ze, 0)
+        k2, k3 = _cb_pair(u, lo0, lo1, hi0, hi1, sc, ze, sc, ze, 2)
+        return _key_tile(_join4(k0, k1, k2, k3), 4, DC, a_l)
+
+    @gluon.jit
+    def _value_operand_cb(w, sc, ze, lo0, lo1, hi0, hi1, DC: gl.constexpr, VW: gl.constexpr,
+                          a_l: gl.constexpr):
+        """KVQuant values (3-bit codes in 4-bit fields ``w``, layout ``VW`` of 4 bits): codebook
+        entries ``* scale + zero`` per token pair, as the A operand of ``O^T += V^T P^T``."""
+        SL: gl.constexpr = gl.SliceLayout(1, VW)
+        sc, ze = _value_scale_pairs(sc, ze)
+        s0, s1, s2, s3 = _split4(sc)
+        z0, z1, z2, z3 = _split4(ze)
+        v0, v1 = _cb_pair(w, lo0, lo1, hi0, hi1, _bcast(s0, SL), _bcast(z0, SL), _bcast(s1, SL),
+                          _bcast(z1, SL), 0)
+        v2, v3 = _cb_pair(w, lo0, lo1, hi0, hi1, _bcast(s2, SL), _bcast(z2, SL), _bcast(s3, SL),
+                          _bcast(z3, SL), 2)
+        v = gl.reshape(gl.permute(_join4(v0, v1, v2, v3), (0, 1, 5, 4, 2, 3)), [DC, 32])
+        return gl.convert_layout(_unpack_half2(v), a_l)
+
+    @gluon.jit
+    def _bcast(x, SL: gl.constexpr):
+        """A per-(group, token) scale over its group's channels (as :func:`_vpair` does)."""
+        return gl.expand_dims(gl.convert_layout(x, SL), 1)
+
+    @gluon.jit
     def _vpair(w, s, z, P: gl.constexpr, SL: gl.constexpr):
-        s = gl.expand_dims(gl.convert_layout(s, SL), 1)
-        z = gl.expand_dims(gl.convert_layout(z, SL), 1)
         BITS: gl.constexpr = 2 if len(w.shape) == 3 else 4
-        return _dequant(w, s, z, P, BITS)
+        return _dequant(w, _bcast(s, SL), _bcast(z, SL), P, BITS)
 
     @gluon.constexpr_function
     def _prefetch_asm(l1):
@@ -802,14 +895,14 @@ if gluon is not None:
     # Step-varying integers are not specialized (see decode_attention._STEP_VARYING).
     @gluon.jit(do_not_specialize=("sink_len", "res_len", "n_out", "steps_per_split"))
     def _body_kernel(
-        Q, Out, Lse, KC, KS, KZ, VC, VS, VZ, Starts, Lens, LenTab,
+        Q, Out, Lse, KC, KS, KZ, VC, VS, VZ, Starts, Lens, LenTab, KCB, VCB,
         qk_scale, sink_len, body_len, res_len, kc_cap, ks_slice, vc_cap, vs_slice,
         Hkv, n_out, steps_per_split,
         HG: gl.constexpr, HP: gl.constexpr, D: gl.constexpr, KBITS: gl.constexpr,
         VBITS: gl.constexpr, G: gl.constexpr, GV: gl.constexpr, HAS_STARTS: gl.constexpr,
         HAS_LENS: gl.constexpr, GK: gl.constexpr, K_TOK: gl.constexpr,
         LENS_DEV: gl.constexpr, PF: gl.constexpr = 0, PF_L1: gl.constexpr = False,
-        PF_AFTER: gl.constexpr = False, EARLY_V: gl.constexpr = False,
+        PF_AFTER: gl.constexpr = False, EARLY_V: gl.constexpr = False, CB: gl.constexpr = False,
     ):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                       instr_shape=[16, 8])
@@ -836,6 +929,12 @@ if gluon is not None:
 
         q0, q1 = _query_operands(Q, q_row0, qk_scale, HG, HP, D, b_l)
         dn = _row_tokens(KBITS, W, G, mma)
+        if CB:  # KVQuant (3 bits): the KV head's codebooks as prmt tables, [Hkv, 8] float32
+            klo0, klo1, khi0, khi1 = _cb_tables(KCB + (bh % Hkv) * 8)
+            vlo0, vlo1, vhi0, vhi1 = _cb_tables(VCB + (bh % Hkv) * 8)
+        else:
+            klo0, klo1, khi0, khi1 = 0, 0, 0, 0
+            vlo0, vlo1, vhi0, vhi1 = 0, 0, 0, 0
 
         n_groups = body_len // G
         n_rows = n_groups * W
@@ -900,12 +999,14 @@ if gluon is not None:
                     _prefetch_step(s + PF, kc_base, ks_base, kz_base, vc_base, vs_base, vz_base,
                                    D, RS, RSV, G, SPAN, NGV, NGK, K_TOK, PF_L1)
             if KBITS == 3:
-                k = _key_operand3(kp0, kq0, kr0, ks0, kz0, DC, KW, a_l)
+                k = _key_operand3(kp0, kq0, kr0, ks0, kz0, klo0, klo1, khi0, khi1, DC, KW, a_l,
+                                  CB)
             else:
                 k = _key_operand(kw0, ks0, kz0, KBITS, DC, KW, a_l, K_TOK)
             st = mma_v2(k, q0, gl.zeros([64, HP], gl.float32, layout=mma))
             if KBITS == 3:
-                k = _key_operand3(kp1, kq1, kr1, ks1, kz1, DC, KW, a_l)
+                k = _key_operand3(kp1, kq1, kr1, ks1, kz1, klo0, klo1, khi0, khi1, DC, KW, a_l,
+                                  CB)
             else:
                 k = _key_operand(kw1, ks1, kz1, KBITS, DC, KW, a_l, K_TOK)
             st = mma_v2(k, q1, st)
@@ -924,9 +1025,11 @@ if gluon is not None:
                 vp1, vq1, vr1, vs1, vz1 = _value_loads3(vc_base, vs_base, vz_base, s, n_groups,
                                                         t_cur, body_len, DC, G, D, DC, GV, VW,
                                                         VS_L)
-                v = _value_operand3(vp0, vq0, vr0, vs0, vz0, DC, VW, a_l)
+                v = _value_operand3(vp0, vq0, vr0, vs0, vz0, vlo0, vlo1, vhi0, vhi1, DC, VW,
+                                    a_l, CB)
                 acc0 = mma_v2(v, pb, acc0 * alpha[None, :])
-                v = _value_operand3(vp1, vq1, vr1, vs1, vz1, DC, VW, a_l)
+                v = _value_operand3(vp1, vq1, vr1, vs1, vz1, vlo0, vlo1, vhi0, vhi1, DC, VW,
+                                    a_l, CB)
                 acc1 = mma_v2(v, pb, acc1 * alpha[None, :])
             else:
                 if not EARLY_V:  # values only now: fewer registers through the key MMA and softmax
@@ -963,7 +1066,8 @@ PLANES3 = os.environ.get("KVBITS_GLUON_3BIT", "0") == "1"
 
 def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
     """Whether :func:`attend_body` serves this layer and call: Gluon importable, integer codes
-    with no KVQuant parts, per-channel key scales (or, with ``TOKEN_KEYS``, per-token key scales
+    with no KVQuant outliers or pre-RoPE keys (KVQuant codebooks at 3 bits with ``PLANES3``),
+    per-channel key scales (or, with ``TOKEN_KEYS``, per-token key scales
     over at least half the head), per-token value scales, key/value bits of 2 or 4 (equal, or
     with ``MIXED_BITS`` any pair at group size <= 64) or, with ``PLANES3``, both 3 at group
     size 32 or 64 with per-channel key scales, group
@@ -972,9 +1076,13 @@ def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
     sliding window."""
     if gluon is None or kv.body_len == 0 or getattr(kv, "fp8", False):
         return False
-    if any(getattr(kv, n, None) is not None for n in ("k_codebook", "v_codebook", "k_out_idx",
-                                                      "v_out_idx", "rope_inv_freq")):
-        return False
+    if any(getattr(kv, n, None) is not None for n in ("k_out_idx", "v_out_idx",
+                                                      "rope_inv_freq")):
+        return False  # KVQuant outliers and pre-RoPE keys: the Triton kernel
+    codebooks = getattr(kv, "k_codebook", None) is not None
+    if codebooks != (getattr(kv, "v_codebook", None) is not None) or (
+            codebooks and (kv.key_bits != 3 or kv.value_bits != 3)):
+        return False  # KVQuant codebooks: 3-bit planes only (PLANES3, below)
     D = kv.res_k.shape[-1]
     G, GV = kv.group_size, kv.value_group
     key_axis = getattr(kv, "key_axis", "channel")
@@ -1090,9 +1198,14 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
     steps = -(-kv.body_len // STEP)
     per = -(-steps // splits)  # steps per split
     maxnreg = maxnreg or DEFAULT_MAXNREG or None
+    kcb, vcb = getattr(kv, "k_codebook", None), getattr(kv, "v_codebook", None)
+    if kcb is not None:  # [Hkv, 8] float32, one row per KV head (the kernel reads row bh % Hkv)
+        kcb = kcb.float().expand(Hkv, 8).contiguous()
+        vcb = vcb.float().expand(Hkv, 8).contiguous()
     _body_kernel[(B * Hkv, splits)](
         q, out, lse, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero,
-        starts, lengths, lens_dev if lens_dev is not None else starts, scale_log2,
+        starts, lengths, lens_dev if lens_dev is not None else starts,
+        kcb if kcb is not None else starts, vcb if vcb is not None else starts, scale_log2,
         kv.sink_len, kv.body_len, kv.res_len,
         kv.k_codes.shape[2], kv.k_scale.shape[2] * kv.k_scale.shape[3], kv.v_codes.shape[2],
         kv.v_scale.shape[2] * kv.v_scale.shape[3], Hkv, n_out, per,
@@ -1101,5 +1214,6 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         GV=kv.value_group, HAS_STARTS=has_starts, HAS_LENS=has_lens,
         GK=D // kv.k_scale.shape[3] if k_tok else kv.group_size, K_TOK=k_tok,
         LENS_DEV=lens_dev is not None, PF=DEFAULT_PREFETCH if prefetch is None else prefetch,
-        PF_L1=PREFETCH_L1, PF_AFTER=PREFETCH_AFTER_KEYS, EARLY_V=EARLY_VALUES, num_warps=1,
+        PF_L1=PREFETCH_L1, PF_AFTER=PREFETCH_AFTER_KEYS, EARLY_V=EARLY_VALUES,
+        CB=kcb is not None, num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg else {}))
