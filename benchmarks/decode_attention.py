@@ -34,7 +34,10 @@ from kvbits.reference.attention import decode_attention as reference_attention  
 from kvbits.spec import resolve_spec  # noqa: E402
 
 MODELS = {"llama-2-7b": (32, 32, 128), "llama-3-8b": (32, 8, 128)}  # q heads, kv heads, head_dim
-PRESETS = ("kivi-2", "kivi-4", "k4v2", "uniform-int4", "uniform-int2", "fp8-dynamic", "kvquant-3")
+# kivi-3 and kvquant-3-dense-post (codebooks only) go through the Gluon body with
+# KVBITS_GLUON_3BIT=1 (decode_gluon.PLANES3), through the Triton kernel otherwise
+PRESETS = ("kivi-2", "kivi-4", "k4v2", "uniform-int4", "uniform-int2", "fp8-dynamic", "kvquant-3",
+           "kivi-3", "kvquant-3-dense-post")
 
 
 def bench(fn) -> float:
@@ -291,7 +294,9 @@ def main(argv=None) -> None:
              "q_group_size 64) served by the same kernels; fp8-dynamic: e4m3 body, one scale per "
              "head; kvquant-3: per-head codebooks, 1% outliers as a fixed count (2 per token "
              "for keys and for values at head_dim 128, counted in bytes), pre-RoPE keys (Triton "
-             "kernel)",
+             "kernel); kvquant-3-dense-post: the same codebooks without outliers or pre-RoPE "
+             "keys; kivi-3 and kvquant-3-dense-post through the Gluon body only with "
+             "KVBITS_GLUON_3BIT=1",
              "speedup vs FP16: against SDPA restricted to the flash backend (the issue's baseline); "
              "vs best SDPA: against the faster of that and torch's default SDPA backend (cuDNN on "
              "the H200, near copy bandwidth for decode), measured in the same run",
