@@ -301,9 +301,11 @@ def main(argv=None) -> None:
              "vs best SDPA: against the faster of that and torch's default SDPA backend (cuDNN on "
              "the H200, near copy bandwidth for decode), measured in the same run",
              "kvbits (gluon): the body of KIVI and uniform layers (equal K/V bits 2 or 4) through "
-             "kvbits.kernels.decode_gluon (MMA operands built in registers), the FP16 parts and "
-             "the merge through the Triton kernel; kvbits (triton v4): the same layer through the "
-             "Triton kernel alone",
+             "kvbits.kernels.decode_gluon (MMA operands built in registers; on Hopper 2-bit "
+             "layers, and 4-bit ones from 256 (sequence, KV head) pairs, fed by the TMA ring of "
+             "decode_gluon_tma inside CUDA-graph capture or for calls of >= 2^23 body tokens x "
+             "pairs), the FP16 parts and the merge through the Triton kernel; kvbits (triton v4): "
+             "the same layer through the Triton kernel alone",
              f"kernel launch knobs per preset: {knobs or 'library defaults'}",
              "CUDA-graph µs: the same call captured once and replayed (how a decode loop runs it), "
              "with the same L2 flush; host µs/call: Python + launch time to enqueue one call; "
