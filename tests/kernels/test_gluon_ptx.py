@@ -7,6 +7,10 @@ strings is checked only on a GPU.
   4-bit fields the plane merge produces), ``code * scale + zero`` with one rounding.
 * ``_cb_pair_asm``: the KVQuant codebook lookup of two fields of 3-bit codes in an 8-entry
   float16 table held as low/high byte registers, then ``* scale + zero``.
+* the 3-bit body's operands (``_key_loads3`` / ``_key_operand3`` / ``_key_tile``, the value
+  words of ``_value_loads3`` / ``_value_operand3``) mirrored op by op in NumPy, with that PTX,
+  on codes packed by the reference quantizer: each MMA row must hold its token's dequantized
+  key (or code). The mirror follows ``decode_gluon``'s functions and must change with them.
 """
 
 from __future__ import annotations
@@ -133,3 +137,145 @@ def test_interpreter_knows_every_instruction():
             [dg._cb_pair_asm(p) for p in (0, 2)]:
         ops = {m.group(1) for m in re.finditer(r"(?:^|;|\{)\s*([a-z][\w.]*)", asm)}
         assert ops <= {"mov.b32", "lop3.b32", "prmt.b32", "fma.rn.f16x2"}, ops
+
+
+# ----------------------------------------------------------------------------- 3-bit operands
+# The glue of the 3-bit body mirrored op by op in NumPy (Gluon's join / permute / reshape have
+# NumPy's value semantics; layouts only decide where values live), with the PTX run by run_ptx:
+# the K operand tile a step builds must hold, at row n = e + 2a + 8h + 16k, the dequantized key
+# of the token token_order(3, G)[n] gives that row (the token its mask and scales use).
+def _u32(x) -> int:
+    return int(x) & M32
+
+
+def _stack_h(x0, x1, dim):
+    """``decode_gluon._stack_h``: join (h last), the same permute, the same reshape."""
+    x = np.stack([x0, x1], axis=-1)
+    x = np.transpose(x, (4, 1, 2, 3, 0) if dim == 0 else (0, 1, 4, 3, 2))
+    shape = list(x.shape[:-1])
+    shape[dim] = 2
+    return x.reshape(shape)
+
+
+def _key_tile_3bit(codes_w, scale, zero, s, DC0, G, D, tables=None):
+    """``_key_loads3`` + ``_key_operand3`` (+ ``_key_operand_cb``) + ``_key_tile`` for one step
+    and channel half: ``[64, D/2]`` float16."""
+    CW, D2, DC = G // 32, D // 2, D // 2
+    sw = scale.view(np.uint32).reshape(scale.shape[0], D2)  # int32 view: channel pairs
+    zw = zero.view(np.uint32).reshape(zero.shape[0], D2)
+    cw = codes_w.view(np.uint32)
+    J = DC // 2
+    u = [np.zeros((1, 4, 2, J), dtype=np.uint64) for _ in range(2)]  # per h, [1, A, E, J]
+    sc = np.zeros((1, 4, 2, J), dtype=np.uint64)
+    ze = np.zeros_like(sc)
+    for a in range(4):
+        a1 = a // 2
+        g = s * (64 // G) + a1 // CW
+        row = g * 3 * CW + a1 % CW
+        for e in range(2):
+            for jj in range(J):
+                j = jj + DC0 // 2
+                sel = 0x5410 + 0x2222 * e
+                v = [_prmt(_u32(cw[row + p * CW, 2 * j]), _u32(cw[row + p * CW, 2 * j + 1]), sel)
+                     >> (2 * (a % 2)) for p in range(3)]
+                for h in range(2):
+                    u[h][0, a, e, jj] = _merge(v, h)
+                sc[0, a, e, jj], ze[0, a, e, jj] = _u32(sw[g, j]), _u32(zw[g, j])
+    u = _stack_h(u[0], u[1], 0)  # [H, A, E, J]
+    out = np.zeros((2, 4, 2, J, 4), dtype=np.uint64)  # [.., slot]
+    for idx in np.ndindex(2, 4, 2, J):
+        x, sc_, ze_ = int(u[idx]), int(sc[(0,) + idx[1:]]), int(ze[(0,) + idx[1:]])
+        if tables is None:
+            for P in range(4):
+                (out[idx + (P,)],) = run_ptx(dg._pair_asm(P % 2, 4), 1,
+                                             [x >> 8 if P >= 2 else x, sc_, ze_])
+        else:
+            for P0 in (0, 2):
+                out[idx + (P0,)], out[idx + (P0 + 1,)] = run_ptx(
+                    dg._cb_pair_asm(P0), 2, [x, *tables, sc_, ze_, sc_, ze_])
+    # _join4: [.., i0, i1] holds slot i0 + 2 i1; _key_tile: permute (5, 4, 0, 1, 2, 3), reshape
+    k = out.reshape(2, 4, 2, J, 2, 2).swapaxes(-1, -2)
+    k = np.transpose(k, (5, 4, 0, 1, 2, 3)).reshape(64, J).astype(np.uint32)
+    lo = (k & 0xFFFF).astype(np.uint16).view(np.float16)
+    hi = (k >> 16).astype(np.uint16).view(np.float16)
+    return np.stack([lo, hi], axis=-1).reshape(64, DC)
+
+
+def _merge(v, h):
+    """``_merge_planes`` (uint32 math)."""
+    M = 0x11111111
+    if h == 0:
+        x = (v[0] & M) | ((v[1] << 1) & (M << 1)) | ((v[2] << 2) & (M << 2))
+    else:
+        x = ((v[0] >> 1) & M) | (v[1] & (M << 1)) | ((v[2] << 1) & (M << 2))
+    return x & M32
+
+
+@pytest.mark.parametrize("G,cb", [(32, False), (64, False), (32, True)])
+def test_plane_key_operand_mirrored(G, cb):
+    import torch
+
+    from kvbits.formats.packing import unpack_bits
+    from kvbits.reference.quant import quantize_keys
+
+    D = 128
+    g = torch.Generator().manual_seed(G + cb)
+    x = torch.randn(1, 1, 128, D, generator=g) * (1 + torch.rand(D, generator=g) * 3)
+    words, scale, zero = quantize_keys(x, 3, G)
+    CW = G // 32
+    codes = torch.cat([unpack_bits(words[0, 0, r * 3 * CW:(r + 1) * 3 * CW], 3, G, dim=0)
+                       for r in range(128 // G)]).numpy()  # [128, D]
+    sc, ze = scale[0, 0].numpy(), zero[0, 0].numpy()  # [groups, D] float16
+    rng = np.random.default_rng(G)
+    table = np.sort(rng.uniform(-0.5, 7.5, 8)).astype(np.float16) if cb else None
+    order = dg.token_order(3, G)
+    for s in range(2):
+        for DC0 in (0, D // 2):
+            got = _key_tile_3bit(words[0, 0].numpy(), sc, ze, s, DC0, G, D,
+                                 _tables(table) if cb else None)
+            for n in range(64):
+                t = s * 64 + order[n]
+                for c in range(D // 2):
+                    ch = DC0 + c
+                    code = table[codes[t, ch]] if cb else codes[t, ch]
+                    want = _fma16(code, sc[t // G, ch], ze[t // G, ch])
+                    assert got[n, c] == want, (G, cb, s, DC0, n, c)
+
+
+@pytest.mark.parametrize("G,D,GV", [(32, 128, 32), (64, 64, 64)])
+def test_plane_value_words_mirrored(G, D, GV):
+    """``_value_loads3`` + ``_value_operand3``'s merge and ``_stack_h(dim=2)``: the 4-bit value
+    words ``[NGC, GVC, H, A]`` whose field ``k + 4e`` must hold the code of the token at row
+    ``n = e + 2a + 8h + 16k`` (the pair e = 0, 1 of one ``half2``)."""
+    import torch
+
+    from kvbits.formats.packing import unpack_bits
+    from kvbits.reference.quant import quantize_keys
+
+    g = torch.Generator().manual_seed(G + D)
+    words, _, _ = quantize_keys(torch.randn(1, 1, 128, D, generator=g), 3, G)  # same packing
+    CW, DC = G // 32, D // 2
+    codes = torch.cat([unpack_bits(words[0, 0, r * 3 * CW:(r + 1) * 3 * CW], 3, G, dim=0)
+                       for r in range(128 // G)]).numpy()
+    cw = words[0, 0].numpy().view(np.uint32)
+    order = dg.token_order(3, G)
+    GVC = min(GV, DC)
+    NGC = DC // GVC
+    for s in range(2):
+        for DC0 in (0, DC):
+            w = [np.zeros((NGC, GVC, 1, 4), dtype=np.uint64) for _ in range(2)]
+            for gi, c, a in np.ndindex(NGC, GVC, 4):
+                a1 = a // 2
+                grp = s * (64 // G) + a1 // CW
+                row = grp * 3 * CW + a1 % CW
+                ch = DC0 + gi * GVC + c
+                v = [_u32(cw[row + p * CW, ch]) >> (2 * (a % 2)) for p in range(3)]
+                for h in range(2):
+                    w[h][gi, c, 0, a] = _merge(v, h)
+            w = _stack_h(w[0], w[1], 2)  # [NGC, GVC, H, A]
+            for gi, c, h, a in np.ndindex(NGC, GVC, 2, 4):
+                for k in range(4):
+                    for e in range(2):
+                        t = s * 64 + order[e + 2 * a + 8 * h + 16 * k]
+                        field = (int(w[gi, c, h, a]) >> (4 * (k + 4 * e))) & 0xF
+                        assert field == codes[t, DC0 + gi * GVC + c], (G, s, gi, c, h, a, k, e)
