@@ -440,13 +440,7 @@ if gluon is not None:
         kk = _ar(2, 3, VS) + 2 * _ar(2, 4, VS)
         t = tok0 + _tok3(_ar(4, 2, VS), _ar(2, 5, VS), _ar(2, 1, VS), kk, G)
         s_ok = t < body_len
-        if NGC >= 2:  # int32 words of two groups' fp16 scales
-            off = (t * NGV + DC0 // GV) // 2 + sg
-            sp = vs_base.to(gl.pointer_type(gl.int32), bitcast=True) + off
-            zp = vz_base.to(gl.pointer_type(gl.int32), bitcast=True) + off
-        else:
-            sp = vs_base + (t * NGV + DC0 // GV + sg)
-            zp = vz_base + (t * NGV + DC0 // GV + sg)
+        sp, zp = _value_scale_ptrs(vs_base, vz_base, t, sg, DC0, NGC, NGV, GV)
         return (gl.load(wp, mask=ok, other=0), gl.load(wp + CW * D, mask=ok, other=0),
                 gl.load(wp + 2 * CW * D, mask=ok, other=0), gl.load(sp, mask=s_ok, other=0),
                 gl.load(zp, mask=s_ok, other=0))
@@ -594,6 +588,21 @@ if gluon is not None:
                                          is_pure=True, pack=1)
 
     @gluon.jit
+    def _value_scale_ptrs(vs_base, vz_base, t, sg, DC0: gl.constexpr, NGC: gl.constexpr,
+                          NGV: gl.constexpr, GV: gl.constexpr):
+        """Addresses of token ``t``'s value scales / zeros for the chunk at channel ``DC0``: with
+        two or more scale groups in the chunk, int32 words of two groups' fp16 (``sg``-th
+        word), else the one fp16 group."""
+        if NGC >= 2:
+            off = (t * NGV + DC0 // GV) // 2 + sg
+            sp = vs_base.to(gl.pointer_type(gl.int32), bitcast=True) + off
+            zp = vz_base.to(gl.pointer_type(gl.int32), bitcast=True) + off
+        else:
+            sp = vs_base + (t * NGV + DC0 // GV + sg)
+            zp = vz_base + (t * NGV + DC0 // GV + sg)
+        return sp, zp
+
+    @gluon.jit
     def _value_ptrs(vc_base, vs_base, vz_base, row0, n_rows, tok0, body_len,
                     DC0: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
                     D: gl.constexpr, DC: gl.constexpr, GV: gl.constexpr, VW: gl.constexpr,
@@ -627,13 +636,7 @@ if gluon is not None:
             se = _ar(2, 5, VS)
             t = tok0 + _tok(2 * sa + sh, kk + 4 * se, W, G)
         s_ok = t < body_len
-        if NGC >= 2:  # int32 words of two groups' fp16 scales
-            off = (t * NGV + DC0 // GV) // 2 + sg
-            sp = vs_base.to(gl.pointer_type(gl.int32), bitcast=True) + off
-            zp = vz_base.to(gl.pointer_type(gl.int32), bitcast=True) + off
-        else:
-            sp = vs_base + (t * NGV + DC0 // GV + sg)
-            zp = vz_base + (t * NGV + DC0 // GV + sg)
+        sp, zp = _value_scale_ptrs(vs_base, vz_base, t, sg, DC0, NGC, NGV, GV)
         return wp, sp, zp, w_ok, s_ok
 
     @gluon.jit
