@@ -43,28 +43,22 @@ for cx in json.loads(sys.argv[1]):
 print(json.dumps(out))
 '''
 
-CONFIGS = [  # 2-bit, GQA 4, per-channel keys; 4-bit, 16 heads, per-token keys, lengths on the
-    # device (CUDA-graph decode); 3-bit planes, with KVQuant codebooks; K4V2 (mixed, last)
-    {"HG": 4, "HP": 8, "D": 128, "KBITS": 2, "VBITS": 2, "G": 32, "GV": 32, "HAS_STARTS": True,
-     "HAS_LENS": True, "GK": 32, "K_TOK": False, "LENS_DEV": False, "PF": 1, "PF_L1": False,
-     "PF_AFTER": True, "EARLY_V": False},
-    {"HG": 16, "HP": 16, "D": 64, "KBITS": 4, "VBITS": 4, "G": 64, "GV": 64, "HAS_STARTS": True,
-     "HAS_LENS": False, "GK": 64, "K_TOK": True, "LENS_DEV": True, "PF": 1, "PF_L1": False,
-     "PF_AFTER": False, "EARLY_V": True},
+# 2-bit, GQA 4, per-channel keys, lengths from the host, prefetch after the key loads
+BASE = {"HG": 4, "HP": 8, "D": 128, "KBITS": 2, "VBITS": 2, "G": 32, "GV": 32, "HAS_STARTS": True,
+        "HAS_LENS": True, "GK": 32, "K_TOK": False, "LENS_DEV": False, "PF": 1, "PF_L1": False,
+        "PF_AFTER": True, "EARLY_V": False}
+CONFIGS = [
+    BASE,
+    # 4-bit, 16 heads, per-token keys, lengths on the device (CUDA-graph decode), early values
+    {**BASE, "HG": 16, "HP": 16, "D": 64, "KBITS": 4, "VBITS": 4, "G": 64, "GV": 64,
+     "HAS_LENS": False, "GK": 64, "K_TOK": True, "LENS_DEV": True, "PF_AFTER": False,
+     "EARLY_V": True},
     # 3-bit planes merged into 4-bit fields (PLANES3): G 32 at D 128, G 64 at D 64 / 16 heads
-    {"HG": 4, "HP": 8, "D": 128, "KBITS": 3, "VBITS": 3, "G": 32, "GV": 32, "HAS_STARTS": True,
-     "HAS_LENS": True, "GK": 32, "K_TOK": False, "LENS_DEV": False, "PF": 1, "PF_L1": False,
-     "PF_AFTER": True, "EARLY_V": False},
-    {"HG": 16, "HP": 16, "D": 64, "KBITS": 3, "VBITS": 3, "G": 64, "GV": 64, "HAS_STARTS": False,
-     "HAS_LENS": True, "GK": 64, "K_TOK": False, "LENS_DEV": True, "PF": 1, "PF_L1": False,
-     "PF_AFTER": True, "EARLY_V": False},
-    # KVQuant 3-bit codebooks (prmt tables) on the planes
-    {"HG": 4, "HP": 8, "D": 128, "KBITS": 3, "VBITS": 3, "G": 32, "GV": 32, "HAS_STARTS": True,
-     "HAS_LENS": True, "GK": 32, "K_TOK": False, "LENS_DEV": False, "PF": 1, "PF_L1": False,
-     "PF_AFTER": True, "EARLY_V": False, "CB": True},
-    {"HG": 4, "HP": 8, "D": 128, "KBITS": 4, "VBITS": 2, "G": 32, "GV": 32, "HAS_STARTS": True,
-     "HAS_LENS": True, "GK": 32, "K_TOK": False, "LENS_DEV": False, "PF": 0, "PF_L1": False,
-     "PF_AFTER": False, "EARLY_V": False},
+    {**BASE, "KBITS": 3, "VBITS": 3},
+    {**BASE, "HG": 16, "HP": 16, "D": 64, "KBITS": 3, "VBITS": 3, "G": 64, "GV": 64,
+     "HAS_STARTS": False, "GK": 64, "LENS_DEV": True},
+    {**BASE, "KBITS": 3, "VBITS": 3, "CB": True},  # KVQuant 3-bit codebooks (prmt tables)
+    {**BASE, "KBITS": 4, "PF": 0, "PF_AFTER": False},  # K4V2 (mixed widths; last, no prefetch)
 ]
 
 
