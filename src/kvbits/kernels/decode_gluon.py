@@ -379,6 +379,16 @@ if gluon is not None:
         return shape
 
     @gluon.jit
+    def _plane_row(a, s, n_groups, G: gl.constexpr):
+        """The key group of lane index ``a`` in step ``s`` (3-bit planes, :func:`_tok3`), whether
+        it is inside the body, and the word row of its column's plane 0 (plane ``p`` is ``p *
+        G / 32`` rows further)."""
+        CW: gl.constexpr = G // 32
+        a1 = a // 2
+        g = s * (64 // G) + a1 // CW
+        return g, g < n_groups, g * (3 * CW) + a1 % CW
+
+    @gluon.jit
     def _key_loads3(kc_base, ks_base, kz_base, s, n_groups, DC0: gl.constexpr, G: gl.constexpr,
                     D: gl.constexpr, DC: gl.constexpr, KW: gl.constexpr):
         """3-bit keys of step ``s``, channels ``[DC0, DC0 + DC)``: the three plane words (int64
@@ -389,11 +399,8 @@ if gluon is not None:
         a = _ar(4, 1, KW)
         e = _ar(2, 2, KW)
         j = _ar(DC // 2, 3, KW) + DC0 // 2
-        a1 = a // 2
-        g = s * (64 // G) + a1 // CW  # the thread's key group
-        ok = g < n_groups
-        wp = kc_base.to(gl.pointer_type(gl.int64), bitcast=True) + (
-            (g * (3 * CW) + a1 % CW) * D2 + j + e * 0)
+        g, ok, row = _plane_row(a, s, n_groups, G)
+        wp = kc_base.to(gl.pointer_type(gl.int64), bitcast=True) + (row * D2 + j + e * 0)
         s_off = g * D2 + j + e * 0
         sp = ks_base.to(gl.pointer_type(gl.int32), bitcast=True) + s_off
         zp = kz_base.to(gl.pointer_type(gl.int32), bitcast=True) + s_off
@@ -431,10 +438,8 @@ if gluon is not None:
         NGV: gl.constexpr = D // GV
         gi = _ar(NGC, 0, VW)
         c = _ar(GVC, 1, VW)
-        a1 = _ar(4, 3, VW) // 2
-        g = s * (64 // G) + a1 // CW
-        ok = g < n_groups
-        wp = vc_base + ((g * (3 * CW) + a1 % CW) * D + DC0 + gi * GVC + c)
+        _, ok, row = _plane_row(_ar(4, 3, VW), s, n_groups, G)
+        wp = vc_base + (row * D + DC0 + gi * GVC + c)
         NW: gl.constexpr = NGC // 2 if NGC >= 2 else 1  # scale loads per token (see VS)
         sg = _ar(NW, 0, VS)
         kk = _ar(2, 3, VS) + 2 * _ar(2, 4, VS)
@@ -1021,29 +1026,30 @@ if gluon is not None:
             if KBITS != VBITS:  # P's rows from the keys' token order to the values'
                 p = _reorder_tokens(p, KBITS, VBITS, G, HP)
             pb = gl.convert_layout(p, b_l)
-            if VBITS == 3:  # (EARLY_V does not apply)
+            if VBITS == 3:  # values only now (EARLY_V does not apply to 3-bit planes)
                 vp0, vq0, vr0, vs0, vz0 = _value_loads3(vc_base, vs_base, vz_base, s, n_groups,
                                                         t_cur, body_len, 0, G, D, DC, GV, VW,
                                                         VS_L)
                 vp1, vq1, vr1, vs1, vz1 = _value_loads3(vc_base, vs_base, vz_base, s, n_groups,
                                                         t_cur, body_len, DC, G, D, DC, GV, VW,
                                                         VS_L)
+            elif not EARLY_V:  # values only now: fewer registers through the key MMA and softmax
+                vw0, vs0, vz0 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
+                                             body_len, 0, VBITS, WV, G, D, DC, GV, VW, VS_L)
+                vw1, vs1, vz1 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
+                                             body_len, DC, VBITS, WV, G, D, DC, GV, VW, VS_L)
+            if VBITS == 3:
                 v = _value_operand3(vp0, vq0, vr0, vs0, vz0, vlo0, vlo1, vhi0, vhi1, DC, VW,
                                     a_l, CB)
-                acc0 = mma_v2(v, pb, acc0 * alpha[None, :])
+            else:
+                v = _value_operand(vw0, vs0, vz0, VBITS, DC, VW, a_l)
+            acc0 = mma_v2(v, pb, acc0 * alpha[None, :])
+            if VBITS == 3:
                 v = _value_operand3(vp1, vq1, vr1, vs1, vz1, vlo0, vlo1, vhi0, vhi1, DC, VW,
                                     a_l, CB)
-                acc1 = mma_v2(v, pb, acc1 * alpha[None, :])
             else:
-                if not EARLY_V:  # values only now: fewer registers through the key MMA and softmax
-                    vw0, vs0, vz0 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
-                                                 body_len, 0, VBITS, WV, G, D, DC, GV, VW, VS_L)
-                    vw1, vs1, vz1 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
-                                                 body_len, DC, VBITS, WV, G, D, DC, GV, VW, VS_L)
-                v = _value_operand(vw0, vs0, vz0, VBITS, DC, VW, a_l)
-                acc0 = mma_v2(v, pb, acc0 * alpha[None, :])
                 v = _value_operand(vw1, vs1, vz1, VBITS, DC, VW, a_l)
-                acc1 = mma_v2(v, pb, acc1 * alpha[None, :])
+            acc1 = mma_v2(v, pb, acc1 * alpha[None, :])
 
         _store_partial(Out, Lse, acc0, acc1, m_i, l_i, q_row0, n_out, split, HG, HP, D, mma)
 
