@@ -34,8 +34,8 @@ from kvbits.reference.attention import decode_attention as reference_attention  
 from kvbits.spec import resolve_spec  # noqa: E402
 
 MODELS = {"llama-2-7b": (32, 32, 128), "llama-3-8b": (32, 8, 128)}  # q heads, kv heads, head_dim
-# kivi-3 and kvquant-3-dense-post (codebooks only) go through the Gluon body with
-# KVBITS_GLUON_3BIT=1 (decode_gluon.PLANES3), through the Triton kernel otherwise
+# kivi-3 and kvquant-3-dense-post (codebooks only) go through the Gluon body's 3-bit planes
+# (decode_gluon.PLANES3, on unless KVBITS_GLUON_3BIT=0), kvquant-3 through the Triton kernel
 PRESETS = ("kivi-2", "kivi-4", "k4v2", "uniform-int4", "uniform-int2", "fp8-dynamic", "kvquant-3",
            "kivi-3", "kvquant-3-dense-post")
 
@@ -295,12 +295,13 @@ def main(argv=None) -> None:
              "head; kvquant-3: per-head codebooks, 1% outliers as a fixed count (2 per token "
              "for keys and for values at head_dim 128, counted in bytes), pre-RoPE keys (Triton "
              "kernel); kvquant-3-dense-post: the same codebooks without outliers or pre-RoPE "
-             "keys; kivi-3 and kvquant-3-dense-post through the Gluon body only with "
-             "KVBITS_GLUON_3BIT=1",
+             "keys; kivi-3 and kvquant-3-dense-post through the Gluon body's 3-bit planes "
+             "(decode_gluon.PLANES3)",
              "speedup vs FP16: against SDPA restricted to the flash backend (the issue's baseline); "
              "vs best SDPA: against the faster of that and torch's default SDPA backend (cuDNN on "
              "the H200, near copy bandwidth for decode), measured in the same run",
-             "kvbits (gluon): the body of KIVI and uniform layers (equal K/V bits 2 or 4) through "
+             "kvbits (gluon): the body of KIVI and uniform layers (K/V bits 2 or 4, or both 3 as "
+             "bit planes, with KVQuant codebooks when there are no outliers) through "
              "kvbits.kernels.decode_gluon (MMA operands built in registers; on Hopper 2-bit "
              "layers, and 4-bit ones from 256 (sequence, KV head) pairs, fed by the TMA ring of "
              "decode_gluon_tma inside CUDA-graph capture or for calls of >= 2^23 body tokens x "

@@ -33,7 +33,7 @@ VARIANTS = os.environ.get("SWEEP_PF", "0").split(",")
 SHAPES = tuple(tuple(int(x) for x in sh.split("x")) for sh in os.environ.get(
     "SWEEP_SHAPES", "32x32x8x32768,8x32x8x32768,8x32x32x32768,1x32x8x131072,32x32x32x4096").split(","))
 SMS = torch.cuda.get_device_properties(0).multi_processor_count
-decode_gluon.PLANES3 = True  # 3-bit presets (kivi-3) through the Gluon body (off in the library)
+decode_gluon.PLANES3 = True  # 3-bit presets (kivi-3) through the Gluon body whatever the env says
 TMA_STAGES = dict(decode_gluon_tma.STAGES)
 for preset in sys.argv[1:] or ["kivi-2", "kivi-4"]:
     for B, Hq, Hkv, T in SHAPES:

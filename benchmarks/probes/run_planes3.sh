@@ -1,5 +1,5 @@
-# One device call for the 3-bit Gluon body (decode_gluon.PLANES3, off by default until this
-# passes) and its KVQuant codebook variant: the GPU tests against the reference (under a hard
+# One device call for the 3-bit Gluon body (decode_gluon.PLANES3; its tests passed in session
+# 15 and it is on) and its KVQuant codebook variant: the GPU tests against the reference (under a hard
 # timeout, log in $OUT), then kivi-3 and kvquant-3-dense-post through it against the Triton
 # kernel and FP16 SDPA, eager and in graph time (kivi-2 for scale).
 set -x

@@ -922,16 +922,20 @@ def test_gluon_tma_inside_cuda_graph(bits, monkeypatch):
         view = dataclasses.replace(bound, body_len=body, res_len=res)
         compare(out, reference(q, view, **args), c.dtype, f"{c} graph replay body={body}")
 
-def test_gluon_tma_mode_is_checked():
-    """A mistyped KVBITS_GLUON_TMA is refused at import, naming the variable and its values."""
+@pytest.mark.parametrize("var, module, allowed", [
+    ("KVBITS_GLUON_TMA", "decode_gluon_tma", "'auto', '0' or '1'"),
+    ("KVBITS_GLUON_3BIT", "decode_gluon", "'0' or '1'")])
+def test_gluon_env_switches_are_checked(var, module, allowed):
+    """A mistyped Gluon switch is refused at import, naming the variable and its values."""
     import subprocess
     import sys
 
-    env = {**os.environ, "KVBITS_GLUON_TMA": "yes"}
-    res = subprocess.run([sys.executable, "-c", "import kvbits.kernels.decode_gluon_tma"],
+    env = {**os.environ, var: "yes"}
+    res = subprocess.run([sys.executable, "-c", f"import kvbits.kernels.{module}"],
                          env=env, capture_output=True, text=True, timeout=300, check=False)
     assert res.returncode != 0
-    assert "KVBITS_GLUON_TMA must be 'auto', '0' or '1', got 'yes'" in res.stderr
+    assert f"{var} must be {allowed}, got 'yes'" in res.stderr
+
 
 def test_gluon_tma_eligibility():
     """Which layers the TMA ring takes (no GPU needed): G = 32 KIVI layers at head_dim 128 with
@@ -1035,14 +1039,17 @@ def test_gluon_dispatch_rules():
     assert decode_gluon.body_splits(64, 32768, 132) == 66
     assert decode_gluon.body_splits(20, 32768, 132) == 52  # 1040 programs: within one wave
     assert decode_gluon.body_splits(8, 640, 132) == 10
-    for kb, vb, G, D in [(4, 2, 128, 128), (3, 3, 32, 128), (8, 8, 32, 128), (2, 2, 32, 96)]:
+    for kb, vb, G, D in [(4, 2, 128, 128), (8, 8, 32, 128), (2, 2, 32, 96)]:
         other = make_kv(Case(kb=kb, vb=vb, G=G, D=D, B=1, Hkv=1, body=128, res=0), device="cpu")
         assert not decode_gluon.eligible(other, 1, 4, None), (kb, vb, G, D)
-    # 3-bit planes only with PLANES3, equal widths, G 32 / 64
+    # 3-bit planes (PLANES3, on by default): equal widths, G 32 / 64; off sends them to Triton
     three = make_kv(Case(kb=3, vb=3, G=32, D=128, B=1, Hkv=1, body=128, res=0), device="cpu")
-    assert decode_gluon.PLANES3 or not decode_gluon.eligible(three, 1, 4, None)
-    decode_gluon.PLANES3, was = True, decode_gluon.PLANES3
+    assert decode_gluon.eligible(three, 1, 4, None) == decode_gluon.PLANES3
+    was = decode_gluon.PLANES3
     try:
+        decode_gluon.PLANES3 = False
+        assert not decode_gluon.eligible(three, 1, 4, None)
+        decode_gluon.PLANES3 = True
         assert decode_gluon.eligible(three, 1, 4, None)
         for kb, vb, G in [(3, 3, 128), (3, 2, 32), (2, 3, 32), (3, 4, 64)]:
             other = make_kv(Case(kb=kb, vb=vb, G=G, D=128, B=1, Hkv=1, body=128, res=0),

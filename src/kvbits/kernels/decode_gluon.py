@@ -29,7 +29,7 @@ token over GV channels, key/value bits of 2 or 4, one query row per sequence, no
 head_dim 64 or 128); :func:`eligible` says which layers, the Triton kernel does the rest.
 Different key and value widths (``MIXED_BITS``) permute P's rows between
 the two token orders, which differ only by a permutation of the row index's six bits. 3-bit
-layers (bit planes; ``PLANES3``, off until GPU-verified) use their own token order (``_tok3``),
+layers (bit planes; ``PLANES3``) use their own token order (``_tok3``),
 in which three plane words merge into 4-bit fields, and from there the 4-bit path.
 Keys scaled per token over at least half the head (the uniform method, ``TOKEN_KEYS``) are served
 too. Each step's key words are loaded at its start and its value words after the softmax; right
@@ -1067,10 +1067,15 @@ MIXED_BITS = True
 
 # 3-bit KIVI layers (bit planes, equal key/value bits, G = 32 or 64, keys per channel): the
 # planes of a thread's column are merged into 4-bit fields after loading and the 4-bit body does
-# the rest (_merge_planes; token order in _tok3). Compiled for sm_90 (CI) and its unpacking
-# emulated against the packing (benchmarks/probes/plane3_recipe.py), but not yet run on a GPU:
-# off until it is (KVBITS_GLUON_3BIT=1 turns it on).
-PLANES3 = os.environ.get("KVBITS_GLUON_3BIT", "0") == "1"
+# the rest (_merge_planes; token order in _tok3). KVQuant codebook layers (no outliers, post-RoPE
+# keys) look their fields up in the head's table (CB). Verified on the H200 (session 15: the
+# GPU tests against the reference) and faster there than the Triton kernel: Llama-3 B=32 32k
+# kivi-3 554 us against 1861 us, kvquant-3-dense-post 629 us against 2203 us, in graph time
+# (benchmarks/results/decode_planes3.log). KVBITS_GLUON_3BIT=0 sends them to the Triton kernel.
+_PLANES3_ENV = os.environ.get("KVBITS_GLUON_3BIT", "1")
+if _PLANES3_ENV not in ("0", "1"):
+    raise ValueError(f"KVBITS_GLUON_3BIT must be '0' or '1', got {_PLANES3_ENV!r}")
+PLANES3 = _PLANES3_ENV == "1"
 
 
 def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
