@@ -1051,6 +1051,11 @@ def test_gluon_dispatch_rules():
         assert not decode_gluon.eligible(three, 1, 4, None)
         decode_gluon.PLANES3 = True
         assert decode_gluon.eligible(three, 1, 4, None)
+        # no size threshold for planes (Triton's 3-bit path is the slower one at every size),
+        # while a 2-bit step of the same size stays with Triton
+        two = make_kv(Case(kb=2, vb=2, G=32, D=128, B=1, Hkv=1, body=128, res=0), device="cpu")
+        assert decode_gluon.serves(three, 1, 4, None, 1)
+        assert not decode_gluon.serves(two, 1, 4, None, 1)
         for kb, vb, G in [(3, 3, 128), (3, 2, 32), (2, 3, 32), (3, 4, 64)]:
             other = make_kv(Case(kb=kb, vb=vb, G=G, D=128, B=1, Hkv=1, body=128, res=0),
                             device="cpu")

@@ -1121,11 +1121,18 @@ def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
 # Llama-3 batch 8 at 4k); from 256k up this kernel leads (Llama-3 batch 1 32k: 34 vs 39 us,
 # Llama-2 batch 1 32k: 75 vs 136 us, Llama-2 batch 8 4k: 81 vs 131 us).
 MIN_BODY_TOKENS = 1 << 18  # body tokens x (sequence, KV head) pairs
+# 3-bit layers (bit planes) have no such crossover: the Triton kernel reads planes at 2.6-3.7x
+# this body's time wherever both were measured (H200, graph time, decode_attention.md: Llama-3
+# batch 1 131k kivi-3 239 against 91 us, batch 8 32k 511 against 162 us), and at small steps it
+# ran slower than FP16 SDPA (Llama-3 batch 1 32k: 76 us, 0.75x).
+MIN_BODY_TOKENS_PLANES = 0
 
 
 def serves(kv, q_rows: int, heads_per_kv: int, window, batch_heads: int) -> bool:
     """:func:`eligible` and a step big enough for this kernel to be the faster one."""
-    return (batch_heads * kv.body_len >= MIN_BODY_TOKENS
+    planes = kv.key_bits == 3 or kv.value_bits == 3
+    min_tokens = MIN_BODY_TOKENS_PLANES if planes else MIN_BODY_TOKENS
+    return (batch_heads * kv.body_len >= min_tokens
             and eligible(kv, q_rows, heads_per_kv, window))
 
 
