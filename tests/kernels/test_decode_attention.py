@@ -1051,11 +1051,14 @@ def test_gluon_dispatch_rules():
         assert not decode_gluon.eligible(three, 1, 4, None)
         decode_gluon.PLANES3 = True
         assert decode_gluon.eligible(three, 1, 4, None)
-        # no size threshold for planes (Triton's 3-bit path is the slower one at every size),
-        # while a 2-bit step of the same size stays with Triton
+        # planes from a smaller step (Triton's 3-bit path is the slow one), while a 2-bit step
+        # of the same size stays with Triton; the tiniest 3-bit steps stay there too
         two = make_kv(Case(kb=2, vb=2, G=32, D=128, B=1, Hkv=1, body=128, res=0), device="cpu")
-        assert decode_gluon.serves(three, 1, 4, None, 1)
-        assert not decode_gluon.serves(two, 1, 4, None, 1)
+        pairs = decode_gluon.MIN_BODY_TOKENS_PLANES // 128  # 128 body tokens per pair
+        assert decode_gluon.MIN_BODY_TOKENS_PLANES < decode_gluon.MIN_BODY_TOKENS
+        assert decode_gluon.serves(three, 1, 4, None, pairs)
+        assert not decode_gluon.serves(three, 1, 4, None, pairs - 1)
+        assert not decode_gluon.serves(two, 1, 4, None, pairs)
         for kb, vb, G in [(3, 3, 128), (3, 2, 32), (2, 3, 32), (3, 4, 64)]:
             other = make_kv(Case(kb=kb, vb=vb, G=G, D=128, B=1, Hkv=1, body=128, res=0),
                             device="cpu")

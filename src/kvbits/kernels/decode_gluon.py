@@ -1121,11 +1121,12 @@ def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
 # Llama-3 batch 8 at 4k); from 256k up this kernel leads (Llama-3 batch 1 32k: 34 vs 39 us,
 # Llama-2 batch 1 32k: 75 vs 136 us, Llama-2 batch 8 4k: 81 vs 131 us).
 MIN_BODY_TOKENS = 1 << 18  # body tokens x (sequence, KV head) pairs
-# 3-bit layers (bit planes) have no such crossover: the Triton kernel reads planes at 2.6-3.7x
-# this body's time wherever both were measured (H200, graph time, decode_attention.md: Llama-3
-# batch 1 131k kivi-3 239 against 91 us, batch 8 32k 511 against 162 us), and at small steps it
-# ran slower than FP16 SDPA (Llama-3 batch 1 32k: 76 us, 0.75x).
-MIN_BODY_TOKENS_PLANES = 0
+# 3-bit layers (bit planes) cross over four times earlier: the Triton kernel reads planes at
+# 1.6-3.7x this body's time from 2^17 tokens up (H200, graph time, decode_attention.md: Llama-2
+# batch 1 4k kivi-3 43 against 27 us, Llama-3 batch 1 32k 77 against 41 us, batch 8 32k 511
+# against 162 us), where the Triton kernel ran slower than FP16 SDPA (0.75-0.81x), and wins only
+# below that (Llama-3 batch 1 4k, 2^15 tokens: 17 against 21 us).
+MIN_BODY_TOKENS_PLANES = 1 << 16
 
 
 def serves(kv, q_rows: int, heads_per_kv: int, window, batch_heads: int) -> bool:
