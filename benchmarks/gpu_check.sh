@@ -12,7 +12,7 @@ mkdir -p "$out"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$out/gpu_check.log"
 # shellcheck disable=SC2086
-python3 -m pytest -q ${TESTS:--m gpu tests} 2>&1 | tee -a "$out/gpu_check.log" | tail -5
+python3 -m pytest -q --durations=15 ${TESTS:--m gpu tests} 2>&1 | tee -a "$out/gpu_check.log" | tail -22
 python3 -m pytest -q tests/kernels/test_decode_attention.py -k "axes or fp8 or reads" 2>&1 \
   | tee -a "$out/gpu_check.log" | tail -3
 if [ -n "${SWEEP:-}" ]; then
