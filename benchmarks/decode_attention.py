@@ -34,6 +34,11 @@ from kvbits.reference.attention import decode_attention as reference_attention  
 from kvbits.spec import resolve_spec  # noqa: E402
 
 MODELS = {"llama-2-7b": (32, 32, 128), "llama-3-8b": (32, 8, 128)}  # q heads, kv heads, head_dim
+# Shapes the kernels were not tuned on (--models), from the published configs: GQA 7:1, head
+# dims 64, 96 and 256
+OTHER_MODELS = {"qwen2.5-7b": (28, 4, 128), "gemma-2-9b": (16, 8, 256),
+                "phi-3-mini": (32, 32, 96), "smollm2-1.7b": (32, 32, 64)}
+ALL_MODELS = MODELS | OTHER_MODELS
 # kivi-3 and kvquant-3-dense-post (codebooks only) go through the Gluon body's 3-bit planes
 # (decode_gluon.PLANES3, on unless KVBITS_GLUON_3BIT=0), kvquant-3 through the Triton kernel
 PRESETS = ("kivi-2", "kivi-4", "k4v2", "uniform-int4", "uniform-int2", "fp8-dynamic", "kvquant-3",
@@ -259,6 +264,11 @@ def main(argv=None) -> None:
     p.add_argument("--merge", type=Path, default=None,
                    help="a previous JSON of this benchmark: its rows for shapes not run here are "
                         "kept (the notes say which run produced which rows)")
+    p.add_argument("--models", default=",".join(MODELS),
+                   help=f"comma-separated, of {', '.join(ALL_MODELS)} (default: the two Llamas)")
+    p.add_argument("--name", default=None, help="output file stem (default decode_attention)")
+    p.add_argument("--no-baselines", action="store_true",
+                   help="skip the seed-design and QuantizedCache rows (FP16 SDPA stays)")
     p.add_argument("--skip-quantize-pack", action="store_true")
     p.add_argument("--quantize-pack-only", action="store_true",
                    help="only the quantize_pack table (no attention shapes)")
@@ -267,8 +277,12 @@ def main(argv=None) -> None:
     bw = copy_bandwidth()
     print(f"{env['gpu']}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     presets = args.presets.split(",")
+    models = args.models.split(",")
+    unknown = [m for m in models if m not in ALL_MODELS]
+    if unknown:
+        p.error(f"--models: unknown {unknown}; choose from {', '.join(ALL_MODELS)}")
     # largest batches first: a run cut short by a time limit still has the long rows
-    shapes = [(m, b, t) for b in (32, 8, 1) for m in MODELS for t in (4096, 32768, 131072)]
+    shapes = [(m, b, t) for b in (32, 8, 1) for m in models for t in (4096, 32768, 131072)]
     if args.quick:
         shapes = [("llama-3-8b", 8, 32768), ("llama-2-7b", 1, 131072)]
     if args.shapes:
@@ -319,7 +333,7 @@ def main(argv=None) -> None:
             ("host_us", "host µs/call"),
             ("bytes", "bytes moved"), ("tbps", "TB/s"), ("frac_bw", "of copy bw"),
             ("rel_err", "rel err")]
-    name = "decode_attention_quick" if args.quick else "decode_attention"
+    name = args.name or ("decode_attention_quick" if args.quick else "decode_attention")
     kept = []
     if args.merge:
         prev = json.loads(args.merge.read_text())
@@ -331,15 +345,21 @@ def main(argv=None) -> None:
     rows = []
     free = torch.cuda.mem_get_info()[0]
     for model, batch, context in shapes:
-        hq, hkv, d = MODELS[model]
+        hq, hkv, d = ALL_MODELS[model]
         fp_bytes = 2 * batch * hkv * context * d * 2
         if 1.15 * fp_bytes > free:
             print(f"skip {model} B={batch} T={context}: FP16 cache {fp_bytes / 2**30:.0f} GiB "
                   "does not fit beside its copies", flush=True)
             continue
-        rows += run_shape(model, hq, hkv, d, batch, context, bw, presets, True, knobs)
+        try:
+            rows += run_shape(model, hq, hkv, d, batch, context, bw, presets,
+                              not args.no_baselines, knobs)
+        except Exception as e:  # noqa: BLE001 (reported; the other shapes still run)
+            print(f"FAILED {model} B={batch} T={context}: {type(e).__name__}: {e}", flush=True)
+            notes.append(f"{model} B={batch} T={context} failed: {type(e).__name__}: {e}")
+            continue
         order = {s: i for i, s in enumerate(
-            (m, b, t) for m in MODELS for b in (1, 8, 32) for t in (4096, 32768, 131072))}
+            (m, b, t) for m in ALL_MODELS for b in (1, 8, 32) for t in (4096, 32768, 131072))}
         merged = sorted(kept + rows, key=lambda r: order.get((r["model"], r["batch"],
                                                                r["context"]), -1))
         write_results(name, merged, cols, env, notes, args.out)  # after every shape
