@@ -61,6 +61,7 @@ def test_parse_presets_defaults_apply_to_quantized_presets_only_and_yield_to_ove
     ("kivi-2:K=5", "key_bits must be one of 2, 3, 4, 8"),
     ("kivi-2:R=-1", "residual_length must be an integer >= 0"),
     (",", "at least one preset"),
+    ("fp16:K=4", "preset 'fp16' quantizes nothing and takes no overrides"),  # was ignored
 ])
 def test_parse_presets_errors(text, match):
     with pytest.raises(ValueError, match=match):
@@ -78,6 +79,7 @@ def test_parse_hf_variants():
 @pytest.mark.parametrize("text,match", [
     ("quanto", "bad item 'quanto'.*BACKEND:intN"), ("gptq:int4", "bad item"),
     ("quanto:int3", "nbits for backend 'quanto' must be one of 2, 4"),
+    ("quanto:int2:G=0", "q_group_size must be an integer >= 1"),  # was accepted
     ("quanto:int2:axis_key=1", "axis_key for backend 'quanto' must be one of 0, -1"),
     ("hqq:int2:axis=1", "bad override 'axis=1'"),
 ])
@@ -104,6 +106,35 @@ def test_bad_arguments_name_the_parameter(capsys, argv, match):
 
     code, _, err = run(capsys, *argv)
     assert code == 2 and re.search(match, err), err
+
+
+# Found by an audit of the entry points: a traceback (needle --threads), "too many values to
+# unpack" (one-preset options given a list), or silently accepted values (the rest).
+@pytest.mark.parametrize("argv,match", [
+    (["generate", "--prompt", "x", "--preset", "kivi-2,kivi-4"], "--preset takes one preset, got 2"),
+    (["calibrate", "--preset", "kvquant-2,kvquant-3"], "--preset takes one preset, got 2"),
+    (["tune", "--base", "kivi-2,kivi-3"], "--base takes one preset, got 2"),
+    (["needle", "--threads", "0"], "argument --threads: expected a positive integer"),
+    (["needle", "--trials", "-1"], "argument --trials: expected a positive integer"),
+    (["needle", "--max-new-tokens", "0"], "argument --max-new-tokens: expected a positive"),
+    (["needle", "--calib-tokens", "0"], "argument --calib-tokens: expected a positive integer"),
+    (["bench", "--presets", ","], "argument --presets: expected comma-separated presets"),
+    (["bench", "--steps", "0"], "argument --steps: expected a positive integer"),
+    (["bench", "--warmup", "-1"], "argument --warmup: expected an integer >= 0"),
+    (["bench", "--layers", "0"], "argument --layers: expected a positive integer"),
+    (["bench", "--batch-cap", "0"], "argument --batch-cap: expected a positive integer"),
+    (["bench", "--hf-max-tokens", "-1"], "argument --hf-max-tokens: expected an integer >= 0"),
+    (["memory", "--gpu-memory", "0"], "gpu_memory must be a number of bytes > 0"),
+])
+def test_audited_bad_arguments_name_the_parameter(capsys, argv, match):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and match in err, err
+
+
+def test_bench_presets_split_like_ppl():
+    # Was split at every comma: "kivi-2:S=1,R=64" became "kivi-2:S=1" and an unknown "R=64".
+    args = build_parser().parse_args(["bench", "--presets", "kivi-2:S=1,R=64,hf-int2:G=64,R=64"])
+    assert args.presets == ("kivi-2:S=1,R=64", "hf-int2:G=64,R=64")
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")

@@ -4,6 +4,7 @@ allowed values) and resolve_spec."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import pytest
@@ -187,3 +188,25 @@ def test_resolve_spec_unknown_preset_lists_presets(name):
 def test_resolve_spec_rejects_non_name(bad):
     with pytest.raises(ValueError, match="unknown preset"):
         resolve_spec(bad)
+
+
+@pytest.mark.parametrize("name", ["foo", "S", "bits", "group"])
+def test_resolve_spec_unknown_override_names_the_fields(name):
+    # Was a bare TypeError from QuantSpec.__init__ ("unexpected keyword argument").
+    with pytest.raises(ValueError, match=rf"unknown QuantSpec override\(s\) {name};.*key_bits.*"
+                                         r"residual_length.*nbits"):
+        resolve_spec("kivi-2", **{name: 1})
+
+
+@pytest.mark.parametrize("doc,match", [
+    ([1, 2], "from a dict of its fields"),
+    ({"layer_bits": 3}, r"layer_bits must be a list of \[layer, key_bits, value_bits\] triples"),
+    ({"layer_bits": [3]}, r"layer_bits must be a list of \[layer, key_bits, value_bits\] triples"),
+    ({"skip_layers": 0}, "skip_layers must be a list of layer indices"),
+])
+def test_spec_file_with_malformed_fields(tmp_path, doc, match):
+    # Were TypeErrors from dict() / tuple() deep in from_dict.
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"kvbits_spec": 1, "spec": doc}))
+    with pytest.raises(ValueError, match=match):
+        resolve_spec(str(path))

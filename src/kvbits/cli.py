@@ -108,6 +108,9 @@ def parse_presets(text: str, **defaults) -> list[Variant]:
             raise ValueError(f"--presets: unknown preset {name!r} in {item!r}; presets are: "
                              f"{', '.join(PRESETS)} (or a spec file, .json, from kvbits tune)")
         fields = _parse_fields(item, rest, KVBITS_ALIASES, KVBITS_FIELDS, "--presets")
+        if fields and name in PRESETS and not PRESETS[name].quantized:
+            raise ValueError(f"--presets: {item!r}: preset {name!r} quantizes nothing and takes "
+                             "no overrides (FIELD=VALUE applies to quantized presets)")
         if "bits" in fields:
             bits = fields.pop("bits")
             fields.setdefault("key_bits", bits)
@@ -122,6 +125,15 @@ def parse_presets(text: str, **defaults) -> list[Variant]:
     if not variants:
         raise ValueError("--presets: give at least one preset, e.g. fp16,kivi-4,kivi-2")
     return variants
+
+
+def parse_preset(text: str, option: str = "--preset", **defaults) -> Variant:
+    """One preset (with overrides), for options that take exactly one (``--preset``, ``--base``)."""
+    variants = parse_presets(text, **defaults)
+    if len(variants) != 1:
+        raise ValueError(f"{option} takes one preset, got {len(variants)}: "
+                         f"{', '.join(v.label for v in variants)}")
+    return variants[0]
 
 
 def parse_hf_variants(text: str) -> list[Variant]:
@@ -340,7 +352,7 @@ def run_calibrate(cfg: CalibrateConfig) -> Path:
 
 
 def _cmd_calibrate(args) -> int:
-    (variant,) = parse_presets(args.preset)
+    variant = parse_preset(args.preset)
     run_calibrate(CalibrateConfig(args.model, args.text, variant, args.tokens, args.window,
                                   args.output))
     return 0
@@ -376,7 +388,7 @@ def run_tune(cfg: TuneConfig) -> Path:
 
 
 def _cmd_tune(args) -> int:
-    (base,) = parse_presets(args.base)
+    base = parse_preset(args.base, "--base")
     run_tune(TuneConfig(args.model, args.text, args.avg_bits, base, args.tokens, args.window,
                         args.output))
     return 0
@@ -471,8 +483,8 @@ def _until_eos(tokens, eos) -> int:
 
 
 def _cmd_generate(args) -> int:
-    (variant,) = parse_presets(args.preset, group_size=args.group_size,
-                               residual_length=args.residual_length, sink_tokens=args.sink_tokens)
+    variant = parse_preset(args.preset, group_size=args.group_size,
+                           residual_length=args.residual_length, sink_tokens=args.sink_tokens)
     cfg = GenerateConfig(args.model, variant.spec, args.prompt, args.max_new_tokens, args.sample,
                          args.temperature, args.top_p, args.num_beams, args.chat, args.seed,
                          args.graphs, variant.label)

@@ -38,15 +38,26 @@ def _depths(text: str) -> tuple[float, ...]:
     return tuple(v / 100 for v in vals)
 
 
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
-
-
 def _preset_items(text: str) -> tuple[str, ...]:
     """Presets with overrides, as ``kvbits ppl --presets`` splits them (``kivi-2:S=1,R=64``)."""
     from .cli import _split_items
 
-    return tuple(_split_items(text))
+    items = tuple(_split_items(text))
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected comma-separated presets, got {text!r}")
+    return items
+
+
+def _positive(text: str) -> int:
+    from .cli import _positive as parse
+
+    return parse(text)
+
+
+def _non_negative(text: str) -> int:
+    from .cli import _non_negative as parse
+
+    return parse(text)
 
 
 # ------------------------------------------------------------------------------------- needle
@@ -112,17 +123,18 @@ def register(sub) -> None:
     p.add_argument("--presets", type=_preset_items, default=("fp16", "kivi-4", "kivi-2"),
                    help="comma-separated presets, with overrides as in ppl (kivi-2:S=1) "
                    "(default fp16,kivi-4,kivi-2)")
-    p.add_argument("--trials", type=int, default=2, help="keys per (length, depth) (default 2)")
-    p.add_argument("--max-new-tokens", type=int, default=8, help="answer tokens (default 8)")
+    p.add_argument("--trials", type=_positive, default=2,
+                   help="keys per (length, depth) (default 2)")
+    p.add_argument("--max-new-tokens", type=_positive, default=8, help="answer tokens (default 8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-chat", action="store_true", help="plain prompt, no chat template")
     p.add_argument("--calib-text", default="sotu-pre-2000",
                    help="calibration text of calibrated presets (kvquant, -hadc, fp8); default "
                    "sotu-pre-2000, disjoint from the haystack")
-    p.add_argument("--calib-tokens", type=int, default=4096,
+    p.add_argument("--calib-tokens", type=_positive, default=4096,
                    help="calibration tokens (default 4096)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--threads", type=_positive, help="torch CPU threads")
     p.add_argument("--out", default="benchmarks/results", help="output folder")
     p.add_argument("--name", default="needle", help="file stem (default needle)")
     p.set_defaults(func=_cmd_needle)
@@ -170,8 +182,9 @@ def _register_bench(sub) -> None:
                        "Writes NAME.json, NAME.md and PNG plots into --out.")
     p.add_argument("--model", default="llama-2-7b",
                    help="llama-2-7b, llama-3-8b, smollm2 or tiny (configs, random weights)")
-    p.add_argument("--layers", type=int, help="decoder layers (default: the model's)")
-    p.add_argument("--presets", type=_names, default=("fp16", "hf-int2", "kivi-4", "kivi-2"),
+    p.add_argument("--layers", type=_positive, help="decoder layers (default: the model's)")
+    p.add_argument("--presets", type=_preset_items,
+                   default=("fp16", "hf-int2", "kivi-4", "kivi-2"),
                    help="comma-separated: fp16, fp16-flash (SDPA without the cuDNN backend), "
                    "hf-int2, hf-int4 (emulated QuantizedCache, "
                    "options :G=64,R=128) and kvbits presets (kivi-2, kivi-2:R=64, ...) "
@@ -179,8 +192,9 @@ def _register_bench(sub) -> None:
     p.add_argument("--contexts", type=_ints, default=(1024, 4096, 16384, 32768),
                    help="tokens in the cache per sequence (default 1k,4k,16k,32k)")
     p.add_argument("--batches", type=_ints, default=(1,), help="batch sizes (default 1)")
-    p.add_argument("--steps", type=int, default=32, help="timed decode steps (default 32)")
-    p.add_argument("--warmup", type=int, default=4, help="untimed decode steps first (default 4)")
+    p.add_argument("--steps", type=_positive, default=32, help="timed decode steps (default 32)")
+    p.add_argument("--warmup", type=_non_negative, default=4,
+                   help="untimed decode steps first (default 4)")
     p.add_argument("--fill", choices=("random", "model"), default="random",
                    help="random K/V through each cache's update path (default) or a real "
                    "prefill forward of random tokens")
@@ -188,8 +202,9 @@ def _register_bench(sub) -> None:
                    help="also find the largest batch whose decode peak fits SIZE (e.g. 80GB); CUDA")
     p.add_argument("--budget-contexts", type=_ints,
                    help="contexts for the budget search (default: the first of --contexts)")
-    p.add_argument("--batch-cap", type=int, default=512, help="largest batch tried (default 512)")
-    p.add_argument("--hf-max-tokens", type=int, default=1 << 22,
+    p.add_argument("--batch-cap", type=_positive, default=512,
+                   help="largest batch tried (default 512)")
+    p.add_argument("--hf-max-tokens", type=_non_negative, default=1 << 22,
                    help="skip the emulated QuantizedCache above batch*context (default 4M)")
     p.add_argument("--presize", action="store_true",
                    help="kvbits stores: allocate the packed buffers for the final length before "

@@ -217,15 +217,22 @@ class QuantSpec:
 
     @classmethod
     def from_dict(cls, fields: dict) -> QuantSpec:
+        if not isinstance(fields, dict):
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvbits)
+                f"a QuantSpec is read from a dict of its fields, got {fields!r}")
         fields = dict(fields)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(fields) - known)
-        if unknown:
-            raise ValueError(f"unknown QuantSpec field(s) {', '.join(unknown)}; fields are "
-                             f"{', '.join(sorted(known))}")
+        _check_field_names(fields, "field(s)")
+        lists = (list, tuple)
         if "layer_bits" in fields:
-            fields["layer_bits"] = tuple(tuple(e) for e in fields["layer_bits"])
+            lb = fields["layer_bits"]
+            if not isinstance(lb, lists) or not all(isinstance(e, lists) for e in lb):
+                raise ValueError("QuantSpec.layer_bits must be a list of [layer, key_bits, "
+                                 f"value_bits] triples; got {lb!r}")
+            fields["layer_bits"] = tuple(tuple(e) for e in lb)
         if "skip_layers" in fields:
+            if not isinstance(fields["skip_layers"], lists):
+                raise ValueError("QuantSpec.skip_layers must be a list of layer indices; got "
+                                 f"{fields['skip_layers']!r}")
             fields["skip_layers"] = tuple(fields["skip_layers"])
         return cls(**fields)
 
@@ -303,6 +310,15 @@ class QuantSpec:
         if self.skip_layers:
             text += " fp16-layers=" + ",".join(map(str, self.skip_layers))
         return text
+
+
+def _check_field_names(fields: dict, what: str, also: str = "") -> None:
+    """Refuse names that are not QuantSpec fields (a bare TypeError from ``__init__`` otherwise)."""
+    known = {f.name for f in dataclasses.fields(QuantSpec)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"unknown QuantSpec {what} {', '.join(map(str, unknown))}; fields are "
+                         f"{', '.join(sorted(known))}{also}")
 
 
 def _check_choice(field: str, value, allowed: tuple) -> None:
@@ -385,6 +401,8 @@ def resolve_spec(spec, **overrides) -> QuantSpec:
         raise ValueError(f"unknown preset {spec!r}; presets are: {', '.join(PRESETS)} "
                          "(or a spec file, .json)")
     overrides = _hf_names({k: v for k, v in overrides.items() if v is not None})
+    _check_field_names(overrides, "override(s)", " (or transformers' nbits, q_group_size, "
+                       "axis_key, axis_value)")
     return base.replace(**overrides) if overrides else base
 
 

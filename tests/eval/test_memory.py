@@ -104,6 +104,17 @@ def test_errors_name_the_parameter():
         kv_memory("llama-3-8b", "kivi-2", batch=0)
 
 
+@pytest.mark.parametrize("kw,match", [
+    ({"context": 2.5}, "context must be an integer >= 0, got 2.5"),  # were accepted
+    ({"batch": 1.5}, "batch must be an integer >= 1, got 1.5"),
+    ({"gpu_memory": 0}, "gpu_memory must be a number of bytes > 0, got 0"),  # blamed weights
+    ({"gpu_memory": -1}, "gpu_memory must be a number of bytes > 0, got -1"),
+])
+def test_bad_counts_name_the_parameter(kw, match):
+    with pytest.raises(ValueError, match=match):
+        kv_memory("llama-3-8b", "kivi-2", **kw)
+
+
 @pytest.mark.parametrize("text,value", [("80GB", 80 * 10**9), ("80GiB", 80 * 2**30),
                                         ("80G", 80 * 2**30), ("1.5e9", 1_500_000_000),
                                         ("512 MiB", 512 * 2**20), ("100", 100)])

@@ -54,6 +54,18 @@ def test_parse_variant():
     for bad in ("hf-int3", "hf-int2:X=1", "nope", "hf-int2+graphs"):
         with pytest.raises(ValueError):
             parse_variant(bad)
+    assert parse_variant("kivi-2:S=1,R=64").spec.sink_tokens == 1
+
+
+@pytest.mark.parametrize("text,match", [
+    ("hf-int2:G=abc", "q_group_size must be an integer >= 1"),  # was int()'s bare message
+    ("hf-int2:G=0", "q_group_size must be an integer >= 1"),  # was accepted
+    ("hf-int4:R=-1", "residual_length must be an integer >= 0"),  # was accepted
+    ("kivi-2,kivi-4", "takes one preset, got 2"),  # was "too many values to unpack"
+])
+def test_parse_variant_errors_name_the_field(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_variant(text)
 
 
 @pytest.mark.parametrize("nbits", [2, 4])

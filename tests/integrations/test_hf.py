@@ -127,6 +127,23 @@ def test_unknown_preset_names_presets():
         KVBitsCache(object(), "kivi-2")
 
 
+def test_bad_overrides_and_calibrations_name_the_argument(tmp_path):
+    # Were a TypeError from QuantSpec.__init__, FileNotFoundError / SafetensorError from the
+    # kvquant loader, and a TypeError from pathlib for a calibration of the wrong type.
+    with pytest.raises(ValueError, match=r"unknown QuantSpec override\(s\) foo; fields are"):
+        KVBitsCache(tiny_config(), "kivi-2", foo=1)
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_text("xx")
+    for path in (tmp_path / "missing.safetensors", garbage, "Auto"):
+        with pytest.raises(ValueError, match="cannot read a kvquant calibration from .*'auto'"):
+            KVBitsCache(tiny_config(), "kvquant-2", calibration=path)
+    with pytest.raises(ValueError, match="calibration= for method 'kvquant' must be 'auto'"):
+        KVBitsCache(tiny_config(), "kvquant-2", calibration=3)
+    for preset, what in (("fp8", "fp8 calibration"), ("kivi-2-hadc", "Hadamard calibration")):
+        with pytest.raises(ValueError, match=f"{what}: calibration= must be 'auto', a list"):
+            KVBitsCache(tiny_config(), preset, calibration=3)
+
+
 def test_layers_from_config_and_overrides():
     cache = KVBitsCache(tiny_config(num_hidden_layers=3), "kivi-4", residual_length=0)
     assert len(cache.layers) == 3

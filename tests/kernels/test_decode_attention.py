@@ -493,6 +493,27 @@ def test_million_token_offsets_past_int32():
     compare(o[:, sl], r, torch.float16, "million tokens, heads 63-64 (past 2**31 words)")
 
 
+@pytest.mark.parametrize("part", ["res", "codes"])
+def test_slice_past_int32_offsets_is_refused(part):
+    """Offsets inside one (sequence, head) slice are int32: a slice of more than 2**31 elements
+    (here an FP16 residual, or key codes, of 2**24 + 16 rows of 128) is refused by name before
+    any launch. Meta tensors: nothing is allocated."""
+    D, G, rows = 128, 32, 2**24 + 16
+
+    def meta(n, dtype=torch.float16):
+        return torch.empty(1, 1, n, D, dtype=dtype, device="meta")
+
+    small, scale = meta(64), meta(2)
+    res = meta(rows) if part == "res" else small
+    codes = meta(rows if part == "codes" else 4, torch.int32)
+    kv = PackedKV(small, small, 0, codes, scale, scale, codes, scale, scale, 64, res, res, 10,
+                  2, 2, G, G)
+    name = "res_k" if part == "res" else "k_codes"
+    with pytest.raises(ValueError, match=rf"kv.{name} has {rows} x {D} elements .* int32 .*"
+                                         rf"at most 2\*\*31 \({2**31 // D} rows"):
+        kernel(meta(1), kv, scale=1.0)
+
+
 # ----------------------------------------------------------------------------- scale axes, FP8
 # The uniform method's layouts (scale/zero of keys per token, of values per channel) and FP8
 # bodies: the same codes layout, other places for the scales. Random codes and scales, with NaN

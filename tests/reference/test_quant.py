@@ -305,3 +305,29 @@ def test_value_head_dim_not_multiple_of_group():
 def test_value_token_count_not_multiple_of_group():
     with pytest.raises(ValueError, match="not a multiple of group_size"):
         quantize_values(torch.randn(1, 1, 33, 64), 2, 32, 32)
+
+
+# Were ZeroDivisionError, a reshape RuntimeError or a tuple-unpacking error (the kernels named
+# the argument already; on the CPU ops take this path).
+@pytest.mark.parametrize("call,match", [
+    (lambda: quantize_keys(torch.randn(1, 1, 32, 64), 2, 0), "group_size must be a positive int"),
+    (lambda: quantize_keys(torch.randn(1, 1, 32, 64), 2, -32),
+     "group_size must be a positive int"),
+    (lambda: quantize_keys(torch.randn(1, 32, 64), 2, 32), r"k must be \[B, H, T, D\]"),
+    (lambda: quantize_keys(torch.randn(1, 1, 32, 64), 2, 32, torch.ones(1, 16, dtype=torch.bool)),
+     r"valid must be a bool \[B, T\] = \[1, 32\]"),
+    (lambda: quantize_keys(torch.randn(1, 1, 32, 64), 5, 32), r"bits must be one of \(2, 3, 4, 8\)"),
+    (lambda: quantize_values(torch.randn(1, 1, 32, 64), 2, 0, 32),
+     "value_group must be a positive int"),
+    (lambda: quantize_values(torch.randn(1, 1, 32, 64), 2, 32, 0),
+     "group_size must be a positive int"),
+    (lambda: dequantize_keys(torch.zeros(1, 1, 2, 64, dtype=torch.int32), torch.zeros(1, 1, 1, 64),
+                             torch.zeros(1, 1, 1, 64), 2, 0), "group_size must be a positive int"),
+    (lambda: dequantize_values(torch.zeros(1, 1, 2, 64, dtype=torch.int32),
+                               torch.zeros(1, 1, 32, 2), torch.zeros(1, 1, 32, 2), 2, 0, 32),
+     "value_group must be a positive int dividing head_dim 64"),
+], ids=["keys-G0", "keys-G-32", "keys-3d", "keys-valid-shape", "keys-bits5", "values-Gv0",
+        "values-G0", "dequant-keys-G0", "dequant-values-Gv0"])
+def test_bad_arguments_name_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

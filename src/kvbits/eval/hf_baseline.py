@@ -60,10 +60,10 @@ class HFQuantSpec:
             if value is not None and value not in axes:
                 raise ValueError(f"{name} for backend {self.backend!r} must be one of "
                                  f"{', '.join(map(str, axes))}; got {value!r}")
-        for name in ("q_group_size", "residual_length"):
+        for name, low in (("q_group_size", 1), ("residual_length", 0)):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+            if value is not None and (type(value) is not int or value < low):
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
     def kwargs(self) -> dict:
         """Keyword arguments for ``QuantizedCache`` (unset ones left to transformers)."""

@@ -145,8 +145,11 @@ def kv_memory(config, preset: str | QuantSpec = "kivi-2", context: int = 4096, b
     """
     shape = kv_shape(config)
     spec = resolve_spec(preset, **overrides)
-    if context < 0 or batch < 1:
-        raise ValueError(f"context must be >= 0 and batch >= 1, got context={context}, batch={batch}")
+    for name, value, low in (("context", context, 0), ("batch", batch, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if gpu_memory is not None and not gpu_memory > 0:
+        raise ValueError(f"gpu_memory must be a number of bytes > 0, got {gpu_memory!r}")
     fp_tok = shape.layers * shape.kv_heads * fp_bytes_per_token(shape.head_dim)
     if spec.quantized and spec.per_layer:  # per-layer bits: sum over layers (FP16 ones too)
         body_tok = shape.kv_heads * sum(

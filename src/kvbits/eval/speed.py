@@ -256,11 +256,19 @@ def parse_variant(text: str) -> Variant:
             k = alias.get(k.strip(), k.strip())
             if not eq or k not in spec or k == "nbits":
                 raise ValueError(f"bad override {pair!r} in {text!r}: use G=.. or R=..")
-            spec[k] = int(v)
+            low = 1 if k == "q_group_size" else 0
+            try:
+                spec[k] = int(v)
+                ok = spec[k] >= low
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"bad override {pair!r} in {text!r}: {k} must be an integer "
+                                 f">= {low}")
         return Variant(text, "hf", spec)
-    from ..cli import parse_presets
+    from ..cli import parse_preset
 
-    (v,) = parse_presets(text)
+    v = parse_preset(text, "--presets")
     if not v.spec.quantized:
         return Variant(text, "fp16")
     return Variant(text, "kvbits", v.spec)

@@ -54,6 +54,7 @@ Known limits
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -398,8 +399,12 @@ def _layer_codebooks(model_or_config, spec: QuantSpec, calibration, preset: str,
         if not hasattr(model_or_config, "named_parameters"):
             raise ValueError("calibration='auto' needs the model, not its config")
         calibration = kvq.auto_calibration(model_or_config, spec, preset=preset)
-    elif not isinstance(calibration, kvq.Calibration):
+    elif isinstance(calibration, (str, os.PathLike)):
         calibration = kvq.Calibration.load(calibration)
+    elif not isinstance(calibration, kvq.Calibration):
+        raise ValueError("calibration= for method 'kvquant' must be 'auto', 'uniform', the path "
+                         "of a file from `kvbits calibrate` or a kvbits.methods.kvquant."
+                         f"Calibration; got {type(calibration).__name__}")
     calibration.check(model_or_config, spec)
     if len(calibration.layers) != n:
         raise ValueError(f"calibration has {len(calibration.layers)} layers, the model {n}")

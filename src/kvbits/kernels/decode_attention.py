@@ -630,6 +630,8 @@ GLUON_ENABLED = os.environ.get("KVBITS_GLUON", "1") != "0"
 # per token without register spills on sm_90 (see benchmarks/results/README.md).
 DEFAULT_TILE_TOKENS = 128
 DEFAULT_WARPS = 4
+# Offsets inside one (sequence, head) slice of a kv tensor are int32 (the slice bases are int64).
+SLICE_ELEMENTS_MAX = 2**31
 
 
 _SM_COUNT: dict = {}
@@ -675,6 +677,14 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
         if t is not None and not t.is_contiguous():
             raise ValueError(f"decode_attention: kv.{name} must be contiguous (the kernel derives "
                              "offsets from the layout contract, not from strides)")
+    for name in ("sink_k", "res_k", "k_codes", "k_scale", "v_codes", "v_scale", "k_out_idx",
+                 "v_out_idx"):  # the V / zero / outlier-value twins have the same shapes
+        t = getattr(kv, name, None)
+        if t is not None and t.shape[-2] * t.shape[-1] > SLICE_ELEMENTS_MAX:
+            raise ValueError(
+                f"decode_attention: kv.{name} has {t.shape[-2]} x {t.shape[-1]} elements per "
+                f"(sequence, head); the kernel addresses one with int32 offsets, so at most "
+                f"2**31 ({SLICE_ELEMENTS_MAX // t.shape[-1]} rows of {t.shape[-1]})")
     HG = Hq // Hkv
     dev = q.device
     q = q.contiguous()

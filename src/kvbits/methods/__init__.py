@@ -3,6 +3,8 @@ per-layer bit search."""
 
 from __future__ import annotations
 
+import os
+
 
 def per_layer_calibration(calibration, model_or_config, auto, load, what: str,
                           n_layers: int) -> list:
@@ -15,8 +17,11 @@ def per_layer_calibration(calibration, model_or_config, auto, load, what: str,
         values = auto(model_or_config)
     elif isinstance(calibration, (list, tuple)):
         values = list(calibration)
-    else:
+    elif isinstance(calibration, (str, os.PathLike)):
         values = load(calibration)
+    else:
+        raise ValueError(f"{what}: calibration= must be 'auto', a list of per-layer values or "
+                         f"the path of a file; got {type(calibration).__name__}")
     if len(values) != n_layers:
         raise ValueError(f"{what} has {len(values)} layers, the model {n_layers}")
     return values

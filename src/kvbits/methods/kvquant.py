@@ -435,7 +435,13 @@ class Calibration:
     def load(cls, path: str | Path) -> Calibration:
         from safetensors import safe_open
 
-        with safe_open(str(path), framework="pt") as f:
+        try:
+            f = safe_open(str(path), framework="pt")
+        except Exception as exc:  # noqa: BLE001 (missing file, not safetensors, ...)
+            raise ValueError(f"cannot read a kvquant calibration from {str(path)!r}: {exc} "
+                             "(calibration= takes a file written by `kvbits calibrate`, 'auto' "
+                             "or 'uniform')") from None
+        with f:
             meta = f.metadata() or {}
             if meta.get("format") != FORMAT:
                 raise ValueError(f"{path} is not a kvbits kvquant calibration "

@@ -14,7 +14,23 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.packing import pack_bits, packed_length, unpack_bits
+from ..formats.packing import PACK_BITS, pack_bits, packed_length, unpack_bits
+
+
+def _check_args(op: str, name: str, x: torch.Tensor, bits: int, group_size: int,
+                valid: torch.Tensor | None = None) -> tuple[int, int, int, int]:
+    """The kernels' argument checks (bits, ``[B, H, T, D]``, group size, mask): ``(B, H, T, D)``."""
+    if bits not in PACK_BITS:
+        raise ValueError(f"{op}: bits must be one of {PACK_BITS}, got {bits!r}")
+    if x.dim() != 4:
+        raise ValueError(f"{op}: {name} must be [B, H, T, D], got shape {tuple(x.shape)}")
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise ValueError(f"{op}: group_size must be a positive int, got {group_size!r}")
+    B, H, T, D = x.shape
+    if valid is not None and (valid.dtype != torch.bool or tuple(valid.shape) != (B, T)):
+        raise ValueError(f"{op}: valid must be a bool [B, T] = [{B}, {T}] tensor, got "
+                         f"{valid.dtype} {tuple(valid.shape)}")
+    return B, H, T, D
 
 
 def minmax_qparams(x: torch.Tensor, bits: int, dim: int, valid: torch.Tensor | None = None):
@@ -71,7 +87,7 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int,
     Returns:
         ``codes [B, H, T // G * Wk, D] int32``, ``scale, zero [B, H, T // G, D] float16``.
     """
-    B, H, T, D = k.shape
+    B, H, T, D = _check_args("quantize_keys", "k", k, bits, group_size, valid)
     G = group_size
     if T % G:
         raise ValueError(f"quantize_keys: token count {T} is not a multiple of group_size {G}")
@@ -86,7 +102,7 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int,
 def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
                     group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of :func:`quantize_keys`: ``[B, H, NG * Wk, D]`` words -> ``[B, H, NG * G, D]``."""
-    B, H, _, D = codes.shape
+    B, H, _, D = _check_args("dequantize_keys", "codes", codes, bits, group_size)
     NG = scale.shape[2]
     Wk = packed_length(group_size, bits)
     words = codes[:, :, : NG * Wk].reshape(B, H, NG, Wk, D)
@@ -111,8 +127,10 @@ def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: in
         ``codes [B, H, T // G * Wv, D] int32`` (``Wv = packed_length(G, bits)``),
         ``scale, zero [B, H, T, D // Gv] float16``.
     """
-    B, H, T, D = v.shape
+    B, H, T, D = _check_args("quantize_values", "v", v, bits, group_size, valid)
     Gv, G = value_group, group_size
+    if not isinstance(Gv, int) or isinstance(Gv, bool) or Gv < 1:
+        raise ValueError(f"quantize_values: value_group must be a positive int, got {Gv!r}")
     if D % Gv:
         raise ValueError(f"quantize_values: head_dim {D} is not a multiple of value_group {Gv}")
     if T % G:
@@ -129,7 +147,10 @@ def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
                       value_group: int, group_size: int,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of :func:`quantize_values`: ``[B, H, NG * Wv, D]`` words -> ``[B, H, T, D]``."""
-    B, H, _, D = codes.shape
+    B, H, _, D = _check_args("dequantize_values", "codes", codes, bits, group_size)
+    if not isinstance(value_group, int) or value_group < 1 or D % value_group:
+        raise ValueError(f"dequantize_values: value_group must be a positive int dividing "
+                         f"head_dim {D}, got {value_group!r}")
     T = scale.shape[2]
     NG = T // group_size
     Wv = packed_length(group_size, bits)
