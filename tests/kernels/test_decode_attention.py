@@ -1038,6 +1038,18 @@ def test_gluon_plane_token_order_matches_packing(G):
                            for j in range(3))
                 assert code == codes[s * 64 + order[n], ch], (G, s, n, ch)
 
+def test_triton_split_rule():
+    """About three body programs per SM at head dims 64 / 128, six at the others (96, 256: the
+    H200 sweep in tune_head_dims.log), never more splits than work units."""
+    from kvbits.kernels.decode_attention import body_programs_per_sm, num_splits
+    assert num_splits(32, 255, 132) == 13  # Phi-3-mini batch 1 32k: 32 pairs
+    assert num_splits(32, 255, 132, body_programs_per_sm(96)) == 25
+    assert num_splits(64, 510, 132, body_programs_per_sm(256)) == 13
+    assert num_splits(64, 510, 132, body_programs_per_sm(128)) == 7
+    assert num_splits(8, 5, 132, 6) == 5
+    assert [body_programs_per_sm(d) for d in (64, 80, 96, 128, 256)] == [3, 6, 6, 3, 6]
+
+
 def test_gluon_dispatch_rules():
     """Which layers and calls the Gluon body kernel takes (no GPU needed: eligibility only)."""
     from kvbits.kernels import decode_gluon
@@ -1080,6 +1092,12 @@ def test_gluon_dispatch_rules():
         assert decode_gluon.serves(three, 1, 4, None, pairs)
         assert not decode_gluon.serves(three, 1, 4, None, pairs - 1)
         assert not decode_gluon.serves(two, 1, 4, None, pairs)
+        # too few pairs for planes, however long the body
+        long3 = make_kv(Case(kb=3, vb=3, G=32, D=128, B=1, Hkv=1, body=1 << 16, res=0),
+                        device="cpu")
+        few = decode_gluon.MIN_PAIRS_PLANES
+        assert decode_gluon.serves(long3, 1, 4, None, few)
+        assert not decode_gluon.serves(long3, 1, 4, None, few - 1)
         for kb, vb, G in [(3, 3, 128), (3, 2, 32), (2, 3, 32), (3, 4, 64)]:
             other = make_kv(Case(kb=kb, vb=vb, G=G, D=128, B=1, Hkv=1, body=128, res=0),
                             device="cpu")

@@ -615,12 +615,21 @@ def reads(kv: PackedKV) -> bool:
     return getattr(kv, "rope_inv_freq", None) is None or pre_rope_kernel_ok(kv.res_k.shape[-1])
 
 
-def num_splits(batch_heads: int, work_units: int, sm_count: int) -> int:
-    """Token splits per (sequence, KV head): about three programs per SM (three 4-warp programs
-    fit an SM's registers, and the loop needs them resident to hide its load latency), never
-    more than there are units of work (key groups or FP16 tiles)."""
-    want = max(1, (3 * sm_count + batch_heads - 1) // batch_heads)
+def num_splits(batch_heads: int, work_units: int, sm_count: int, per_sm: int = 3) -> int:
+    """Token splits per (sequence, KV head): about ``per_sm`` programs per SM (three 4-warp
+    programs fit an SM's registers, and the loop needs them resident to hide its load latency),
+    never more than there are units of work (key groups or FP16 tiles)."""
+    want = max(1, (per_sm * sm_count + batch_heads - 1) // batch_heads)
     return max(1, min(want, work_units))
+
+
+# Body programs per SM by head_dim. At the head dims the Gluon body does not serve (96 padded to
+# 128 lanes, 256 at half the tile) twice the programs hide more latency: H200, CUDA-graph time,
+# 32k context (benchmarks/results/tune_head_dims.log), Phi-3-mini (96) kivi-2 / kivi-4 batch 1
+# 166 -> 147 / 162 -> 144 us, batch 8 1077 -> 911 / 1078 -> 895 us; Gemma-2-9B (256) batch 8
+# 643 -> 516 / 677 -> 653 us, batch 1 kivi-4 117 -> 101 us (kivi-2 74 -> 80 us, the one loss).
+def body_programs_per_sm(head_dim: int) -> int:
+    return 3 if head_dim in (64, 128) else 6
 
 
 # KVBITS_GLUON=0 keeps every layer on this kernel (read once: the check runs every decode step).
@@ -704,7 +713,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     sms = _sm_count(dev)
     req_splits = splits
     if splits is None:
-        splits = num_splits(bhm, _cdiv(n_groups, GPT), sms) if n_groups else 0
+        splits = (num_splits(bhm, _cdiv(n_groups, GPT), sms, body_programs_per_sm(D))
+                  if n_groups else 0)
     splits = min(max(splits, 1), n_groups)
     groups_per_split = _cdiv(_cdiv(n_groups, splits), GPT) * GPT if splits else 1
     if splits:

@@ -1127,11 +1127,17 @@ MIN_BODY_TOKENS = 1 << 18  # body tokens x (sequence, KV head) pairs
 # against 162 us), where the Triton kernel ran slower than FP16 SDPA (0.75-0.81x), and wins only
 # below that (Llama-3 batch 1 4k, 2^15 tokens: 17 against 21 us).
 MIN_BODY_TOKENS_PLANES = 1 << 16
+# ... and from 8 (sequence, KV head) pairs: with fewer the one-wave grid cuts each pair into
+# hundreds of 2-step programs (Qwen2.5-7B batch 1 32k, 4 pairs: 65 us here against 44 us through
+# Triton; decode_attention_other_models.md).
+MIN_PAIRS_PLANES = 8
 
 
 def serves(kv, q_rows: int, heads_per_kv: int, window, batch_heads: int) -> bool:
     """:func:`eligible` and a step big enough for this kernel to be the faster one."""
     planes = kv.key_bits == 3 or kv.value_bits == 3
+    if planes and batch_heads < MIN_PAIRS_PLANES:
+        return False
     min_tokens = MIN_BODY_TOKENS_PLANES if planes else MIN_BODY_TOKENS
     return (batch_heads * kv.body_len >= min_tokens
             and eligible(kv, q_rows, heads_per_kv, window))
