@@ -59,7 +59,8 @@ def test_parse_presets_defaults_apply_to_quantized_presets_only_and_yield_to_ove
     ("kivi-2:R=abc", "residual_length in 'kivi-2:R=abc' must be an integer"),
     ("kivi-2:G=48", "group_size must be one of 32, 64, 128"),
     ("kivi-2:K=5", "key_bits must be one of 2, 3, 4, 8"),
-    ("kivi-2:R=-1", "residual_length must be an integer >= 0"),
+    ("kivi-2:R=-1", r"residual_length must be an integer in \[0, 2\*\*20\)"),
+    ("kivi-2:S=1099511627776", r"sink_tokens must be an integer in \[0, 2\*\*20\)"),
     (",", "at least one preset"),
     ("fp16:K=4", "preset 'fp16' quantizes nothing and takes no overrides"),  # was ignored
 ])

@@ -104,8 +104,9 @@ class QuantSpec:
         _check_choice("group_size", self.group_size, GROUP_SIZES)
         for name in ("residual_length", "sink_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"QuantSpec.{name} must be an integer >= 0, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**20:
+                raise ValueError(f"QuantSpec.{name} must be an integer in [0, 2**20) (FP16 "
+                                 f"tokens per sequence and KV head), got {value!r}")
         for name in ("pre_rope", "qnorm", "fisher", "hadamard", "hadamard_calibrated"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"QuantSpec.{name} must be True or False, got "
