@@ -123,6 +123,22 @@ def test_constant_group(bits, c):
     assert (k[:, :, :32, 5] == fp16_c).all() and (v[:, :, 40, :32] == fp16_c).all()
 
 
+@pytest.mark.parametrize("bits", [2, 3])
+def test_beyond_fp16_range_saturates_like_reference(bits):
+    """FP32 K/V beyond FP16's range: the kernels saturate min/max at +-65504 as the reference
+    does (bit-exact), so no scale or zero is infinite."""
+    x = hostile((1, 2, 64, 64), dtype=torch.float32, seed=5)
+    x[:, :, :32, 5] = 1e6  # a constant key group beyond the range
+    x[:, :, 32:, 7] = torch.linspace(-2e5, 2e5, 32)  # a key group spanning it
+    x[:, :, 40, :32] = -1e6  # a constant value group
+    x[:, :, 41, :32] = float("inf")
+    _, ks, kz = check_keys(x, bits, 32)
+    _, vs, vz = check_values(x, bits, 32, 32)
+    for t in (ks, kz, vs, vz):
+        assert torch.isfinite(t).all()
+    assert (kz[:, :, 0, 5] == 65504).all() and (vz[:, :, 40, 0] == -65504).all()
+
+
 @pytest.mark.parametrize("bits", [2, 8])
 def test_ties_round_half_to_even(bits):
     # Group [0, MAXQ, 0.5, 1.5, 2.5, ...]: scale 1, zero 0 exactly, every other code a tie.

@@ -193,6 +193,29 @@ def test_constant_group_exact_no_nan(bits, dtype, c):
     assert torch.equal(dequantize_values(v_codes, v_scale, v_zero, bits, 16, 32, dtype=dtype), k)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bits", BITS)
+def test_beyond_fp16_range_saturates_no_nan(bits, dtype):
+    """A BF16/FP32 group beyond FP16's range (FP16 scales and zeros) saturates at +-65504:
+    constant groups of +-1e6 and a group spanning +-1e5 dequantize finite, the in-range
+    elements of that group within one step of their values."""
+    k = torch.randn(1, 2, 96, 16, generator=torch.Generator().manual_seed(bits)).to(dtype)
+    k[:, :, :32] = 1e6
+    k[:, :, 32:64, :8] = -1e6
+    k[:, :, 64:, 0] = torch.linspace(-1e5, 1e5, 32).to(dtype)
+    for quant, deq, args in ((quantize_keys, dequantize_keys, (bits, 32)),
+                             (quantize_values, dequantize_values, (bits, 16, 32))):
+        codes, scale, zero = quant(k, *args)
+        assert torch.isfinite(scale).all() and torch.isfinite(zero).all()
+        out = deq(codes, scale, zero, *args, dtype=torch.float32)
+        assert torch.isfinite(out).all()
+        assert (out[:, :, :32] == 65504).all()  # saturated, not inf
+    out = dequantize_keys(*quantize_keys(k, bits, 32), bits, 32, dtype=torch.float32)
+    inside = k[:, :, 64:, 0].float().abs() <= 65504
+    step = 131008 / ((1 << bits) - 1)
+    assert ((out[:, :, 64:, 0] - k[:, :, 64:, 0].float()).abs()[inside] <= step / 2 + 1).all()
+
+
 @pytest.mark.parametrize("bits", BITS)
 def test_near_constant_group_no_nan(bits):
     # Range below FP16's smallest subnormal step: scale rounds to 0 or a subnormal.

@@ -69,7 +69,10 @@ def _round_half_even(y):
 
 @triton.jit
 def _qparams(lo, hi, MAXQ: tl.constexpr):
-    """FP16 (scale, zero) from float32 min/max, rounded exactly as the reference rounds them."""
+    """FP16 (scale, zero) from float32 min/max, rounded exactly as the reference rounds them
+    (min/max saturated at the FP16 range first, as the reference does)."""
+    lo = tl.minimum(tl.maximum(lo, -65504.0), 65504.0)
+    hi = tl.minimum(tl.maximum(hi, -65504.0), 65504.0)
     zero = lo.to(tl.float16)
     scale = _div(hi - zero.to(tl.float32), tl.full(hi.shape, MAXQ, tl.float32)).to(tl.float16)
     return scale, zero

@@ -192,7 +192,10 @@ if gluon is not None:
     @gluon.jit
     def _qparams(lo, hi, MAXQ: gl.constexpr):
         """FP16 zero and scale from float32 min/max as the reference rounds them, and the
-        correctly rounded float32 reciprocal of the scale (0 where the scale is 0)."""
+        correctly rounded float32 reciprocal of the scale (0 where the scale is 0); min/max
+        saturated at the FP16 range first, as the reference does."""
+        lo = gl.minimum(gl.maximum(lo, -65504.0), 65504.0)
+        hi = gl.minimum(gl.maximum(hi, -65504.0), 65504.0)
         zero = lo.to(gl.float16)
         scale = gl.div_rn(hi - zero.to(gl.float32), gl.full_like(hi, MAXQ)).to(gl.float16)
         s = scale.to(gl.float32)

@@ -33,6 +33,9 @@ def _check_args(op: str, name: str, x: torch.Tensor, bits: int, group_size: int,
     return B, H, T, D
 
 
+FP16_MAX = 65504.0  # the largest finite float16
+
+
 def minmax_qparams(x: torch.Tensor, bits: int, dim: int, valid: torch.Tensor | None = None):
     """FP16 ``(scale, zero)`` of asymmetric min-max quantization reducing over ``dim``.
 
@@ -50,6 +53,10 @@ def minmax_qparams(x: torch.Tensor, bits: int, dim: int, valid: torch.Tensor | N
         empty = ~valid.any(dim, keepdim=True)
         lo = torch.where(empty, 0.0, lo)
         hi = torch.where(empty, 0.0, hi)
+    # Scales and zeros are FP16: a BF16/FP32 group beyond its range saturates at +-65504 (its
+    # codes clamp to the ends) instead of storing an infinite zero or scale (NaN on dequant).
+    lo = lo.clamp(-FP16_MAX, FP16_MAX)
+    hi = hi.clamp(-FP16_MAX, FP16_MAX)
     zero = lo.to(torch.float16)
     # The range is measured from the FP16 zero so codes cover [zero, hi] after rounding.
     # A tensor divisor: CUDA torch multiplies by the reciprocal of a scalar divisor, which is
