@@ -260,7 +260,7 @@ if gluon is not None:
             Starts, Lens, LenTab, sink_len, body_len, res_len, Hkv, HG, HAS_STARTS, HAS_LENS,
             LENS_DEV)
 
-        q0, q1 = dg._query_operands(Q, q_row0, qk_scale, HG, HP, D, b_l)
+        q0, q1 = dg._query_operands(Q, q_row0, qk_scale, 0, HG, HP, D, DC, b_l)
         dn = dg._row_tokens(BITS, W, G, mma)
 
         n_steps = (body_len + 63) // 64
@@ -335,7 +335,8 @@ if gluon is not None:
 
         for i in gl.static_range(NS):
             mbarrier.invalidate(bars.index(i))
-        dg._store_partial(Out, Lse, acc0, acc1, m_i, l_i, q_row0, n_out, split, HG, HP, D, mma)
+        dg._store_partial(Out, Lse, acc0, acc1, m_i, l_i, q_row0, n_out, split, HG, HP, D, DC,
+                          mma)
 
 
 def eligible(kv, k_tok: bool) -> bool:
