@@ -765,9 +765,12 @@ GLUON_CASES = [
 GLUON_CASES += [body_case(3, G, D, HG, 3 + G + HG)
                 for G, D, HG in ((32, 128, 4), (32, 64, 1), (64, 128, 16), (64, 64, 7))]
 
-# head_dim 256 in four chunks (decode_gluon.HEAD_DIM_256): 2 and 4 bits, G 32 / 64 / 128, GQA 1-8
-GLUON_CASES += [body_case(b, G, 256, HG, b + G + HG + 256)
-                for b, G, HG in ((2, 32, 2), (4, 64, 8), (2, 128, 1), (4, 32, 4))]
+# head dims 96, 192, 256 in 3-4 chunks (decode_gluon.EXTRA_HEAD_DIMS): 2 and 4 bits, G 32 / 64 /
+# 128, GQA 1-8
+GLUON_CASES += [body_case(b, G, D, HG, b + G + HG + D)
+                for b, G, D, HG in ((2, 32, 256, 2), (4, 64, 256, 8), (2, 128, 256, 1),
+                                    (4, 32, 256, 4), (2, 32, 96, 3), (4, 64, 96, 1),
+                                    (2, 128, 96, 8), (4, 32, 192, 2))]
 
 
 @gpu
@@ -776,7 +779,7 @@ GLUON_CASES += [body_case(b, G, 256, HG, b + G + HG + 256)
 def test_gluon_body_matches_reference(c, monkeypatch):
     from kvbits.kernels import decode_gluon
     monkeypatch.setattr(decode_gluon, "PLANES3", True)
-    monkeypatch.setattr(decode_gluon, "HEAD_DIM_256", True)
+    monkeypatch.setattr(decode_gluon, "EXTRA_HEAD_DIMS", True)
     kv = make_kv(c)
     assert decode_gluon.eligible(kv, c.Lq, c.HG, c.window), str(c)
     used = []
@@ -951,7 +954,7 @@ def test_gluon_tma_inside_cuda_graph(bits, monkeypatch):
 @pytest.mark.parametrize("var, module, allowed", [
     ("KVBITS_GLUON_TMA", "decode_gluon_tma", "'auto', '0' or '1'"),
     ("KVBITS_GLUON_3BIT", "decode_gluon", "'0' or '1'"),
-    ("KVBITS_GLUON_D256", "decode_gluon", "'0' or '1'")])
+    ("KVBITS_GLUON_EXTRA_DIMS", "decode_gluon", "'0' or '1'")])
 def test_gluon_env_switches_are_checked(var, module, allowed):
     """A mistyped Gluon switch is refused at import, naming the variable and its values."""
     import subprocess
@@ -1110,17 +1113,23 @@ def test_gluon_dispatch_rules():
             assert not decode_gluon.eligible(other, 1, 4, None), (kb, vb, G)
     finally:
         decode_gluon.PLANES3 = was
-    # head_dim 256 only with HEAD_DIM_256 (off until GPU-verified): 2/4-bit, per-channel keys
-    wide = make_kv(Case(kb=2, vb=2, G=32, D=256, B=1, Hkv=1, body=128, res=0), device="cpu")
+    # head dims 96 / 192 / 256 only with EXTRA_HEAD_DIMS (off until GPU-verified): 2/4-bit,
+    # per-channel keys; never 3-bit planes or head dims that are not 2-4 chunks of 32 / 64
+    assert [decode_gluon.head_chunks(d) for d in (64, 96, 128, 192, 256)] == [2, 3, 2, 3, 4]
+    wide = [make_kv(Case(kb=b, vb=b, G=32, D=d, B=1, Hkv=1, body=128, res=0), device="cpu")
+            for b, d in ((2, 256), (4, 96), (2, 192))]
     wide3 = make_kv(Case(kb=3, vb=3, G=32, D=256, B=1, Hkv=1, body=128, res=0), device="cpu")
-    assert decode_gluon.eligible(wide, 1, 2, None) == decode_gluon.HEAD_DIM_256
-    was = decode_gluon.HEAD_DIM_256, decode_gluon.PLANES3
+    d80 = make_kv(Case(kb=2, vb=2, G=32, D=80, B=1, Hkv=1, body=128, res=0), device="cpu")
+    assert all(decode_gluon.eligible(w, 1, 2, None) == decode_gluon.EXTRA_HEAD_DIMS
+               for w in wide)
+    was = decode_gluon.EXTRA_HEAD_DIMS, decode_gluon.PLANES3
     try:
-        decode_gluon.HEAD_DIM_256 = decode_gluon.PLANES3 = True
-        assert decode_gluon.eligible(wide, 1, 2, None)
+        decode_gluon.EXTRA_HEAD_DIMS = decode_gluon.PLANES3 = True
+        assert all(decode_gluon.eligible(w, 1, 2, None) for w in wide)
         assert not decode_gluon.eligible(wide3, 1, 2, None)
+        assert not decode_gluon.eligible(d80, 1, 2, None)
     finally:
-        decode_gluon.HEAD_DIM_256, decode_gluon.PLANES3 = was
+        decode_gluon.EXTRA_HEAD_DIMS, decode_gluon.PLANES3 = was
     mixed = make_kv(Case(kb=4, vb=2, G=32, D=128, B=1, Hkv=1, body=64, res=0), device="cpu")
     assert decode_gluon.eligible(mixed, 1, 4, None) == decode_gluon.MIXED_BITS  # on by default
 

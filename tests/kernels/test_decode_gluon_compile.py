@@ -58,9 +58,11 @@ CONFIGS = [
     {**BASE, "HG": 16, "HP": 16, "D": 64, "KBITS": 3, "VBITS": 3, "G": 64, "GV": 64,
      "HAS_STARTS": False, "GK": 64, "LENS_DEV": True},
     {**BASE, "KBITS": 3, "VBITS": 3, "CB": True},  # KVQuant 3-bit codebooks (prmt tables)
-    # head_dim 256 in four 64-channel chunks (HEAD_DIM_256): 2 bits GQA 2, 4 bits G 64
+    # more chunks (EXTRA_HEAD_DIMS): head_dim 256 as four of 64 (2 bits GQA 2; 4 bits G 64),
+    # 96 as three of 32 (4 bits, 8 heads)
     {**BASE, "HG": 2, "D": 256},
     {**BASE, "D": 256, "KBITS": 4, "VBITS": 4, "G": 64, "GV": 64, "GK": 64},
+    {**BASE, "HG": 8, "D": 96, "KBITS": 4, "VBITS": 4},
     {**BASE, "KBITS": 4, "PF": 0, "PF_AFTER": False},  # K4V2 (mixed widths; last, no prefetch)
 ]
 

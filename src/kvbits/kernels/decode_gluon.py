@@ -844,17 +844,22 @@ if gluon is not None:
         return sink_len, body_len, res_len, bh, gl.program_id(1), start, length, q_row0
 
     @gluon.jit
-    def _query_operands(Q, q_row0, qk_scale, C0: gl.constexpr, HG: gl.constexpr,
-                        HP: gl.constexpr, D: gl.constexpr, DC: gl.constexpr, b_l: gl.constexpr):
-        """Q^T chunks ``C0`` and ``C0 + 1`` (``[DC, HP]`` each) of one GQA group as B operands,
-        pre-scaled by ``scale * log2(e)``; heads past ``HG`` are zero."""
+    def _query_operand(Q, q_row0, qk_scale, C: gl.constexpr, HG: gl.constexpr, HP: gl.constexpr,
+                       D: gl.constexpr, DC: gl.constexpr, b_l: gl.constexpr):
+        """Q^T chunk ``C`` (``[DC, HP]``, channels ``[C DC, (C + 1) DC)``) of one GQA group as a
+        B operand, pre-scaled by ``scale * log2(e)``; heads past ``HG`` are zero."""
         qd = gl.arange(0, DC, layout=gl.SliceLayout(1, b_l))
         qj = gl.arange(0, HP, layout=gl.SliceLayout(0, b_l))
-        q_ptr = Q + (q_row0 + qj[None, :]) * D + C0 * DC + qd[:, None]
+        q_ptr = Q + (q_row0 + qj[None, :]) * D + C * DC + qd[:, None]
         q_ok = (qj[None, :] < HG) & (qd[:, None] < DC)
-        q0 = (gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
-        q1 = (gl.load(q_ptr + DC, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
-        return q0, q1
+        return (gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
+
+    @gluon.jit
+    def _query_operands(Q, q_row0, qk_scale, C0: gl.constexpr, HG: gl.constexpr,
+                        HP: gl.constexpr, D: gl.constexpr, DC: gl.constexpr, b_l: gl.constexpr):
+        """Chunks ``C0`` and ``C0 + 1`` of :func:`_query_operand`."""
+        return (_query_operand(Q, q_row0, qk_scale, C0, HG, HP, D, DC, b_l),
+                _query_operand(Q, q_row0, qk_scale, C0 + 1, HG, HP, D, DC, b_l))
 
     @gluon.jit
     def _row_tokens(KBITS: gl.constexpr, W: gl.constexpr, G: gl.constexpr, mma: gl.constexpr):
@@ -883,19 +888,16 @@ if gluon is not None:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=0)
 
     @gluon.jit
-    def _store_pair(Out, acc0, acc1, l_i, q_row0, n_out, split, C0: gl.constexpr,
-                    HG: gl.constexpr, HP: gl.constexpr, D: gl.constexpr, DC: gl.constexpr,
-                    mma: gl.constexpr):
-        """Output chunks ``C0`` and ``C0 + 1`` of a split, normalized; the row indices of
-        ``Lse``."""
+    def _store_chunk(Out, acc, l_i, q_row0, n_out, split, C: gl.constexpr, HG: gl.constexpr,
+                     HP: gl.constexpr, D: gl.constexpr, DC: gl.constexpr, mma: gl.constexpr):
+        """Output chunk ``C`` of a split, normalized; the rows of ``Lse`` and the safe sums."""
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
         od = gl.arange(0, DC, layout=gl.SliceLayout(1, mma))
         oj = gl.arange(0, HP, layout=gl.SliceLayout(0, mma))
         o_row = (q_row0 + oj) * n_out + split
-        o_ptr = Out + o_row[None, :] * D + C0 * DC + od[:, None]
+        o_ptr = Out + o_row[None, :] * D + C * DC + od[:, None]
         o_ok = (oj[None, :] < HG) & (od[:, None] < DC)
-        gl.store(o_ptr, acc0 / l_safe[None, :], mask=o_ok)
-        gl.store(o_ptr + DC, acc1 / l_safe[None, :], mask=o_ok)
+        gl.store(o_ptr, acc / l_safe[None, :], mask=o_ok)
         return o_row, oj, l_safe
 
     @gluon.jit
@@ -903,10 +905,21 @@ if gluon is not None:
                        HP: gl.constexpr, D: gl.constexpr, DC: gl.constexpr, mma: gl.constexpr):
         """A split's normalized partial output (its first two chunks) and base-2 log-sum-exp
         (``-inf`` when it saw no token), for the merge kernel."""
-        o_row, oj, l_safe = _store_pair(Out, acc0, acc1, l_i, q_row0, n_out, split, 0, HG, HP,
-                                        D, DC, mma)
+        _store_chunk(Out, acc0, l_i, q_row0, n_out, split, 0, HG, HP, D, DC, mma)
+        o_row, oj, l_safe = _store_chunk(Out, acc1, l_i, q_row0, n_out, split, 1, HG, HP, D, DC,
+                                         mma)
         lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
         gl.store(Lse + o_row, lse, mask=oj < HG)
+
+    @gluon.constexpr_function
+    def head_chunks(D):
+        """Channel chunks of a head (one MMA operand each): two at head_dim 64 and 128 (32 / 64
+        channels), else 64-channel chunks where they divide it (192: 3, 256: 4), else 32-channel
+        ones (96: 3)."""
+        D = int(getattr(D, "value", D))
+        if D in (64, 128):
+            return 2
+        return D // 64 if D % 64 == 0 else D // 32
 
     # Step-varying integers are not specialized (see decode_attention._STEP_VARYING).
     @gluon.jit(do_not_specialize=("sink_len", "res_len", "n_out", "steps_per_split"))
@@ -924,8 +937,8 @@ if gluon is not None:
                                                       instr_shape=[16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        # head_dim in chunks of at most 64 channels: 2 (head_dim 64, 128) or 4 (256)
-        NCH: gl.constexpr = 4 if D > 128 else 2
+        NCH: gl.constexpr = head_chunks(D)  # 2 to 4 chunks of 32 or 64 channels
+        gl.static_assert(NCH <= 4, "head_dim: 64, 96, 128, 192 or 256")
         gl.static_assert(NCH == 2 or KBITS != 3, "3-bit planes: head_dim 64 or 128 only")
         DC: gl.constexpr = D // NCH  # channels per chunk
         GVC: gl.constexpr = GV if GV < DC else DC  # noqa: FURB136 (value-scale group in a chunk)
@@ -947,8 +960,10 @@ if gluon is not None:
         bh64 = bh.to(gl.int64)
 
         q0, q1 = _query_operands(Q, q_row0, qk_scale, 0, HG, HP, D, DC, b_l)
+        if NCH >= 3:
+            q2 = _query_operand(Q, q_row0, qk_scale, 2, HG, HP, D, DC, b_l)
         if NCH == 4:
-            q2, q3 = _query_operands(Q, q_row0, qk_scale, 2, HG, HP, D, DC, b_l)
+            q3 = _query_operand(Q, q_row0, qk_scale, 3, HG, HP, D, DC, b_l)
         dn = _row_tokens(KBITS, W, G, mma)
         if CB:  # KVQuant (3 bits): the KV head's codebooks as prmt tables, [Hkv, 8] float32
             klo0, klo1, khi0, khi1 = _cb_tables(KCB + (bh % Hkv) * 8)
@@ -978,8 +993,9 @@ if gluon is not None:
         l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, mma))
         acc0 = gl.zeros([DC, HP], gl.float32, layout=mma)
         acc1 = gl.zeros([DC, HP], gl.float32, layout=mma)
-        if NCH == 4:
+        if NCH >= 3:
             acc2 = gl.zeros([DC, HP], gl.float32, layout=mma)
+        if NCH == 4:
             acc3 = gl.zeros([DC, HP], gl.float32, layout=mma)
         row0 = s_lo * RS
         tok0 = (row0 // W) * G + row0 % W
@@ -1034,7 +1050,9 @@ if gluon is not None:
             else:
                 k = _key_operand(kw1, ks1, kz1, KBITS, DC, KW, a_l, K_TOK)
             st = mma_v2(k, q1, st)
-            if NCH == 4:  # the second half's words only now (255 registers otherwise)
+            # chunks past the second: their words only now (at head_dim 256, 255 registers with
+            # 8-18 spilled words per step this way, 54-98 with every load at the step's start)
+            if NCH == 4:
                 kw2, ks2, kz2 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur,
                                            body_len, 2 * DC, KBITS, W, G, D, DC, GK, KW, KT,
                                            K_TOK)
@@ -1045,6 +1063,12 @@ if gluon is not None:
                 st = mma_v2(k, q2, st)
                 k = _key_operand(kw3, ks3, kz3, KBITS, DC, KW, a_l, K_TOK)
                 st = mma_v2(k, q3, st)
+            elif NCH == 3:
+                kw2, ks2, kz2 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur,
+                                           body_len, 2 * DC, KBITS, W, G, D, DC, GK, KW, KT,
+                                           K_TOK)
+                k = _key_operand(kw2, ks2, kz2, KBITS, DC, KW, a_l, K_TOK)
+                st = mma_v2(k, q2, st)
             if (lo < first) | (lo + SPAN > end):
                 t = t_cur + dn
                 st = gl.where(((t >= first) & (t < end))[:, None], st, float("-inf"))
@@ -1077,7 +1101,7 @@ if gluon is not None:
             else:
                 v = _value_operand(vw1, vs1, vz1, VBITS, DC, VW, a_l)
             acc1 = mma_v2(v, pb, acc1 * alpha[None, :])
-            if NCH == 4:  # the second half's words only now (as for the keys)
+            if NCH == 4:  # chunks past the second: their words only now (as for the keys)
                 vw2, vs2, vz2 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
                                              body_len, 2 * DC, VBITS, WV, G, D, DC, GV, VW, VS_L)
                 vw3, vs3, vz3 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
@@ -1086,10 +1110,17 @@ if gluon is not None:
                 acc2 = mma_v2(v, pb, acc2 * alpha[None, :])
                 v = _value_operand(vw3, vs3, vz3, VBITS, DC, VW, a_l)
                 acc3 = mma_v2(v, pb, acc3 * alpha[None, :])
+            elif NCH == 3:
+                vw2, vs2, vz2 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
+                                             body_len, 2 * DC, VBITS, WV, G, D, DC, GV, VW, VS_L)
+                v = _value_operand(vw2, vs2, vz2, VBITS, DC, VW, a_l)
+                acc2 = mma_v2(v, pb, acc2 * alpha[None, :])
 
         _store_partial(Out, Lse, acc0, acc1, m_i, l_i, q_row0, n_out, split, HG, HP, D, DC, mma)
+        if NCH >= 3:
+            _store_chunk(Out, acc2, l_i, q_row0, n_out, split, 2, HG, HP, D, DC, mma)
         if NCH == 4:
-            _store_pair(Out, acc2, acc3, l_i, q_row0, n_out, split, 2, HG, HP, D, DC, mma)
+            _store_chunk(Out, acc3, l_i, q_row0, n_out, split, 3, HG, HP, D, DC, mma)
 
 
 # Keys scaled per token (the uniform method) through this kernel: uniform-int4 B=32 32k on the H200
@@ -1115,15 +1146,16 @@ if _PLANES3_ENV not in ("0", "1"):
     raise ValueError(f"KVBITS_GLUON_3BIT must be '0' or '1', got {_PLANES3_ENV!r}")
 PLANES3 = _PLANES3_ENV == "1"
 
-# head_dim 256 (Gemma-style) as four 64-channel chunks, for 2- and 4-bit KIVI layers (keys per
+# Head dims past 64/128 as more channel chunks (head_chunks): 96 (Phi-3-style) as three of 32,
+# 192 as three of 64, 256 (Gemma-style) as four of 64, for 2- and 4-bit KIVI layers (keys per
 # channel, no codebooks). Compiled for sm_90 in CI (test_decode_gluon_compile.py), written in
-# session 15 after the Triton kernel measured 0.8-1.2x flash SDPA on Gemma-2-9B shapes
-# (decode_attention_other_models.md), not yet run on a GPU: off until it is
-# (KVBITS_GLUON_D256=1 turns it on).
-_D256_ENV = os.environ.get("KVBITS_GLUON_D256", "0")
-if _D256_ENV not in ("0", "1"):
-    raise ValueError(f"KVBITS_GLUON_D256 must be '0' or '1', got {_D256_ENV!r}")
-HEAD_DIM_256 = _D256_ENV == "1"
+# session 15 after the Triton kernel measured 0.8-1.5x flash SDPA on Phi-3-mini and Gemma-2-9B
+# shapes (decode_attention_other_models.md), not yet run on a GPU: off until it is
+# (KVBITS_GLUON_EXTRA_DIMS=1 turns it on).
+_EXTRA_DIMS_ENV = os.environ.get("KVBITS_GLUON_EXTRA_DIMS", "0")
+if _EXTRA_DIMS_ENV not in ("0", "1"):
+    raise ValueError(f"KVBITS_GLUON_EXTRA_DIMS must be '0' or '1', got {_EXTRA_DIMS_ENV!r}")
+EXTRA_HEAD_DIMS = _EXTRA_DIMS_ENV == "1"
 
 
 def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
@@ -1133,8 +1165,8 @@ def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
     over at least half the head), per-token value scales, key/value bits of 2 or 4 (equal, or
     with ``MIXED_BITS`` any pair at group size <= 64) or, with ``PLANES3``, both 3 at group
     size 32 or 64 with per-channel key scales, group
-    size 16-128, head_dim 64 or 128 (or 256 with ``HEAD_DIM_256``: 2/4-bit, per-channel keys,
-    no codebooks), value groups of 32 to 128 channels (smaller ones compile but
+    size 16-128, head_dim 64 or 128 (or 96, 192, 256 with ``EXTRA_HEAD_DIMS``: 2/4-bit,
+    per-channel keys, no codebooks), value groups of 32 to 128 channels (smaller ones compile but
     are not tested on a GPU), one query row per sequence, at most 16 query heads per KV head, no
     sliding window."""
     if gluon is None or kv.body_len == 0 or getattr(kv, "fp8", False):
@@ -1157,9 +1189,9 @@ def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
     else:
         bits_ok = (kv.key_bits in (2, 4) and kv.value_bits in (2, 4)
                    and (kv.key_bits == kv.value_bits or (MIXED_BITS and G <= 64)))
-    dims_ok = D in (64, 128) or (D == 256 and HEAD_DIM_256 and key_axis == "channel"
-                                 and not codebooks and kv.key_bits in (2, 4)
-                                 and kv.value_bits in (2, 4))
+    dims_ok = D in (64, 128) or (D in (96, 192, 256) and EXTRA_HEAD_DIMS
+                                 and key_axis == "channel" and not codebooks
+                                 and kv.key_bits in (2, 4) and kv.value_bits in (2, 4))
     return (keys_ok and bits_ok and getattr(kv, "value_axis", "token") == "token"
             and G in (16, 32, 64, 128)
             and dims_ok and GV in (32, 64, 128) and D % GV == 0 and q_rows == 1
