@@ -26,7 +26,8 @@ fragment pair (tokens e = 0, 1 of one channel) is one mask of one word: both hal
 
 Only the KIVI layout family is served here (keys scaled per channel over G tokens, values per
 token over GV channels, key/value bits of 2 or 4, one query row per sequence, no sliding window,
-head_dim 64 or 128); :func:`eligible` says which layers, the Triton kernel does the rest.
+head_dim 64 or 128 as two channel chunks, with ``EXTRA_HEAD_DIMS`` also 96, 192 and 256 as three
+or four: ``head_chunks``); :func:`eligible` says which layers, the Triton kernel does the rest.
 Different key and value widths (``MIXED_BITS``) permute P's rows between
 the two token orders, which differ only by a permutation of the row index's six bits. 3-bit
 layers (bit planes; ``PLANES3``) use their own token order (``_tok3``),
