@@ -390,6 +390,14 @@ if gluon is not None:
         return g, g < n_groups, g * (3 * CW) + a1 % CW
 
     @gluon.jit
+    def _plane_loads(wp, plane_step, ok, sp, zp, s_ok):
+        """The three plane words of a 3-bit column (plane ``p`` ``p * plane_step`` further than
+        ``wp``) and its scales / zeros."""
+        return (gl.load(wp, mask=ok, other=0), gl.load(wp + plane_step, mask=ok, other=0),
+                gl.load(wp + 2 * plane_step, mask=ok, other=0), gl.load(sp, mask=s_ok, other=0),
+                gl.load(zp, mask=s_ok, other=0))
+
+    @gluon.jit
     def _key_loads3(kc_base, ks_base, kz_base, s, n_groups, DC0: gl.constexpr, G: gl.constexpr,
                     D: gl.constexpr, DC: gl.constexpr, KW: gl.constexpr):
         """3-bit keys of step ``s``, channels ``[DC0, DC0 + DC)``: the three plane words (int64
@@ -405,9 +413,7 @@ if gluon is not None:
         s_off = g * D2 + j + e * 0
         sp = ks_base.to(gl.pointer_type(gl.int32), bitcast=True) + s_off
         zp = kz_base.to(gl.pointer_type(gl.int32), bitcast=True) + s_off
-        return (gl.load(wp, mask=ok, other=0), gl.load(wp + CW * D2, mask=ok, other=0),
-                gl.load(wp + 2 * CW * D2, mask=ok, other=0), gl.load(sp, mask=ok, other=0),
-                gl.load(zp, mask=ok, other=0))
+        return _plane_loads(wp, CW * D2, ok, sp, zp, ok)
 
     @gluon.jit
     def _key_operand3(w0, w1, w2, sc, ze, lo0, lo1, hi0, hi1, DC: gl.constexpr,
@@ -447,9 +453,7 @@ if gluon is not None:
         t = tok0 + _tok3(_ar(4, 2, VS), _ar(2, 5, VS), _ar(2, 1, VS), kk, G)
         s_ok = t < body_len
         sp, zp = _value_scale_ptrs(vs_base, vz_base, t, sg, DC0, NGC, NGV, GV)
-        return (gl.load(wp, mask=ok, other=0), gl.load(wp + CW * D, mask=ok, other=0),
-                gl.load(wp + 2 * CW * D, mask=ok, other=0), gl.load(sp, mask=s_ok, other=0),
-                gl.load(zp, mask=s_ok, other=0))
+        return _plane_loads(wp, CW * D, ok, sp, zp, s_ok)
 
     @gluon.jit
     def _value_operand3(w0, w1, w2, sc, ze, lo0, lo1, hi0, hi1, DC: gl.constexpr,
