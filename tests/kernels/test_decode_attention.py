@@ -142,6 +142,14 @@ def body_case(bits: int, G: int, D: int, HG: int, seed: int, **kw) -> Case:
                 lengths=(S + G * ng + 40, S + G * ng - 7, S + 33), starts=(0, 5, 0),
                 seed=seed, **kw)
 
+def count_calls(monkeypatch, module, name="attend_body") -> list:
+    """Wrap ``module.name`` so each call appends to the returned list (which kernel ran)."""
+    used = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: used.append(1) or real(*a, **k))
+    return used
+
+
 def _seq(x, device=DEVICE):
     return None if x is None else torch.tensor(x, dtype=torch.int32, device=device)
 
@@ -663,9 +671,7 @@ def test_gluon_kvquant_codebooks_match_reference(c, monkeypatch):
     monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
     kv = _kvquant_kv(c, 0, False)
     assert decode_gluon.eligible(kv, 1, c.HG, None), str(c)
-    used = []
-    real = decode_gluon.attend_body
-    monkeypatch.setattr(decode_gluon, "attend_body", lambda *a, **k: used.append(1) or real(*a, **k))
+    used = count_calls(monkeypatch, decode_gluon)
     run_case(c, kv=kv)
     run_case(c._replace(splits=1), kv=kv)
     assert len(used) == 2, "the Gluon kernel was not used"
@@ -782,9 +788,7 @@ def test_gluon_body_matches_reference(c, monkeypatch):
     monkeypatch.setattr(decode_gluon, "EXTRA_HEAD_DIMS", True)
     kv = make_kv(c)
     assert decode_gluon.eligible(kv, c.Lq, c.HG, c.window), str(c)
-    used = []
-    real = decode_gluon.attend_body
-    monkeypatch.setattr(decode_gluon, "attend_body", lambda *a, **k: used.append(1) or real(*a, **k))
+    used = count_calls(monkeypatch, decode_gluon)
     monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)  # small test batches use it too
     run_case(c, kv=kv)
     run_case(c._replace(splits=1), kv=kv)  # one program walks the whole body
@@ -843,10 +847,7 @@ def test_gluon_tma_body_matches_reference(c, monkeypatch):
     from kvbits.kernels import decode_gluon, decode_gluon_tma
     kv = make_kv(c, spare=8)
     assert decode_gluon_tma.eligible(kv, False), str(c)
-    used = []
-    real = decode_gluon_tma.attend_body
-    monkeypatch.setattr(decode_gluon_tma, "attend_body",
-                        lambda *a, **k: used.append(1) or real(*a, **k))
+    used = count_calls(monkeypatch, decode_gluon_tma)
     monkeypatch.setattr(decode_gluon_tma, "MODE", "1")
     monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
     run_case(c, kv=kv)
@@ -926,9 +927,7 @@ def test_gluon_tma_inside_cuda_graph(bits, monkeypatch):
     monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
     monkeypatch.setattr(decode_gluon, "MANY_PAIRS", 1)  # 4-bit layers too at this small batch
     monkeypatch.setattr(dt, "MODE", "auto")
-    used = []
-    real = dt.attend_body
-    monkeypatch.setattr(dt, "attend_body", lambda *a, **k: used.append(1) or real(*a, **k))
+    used = count_calls(monkeypatch, dt)
     c = Case(kb=bits, vb=bits, G=32, D=128, B=2, Hkv=2, HG=4, S=3, body=32 * 40, res=48,
              starts=(0, 7), Gv=32, seed=31 + bits)
     bound = make_kv(c, spare=8)
