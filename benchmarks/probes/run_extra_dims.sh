@@ -5,7 +5,7 @@
 set -x
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 timeout -s KILL 200 python3 -m pytest -v -x tests/kernels/test_decode_attention.py \
-  -k "gluon_body_matches_reference and (D=256 or D=96 or D=192)" -p no:cacheprovider \
+  -k "gluon_body_matches_reference and (256 or 96 or 192)" -p no:cacheprovider \
   > "$OUT/extra_dims_tests.log" 2>&1
 tail -10 "$OUT/extra_dims_tests.log"
 KVBITS_GLUON_EXTRA_DIMS=1 timeout -s KILL 240 python3 benchmarks/decode_attention.py --out "$OUT" \

@@ -150,6 +150,15 @@ def count_calls(monkeypatch, module, name="attend_body") -> list:
     return used
 
 
+def serve_small(monkeypatch, decode_gluon):
+    """Let the Gluon body serve the tests' small batches: lift :func:`decode_gluon.serves`'s
+    size limits (the token count of either body and the 3-bit body's pair count), which route
+    small steps to the Triton kernel as the faster one."""
+    monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
+    monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS_PLANES", 1)
+    monkeypatch.setattr(decode_gluon, "MIN_PAIRS_PLANES", 0)
+
+
 def _seq(x, device=DEVICE):
     return None if x is None else torch.tensor(x, dtype=torch.int32, device=device)
 
@@ -659,7 +668,8 @@ def test_kvquant_layers_match_reference(name, n_out, pre_rope):
 # KVQuant codebook layers (no outliers, post-RoPE keys: the kvquant-3-dense-post preset) through
 # the 3-bit Gluon body (decode_gluon.PLANES3): codes looked up in the head's codebook by prmt.
 GLUON_KVQ_CASES = [body_case(3, G, D, HG, 5 + G + HG)
-                   for G, D, HG in ((32, 128, 4), (64, 64, 7), (32, 64, 16))]
+                   for G, D, HG in ((32, 128, 4), (64, 64, 7), (32, 64, 16), (32, 96, 3),
+                                    (64, 256, 2))]
 
 
 @gpu
@@ -668,7 +678,7 @@ GLUON_KVQ_CASES = [body_case(3, G, D, HG, 5 + G + HG)
 def test_gluon_kvquant_codebooks_match_reference(c, monkeypatch):
     from kvbits.kernels import decode_gluon
     monkeypatch.setattr(decode_gluon, "PLANES3", True)
-    monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
+    serve_small(monkeypatch, decode_gluon)
     kv = _kvquant_kv(c, 0, False)
     assert decode_gluon.eligible(kv, 1, c.HG, None), str(c)
     used = count_calls(monkeypatch, decode_gluon)
@@ -777,6 +787,9 @@ GLUON_CASES += [body_case(b, G, D, HG, b + G + HG + D)
                 for b, G, D, HG in ((2, 32, 256, 2), (4, 64, 256, 8), (2, 128, 256, 1),
                                     (4, 32, 256, 4), (2, 32, 96, 3), (4, 64, 96, 1),
                                     (2, 128, 96, 8), (4, 32, 192, 2))]
+# ... and 3-bit planes there (G 32 / 64)
+GLUON_CASES += [body_case(3, G, D, HG, 3 + G + HG + D)
+                for G, D, HG in ((32, 96, 3), (64, 256, 2), (32, 256, 8), (64, 192, 1))]
 
 
 @gpu
@@ -789,7 +802,7 @@ def test_gluon_body_matches_reference(c, monkeypatch):
     kv = make_kv(c)
     assert decode_gluon.eligible(kv, c.Lq, c.HG, c.window), str(c)
     used = count_calls(monkeypatch, decode_gluon)
-    monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)  # small test batches use it too
+    serve_small(monkeypatch, decode_gluon)
     run_case(c, kv=kv)
     run_case(c._replace(splits=1), kv=kv)  # one program walks the whole body
     run_case(c._replace(lengths=None, starts=None, dtype=torch.bfloat16, seed=c.seed + 1))
@@ -849,7 +862,7 @@ def test_gluon_tma_body_matches_reference(c, monkeypatch):
     assert decode_gluon_tma.eligible(kv, False), str(c)
     used = count_calls(monkeypatch, decode_gluon_tma)
     monkeypatch.setattr(decode_gluon_tma, "MODE", "1")
-    monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
+    serve_small(monkeypatch, decode_gluon)
     run_case(c, kv=kv)
     run_case(c._replace(splits=1), kv=kv)  # one program walks the whole body through the ring
     run_case(c._replace(splits=3), kv=kv)  # ranges that start mid-body
@@ -872,7 +885,7 @@ LENS_DEV_CASES = [
 @pytest.mark.parametrize("c", LENS_DEV_CASES, ids=str)
 def test_device_lengths_inside_bounds(c, gluon, monkeypatch):
     from kvbits.kernels import decode_gluon
-    monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
+    serve_small(monkeypatch, decode_gluon)
     bound = make_kv(c)
     assert not gluon or decode_gluon.eligible(bound, 1, c.HG, None)
     q, lens, args = _check_device_lengths(c, bound, gluon, f"{c} lens_dev gluon={gluon}")
@@ -904,7 +917,7 @@ def test_gluon_tma_device_lengths_inside_bounds(bits, monkeypatch):
     """The TMA ring with lengths on the device: steps past the true body are never copied or
     read (the bounds' tail holds real data that would change the answer)."""
     from kvbits.kernels import decode_gluon, decode_gluon_tma
-    monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
+    serve_small(monkeypatch, decode_gluon)
     monkeypatch.setattr(decode_gluon_tma, "MODE", "1")
     c = Case(kb=bits, vb=bits, G=32, D=128, B=2, Hkv=2, HG=4, S=3, body=32 * 40, res=48,
              starts=(0, 7), Gv=32, seed=23 + bits)
@@ -924,7 +937,7 @@ def test_gluon_tma_inside_cuda_graph(bits, monkeypatch):
 
     from kvbits.kernels import decode_gluon
     from kvbits.kernels import decode_gluon_tma as dt
-    monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
+    serve_small(monkeypatch, decode_gluon)
     monkeypatch.setattr(decode_gluon, "MANY_PAIRS", 1)  # 4-bit layers too at this small batch
     monkeypatch.setattr(dt, "MODE", "auto")
     used = count_calls(monkeypatch, dt)
@@ -1072,6 +1085,12 @@ def test_gluon_dispatch_rules():
     kv.body_len = 32768
     assert decode_gluon.serves(kv, 1, 4, None, 8)  # Llama-3 batch 1 at 32k: 8 x 32k tokens
     assert not decode_gluon.serves(kv, 1, 4, None, 4)
+    # other head dims take it from 2^16 tokens x pairs (the Triton kernel is weaker there)
+    wide = make_kv(Case(kb=2, vb=2, G=32, D=96, B=1, Hkv=1, body=64, res=0), device="cpu")
+    wide.body_len = 32768
+    if decode_gluon.EXTRA_HEAD_DIMS:
+        assert decode_gluon.serves(wide, 1, 4, None, 2)
+        assert not decode_gluon.serves(wide, 1, 4, None, 1)
     # one wave for small grids, 32 programs per SM for large ones; never more than the steps
     assert decode_gluon.body_splits(8, 32768, 132) == 132
     assert decode_gluon.body_splits(1024, 32768, 132) == 7  # 48 per SM from 256 pairs
@@ -1080,7 +1099,7 @@ def test_gluon_dispatch_rules():
     assert decode_gluon.body_splits(64, 32768, 132) == 66
     assert decode_gluon.body_splits(20, 32768, 132) == 52  # 1040 programs: within one wave
     assert decode_gluon.body_splits(8, 640, 132) == 10
-    for kb, vb, G, D in [(4, 2, 128, 128), (8, 8, 32, 128), (2, 2, 32, 96)]:
+    for kb, vb, G, D in [(4, 2, 128, 128), (8, 8, 32, 128), (2, 2, 32, 80)]:
         other = make_kv(Case(kb=kb, vb=vb, G=G, D=D, B=1, Hkv=1, body=128, res=0), device="cpu")
         assert not decode_gluon.eligible(other, 1, 4, None), (kb, vb, G, D)
     # 3-bit planes (PLANES3, on by default): equal widths, G 32 / 64; off sends them to Triton
@@ -1112,8 +1131,8 @@ def test_gluon_dispatch_rules():
             assert not decode_gluon.eligible(other, 1, 4, None), (kb, vb, G)
     finally:
         decode_gluon.PLANES3 = was
-    # head dims 96 / 192 / 256 only with EXTRA_HEAD_DIMS (off until GPU-verified): 2/4-bit,
-    # per-channel keys; never 3-bit planes or head dims that are not 2-4 chunks of 32 / 64
+    # head dims 96 / 192 / 256 only with EXTRA_HEAD_DIMS (on since its session-16 GPU run):
+    # per-channel keys (3-bit planes too); never head dims that are not 2-4 chunks of 32 / 64
     assert [decode_gluon.head_chunks(d) for d in (64, 96, 128, 192, 256)] == [2, 3, 2, 3, 4]
     wide = [make_kv(Case(kb=b, vb=b, G=32, D=d, B=1, Hkv=1, body=128, res=0), device="cpu")
             for b, d in ((2, 256), (4, 96), (2, 192))]
@@ -1125,7 +1144,7 @@ def test_gluon_dispatch_rules():
     try:
         decode_gluon.EXTRA_HEAD_DIMS = decode_gluon.PLANES3 = True
         assert all(decode_gluon.eligible(w, 1, 2, None) for w in wide)
-        assert not decode_gluon.eligible(wide3, 1, 2, None)
+        assert decode_gluon.eligible(wide3, 1, 2, None)
         assert not decode_gluon.eligible(d80, 1, 2, None)
     finally:
         decode_gluon.EXTRA_HEAD_DIMS, decode_gluon.PLANES3 = was
@@ -1183,7 +1202,7 @@ def test_gluon_body_token_keys(c, monkeypatch):
     """The uniform method's layout (keys and values scaled per token) through the Gluon body."""
     from kvbits.kernels import decode_gluon
     monkeypatch.setattr(decode_gluon, "TOKEN_KEYS", True)
-    monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
+    serve_small(monkeypatch, decode_gluon)
     kv = _axes_kv(c, "token", "token")
     assert decode_gluon.eligible(kv, 1, c.HG, None)
     run_case(c, kv=kv)
@@ -1220,7 +1239,7 @@ def test_gluon_body_mixed_bits(c, monkeypatch):
     the values' token orders)."""
     from kvbits.kernels import decode_gluon
     monkeypatch.setattr(decode_gluon, "MIXED_BITS", True)
-    monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
+    serve_small(monkeypatch, decode_gluon)
     kv = make_kv(c)
     assert decode_gluon.eligible(kv, 1, c.HG, None)
     run_case(c, kv=kv)

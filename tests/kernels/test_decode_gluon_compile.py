@@ -63,6 +63,7 @@ CONFIGS = [
     {**BASE, "HG": 2, "D": 256},
     {**BASE, "D": 256, "KBITS": 4, "VBITS": 4, "G": 64, "GV": 64, "GK": 64},
     {**BASE, "HG": 8, "D": 96, "KBITS": 4, "VBITS": 4},
+    {**BASE, "HG": 3, "D": 96, "KBITS": 3, "VBITS": 3, "CB": True},  # planes in a third chunk
     {**BASE, "KBITS": 4, "PF": 0, "PF_AFTER": False},  # K4V2 (mixed widths; last, no prefetch)
 ]
 

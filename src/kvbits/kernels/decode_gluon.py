@@ -27,7 +27,7 @@ fragment pair (tokens e = 0, 1 of one channel) is one mask of one word: both hal
 Only the KIVI layout family is served here (keys scaled per channel over G tokens, values per
 token over GV channels, key/value bits of 2 or 4, one query row per sequence, no sliding window,
 head_dim 64 or 128 as two channel chunks, with ``EXTRA_HEAD_DIMS`` also 96, 192 and 256 as three
-or four: ``head_chunks``); :func:`eligible` says which layers, the Triton kernel does the rest.
+or four: ``head_chunks``, chunks past the second loaded only after the first two's MMAs); :func:`eligible` says which layers, the Triton kernel does the rest.
 Different key and value widths (``MIXED_BITS``) permute P's rows between
 the two token orders, which differ only by a permutation of the row index's six bits. 3-bit
 layers (bit planes; ``PLANES3``) use their own token order (``_tok3``),
@@ -916,6 +916,43 @@ if gluon is not None:
         lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
         gl.store(Lse + o_row, lse, mask=oj < HG)
 
+    @gluon.jit
+    def _later_key_chunk(st, qc, C: gl.constexpr, kc_base, ks_base, kz_base, s, n_groups, r_cur,
+                         n_rows, t_cur, body_len, klo0, klo1, khi0, khi1, KBITS: gl.constexpr,
+                         W: gl.constexpr, G: gl.constexpr, D: gl.constexpr, DC: gl.constexpr,
+                         GK: gl.constexpr, KW: gl.constexpr, KT: gl.constexpr,
+                         K_TOK: gl.constexpr, a_l: gl.constexpr, CB: gl.constexpr):
+        """Scores of key chunk ``C >= 2`` (head dims 96 / 192 / 256) added to ``st``: its words
+        loaded, dequantized and multiplied only now."""
+        if KBITS == 3:
+            kp, kq, kr, ks, kz = _key_loads3(kc_base, ks_base, kz_base, s, n_groups, C * DC, G,
+                                             D, DC, KW)
+            k = _key_operand3(kp, kq, kr, ks, kz, klo0, klo1, khi0, khi1, DC, KW, a_l, CB)
+        else:
+            kw, ks, kz = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur, body_len,
+                                    C * DC, KBITS, W, G, D, DC, GK, KW, KT, K_TOK)
+            k = _key_operand(kw, ks, kz, KBITS, DC, KW, a_l, K_TOK)
+        return mma_v2(k, qc, st)
+
+    @gluon.jit
+    def _later_value_chunk(acc, pb, alpha, C: gl.constexpr, vc_base, vs_base, vz_base, s,
+                           n_groups, rv, nv_rows, t_cur, body_len, vlo0, vlo1, vhi0, vhi1,
+                           VBITS: gl.constexpr, WV: gl.constexpr, G: gl.constexpr,
+                           D: gl.constexpr, DC: gl.constexpr, GV: gl.constexpr,
+                           VW: gl.constexpr, VS_L: gl.constexpr, a_l: gl.constexpr,
+                           CB: gl.constexpr):
+        """``acc`` of value chunk ``C >= 2``, rescaled by ``alpha``, plus this step's ``V^T
+        P^T`` (words loaded only now)."""
+        if VBITS == 3:
+            vp, vq, vr, vs, vz = _value_loads3(vc_base, vs_base, vz_base, s, n_groups, t_cur,
+                                               body_len, C * DC, G, D, DC, GV, VW, VS_L)
+            v = _value_operand3(vp, vq, vr, vs, vz, vlo0, vlo1, vhi0, vhi1, DC, VW, a_l, CB)
+        else:
+            vw, vs, vz = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur, body_len,
+                                      C * DC, VBITS, WV, G, D, DC, GV, VW, VS_L)
+            v = _value_operand(vw, vs, vz, VBITS, DC, VW, a_l)
+        return mma_v2(v, pb, acc * alpha[None, :])
+
     @gluon.constexpr_function
     def head_chunks(D):
         """Channel chunks of a head (one MMA operand each): two at head_dim 64 and 128 (32 / 64
@@ -944,7 +981,6 @@ if gluon is not None:
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
         NCH: gl.constexpr = head_chunks(D)  # 2 to 4 chunks of 32 or 64 channels
         gl.static_assert(NCH <= 4, "head_dim: 64, 96, 128, 192 or 256")
-        gl.static_assert(NCH == 2 or KBITS != 3, "3-bit planes: head_dim 64 or 128 only")
         DC: gl.constexpr = D // NCH  # channels per chunk
         GVC: gl.constexpr = GV if GV < DC else DC  # noqa: FURB136 (value-scale group in a chunk)
         # 3-bit planes are merged into 4-bit fields after loading: the 4-bit layouts serve them
@@ -1057,7 +1093,7 @@ if gluon is not None:
             st = mma_v2(k, q1, st)
             # chunks past the second: their words only now (at head_dim 256, 255 registers with
             # 8-18 spilled words per step this way, 54-98 with every load at the step's start)
-            if NCH == 4:
+            if NCH == 4 and KBITS != 3:  # both chunks' words first (fewer spills at 4 bits)
                 kw2, ks2, kz2 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur,
                                            body_len, 2 * DC, KBITS, W, G, D, DC, GK, KW, KT,
                                            K_TOK)
@@ -1068,12 +1104,14 @@ if gluon is not None:
                 st = mma_v2(k, q2, st)
                 k = _key_operand(kw3, ks3, kz3, KBITS, DC, KW, a_l, K_TOK)
                 st = mma_v2(k, q3, st)
-            elif NCH == 3:
-                kw2, ks2, kz2 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur,
-                                           body_len, 2 * DC, KBITS, W, G, D, DC, GK, KW, KT,
-                                           K_TOK)
-                k = _key_operand(kw2, ks2, kz2, KBITS, DC, KW, a_l, K_TOK)
-                st = mma_v2(k, q2, st)
+            elif NCH >= 3:
+                st = _later_key_chunk(st, q2, 2, kc_base, ks_base, kz_base, s, n_groups, r_cur,
+                                      n_rows, t_cur, body_len, klo0, klo1, khi0, khi1, KBITS, W,
+                                      G, D, DC, GK, KW, KT, K_TOK, a_l, CB)
+                if NCH == 4:
+                    st = _later_key_chunk(st, q3, 3, kc_base, ks_base, kz_base, s, n_groups,
+                                          r_cur, n_rows, t_cur, body_len, klo0, klo1, khi0, khi1,
+                                          KBITS, W, G, D, DC, GK, KW, KT, K_TOK, a_l, CB)
             if (lo < first) | (lo + SPAN > end):
                 t = t_cur + dn
                 st = gl.where(((t >= first) & (t < end))[:, None], st, float("-inf"))
@@ -1106,7 +1144,8 @@ if gluon is not None:
             else:
                 v = _value_operand(vw1, vs1, vz1, VBITS, DC, VW, a_l)
             acc1 = mma_v2(v, pb, acc1 * alpha[None, :])
-            if NCH == 4:  # chunks past the second: their words only now (as for the keys)
+            # chunks past the second: their words only now (as for the keys)
+            if NCH == 4 and VBITS != 3:
                 vw2, vs2, vz2 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
                                              body_len, 2 * DC, VBITS, WV, G, D, DC, GV, VW, VS_L)
                 vw3, vs3, vz3 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
@@ -1115,11 +1154,15 @@ if gluon is not None:
                 acc2 = mma_v2(v, pb, acc2 * alpha[None, :])
                 v = _value_operand(vw3, vs3, vz3, VBITS, DC, VW, a_l)
                 acc3 = mma_v2(v, pb, acc3 * alpha[None, :])
-            elif NCH == 3:
-                vw2, vs2, vz2 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
-                                             body_len, 2 * DC, VBITS, WV, G, D, DC, GV, VW, VS_L)
-                v = _value_operand(vw2, vs2, vz2, VBITS, DC, VW, a_l)
-                acc2 = mma_v2(v, pb, acc2 * alpha[None, :])
+            elif NCH >= 3:
+                acc2 = _later_value_chunk(acc2, pb, alpha, 2, vc_base, vs_base, vz_base, s,
+                                          n_groups, rv, nv_rows, t_cur, body_len, vlo0, vlo1,
+                                          vhi0, vhi1, VBITS, WV, G, D, DC, GV, VW, VS_L, a_l, CB)
+                if NCH == 4:
+                    acc3 = _later_value_chunk(acc3, pb, alpha, 3, vc_base, vs_base, vz_base, s,
+                                              n_groups, rv, nv_rows, t_cur, body_len, vlo0,
+                                              vlo1, vhi0, vhi1, VBITS, WV, G, D, DC, GV, VW,
+                                              VS_L, a_l, CB)
 
         _store_partial(Out, Lse, acc0, acc1, m_i, l_i, q_row0, n_out, split, HG, HP, D, DC, mma)
         if NCH >= 3:
@@ -1152,12 +1195,14 @@ if _PLANES3_ENV not in ("0", "1"):
 PLANES3 = _PLANES3_ENV == "1"
 
 # Head dims past 64/128 as more channel chunks (head_chunks): 96 (Phi-3-style) as three of 32,
-# 192 as three of 64, 256 (Gemma-style) as four of 64, for 2- and 4-bit KIVI layers (keys per
-# channel, no codebooks). Compiled for sm_90 in CI (test_decode_gluon_compile.py), written in
-# session 15 after the Triton kernel measured 0.8-1.5x flash SDPA on Phi-3-mini and Gemma-2-9B
-# shapes (decode_attention_other_models.md), not yet run on a GPU: off until it is
-# (KVBITS_GLUON_EXTRA_DIMS=1 turns it on).
-_EXTRA_DIMS_ENV = os.environ.get("KVBITS_GLUON_EXTRA_DIMS", "0")
+# 192 as three of 64, 256 (Gemma-style) as four of 64, for KIVI layers with keys per channel
+# (2, 4 and 3 bits, KVQuant codebooks too). Written after the Triton kernel measured 0.8-1.5x flash SDPA on Phi-3-mini
+# and Gemma-2-9B shapes (decode_attention_other_models.md); verified on the H200 in session 16
+# (its GPU tests against the reference, 8 of 8) and faster there in graph time: Gemma-2-9B B=8
+# 32k kivi-2 270 us against 522 us through the Triton kernel, Phi-3-mini B=8 32k 459 against 918,
+# B=1 32k 74 against 131 (decode_attention_extra_dims.md). KVBITS_GLUON_EXTRA_DIMS=0 sends
+# those layers to the Triton kernel.
+_EXTRA_DIMS_ENV = os.environ.get("KVBITS_GLUON_EXTRA_DIMS", "1")
 if _EXTRA_DIMS_ENV not in ("0", "1"):
     raise ValueError(f"KVBITS_GLUON_EXTRA_DIMS must be '0' or '1', got {_EXTRA_DIMS_ENV!r}")
 EXTRA_HEAD_DIMS = _EXTRA_DIMS_ENV == "1"
@@ -1170,8 +1215,8 @@ def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
     over at least half the head), per-token value scales, key/value bits of 2 or 4 (equal, or
     with ``MIXED_BITS`` any pair at group size <= 64) or, with ``PLANES3``, both 3 at group
     size 32 or 64 with per-channel key scales, group
-    size 16-128, head_dim 64 or 128 (or 96, 192, 256 with ``EXTRA_HEAD_DIMS``: 2/4-bit,
-    per-channel keys, no codebooks), value groups of 32 to 128 channels (smaller ones compile but
+    size 16-128, head_dim 64 or 128 (or 96, 192, 256 with ``EXTRA_HEAD_DIMS``: per-channel
+    keys), value groups of 32 to 128 channels (smaller ones compile but
     are not tested on a GPU), one query row per sequence, at most 16 query heads per KV head, no
     sliding window."""
     if gluon is None or kv.body_len == 0 or getattr(kv, "fp8", False):
@@ -1195,8 +1240,7 @@ def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
         bits_ok = (kv.key_bits in (2, 4) and kv.value_bits in (2, 4)
                    and (kv.key_bits == kv.value_bits or (MIXED_BITS and G <= 64)))
     dims_ok = D in (64, 128) or (D in (96, 192, 256) and EXTRA_HEAD_DIMS
-                                 and key_axis == "channel" and not codebooks
-                                 and kv.key_bits in (2, 4) and kv.value_bits in (2, 4))
+                                 and key_axis == "channel")
     return (keys_ok and bits_ok and getattr(kv, "value_axis", "token") == "token"
             and G in (16, 32, 64, 128)
             and dims_ok and GV in (32, 64, 128) and D % GV == 0 and q_rows == 1
@@ -1220,6 +1264,11 @@ MIN_BODY_TOKENS_PLANES = 1 << 16
 # hundreds of 2-step programs (Qwen2.5-7B batch 1 32k, 4 pairs: 65 us here against 44 us through
 # Triton; decode_attention_other_models.md).
 MIN_PAIRS_PLANES = 8
+# At head dims other than 64 / 128 the Triton kernel is weaker and this one takes over earlier
+# (H200, graph time, benchmarks/results/small_batch_extra_dims.log): Phi-3-mini batch 1 4k
+# (~2^17 tokens x pairs) kivi-2 25 us here against 29 us, Gemma-2-9B batch 1 32k (~2^18) kivi-4
+# 94 against 103 us; Gemma-2-9B batch 1 4k (2^15) is the Triton kernel's (22 against 23 us).
+MIN_BODY_TOKENS_WIDE = 1 << 16
 
 
 def serves(kv, q_rows: int, heads_per_kv: int, window, batch_heads: int) -> bool:
@@ -1227,7 +1276,10 @@ def serves(kv, q_rows: int, heads_per_kv: int, window, batch_heads: int) -> bool
     planes = kv.key_bits == 3 or kv.value_bits == 3
     if planes and batch_heads < MIN_PAIRS_PLANES:
         return False
-    min_tokens = MIN_BODY_TOKENS_PLANES if planes else MIN_BODY_TOKENS
+    if planes:
+        min_tokens = MIN_BODY_TOKENS_PLANES
+    else:
+        min_tokens = MIN_BODY_TOKENS if kv.res_k.shape[-1] in (64, 128) else MIN_BODY_TOKENS_WIDE
     return (batch_heads * kv.body_len >= min_tokens
             and eligible(kv, q_rows, heads_per_kv, window))
 
