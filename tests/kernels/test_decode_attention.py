@@ -152,11 +152,10 @@ def count_calls(monkeypatch, module, name="attend_body") -> list:
 
 def serve_small(monkeypatch, decode_gluon):
     """Let the Gluon body serve the tests' small batches: lift :func:`decode_gluon.serves`'s
-    size limits (the token count of either body and the 3-bit body's pair count), which route
-    small steps to the Triton kernel as the faster one."""
-    monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 1)
-    monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS_PLANES", 1)
-    monkeypatch.setattr(decode_gluon, "MIN_PAIRS_PLANES", 0)
+    size limits (body tokens x pairs, per kind of layer), which route small steps to the Triton
+    kernel as the faster one."""
+    for name in ("MIN_BODY_TOKENS", "MIN_BODY_TOKENS_PLANES", "MIN_BODY_TOKENS_WIDE"):
+        monkeypatch.setattr(decode_gluon, name, 1)
 
 
 def _seq(x, device=DEVICE):
@@ -590,9 +589,16 @@ def test_scale_axes_match_reference(name, axes):
     run_case(c, kv=_axes_kv(c, *axes))
 
 
-@pytest.mark.parametrize("name", ["K2V2-G32-ragged", "K4V4-G64-D96", "K8V4-G32-sink-window"])
+# head_dim 256: FP8 keeps 128-token tiles past head_dim 128 (other layers halve them)
+FP8_CASES = {name: AXES_CASES[name]
+             for name in ("K2V2-G32-ragged", "K4V4-G64-D96", "K8V4-G32-sink-window")}
+FP8_CASES["G32-D256-ragged"] = Case(kb=8, vb=8, G=32, D=256, body=288, HG=2, B=2,
+                                    lengths=(300, 150), starts=(0, 7))
+
+
+@pytest.mark.parametrize("name", list(FP8_CASES))
 def test_fp8_body_matches_reference(name):
-    c = AXES_CASES[name]
+    c = FP8_CASES[name]
     run_case(c, kv=_fp8_kv(c))
 
 
@@ -1093,6 +1099,10 @@ def test_gluon_dispatch_rules():
         assert not decode_gluon.serves(wide, 1, 4, None, 1)
     # one wave for small grids, 32 programs per SM for large ones; never more than the steps
     assert decode_gluon.body_splits(8, 32768, 132) == 132
+    assert decode_gluon.body_splits(4, 32768, 132) == 132  # never more splits per pair than SMs
+    assert decode_gluon.body_splits(8, 32768, 132, 256) == 64  # >= 8 steps per program at 256
+    assert decode_gluon.body_splits(8, 32768, 132, 96) == 132
+    assert decode_gluon.body_splits(64, 32768, 132, 256) == 66  # large grids: as at 128
     assert decode_gluon.body_splits(1024, 32768, 132) == 7  # 48 per SM from 256 pairs
     assert decode_gluon.body_splits(256, 32768, 132) == 25
     assert decode_gluon.body_splits(128, 32768, 132) == 33  # 32 per SM below 256
@@ -1119,12 +1129,10 @@ def test_gluon_dispatch_rules():
         assert decode_gluon.serves(three, 1, 4, None, pairs)
         assert not decode_gluon.serves(three, 1, 4, None, pairs - 1)
         assert not decode_gluon.serves(two, 1, 4, None, pairs)
-        # too few pairs for planes, however long the body
+        # a single pair with a long enough body too (splits capped at one per SM)
         long3 = make_kv(Case(kb=3, vb=3, G=32, D=128, B=1, Hkv=1, body=1 << 16, res=0),
                         device="cpu")
-        few = decode_gluon.MIN_PAIRS_PLANES
-        assert decode_gluon.serves(long3, 1, 4, None, few)
-        assert not decode_gluon.serves(long3, 1, 4, None, few - 1)
+        assert decode_gluon.serves(long3, 1, 4, None, 1)
         for kb, vb, G in [(3, 3, 128), (3, 2, 32), (2, 3, 32), (3, 4, 64)]:
             other = make_kv(Case(kb=kb, vb=vb, G=G, D=128, B=1, Hkv=1, body=128, res=0),
                             device="cpu")

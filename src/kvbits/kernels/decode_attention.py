@@ -706,7 +706,11 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     BLOCK_M = min(64, max(16, _next_pow2(M)))
     m_tiles = _cdiv(M, BLOCK_M)
     G = kv.group_size
-    tile = tile_tokens or (DEFAULT_TILE_TOKENS if BLOCK_D <= 128 else DEFAULT_TILE_TOKENS // 2)
+    fp8 = bool(getattr(kv, "fp8", False))  # e4m3 body; k/v_scale [B, H, 1, 1] fp32, no zeros
+    # head dims past 128: half the tile (registers), except FP8 (one convert per element; at
+    # head_dim 256, 128 tokens per step ran 1.14-1.24x faster: few_pairs_sweep.log)
+    tile = tile_tokens or (DEFAULT_TILE_TOKENS if BLOCK_D <= 128 or fp8
+                           else DEFAULT_TILE_TOKENS // 2)
     GPT = max(1, tile // G)  # groups per loop step
     n_groups = kv.body_len // G
     bhm = B * Hkv * m_tiles
@@ -731,7 +735,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
         gluon = n_groups > 0 and decode_gluon.eligible(kv, Lq, HG, window)
     if gluon:
         splits = decode_gluon.split_count(
-            kv.body_len, req_splits or decode_gluon.body_splits(B * Hkv, kv.body_len, sms))
+            kv.body_len, req_splits or decode_gluon.body_splits(B * Hkv, kv.body_len, sms, D))
     BLOCK_FP = 64 if BLOCK_D <= 128 else 32
     n_fp = kv.sink_len + kv.res_len
     fp_splits = num_splits(bhm, _cdiv(n_fp, BLOCK_FP), sms) if n_fp else 0
@@ -747,7 +751,6 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     # D // Gs] per (token, Gs channels). KIVI: keys by channel, values by token.
     k_tok = getattr(kv, "key_axis", "channel") == "token"
     v_tok = getattr(kv, "value_axis", "token") == "token"
-    fp8 = bool(getattr(kv, "fp8", False))  # e4m3 body; k/v_scale [B, H, 1, 1] fp32, no zeros
     k_zero = kv.k_scale if kv.k_zero is None else kv.k_zero  # never read without zeros
     v_zero = kv.v_scale if kv.v_zero is None else kv.v_zero
     # KVQuant fields (absent ones are never read: q stands in for their pointers).

@@ -1260,10 +1260,6 @@ MIN_BODY_TOKENS = 1 << 18  # body tokens x (sequence, KV head) pairs
 # against 162 us), where the Triton kernel ran slower than FP16 SDPA (0.75-0.81x), and wins only
 # below that (Llama-3 batch 1 4k, 2^15 tokens: 17 against 21 us).
 MIN_BODY_TOKENS_PLANES = 1 << 16
-# ... and from 8 (sequence, KV head) pairs: with fewer the one-wave grid cuts each pair into
-# hundreds of 2-step programs (Qwen2.5-7B batch 1 32k, 4 pairs: 65 us here against 44 us through
-# Triton; decode_attention_other_models.md).
-MIN_PAIRS_PLANES = 8
 # At head dims other than 64 / 128 the Triton kernel is weaker and this one takes over earlier
 # (H200, graph time, benchmarks/results/small_batch_extra_dims.log): Phi-3-mini batch 1 4k
 # (~2^17 tokens x pairs) kivi-2 25 us here against 29 us, Gemma-2-9B batch 1 32k (~2^18) kivi-4
@@ -1274,8 +1270,6 @@ MIN_BODY_TOKENS_WIDE = 1 << 16
 def serves(kv, q_rows: int, heads_per_kv: int, window, batch_heads: int) -> bool:
     """:func:`eligible` and a step big enough for this kernel to be the faster one."""
     planes = kv.key_bits == 3 or kv.value_bits == 3
-    if planes and batch_heads < MIN_PAIRS_PLANES:
-        return False
     if planes:
         min_tokens = MIN_BODY_TOKENS_PLANES
     else:
@@ -1301,21 +1295,34 @@ MANY_PAIRS = 256
 MANY_PAIRS_PER_SM = 48
 
 
-def body_splits(batch_heads: int, body_len: int, sm_count: int) -> int:
+def body_splits(batch_heads: int, body_len: int, sm_count: int, head_dim: int = 128) -> int:
     """One-warp programs per (sequence, KV head), never more than there are 64-token steps.
 
     Large grids: 32 or 48 programs per SM (about eight are resident; the rest fill the tail;
     sweeps: ``benchmarks/gluon_sweep.py``, ``benchmarks/probes/decode_small_batch.py splits``).
     Small grids (few pairs, so many splits each): at most one wave of ~8 per SM, rounded down: a
     second wave of short programs costs a whole program's latency again, and every split adds a
-    partial to merge."""
+    partial to merge. Never more splits per pair than SMs, and at head dims past 128 (four
+    chunks: a longer prologue and epilogue per program) at least ``MIN_STEPS_WIDE`` steps per
+    program (``benchmarks/results/few_pairs_sweep.log``)."""
     steps = -(-body_len // STEP)
     if batch_heads < SMALL_GRID_PAIRS:
-        want = SMALL_GRID_PER_SM * sm_count // batch_heads
+        want = min(SMALL_GRID_PER_SM * sm_count // batch_heads, sm_count)
+        if head_dim > 128:
+            want = min(want, max(1, steps // MIN_STEPS_WIDE))
     else:
         per_sm = MANY_PAIRS_PER_SM if batch_heads >= MANY_PAIRS else LARGE_GRID_PER_SM
         want = -(-per_sm * sm_count // batch_heads)
     return max(1, min(want, steps))
+
+
+# H200, CUDA-graph time (benchmarks/probes/few_pairs_sweep.py): under 8 pairs the one-wave rule
+# gave each pair 2x the SM count of splits; one per SM is twice as fast (Qwen2.5-7B batch 1 32k,
+# 4 pairs, kivi-3: 34 us at 132 splits against 66 us at 264, Triton kernel 44 us; 128k: 74
+# against 95, Triton 132). Gemma-2-9B batch 1 32k (head_dim 256, 8 pairs, 512 steps): 64 splits
+# (8 steps each) against 132: kivi-2 61 against 81 us, kivi-4 80 against 94; kivi-3 105 against
+# 99 (the one loss).
+MIN_STEPS_WIDE = 8
 
 
 # Register cap for ptxas (0: ptxas chooses; caps measured slower: spills). Read once at import:
