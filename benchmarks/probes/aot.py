@@ -6,7 +6,8 @@
 ``cuobjdump`` that ships in Triton's wheel. ``python benchmarks/probes/aot.py`` summarises the
 decode kernel at a few configurations; ``AOT_SET=kvquant`` (env) instead compares KVQuant layers
 (codebooks, outliers, pre-RoPE keys; 3 bits, D=128, tile 128) with plain KIVI, adding the size of
-the largest loop (the body loop: warp-instructions per tile step)."""
+the largest loop (the body loop: warp-instructions per tile step). ``SOFTCAP=1`` compiles the
+default set with Gemma2's logit softcapping."""
 import collections
 import importlib
 import os
@@ -22,6 +23,11 @@ da = importlib.import_module(os.environ.get('DA', 'kvbits.kernels.decode_attenti
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
 
 def compile_kernel(fn, signature, constexprs, num_warps=4, num_stages=2):
+    import inspect
+    # constexpr parameters with defaults (e.g. SOFTCAP) that the caller does not set
+    constexprs = {**{k: p.default for k, p in inspect.signature(fn.fn).parameters.items()
+                     if "constexpr" in str(p.annotation) and p.default is not p.empty},
+                  **constexprs}
     sig = {**signature, **{k: "constexpr" for k in constexprs}}
     names = fn.arg_names
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items()
@@ -45,7 +51,7 @@ def summarize(c, label):
 
 SIG = {"LenTab": "*i32", "KCB": "*fp32", "VCB": "*fp32", "KOI": "*u8", "KOV": "*fp16", "VOI": "*u8", "VOV": "*fp16", "InvFreq": "*fp32", "RopeTable": "*fp16", "kout_cap": "i32", "vout_cap": "i32"} | {n: "*fp16" for n in ["Q"]} | {"Out": "*fp32", "Lse": "*fp32"} | {n: "*fp16" for n in ["SinkK","SinkV","ResK","ResV"]} \
     | {"KC": "*i32", "KS": "*fp16", "KZ": "*fp16", "VC": "*i32", "VS": "*fp16", "VZ": "*fp16", "Starts": "*i32", "Lens": "*i32",
-       "qk_scale": "fp32", "window": "i32"} | {n: "i32" for n in ["sink_len","body_len","res_len","sink_cap","res_cap","kc_cap","ks_slice","vc_cap","vs_slice",
+       "qk_scale": "fp32", "window": "i32", "softcap": "fp32"} | {n: "i32" for n in ["sink_len","body_len","res_len","sink_cap","res_cap","kc_cap","ks_slice","vc_cap","vs_slice",
        "Hkv","Lq","m_tiles","n_body_splits","groups_per_split","fp_per_split","split0","n_out"]}
 
 def loop_size(sass):
@@ -87,7 +93,8 @@ if __name__ == "__main__":
                   GK=32, GV=32, K_PER_TOKEN=False, V_PER_TOKEN=True,
                   BLOCK_FP=64 if D <= 128 else 32, HAS_WINDOW=False, EVEN_D=True, USE_PRMT=True,
                   FP8=False, HAS_STARTS=True, HAS_LENS=True, K_CB=False, V_CB=False, K_OUT=0,
-                  V_OUT=0, PRE_ROPE=False, LENS_DEV=False)
+                  V_OUT=0, PRE_ROPE=False, LENS_DEV=False,
+                  SOFTCAP=os.environ.get("SOFTCAP") == "1")  # Gemma2's capped scores
         c = compile_kernel(da._decode_kernel, sig, cx, num_warps=warps,
                            num_stages=2 if D <= 128 else 1)
-        summarize(c, f"bits={bits} tile={tile} warps={warps} D={D}")
+        summarize(c, f"bits={bits} tile={tile} warps={warps} D={D} softcap={cx['SOFTCAP']}")

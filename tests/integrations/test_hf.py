@@ -242,16 +242,28 @@ def test_padding_starts_from_mask():
         padding_starts(right, B, L, "cpu")
 
 
-def test_softcap_not_supported():
-    q = torch.zeros(1, 2, 1, 8)
-    k = torch.zeros(1, 2, 1, 8)
-    with pytest.raises(NotImplementedError, match="softcap"):
-        kvbits_attention_forward(torch.nn.Module(), q, k, k, None, softcap=50.0)
+def test_softcap_without_cache_is_eager_attention():
+    """Tensors of another cache with ``softcap`` (Gemma2): the capped eager attention, GQA and
+    the causal mask included (SDPA has no cap); the scale 3 makes the cap bite."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, 5, 8, generator=g) for h in (4, 2, 2))
+    out, _ = kvbits_attention_forward(torch.nn.Module(), q, k, v, None, scaling=3.0,
+                                      softcap=2.0)
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    s = 2.0 * torch.tanh(q @ kk.transpose(2, 3) * 3.0 / 2.0)
+    s = s.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), -torch.inf)
+    want = (s.softmax(-1) @ vv).transpose(1, 2)
+    torch.testing.assert_close(out, want)
+    s = (q @ kk.transpose(2, 3) * 3.0).masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(),
+                                                    -torch.inf)
+    assert ((s.softmax(-1) @ vv).transpose(1, 2) - want).abs().max() > 1e-2  # the cap bites
 
 
 # ------------------------------------------------------------- tiny random models (CPU, CUDA)
 def tiny_model(arch: str, device="cpu", dtype=torch.float32):
-    """A randomly initialised model: Llama with GQA, or Gemma3 with 16-token sliding layers."""
+    """A randomly initialised model: Llama with GQA, Gemma3 with 16-token sliding layers, or
+    Gemma2 (sliding and full layers in turn, attention logits capped at 0.05, so the cap
+    changes the logits by ~0.2)."""
     torch.manual_seed(0)
     if arch == "llama":
         from transformers import LlamaForCausalLM
@@ -259,6 +271,14 @@ def tiny_model(arch: str, device="cpu", dtype=torch.float32):
         model = LlamaForCausalLM(tiny_config(vocab_size=256, hidden_size=384, num_hidden_layers=3,
                                              num_attention_heads=6, num_key_value_heads=2,
                                              head_dim=64, intermediate_size=512))
+    elif arch == "gemma2":
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        model = Gemma2ForCausalLM(Gemma2Config(
+            vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"] * 2, query_pre_attn_scalar=64,
+            attn_logit_softcapping=0.05, final_logit_softcapping=30.0))
     else:
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -287,7 +307,7 @@ def padded_batch(device, length=48, pad=8):
     return x, mask
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gemma2"])
 def test_tiny_model_stepwise_equals_full_forward(arch):
     """fp16 spec, left padding, sliding window 16 < 48 tokens: the decode path == one forward."""
     model = tiny_model(arch)
@@ -303,7 +323,7 @@ def test_tiny_model_stepwise_equals_full_forward(arch):
 
 
 @pytest.mark.parametrize("chunk", [5, 19, 64])
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gemma2"])
 def test_chunks_see_what_generation_sees(arch, chunk):
     """kivi-2 with R=8, G=32: feeding new tokens in chunks gives the logits of feeding them one
     at a time (every row sees the quantized/FP16 split of its own decode step).
@@ -334,7 +354,7 @@ def test_chunks_see_what_generation_sees(arch, chunk):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gemma2"])
 def test_cuda_kernels_in_model_match_reference(arch, monkeypatch):
     """On CUDA the cache runs the Triton kernels: same logits as the PyTorch reference ops."""
     model = tiny_model(arch, "cuda", torch.float16)

@@ -42,7 +42,9 @@ Known limits
 ------------
 * Sliding-window layers (Gemma3, Mistral-style) keep *all* tokens: the window is applied by
   masking, so such layers cost the full history in memory instead of ``window`` tokens.
-* Attention-logit softcapping (Gemma2) is not supported (``NotImplementedError``).
+* Attention-logit softcapping (Gemma2): the prompt step runs an eager attention with the cap
+  (SDPA has none; it builds the ``[B, H, Lq, Lk]`` scores), decode caps the scores inside the
+  Triton kernel's softmax; the Gluon body has no cap, so such layers decode on the Triton kernel.
 * Layer types other than full and sliding attention (chunked, linear/SSM, KV sharing) are rejected.
 * Not ``torch.compile``-able (``is_compileable`` is False). CUDA graphs instead:
   :meth:`KVBitsCache.begin_device_lengths` (lengths on the device, fixed-size flushes) makes
@@ -480,14 +482,11 @@ def kvbits_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                              dropout: float = 0.0, scaling: float | None = None,
                              is_causal: bool | None = None, **kwargs):
     """The ``"kvbits"`` attention: ``query [B, Hq, Lq, D]`` -> ``([B, Lq, Hq, D], None)``."""
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError(
-            "kvbits attention does not support attention-logit softcapping (softcap="
-            f"{kwargs['softcap']}); use a model without it or another attn_implementation")
+    softcap = kwargs.get("softcap")
     tag = getattr(key, "_kvbits", None)
     if tag is None:  # not a KVBitsCache tensor (no cache, DynamicCache, slow path)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
+        return _full_precision_attention(module, query, key, value, attention_mask, dropout,
+                                         scaling, is_causal, **kwargs)
     layer: KVBitsLayer = tag.layer
     store = layer.store
     layer._attended = True
@@ -496,8 +495,8 @@ def kvbits_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         store.set_padding(padding_starts(attention_mask, B, key.shape[2], query.device))
         if store.inv_freq is not None:
             _check_positions(store, kwargs.get("position_ids"), query.shape[2])
-        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                     scaling=scaling, is_causal=is_causal, **kwargs)
+        out = _full_precision_attention(module, query, key, value, attention_mask, dropout,
+                                        scaling, is_causal, **kwargs)
         store.flush()  # the prompt is quantized in one call, padding excluded
         return out
     window = kwargs.get("sliding_window")
@@ -506,11 +505,49 @@ def kvbits_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     if tag.device:
         out = ops.decode_attention(store.rotate_query(query), store.view_dev(), scale=scale,
-                                   starts=store.starts, window=window, lens_dev=store.lens_dev)
+                                   starts=store.starts, window=window, lens_dev=store.lens_dev,
+                                   softcap=softcap)
     else:
         if store.inv_freq is not None:
             _check_positions(store, kwargs.get("position_ids"), query.shape[2])
-        out = _attend_as_generated(query, store, scale, window)
+        out = _attend_as_generated(query, store, scale, window, softcap)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _full_precision_attention(module, query, key, value, attention_mask, dropout, scaling,
+                              is_causal, **kwargs):
+    """Attention over full-precision K/V (the prompt step, or tensors of another cache):
+    transformers' SDPA path, or with ``softcap`` (Gemma2) the eager form, which caps the scores
+    before the mask (SDPA cannot)."""
+    softcap = kwargs.get("softcap")
+    if softcap is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    hq, hkv = query.shape[1], key.shape[1]
+    key = key.repeat_interleave(hq // hkv, dim=1)
+    value = value.repeat_interleave(hq // hkv, dim=1)
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    scores = torch.matmul(query.float(), key.float().transpose(2, 3)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    lq, lk = scores.shape[-2:]
+    if attention_mask is not None:
+        mask = attention_mask[..., :lk]
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, -torch.inf)
+        else:
+            scores = scores + mask.float()
+    else:  # SDPA's causal fast path: no mask tensor, the prompt's rows end at the last key
+        row = torch.arange(lq, device=query.device)[:, None] + (lk - lq)
+        col = torch.arange(lk, device=query.device)[None, :]
+        see = col <= row
+        window = kwargs.get("sliding_window")
+        if window is not None:
+            see &= col > row - window
+        scores = scores.masked_fill(~see, -torch.inf)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    if dropout and module.training:
+        probs = torch.nn.functional.dropout(probs, p=dropout)
+    out = torch.matmul(probs.to(value.dtype), value)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -539,7 +576,8 @@ def _check_positions(store, position_ids, q_len: int) -> None:
             "position ids")
 
 
-def _attend_as_generated(query: torch.Tensor, store, scale: float, window) -> torch.Tensor:
+def _attend_as_generated(query: torch.Tensor, store, scale: float, window,
+                         softcap: float | None = None) -> torch.Tensor:
     """Attention of ``Lq`` new rows over the store, each row seeing exactly the quantized / FP16
     split it would see if the tokens had been generated one at a time.
 
@@ -554,7 +592,7 @@ def _attend_as_generated(query: torch.Tensor, store, scale: float, window) -> to
     if lq == 1 or not spec.quantized:
         store.flush()
         return ops.decode_attention(query, store.view(), scale=scale, starts=store.starts,
-                                    window=window)
+                                    window=window, softcap=softcap)
     first = total - lq  # tokens before the first new row
     outs, i0 = [], 0
     while i0 < lq:
@@ -562,7 +600,8 @@ def _attend_as_generated(query: torch.Tensor, store, scale: float, window) -> to
         next_flush = store.sink_len + store.body_len + spec.residual_length + spec.group_size
         i1 = min(lq, next_flush - first - 1)
         outs.append(ops.decode_attention(query[:, :, i0:i1], store.view(), scale=scale,
-                                         starts=store.starts, lengths=first + i1, window=window))
+                                         starts=store.starts, lengths=first + i1, window=window,
+                                         softcap=softcap))
         i0 = i1
     store.flush()
     return torch.cat(outs, dim=2)

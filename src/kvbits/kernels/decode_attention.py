@@ -31,11 +31,17 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _softmax_step(s, m_i, l_i):
+def _softmax_step(s, m_i, l_i, softcap, SOFTCAP: tl.constexpr):
     """Online-softmax bookkeeping for base-2 scores ``s [M, N]`` (-inf where masked).
 
     Returns the probabilities, the factor that rescales earlier partial sums, and the new max
-    and sum. A row that has seen nothing keeps max -inf and sum 0 (no NaN)."""
+    and sum. A row that has seen nothing keeps max -inf and sum 0 (no NaN). With ``SOFTCAP``
+    the scores are first capped (Gemma2): ``softcap * tanh(score / softcap)`` in natural units,
+    i.e. ``softcap * log2(e) * tanh(s / (softcap * log2(e)))`` here, with ``tanh(u) = 1 - 2 /
+    (1 + e^(2u))`` (exact at both infinities; masked scores stay -inf)."""
+    if SOFTCAP:
+        t = 1.0 - 2.0 / (1.0 + tl.exp2(tl.minimum(s * (2.0 / softcap), 64.0)))  # no overflow
+        s = tl.where(s == float("-inf"), s, (softcap * 1.4426950408889634) * t)  # log2(e)
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
@@ -391,7 +397,8 @@ def _codes_to_f16(c, USE_PRMT: tl.constexpr):
 
 @triton.jit
 def _attend_fp16(q, k_base, v_base, lo, hi, pos0, pos, start, length, window, m_i, l_i, acc,
-                 offs_d, d_ok, D: tl.constexpr, BLOCK_FP: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                 offs_d, d_ok, softcap, D: tl.constexpr, BLOCK_FP: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     """Online-softmax attention over FP16 rows ``[lo, hi)`` of one (sequence, head) slice whose
     first row sits at position ``pos0`` (sink: 0; residual: after the body)."""
     for i0 in range(lo, hi, BLOCK_FP):
@@ -402,7 +409,7 @@ def _attend_fp16(q, k_base, v_base, lo, hi, pos0, pos, start, length, window, m_
         sc = tl.dot(q, kT.to(q.dtype))  # [M, BLOCK_FP]
         vis = _visible(pos0 + offs_i, pos, start, length, window, HAS_WINDOW)
         sc = tl.where(vis & i_ok[None, :], sc, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
+        p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, softcap, SOFTCAP)
         v = tl.load(v_base + offs_i[:, None] * D + offs_d[None, :],
                     mask=i_ok[:, None] & d_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
@@ -444,7 +451,7 @@ def _decode_kernel(
     KC, KS, KZ, VC, VS, VZ,
     KCB, VCB, KOI, KOV, VOI, VOV, InvFreq, RopeTable,
     Starts, Lens, LenTab,
-    qk_scale, window,
+    qk_scale, window, softcap,
     sink_len, body_len, res_len,
     sink_cap, res_cap, kc_cap, ks_slice, vc_cap, vs_slice, kout_cap, vout_cap,
     Hkv, Lq, m_tiles, n_body_splits, groups_per_split, fp_per_split, split0, n_out,
@@ -454,7 +461,7 @@ def _decode_kernel(
     BLOCK_FP: tl.constexpr, HAS_WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
     USE_PRMT: tl.constexpr, FP8: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_LENS: tl.constexpr,
     K_CB: tl.constexpr, V_CB: tl.constexpr, K_OUT: tl.constexpr, V_OUT: tl.constexpr,
-    PRE_ROPE: tl.constexpr, LENS_DEV: tl.constexpr,
+    PRE_ROPE: tl.constexpr, LENS_DEV: tl.constexpr, SOFTCAP: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     if LENS_DEV:  # (sink, body, residual) lengths on the device; the ints are only bounds
@@ -557,7 +564,7 @@ def _decode_kernel(
             if edge:
                 vis = _visible(sink_len + offs_t, pos, start, length, window, HAS_WINDOW)
                 sc = tl.where(vis & (offs_t < g_hi * G)[None, :], sc, float("-inf"))
-            p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
+            p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, softcap, SOFTCAP)
             if FP8:  # the value multiplier scales the finished partial output instead
                 v = _fp8_tile(vc_base, offs_t, g_hi, offs_d, d_ok, G, D, EVEN_D)
             else:
@@ -573,11 +580,12 @@ def _decode_kernel(
         i_hi = tl.minimum(i_lo + fp_per_split, sink_len + res_len)
         m_i, l_i, acc = _attend_fp16(q, SinkK + bh64 * sink_cap * D, SinkV + bh64 * sink_cap * D,
                                      i_lo, tl.minimum(i_hi, sink_len), 0, pos, start, length,
-                                     window, m_i, l_i, acc, offs_d, d_ok, D, BLOCK_FP, HAS_WINDOW)
+                                     window, m_i, l_i, acc, offs_d, d_ok, softcap, D, BLOCK_FP,
+                                     HAS_WINDOW, SOFTCAP)
         m_i, l_i, acc = _attend_fp16(q, ResK + bh64 * res_cap * D, ResV + bh64 * res_cap * D,
                                      tl.maximum(i_lo, sink_len) - sink_len, i_hi - sink_len,
                                      sink_len + body_len, pos, start, length, window, m_i, l_i,
-                                     acc, offs_d, d_ok, D, BLOCK_FP, HAS_WINDOW)
+                                     acc, offs_d, d_ok, softcap, D, BLOCK_FP, HAS_WINDOW, SOFTCAP)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     if FP8:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if split < n_body_splits:
@@ -659,7 +667,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
                      window: int | None = None, splits: int | None = None,
                      num_warps: int | None = None, tile_tokens: int | None = None,
                      prmt: bool | None = None, gluon: bool | None = None,
-                     lens_dev: torch.Tensor | None = None) -> torch.Tensor:
+                     lens_dev: torch.Tensor | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """Attention of ``q [B, Hq, Lq, D]`` over a packed layer (rules of the reference op).
 
     ``starts``/``lengths``: optional ``[B]`` int tensors (first visible position; sequence end).
@@ -673,6 +682,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     ``lens_dev``: int32 ``[3]`` on the device, the layer's true (sink, body, residual) lengths,
     read by both kernels; ``kv``'s lengths are then upper bounds that only set the launch
     geometry, so one launch (one CUDA graph) serves many decode steps.
+    ``softcap``: attention-logit softcapping (Gemma2; scores ``softcap * tanh(s / softcap)``),
+    applied in this kernel's online softmax; the Gluon body has none, so such layers stay here.
     """
     B, Hq, Lq, D = q.shape
     Hkv = kv.kv_heads
@@ -728,6 +739,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
                                  or lens_dev.device != dev):
         raise ValueError("decode_attention: lens_dev must be an int32 [3] tensor (sink, body, "
                          f"residual lengths) on {dev}")
+    if softcap is not None:  # the Gluon body does not cap its scores
+        gluon = False
     if gluon is None:  # where PTX runs, for layers and batches where it is the faster kernel
         gluon = (use_prmt and GLUON_ENABLED and n_groups > 0
                  and decode_gluon.serves(kv, Lq, HG, window, B * Hkv))
@@ -783,6 +796,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
             _rope_table(inv_freq, GPT * G) if inv_freq is not None else q,
             starts, lengths, lens_dev if lens_dev is not None else q,
             scale * LOG2E, int(window) if window is not None else 0,
+            float(softcap) if softcap is not None else 1.0,
             kv.sink_len, kv.body_len, kv.res_len,
             kv.sink_k.shape[2], kv.res_k.shape[2], kv.k_codes.shape[2],
             kv.k_scale.shape[2] * kv.k_scale.shape[3], kv.v_codes.shape[2],
@@ -800,7 +814,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
             K_OUT=koi.shape[3] if koi is not None else 0,
             V_OUT=voi.shape[3] if voi is not None else 0,
             PRE_ROPE=inv_freq is not None, LENS_DEV=lens_dev is not None,
-            num_warps=num_warps or DEFAULT_WARPS, num_stages=2 if BLOCK_D <= 128 else 1,
+            SOFTCAP=softcap is not None, num_warps=num_warps or DEFAULT_WARPS, num_stages=2 if BLOCK_D <= 128 else 1,
         )
     o = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=dev)
     _merge_kernel[(B * Hq * Lq,)](out, lse, o, n_total, D=D, BLOCK_D=BLOCK_D,

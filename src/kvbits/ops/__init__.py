@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -58,8 +59,8 @@ def kernel_reads(kv: PackedKV) -> bool:
 
 
 def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None, lengths=None,
-                     window: int | None = None,
-                     lens_dev: torch.Tensor | None = None) -> torch.Tensor:
+                     window: int | None = None, lens_dev: torch.Tensor | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """Attention of ``q [B, Hq, Lq, D]`` over a packed layer; see the reference for the rules.
 
     The fused kernel reads KIVI, uniform (scales on either axis), FP8 and KVQuant layers
@@ -68,11 +69,15 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     layers are plain: the caller passes rotated queries. ``lens_dev`` (kernels only): the true
     int32 (sink, body, residual) lengths on the device, ``kv``'s being bounds
     (:meth:`kvbits.cache.store.LayerStore.view_dev`); the reference path ignores it (there the
-    view's host lengths are the true ones).
+    view's host lengths are the true ones). ``softcap``: attention-logit softcapping (Gemma2),
+    a positive number or None.
     """
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"decode_attention: softcap must be a positive finite number or None, "
+                         f"got {softcap!r}")
     if use_kernels(q) and kernel_reads(kv):
         from ..kernels.decode_attention import decode_attention as kernel
         return kernel(q, kv, scale=scale, starts=starts, lengths=lengths, window=window,
-                      lens_dev=lens_dev)
+                      lens_dev=lens_dev, softcap=softcap)
     return _ref_attention.decode_attention(q, kv, scale=scale, starts=starts, lengths=lengths,
-                                           window=window)
+                                           window=window, softcap=softcap)

@@ -113,14 +113,19 @@ def attention_mask(batch: int, q_len: int, total: int, device, starts=None, leng
 
 
 def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None, lengths=None,
-                     window: int | None = None) -> torch.Tensor:
-    """Attention of ``q [B, Hq, Lq, D]`` over the packed layer; returns ``[B, Hq, Lq, D]``."""
+                     window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Attention of ``q [B, Hq, Lq, D]`` over the packed layer; returns ``[B, Hq, Lq, D]``.
+
+    ``softcap`` (Gemma2's attention-logit softcapping): scores become ``softcap * tanh(scores /
+    softcap)`` before the mask and the softmax."""
     B, Hq, Lq, D = q.shape
     keys, values = dequantize_layer(kv, starts=None if starts is None else
                                     _per_seq(starts, B, 0, q.device))  # [B, Hkv, T, D]
     Hkv = kv.kv_heads
     qg = q.float().reshape(B, Hkv, Hq // Hkv, Lq, D)  # query head h reads KV head h // group
     scores = torch.einsum("bhgqd,bhtd->bhgqt", qg, keys) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     mask = attention_mask(B, Lq, keys.shape[2], q.device, starts, lengths, window)[:, None, None]
     scores = scores.masked_fill(~mask, -torch.inf)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows that see nothing -> zeros

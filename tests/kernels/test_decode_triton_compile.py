@@ -1,0 +1,56 @@
+"""The Triton decode kernel compiled for sm_90 on the CPU (no GPU needed; Triton ships ptxas).
+
+CI runs this kernel under Triton's interpreter, which accepts things the GPU compiler refuses (a
+Python global read inside the kernel, an op the NVIDIA backend lacks). Compiling the variants
+that no GPU has run yet catches those; numerics are the interpreter's tests. The compile runs in
+a child process, outside the interpreter mode this one may be in.
+"""
+
+from __future__ import annotations
+
+CHILD = r'''
+import inspect, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from kvbits.kernels import decode_attention as da
+fn = da._decode_kernel
+params = inspect.signature(fn.fn).parameters
+PTRS = {"Out": "*fp32", "Lse": "*fp32", "KC": "*i32", "VC": "*i32", "Starts": "*i32",
+        "Lens": "*i32", "LenTab": "*i32", "KCB": "*fp32", "VCB": "*fp32", "KOI": "*u8",
+        "VOI": "*u8", "InvFreq": "*fp32", "RopeTable": "*fp16"}
+FP16_PTRS = ("Q", "SinkK", "SinkV", "ResK", "ResV", "KS", "KZ", "VS", "VZ", "KOV", "VOV")
+sig = {}
+for name, p in params.items():
+    if "constexpr" in str(p.annotation):
+        continue
+    sig[name] = (PTRS.get(name) or ("*fp16" if name in FP16_PTRS else None)
+                 or ("fp32" if name in ("qk_scale", "softcap") else "i32"))
+out = []
+for cx in json.loads(sys.argv[1]):
+    cx = {k: p.default for k, p in params.items()
+          if "constexpr" in str(p.annotation) and p.default is not p.empty} | cx
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items()
+             if v.startswith("*") or k.endswith(("_cap", "_slice"))}
+    src = triton.compiler.ASTSource(fn=fn, signature={**sig, **dict.fromkeys(cx, "constexpr")},
+                                    constexprs=cx, attrs=attrs)
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "num_stages": 2 if cx["D"] <= 128 else 1})
+    out.append({"cubin": len(c.asm["cubin"]), "shared": c.metadata.shared})
+print(json.dumps(out))
+'''
+
+BASE = {"HG": 4, "D": 128, "BLOCK_D": 128, "BLOCK_M": 16, "KBITS": 2, "VBITS": 2, "G": 32,
+        "GPT": 4, "GK": 32, "GV": 32, "K_PER_TOKEN": False, "V_PER_TOKEN": True, "BLOCK_FP": 64,
+        "HAS_WINDOW": False, "EVEN_D": True, "USE_PRMT": True, "FP8": False, "HAS_STARTS": True,
+        "HAS_LENS": True, "K_CB": False, "V_CB": False, "K_OUT": 0, "V_OUT": 0,
+        "PRE_ROPE": False, "LENS_DEV": False}
+CONFIGS = [
+    {**BASE, "SOFTCAP": True, "HAS_WINDOW": True},  # Gemma2: capped scores, sliding layers
+    # FP8 at head_dim 256 with 128-token tiles (its default there)
+    {**BASE, "D": 256, "BLOCK_D": 256, "KBITS": 8, "VBITS": 8, "FP8": True, "BLOCK_FP": 32},
+]
+
+
+def test_decode_kernel_variants_compile_for_sm90(compile_sm90):
+    for cx, r in zip(CONFIGS, compile_sm90(CHILD, CONFIGS)):
+        assert r["cubin"] > 0 and r["shared"] <= 228 * 1024, (cx, r)
