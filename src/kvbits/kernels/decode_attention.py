@@ -814,7 +814,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
             K_OUT=koi.shape[3] if koi is not None else 0,
             V_OUT=voi.shape[3] if voi is not None else 0,
             PRE_ROPE=inv_freq is not None, LENS_DEV=lens_dev is not None,
-            SOFTCAP=softcap is not None, num_warps=num_warps or DEFAULT_WARPS, num_stages=2 if BLOCK_D <= 128 else 1,
+            SOFTCAP=softcap is not None,
+            num_warps=num_warps or DEFAULT_WARPS, num_stages=2 if BLOCK_D <= 128 else 1,
         )
     o = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=dev)
     _merge_kernel[(B * Hq * Lq,)](out, lse, o, n_total, D=D, BLOCK_D=BLOCK_D,

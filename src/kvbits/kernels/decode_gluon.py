@@ -27,7 +27,8 @@ fragment pair (tokens e = 0, 1 of one channel) is one mask of one word: both hal
 Only the KIVI layout family is served here (keys scaled per channel over G tokens, values per
 token over GV channels, key/value bits of 2 or 4, one query row per sequence, no sliding window,
 head_dim 64 or 128 as two channel chunks, with ``EXTRA_HEAD_DIMS`` also 96, 192 and 256 as three
-or four: ``head_chunks``, chunks past the second loaded only after the first two's MMAs); :func:`eligible` says which layers, the Triton kernel does the rest.
+or four: ``head_chunks``, chunks past the second loaded only after the first two's MMAs);
+:func:`eligible` says which layers, the Triton kernel does the rest.
 Different key and value widths (``MIXED_BITS``) permute P's rows between
 the two token orders, which differ only by a permutation of the row index's six bits. 3-bit
 layers (bit planes; ``PLANES3``) use their own token order (``_tok3``),
@@ -1196,9 +1197,10 @@ PLANES3 = _PLANES3_ENV == "1"
 
 # Head dims past 64/128 as more channel chunks (head_chunks): 96 (Phi-3-style) as three of 32,
 # 192 as three of 64, 256 (Gemma-style) as four of 64, for KIVI layers with keys per channel
-# (2, 4 and 3 bits, KVQuant codebooks too). Written after the Triton kernel measured 0.8-1.5x flash SDPA on Phi-3-mini
-# and Gemma-2-9B shapes (decode_attention_other_models.md); verified on the H200 in session 16
-# (its GPU tests against the reference, 8 of 8) and faster there in graph time: Gemma-2-9B B=8
+# (2, 4 and 3 bits, KVQuant codebooks too). Written after the Triton kernel measured 0.8-1.5x
+# flash SDPA on Phi-3-mini and Gemma-2-9B shapes (decode_attention_other_models.md); verified on
+# the H200 in session 16 (its GPU tests against the reference: 8 of 8 at 2/4 bits, 6 of 6 for the
+# 3-bit planes there) and faster there in graph time: Gemma-2-9B B=8
 # 32k kivi-2 270 us against 522 us through the Triton kernel, Phi-3-mini B=8 32k 459 against 918,
 # B=1 32k 74 against 131 (decode_attention_extra_dims.md). KVBITS_GLUON_EXTRA_DIMS=0 sends
 # those layers to the Triton kernel.
