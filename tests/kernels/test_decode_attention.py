@@ -973,7 +973,8 @@ def test_gluon_tma_inside_cuda_graph(bits, monkeypatch):
 @pytest.mark.parametrize("var, module, allowed", [
     ("KVBITS_GLUON_TMA", "decode_gluon_tma", "'auto', '0' or '1'"),
     ("KVBITS_GLUON_3BIT", "decode_gluon", "'0' or '1'"),
-    ("KVBITS_GLUON_EXTRA_DIMS", "decode_gluon", "'0' or '1'")])
+    ("KVBITS_GLUON_EXTRA_DIMS", "decode_gluon", "'0' or '1'"),
+    ("KVBITS_GLUON_TOKEN_KEYS_WIDE", "decode_gluon", "'0' or '1'")])
 def test_gluon_env_switches_are_checked(var, module, allowed):
     """A mistyped Gluon switch is refused at import, naming the variable and its values."""
     import subprocess
@@ -1200,7 +1201,10 @@ def test_gluon_store_built_layer(preset):
 GLUON_TOKEN_KEY_CASES = [
     Case(kb=b, vb=b, G=G, D=D, B=2, Hkv=2, HG=HG, S=1, body=G * 19, res=24,
          lengths=(1 + G * 19 + 24, 1 + G * 19 - 5), starts=(0, 3), seed=b * G + HG)
-    for b, G, D, HG in [(4, 64, 128, 4), (2, 64, 128, 1), (2, 32, 64, 8), (4, 128, 128, 16)]
+    for b, G, D, HG in [(4, 64, 128, 4), (2, 64, 128, 1), (2, 32, 64, 8), (4, 128, 128, 16),
+                        # head dims 256 / 96: one key group per 64- / 32-channel chunk
+                        # (decode_gluon.TOKEN_KEYS_WIDE)
+                        (4, 64, 256, 2), (2, 32, 96, 3)]
 ]
 
 
@@ -1211,6 +1215,8 @@ def test_gluon_body_token_keys(c, monkeypatch):
     """The uniform method's layout (keys and values scaled per token) through the Gluon body."""
     from kvbits.kernels import decode_gluon
     monkeypatch.setattr(decode_gluon, "TOKEN_KEYS", True)
+    monkeypatch.setattr(decode_gluon, "TOKEN_KEYS_WIDE", True)
+    monkeypatch.setattr(decode_gluon, "EXTRA_HEAD_DIMS", True)
     serve_small(monkeypatch, decode_gluon)
     kv = _axes_kv(c, "token", "token")
     assert decode_gluon.eligible(kv, 1, c.HG, None)
@@ -1229,6 +1235,13 @@ def test_gluon_token_keys_need_the_flag(monkeypatch):
     assert decode_gluon.eligible(kv, 1, c.HG, None)
     narrow = _axes_kv(c._replace(body=c.G * 3, G=32, D=128), "token", "token", device="cpu")
     assert not decode_gluon.eligible(narrow, 1, c.HG, None)  # 32-channel key groups: Triton
+    # head_dim 256 (four 64-channel chunks, one 64-channel key group each) only with the flag
+    wide = _axes_kv(c._replace(body=c.G * 3, D=256), "token", "token", device="cpu")
+    monkeypatch.setattr(decode_gluon, "EXTRA_HEAD_DIMS", True)
+    monkeypatch.setattr(decode_gluon, "TOKEN_KEYS_WIDE", False)
+    assert not decode_gluon.eligible(wide, 1, c.HG, None)
+    monkeypatch.setattr(decode_gluon, "TOKEN_KEYS_WIDE", True)
+    assert decode_gluon.eligible(wide, 1, c.HG, None)
 
 
 GLUON_MIXED_CASES = [

@@ -64,6 +64,9 @@ CONFIGS = [
     {**BASE, "D": 256, "KBITS": 4, "VBITS": 4, "G": 64, "GV": 64, "GK": 64},
     {**BASE, "HG": 8, "D": 96, "KBITS": 4, "VBITS": 4},
     {**BASE, "HG": 3, "D": 96, "KBITS": 3, "VBITS": 3, "CB": True},  # planes in a third chunk
+    # keys per token at head_dim 256 (TOKEN_KEYS_WIDE): one 64-channel key group per chunk
+    {**BASE, "HG": 2, "D": 256, "KBITS": 4, "VBITS": 4, "G": 64, "GV": 64, "GK": 64,
+     "K_TOK": True},
     {**BASE, "KBITS": 4, "PF": 0, "PF_AFTER": False},  # K4V2 (mixed widths; last, no prefetch)
 ]
 

@@ -1208,6 +1208,15 @@ _EXTRA_DIMS_ENV = os.environ.get("KVBITS_GLUON_EXTRA_DIMS", "1")
 if _EXTRA_DIMS_ENV not in ("0", "1"):
     raise ValueError(f"KVBITS_GLUON_EXTRA_DIMS must be '0' or '1', got {_EXTRA_DIMS_ENV!r}")
 EXTRA_HEAD_DIMS = _EXTRA_DIMS_ENV == "1"
+# ... and there keys scaled per token (the uniform method: one scale group per chunk, e.g.
+# uniform-int4's 64 channels at head_dim 256), where the Triton kernel ran 0.95x flash SDPA
+# (Gemma-2-9B batch 8, Phi-3-mini batch 1). Compiled for sm_90 (session 16), not yet run on a
+# GPU: off until it is (KVBITS_GLUON_TOKEN_KEYS_WIDE=1 turns it on).
+_TOKEN_KEYS_WIDE_ENV = os.environ.get("KVBITS_GLUON_TOKEN_KEYS_WIDE", "0")
+if _TOKEN_KEYS_WIDE_ENV not in ("0", "1"):
+    raise ValueError("KVBITS_GLUON_TOKEN_KEYS_WIDE must be '0' or '1', got "
+                     f"{_TOKEN_KEYS_WIDE_ENV!r}")
+TOKEN_KEYS_WIDE = _TOKEN_KEYS_WIDE_ENV == "1"
 
 
 def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
@@ -1233,8 +1242,9 @@ def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
     D = kv.res_k.shape[-1]
     G, GV = kv.group_size, kv.value_group
     key_axis = getattr(kv, "key_axis", "channel")
+    # keys per token: at most one scale group per channel chunk (the chunk broadcasts it)
     keys_ok = key_axis == "channel" or (TOKEN_KEYS and key_axis == "token"
-                                        and kv.k_scale.shape[3] <= 2)
+                                        and kv.k_scale.shape[3] <= head_chunks(D))
     if kv.key_bits == 3 or kv.value_bits == 3:  # bit planes: equal widths, G 32 or 64
         bits_ok = (PLANES3 and kv.key_bits == kv.value_bits and G in (32, 64)
                    and key_axis == "channel")
@@ -1242,7 +1252,7 @@ def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
         bits_ok = (kv.key_bits in (2, 4) and kv.value_bits in (2, 4)
                    and (kv.key_bits == kv.value_bits or (MIXED_BITS and G <= 64)))
     dims_ok = D in (64, 128) or (D in (96, 192, 256) and EXTRA_HEAD_DIMS
-                                 and key_axis == "channel")
+                                 and (key_axis == "channel" or TOKEN_KEYS_WIDE))
     return (keys_ok and bits_ok and getattr(kv, "value_axis", "token") == "token"
             and G in (16, 32, 64, 128)
             and dims_ok and GV in (32, 64, 128) and D % GV == 0 and q_rows == 1
