@@ -242,7 +242,7 @@ def test_padding_starts_from_mask():
         padding_starts(right, B, L, "cpu")
 
 
-def test_softcap_without_cache_is_eager_attention():
+def test_softcap_without_cache_is_eager_attention(monkeypatch):
     """Tensors of another cache with ``softcap`` (Gemma2): the capped eager attention, GQA and
     the causal mask included (SDPA has no cap); the scale 3 makes the cap bite."""
     g = torch.Generator().manual_seed(3)
@@ -257,6 +257,18 @@ def test_softcap_without_cache_is_eager_attention():
     s = (q @ kk.transpose(2, 3) * 3.0).masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(),
                                                     -torch.inf)
     assert ((s.softmax(-1) @ vv).transpose(1, 2) - want).abs().max() > 1e-2  # the cap bites
+    # in blocks of query rows (2 here: 4 x 4 heads x 5 keys x 2 rows bytes), with a bool mask
+    import kvbits.integrations.hf as hf
+    monkeypatch.setattr(hf, "_EAGER_SCORE_BYTES", 4 * 2 * 4 * 5 * 2)
+    blocked, _ = kvbits_attention_forward(torch.nn.Module(), q, k, v, None, scaling=3.0,
+                                          softcap=2.0)
+    torch.testing.assert_close(blocked, want)
+    pad = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
+    pad[1, :, :, :2] = False  # sequence 1: two padding keys
+    masked, _ = kvbits_attention_forward(torch.nn.Module(), q, k, v, pad, scaling=3.0,
+                                         softcap=2.0)
+    s = (2.0 * torch.tanh(q @ kk.transpose(2, 3) * 3.0 / 2.0)).masked_fill(~pad, -torch.inf)
+    torch.testing.assert_close(masked, (s.softmax(-1).nan_to_num(0.0) @ vv).transpose(1, 2))
 
 
 # ------------------------------------------------------------- tiny random models (CPU, CUDA)
