@@ -422,3 +422,34 @@ def test_allocation_stays_close_to_the_tokens_held():
     body_words = store.body_len // G * packed_length(G, 2)
     assert store.k_codes.shape[2] <= 1.25 * body_words + 16
     assert store.res_k.shape[2] <= 2 * (R + G)
+
+
+def test_evict_drops_whole_invisible_groups_and_shifts_padding():
+    """LayerStore.evict: whole groups before ``upto`` (and the sink before them) go once at least
+    as many go as stay; what stays is the tail of the same buffers, left padding shifts with it,
+    the sink never refills; pre-RoPE stores and device lengths keep everything."""
+    from kvbits.cache.store import LayerStore
+    from kvbits.spec import resolve_spec
+
+    spec = resolve_spec("kivi-2", group_size=32, residual_length=8, sink_tokens=2)
+    g = torch.Generator().manual_seed(0)
+    st = LayerStore(spec, 2, 2, 64, torch.float32, "cpu")
+    st.set_padding(torch.tensor([0, 5]))
+    kv = [torch.randn(2, 2, 170, 64, generator=g) for _ in range(2)]
+    st.append(kv[0], kv[1])  # sink 2, body 160 (5 groups), residual 8
+    assert (st.sink_len, st.body_len, st.res_len) == (2, 160, 8)
+    before = st.view_raw()
+    assert st.evict(2 + 64) == 0  # 2 groups could go, 3 stay: not yet
+    assert st.evict(2 + 96 + 5) == 2 + 96  # 3 groups go (and the sink), 2 stay
+    assert (st.sink_len, st.body_len, st.res_len, st.evicted) == (0, 64, 8, 98)
+    assert st.total_len == 170 and st.seq_len == 72
+    after = st.view_raw()
+    torch.testing.assert_close(after.k_codes, before.k_codes[:, :, 3 * st.k_words:5 * st.k_words])
+    torch.testing.assert_close(after.v_scale, before.v_scale[:, :, 96:160])
+    assert st.starts.tolist() == [0, 0]
+    st.append(kv[0][:, :, :3], kv[1][:, :, :3])
+    assert st.sink_len == 0 and st.res_len == 11  # the closed sink does not refill
+    rope = LayerStore(resolve_spec("kvquant-3-dense", group_size=32), 1, 1, 64, torch.float32,
+                      "cpu", inv_freq=torch.rand(32))
+    rope.append(kv[0][:1, :1], kv[1][:1, :1])
+    assert rope.body_len and rope.evict(10**6) == 0  # pre-RoPE: positions from the index

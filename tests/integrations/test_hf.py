@@ -336,13 +336,17 @@ def test_tiny_model_stepwise_equals_full_forward(arch):
 
 @pytest.mark.parametrize("chunk", [5, 19, 64])
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "gemma2"])
-def test_chunks_see_what_generation_sees(arch, chunk):
+def test_chunks_see_what_generation_sees(arch, chunk, monkeypatch):
     """kivi-2 with R=8, G=32: feeding new tokens in chunks gives the logits of feeding them one
     at a time (every row sees the quantized/FP16 split of its own decode step).
 
     Float32 sums in another order can flip a 2-bit code that sits on a rounding boundary, so the
     check is relative: the chunked run must be far closer to the one-at-a-time run than the
     quantization error itself (an append-everything-then-attend chunk is not)."""
+    from kvbits.cache.store import LayerStore
+
+    # layer 0 (sliding in the Gemmas) keeps its groups to be compared: eviction has its own test
+    monkeypatch.setattr(LayerStore, "evict", lambda self, upto: 0)
     model = tiny_model(arch)
     g = torch.Generator().manual_seed(2)
     x = torch.randint(0, 256, (1, 150), generator=g)
@@ -586,3 +590,45 @@ def test_gemma3_sliding_window_chunked_decode_matches_full_forward():
 
     assert abs(ppl(got) / ppl(ref) - 1) < 1e-3
     torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-3)
+
+
+# ---------------------------------------------------------------- sliding-window eviction
+@pytest.mark.parametrize("preset", ["kivi-2:S=2", "kivi-4", "fp8-dynamic"])
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2"])
+def test_sliding_layers_evict_what_no_query_sees(arch, preset, monkeypatch):
+    """Sliding layers (window 16) drop the groups no later query can see: the logits of a
+    left-padded batch fed as a prompt, a chunk and 90 single tokens equal those of a cache
+    that keeps everything, while those layers hold a bounded number of tokens and the cache
+    still reports the whole length."""
+    from kvbits.cache.store import LayerStore
+    from kvbits.spec import resolve_spec
+
+    name, _, over = preset.partition(":")
+    spec = resolve_spec(name, **({"sink_tokens": int(over[2:])} if over else {}))
+    spec = spec.replace(residual_length=8) if spec.method != "fp8" else spec
+    model = tiny_model(arch)
+    x, mask = padded_batch("cpu", length=140, pad=5)
+
+    def run():
+        cache = KVBitsCache(model, spec)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cuts = [0, 40, 47, *range(48, 141)]
+        logits = torch.cat([forward(model, x[:, a:b], cache, attention_mask=mask[:, :b],
+                                    position_ids=pos[:, a:b]).logits
+                            for a, b in itertools.pairwise(cuts)], 1)
+        return logits, cache
+
+    got, cache = run()
+    monkeypatch.setattr(LayerStore, "evict", lambda self, upto: 0)
+    want, full = run()
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-4)
+    assert cache.get_seq_length() == full.get_seq_length() == 140
+    for layer, kept in zip(cache.layers, full.layers):
+        if layer.is_sliding:
+            assert layer.store.evicted > 0
+            assert layer.store.seq_len < kept.store.seq_len // 2, layer  # window 16 of 140
+            assert layer.store.nbytes() < kept.store.nbytes()
+        else:
+            assert layer.store.evicted == 0 and layer.store.seq_len == 140
+    assert cache.nbytes() < full.nbytes()

@@ -60,6 +60,10 @@ class LayerStore:
         self._dev_valid = False  # that mode: flushes still need a padding mask
         self._dense = None  # reference path only: see _dense_body
         self.sink_len = self.body_len = self.res_len = 0
+        # Tokens dropped from the front by evict() (sliding-window layers): stored index i is
+        # the sequence's token evicted + i. The sink is closed once its tokens are dropped.
+        self.evicted = 0
+        self._sink_closed = False
         B, H, D = batch, kv_heads, head_dim
         fp = dict(dtype=dtype, device=self.device)
         self.sink_k = torch.empty(B, H, spec.sink_tokens, D, **fp)
@@ -139,7 +143,13 @@ class LayerStore:
     # ------------------------------------------------------------------ state
     @property
     def seq_len(self) -> int:
+        """Tokens stored (what the kernels index)."""
         return self.sink_len + self.body_len + self.res_len
+
+    @property
+    def total_len(self) -> int:
+        """Tokens seen: those stored and those evicted."""
+        return self.evicted + self.seq_len
 
     def view(self) -> PackedKV:
         """The storage as a :class:`PackedKV` (views, no copies)."""
@@ -232,7 +242,7 @@ class LayerStore:
         k, v = k.to(self.dtype), v.to(self.dtype)
         if self.hadamard is not None:
             k = ref_hadamard.rotate(k, self.hadamard)
-        take = min(self.spec.sink_tokens - self.sink_len, k.shape[2])
+        take = 0 if self._sink_closed else min(self.spec.sink_tokens - self.sink_len, k.shape[2])
         if take > 0:
             self.sink_k[:, :, self.sink_len:self.sink_len + take] = k[:, :, :take]
             self.sink_v[:, :, self.sink_len:self.sink_len + take] = v[:, :, :take]
@@ -258,7 +268,7 @@ class LayerStore:
         device lengths; the reference reads the host ones): pre-RoPE keys need a power-of-two
         head_dim >= 32 (:func:`~kvbits.formats.layout.pre_rope_kernel_ok`)."""
         s = self.spec
-        if self.sink_len < s.sink_tokens:
+        if self.sink_len < s.sink_tokens and not self._sink_closed:
             return False
         if not s.quantized:
             return True
@@ -272,19 +282,9 @@ class LayerStore:
         """Allocate the packed-body buffers for ``tokens`` tokens (0: leave them) and the FP16
         residual for ``residual`` tokens now (buffers only grow; contents kept): a serving engine
         that knows the final length allocates once, and a captured step must never reallocate."""
-        G = self.spec.group_size
-        groups = tokens // G + 1
-        rows = {"channel": groups, "token": groups * G}  # scale/zero rows per axis
-        caps = {"k_codes": groups * self.k_words, "v_codes": groups * self.v_words}
-        if not tokens:
-            caps = {}
-        elif not self.fp8:
-            caps.update(k_scale=rows[self.key_axis], k_zero=rows[self.key_axis],
-                        v_scale=rows[self.value_axis], v_zero=rows[self.value_axis])
-        else:  # float8 codes per token; [B, H, 1, 1] scales stay
-            caps.update(k_codes=groups * G, v_codes=groups * G)
-        if self.n_out and tokens:
-            caps.update(dict.fromkeys(_OUTLIER_BUFFERS, groups * G))
+        groups = tokens // self.spec.group_size + 1
+        caps = {name: groups * rows for name, rows in self._rows_per_group().items()} \
+            if tokens else {}
         caps.update(res_k=residual, res_v=residual)
         for name, cap in caps.items():
             buf = getattr(self, name)
@@ -292,6 +292,47 @@ class LayerStore:
                 grown = buf.new_empty(*buf.shape[:2], _capacity(cap), *buf.shape[3:])
                 grown.narrow(2, 0, buf.shape[2]).copy_(buf)
                 setattr(self, name, grown)
+
+    def _rows_per_group(self) -> dict:
+        """Rows (dim 2) per quantized group of each packed-body buffer."""
+        G = self.spec.group_size
+        rows = {"channel": 1, "token": G}  # scale/zero rows per axis
+        if self.fp8:  # float8 codes per token; [B, H, 1, 1] scales are not per group
+            return {"k_codes": G, "v_codes": G}
+        out = {"k_codes": self.k_words, "v_codes": self.v_words,
+               "k_scale": rows[self.key_axis], "k_zero": rows[self.key_axis],
+               "v_scale": rows[self.value_axis], "v_zero": rows[self.value_axis]}
+        if self.n_out:
+            out.update(dict.fromkeys(_OUTLIER_BUFFERS, G))
+        return out
+
+    def evict(self, upto: int) -> int:
+        """Drop the stored tokens before index ``upto`` that no later query can see (a sliding
+        window's past), in whole quantized groups, with the sink before them; returns how many
+        tokens went. Only when at least as many groups go as stay, so the copy of the kept
+        groups costs O(1) per token over a generation, and only where positions need not be
+        absolute: not with pre-RoPE keys (re-rotated from their index) or lengths on the device
+        (a captured step's buffers must not move). Left padding shifts with the tokens."""
+        if self.inv_freq is not None or self.lens_dev is not None or not self.body_len:
+            return 0
+        G = self.spec.group_size
+        groups = self.body_len // G
+        drop = min(max(0, (upto - self.sink_len) // G), groups)
+        if drop == 0 or drop < groups - drop:
+            return 0
+        for name, rows in self._rows_per_group().items():
+            buf = getattr(self, name)
+            setattr(self, name, buf[:, :, drop * rows:groups * rows].clone())
+        gone = self.sink_len + drop * G
+        if self._dense is not None:  # the reference path's dequantized body follows
+            self._dense = tuple(x[:, :, drop * G:] for x in self._dense)
+        self.body_len -= drop * G
+        self.sink_k, self.sink_v = self.sink_k[:, :, :0], self.sink_v[:, :, :0]
+        self.sink_len, self._sink_closed = 0, True
+        self.starts = (self.starts - gone).clamp_(min=0)
+        self._pad_end = max(0, self._pad_end - gone)
+        self.evicted += gone
+        return gone
 
     def begin_device_lengths(self, tokens: int) -> torch.Tensor:
         """Enter the mode for a generation of up to ``tokens`` tokens in all: sizes every buffer,

@@ -40,8 +40,10 @@ unknown to the cache and takes part in the first groups' min/max.
 
 Known limits
 ------------
-* Sliding-window layers (Gemma3, Mistral-style) keep *all* tokens: the window is applied by
-  masking, so such layers cost the full history in memory instead of ``window`` tokens.
+* Sliding-window layers (Gemma3, Mistral-style) drop the groups no later query can see
+  (:meth:`LayerStore.evict`): they hold about ``window`` to ``2 x window`` tokens instead of the
+  whole history, except with pre-RoPE keys (kvquant presets; re-rotated from their index), on
+  the slow path, and while lengths live on the device (CUDA-graph decoding after the prompt).
 * Attention-logit softcapping (Gemma2): the prompt step runs an eager attention with the cap
   (SDPA has none; it builds the ``[B, H, Lq, Lk]`` scores), decode caps the scores inside the
   Triton kernel's softmax; the Gluon body has no cap, so such layers decode on the Triton kernel.
@@ -116,7 +118,7 @@ class KVBitsLayer(CacheLayerMixin):
         self._attended = False
 
     def __repr__(self):
-        n = 0 if self.store is None else self.store.seq_len
+        n = 0 if self.store is None else self.store.total_len
         win = f", window={self.sliding_window}" if self.is_sliding else ""
         return f"KVBitsLayer({self.spec.describe()}{win}, tokens={n})"
 
@@ -143,6 +145,8 @@ class KVBitsLayer(CacheLayerMixin):
             return key_states, value_states
         prefill = store.seq_len == 0
         fast = prefill or (self._attended and self._impl_is_kvbits())
+        if fast and self.is_sliding:  # what no later query can see goes (LayerStore.evict)
+            store.evict(store.seq_len - self.sliding_window + 1)
         store.append(key_states, value_states, flush=False)
         self._attended = False
         if fast:
@@ -156,11 +160,12 @@ class KVBitsLayer(CacheLayerMixin):
         return store.model_keys(keys), values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # Every token is kept (sliding layers included): the mask covers the whole history.
+        # The mask covers the whole history (the kvbits attention reads it only at the prompt
+        # step, before any eviction; the slow path never evicts).
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        return 0 if self.store is None else self.store.seq_len
+        return 0 if self.store is None else self.store.total_len
 
     def get_max_length(self) -> int:
         return -1
@@ -201,9 +206,12 @@ class KVBitsLayer(CacheLayerMixin):
             tokens_to_remove = kwargs.pop("max_length")
         if self.store is None or tokens_to_remove == 0:
             return
-        n = self.store.seq_len
+        n = self.store.total_len
         keep = n + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
-        self.store.crop(max(keep, 0))
+        if keep < self.store.evicted:
+            raise ValueError(f"crop: cannot keep {max(keep, 0)} tokens: the first "
+                             f"{self.store.evicted} left this sliding-window layer already")
+        self.store.crop(keep - self.store.evicted)
 
     # ------------------------------------------------------------------ helpers
     def _impl_is_kvbits(self) -> bool:
@@ -218,7 +226,7 @@ class KVBitsLayer(CacheLayerMixin):
         s = self.store
         if s is None:
             return 0
-        tokens = s.seq_len
+        tokens = s.total_len
         if self.is_sliding:
             tokens = min(tokens, self.sliding_window - 1)
         return 2 * s.batch * s.kv_heads * tokens * s.head_dim * s.res_k.element_size()
@@ -561,6 +569,15 @@ def _full_precision_attention(module, query, key, value, attention_mask, dropout
 # Float32 scores per block of query rows in the capped eager attention (a 32k prompt with 16
 # heads would otherwise need 64 GiB at once).
 _EAGER_SCORE_BYTES = 1 << 28
+
+
+def cache_kwargs(model, cache) -> dict:
+    """``{"cache": cache}`` where the model's ``forward`` takes ``cache=`` (transformers >= 5.2x,
+    where ``past_key_values=`` is deprecated), else ``{"past_key_values": cache}``."""
+    import inspect
+
+    params = inspect.signature(type(model).forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache}
 
 
 def _check_positions(store, position_ids, q_len: int) -> None:
