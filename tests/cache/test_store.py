@@ -439,13 +439,16 @@ def test_evict_drops_whole_invisible_groups_and_shifts_padding():
     st.append(kv[0], kv[1])  # sink 2, body 160 (5 groups), residual 8
     assert (st.sink_len, st.body_len, st.res_len) == (2, 160, 8)
     before = st.view_raw()
-    assert st.evict(2 + 64) == 0  # 2 groups could go, 3 stay: not yet
-    assert st.evict(2 + 96 + 5) == 2 + 96  # 3 groups go (and the sink), 2 stay
-    assert (st.sink_len, st.body_len, st.res_len, st.evicted) == (0, 64, 8, 98)
-    assert st.total_len == 170 and st.seq_len == 72
+    assert st.evict(2 + 31) == 0  # no whole group before it
+    st.body_len = 4 * 160  # (as if) 20 groups: one dead group is less than 1/4 of 19 live ones
+    assert st.evict(2 + 32) == 0
+    st.body_len = 160
+    assert st.evict(2 + 32) == 2 + 32  # 1 group goes (and the sink), 4 stay: 1 >= 4 / 4
+    assert (st.sink_len, st.body_len, st.res_len, st.evicted) == (0, 128, 8, 34)
+    assert st.total_len == 170 and st.seq_len == 136
     after = st.view_raw()
-    torch.testing.assert_close(after.k_codes, before.k_codes[:, :, 3 * st.k_words:5 * st.k_words])
-    torch.testing.assert_close(after.v_scale, before.v_scale[:, :, 96:160])
+    torch.testing.assert_close(after.k_codes, before.k_codes[:, :, st.k_words:5 * st.k_words])
+    torch.testing.assert_close(after.v_scale, before.v_scale[:, :, 32:160])
     assert st.starts.tolist() == [0, 0]
     st.append(kv[0][:, :, :3], kv[1][:, :, :3])
     assert st.sink_len == 0 and st.res_len == 11  # the closed sink does not refill

@@ -308,25 +308,33 @@ class LayerStore:
 
     def evict(self, upto: int) -> int:
         """Drop the stored tokens before index ``upto`` that no later query can see (a sliding
-        window's past), in whole quantized groups, with the sink before them; returns how many
-        tokens went. Only when at least as many groups go as stay, so the copy of the kept
-        groups costs O(1) per token over a generation, and only where positions need not be
-        absolute: not with pre-RoPE keys (re-rotated from their index) or lengths on the device
-        (a captured step's buffers must not move). Left padding shifts with the tokens."""
-        if self.inv_freq is not None or self.lens_dev is not None or not self.body_len:
+        window's past), in whole quantized groups (FP16 specs: residual tokens), with the sink
+        before them; returns how many tokens went. Only once at least 1 / ``EVICT_RATIO`` as
+        many go as stay, so copying the kept ones costs O(1) per token over a generation, and
+        only where positions need not be absolute: not with pre-RoPE keys (re-rotated from
+        their index) or lengths on the device (a captured step's buffers must not move). Left
+        padding shifts with the tokens."""
+        if self.inv_freq is not None or self.lens_dev is not None:
             return 0
-        G = self.spec.group_size
-        groups = self.body_len // G
-        drop = min(max(0, (upto - self.sink_len) // G), groups)
-        if drop == 0 or drop < groups - drop:
-            return 0
-        for name, rows in self._rows_per_group().items():
-            buf = getattr(self, name)
-            setattr(self, name, buf[:, :, drop * rows:groups * rows].clone())
-        gone = self.sink_len + drop * G
-        if self._dense is not None:  # the reference path's dequantized body follows
-            self._dense = tuple(x[:, :, drop * G:] for x in self._dense)
-        self.body_len -= drop * G
+        if not self.spec.quantized:  # FP16 spec: every token is in the residual
+            drop = min(max(0, upto - self.sink_len), self.res_len)
+            if drop == 0 or EVICT_RATIO * drop < self.res_len - drop:
+                return 0
+            self._set_residual(drop, self.res_len - drop)
+            gone = self.sink_len + drop
+        else:
+            G = self.spec.group_size
+            groups = self.body_len // G
+            drop = min(max(0, (upto - self.sink_len) // G), groups)
+            if drop == 0 or EVICT_RATIO * drop < groups - drop:
+                return 0
+            for name, rows in self._rows_per_group().items():
+                buf = getattr(self, name)
+                setattr(self, name, buf[:, :, drop * rows:groups * rows].clone())
+            gone = self.sink_len + drop * G
+            if self._dense is not None:  # the reference path's dequantized body follows
+                self._dense = tuple(x[:, :, drop * G:] for x in self._dense)
+            self.body_len -= drop * G
         self.sink_k, self.sink_v = self.sink_k[:, :, :0], self.sink_v[:, :, :0]
         self.sink_len, self._sink_closed = 0, True
         self.starts = (self.starts - gone).clamp_(min=0)
@@ -595,6 +603,12 @@ class LayerStore:
 _OUTLIER_BUFFERS = ("k_out_idx", "k_out_val", "v_out_idx", "v_out_val")
 _BUFFERS = ("sink_k", "sink_v", "res_k", "res_v", "k_codes", "k_scale", "k_zero",
             "v_codes", "v_scale", "v_zero", *_OUTLIER_BUFFERS)
+
+
+# LayerStore.evict waits until the dead groups are at least 1/4 of the live ones: a sliding
+# layer holds at most ~1.25 windows (plus a group and the residual), and the kept groups are
+# copied at most 4 times per token over a generation.
+EVICT_RATIO = 4
 
 
 def _capacity(n: int) -> int:

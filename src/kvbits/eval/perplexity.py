@@ -149,11 +149,15 @@ def _progress(total: int, enabled: bool, desc: str | None):
 
 
 def _cache_sizes(cache, model, tokens: int) -> dict:
-    """Bytes held by ``cache`` (see :func:`cache_nbytes`) and by an FP16 DynamicCache."""
+    """Bytes held by ``cache`` (see :func:`cache_nbytes`) and by an FP16 DynamicCache, which
+    keeps ``window - 1`` tokens in a sliding-window layer."""
+    from ..integrations.hf import layer_windows
     from .memory import kv_shape
 
     shape = kv_shape(model.config)
-    fp16 = tokens * shape.layers * shape.kv_heads * 2 * shape.head_dim * 2
+    held = sum(tokens if w is None else min(tokens, w - 1)
+               for w in layer_windows(model.config.get_text_config(decoder=True)))
+    fp16 = held * shape.kv_heads * 2 * shape.head_dim * 2
     return {"cache_bytes": cache_nbytes(cache), "cache_bytes_fp16": cache_nbytes(cache, fp16=True),
             "fp16_cache_bytes": fp16}
 

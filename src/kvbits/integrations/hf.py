@@ -74,7 +74,7 @@ from ..reference.attention import dequantize_layer
 from ..spec import QuantSpec, resolve_spec
 
 __all__ = ["ATTN_IMPLEMENTATION", "KVBitsCache", "KVBitsLayer", "cache_kwargs",
-           "kvbits_attention_forward", "padding_starts", "register"]
+           "kvbits_attention_forward", "layer_windows", "padding_starts", "register"]
 
 ATTN_IMPLEMENTATION = "kvbits"
 
@@ -283,7 +283,7 @@ class KVBitsCache(Cache):
                 "KVBitsCache needs a transformers PreTrainedModel or its config, got "
                 f"{type(model_or_config).__name__}")
         text_config = config.get_text_config(decoder=True)
-        windows = _layer_windows(text_config)
+        windows = layer_windows(text_config)
         n_layers = len(windows)
         layer_specs = [self.spec.for_layer(i, n_layers) for i in range(n_layers)]
         fp8_scales = [None] * n_layers
@@ -421,7 +421,7 @@ def _layer_codebooks(model_or_config, spec: QuantSpec, calibration, preset: str,
     return list(calibration.layers)
 
 
-def _layer_windows(config) -> list[int | None]:
+def layer_windows(config) -> list[int | None]:
     """Per decoder layer: the sliding window, or None for full attention."""
     n = config.num_hidden_layers
     types = getattr(config, "layer_types", None)
