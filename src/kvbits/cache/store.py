@@ -329,8 +329,11 @@ class LayerStore:
             if drop == 0 or EVICT_RATIO * drop < groups - drop:
                 return 0
             for name, rows in self._rows_per_group().items():
-                buf = getattr(self, name)
-                setattr(self, name, buf[:, :, drop * rows:groups * rows].clone())
+                kept = getattr(self, name).narrow(2, drop * rows, (groups - drop) * rows)
+                buf = kept.new_empty(*kept.shape[:2], _capacity(kept.shape[2]),
+                                     *kept.shape[3:])  # capacities stay multiples of 16
+                buf.narrow(2, 0, kept.shape[2]).copy_(kept)
+                setattr(self, name, buf)
             gone = self.sink_len + drop * G
             if self._dense is not None:  # the reference path's dequantized body follows
                 self._dense = tuple(x[:, :, drop * G:] for x in self._dense)
