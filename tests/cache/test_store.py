@@ -425,9 +425,9 @@ def test_allocation_stays_close_to_the_tokens_held():
 
 
 def test_evict_drops_whole_invisible_groups_and_shifts_padding():
-    """LayerStore.evict: whole groups before ``upto`` (and the sink before them) go once at least
-    as many go as stay; what stays is the tail of the same buffers, left padding shifts with it,
-    the sink never refills; pre-RoPE stores and device lengths keep everything."""
+    """LayerStore.evict: whole groups before ``upto`` (and the sink before them) go once they
+    are at least a quarter of those that stay; what stays is the tail of the same buffers, left padding shifts with it
+    (negative past the padding), the sink never refills; device lengths keep everything."""
     from kvbits.cache.store import LayerStore
     from kvbits.spec import resolve_spec
 
@@ -451,10 +451,8 @@ def test_evict_drops_whole_invisible_groups_and_shifts_padding():
     torch.testing.assert_close(kc, before.k_codes[:, :, st.k_words:5 * st.k_words])
     torch.testing.assert_close(vs, before.v_scale[:, :, 32:160])
     assert all(getattr(st, n).shape[2] % 16 == 0 for n in ("k_codes", "k_scale", "v_codes"))
-    assert st.starts.tolist() == [0, 0]
+    assert st.starts.tolist() == [-34, -29]  # the sequences began that far before
     st.append(kv[0][:, :, :3], kv[1][:, :, :3])
     assert st.sink_len == 0 and st.res_len == 11  # the closed sink does not refill
-    rope = LayerStore(resolve_spec("kvquant-3-dense", group_size=32), 1, 1, 64, torch.float32,
-                      "cpu", inv_freq=torch.rand(32))
-    rope.append(kv[0][:1, :1], kv[1][:1, :1])
-    assert rope.body_len and rope.evict(10**6) == 0  # pre-RoPE: positions from the index
+    st.begin_device_lengths(400)
+    assert st.evict(10**6) == 0  # lengths on the device: buffers stay put

@@ -595,7 +595,8 @@ def test_gemma3_sliding_window_chunked_decode_matches_full_forward():
 
 
 # ---------------------------------------------------------------- sliding-window eviction
-@pytest.mark.parametrize("preset", ["kivi-2:S=2", "kivi-4", "fp8-dynamic", "fp16"])
+@pytest.mark.parametrize("preset", ["kivi-2:S=2", "kivi-4", "fp8-dynamic", "fp16",
+                                    "kvquant-3"])
 @pytest.mark.parametrize("arch", ["gemma3", "gemma2"])
 def test_sliding_layers_evict_what_no_query_sees(arch, preset, monkeypatch):
     """Sliding layers (window 16) drop the groups no later query can see: the logits of a
@@ -613,7 +614,9 @@ def test_sliding_layers_evict_what_no_query_sees(arch, preset, monkeypatch):
     x, mask = padded_batch("cpu", length=140, pad=5)
 
     def run():
-        cache = KVBitsCache(model, spec)
+        # kvquant: pre-RoPE keys and outliers on KIVI's uniform codes (no calibration)
+        cache = KVBitsCache(model, spec, **({"calibration": "uniform"}
+                                            if spec.method == "kvquant" else {}))
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cuts = [0, 40, 47, *range(48, 141)]
         logits = torch.cat([forward(model, x[:, a:b], cache, attention_mask=mask[:, :b],

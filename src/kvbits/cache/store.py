@@ -311,10 +311,11 @@ class LayerStore:
         window's past), in whole quantized groups (FP16 specs: residual tokens), with the sink
         before them; returns how many tokens went. Only once at least 1 / ``EVICT_RATIO`` as
         many go as stay, so copying the kept ones costs O(1) per token over a generation, and
-        only where positions need not be absolute: not with pre-RoPE keys (re-rotated from
-        their index) or lengths on the device (a captured step's buffers must not move). Left
-        padding shifts with the tokens."""
-        if self.inv_freq is not None or self.lens_dev is not None:
+        not while lengths live on the device (a captured step's buffers must not move).
+        ``starts`` shift with the tokens and may turn negative: a sequence then began that far
+        before the first stored token, which keeps every mask (relative to stored indices) and
+        the pre-RoPE re-rotation (at ``index - starts``) exact with no offset in the kernels."""
+        if self.lens_dev is not None:
             return 0
         if not self.spec.quantized:  # FP16 spec: every token is in the residual
             drop = min(max(0, upto - self.sink_len), self.res_len)
@@ -340,7 +341,7 @@ class LayerStore:
             self.body_len -= drop * G
         self.sink_k, self.sink_v = self.sink_k[:, :, :0], self.sink_v[:, :, :0]
         self.sink_len, self._sink_closed = 0, True
-        self.starts = (self.starts - gone).clamp_(min=0)
+        self.starts = self.starts - gone
         self._pad_end = max(0, self._pad_end - gone)
         self.evicted += gone
         return gone

@@ -41,9 +41,8 @@ unknown to the cache and takes part in the first groups' min/max.
 Known limits
 ------------
 * Sliding-window layers (Gemma3, Mistral-style) drop the groups no later query can see
-  (:meth:`LayerStore.evict`): they hold about ``window`` to ``2 x window`` tokens instead of the
-  whole history, except with pre-RoPE keys (kvquant presets; re-rotated from their index), on
-  the slow path, and while lengths live on the device (CUDA-graph decoding after the prompt).
+  (:meth:`LayerStore.evict`): they hold about 1.25 windows instead of the whole history,
+  except on the slow path and while lengths live on the device (CUDA-graph decoding).
 * Attention-logit softcapping (Gemma2): the prompt step runs an eager attention with the cap
   (SDPA has none; it builds the ``[B, H, Lq, Lk]`` scores), decode caps the scores inside the
   Triton kernel's softmax; the Gluon body has no cap, so such layers decode on the Triton kernel.
