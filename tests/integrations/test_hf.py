@@ -638,3 +638,30 @@ def test_sliding_layers_evict_what_no_query_sees(arch, preset, monkeypatch):
         else:
             assert layer.store.evicted == 0 and layer.store.seq_len == 140
     assert cache.nbytes() < full.nbytes()
+
+
+def test_beam_search_with_eviction_equals_keep_everything(monkeypatch):
+    """Beam search reorders the evicted sliding layers like any other (tiny Gemma3, window 16,
+    left padding, 60 new tokens): the same tokens as a cache that keeps everything."""
+    from kvbits.cache.store import LayerStore
+
+    model = tiny_model("gemma3")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 256, (2, 40), generator=g)
+    mask = torch.ones_like(x)
+    mask[1, :4] = 0
+
+    def run():
+        cache = KVBitsCache(model, "kivi-2", residual_length=8)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            out = model.generate(input_ids=x, attention_mask=mask, num_beams=2,
+                                 max_new_tokens=60, min_new_tokens=60, do_sample=False,
+                                 **{cache_kwarg(model): cache})
+        return out, cache
+
+    got, cache = run()
+    assert max(s.evicted for s in cache.stores) > 0
+    monkeypatch.setattr(LayerStore, "evict", lambda self, upto: 0)
+    want, _ = run()
+    assert torch.equal(got, want)
