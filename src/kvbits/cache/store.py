@@ -61,9 +61,8 @@ class LayerStore:
         self._dense = None  # reference path only: see _dense_body
         self.sink_len = self.body_len = self.res_len = 0
         # Tokens dropped from the front by evict() (sliding-window layers): stored index i is
-        # the sequence's token evicted + i. The sink is closed once its tokens are dropped.
+        # the sequence's token evicted + i. The sink goes with the first eviction, for good.
         self.evicted = 0
-        self._sink_closed = False
         B, H, D = batch, kv_heads, head_dim
         fp = dict(dtype=dtype, device=self.device)
         self.sink_k = torch.empty(B, H, spec.sink_tokens, D, **fp)
@@ -242,7 +241,7 @@ class LayerStore:
         k, v = k.to(self.dtype), v.to(self.dtype)
         if self.hadamard is not None:
             k = ref_hadamard.rotate(k, self.hadamard)
-        take = 0 if self._sink_closed else min(self.spec.sink_tokens - self.sink_len, k.shape[2])
+        take = 0 if self.evicted else min(self.spec.sink_tokens - self.sink_len, k.shape[2])
         if take > 0:
             self.sink_k[:, :, self.sink_len:self.sink_len + take] = k[:, :, :take]
             self.sink_v[:, :, self.sink_len:self.sink_len + take] = v[:, :, :take]
@@ -268,7 +267,7 @@ class LayerStore:
         device lengths; the reference reads the host ones): pre-RoPE keys need a power-of-two
         head_dim >= 32 (:func:`~kvbits.formats.layout.pre_rope_kernel_ok`)."""
         s = self.spec
-        if self.sink_len < s.sink_tokens and not self._sink_closed:
+        if self.sink_len < s.sink_tokens and not self.evicted:
             return False
         if not s.quantized:
             return True
@@ -289,9 +288,7 @@ class LayerStore:
         for name, cap in caps.items():
             buf = getattr(self, name)
             if buf is not None and buf.shape[2] < cap:
-                grown = buf.new_empty(*buf.shape[:2], _capacity(cap), *buf.shape[3:])
-                grown.narrow(2, 0, buf.shape[2]).copy_(buf)
-                setattr(self, name, grown)
+                setattr(self, name, _realloc(buf, 0, buf.shape[2], _capacity(cap)))
 
     def _rows_per_group(self) -> dict:
         """Rows (dim 2) per quantized group of each packed-body buffer."""
@@ -330,17 +327,14 @@ class LayerStore:
             if drop == 0 or EVICT_RATIO * drop < groups - drop:
                 return 0
             for name, rows in self._rows_per_group().items():
-                kept = getattr(self, name).narrow(2, drop * rows, (groups - drop) * rows)
-                buf = kept.new_empty(*kept.shape[:2], _capacity(kept.shape[2]),
-                                     *kept.shape[3:])  # capacities stay multiples of 16
-                buf.narrow(2, 0, kept.shape[2]).copy_(kept)
-                setattr(self, name, buf)
+                n = (groups - drop) * rows
+                setattr(self, name, _realloc(getattr(self, name), drop * rows, n, _capacity(n)))
             gone = self.sink_len + drop * G
             if self._dense is not None:  # the reference path's dequantized body follows
                 self._dense = tuple(x[:, :, drop * G:] for x in self._dense)
             self.body_len -= drop * G
         self.sink_k, self.sink_v = self.sink_k[:, :, :0], self.sink_v[:, :, :0]
-        self.sink_len, self._sink_closed = 0, True
+        self.sink_len = 0
         self.starts = self.starts - gone
         self._pad_end = max(0, self._pad_end - gone)
         self.evicted += gone
@@ -623,6 +617,13 @@ def _capacity(n: int) -> int:
     return max(16, -(-n // 16) * 16)
 
 
+def _realloc(buf: torch.Tensor, first: int, n: int, cap: int) -> torch.Tensor:
+    """A new buffer of ``cap`` rows (dim 2) whose first ``n`` are ``buf``'s rows ``first..``."""
+    out = buf.new_empty(*buf.shape[:2], cap, *buf.shape[3:])
+    out.narrow(2, 0, n).copy_(buf.narrow(2, first, n))
+    return out
+
+
 def _write(buf: torch.Tensor, at: int, x: torch.Tensor) -> torch.Tensor:
     """Write ``x`` into ``buf`` along dim 2 at ``at``, growing capacity geometrically if needed.
 
@@ -630,9 +631,6 @@ def _write(buf: torch.Tensor, at: int, x: torch.Tensor) -> torch.Tensor:
     long cache's memory allocated but unused, which is what a memory budget pays for."""
     end = at + x.shape[2]
     if end > buf.shape[2]:
-        cap = _capacity(max(end, buf.shape[2] + buf.shape[2] // 8))
-        grown = torch.empty(*buf.shape[:2], cap, *buf.shape[3:], dtype=buf.dtype, device=buf.device)
-        grown.narrow(2, 0, at).copy_(buf.narrow(2, 0, at))
-        buf = grown
+        buf = _realloc(buf, 0, at, _capacity(max(end, buf.shape[2] + buf.shape[2] // 8)))
     buf.narrow(2, at, x.shape[2]).copy_(x)  # narrow + copy_: a fraction of slice-assign's host time
     return buf
