@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
 from kvbits.eval.needle import (
@@ -9,6 +12,7 @@ from kvbits.eval.needle import (
     build_passkey_prompt,
     haystack_ids,
     needle_markdown,
+    paired_against,
     passkey_correct,
     run_needle,
     summarize,
@@ -111,3 +115,38 @@ def test_summary_accuracy_per_cell():
     rows = [{"preset": "a", "length": 1, "depth": 0.0, "correct": c, "trial": i}
             for i, c in enumerate([True, False, True, True])]
     assert summarize(rows)["a"] == {"acc": 0.75, (1, 0.0): 0.75}
+
+
+def _pairs(base: list[bool], other: list[bool]) -> list[dict]:
+    rows = []
+    for preset, results in (("fp16", base), ("q", other)):
+        rows += [{"preset": preset, "length": 1024, "depth": 0.5, "trial": i, "correct": c,
+                  "spec": preset, "key": "1", "answer": ""} for i, c in enumerate(results)]
+    return rows
+
+
+def test_paired_against_counts_discordant_trials_and_the_exact_mcnemar_p():
+    # 3 lost, 0 won: p = 2 * (1/2)^3
+    n, lost, won, p = paired_against(_pairs([True] * 5, [False, False, False, True, True]))["q"]
+    assert (n, lost, won) == (5, 3, 0) and p == pytest.approx(0.25)
+    # equal losses and wins, or no discordant pair at all: no evidence of a gap
+    assert paired_against(_pairs([True, False], [False, True]))["q"][3] == 1.0
+    assert paired_against(_pairs([True, False], [True, False]))["q"] == (2, 0, 0, 1.0)
+    # a trial the baseline did not run is not paired
+    rows = _pairs([True], [False]) + [{"preset": "q", "length": 2048, "depth": 0.5, "trial": 0,
+                                        "correct": False}]
+    assert paired_against(rows)["q"][:3] == (1, 1, 0)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_paired_p_equals_the_two_sided_binomial_test(seed):
+    """Against the textbook definition: the total probability, under Binomial(d, 1/2), of every
+    split of the d discordant pairs no more likely than the one observed."""
+    g = random.Random(seed)
+    base = [g.random() < 0.7 for _ in range(40)]
+    other = [b if g.random() < 0.6 else not b for b in base]
+    _, lost, won, p = paired_against(_pairs(base, other))["q"]
+    d = lost + won
+    prob = [math.comb(d, i) / 2 ** d for i in range(d + 1)]
+    assert p == pytest.approx(sum(x for x in prob if x <= prob[lost] * (1 + 1e-12)))
+    assert "## Paired against fp16" in needle_markdown(_pairs(base, other), {})

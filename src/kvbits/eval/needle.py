@@ -278,6 +278,31 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
+def paired_against(rows: list[dict], base: str = "fp16") -> dict:
+    """``{preset: (pairs, lost, won, p)}`` against ``base`` over the trials both ran.
+
+    Every preset sees the same key and haystack in a given (length, depth, trial), so the trials
+    pair up: ``lost`` counts those ``base`` got and the preset missed, ``won`` the reverse, and
+    ``p`` is the exact two-sided McNemar test (a binomial test on the discordant pairs), which
+    says whether a gap in accuracy is more than the trials' luck.
+    """
+    ref = {(r["length"], r["depth"], r["trial"]): r["correct"]
+           for r in rows if r["preset"] == base}
+    out: dict = {}
+    for r in rows:
+        key = (r["length"], r["depth"], r["trial"])
+        if r["preset"] == base or key not in ref:
+            continue
+        n, lost, won = out.get(r["preset"], (0, 0, 0))
+        out[r["preset"]] = (n + 1, lost + (ref[key] and not r["correct"]),
+                            won + (r["correct"] and not ref[key]))
+    for preset, (n, lost, won) in out.items():
+        d = lost + won
+        tail = sum(math.comb(d, i) for i in range(min(lost, won) + 1)) / 2 ** d
+        out[preset] = (n, lost, won, min(1.0, 2 * tail))
+    return out
+
+
 def needle_markdown(rows: list[dict], meta: dict) -> str:
     """Accuracy per preset, per length x depth, plus the command and versions."""
     from .memory import markdown_table
@@ -313,6 +338,15 @@ def needle_markdown(rows: list[dict], meta: dict) -> str:
             per_len.append(f"{100 * sum(cells) / len(cells):.0f}%" if cells else "-")
         body.append([p, spec, f"{100 * s[p]['acc']:.1f}%", *per_len])
     lines += [markdown_table(head, body), ""]
+    paired = paired_against(rows)
+    if paired:
+        lines += ["## Paired against fp16", "",
+                  ("Trials that FP16 answered and the preset missed (lost) or the reverse (won), "
+                   "over the same keys and haystacks; p is the exact two-sided McNemar test "
+                   "(small p: the gap is more than the trials' luck)."), ""]
+        lines += [markdown_table(["preset", "pairs", "lost", "won", "p"],
+                                 [[p, str(n), str(lost), str(won), f"{pv:.3g}"]
+                                  for p, (n, lost, won, pv) in paired.items()]), ""]
     if any("kv_bits" in r for r in rows):
         lines += ["## Effective KV bits", "",
                   ("Bits per stored K/V element of the document in the cache (mean over its "
