@@ -1,0 +1,108 @@
+"""KVQuant against KIVI at equal effective bits, from perplexity tables already measured.
+
+Reads ``benchmarks/results/NAME.json`` (``kvbits ppl`` output) for each NAME given (default: the
+news-text and SOTU tables of all three models) and writes ``ppl_frontier.{md,json,png}`` there:
+per table, each kvquant row against KIVI's Pareto front interpolated at its bits
+(``kvbits.eval.frontier``), and a plot of perplexity against bits per element.
+
+    python benchmarks/ppl_frontier.py [NAME ...]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from kvbits.eval.frontier import compare_at_equal_bits, pareto_front, points_of  # noqa: E402
+from kvbits.eval.memory import markdown_table  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT = ("ppl_lee_news", "ppl_lee_news_qwen", "ppl_lee_news_gemma3", "ppl_methods",
+           "ppl_methods_qwen", "ppl_methods_gemma3", "ppl_kvquant_dense_post",
+           "ppl_kvquant_dense_post_qwen", "ppl_kvquant_dense_post_gemma3")
+
+
+def _pct(x: float | None, base: float) -> str:
+    return "-" if x is None else f"{100 * (x / base - 1):+.2f}%"
+
+
+def analyse(name: str) -> dict:
+    doc = json.loads((RESULTS / f"{name}.json").read_text())
+    res = doc["results"]
+    fp16 = next(r["ppl"] for r in res if r["label"] == "fp16")
+    kivi = points_of(res, "kivi")
+    rows = compare_at_equal_bits(points_of(res, "kvquant"), kivi)
+    return {"name": name, "model": doc["model"], "text": doc["text"], "tokens": doc["tokens"],
+            "command": doc["command"], "fp16_ppl": fp16, "rows": rows,
+            "kivi": [p.__dict__ for p in kivi],
+            "kivi_front": [p.label for p in pareto_front(kivi)]}
+
+
+def markdown(tables: list[dict]) -> str:
+    lines = ["# KVQuant against KIVI at equal effective bits", "",
+             "```", "python benchmarks/ppl_frontier.py " + " ".join(t["name"] for t in tables),
+             "```", "",
+             ("Perplexities are the measured rows of each table (command beside it); nothing is "
+              "re-run. Bits per element count every byte the cache holds (codes, FP16 "
+              "scales/zeros, outliers, codebooks, FP16 sink and residual). \"kivi at these "
+              "bits\" interpolates KIVI's Pareto front (its presets and sink variants in the same "
+              "table) linearly in log perplexity; outside the front's range a row is judged only "
+              "where one side dominates (`kvbits.eval.frontier`)."), ""]
+    for t in tables:
+        lines += [f"## {t['model']} on {t['text']}, {t['tokens']} tokens ({t['name']})", "",
+                  f"FP16 {t['fp16_ppl']:.3f}; KIVI's front: {', '.join(t['kivi_front'])}.", ""]
+        body = [[r["label"], f"{r['bits']:.2f}", _pct(r["ppl"], t["fp16_ppl"]),
+                 _pct(r["reference_ppl"], t["fp16_ppl"]),
+                 "-" if r["gap"] is None else f"{100 * r['gap']:+.2f}%", r["verdict"]]
+                for r in t["rows"]]
+        lines += [markdown_table(["kvquant preset", "bits/elem", "vs fp16",
+                                  "kivi at these bits", "gap", "verdict"], body), ""]
+    return "\n".join(lines)
+
+
+def plot(tables: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(3, len(tables))
+    rows = -(-len(tables) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows), squeeze=False,
+                             constrained_layout=True)
+    for ax, t in zip(axes.flat, tables):
+        base = t["fp16_ppl"]
+        kivi = sorted(t["kivi"], key=lambda p: p["bits"])
+        front = [p for p in kivi if p["label"] in t["kivi_front"]]
+        ax.plot([p["bits"] for p in front], [100 * (p["ppl"] / base - 1) for p in front],
+                "-", color="tab:blue", alpha=0.6, label="kivi front")
+        ax.plot([p["bits"] for p in kivi], [100 * (p["ppl"] / base - 1) for p in kivi], "o",
+                color="tab:blue", label="kivi")
+        ax.plot([r["bits"] for r in t["rows"]], [100 * (r["ppl"] / base - 1) for r in t["rows"]],
+                "s", color="tab:red", label="kvquant")
+        ax.set_yscale("symlog", linthresh=1.0)
+        ax.set_title(f"{t['model']}, {t['text']}, {t['tokens']} tok", fontsize=9)
+        ax.set_xlabel("bits per element (whole cache)")
+        ax.set_ylabel("perplexity vs FP16 (%)")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(tables):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    names = sys.argv[1:] or list(DEFAULT)
+    tables = [analyse(n) for n in names if (RESULTS / f"{n}.json").exists()]
+    (RESULTS / "ppl_frontier.json").write_text(json.dumps(tables, indent=1) + "\n")
+    (RESULTS / "ppl_frontier.md").write_text(markdown(tables))
+    plot(tables, RESULTS / "ppl_frontier.png")
+    print(markdown(tables))
+
+
+if __name__ == "__main__":
+    main()

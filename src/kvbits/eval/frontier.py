@@ -1,0 +1,89 @@
+"""Quality at equal memory: one method's perplexity against another's at the same effective bits.
+
+A preset that keeps more bytes (outliers, an FP16 sink, codebooks) tends to score better, so a
+row-by-row reading of a perplexity table mixes two effects. Whether KVQuant beats KIVI *at equal
+bits* needs KIVI's curve at KVQuant's bits: here the lower envelope of the reference method's
+points (its Pareto front: no other configuration of it has fewer or equal bits and a lower or
+equal perplexity), joined linearly in (bits, log perplexity). A point outside the front's range
+is judged only where one side dominates: the other method's point uses no more bits and scores
+no worse.
+
+Effective bits per element count every byte the cache holds (codes, FP16 scales and zeros,
+outliers, codebooks, FP16 sink and residual), as ``kvbits ppl`` reports them:
+``16 * cache_bytes_fp16 / fp16_cache_bytes``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["Point", "compare_at_equal_bits", "envelope_at", "pareto_front", "points_of"]
+
+
+@dataclass(frozen=True)
+class Point:
+    label: str
+    bits: float
+    ppl: float
+
+
+def points_of(results: list[dict], method: str) -> list[Point]:
+    """The ``kvbits ppl`` result rows of ``method`` (plain: no Hadamard rotation) as points."""
+    out = []
+    for r in results:
+        f = r.get("spec_fields") or {}
+        if r.get("kind") != "kvbits" or f.get("method") != method:
+            continue
+        if f.get("hadamard") or f.get("hadamard_calibrated"):
+            continue
+        out.append(Point(r["label"], 16 * r["cache_bytes_fp16"] / r["fp16_cache_bytes"], r["ppl"]))
+    return out
+
+
+def pareto_front(points: list[Point]) -> list[Point]:
+    """The points no other point beats on both bits and perplexity, by increasing bits."""
+    front: list[Point] = []
+    for p in sorted(points, key=lambda p: (p.bits, p.ppl)):
+        if not front or p.ppl < front[-1].ppl:
+            front.append(p)
+    return front
+
+
+def envelope_at(front: list[Point], bits: float, rel_tol: float = 0.01) -> float | None:
+    """The front's perplexity at ``bits``, linear in log perplexity between its neighbours;
+    ``None`` outside the front's range of bits. Within ``rel_tol`` of an end the end counts as
+    equal bits (a KVQuant preset's codebooks add a few hundred bytes to the same layout)."""
+    if not front or not front[0].bits * (1 - rel_tol) <= bits <= front[-1].bits * (1 + rel_tol):
+        return None
+    bits = min(max(bits, front[0].bits), front[-1].bits)
+    for a, b in zip(front, front[1:]):
+        if a.bits <= bits <= b.bits:
+            w = (bits - a.bits) / (b.bits - a.bits)
+            return math.exp((1 - w) * math.log(a.ppl) + w * math.log(b.ppl))
+    return front[0].ppl  # a single-point front, at exactly its bits
+
+
+def compare_at_equal_bits(points: list[Point], reference: list[Point]) -> list[dict]:
+    """Each of ``points`` against the reference method's front at the same bits.
+
+    ``verdict``: ``"better"`` (below the front at its bits, or no worse than its cheapest point
+    with fewer bits), ``"worse"`` (above the front, or dominated by a reference point),
+    ``"more bits"`` / ``"fewer bits"`` (outside the front's range of bits and not dominating or
+    dominated: not comparable). ``gap``: perplexity over the front's at these bits, minus one, where defined.
+    """
+    front = pareto_front(reference)
+    rows = []
+    for p in points:
+        ref = envelope_at(front, p.bits)
+        if any(q.bits <= p.bits and q.ppl <= p.ppl for q in front):
+            verdict = "worse"
+        elif ref is not None:
+            verdict = "better" if p.ppl < ref else "worse"
+        elif front and p.bits < front[0].bits:
+            verdict = "better" if p.ppl <= front[0].ppl else "fewer bits"
+        else:
+            verdict = "more bits"
+        rows.append({"label": p.label, "bits": p.bits, "ppl": p.ppl, "reference_ppl": ref,
+                     "gap": None if ref is None else p.ppl / ref - 1, "verdict": verdict})
+    return rows
