@@ -68,6 +68,7 @@ def plot(tables: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     cols = min(3, len(tables))
     rows = -(-len(tables) // cols)
@@ -84,6 +85,7 @@ def plot(tables: list[dict], path: Path) -> None:
         ax.plot([r["bits"] for r in t["rows"]], [100 * (r["ppl"] / base - 1) for r in t["rows"]],
                 "s", color="tab:red", label="kvquant")
         ax.set_yscale("symlog", linthresh=1.0)
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
         ax.set_title(f"{t['model']}, {t['text']}, {t['tokens']} tok", fontsize=9)
         ax.set_xlabel("bits per element (whole cache)")
         ax.set_ylabel("perplexity vs FP16 (%)")
