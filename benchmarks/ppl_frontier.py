@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvbits.eval.frontier import compare_at_equal_bits, pareto_front, points_of  # noqa: E402
-from kvbits.eval.memory import markdown_table  # noqa: E402
+from kvbits.eval.frontier import compare_at_equal_bits, pareto_front, points_of
+from kvbits.eval.memory import markdown_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT = ("ppl_lee_news", "ppl_lee_news_qwen", "ppl_lee_news_gemma3", "ppl_methods",

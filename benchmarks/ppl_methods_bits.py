@@ -17,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from kvbits.eval.frontier import effective_bits  # noqa: E402
 from kvbits.eval.memory import markdown_table  # noqa: E402
 from kvbits.formats.layout import body_bytes_per_token  # noqa: E402
 from kvbits.spec import QuantSpec  # noqa: E402
@@ -54,7 +55,7 @@ def add_bits(name: str) -> None:
     base = next(r for r in res if r["label"] == "fp16")
     rows = []
     for r in res:
-        r["bits_per_element_cache"] = 16 * r["cache_bytes_fp16"] / r["fp16_cache_bytes"]
+        r["bits_per_element_cache"] = effective_bits(r)
         r["bits_per_element_body"] = body_bits(r, head_dim)
         rows.append([r["label"], r["spec"], f"{r['ppl']:.3f}",
                      f"{100 * (r['ppl'] / base['ppl'] - 1):+.2f}%",

@@ -15,10 +15,12 @@ outliers, codebooks, FP16 sink and residual), as ``kvbits ppl`` reports them:
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
-__all__ = ["Point", "compare_at_equal_bits", "envelope_at", "pareto_front", "points_of"]
+__all__ = ["Point", "compare_at_equal_bits", "effective_bits", "envelope_at", "pareto_front",
+           "points_of"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,11 @@ class Point:
     label: str
     bits: float
     ppl: float
+
+
+def effective_bits(result: dict) -> float:
+    """Bits per K/V element of a ``kvbits ppl`` result row, every byte of the cache counted."""
+    return 16 * result["cache_bytes_fp16"] / result["fp16_cache_bytes"]
 
 
 def points_of(results: list[dict], method: str) -> list[Point]:
@@ -37,7 +44,7 @@ def points_of(results: list[dict], method: str) -> list[Point]:
             continue
         if f.get("hadamard") or f.get("hadamard_calibrated"):
             continue
-        out.append(Point(r["label"], 16 * r["cache_bytes_fp16"] / r["fp16_cache_bytes"], r["ppl"]))
+        out.append(Point(r["label"], effective_bits(r), r["ppl"]))
     return out
 
 
@@ -57,7 +64,7 @@ def envelope_at(front: list[Point], bits: float, rel_tol: float = 0.01) -> float
     if not front or not front[0].bits * (1 - rel_tol) <= bits <= front[-1].bits * (1 + rel_tol):
         return None
     bits = min(max(bits, front[0].bits), front[-1].bits)
-    for a, b in zip(front, front[1:]):
+    for a, b in itertools.pairwise(front):
         if a.bits <= bits <= b.bits:
             w = (bits - a.bits) / (b.bits - a.bits)
             return math.exp((1 - w) * math.log(a.ppl) + w * math.log(b.ppl))
@@ -70,7 +77,8 @@ def compare_at_equal_bits(points: list[Point], reference: list[Point]) -> list[d
     ``verdict``: ``"better"`` (below the front at its bits, or no worse than its cheapest point
     with fewer bits), ``"worse"`` (above the front, or dominated by a reference point),
     ``"more bits"`` / ``"fewer bits"`` (outside the front's range of bits and not dominating or
-    dominated: not comparable). ``gap``: perplexity over the front's at these bits, minus one, where defined.
+    dominated: not comparable). ``gap``: perplexity over the front's at these bits, minus one,
+    where defined.
     """
     front = pareto_front(reference)
     rows = []

@@ -198,9 +198,8 @@ def run_needle(model, tokenizer, text: str, cfg: NeedleConfig,
     """Every (length, depth, trial) for every preset; one row per run (see module docstring)."""
     from transformers import DynamicCache
 
-    from ..integrations.hf import KVBitsCache
+    from ..integrations.hf import KVBitsCache, cache_kwargs
     from .cachefill import copy_dense_cache
-    from ..integrations.hf import cache_kwargs
 
     max_len = max(cfg.lengths)
     hay, ends = haystack_ids(tokenizer, text, 3 * max_len)
