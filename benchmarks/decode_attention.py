@@ -307,15 +307,16 @@ def main(argv=None) -> None:
              "uniform-int4/int2: transformers QuantizedCache's knobs (keys and values per token, "
              "q_group_size 64) served by the same kernels; fp8-dynamic: e4m3 body, one scale per "
              "head; kvquant-3: per-head codebooks, 1% outliers as a fixed count (2 per token "
-             "for keys and for values at head_dim 128, counted in bytes), pre-RoPE keys (Triton "
-             "kernel); kvquant-3-dense-post: the same codebooks without outliers or pre-RoPE "
-             "keys; kivi-3 and kvquant-3-dense-post through the Gluon body's 3-bit planes "
-             "(decode_gluon.PLANES3)",
+             "for keys and for values at head_dim 128, counted in bytes), pre-RoPE keys; "
+             "kvquant-3-dense-post: the same codebooks without outliers or pre-RoPE keys; "
+             "kivi-3 and both kvquant-3 presets through the Gluon body's 3-bit planes "
+             "(decode_gluon.PLANES3; kvquant-3's outliers as one-hot MMAs and its keys turned "
+             "per element, decode_gluon.KVQUANT_FULL)",
              "speedup vs FP16: against SDPA restricted to the flash backend (the issue's baseline); "
              "vs best SDPA: against the faster of that and torch's default SDPA backend (cuDNN on "
              "the H200, near copy bandwidth for decode), measured in the same run",
              "kvbits (gluon): the body of KIVI and uniform layers (K/V bits 2 or 4, or both 3 as "
-             "bit planes, with KVQuant codebooks when there are no outliers) through "
+             "bit planes, with KVQuant codebooks, outliers and pre-RoPE keys) through "
              "kvbits.kernels.decode_gluon (MMA operands built in registers; on Hopper 2-bit "
              "layers, and 4-bit ones from 256 (sequence, KV head) pairs, fed by the TMA ring of "
              "decode_gluon_tma inside CUDA-graph capture or for calls of >= 2^23 body tokens x "

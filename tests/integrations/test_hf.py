@@ -290,7 +290,8 @@ def tiny_model(arch: str, device="cpu", dtype=torch.float32):
             vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=16,
             layer_types=["sliding_attention", "full_attention"] * 2, query_pre_attn_scalar=64,
-            attn_logit_softcapping=0.05, final_logit_softcapping=30.0))
+            attn_logit_softcapping=0.05, final_logit_softcapping=30.0,
+            attn_implementation="eager"))  # the reference forward must cap (SDPA would not)
     else:
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 

@@ -10,6 +10,7 @@ capacity filled with NaN (and garbage codes) that the kernel must never read.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import zlib
@@ -694,6 +695,46 @@ def test_gluon_kvquant_codebooks_match_reference(c, monkeypatch):
     assert len(used) == 2, "the Gluon kernel was not used"
 
 
+# KVQuant's full layers through the Gluon body (decode_gluon.KVQUANT_FULL): dense-and-sparse
+# outliers as one-hot tiles on the tensor cores, pre-RoPE keys turned per element by R(j) against
+# R(p0)^T q; head dims 128 and 64, GQA 1 to 16, G 32 and 64, 1-3 outliers per token, left
+# padding (pre-RoPE positions count from each sequence's start).
+GLUON_KVQ_FULL_CASES = [(body_case(3, G, D, HG, 9 + G + HG + n_out), n_out, rope)
+                        for G, D, HG, n_out, rope in ((32, 128, 4, 2, True), (32, 128, 1, 2, False),
+                                                      (64, 128, 2, 0, True), (64, 64, 7, 1, True),
+                                                      (32, 64, 16, 2, True), (32, 128, 8, 3, False))]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("c,n_out,rope", GLUON_KVQ_FULL_CASES,
+                         ids=[f"{c}-out{n}-rope{int(r)}" for c, n, r in GLUON_KVQ_FULL_CASES])
+def test_gluon_kvquant_full_matches_reference(c, n_out, rope, monkeypatch):
+    from kvbits.kernels import decode_gluon
+    monkeypatch.setattr(decode_gluon, "PLANES3", True)
+    monkeypatch.setattr(decode_gluon, "KVQUANT_FULL", True)
+    serve_small(monkeypatch, decode_gluon)
+    kv = _kvquant_kv(c, n_out, rope)
+    assert decode_gluon.eligible(kv, 1, c.HG, None), str(c)
+    used = count_calls(monkeypatch, decode_gluon)
+    glob, _ = run_case(c, kv=kv)
+    run_case(c._replace(splits=1), kv=kv)
+    assert len(used) == 2, "the Gluon kernel was not used"
+    # the outliers and the rotation really are applied: without them the answer is far off
+    g = torch.Generator().manual_seed(c.seed + 1)
+    q = torch.randn(c.B, c.Hkv * c.HG, c.Lq, c.D, generator=g).to(c.dtype).to(DEVICE)
+    args = {"scale": c.D ** -0.5, "starts": _seq(c.starts), "lengths": _seq(c.lengths)}
+    r = reference(q, kv, **args).float()
+    plain = copy.copy(kv)
+    if n_out:
+        plain.k_out_val = torch.zeros_like(kv.k_out_val)
+        plain.v_out_val = torch.zeros_like(kv.v_out_val)
+    if rope:
+        plain.rope_inv_freq = None
+    off = ((reference(q, plain, **args).float() - r).norm() / r.norm()).item()
+    assert off > 20 * glob, (off, glob)
+
+
 def test_gluon_kvquant_dispatch(monkeypatch):
     """Which KVQuant layers the Gluon body takes (no GPU needed): 3-bit codebooks without
     outliers or pre-RoPE keys, with PLANES3 only."""
@@ -706,10 +747,18 @@ def test_gluon_kvquant_dispatch(monkeypatch):
     assert not decode_gluon.eligible(kv, 1, 4, None)
     monkeypatch.setattr(decode_gluon, "PLANES3", True)
     assert decode_gluon.eligible(kv, 1, 4, None)
-    assert not decode_gluon.eligible(_kvquant_kv(c, 2, False, device="cpu"), 1, 4, None)
-    assert not decode_gluon.eligible(_kvquant_kv(c, 0, True, device="cpu"), 1, 4, None)
+    full = [_kvquant_kv(c, 2, False, device="cpu"), _kvquant_kv(c, 0, True, device="cpu"),
+            _kvquant_kv(c, 2, True, device="cpu")]
+    monkeypatch.setattr(decode_gluon, "KVQUANT_FULL", False)
+    assert not any(decode_gluon.eligible(kv, 1, 4, None) for kv in full)
+    monkeypatch.setattr(decode_gluon, "KVQUANT_FULL", True)  # outliers / pre-RoPE keys
+    assert all(decode_gluon.eligible(kv, 1, 4, None) for kv in full)
+    assert not decode_gluon.eligible(_kvquant_kv(c, 5, False, device="cpu"), 1, 4, None)
+    wide = c._replace(D=96)  # three channel chunks: the rotate-half halves are not two chunks
+    assert not decode_gluon.eligible(_kvquant_kv(wide, 2, True, device="cpu"), 1, 4, None)
     two = c._replace(kb=2, vb=2)
     assert not decode_gluon.eligible(_kvquant_kv(two, 0, False, device="cpu"), 1, 4, None)
+    assert not decode_gluon.eligible(_kvquant_kv(two, 2, True, device="cpu"), 1, 4, None)
 
 def test_kvquant_pre_rope_changes_the_answer():
     # The rotation must really happen: the same layer read as post-RoPE differs.
@@ -974,7 +1023,8 @@ def test_gluon_tma_inside_cuda_graph(bits, monkeypatch):
     ("KVBITS_GLUON_TMA", "decode_gluon_tma", "'auto', '0' or '1'"),
     ("KVBITS_GLUON_3BIT", "decode_gluon", "'0' or '1'"),
     ("KVBITS_GLUON_EXTRA_DIMS", "decode_gluon", "'0' or '1'"),
-    ("KVBITS_GLUON_TOKEN_KEYS_WIDE", "decode_gluon", "'0' or '1'")])
+    ("KVBITS_GLUON_TOKEN_KEYS_WIDE", "decode_gluon", "'0' or '1'"),
+    ("KVBITS_GLUON_KVQUANT", "decode_gluon", "'0' or '1'")])
 def test_gluon_env_switches_are_checked(var, module, allowed):
     """A mistyped Gluon switch is refused at import, naming the variable and its values."""
     import subprocess

@@ -24,12 +24,15 @@ from triton.experimental import gluon
 from kvbits.kernels import decode_gluon
 SIG = {"Q": "*fp16", "Out": "*fp32", "Lse": "*fp32", "KC": "*i32", "KS": "*fp16", "KZ": "*fp16",
        "VC": "*i32", "VS": "*fp16", "VZ": "*fp16", "Starts": "*i32", "Lens": "*i32",
-       "LenTab": "*i32", "KCB": "*fp32", "VCB": "*fp32", "qk_scale": "fp32"}
+       "LenTab": "*i32", "KCB": "*fp32", "VCB": "*fp32", "KOI": "*u8", "KOV": "*fp16",
+       "VOI": "*u8", "VOV": "*fp16", "InvFreq": "*fp32", "RopeCS": "*fp16", "qk_scale": "fp32"}
 SIG.update({k: "i32" for k in ("sink_len", "body_len", "res_len", "kc_cap", "ks_slice", "vc_cap",
-                               "vs_slice", "Hkv", "n_out", "steps_per_split")})
+                               "vs_slice", "kout_cap", "vout_cap", "Hkv", "n_out",
+                               "steps_per_split")})
 out = []
 for cx in json.loads(sys.argv[1]):
-    cx = {"CB": False, **cx}  # every constexpr named (a default is not part of the signature)
+    # every constexpr named (a default is not part of the signature)
+    cx = {"CB": False, "KOUT": 0, "VOUT": 0, "ROPE": False, **cx}
     fn = decode_gluon._body_kernel
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in SIG.items()
              if v.startswith("*") or k.endswith(("_cap", "_slice"))}
@@ -58,6 +61,12 @@ CONFIGS = [
     {**BASE, "HG": 16, "HP": 16, "D": 64, "KBITS": 3, "VBITS": 3, "G": 64, "GV": 64,
      "HAS_STARTS": False, "GK": 64, "LENS_DEV": True},
     {**BASE, "KBITS": 3, "VBITS": 3, "CB": True},  # KVQuant 3-bit codebooks (prmt tables)
+    # KVQuant's full layer (KVQUANT_FULL): outliers as one-hot MMAs, pre-RoPE keys (MHA, D 128;
+    # 16 heads, D 64); outliers alone (GQA 8)
+    {**BASE, "HG": 1, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 2, "VOUT": 2, "ROPE": True},
+    {**BASE, "HG": 16, "HP": 16, "D": 64, "KBITS": 3, "VBITS": 3, "G": 64, "GV": 64, "GK": 64,
+     "CB": True, "KOUT": 1, "VOUT": 1, "ROPE": True},
+    {**BASE, "HG": 8, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 3, "VOUT": 3},
     # more chunks (EXTRA_HEAD_DIMS): head_dim 256 as four of 64 (2 bits GQA 2; 4 bits G 64),
     # 96 as three of 32 (4 bits, 8 heads)
     {**BASE, "HG": 2, "D": 256},

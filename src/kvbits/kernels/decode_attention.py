@@ -824,18 +824,28 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
 
 
 def _rope_table(inv_freq: torch.Tensor, n: int) -> torch.Tensor:
-    """``[2, n, D/2]`` float16 ``cos/sin(j * inv_freq)`` for the offsets ``j`` of a body tile,
-    built once and kept on the frequency tensor itself (a layer's store passes the same tensor
-    every step), so it can never outlive or mismatch the frequencies it was made from."""
+    """``[2, n, D/2]`` float16 ``cos/sin(j * inv_freq)`` for the offsets ``j`` of a body tile."""
+    return rope_cos_sin(inv_freq, range(n), key=n)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, offsets, key=None) -> torch.Tensor:
+    """``[2, len(offsets), D/2]`` float16 ``cos/sin(j * inv_freq)`` for the given token offsets
+    (computed in float64), built once and kept on the frequency tensor itself (a layer's store
+    passes the same tensor every step), so it can never outlive or mismatch the frequencies it
+    was made from. ``key`` names the offsets (default: the offsets themselves); ``offsets`` may
+    then be a callable, called only when the table is built."""
     tables = getattr(inv_freq, "_kvbits_rope_tables", None)
     if tables is None:
         tables = {}
         inv_freq._kvbits_rope_tables = tables
-    if n not in tables:
-        ang = torch.arange(n, device=inv_freq.device, dtype=torch.float64)[:, None] \
-            * inv_freq.double()[None, :]
-        tables[n] = torch.stack([ang.cos(), ang.sin()]).half().contiguous()
-    return tables[n]
+    if key is None:
+        key = tuple(offsets)
+    if key not in tables:
+        offsets = offsets() if callable(offsets) else offsets
+        j = torch.tensor(list(offsets), device=inv_freq.device, dtype=torch.float64)
+        ang = j[:, None] * inv_freq.double()[None, :]
+        tables[key] = torch.stack([ang.cos(), ang.sin()]).half().contiguous()
+    return tables[key]
 
 
 # Triton reads TRITON_INTERPRET when a kernel is defined, so it cannot change afterwards either.

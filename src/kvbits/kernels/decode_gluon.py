@@ -868,9 +868,10 @@ if gluon is not None:
                 _query_operand(Q, q_row0, qk_scale, C0 + 1, HG, HP, D, DC, b_l))
 
     @gluon.jit
-    def _row_tokens(KBITS: gl.constexpr, W: gl.constexpr, G: gl.constexpr, mma: gl.constexpr):
-        """Token offset (from the step's first token) of each ``S^T`` row (module docstring)."""
-        n = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+    def _row_tokens(KBITS: gl.constexpr, W: gl.constexpr, G: gl.constexpr, rows: gl.constexpr):
+        """Token offset (from the step's first token) of each ``S^T`` row (module docstring),
+        as a ``[64]`` tensor of the 1-D layout ``rows`` (rows of S^T, P or an operand)."""
+        n = gl.arange(0, 64, layout=rows)
         ne = n % 2
         na = (n // 2) % 4
         nh = (n // 8) % 2
@@ -954,6 +955,96 @@ if gluon is not None:
             v = _value_operand(vw, vs, vz, VBITS, DC, VW, a_l)
         return mma_v2(v, pb, acc * alpha[None, :])
 
+    # ---------------------------------------------------------- KVQuant: outliers, pre-RoPE keys
+    @gluon.jit
+    def _one_hot(rows, cols):
+        """``[R, C]`` float16 in the parent layout of the two 1-D integer tensors: 1.0 where
+        ``rows[r] == cols[c]``, else 0.0; one ``set.eq.f16x2`` per element pair (the integers,
+        channels and indices below 2048 in magnitude, are exact as float16)."""
+        a, b = gl.broadcast(rows.to(gl.float16)[:, None], cols.to(gl.float16)[None, :])
+        return gl.inline_asm_elementwise("set.eq.f16x2.f16x2 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=gl.float16, is_pure=True, pack=2)
+
+    @gluon.jit
+    def _cos_sin(a):
+        """``cos(a), sin(a)`` of float32 angles: reduced to ``[-pi, pi]`` (2 pi in two float32
+        parts) and the MUFU ``cos/sin.approx``, as the Triton kernel's ``_cos_sin`` does."""
+        k = gl.floor(a * 0.15915494309189535 + 0.5)
+        r = a - k * 6.2831854820251465
+        r = r - k * -1.7484556000744883e-07
+        return gl.inline_asm_elementwise(
+            "cos.approx.f32 $0, $2; sin.approx.f32 $1, $2;", "=r,=r,r", [r],
+            dtype=(gl.float32, gl.float32), is_pure=True, pack=1)
+
+    @gluon.jit
+    def _rope_query(qa, qb, p0, inv_freq):
+        """``R(p0)^T q`` of a query held as its two halves (B operands ``[D/2, HP]``, float16):
+        the step's keys at positions ``p0 + j`` then only take the fixed ``R(j)`` of their
+        offset (``q . R(p0 + j) k = (R(p0)^T q) . (R(j) k)``; rotate-half convention)."""
+        c, s = _cos_sin(p0.to(gl.float32) * inv_freq)
+        c = c[:, None]
+        s = s[:, None]
+        a = qa.to(gl.float32)
+        b = qb.to(gl.float32)
+        return (a * c + b * s).to(gl.float16), (b * c - a * s).to(gl.float16)
+
+    @gluon.jit
+    def _key_outliers(st, oi_base, ov_base, t_cur, body_len, rows_a, rows_c, qa, qb, cs_ptr,
+                      NOUT: gl.constexpr, DC: gl.constexpr, ROPE: gl.constexpr,
+                      a_l: gl.constexpr, mma: gl.constexpr):
+        """Dense-and-sparse keys: the ``NOUT`` FP16 corrections ``val`` at channel ``idx`` of
+        each token, added to the scores as ``val * q'[idx]``. A one-hot tile times the query
+        operand picks ``q'[idx]`` for every head on the tensor cores (one ``set.eq.f16x2`` per
+        element pair; the compare-and-add into the key tile costs three). ``rows_a`` /
+        ``rows_c``: token offsets of the rows in the A operand / ``S^T`` layouts. Post-RoPE:
+        ``q'`` is the query (halves ``qa, qb``, channel chunks 0 and 1). Pre-RoPE (``ROPE``):
+        the correction turns with its key, ``R(j) e_idx`` having two non-zeros (channels ``i =
+        idx mod D/2`` and ``i + D/2``, at ``cos/sin(j theta_i)`` from the step table
+        ``cs_ptr``, rows in MMA-row order), so both rotated query halves are picked at ``i`` and
+        combined."""
+        ta = t_cur + rows_a
+        tc = t_cur + rows_c
+        ch = gl.arange(0, DC, layout=gl.SliceLayout(0, a_l))
+        zero = gl.zeros(st.shape, gl.float32, layout=mma)
+        for j in gl.static_range(NOUT):
+            idx = gl.load(oi_base + ta * NOUT + j, mask=ta < body_len, other=0).to(gl.int32)
+            val = gl.load(ov_base + tc * NOUT + j, mask=tc < body_len, other=0.0)
+            val = val.to(gl.float32)[:, None]
+            if ROPE:
+                oh = _one_hot(idx % DC, ch)
+                ga = mma_v2(oh, qa, zero)
+                gb = mma_v2(oh, qb, zero)
+                ic = gl.load(oi_base + tc * NOUT + j, mask=tc < body_len, other=0).to(gl.int32)
+                cs = cs_ptr + gl.arange(0, 64, layout=gl.SliceLayout(1, mma)) * DC + ic % DC
+                c = gl.load(cs).to(gl.float32)[:, None]
+                s = gl.load(cs + 64 * DC).to(gl.float32)[:, None]
+                hi = (ic >= DC)[:, None]
+                st = st + val * (c * gl.where(hi, gb, ga) + s * gl.where(hi, -ga, gb))
+            else:
+                g = mma_v2(_one_hot(idx, ch), qa, zero)
+                g = mma_v2(_one_hot(idx - DC, ch), qb, g)
+                st = st + val * g
+        return st
+
+    @gluon.jit
+    def _value_outliers(acc0, acc1, pb, oi_base, ov_base, t_cur, body_len, cols_a, rows_b,
+                        NOUT: gl.constexpr, DC: gl.constexpr, a_l: gl.constexpr):
+        """Dense-and-sparse values: ``O^T[idx, h] += val * P[t, h]`` for the ``NOUT`` FP16
+        corrections of each token, as ``OneHot^T (P * val)`` on the tensor cores (the one-hot
+        ``[DC, 64]`` per channel chunk; ``cols_a`` / ``rows_b``: token offsets of P's rows in
+        the A operand's columns / the B operand's rows). P already carries the online softmax's
+        scale, so the correction rescales with the accumulator."""
+        ta = t_cur + cols_a
+        tb = t_cur + rows_b
+        ch = gl.arange(0, DC, layout=gl.SliceLayout(1, a_l))
+        for j in gl.static_range(NOUT):
+            idx = gl.load(oi_base + ta * NOUT + j, mask=ta < body_len, other=0).to(gl.int32)
+            val = gl.load(ov_base + tb * NOUT + j, mask=tb < body_len, other=0.0)
+            w = pb * val[:, None]
+            acc0 = mma_v2(_one_hot(ch, idx), w, acc0)
+            acc1 = mma_v2(_one_hot(ch + DC, idx), w, acc1)
+        return acc0, acc1
+
     @gluon.constexpr_function
     def head_chunks(D):
         """Channel chunks of a head (one MMA operand each): two at head_dim 64 and 128 (32 / 64
@@ -968,13 +1059,15 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=("sink_len", "res_len", "n_out", "steps_per_split"))
     def _body_kernel(
         Q, Out, Lse, KC, KS, KZ, VC, VS, VZ, Starts, Lens, LenTab, KCB, VCB,
+        KOI, KOV, VOI, VOV, InvFreq, RopeCS,
         qk_scale, sink_len, body_len, res_len, kc_cap, ks_slice, vc_cap, vs_slice,
-        Hkv, n_out, steps_per_split,
+        kout_cap, vout_cap, Hkv, n_out, steps_per_split,
         HG: gl.constexpr, HP: gl.constexpr, D: gl.constexpr, KBITS: gl.constexpr,
         VBITS: gl.constexpr, G: gl.constexpr, GV: gl.constexpr, HAS_STARTS: gl.constexpr,
         HAS_LENS: gl.constexpr, GK: gl.constexpr, K_TOK: gl.constexpr,
         LENS_DEV: gl.constexpr, PF: gl.constexpr = 0, PF_L1: gl.constexpr = False,
         PF_AFTER: gl.constexpr = False, EARLY_V: gl.constexpr = False, CB: gl.constexpr = False,
+        KOUT: gl.constexpr = 0, VOUT: gl.constexpr = 0, ROPE: gl.constexpr = False,
     ):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                       instr_shape=[16, 8])
@@ -1000,19 +1093,36 @@ if gluon is not None:
             Starts, Lens, LenTab, sink_len, body_len, res_len, Hkv, HG, HAS_STARTS, HAS_LENS,
             LENS_DEV)
         bh64 = bh.to(gl.int64)
+        gl.static_assert(not (ROPE or KOUT > 0 or VOUT > 0) or (KBITS == 3 and CB and NCH == 2),
+                         "outliers / pre-RoPE keys: 3-bit codebooks at head_dim 64 or 128")
 
         q0, q1 = _query_operands(Q, q_row0, qk_scale, 0, HG, HP, D, DC, b_l)
         if NCH >= 3:
             q2 = _query_operand(Q, q_row0, qk_scale, 2, HG, HP, D, DC, b_l)
         if NCH == 4:
             q3 = _query_operand(Q, q_row0, qk_scale, 3, HG, HP, D, DC, b_l)
-        dn = _row_tokens(KBITS, W, G, mma)
+        dn = _row_tokens(KBITS, W, G, gl.SliceLayout(1, mma))
         if CB:  # KVQuant (3 bits): the KV head's codebooks as prmt tables, [Hkv, 8] float32
             klo0, klo1, khi0, khi1 = _cb_tables(KCB + (bh % Hkv) * 8)
             vlo0, vlo1, vhi0, vhi1 = _cb_tables(VCB + (bh % Hkv) * 8)
         else:
             klo0, klo1, khi0, khi1 = 0, 0, 0, 0
             vlo0, vlo1, vhi0, vhi1 = 0, 0, 0, 0
+        # KVQuant's dense-and-sparse outliers and pre-RoPE keys (3-bit codebooks, two chunks
+        # that are the two rotate-half halves): eligible() admits them only there.
+        if KOUT > 0:
+            koi_base = KOI + bh64 * kout_cap * KOUT
+            kov_base = KOV + bh64 * kout_cap * KOUT
+            rows_a = _row_tokens(KBITS, W, G, gl.SliceLayout(1, a_l))
+        if VOUT > 0:
+            voi_base = VOI + bh64 * vout_cap * VOUT
+            vov_base = VOV + bh64 * vout_cap * VOUT
+            cols_a = _row_tokens(KBITS, W, G, gl.SliceLayout(0, a_l))
+            rows_b = _row_tokens(KBITS, W, G, gl.SliceLayout(1, b_l))
+        if ROPE:  # cos / sin(j theta) per A-operand element: the [2, 64, D/2] table of row j
+            inv_f = gl.load(InvFreq + gl.arange(0, DC, layout=gl.SliceLayout(1, b_l)))
+            cs_off = (gl.arange(0, 64, layout=gl.SliceLayout(1, a_l))[:, None] * DC
+                      + gl.arange(0, DC, layout=gl.SliceLayout(0, a_l))[None, :])
 
         n_groups = body_len // G
         n_rows = n_groups * W
@@ -1085,13 +1195,29 @@ if gluon is not None:
                                   CB)
             else:
                 k = _key_operand(kw0, ks0, kz0, KBITS, DC, KW, a_l, K_TOK)
-            st = mma_v2(k, q0, gl.zeros([64, HP], gl.float32, layout=mma))
-            if KBITS == 3:
-                k = _key_operand3(kp1, kq1, kr1, ks1, kz1, klo0, klo1, khi0, khi1, DC, KW, a_l,
-                                  CB)
+            if ROPE:  # both halves first: R(j) k against R(p0)^T q (_rope_query)
+                k1 = _key_operand3(kp1, kq1, kr1, ks1, kz1, klo0, klo1, khi0, khi1, DC, KW, a_l,
+                                   CB)
+                xa, xb = _rope_query(q0, q1, sink_len + t_cur - start, inv_f)
+                cj = gl.load(RopeCS + cs_off)
+                sj = gl.load(RopeCS + 64 * DC + cs_off)
+                st = mma_v2(k * cj - k1 * sj, xa, gl.zeros([64, HP], gl.float32, layout=mma))
+                st = mma_v2(k1 * cj + k * sj, xb, st)
             else:
-                k = _key_operand(kw1, ks1, kz1, KBITS, DC, KW, a_l, K_TOK)
-            st = mma_v2(k, q1, st)
+                st = mma_v2(k, q0, gl.zeros([64, HP], gl.float32, layout=mma))
+                if KBITS == 3:
+                    k = _key_operand3(kp1, kq1, kr1, ks1, kz1, klo0, klo1, khi0, khi1, DC, KW,
+                                      a_l, CB)
+                else:
+                    k = _key_operand(kw1, ks1, kz1, KBITS, DC, KW, a_l, K_TOK)
+                st = mma_v2(k, q1, st)
+            if KOUT > 0:
+                if ROPE:
+                    st = _key_outliers(st, koi_base, kov_base, t_cur, body_len, rows_a, dn, xa,
+                                       xb, RopeCS, KOUT, DC, True, a_l, mma)
+                else:
+                    st = _key_outliers(st, koi_base, kov_base, t_cur, body_len, rows_a, dn, q0,
+                                       q1, RopeCS, KOUT, DC, False, a_l, mma)
             # chunks past the second: their words only now (at head_dim 256, 255 registers with
             # 8-18 spilled words per step this way, 54-98 with every load at the step's start)
             if NCH == 4 and KBITS != 3:  # both chunks' words first (fewer spills at 4 bits)
@@ -1145,6 +1271,9 @@ if gluon is not None:
             else:
                 v = _value_operand(vw1, vs1, vz1, VBITS, DC, VW, a_l)
             acc1 = mma_v2(v, pb, acc1 * alpha[None, :])
+            if VOUT > 0:
+                acc0, acc1 = _value_outliers(acc0, acc1, pb, voi_base, vov_base, t_cur, body_len,
+                                             cols_a, rows_b, VOUT, DC, a_l)
             # chunks past the second: their words only now (as for the keys)
             if NCH == 4 and VBITS != 3:
                 vw2, vs2, vz2 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
@@ -1209,14 +1338,31 @@ if _EXTRA_DIMS_ENV not in ("0", "1"):
     raise ValueError(f"KVBITS_GLUON_EXTRA_DIMS must be '0' or '1', got {_EXTRA_DIMS_ENV!r}")
 EXTRA_HEAD_DIMS = _EXTRA_DIMS_ENV == "1"
 # ... and there keys scaled per token (the uniform method: one scale group per chunk, e.g.
-# uniform-int4's 64 channels at head_dim 256), where the Triton kernel ran 0.95x flash SDPA
-# (Gemma-2-9B batch 8, Phi-3-mini batch 1). Compiled for sm_90 (session 16), not yet run on a
-# GPU: off until it is (KVBITS_GLUON_TOKEN_KEYS_WIDE=1 turns it on).
-_TOKEN_KEYS_WIDE_ENV = os.environ.get("KVBITS_GLUON_TOKEN_KEYS_WIDE", "0")
+# uniform-int4's 64 channels at head_dim 256), where the Triton kernel ran 0.89-0.96x flash SDPA.
+# Verified on the H200 in session 18 (its GPU tests against the reference) and faster there, in
+# graph time against flash SDPA (decode_attention_token_keys_wide.md): uniform-int4 Gemma-2-9B
+# batch 8 32k 1.34x (Triton kernel 0.89x), Phi-3-mini batch 8 2.48x (1.63x), batch 1 1.45x
+# (0.96x), Gemma-2-9B batch 1 1.08x (1.06x). KVBITS_GLUON_TOKEN_KEYS_WIDE=0 sends them to Triton.
+_TOKEN_KEYS_WIDE_ENV = os.environ.get("KVBITS_GLUON_TOKEN_KEYS_WIDE", "1")
 if _TOKEN_KEYS_WIDE_ENV not in ("0", "1"):
     raise ValueError("KVBITS_GLUON_TOKEN_KEYS_WIDE must be '0' or '1', got "
                      f"{_TOKEN_KEYS_WIDE_ENV!r}")
 TOKEN_KEYS_WIDE = _TOKEN_KEYS_WIDE_ENV == "1"
+
+# KVQuant's full layer (3-bit codebooks with dense-and-sparse outliers and/or pre-RoPE keys,
+# head_dim 64 or 128) through this kernel: outliers as one-hot tiles on the tensor cores
+# (_key_outliers, _value_outliers), pre-RoPE keys turned by R(j) per element against a query
+# turned by R(p0) per step (_rope_query). Verified on the H200 in session 18 (its GPU tests
+# against the reference, 6 cases) and 2.0-2.3x faster there than the Triton kernel in graph time
+# (decode_attention_kvquant.md, kvquant-3: Llama-2-7B B=8 32k 1819 against 3930 us, Llama-3-8B
+# B=8 32k 494 against 1065 us), yet still 0.52-0.95x flash SDPA: ~4850 instructions per 64-token
+# step against ~2570 without outliers and rotation, and ~100 spilled registers per step.
+# KVBITS_GLUON_KVQUANT=0 sends those layers to the Triton kernel.
+_KVQUANT_ENV = os.environ.get("KVBITS_GLUON_KVQUANT", "1")
+if _KVQUANT_ENV not in ("0", "1"):
+    raise ValueError(f"KVBITS_GLUON_KVQUANT must be '0' or '1', got {_KVQUANT_ENV!r}")
+KVQUANT_FULL = _KVQUANT_ENV == "1"
+MAX_OUTLIERS = 4  # per token, keys or values (one pair of MMAs each)
 
 
 def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
@@ -1232,14 +1378,20 @@ def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
     sliding window."""
     if gluon is None or kv.body_len == 0 or getattr(kv, "fp8", False):
         return False
+    codebooks = getattr(kv, "k_codebook", None) is not None
+    D = kv.res_k.shape[-1]
     if any(getattr(kv, n, None) is not None for n in ("k_out_idx", "v_out_idx",
                                                       "rope_inv_freq")):
-        return False  # KVQuant outliers and pre-RoPE keys: the Triton kernel
-    codebooks = getattr(kv, "k_codebook", None) is not None
+        # KVQuant outliers and pre-RoPE keys: with KVQUANT_FULL, 3-bit codebooks at head_dim
+        # 64 / 128 (the two channel chunks are the two rotate-half halves); else Triton
+        outs = [t.shape[3] for t in (getattr(kv, "k_out_idx", None),
+                                     getattr(kv, "v_out_idx", None)) if t is not None]
+        if not (KVQUANT_FULL and codebooks and D in (64, 128)
+                and all(n <= MAX_OUTLIERS for n in outs)):
+            return False
     if codebooks != (getattr(kv, "v_codebook", None) is not None) or (
             codebooks and (kv.key_bits != 3 or kv.value_bits != 3)):
         return False  # KVQuant codebooks: 3-bit planes only (PLANES3, below)
-    D = kv.res_k.shape[-1]
     G, GV = kv.group_size, kv.value_group
     key_axis = getattr(kv, "key_axis", "channel")
     # keys per token: at most one scale group per channel chunk (the chunk broadcasts it)
@@ -1390,18 +1542,39 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
     if kcb is not None:  # [Hkv, 8] float32, one row per KV head (the kernel reads row bh % Hkv)
         kcb = kcb.float().expand(Hkv, 8).contiguous()
         vcb = vcb.float().expand(Hkv, 8).contiguous()
+    koi, kov = getattr(kv, "k_out_idx", None), getattr(kv, "k_out_val", None)
+    voi, vov = getattr(kv, "v_out_idx", None), getattr(kv, "v_out_val", None)
+    inv_freq = getattr(kv, "rope_inv_freq", None)
+    if inv_freq is not None:
+        inv_freq = inv_freq.float().contiguous()
     _body_kernel[(B * Hkv, splits)](
         q, out, lse, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero,
         starts, lengths, lens_dev if lens_dev is not None else starts,
-        kcb if kcb is not None else starts, vcb if vcb is not None else starts, scale_log2,
-        kv.sink_len, kv.body_len, kv.res_len,
+        kcb if kcb is not None else starts, vcb if vcb is not None else starts,
+        *(t.contiguous() if t is not None else starts for t in (koi, kov, voi, vov)),
+        inv_freq if inv_freq is not None else starts,
+        rope_rows(kv.rope_inv_freq, kv.key_bits, kv.group_size) if inv_freq is not None
+        else starts,
+        scale_log2, kv.sink_len, kv.body_len, kv.res_len,
         kv.k_codes.shape[2], kv.k_scale.shape[2] * kv.k_scale.shape[3], kv.v_codes.shape[2],
-        kv.v_scale.shape[2] * kv.v_scale.shape[3], Hkv, n_out, per,
+        kv.v_scale.shape[2] * kv.v_scale.shape[3],
+        koi.shape[2] if koi is not None else 0, voi.shape[2] if voi is not None else 0,
+        Hkv, n_out, per,
         HG=HG, HP=8 if HG <= 8 else 16, D=D, KBITS=kv.key_bits, VBITS=kv.value_bits,
         G=kv.group_size,
         GV=kv.value_group, HAS_STARTS=has_starts, HAS_LENS=has_lens,
         GK=D // kv.k_scale.shape[3] if k_tok else kv.group_size, K_TOK=k_tok,
         LENS_DEV=lens_dev is not None, PF=DEFAULT_PREFETCH if prefetch is None else prefetch,
         PF_L1=PREFETCH_L1, PF_AFTER=PREFETCH_AFTER_KEYS, EARLY_V=EARLY_VALUES,
-        CB=kcb is not None, num_warps=1,
+        CB=kcb is not None, KOUT=koi.shape[3] if koi is not None else 0,
+        VOUT=voi.shape[3] if voi is not None else 0, ROPE=inv_freq is not None, num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg else {}))
+
+
+def rope_rows(inv_freq, bits: int, G: int):
+    """``[2, 64, D/2]`` float16 ``cos/sin(j * inv_freq)`` with ``j`` the step offset of MMA row
+    ``n`` (:func:`token_order`): the per-element turn of a step's pre-RoPE keys, the same for
+    every step (cached on the frequency tensor)."""
+    from .decode_attention import rope_cos_sin
+
+    return rope_cos_sin(inv_freq, lambda: token_order(bits, G), key=("gluon rows", bits, G))

@@ -261,7 +261,7 @@ if gluon is not None:
             LENS_DEV)
 
         q0, q1 = dg._query_operands(Q, q_row0, qk_scale, 0, HG, HP, D, DC, b_l)
-        dn = dg._row_tokens(BITS, W, G, mma)
+        dn = dg._row_tokens(BITS, W, G, gl.SliceLayout(1, mma))
 
         n_steps = (body_len + 63) // 64
         s_lo = split * steps_per_split
