@@ -958,12 +958,44 @@ if gluon is not None:
     # ---------------------------------------------------------- KVQuant: outliers, pre-RoPE keys
     @gluon.jit
     def _one_hot(rows, cols):
-        """``[R, C]`` float16 in the parent layout of the two 1-D integer tensors: 1.0 where
-        ``rows[r] == cols[c]``, else 0.0; one ``set.eq.f16x2`` per element pair (the integers,
-        channels and indices below 2048 in magnitude, are exact as float16)."""
-        a, b = gl.broadcast(rows.to(gl.float16)[:, None], cols.to(gl.float16)[None, :])
+        """``[R, C]`` float16 in the parent layout of the two 1-D float16 tensors: 1.0 where
+        ``rows[r] == cols[c]``, else 0.0; one ``set.eq.f16x2`` per element pair."""
+        a, b = gl.broadcast(rows[:, None], cols[None, :])
         return gl.inline_asm_elementwise("set.eq.f16x2.f16x2 $0, $1, $2;", "=r,r,r", [a, b],
                                          dtype=gl.float16, is_pure=True, pack=2)
+
+    @gluon.jit
+    def _magic(x):
+        """Integers ``0 <= x < 1024`` -> the float16 ``1024 + x``, exactly, by one OR (``0x6400``
+        is 1024's exponent): what the one-hot compares, with no int -> float conversion."""
+        return (x.to(gl.int16) | 0x6400).to(gl.float16, bitcast=True)
+
+    @gluon.jit
+    def _outlier_words(oi_base, ov_base, t, ok, NOUT: gl.constexpr):
+        """With two outliers per token, both indices of tokens ``t`` in one 16-bit load and
+        both corrections in one 32-bit load (:func:`_outlier` takes them apart); else nothing
+        (``_outlier`` loads each one)."""
+        if NOUT == 2:
+            w = gl.load(oi_base.to(gl.pointer_type(gl.uint16), bitcast=True) + t, mask=ok,
+                        other=0).to(gl.int32)
+            v = gl.load(ov_base.to(gl.pointer_type(gl.int32), bitcast=True) + t, mask=ok,
+                        other=0)
+        else:
+            w = 0
+            v = 0
+        return w, v
+
+    @gluon.jit
+    def _outlier(oi_base, ov_base, t, ok, w, v, j: gl.constexpr, NOUT: gl.constexpr):
+        """Outlier ``j`` of tokens ``t``: its channel (int16) and correction (float16), from
+        :func:`_outlier_words`' words ``w, v`` or loaded here."""
+        if NOUT == 2:
+            idx = ((w >> (8 * j)) & 0xFF).to(gl.int16)
+            val = ((v >> (16 * j)) & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True)
+        else:
+            idx = gl.load(oi_base + t * NOUT + j, mask=ok, other=0).to(gl.int16)
+            val = gl.load(ov_base + t * NOUT + j, mask=ok, other=0.0)
+        return idx, val
 
     @gluon.jit
     def _cos_sin(a):
@@ -1006,24 +1038,27 @@ if gluon is not None:
         tc = t_cur + rows_c
         ch = gl.arange(0, DC, layout=gl.SliceLayout(0, a_l))
         zero = gl.zeros(st.shape, gl.float32, layout=mma)
+        wa, va = _outlier_words(oi_base, ov_base, ta, ta < body_len, NOUT)
+        wc, vc = _outlier_words(oi_base, ov_base, tc, tc < body_len, NOUT)
         for j in gl.static_range(NOUT):
-            idx = gl.load(oi_base + ta * NOUT + j, mask=ta < body_len, other=0).to(gl.int32)
-            val = gl.load(ov_base + tc * NOUT + j, mask=tc < body_len, other=0.0)
-            val = val.to(gl.float32)[:, None]
+            idx, _ = _outlier(oi_base, ov_base, ta, ta < body_len, wa, va, j, NOUT)
+            ic, val = _outlier(oi_base, ov_base, tc, tc < body_len, wc, vc, j, NOUT)
+            val = val.to(gl.float32)
             if ROPE:
-                oh = _one_hot(idx % DC, ch)
+                oh = _one_hot(_magic(idx & (DC - 1)), _magic(ch))
                 ga = mma_v2(oh, qa, zero)
                 gb = mma_v2(oh, qb, zero)
-                ic = gl.load(oi_base + tc * NOUT + j, mask=tc < body_len, other=0).to(gl.int32)
-                cs = cs_ptr + gl.arange(0, 64, layout=gl.SliceLayout(1, mma)) * DC + ic % DC
-                c = gl.load(cs).to(gl.float32)[:, None]
-                s = gl.load(cs + 64 * DC).to(gl.float32)[:, None]
-                hi = (ic >= DC)[:, None]
-                st = st + val * (c * gl.where(hi, gb, ga) + s * gl.where(hi, -ga, gb))
+                i_c = (ic & (DC - 1)).to(gl.int32)
+                cs = cs_ptr + gl.arange(0, 64, layout=gl.SliceLayout(1, mma)) * DC + i_c
+                c = gl.load(cs).to(gl.float32) * val
+                s = gl.load(cs + 64 * DC).to(gl.float32) * val
+                hi = ic >= DC  # the partner is i (below) instead of i + D/2: -s and c
+                st = st + gl.where(hi, -s, c)[:, None] * ga + gl.where(hi, c, s)[:, None] * gb
             else:
-                g = mma_v2(_one_hot(idx, ch), qa, zero)
-                g = mma_v2(_one_hot(idx - DC, ch), qb, g)
-                st = st + val * g
+                m = _magic(idx)
+                g = mma_v2(_one_hot(m, _magic(ch)), qa, zero)
+                g = mma_v2(_one_hot(m, _magic(ch + DC)), qb, g)
+                st = st + val[:, None] * g
         return st
 
     @gluon.jit
@@ -1037,12 +1072,15 @@ if gluon is not None:
         ta = t_cur + cols_a
         tb = t_cur + rows_b
         ch = gl.arange(0, DC, layout=gl.SliceLayout(1, a_l))
+        wa, va = _outlier_words(oi_base, ov_base, ta, ta < body_len, NOUT)
+        wb, vb = _outlier_words(oi_base, ov_base, tb, tb < body_len, NOUT)
         for j in gl.static_range(NOUT):
-            idx = gl.load(oi_base + ta * NOUT + j, mask=ta < body_len, other=0).to(gl.int32)
-            val = gl.load(ov_base + tb * NOUT + j, mask=tb < body_len, other=0.0)
+            idx, _ = _outlier(oi_base, ov_base, ta, ta < body_len, wa, va, j, NOUT)
+            _, val = _outlier(oi_base, ov_base, tb, tb < body_len, wb, vb, j, NOUT)
             w = pb * val[:, None]
-            acc0 = mma_v2(_one_hot(ch, idx), w, acc0)
-            acc1 = mma_v2(_one_hot(ch + DC, idx), w, acc1)
+            m = _magic(idx)
+            acc0 = mma_v2(_one_hot(_magic(ch), m), w, acc0)
+            acc1 = mma_v2(_one_hot(_magic(ch + DC), m), w, acc1)
         return acc0, acc1
 
     @gluon.constexpr_function
