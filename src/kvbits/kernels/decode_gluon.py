@@ -1391,10 +1391,10 @@ TOKEN_KEYS_WIDE = _TOKEN_KEYS_WIDE_ENV == "1"
 # head_dim 64 or 128) through this kernel: outliers as one-hot tiles on the tensor cores
 # (_key_outliers, _value_outliers), pre-RoPE keys turned by R(j) per element against a query
 # turned by R(p0) per step (_rope_query). Verified on the H200 in session 18 (its GPU tests
-# against the reference, 6 cases) and 2.0-2.3x faster there than the Triton kernel in graph time
-# (decode_attention_kvquant.md, kvquant-3: Llama-2-7B B=8 32k 1819 against 3930 us, Llama-3-8B
-# B=8 32k 494 against 1065 us), yet still 0.52-0.95x flash SDPA: ~4850 instructions per 64-token
-# step against ~2570 without outliers and rotation, and ~100 spilled registers per step.
+# against the reference, 6 cases) and 2.2-2.5x faster there than the Triton kernel in graph time
+# (decode_attention_kvquant2.md, kvquant-3: Llama-2-7B B=8 32k 1762 against 3906 us, Llama-3-8B
+# B=8 32k 472 against 1077 us): 1.00-1.02x flash SDPA at Llama-2-7B B=32, 0.55-0.97x elsewhere;
+# ~4570 instructions per 64-token step against ~2570 without outliers and rotation, with spills.
 # KVBITS_GLUON_KVQUANT=0 sends those layers to the Triton kernel.
 _KVQUANT_ENV = os.environ.get("KVBITS_GLUON_KVQUANT", "1")
 if _KVQUANT_ENV not in ("0", "1"):
