@@ -1,7 +1,8 @@
 """KVQuant against KIVI at equal effective bits, from perplexity tables already measured.
 
 Reads ``benchmarks/results/NAME.json`` (``kvbits ppl`` output) for each NAME given (default: the
-news-text and SOTU tables of all three models) and writes ``ppl_frontier.{md,json,png}`` there:
+news-text and SOTU tables of all three models, and the
+per-head-codebook news tables) and writes ``ppl_frontier.{md,json,png}`` there:
 per table, each kvquant row against KIVI's Pareto front interpolated at its bits
 (``kvbits.eval.frontier``), and a plot of perplexity against bits per element.
 
@@ -22,7 +23,9 @@ from kvbits.eval.memory import markdown_table
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT = ("ppl_lee_news", "ppl_lee_news_qwen", "ppl_lee_news_gemma3", "ppl_methods",
            "ppl_methods_qwen", "ppl_methods_gemma3", "ppl_kvquant_dense_post",
-           "ppl_kvquant_dense_post_qwen", "ppl_kvquant_dense_post_gemma3")
+           "ppl_kvquant_dense_post_qwen", "ppl_kvquant_dense_post_gemma3",
+           "ppl_lee_news_cb_head", "ppl_lee_news_qwen_cb_head", "ppl_methods_cb_head",
+           "ppl_methods_qwen_cb_head")
 
 
 def _pct(x: float | None, base: float) -> str:
