@@ -735,6 +735,31 @@ def test_gluon_kvquant_full_matches_reference(c, n_out, rope, monkeypatch):
     assert off > 20 * glob, (off, glob)
 
 
+@pytest.mark.parametrize("G", [32, 64])
+def test_gluon_rope_rows_follow_the_token_order(G):
+    """The Gluon body's pre-RoPE table (no GPU needed): row n holds cos / sin of the step offset
+    of MMA row n (``token_order(3, G)``) times each frequency, built once per frequency tensor
+    and kept apart from the Triton kernel's table of plain offsets."""
+    from kvbits.kernels import decode_gluon
+    from kvbits.kernels.decode_attention import _rope_table
+    if decode_gluon.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 128, 2).float() / 128))
+    table = decode_gluon.rope_rows(inv_freq, 3, G)
+    j = torch.tensor(decode_gluon.token_order(3, G), dtype=torch.float64)
+    ang = j[:, None] * inv_freq.double()[None, :]
+    assert table.shape == (2, 64, 64) and table.dtype == torch.float16
+    torch.testing.assert_close(table.double(), torch.stack([ang.cos(), ang.sin()]),
+                               atol=1e-3, rtol=0)
+    assert sorted(j.long().tolist()) == list(range(64)) and j[1] != 1  # a permutation, not 0..63
+    assert decode_gluon.rope_rows(inv_freq, 3, G) is table  # cached on the tensor
+    plain = _rope_table(inv_freq, 64)  # offsets 0..63 in order (the Triton kernel's tile)
+    ang = torch.arange(64, dtype=torch.float64)[:, None] * inv_freq.double()[None, :]
+    torch.testing.assert_close(plain.double(), torch.stack([ang.cos(), ang.sin()]), atol=1e-3,
+                               rtol=0)
+    assert not torch.equal(plain, table)
+
+
 def test_gluon_kvquant_dispatch(monkeypatch):
     """Which KVQuant layers the Gluon body takes (no GPU needed): 3-bit codebooks without
     outliers or pre-RoPE keys, with PLANES3 only."""

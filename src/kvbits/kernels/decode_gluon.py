@@ -32,8 +32,10 @@ or four: ``head_chunks``, chunks past the second loaded only after the first two
 Different key and value widths (``MIXED_BITS``) permute P's rows between
 the two token orders, which differ only by a permutation of the row index's six bits. 3-bit
 layers (bit planes; ``PLANES3``) use their own token order (``_tok3``),
-in which three plane words merge into 4-bit fields, and from there the 4-bit path.
-Keys scaled per token over at least half the head (the uniform method, ``TOKEN_KEYS``) are served
+in which three plane words merge into 4-bit fields, and from there the 4-bit path; KVQuant's
+3-bit codebooks ride on it (``CB``), with their dense-and-sparse outliers as one-hot tiles on the
+tensor cores and their pre-RoPE keys turned per element between the two channel chunks, which
+are the rotate-half partners (``KVQUANT_FULL``). Keys scaled per token over at least half the head (the uniform method, ``TOKEN_KEYS``) are served
 too. Each step's key words are loaded at its start and its value words after the softmax; right
 after its key loads a step asks, with ``prefetch.global.L2`` (no registers, no shared memory), for
 every byte of the next step, so the one warp waits on L2 rather than DRAM (``DEFAULT_PREFETCH``).
@@ -1405,7 +1407,8 @@ MAX_OUTLIERS = 4  # per token, keys or values (one pair of MMAs each)
 
 def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
     """Whether :func:`attend_body` serves this layer and call: Gluon importable, integer codes
-    with no KVQuant outliers or pre-RoPE keys (KVQuant codebooks at 3 bits with ``PLANES3``),
+    (KVQuant codebooks at 3 bits with ``PLANES3``; their outliers, at most ``MAX_OUTLIERS`` per
+    token, and pre-RoPE keys with ``KVQUANT_FULL`` at head_dim 64 / 128),
     per-channel key scales (or, with ``TOKEN_KEYS``, per-token key scales
     over at least half the head), per-token value scales, key/value bits of 2 or 4 (equal, or
     with ``MIXED_BITS`` any pair at group size <= 64) or, with ``PLANES3``, both 3 at group
