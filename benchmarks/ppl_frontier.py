@@ -85,8 +85,11 @@ def plot(tables: list[dict], path: Path) -> None:
                 "-", color="tab:blue", alpha=0.6, label="kivi front")
         ax.plot([p["bits"] for p in kivi], [100 * (p["ppl"] / base - 1) for p in kivi], "o",
                 color="tab:blue", label="kivi")
-        ax.plot([r["bits"] for r in t["rows"]], [100 * (r["ppl"] / base - 1) for r in t["rows"]],
-                "s", color="tab:red", label="kvquant")
+        for head, marker, label in ((False, "s", "kvquant"),
+                                    (True, "^", "kvquant, codebook per head")):
+            rows = [r for r in t["rows"] if ("codebook=head" in r["label"]) == head]
+            ax.plot([r["bits"] for r in rows], [100 * (r["ppl"] / base - 1) for r in rows],
+                    marker, color="tab:red" if not head else "tab:orange", label=label)
         ax.set_yscale("symlog", linthresh=1.0)
         ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
         ax.set_title(f"{t['model']}, {t['text']}, {t['tokens']} tok", fontsize=9)
@@ -95,7 +98,7 @@ def plot(tables: list[dict], path: Path) -> None:
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(tables):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=8)
+    axes.flat[-1 - (len(axes.flat) - len(tables))].legend(fontsize=8)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
