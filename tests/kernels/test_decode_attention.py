@@ -974,6 +974,25 @@ def test_device_lengths_inside_bounds(c, gluon, monkeypatch):
         kernel(q, bound, lens_dev=lens.long(), **args)
 
 
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_out,rope", [(2, True), (2, False)])
+def test_gluon_kvquant_full_device_lengths(n_out, rope, monkeypatch):
+    """KVQuant's full layers through the Gluon body with the lengths on the device (how a
+    CUDA-graph decode of kvquant-3 runs them): nothing past the true lengths is read."""
+    from kvbits.kernels import decode_gluon
+    monkeypatch.setattr(decode_gluon, "PLANES3", True)
+    monkeypatch.setattr(decode_gluon, "KVQUANT_FULL", True)
+    serve_small(monkeypatch, decode_gluon)
+    c = Case(kb=3, vb=3, G=32, D=128, B=2, Hkv=2, HG=4, S=3, body=32 * 40, res=48,
+             starts=(0, 7), seed=24 + rope)
+    bound = _kvquant_kv(c, n_out, rope)
+    assert decode_gluon.eligible(bound, 1, c.HG, None)
+    used = count_calls(monkeypatch, decode_gluon)
+    _check_device_lengths(c, bound, True, f"{c} kvquant out={n_out} rope={rope} lens_dev")
+    assert used, "the Gluon kernel was not used"
+
+
 def _check_device_lengths(c, bound, gluon, what):
     """Run ``bound`` (lengths that are upper bounds over real data) with the true lengths on the
     device (body 3 groups and residual 17 tokens shorter) and compare with the reference over a
