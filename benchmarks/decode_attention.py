@@ -39,8 +39,9 @@ MODELS = {"llama-2-7b": (32, 32, 128), "llama-3-8b": (32, 8, 128)}  # q heads, k
 OTHER_MODELS = {"qwen2.5-7b": (28, 4, 128), "gemma-2-9b": (16, 8, 256),
                 "phi-3-mini": (32, 32, 96), "smollm2-1.7b": (32, 32, 64)}
 ALL_MODELS = MODELS | OTHER_MODELS
-# kivi-3 and kvquant-3-dense-post (codebooks only) go through the Gluon body's 3-bit planes
-# (decode_gluon.PLANES3, on unless KVBITS_GLUON_3BIT=0), kvquant-3 through the Triton kernel
+# kivi-3, kvquant-3-dense-post (codebooks only) and kvquant-3 (with outliers and pre-RoPE keys,
+# decode_gluon.KVQUANT_FULL) go through the Gluon body's 3-bit planes (decode_gluon.PLANES3, on
+# unless KVBITS_GLUON_3BIT=0); kvquant-2 / kvquant-4 (--presets) through the Triton kernel
 PRESETS = ("kivi-2", "kivi-4", "k4v2", "uniform-int4", "uniform-int2", "fp8-dynamic", "kvquant-3",
            "kivi-3", "kvquant-3-dense-post")
 
