@@ -779,6 +779,10 @@ def test_gluon_kvquant_dispatch(monkeypatch):
     monkeypatch.setattr(decode_gluon, "KVQUANT_FULL", True)  # outliers / pre-RoPE keys
     assert all(decode_gluon.eligible(kv, 1, 4, None) for kv in full)
     assert not decode_gluon.eligible(_kvquant_kv(c, 5, False, device="cpu"), 1, 4, None)
+    odd = _kvquant_kv(c, 2, False, device="cpu")  # indices one byte off a 16-bit boundary
+    buf = torch.empty(odd.k_out_idx.numel() + 1, dtype=torch.uint8)
+    odd.k_out_idx = buf[1:].view(odd.k_out_idx.shape).copy_(odd.k_out_idx)
+    assert not decode_gluon.eligible(odd, 1, 4, None)
     wide = c._replace(D=96)  # three channel chunks: the rotate-half halves are not two chunks
     assert not decode_gluon.eligible(_kvquant_kv(wide, 2, True, device="cpu"), 1, 4, None)
     two = c._replace(kb=2, vb=2)

@@ -35,8 +35,8 @@ layers (bit planes; ``PLANES3``) use their own token order (``_tok3``),
 in which three plane words merge into 4-bit fields, and from there the 4-bit path; KVQuant's
 3-bit codebooks ride on it (``CB``), with their dense-and-sparse outliers as one-hot tiles on the
 tensor cores and their pre-RoPE keys turned per element between the two channel chunks, which
-are the rotate-half partners (``KVQUANT_FULL``). Keys scaled per token over at least half the head (the uniform method, ``TOKEN_KEYS``) are served
-too. Each step's key words are loaded at its start and its value words after the softmax; right
+are the rotate-half partners (``KVQUANT_FULL``). Keys scaled per token over at least half the
+head (the uniform method, ``TOKEN_KEYS``) are served too. Each step's key words are loaded at its start and its value words after the softmax; right
 after its key loads a step asks, with ``prefetch.global.L2`` (no registers, no shared memory), for
 every byte of the next step, so the one warp waits on L2 rather than DRAM (``DEFAULT_PREFETCH``).
 Prefetches of the next step *into registers* measured slower on the H200 (255 registers and
@@ -1427,7 +1427,11 @@ def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
         # 64 / 128 (the two channel chunks are the two rotate-half halves); else Triton
         outs = [t.shape[3] for t in (getattr(kv, "k_out_idx", None),
                                      getattr(kv, "v_out_idx", None)) if t is not None]
-        if not (KVQUANT_FULL and codebooks and D in (64, 128)
+        # two outliers per token are read as one 16-bit word of indices, one 32-bit of values
+        aligned = all(t.data_ptr() % a == 0 for n, a in (("k_out_idx", 2), ("v_out_idx", 2),
+                                                         ("k_out_val", 4), ("v_out_val", 4))
+                      if (t := getattr(kv, n, None)) is not None)
+        if not (KVQUANT_FULL and codebooks and D in (64, 128) and aligned
                 and all(n <= MAX_OUTLIERS for n in outs)):
             return False
     if codebooks != (getattr(kv, "v_codebook", None) is not None) or (
