@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 METHODS = ("fp16", "kivi", "kvquant", "uniform", "fp8")
-CODEBOOKS = ("layer", "head", "auto")
+CODEBOOKS = ("layer", "head")
 AXES = ("channel", "token")
 FP8_SCALES = ("dynamic", "calibrated")
 FP8_GRANULARITIES = ("head", "tensor")
@@ -47,10 +47,8 @@ class QuantSpec:
         outliers: fraction of each token vector (per head, K and V separately) kept in FP16
             outside the dense codes (KVQuant dense-and-sparse), as a fixed count
             ``ceil(outliers * head_dim)`` per vector (1 for head_dim 64 at 0.01); 0 disables.
-        codebook: "layer" (one non-uniform codebook per layer, shared by its KV heads),
-            "head" (one per KV head) or "auto" (per layer and for K and V apart, whichever of the
-            two has the lower weighted error on the held-out half of the calibration tokens);
-            kvquant only.
+        codebook: "layer" (one non-uniform codebook per layer, shared by its KV heads) or
+            "head" (one per KV head); kvquant only.
         qnorm: match the mean and standard deviation of the dequantized calibration data to the
             original by an affine correction of each codebook (KVQuant's Q-Norm, applied once at
             calibration so it costs nothing at run time); kvquant only.

@@ -205,29 +205,6 @@ def test_fisher_weights_change_the_codebook(calibrated):
     assert not torch.allclose(plain.layers[0].k_codebook, cal.layers[0].k_codebook)
 
 
-def test_auto_codebooks_choose_by_held_out_error():
-    """codebook="auto": per-head codebooks where the KV heads' data differ (their held-out half
-    quantizes better), one per layer where one head's codebook serves all (a tie keeps the
-    layer's), and the layer's fit then uses every token."""
-    g = torch.Generator().manual_seed(0)
-    H, T, D = 2, 256, 64
-    spec = resolve_spec("kvquant-3").replace(outliers=0.0, fisher=False)
-    k = torch.randn(H, T, D, generator=g)
-    v = torch.randn(H, T, D, generator=g)
-    # head 1 of the keys: a two-peaked distribution that head 0's codebook cannot follow
-    k[1] = torch.sign(k[1]) * (3 + 0.1 * k[1].abs())
-    auto = kvq.fit_layer(k, v, None, None, spec.replace(codebook="auto"))
-    head = kvq.fit_layer(k, v, None, None, spec.replace(codebook="head"))
-    layer = kvq.fit_layer(k, v, None, None, spec.replace(codebook="layer"))
-    assert not torch.equal(auto.k_codebook[0], auto.k_codebook[1])  # keys: one per head
-    torch.testing.assert_close(auto.k_codebook, head.k_codebook)
-    one = kvq.fit_layer(k[:1], v[:1], None, None, spec.replace(codebook="auto"))
-    torch.testing.assert_close(one.v_codebook, kvq.fit_layer(
-        k[:1], v[:1], None, None, spec.replace(codebook="layer")).v_codebook)
-    assert layer.k_codebook.shape == auto.k_codebook.shape == (H, 8)
-    assert "cb=auto" in spec.replace(codebook="auto").describe()
-
-
 # ---------------------------------------------------------------------------------- spec and CLI
 def test_kvquant_presets_and_validation():
     from kvbits.spec import PRESETS, QuantSpec

@@ -571,10 +571,8 @@ def fit_layer(k, v, gk, gv, spec: QuantSpec) -> LayerCodebooks:
     if not spec.fisher:
         kw = vw = None
 
-    def fit(u, w, dense, bits, mode=spec.codebook):
-        if mode == "auto":
-            mode = _held_out_choice(u, w, dense, bits, fit)
-        if mode == "layer":
+    def fit(u, w, dense, bits):
+        if spec.codebook == "layer":
             cb, th = _fit_one(u[dense], None if w is None else w[dense], bits, spec.qnorm)
             return cb.expand(H, -1).contiguous(), th.expand(H, -1).contiguous()
         cbs, ths = zip(*(_fit_one(u[h][dense[h]], None if w is None else w[h][dense[h]], bits,
@@ -582,30 +580,6 @@ def fit_layer(k, v, gk, gv, spec: QuantSpec) -> LayerCodebooks:
         return torch.stack(cbs), torch.stack(ths)
 
     return LayerCodebooks(*fit(ku, kw, kd, kb), *fit(vu, vw, vd, vb))
-
-
-def _held_out_choice(u, w, dense, bits, fit) -> str:
-    """``"layer"`` or ``"head"``: the codebook granularity whose fit on the first half of the
-    calibration tokens (axis 1 of ``u [H, N, ...]``) quantizes the second half with the lower
-    (Fisher-)weighted squared error. Per-head codebooks always fit their own data at least as
-    well; the held-out half says whether that carries over (measured: it does on SmolLM2, not on
-    Qwen2.5-0.5B's news text; benchmarks/results/ppl_*_cb_head.md)."""
-    n = u.shape[1] // 2
-    if n == 0:
-        return "layer"
-    fit_half = (u[:, :n], None if w is None else w[:, :n], dense[:, :n])
-    u2, d2 = u[:, n:], dense[:, n:]
-    w2 = torch.ones_like(u2) if w is None else w[:, n:]
-    errors = {}
-    for mode in ("layer", "head"):
-        cb, th = fit(*fit_half, bits, mode)
-        err = 0.0
-        for h in range(u.shape[0]):
-            x = u2[h][d2[h]].float()
-            q = cb[h][torch.bucketize(x, th[h])]
-            err += float((w2[h][d2[h]].float() * (x - q) ** 2).sum())
-        errors[mode] = err
-    return "head" if errors["head"] < errors["layer"] else "layer"
 
 
 def calibration_path(model, spec: QuantSpec, text: str, tokens: int) -> Path:
