@@ -7,24 +7,15 @@ import importlib.util, sys
 from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks/probes"))
-import triton
-from triton.backends.compiler import GPUTarget
 spec = importlib.util.spec_from_file_location("dg", ROOT / "src/kvbits/kernels/decode_gluon.py")
 dg = importlib.util.module_from_spec(spec); spec.loader.exec_module(dg)
-from triton.experimental import gluon
 from aot import summarize
 import os
 # 3-bit planes (PLANES3) at the end, with CB=1 their KVQuant codebook variant
 for bits, D, GV, G, HP in [(2, 128, 32, 32, 8), (4, 128, 32, 32, 8), (2, 64, 64, 64, 8), (2, 128, 128, 128, 16), (3, 128, 32, 32, 8)]:
-    sig = {"Q": "*fp16", "Out": "*fp32", "Lse": "*fp32", "KC": "*i32", "KS": "*fp16", "KZ": "*fp16", "VC": "*i32", "VS": "*fp16", "VZ": "*fp16",
-           "Starts": "*i32", "Lens": "*i32", "LenTab": "*i32", "KCB": "*fp32", "VCB": "*fp32", "qk_scale": "fp32"} | {k: "i32" for k in ["sink_len", "body_len", "res_len", "kc_cap", "ks_slice", "vc_cap", "vs_slice", "Hkv", "n_out", "steps_per_split"]}
     KT = os.environ.get("KTOK") == "1"
     cx = dict(HG=4, HP=HP, D=D, KBITS=bits, VBITS=int(os.environ.get("VBITS", bits)), G=G, GV=GV, HAS_STARTS=True, HAS_LENS=True, GK=GV if KT else G, K_TOK=KT, LENS_DEV=False, PF=int(os.environ.get('PF', 0)), PF_L1=os.environ.get('PF_L1') == '1', PF_AFTER=os.environ.get('PF_AFTER') == '1', EARLY_V=os.environ.get('EARLY_V') == '1', CB=bits == 3 and os.environ.get('CB') == '1')
-    fn = dg._body_kernel
-    names = fn.arg_names
-    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*") or k.endswith("_cap") or k.endswith("_slice")}
-    src = gluon._runtime.GluonASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in cx}}, constexprs=cx, attrs=attrs)
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, **({"maxnreg": int(os.environ["MAXNREG"])} if os.environ.get("MAXNREG") else {})))
+    c = dg.compile_sm90(cx, **({"maxnreg": int(os.environ["MAXNREG"])} if os.environ.get("MAXNREG") else {}))
     sass = summarize(c, f"gluon body bits={bits} D={D} GV={GV} G={G} HP={HP}")
     open(f"/tmp/sass_{bits}_{D}_{G}.txt","w").write(sass); open(f"/tmp/ttgir_{bits}_{D}_{G}.txt","w").write(c.asm["ttgir"]); ir = c.asm["ttgir"]
     print("   local_alloc:", ir.count("local_alloc"), "convert_layout:", ir.count("convert_layout"))

@@ -18,27 +18,10 @@ pytestmark = pytest.mark.skipif(decode_gluon.gluon is None, reason="this Triton 
 
 CHILD = r'''
 import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental import gluon
 from kvbits.kernels import decode_gluon
-SIG = {"Q": "*fp16", "Out": "*fp32", "Lse": "*fp32", "KC": "*i32", "KS": "*fp16", "KZ": "*fp16",
-       "VC": "*i32", "VS": "*fp16", "VZ": "*fp16", "Starts": "*i32", "Lens": "*i32",
-       "LenTab": "*i32", "KCB": "*fp32", "VCB": "*fp32", "KOI": "*u8", "KOV": "*fp16",
-       "VOI": "*u8", "VOV": "*fp16", "InvFreq": "*fp32", "RopeCS": "*fp16", "qk_scale": "fp32"}
-SIG.update({k: "i32" for k in ("sink_len", "body_len", "res_len", "kc_cap", "ks_slice", "vc_cap",
-                               "vs_slice", "kout_cap", "vout_cap", "Hkv", "n_out",
-                               "steps_per_split")})
 out = []
 for cx in json.loads(sys.argv[1]):
-    # every constexpr named (a default is not part of the signature)
-    cx = {"CB": False, "KOUT": 0, "VOUT": 0, "ROPE": False, **cx}
-    fn = decode_gluon._body_kernel
-    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in SIG.items()
-             if v.startswith("*") or k.endswith(("_cap", "_slice"))}
-    src = gluon._runtime.GluonASTSource(fn=fn, signature={**SIG, **dict.fromkeys(cx, "constexpr")},
-                                        constexprs=cx, attrs=attrs)
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+    c = decode_gluon.compile_sm90(cx)
     ir = c.asm["ttgir"]
     out.append({"mma": "mma" in ir, "local_alloc": ir.count("local_alloc"),
                 "shared": c.metadata.shared, "shfl": c.asm["ptx"].count("shfl.sync"),

@@ -36,8 +36,8 @@ in which three plane words merge into 4-bit fields, and from there the 4-bit pat
 3-bit codebooks ride on it (``CB``), with their dense-and-sparse outliers as one-hot tiles on the
 tensor cores and their pre-RoPE keys turned per element between the two channel chunks, which
 are the rotate-half partners (``KVQUANT_FULL``). Keys scaled per token over at least half the
-head (the uniform method, ``TOKEN_KEYS``) are served too. Each step's key words are loaded at its start and its value words after the softmax; right
-after its key loads a step asks, with ``prefetch.global.L2`` (no registers, no shared memory), for
+head (the uniform method, ``TOKEN_KEYS``) are served too. Each step's key words are loaded at
+its start and its value words after the softmax; right after its key loads a step asks, with ``prefetch.global.L2`` (no registers, no shared memory), for
 every byte of the next step, so the one warp waits on L2 rather than DRAM (``DEFAULT_PREFETCH``).
 Prefetches of the next step *into registers* measured slower on the H200 (255 registers and
 spills), and so did a cp.async double buffer through shared memory (2x slower).
@@ -1614,6 +1614,39 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         CB=kcb is not None, KOUT=koi.shape[3] if koi is not None else 0,
         VOUT=voi.shape[3] if voi is not None else 0, ROPE=inv_freq is not None, num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg else {}))
+
+
+# Run-time arguments of _body_kernel with their types for an ahead-of-time compile (pointers,
+# then integers); the JIT specializes pointers and the *_cap / *_slice strides to 16-divisibility.
+_SM90_POINTERS = {"Q": "*fp16", "Out": "*fp32", "Lse": "*fp32", "KC": "*i32", "KS": "*fp16",
+                  "KZ": "*fp16", "VC": "*i32", "VS": "*fp16", "VZ": "*fp16", "Starts": "*i32",
+                  "Lens": "*i32", "LenTab": "*i32", "KCB": "*fp32", "VCB": "*fp32",
+                  "KOI": "*u8", "KOV": "*fp16", "VOI": "*u8", "VOV": "*fp16",
+                  "InvFreq": "*fp32", "RopeCS": "*fp16"}
+
+
+def compile_sm90(constexprs: dict, **options):
+    """``_body_kernel`` compiled for sm_90 without a GPU (Triton ships ptxas): the compile test
+    and the probes (``benchmarks/probes/gluon_body_aot.py``, ``gluon_kvquant_aot.py``) read its
+    PTX/SASS. ``constexprs``: the kernel's constexpr arguments (those with defaults may be left
+    out); ``options``: compile options besides ``num_warps=1`` (e.g. ``maxnreg``)."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    fn = _body_kernel
+    params = inspect.signature(fn.fn).parameters
+    cx = {**{k: p.default for k, p in params.items()
+             if "constexpr" in str(p.annotation) and p.default is not p.empty}, **constexprs}
+    sig = {k: _SM90_POINTERS.get(k, "fp32" if k == "qk_scale" else "i32") for k, p in params.items()
+           if "constexpr" not in str(p.annotation)}
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items()
+             if v.startswith("*") or k.endswith(("_cap", "_slice"))}
+    src = gluon._runtime.GluonASTSource(fn=fn, signature={**sig, **dict.fromkeys(cx, "constexpr")},
+                                        constexprs=cx, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 1, **options})
 
 
 def rope_rows(inv_freq, bits: int, G: int):
