@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end evidence on one GPU, one part per device call (each well under 5 minutes on an H200):
 #   bash benchmarks/e2e_gpu.sh OUT_DIR PART
-# PART: llama2 | llama3 | smollm2 | graphs | graphs-llama2 | budget | budget32k | budget-presize | million
+# PART: llama2 | llama3 | smollm2 | graphs | graphs-llama2 | fused | fused-llama3 | budget | budget32k |
+#       budget-presize | million
 # Random weights everywhere (configs only, no network). Copy OUT_DIR/* into benchmarks/results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +24,12 @@ case "$part" in
   graphs-llama2) bench --model llama-2-7b --contexts 4k,32k \
             --presets fp16-flash,fp16+graphs,kvbits-fp16+graphs,kivi-2,kivi-2+graphs,kivi-4+graphs \
             --name e2e_graphs_llama2_7b ;;
+  fused) bench --model llama-2-7b --contexts 4k,32k \
+            --presets fp16-flash,kvbits-fp16+graphs,kivi-2+graphs,kvbits-fp16+graphs+fused,kivi-2+graphs+fused,kivi-4+graphs+fused,kivi-3+graphs+fused \
+            --name e2e_fused_llama2_7b ;;
+  fused-llama3) bench --model llama-3-8b --contexts 4k,32k \
+            --presets fp16-flash,kvbits-fp16+graphs,kivi-2+graphs,kvbits-fp16+graphs+fused,kivi-2+graphs+fused,kivi-4+graphs+fused \
+            --name e2e_fused_llama3_8b ;;
   budget) bench --model llama-2-7b --contexts 4k --presets fp16,hf-int2,kivi-4,kivi-2 --steps 16 \
             --memory-budget 80GB --budget-contexts 4k --name e2e_budget_llama2_7b ;;
   budget32k) bench --model llama-2-7b --contexts 32k --presets fp16,hf-int2,kivi-4,kivi-2 --steps 16 \

@@ -14,7 +14,8 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = ["e2e_llama3_8b", "e2e_llama2_7b", "e2e_budget_llama2_7b", "e2e_budget32k_llama2_7b",
-         "e2e_smollm2", "e2e_graphs_llama3_8b", "e2e_graphs_llama2_7b"]
+         "e2e_smollm2", "e2e_graphs_llama3_8b", "e2e_graphs_llama2_7b", "e2e_fused_llama2_7b",
+         "e2e_fused_llama3_8b"]
 CAVEATS = [
     "Batch-1 and small-model rows are host-bound: HF eager `generate` spends 20-60 ms per step on "
     "the host for a 30-32-layer model against ~3-4 ms of GPU time (`e2e_host_profile.log`), and "
@@ -37,6 +38,11 @@ CAVEATS = [
     "nothing quantized. kivi-2+graphs against it: 1.03x / 1.39x (Llama-2-7B 4k / 32k), 1.01x / "
     "1.05x (Llama-3-8B): at batch 1 the weights dominate, and HF's eager forward (~1000 kernels "
     "per step) sets a ~7.3 ms floor.",
+    "The fused parts (session 19) add `+graphs+fused`: the same loop with each step's RMSNorms, "
+    "MLP activation and RoPE compiled by torch.compile/inductor (`GreedyDecoder(fuse=...)`; "
+    "attention and cache eager). Kernels per step 1606 -> 831 (`step_kernels.log`), the floor "
+    "~7.4 -> ~5.8 ms; kivi-2 against the fused control: 1.04x / 1.53x (Llama-2-7B 4k / 32k), "
+    "1.00x / 1.10x (Llama-3-8B, whose 8 KV heads leave little KV to save at batch 1).",
     "At batch x context >= 256k tokens attention dominates and kvbits leads: the 32k memory-budget "
     "run (`e2e_budget32k_llama2_7b`) serves 6.7x the sequences at 15x FP16's tokens/s.",
     "FP16 `DynamicCache` concatenates the whole history every step (transformers' behaviour), "

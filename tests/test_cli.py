@@ -232,6 +232,9 @@ def test_generate_text_decode_loop_equals_generate():
     with pytest.raises(ValueError, match="greedy"):
         generate_text(model, _StubTokenizer(), GenerateConfig(spec=spec, prompt=prompt,
                                                               sample=True, graphs=True))
+    with pytest.raises(ValueError, match="fuse"):
+        generate_text(model, _StubTokenizer(), GenerateConfig(spec=spec, prompt=prompt,
+                                                              graphs=False, fuse=True))
 
 
 def test_generate_calibrates_kvquant_presets_on_the_fly(monkeypatch):

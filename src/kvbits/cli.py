@@ -409,6 +409,7 @@ class GenerateConfig:
     seed: int = 0
     graphs: bool | None = None  # None: CUDA graphs where they apply (CUDA, greedy, one beam)
     label: str = ""  # the preset's name (names a kvquant/fp8/hadc calibration made on the fly)
+    fuse: bool = False  # graphs + torch.compile of norms / MLP activation / RoPE (fused_pointwise)
 
 
 def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
@@ -445,12 +446,16 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
     if graphs and not greedy:
         raise ValueError("generate: graphs=True needs greedy decoding with one beam "
                          f"(sample={cfg.sample}, num_beams={cfg.num_beams})")
+    if cfg.fuse and not graphs:
+        raise ValueError("generate: fuse=True (--fuse) needs the greedy loop (graphs=True: greedy, "
+                         "one beam)")
     t0 = time.perf_counter()
     with torch.no_grad():
         if graphs:
             from .integrations.decode_loop import GreedyDecoder
 
-            new = GreedyDecoder(model, cache).generate(ids, cfg.max_new_tokens)[0]
+            new = GreedyDecoder(model, cache, fuse="inductor" if cfg.fuse else None).generate(
+                ids, cfg.max_new_tokens)[0]
             new = new[: _until_eos(new, model.generation_config.eos_token_id)]
         else:
             out = model.generate(ids, attention_mask=torch.ones_like(ids),
@@ -487,7 +492,7 @@ def _cmd_generate(args) -> int:
                            residual_length=args.residual_length, sink_tokens=args.sink_tokens)
     cfg = GenerateConfig(args.model, variant.spec, args.prompt, args.max_new_tokens, args.sample,
                          args.temperature, args.top_p, args.num_beams, args.chat, args.seed,
-                         args.graphs, variant.label)
+                         args.graphs, variant.label, args.fuse)
     model, tok, _ = _load(cfg.model, device=_device(args.device))
     r = generate_text(model, tok, cfg)
     print(r["text"])
@@ -687,6 +692,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="greedy decoding with each step replayed from a CUDA graph (default: on "
                         "a GPU when greedy with one beam; --no-graphs uses transformers' "
                         "generate)")
+    p.add_argument("--fuse", action="store_true",
+                   help="with the graph loop: compile the steps' norms, MLP activation and RoPE "
+                        "with torch.compile (inductor; ~20-40 s once, then ~20%% less time per "
+                        "token at batch 1 on an H200)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the model runs: auto = the GPU (FP16) when there is one, else the "
                         "CPU (FP32) (default auto)")

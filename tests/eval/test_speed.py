@@ -51,7 +51,10 @@ def test_parse_variant():
     assert f.graphs and f.kind == "fp16" and "StaticCache" in f.describe() and f.sdpa_backends
     k16 = parse_variant("kvbits-fp16+graphs")  # FP16 through kvbits' own path: the control
     assert k16.graphs and k16.kind == "kvbits" and not k16.spec.quantized
-    for bad in ("hf-int3", "hf-int2:X=1", "nope", "hf-int2+graphs"):
+    fu = parse_variant("kivi-2+graphs+fused")
+    assert fu.graphs and fu.fused and "torch.compile" in fu.describe() and not g.fused
+    for bad in ("hf-int3", "hf-int2:X=1", "nope", "hf-int2+graphs", "kivi-2+fused",
+                "fp16-flash+fused"):
         with pytest.raises(ValueError):
             parse_variant(bad)
     assert parse_variant("kivi-2:S=1,R=64").spec.sink_tokens == 1

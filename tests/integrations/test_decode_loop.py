@@ -22,9 +22,9 @@ NEW = 80
 
 
 def tiny_llama(seed: int, **shape) -> LlamaForCausalLM:
-    """A random two-layer Llama (vocabulary 96) with ``shape``'s config fields."""
+    """A random Llama (vocabulary 96, two layers unless ``shape`` says) with its config fields."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=96, num_hidden_layers=2, **shape)
+    cfg = LlamaConfig(**{"vocab_size": 96, "num_hidden_layers": 2, **shape})
     m = LlamaForCausalLM(cfg).eval()
     # a peaked output distribution, so greedy tokens are stable under float-order differences
     with torch.no_grad():
@@ -161,6 +161,35 @@ def test_fp16_caches_match_generate(model):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("preset", ["kivi-2", "fp16"])
+def test_fused_pointwise_decodes_the_same_and_restores_the_model(preset):
+    """The compiled norms / MLP / RoPE give the same tokens; each compiles once for all layers
+    (no guard on a layer's index or a cache length), and the model is restored after."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import transformers.models.llama.modeling_llama as llama
+
+    m = tiny_llama(2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                   num_hidden_layers=3)
+    ids = prompt(37, 2)
+    kw = dict(residual_length=4, group_size=32)
+    want = GreedyDecoder(m, KVBitsCache(m, preset, **kw), graphs=False).generate(ids, 40)
+    rope = llama.apply_rotary_pos_emb
+    torch._dynamo.reset()
+    counters.clear()
+    got = GreedyDecoder(m, KVBitsCache(m, preset, **kw), graphs=False,
+                        fuse="aot_eager").generate(ids, 40)
+    assert torch.equal(got, want)
+    # RMSNorm, MLP, RoPE: one graph each at the decode shape, whatever the layer count
+    assert counters["frames"]["ok"] == 3, dict(counters["frames"])
+    assert llama.apply_rotary_pos_emb is rope
+    assert not any("forward" in sub.__dict__ for sub in m.modules())
+    with pytest.raises(ValueError, match="fuse"):
+        GreedyDecoder(m, KVBitsCache(m, preset, **kw), fuse="fast")
+
+
 @pytest.fixture(scope="module")
 def gpu_model():
     """head_dim 64: the kernels' pre-RoPE path needs >= 32 (a smaller one decodes eagerly)."""
@@ -185,6 +214,25 @@ def test_gpu_captured_runs_match_eager(gpu_model, preset, kw):
     # a plain step and a flushing step, for the whole generation
     assert dec.captures == 2, [str(w.message)[:300] for w in caught]
     assert torch.equal(got, eager)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["kivi-2", "fp16"])
+def test_gpu_fused_pointwise_under_graphs(gpu_model, preset):
+    """Inductor's kernels captured with kvbits' in the two step graphs: the same tokens as the
+    same fused steps run eagerly; against the unfused model (which rounds RMSNorm's product in
+    a different place) the first tokens agree."""
+    m = gpu_model
+    ids = prompt(300, 1).cuda()
+    plain = GreedyDecoder(m, KVBitsCache(m, preset), graphs=True).generate(ids, 200)
+    eager = GreedyDecoder(m, KVBitsCache(m, preset), graphs=False,
+                          fuse="inductor").generate(ids, 200)
+    dec = GreedyDecoder(m, KVBitsCache(m, preset), graphs=True, fuse="inductor")
+    got = dec.generate(ids, 200)
+    assert dec.captures == (1 if preset == "fp16" else 2)  # FP16 never flushes: one kind
+    assert torch.equal(got, eager)
+    assert torch.equal(got[:, :32], plain[:, :32])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -188,6 +188,7 @@ class Variant:
     kind: str  # "fp16", "hf", "kvbits"
     spec: object = None  # QuantSpec for kvbits; dict(nbits, q_group_size, residual_length) for hf
     graphs: bool = False  # decode steps captured in CUDA graphs (integrations.decode_loop)
+    fused: bool = False  # and their norms, MLP activations, RoPE compiled (fused_pointwise)
 
     @property
     def sdpa_backends(self):
@@ -201,7 +202,11 @@ class Variant:
         if self.graphs:
             base = ("StaticCache FP16, SDPA (flash / mem-efficient backends)" if self.kind == "fp16"
                     else f"KVBitsCache {self.spec.describe()}")
-            return base + "; greedy loop with each decode step replayed from a CUDA graph"
+            base += "; greedy loop with each decode step replayed from a CUDA graph"
+            if self.fused:
+                base += ("; norms, MLP activation and RoPE fused by torch.compile (inductor), "
+                         "attention and cache eager")
+            return base
         if self.kind == "fp16":
             return ("DynamicCache FP16, SDPA (flash / mem-efficient backends)"
                     if self.sdpa_backends else "DynamicCache FP16, SDPA (torch's default backend)")
@@ -225,8 +230,15 @@ def parse_variant(text: str) -> Variant:
     a kvbits preset with overrides (``kivi-2:R=64``); ``+graphs`` after ``fp16`` or a kvbits
     preset (``fp16+graphs``, ``kivi-2+graphs``): decode with each step replayed from a CUDA
     graph (:mod:`kvbits.integrations.decode_loop`; FP16 then uses transformers' ``StaticCache``
-    and SDPA without cuDNN) instead of eager ``generate``."""
+    and SDPA without cuDNN) instead of eager ``generate``; ``+graphs+fused``: the same with the
+    steps' elementwise work compiled (:mod:`kvbits.integrations.fused_pointwise`)."""
     text = text.strip()
+    if text.endswith("+fused"):
+        base = parse_variant(text[: -len("+fused")])
+        if not base.graphs:
+            raise ValueError(f"bad variant {text!r}: +fused follows +graphs "
+                             "(e.g. kivi-2+graphs+fused)")
+        return Variant(text, base.kind, base.spec, graphs=True, fused=True)
     if text.endswith("+graphs"):
         base = parse_variant(text[: -len("+graphs")])
         if base.kind not in ("fp16", "kvbits"):
@@ -391,7 +403,8 @@ def time_decode(model, variant: Variant, batch: int, context: int, steps: int = 
         if variant.graphs:  # the prompt's last token is the first decode input, as in generate
             from ..integrations.decode_loop import GreedyDecoder
 
-            decoder = GreedyDecoder(model, cache, step_done=lambda _: timer(ids, None))
+            decoder = GreedyDecoder(model, cache, step_done=lambda _: timer(ids, None),
+                                    fuse="inductor" if variant.fused else None)
             decoder.decode(ids[:, context:], context, n_new + 1)
         else:
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
@@ -585,6 +598,11 @@ def _gib(x) -> str:
     return "-" if x is None else f"{x / 2**30:.2f}"
 
 
+def _loop(label: str) -> str:
+    """The decode loop part of a variant label: ``kivi-2+graphs+fused`` -> ``+graphs+fused``."""
+    return label[label.index("+"):] if "+" in label else ""
+
+
 def bench_markdown(speed: list[dict], budget_rows: list[dict], env: dict, cfg: BenchConfig) -> str:
     from .memory import markdown_table
 
@@ -617,17 +635,23 @@ def bench_markdown(speed: list[dict], budget_rows: list[dict], env: dict, cfg: B
     for r in speed:
         if "tok_s" in r and r["kind"] in ("fp16", "hf"):
             (fp if r["kind"] == "fp16" else hf).setdefault((r["batch"], r["context"]), r)
+    # the control: an FP16 KVBitsCache decoded by the same loop (same +graphs / +fused suffix)
+    loop = {(r["batch"], r["context"], _loop(r["variant"])): r for r in speed
+            if "tok_s" in r and r["variant"].split("+")[0] == "kvbits-fp16"}
     head = ["variant", "batch", "context", "tok/s", "TPOT ms", "TPOT p90 ms", "vs FP16",
-            "vs hf", "cache GiB", "alloc GiB", "FP16 cache GiB", "peak GiB"]
+            "vs FP16 same loop", "vs hf", "cache GiB", "alloc GiB", "FP16 cache GiB",
+            "peak GiB"]
     rows = []
     for r in speed:
         if "tok_s" not in r:
-            rows.append([r["variant"], str(r["batch"]), str(r["context"]), "OOM", *["-"] * 8])
+            rows.append([r["variant"], str(r["batch"]), str(r["context"]), "OOM", *["-"] * 9])
             continue
         key = (r["batch"], r["context"])
+        ctl = loop.get((*key, _loop(r["variant"])))
         rows.append([r["variant"], str(r["batch"]), str(r["context"]), f"{r['tok_s']:.1f}",
                      f"{r['tpot_ms']:.2f}", f"{r['tpot_p90_ms']:.2f}",
                      f"{r['tok_s'] / fp[key]['tok_s']:.2f}x" if key in fp else "-",
+                     f"{r['tok_s'] / ctl['tok_s']:.2f}x" if ctl else "-",
                      f"{r['tok_s'] / hf[key]['tok_s']:.2f}x" if key in hf else "-",
                      _gib(r["cache_bytes"]), _gib(r.get("cache_alloc_bytes")),
                      _gib(r["fp16_cache_bytes"]), _gib(r.get("peak_bytes"))])

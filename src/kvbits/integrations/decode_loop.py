@@ -15,14 +15,18 @@ each kind is captured once (after one eager run, which compiles its kernels) and
 
 Sampling is greedy and inside the graph (``argmax`` feeds the next step's input), so a replayed
 step does not touch the host. ``graphs=False`` runs the same steps eagerly (CPU, tests).
+``fuse="inductor"`` also compiles the step's norms, MLP activations and RoPE application
+(:mod:`~kvbits.integrations.fused_pointwise`) while decoding: fewer, fused kernels per step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
 
+from .fused_pointwise import BACKENDS, fused_pointwise
 from .hf import KVBitsCache, cache_kwargs
 
 
@@ -30,11 +34,18 @@ class GreedyDecoder:
     """``GreedyDecoder(model, cache).generate(input_ids, n)`` -> ``[B, n]`` new token ids.
 
     ``step_done`` (optional callable) is called after every step with the number of tokens
-    produced so far (timing hooks); ``captures`` counts the CUDA graphs captured."""
+    produced so far (timing hooks); ``captures`` counts the CUDA graphs captured. ``fuse``: a
+    ``torch.compile`` backend for the decode steps' elementwise work (``"inductor"``), or None
+    (the model as it is)."""
 
-    def __init__(self, model, cache, *, graphs: bool = True, step_done=None):
+    def __init__(self, model, cache, *, graphs: bool = True, step_done=None,
+                 fuse: str | None = None):
+        if fuse is not None and fuse not in BACKENDS:
+            raise ValueError(f"GreedyDecoder: fuse must be None or one of {BACKENDS}, got "
+                             f"{fuse!r}")
         self.model, self.cache = model, cache
         self.graphs = graphs
+        self.fuse = fuse
         self.step_done = step_done
         self.captures = 0
         self._kw = cache_kwargs(model, cache)
@@ -98,24 +109,27 @@ class GreedyDecoder:
             kind_of_next = lambda: None  # noqa: E731  (not replayable: always eager)
         capture = self.graphs and dev.type == "cuda"
         graphs: dict = {}
+        fused = (fused_pointwise(self.model, self.fuse) if self.fuse is not None
+                 else contextlib.nullcontext())
         try:
-            for done in range(2, n + 1):
-                kind = kind_of_next()
-                graph = graphs.get(kind)
-                if graph is not None:
-                    graph.replay()
-                else:
-                    self._step()
-                if device_lengths:
-                    cache.device_step_done(replayed=graph is not None)
-                self._tick(done)
-                if capture and kind is not None and graph is None and done < n:
-                    try:
-                        graphs[kind] = self._capture()
-                    except RuntimeError as e:  # e.g. a host sync in the model's forward
-                        warnings.warn(f"CUDA graph capture failed ({e}); decoding eagerly",
-                                      stacklevel=2)
-                        capture = False
+            with fused:
+                for done in range(2, n + 1):
+                    kind = kind_of_next()
+                    graph = graphs.get(kind)
+                    if graph is not None:
+                        graph.replay()
+                    else:
+                        self._step()
+                    if device_lengths:
+                        cache.device_step_done(replayed=graph is not None)
+                    self._tick(done)
+                    if capture and kind is not None and graph is None and done < n:
+                        try:
+                            graphs[kind] = self._capture()
+                        except RuntimeError as e:  # e.g. a host sync in the model's forward
+                            warnings.warn(f"CUDA graph capture failed ({e}); decoding eagerly",
+                                          stacklevel=2)
+                            capture = False
         finally:
             if device_lengths:
                 cache.end_device_lengths()

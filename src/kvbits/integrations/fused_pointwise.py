@@ -1,0 +1,92 @@
+"""Fuse the small elementwise kernels of a transformers decoder step with ``torch.compile``.
+
+Why: at batch 1 a captured decode step of a 7-8B model is ~1000 kernels, and the ~700 that are
+not matrix products (RMSNorm's cast, square, mean, rsqrt and two multiplies; rotate-half RoPE's
+neg, cat, two multiplies and an add per tensor; SiLU times up) cost ~2 us each even replayed
+from a CUDA graph: a floor of several milliseconds that FP16 and every quantized cache pay
+alike, and that hides the KV bytes a 2-bit cache saves (``docs/DESIGN.md``, captured decode).
+
+What is compiled is only what holds no cache state, so no guard depends on a layer index or a
+cache length and each function compiles once per shape kind for the whole model:
+
+* the ``forward`` of every module whose class name ends in ``RMSNorm`` (layer norms, final norm,
+  Qwen3 / Gemma3 q/k norms), compiled per class;
+* the ``forward`` of every decoder layer's ``mlp`` (gate/up/down products stay cuBLAS; the
+  activation and product fuse), per class;
+* the module-level ``apply_rotary_pos_emb`` of the model's attention module (Llama, Mistral,
+  Qwen2/3, Gemma, SmolLM, Phi-3), looked up in the attention class's Python module.
+
+The attention, the cache update and the decoder layer's own code stay eager (the cache's Python
+decides lengths and flushes; compiling it would guard on them and recompile every step).
+:func:`fused_pointwise` installs the compiled functions for the duration of a ``with`` block
+and restores the model after, so prefill and later calls see the model unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+
+import torch
+
+__all__ = ["fused_pointwise", "BACKENDS"]
+
+BACKENDS = ("inductor", "aot_eager", "eager")
+
+_COMPILED: dict = {}  # (function, backend) -> compiled function, shared by every model and call
+
+
+def _compiled(fn, backend: str):
+    """One compiled wrapper per (function, backend): a second ``torch.compile`` of the same
+    function would start a second cache of compiled graphs."""
+    key = (fn, backend)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, backend=backend)
+    return _COMPILED[key]
+
+
+def _targets(model):
+    """(module, class forward) pairs to compile, and the attention's Python module (or None)."""
+    mods, attn_module = [], None
+    for name, sub in model.named_modules():
+        cls = type(sub)
+        if cls.__name__.endswith("RMSNorm") or name.endswith(".mlp") or name == "mlp":
+            mods.append((sub, cls.forward))
+        if attn_module is None and name.endswith("self_attn"):
+            attn_module = sys.modules.get(cls.__module__)
+    if attn_module is not None and not callable(getattr(attn_module, "apply_rotary_pos_emb",
+                                                        None)):
+        attn_module = None
+    return mods, attn_module
+
+
+@contextlib.contextmanager
+def fused_pointwise(model, backend: str = "inductor"):
+    """Within the block, ``model``'s norms, MLPs and RoPE application run compiled by
+    ``torch.compile(backend=backend)``; on exit the model is as before.
+
+    ``backend``: one of :data:`BACKENDS` (``"inductor"`` fuses; the others trace without
+    generating kernels, for tests on machines without a compiler). Compilation happens on the
+    first call of each function at each shape, so run one step eagerly before a CUDA-graph
+    capture (``GreedyDecoder`` does)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"fused_pointwise: backend must be one of {BACKENDS}, got {backend!r}")
+    mods, attn_module = _targets(model)
+    rope = getattr(attn_module, "apply_rotary_pos_emb", None)
+    saved = []
+    try:
+        for sub, fwd in mods:
+            saved.append((sub, sub.__dict__.get("forward")))
+            sub.forward = types.MethodType(_compiled(fwd, backend), sub)
+        if rope is not None:
+            attn_module.apply_rotary_pos_emb = _compiled(rope, backend)
+        yield len(mods) + (rope is not None)
+    finally:
+        if rope is not None:
+            attn_module.apply_rotary_pos_emb = rope
+        for sub, own in saved:
+            if own is None:
+                sub.__dict__.pop("forward", None)
+            else:
+                sub.forward = own
