@@ -161,35 +161,6 @@ def test_fp16_caches_match_generate(model):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("preset", ["kivi-2", "fp16"])
-def test_fused_pointwise_decodes_the_same_and_restores_the_model(preset):
-    """The compiled norms / MLP / RoPE give the same tokens; each compiles once for all layers
-    (no guard on a layer's index or a cache length), and the model is restored after."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
-    import transformers.models.llama.modeling_llama as llama
-
-    m = tiny_llama(2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                   num_hidden_layers=3)
-    ids = prompt(37, 2)
-    kw = dict(residual_length=4, group_size=32)
-    want = GreedyDecoder(m, KVBitsCache(m, preset, **kw), graphs=False).generate(ids, 40)
-    rope = llama.apply_rotary_pos_emb
-    torch._dynamo.reset()
-    counters.clear()
-    got = GreedyDecoder(m, KVBitsCache(m, preset, **kw), graphs=False,
-                        fuse="aot_eager").generate(ids, 40)
-    assert torch.equal(got, want)
-    # RMSNorm, MLP, RoPE: one graph each at the decode shape, whatever the layer count
-    assert counters["frames"]["ok"] == 3, dict(counters["frames"])
-    assert llama.apply_rotary_pos_emb is rope
-    assert not any("forward" in sub.__dict__ for sub in m.modules())
-    with pytest.raises(ValueError, match="fuse"):
-        GreedyDecoder(m, KVBitsCache(m, preset, **kw), fuse="fast")
-
-
 @pytest.fixture(scope="module")
 def gpu_model():
     """head_dim 64: the kernels' pre-RoPE path needs >= 32 (a smaller one decodes eagerly)."""
