@@ -40,7 +40,7 @@ CAVEATS = [
     "per step) sets a ~7.3 ms floor.",
     "The fused parts (session 19) add `+graphs+fused`: the same loop with each step's RMSNorms, "
     "MLP activation and RoPE compiled by torch.compile/inductor (`GreedyDecoder(fuse=...)`; "
-    "attention and cache eager). Kernels per step 1606 -> 831 (`step_kernels.log`), the floor "
+    "attention and cache eager). Kernels per step 1561 -> 786 (`step_kernels.log`), the floor "
     "~7.4 -> ~5.8 ms; kivi-2 against the fused control: 1.04x / 1.53x (Llama-2-7B 4k / 32k), "
     "1.00x / 1.10x (Llama-3-8B, whose 8 KV heads leave little KV to save at batch 1).",
     "At batch x context >= 256k tokens attention dominates and kvbits leads: the 32k memory-budget "
