@@ -1107,6 +1107,7 @@ if gluon is not None:
         HAS_LENS: gl.constexpr, GK: gl.constexpr, K_TOK: gl.constexpr,
         LENS_DEV: gl.constexpr, PF: gl.constexpr = 0, PF_L1: gl.constexpr = False,
         PF_AFTER: gl.constexpr = False, EARLY_V: gl.constexpr = False, CB: gl.constexpr = False,
+        Q_RELOAD: gl.constexpr = False,
         KOUT: gl.constexpr = 0, VOUT: gl.constexpr = 0, ROPE: gl.constexpr = False,
     ):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
@@ -1137,9 +1138,9 @@ if gluon is not None:
                          "outliers / pre-RoPE keys: 3-bit codebooks at head_dim 64 or 128")
 
         q0, q1 = _query_operands(Q, q_row0, qk_scale, 0, HG, HP, D, DC, b_l)
-        if NCH >= 3:
+        if NCH >= 3 and not Q_RELOAD:
             q2 = _query_operand(Q, q_row0, qk_scale, 2, HG, HP, D, DC, b_l)
-        if NCH == 4:
+        if NCH == 4 and not Q_RELOAD:
             q3 = _query_operand(Q, q_row0, qk_scale, 3, HG, HP, D, DC, b_l)
         dn = _row_tokens(KBITS, W, G, gl.SliceLayout(1, mma))
         if CB:  # KVQuant (3 bits): the KV head's codebooks as prmt tables, [Hkv, 8] float32
@@ -1267,15 +1268,23 @@ if gluon is not None:
                 kw3, ks3, kz3 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur,
                                            body_len, 3 * DC, KBITS, W, G, D, DC, GK, KW, KT,
                                            K_TOK)
+                if Q_RELOAD:
+                    q2 = _query_operand(Q, q_row0, qk_scale, 2, HG, HP, D, DC, b_l)
                 k = _key_operand(kw2, ks2, kz2, KBITS, DC, KW, a_l, K_TOK)
                 st = mma_v2(k, q2, st)
+                if Q_RELOAD:
+                    q3 = _query_operand(Q, q_row0, qk_scale, 3, HG, HP, D, DC, b_l)
                 k = _key_operand(kw3, ks3, kz3, KBITS, DC, KW, a_l, K_TOK)
                 st = mma_v2(k, q3, st)
             elif NCH >= 3:
+                if Q_RELOAD:  # from L1 each step: 8-16 fewer live registers through the loop
+                    q2 = _query_operand(Q, q_row0, qk_scale, 2, HG, HP, D, DC, b_l)
                 st = _later_key_chunk(st, q2, 2, kc_base, ks_base, kz_base, s, n_groups, r_cur,
                                       n_rows, t_cur, body_len, klo0, klo1, khi0, khi1, KBITS, W,
                                       G, D, DC, GK, KW, KT, K_TOK, a_l, CB)
                 if NCH == 4:
+                    if Q_RELOAD:
+                        q3 = _query_operand(Q, q_row0, qk_scale, 3, HG, HP, D, DC, b_l)
                     st = _later_key_chunk(st, q3, 3, kc_base, ks_base, kz_base, s, n_groups,
                                           r_cur, n_rows, t_cur, body_len, klo0, klo1, khi0, khi1,
                                           KBITS, W, G, D, DC, GK, KW, KT, K_TOK, a_l, CB)
@@ -1552,6 +1561,13 @@ PREFETCH_AFTER_KEYS = os.environ.get("KVBITS_GLUON_PREFETCH_AFTER", "1") == "1"
 # Issue a step's value loads with its key loads (one wait per step instead of two; ~250
 # registers): measured 0-6% faster with 4-bit keys, 4-50% slower for kivi-2, so off.
 EARLY_VALUES = os.environ.get("KVBITS_GLUON_EARLY_V", "0") == "1"
+# Head dims of four chunks (256): reload the query operands of chunks 2 and 3 from L1 at every
+# step instead of holding them through the loop (16 registers at 8 heads). sm_90 SASS per step
+# (GQA 2, G 32): 3-bit planes 4243 -> 4353 instructions with spilled words 44/53 -> 27/32
+# (loads/stores), 4-bit 3409 -> 3489 with 32/36 -> 13/13, 3-bit codebooks 4947 -> 4927 with
+# 129/155 -> 66/89; 2 bits unchanged spills, +108 instructions. Widths it serves: Q_RELOAD_BITS.
+Q_RELOAD = os.environ.get("KVBITS_GLUON_Q_RELOAD", "1") == "1"
+Q_RELOAD_BITS = (3, 4)
 
 
 def split_count(body_len: int, splits: int) -> int:
@@ -1612,7 +1628,8 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         LENS_DEV=lens_dev is not None, PF=DEFAULT_PREFETCH if prefetch is None else prefetch,
         PF_L1=PREFETCH_L1, PF_AFTER=PREFETCH_AFTER_KEYS, EARLY_V=EARLY_VALUES,
         CB=kcb is not None, KOUT=koi.shape[3] if koi is not None else 0,
-        VOUT=voi.shape[3] if voi is not None else 0, ROPE=inv_freq is not None, num_warps=1,
+        VOUT=voi.shape[3] if voi is not None else 0, ROPE=inv_freq is not None,
+        Q_RELOAD=Q_RELOAD and head_chunks(D) == 4 and kv.key_bits in Q_RELOAD_BITS, num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg else {}))
 
 
