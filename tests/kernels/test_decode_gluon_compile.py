@@ -54,6 +54,9 @@ CONFIGS = [
     # 96 as three of 32 (4 bits, 8 heads)
     {**BASE, "HG": 2, "D": 256},
     {**BASE, "D": 256, "KBITS": 4, "VBITS": 4, "G": 64, "GV": 64, "GK": 64},
+    # the later query chunks reloaded at every step (Q_RELOAD): 4 bits, 3-bit codebooks
+    {**BASE, "HG": 2, "D": 256, "KBITS": 4, "VBITS": 4, "Q_RELOAD": True},
+    {**BASE, "HG": 2, "D": 256, "KBITS": 3, "VBITS": 3, "CB": True, "Q_RELOAD": True},
     {**BASE, "HG": 8, "D": 96, "KBITS": 4, "VBITS": 4},
     {**BASE, "HG": 3, "D": 96, "KBITS": 3, "VBITS": 3, "CB": True},  # planes in a third chunk
     # keys per token at head_dim 256 (TOKEN_KEYS_WIDE): one 64-channel key group per chunk
@@ -116,3 +119,15 @@ def test_tma_body_kernel_compiles_for_sm90(compile_sm90):
         ring = cx["NS"] * (2 * 2 * cx["BITS"] * cx["D"] * 4 + 2 * 4 * cx["D"] * 2 + 2 * 512)
         assert r["mma"] and r["tma"] >= 6 and r["shared"] >= ring, (cx, r)
         assert r["shfl"] <= 64 and r["st_shared"] <= 16, (cx, r)
+
+
+def test_q_reload_rule():
+    """Reload the later query chunks only at head_dim 256 (four chunks): 3-bit planes always,
+    3-bit codebooks from Q_RELOAD_CB_PAIRS pairs on, never 2 or 4 bits (measured slower at
+    batch 1) nor fewer chunks."""
+    q = decode_gluon.q_reload
+    many = decode_gluon.Q_RELOAD_CB_PAIRS
+    assert q(256, 3, False, 1) and q(256, 3, False, many)
+    assert q(256, 3, True, many) and not q(256, 3, True, many - 1)
+    assert not any(q(256, b, cb, n) for b in (2, 4) for cb in (False, True) for n in (1, many))
+    assert not any(q(d, 3, False, many) for d in (64, 96, 128, 192))

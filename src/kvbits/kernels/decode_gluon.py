@@ -1565,9 +1565,22 @@ EARLY_VALUES = os.environ.get("KVBITS_GLUON_EARLY_V", "0") == "1"
 # step instead of holding them through the loop (16 registers at 8 heads). sm_90 SASS per step
 # (GQA 2, G 32): 3-bit planes 4243 -> 4353 instructions with spilled words 44/53 -> 27/32
 # (loads/stores), 4-bit 3409 -> 3489 with 32/36 -> 13/13, 3-bit codebooks 4947 -> 4927 with
-# 129/155 -> 66/89; 2 bits unchanged spills, +108 instructions. Widths it serves: Q_RELOAD_BITS.
-Q_RELOAD = os.environ.get("KVBITS_GLUON_Q_RELOAD", "1") == "1"
-Q_RELOAD_BITS = (3, 4)
+# 129/155 -> 66/89. H200, Gemma-2-9B 32k, graph time, two runs each within 0.5%
+# (decode_attention_q_reload*.md): 3-bit planes batch 1 101 -> 98.5 us, batch 8 420 -> 418;
+# codebooks batch 8 534 -> 492 us but batch 1 115 -> 120; 4 bits batch 8 402 -> 400, batch 1
+# 82.5 -> 86.6. Hence: 3-bit planes always, codebooks from Q_RELOAD_CB_PAIRS (sequence, KV head)
+# pairs, never 2 or 4 bits. KVBITS_GLUON_Q_RELOAD=0 turns it off, =1 forces it for 3/4 bits.
+_Q_RELOAD_ENV = os.environ.get("KVBITS_GLUON_Q_RELOAD", "auto")
+Q_RELOAD_CB_PAIRS = 64
+
+
+def q_reload(D: int, key_bits: int, codebooks: bool, batch_heads: int) -> bool:
+    """Whether the body reloads its later query chunks at every step (see ``Q_RELOAD_CB_PAIRS``)."""
+    if head_chunks(D) != 4 or key_bits not in (3, 4) or _Q_RELOAD_ENV == "0":
+        return False
+    if _Q_RELOAD_ENV == "1":
+        return True
+    return key_bits == 3 and (not codebooks or batch_heads >= Q_RELOAD_CB_PAIRS)
 
 
 def split_count(body_len: int, splits: int) -> int:
@@ -1629,7 +1642,7 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         PF_L1=PREFETCH_L1, PF_AFTER=PREFETCH_AFTER_KEYS, EARLY_V=EARLY_VALUES,
         CB=kcb is not None, KOUT=koi.shape[3] if koi is not None else 0,
         VOUT=voi.shape[3] if voi is not None else 0, ROPE=inv_freq is not None,
-        Q_RELOAD=Q_RELOAD and head_chunks(D) == 4 and kv.key_bits in Q_RELOAD_BITS, num_warps=1,
+        Q_RELOAD=q_reload(D, kv.key_bits, kcb is not None, B * Hkv), num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg else {}))
 
 
