@@ -229,9 +229,13 @@ def test_generate_text_decode_loop_equals_generate():
     assert runs[True]["text"] == runs[False]["text"] and runs[True]["new_tokens"] == 40
     assert _until_eos(torch.tensor([5, 7, 2, 7]), 7) == 2
     assert _until_eos(torch.tensor([5, 7, 2]), [2, 9]) == 3 and _until_eos(torch.tensor([5]), None) == 1
-    with pytest.raises(ValueError, match="greedy"):
+    # sampling runs in the loop too; at a vanishing temperature it is the greedy text
+    cold = generate_text(model, _StubTokenizer(), GenerateConfig(
+        spec=spec, prompt=prompt, max_new_tokens=40, graphs=True, sample=True, temperature=1e-4))
+    assert cold["text"] == runs[True]["text"]
+    with pytest.raises(ValueError, match="beam"):
         generate_text(model, _StubTokenizer(), GenerateConfig(spec=spec, prompt=prompt,
-                                                              sample=True, graphs=True))
+                                                              num_beams=2, graphs=True))
     with pytest.raises(ValueError, match="fuse"):
         generate_text(model, _StubTokenizer(), GenerateConfig(spec=spec, prompt=prompt,
                                                               graphs=False, fuse=True))

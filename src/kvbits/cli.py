@@ -407,7 +407,7 @@ class GenerateConfig:
     num_beams: int = 1
     chat: bool = False
     seed: int = 0
-    graphs: bool | None = None  # None: CUDA graphs where they apply (CUDA, greedy, one beam)
+    graphs: bool | None = None  # None: CUDA graphs where they apply (CUDA, one beam)
     label: str = ""  # the preset's name (names a kvquant/fp8/hadc calibration made on the fly)
     fuse: bool = False  # graphs + torch.compile of norms / MLP activation / RoPE (fused_pointwise)
 
@@ -441,21 +441,26 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
         opts.update(temperature=cfg.temperature, top_p=cfg.top_p)
     else:
         opts.update(temperature=None, top_p=None, top_k=None)
-    greedy = not cfg.sample and cfg.num_beams == 1
-    graphs = (greedy and model.device.type == "cuda") if cfg.graphs is None else cfg.graphs
-    if graphs and not greedy:
-        raise ValueError("generate: graphs=True needs greedy decoding with one beam "
-                         f"(sample={cfg.sample}, num_beams={cfg.num_beams})")
+    one_beam = cfg.num_beams == 1
+    graphs = (one_beam and model.device.type == "cuda") if cfg.graphs is None else cfg.graphs
+    if graphs and not one_beam:
+        raise ValueError("generate: graphs=True needs one beam (greedy or --sample), got "
+                         f"num_beams={cfg.num_beams}")
     if cfg.fuse and not graphs:
-        raise ValueError("generate: fuse=True (--fuse) needs the greedy loop (graphs=True: greedy, "
-                         "one beam)")
+        raise ValueError("generate: fuse=True (--fuse) needs the graph loop (graphs=True, one "
+                         "beam)")
     t0 = time.perf_counter()
     with torch.no_grad():
         if graphs:
             from .integrations.decode_loop import GreedyDecoder
+            from .integrations.sampling import Sampling
 
-            new = GreedyDecoder(model, cache, fuse="inductor" if cfg.fuse else None).generate(
-                ids, cfg.max_new_tokens)[0]
+            # generate()'s sampling: its temperature and top-p, and the model's top-k (50 unless
+            # the model's generation config says otherwise)
+            sampling = (Sampling(cfg.temperature, getattr(model.generation_config, "top_k", 0)
+                                 or 0, cfg.top_p) if cfg.sample else None)
+            new = GreedyDecoder(model, cache, fuse="inductor" if cfg.fuse else None,
+                                sampling=sampling).generate(ids, cfg.max_new_tokens)[0]
             new = new[: _until_eos(new, model.generation_config.eos_token_id)]
         else:
             out = model.generate(ids, attention_mask=torch.ones_like(ids),
@@ -689,8 +694,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--seed", type=int, default=0, help="random seed for --sample (default 0)")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="greedy decoding with each step replayed from a CUDA graph (default: on "
-                        "a GPU when greedy with one beam; --no-graphs uses transformers' "
+                   help="decode with each step replayed from a CUDA graph, greedy or --sample "
+                        "(default: on a GPU with one beam; --no-graphs uses transformers' "
                         "generate)")
     p.add_argument("--fuse", action="store_true",
                    help="with the graph loop: compile the steps' norms, MLP activation and RoPE "

@@ -1,4 +1,5 @@
-"""Greedy decoding of a transformers causal LM with its decode steps captured in CUDA graphs.
+"""Greedy or sampled decoding of a transformers causal LM, each decode step replayed from a
+CUDA graph.
 
 Why: at batch 1, eager ``generate`` is bound by host time (20-60 ms of Python and launches per
 step against 3-4 ms of GPU work on an H200 for a 7-8B model; ``benchmarks/results/e2e.md``), so
@@ -13,8 +14,9 @@ each kind is captured once (after one eager run, which compiles its kernels) and
 * transformers' ``StaticCache`` (the FP16 baseline): one kind;
 * any other cache: every step eagerly (same loop, for comparisons).
 
-Sampling is greedy and inside the graph (``argmax`` feeds the next step's input), so a replayed
-step does not touch the host. ``graphs=False`` runs the same steps eagerly (CPU, tests).
+The next token is chosen inside the graph (``argmax``, or a draw with ``sampling=``:
+:mod:`~kvbits.integrations.sampling`) and feeds the next step's input, so a replayed step does
+not touch the host. ``graphs=False`` runs the same steps eagerly (CPU, tests).
 ``fuse="inductor"`` also compiles the step's norms, MLP activations and RoPE application
 (:mod:`~kvbits.integrations.fused_pointwise`) while decoding: fewer, fused kernels per step.
 """
@@ -28,6 +30,7 @@ import torch
 
 from .fused_pointwise import BACKENDS, fused_pointwise
 from .hf import KVBitsCache, cache_kwargs
+from .sampling import Sampling, next_token
 
 
 class GreedyDecoder:
@@ -36,16 +39,18 @@ class GreedyDecoder:
     ``step_done`` (optional callable) is called after every step with the number of tokens
     produced so far (timing hooks); ``captures`` counts the CUDA graphs captured. ``fuse``: a
     ``torch.compile`` backend for the decode steps' elementwise work (``"inductor"``), or None
-    (the model as it is)."""
+    (the model as it is). ``sampling``: a :class:`~kvbits.integrations.sampling.Sampling`
+    (temperature, top-k, top-p; seed with ``torch.manual_seed``) instead of greedy choice."""
 
     def __init__(self, model, cache, *, graphs: bool = True, step_done=None,
-                 fuse: str | None = None):
+                 fuse: str | None = None, sampling: Sampling | None = None):
         if fuse is not None and fuse not in BACKENDS:
             raise ValueError(f"GreedyDecoder: fuse must be None or one of {BACKENDS}, got "
                              f"{fuse!r}")
         self.model, self.cache = model, cache
         self.graphs = graphs
         self.fuse = fuse
+        self.sampling = sampling
         self.step_done = step_done
         self.captures = 0
         self._kw = cache_kwargs(model, cache)
@@ -56,7 +61,7 @@ class GreedyDecoder:
         """One token for every sequence, reading and writing only device buffers."""
         out = self.model(input_ids=self._ids, position_ids=self._pos, cache_position=self._cpos,
                          use_cache=True, logits_to_keep=1, **self._kw)
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        nxt = next_token(out.logits[:, -1], self.sampling)
         self._ids.copy_(nxt)
         self.tokens.scatter_(1, self._count.expand(nxt.shape[0], 1), nxt)
         self._count.add_(1)
@@ -83,7 +88,7 @@ class GreedyDecoder:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         out = self.model(input_ids, use_cache=True, logits_to_keep=1, **self._kw)
-        first = out.logits[:, -1].argmax(-1, keepdim=True)
+        first = next_token(out.logits[:, -1], self.sampling)
         return self.decode(first, input_ids.shape[1], max_new_tokens)
 
     @torch.no_grad()
