@@ -1,10 +1,11 @@
 """Fuse the small elementwise kernels of a transformers decoder step with ``torch.compile``.
 
-Why: at batch 1 a captured decode step of a 7-8B model is ~1000 kernels, and the ~700 that are
-not matrix products (RMSNorm's cast, square, mean, rsqrt and two multiplies; rotate-half RoPE's
-neg, cat, two multiplies and an add per tensor; SiLU times up) cost ~2 us each even replayed
-from a CUDA graph: a floor of several milliseconds that FP16 and every quantized cache pay
-alike, and that hides the KV bytes a 2-bit cache saves (``docs/DESIGN.md``, captured decode).
+Why: at batch 1 a decode step of a 7-8B model is ~1560 kernels, and the ~1100 that are not
+matrix products (RMSNorm's cast, square, mean, rsqrt and two multiplies; rotate-half RoPE's
+neg, cat, two multiplies and an add per tensor; SiLU times up) run ~1.6 us each even replayed
+from a CUDA graph: ~1.8 ms per step that FP16 and every quantized cache pay alike, and that
+hides the KV bytes a 2-bit cache saves (H200 census: ``benchmarks/results/step_kernels.log``;
+fused, 786 kernels and 0.55 ms).
 
 What is compiled is only what holds no cache state, so no guard depends on a layer index or a
 cache length and each function compiles once per shape kind for the whole model:
