@@ -187,8 +187,10 @@ def _register_bench(sub) -> None:
                    default=("fp16", "hf-int2", "kivi-4", "kivi-2"),
                    help="comma-separated: fp16, fp16-flash (SDPA without the cuDNN backend), "
                    "hf-int2, hf-int4 (emulated QuantizedCache, "
-                   "options :G=64,R=128) and kvbits presets (kivi-2, kivi-2:R=64, ...) "
-                   "(default fp16,hf-int2,kivi-4,kivi-2)")
+                   "options :G=64,R=128), kvbits-fp16 (FP16 through kvbits' own path) and "
+                   "kvbits presets (kivi-2, kivi-2:R=64, ...); +graphs after fp16 or a kvbits "
+                   "preset decodes in the CUDA-graph loop, +graphs+fused also compiles the steps' "
+                   "norms / MLP activation / RoPE (default fp16,hf-int2,kivi-4,kivi-2)")
     p.add_argument("--contexts", type=_ints, default=(1024, 4096, 16384, 32768),
                    help="tokens in the cache per sequence (default 1k,4k,16k,32k)")
     p.add_argument("--batches", type=_ints, default=(1,), help="batch sizes (default 1)")
