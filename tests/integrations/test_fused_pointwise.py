@@ -82,6 +82,12 @@ def test_fused_pointwise_scope_and_errors():
     with pytest.raises(RuntimeError, match="boom"), fused_pointwise(m, "eager"):
         raise RuntimeError("boom")  # restored on errors too
     assert not any("forward" in s.__dict__ for s in m.modules())
+    hooked = m.model.layers[0].mlp  # an instance-level forward (e.g. an offload hook) stays
+    hooked.forward = hook = lambda x: type(hooked).forward(hooked, x)  # noqa: E731
+    with fused_pointwise(m, "eager") as n:
+        assert n == 7 + 2 + 1 and hooked.forward is hook
+    assert hooked.forward is hook
+    del hooked.forward
     with pytest.raises(ValueError, match="backend"):
         with fused_pointwise(m, "fast"):
             pass

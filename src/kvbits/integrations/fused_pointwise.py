@@ -14,8 +14,11 @@ cache length and each function compiles once per shape kind for the whole model:
   Qwen3 / Gemma3 q/k norms), compiled per class;
 * the ``forward`` of every decoder layer's ``mlp`` (gate/up/down products stay cuBLAS; the
   activation and product fuse), per class;
-* the module-level ``apply_rotary_pos_emb`` of the model's attention module (Llama, Mistral,
-  Qwen2/3, Gemma, SmolLM, Phi-3), looked up in the attention class's Python module.
+* the module-level ``apply_rotary_pos_emb`` of the model's attention modules (Llama, Mistral,
+  Qwen2/3, Gemma, SmolLM, Phi-3), looked up in each attention class's Python module.
+
+Modules whose ``forward`` is already replaced on the instance (accelerate's offload hooks) are
+left alone: compiling the class's ``forward`` would bypass the hook.
 
 The attention, the cache update and the decoder layer's own code stay eager (the cache's Python
 decides lengths and flushes; compiling it would guard on them and recompile every step).
@@ -48,18 +51,21 @@ def _compiled(fn, backend: str):
 
 
 def _targets(model):
-    """(module, class forward) pairs to compile, and the attention's Python module (or None)."""
-    mods, attn_module = [], None
+    """(module, class forward) pairs to compile, and the Python modules of the model's attention
+    classes that define ``apply_rotary_pos_emb``. A module whose ``forward`` is already set on
+    the instance (an accelerate offload hook, another wrapper) is left as it is."""
+    mods, rope_modules = [], {}
     for name, sub in model.named_modules():
         cls = type(sub)
+        if "forward" in sub.__dict__:
+            continue
         if cls.__name__.endswith("RMSNorm") or name.endswith(".mlp") or name == "mlp":
             mods.append((sub, cls.forward))
-        if attn_module is None and name.endswith("self_attn"):
-            attn_module = sys.modules.get(cls.__module__)
-    if attn_module is not None and not callable(getattr(attn_module, "apply_rotary_pos_emb",
-                                                        None)):
-        attn_module = None
-    return mods, attn_module
+        if name.endswith("self_attn"):
+            py = sys.modules.get(cls.__module__)
+            if callable(getattr(py, "apply_rotary_pos_emb", None)):
+                rope_modules[py.__name__] = py
+    return mods, list(rope_modules.values())
 
 
 @contextlib.contextmanager
@@ -73,21 +79,16 @@ def fused_pointwise(model, backend: str = "inductor"):
     capture (``GreedyDecoder`` does)."""
     if backend not in BACKENDS:
         raise ValueError(f"fused_pointwise: backend must be one of {BACKENDS}, got {backend!r}")
-    mods, attn_module = _targets(model)
-    rope = getattr(attn_module, "apply_rotary_pos_emb", None)
-    saved = []
+    mods, rope_modules = _targets(model)
+    ropes = [(py, py.apply_rotary_pos_emb) for py in rope_modules]
     try:
         for sub, fwd in mods:
-            saved.append((sub, sub.__dict__.get("forward")))
             sub.forward = types.MethodType(_compiled(fwd, backend), sub)
-        if rope is not None:
-            attn_module.apply_rotary_pos_emb = _compiled(rope, backend)
-        yield len(mods) + (rope is not None)
+        for py, rope in ropes:
+            py.apply_rotary_pos_emb = _compiled(rope, backend)
+        yield len(mods) + len(ropes)
     finally:
-        if rope is not None:
-            attn_module.apply_rotary_pos_emb = rope
-        for sub, own in saved:
-            if own is None:
-                sub.__dict__.pop("forward", None)
-            else:
-                sub.forward = own
+        for py, rope in ropes:
+            py.apply_rotary_pos_emb = rope
+        for sub, _ in mods:
+            sub.__dict__.pop("forward", None)
