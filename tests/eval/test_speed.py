@@ -181,3 +181,25 @@ def test_time_decode_presized_kvbits_store(tiny):
     r = time_decode(tiny, parse_variant("kivi-2"), batch=1, context=300, steps=2, warmup=1,
                     presize=True)
     assert r["presize"] and r["cache_tokens_after"] == 300 + 1 + 1 + 2
+
+
+def test_markdown_compares_each_loop_with_its_own_fp16_control():
+    """"vs FP16 same loop": each kvbits row against the FP16 KVBitsCache decoded by the same
+    loop (same +graphs / +fused suffix, batch and context); "-" where that control is missing."""
+    from kvbits.eval.speed import BenchConfig, bench_markdown
+
+    def row(variant, tok_s, context=4096):
+        kind = "fp16" if variant.startswith("fp16") else "kvbits"
+        return {"variant": variant, "kind": kind, "batch": 1, "context": context,
+                "tok_s": tok_s, "tpot_ms": 1e3 / tok_s, "tpot_p90_ms": 1e3 / tok_s,
+                "cache_bytes": 1, "fp16_cache_bytes": 1}
+    speed = [row("fp16-flash", 10.0), row("kvbits-fp16+graphs", 100.0),
+             row("kivi-2+graphs", 150.0), row("kvbits-fp16+graphs+fused", 200.0),
+             row("kivi-2+graphs+fused", 250.0), row("kivi-4+graphs", 50.0, context=8192)]
+    md = bench_markdown(speed, [], {"command": "x"}, BenchConfig())
+    cells = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
+             for line in md.splitlines() if line.startswith("| ") and "+" in line}
+    assert cells["kivi-2+graphs"][6:8] == ["15.00x", "1.50x"]  # vs FP16, vs its loop's control
+    assert cells["kivi-2+graphs+fused"][6:8] == ["25.00x", "1.25x"]
+    assert cells["kvbits-fp16+graphs+fused"][7] == "1.00x"
+    assert cells["kivi-4+graphs"][6:8] == ["-", "-"]  # no FP16 row at 8192
