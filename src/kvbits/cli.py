@@ -699,8 +699,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "generate)")
     p.add_argument("--fuse", action="store_true",
                    help="with the graph loop: compile the steps' norms, MLP activation and RoPE "
-                        "with torch.compile (inductor; compiled on the first step, then ~20%% less time per "
-                        "token at batch 1 on an H200)")
+                        "with torch.compile (inductor; compiled on the first step, then ~20%% "
+                        "less time per token at batch 1 on an H200)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the model runs: auto = the GPU (FP16) when there is one, else the "
                         "CPU (FP32) (default auto)")
