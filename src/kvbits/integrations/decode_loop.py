@@ -28,7 +28,7 @@ import warnings
 
 import torch
 
-from .fused_pointwise import BACKENDS, fused_pointwise
+from .fused_pointwise import check_backend, fused_pointwise
 from .hf import KVBitsCache, cache_kwargs
 from .sampling import Sampling, next_token
 
@@ -44,9 +44,8 @@ class GreedyDecoder:
 
     def __init__(self, model, cache, *, graphs: bool = True, step_done=None,
                  fuse: str | None = None, sampling: Sampling | None = None):
-        if fuse is not None and fuse not in BACKENDS:
-            raise ValueError(f"GreedyDecoder: fuse must be None or one of {BACKENDS}, got "
-                             f"{fuse!r}")
+        if fuse is not None:
+            check_backend(fuse, "GreedyDecoder: fuse (or None)")
         self.model, self.cache = model, cache
         self.graphs = graphs
         self.fuse = fuse

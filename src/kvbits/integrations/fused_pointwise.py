@@ -34,9 +34,15 @@ import types
 
 import torch
 
-__all__ = ["fused_pointwise", "BACKENDS"]
+__all__ = ["fused_pointwise", "check_backend", "BACKENDS"]
 
 BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def check_backend(backend: str, where: str) -> None:
+    """Refuse a backend outside :data:`BACKENDS`, naming the parameter (``where``)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{where} must be one of {BACKENDS}, got {backend!r}")
 
 _COMPILED: dict = {}  # (function, backend) -> compiled function, shared by every model and call
 
@@ -77,8 +83,7 @@ def fused_pointwise(model, backend: str = "inductor"):
     generating kernels, for tests on machines without a compiler). Compilation happens on the
     first call of each function at each shape, so run one step eagerly before a CUDA-graph
     capture (``GreedyDecoder`` does)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"fused_pointwise: backend must be one of {BACKENDS}, got {backend!r}")
+    check_backend(backend, "fused_pointwise: backend")
     mods, rope_modules = _targets(model)
     ropes = [(py, py.apply_rotary_pos_emb) for py in rope_modules]
     try:

@@ -37,8 +37,9 @@ in which three plane words merge into 4-bit fields, and from there the 4-bit pat
 tensor cores and their pre-RoPE keys turned per element between the two channel chunks, which
 are the rotate-half partners (``KVQUANT_FULL``). Keys scaled per token over at least half the
 head (the uniform method, ``TOKEN_KEYS``) are served too. Each step's key words are loaded at
-its start and its value words after the softmax; right after its key loads a step asks, with ``prefetch.global.L2`` (no registers, no shared memory), for
-every byte of the next step, so the one warp waits on L2 rather than DRAM (``DEFAULT_PREFETCH``).
+its start and its value words after the softmax; right after its key loads a step asks, with
+``prefetch.global.L2`` (no registers, no shared memory), for every byte of the next step, so the
+one warp waits on L2 rather than DRAM (``DEFAULT_PREFETCH``).
 Prefetches of the next step *into registers* measured slower on the H200 (255 registers and
 spills), and so did a cp.async double buffer through shared memory (2x slower).
 """
