@@ -39,6 +39,24 @@ MODELS = {"llama-2-7b": (32, 32, 128), "llama-3-8b": (32, 8, 128)}  # q heads, k
 OTHER_MODELS = {"qwen2.5-7b": (28, 4, 128), "gemma-2-9b": (16, 8, 256),
                 "phi-3-mini": (32, 32, 96), "smollm2-1.7b": (32, 32, 64)}
 ALL_MODELS = MODELS | OTHER_MODELS
+
+
+def add_model(text: str) -> str:
+    """A model of ``ALL_MODELS`` by name, or ``NAME=HQ/HKV/D`` added to it (any other shape)."""
+    name, _, shape = text.partition("=")
+    if not shape:
+        if name not in ALL_MODELS:
+            raise ValueError(f"--models: unknown {name!r}; choose from {', '.join(ALL_MODELS)} "
+                             "or give NAME=HQ/HKV/D")
+        return name
+    try:
+        hq, hkv, d = (int(x) for x in shape.split("/"))
+    except ValueError:
+        raise ValueError(f"--models: {text!r} is not NAME=HQ/HKV/D (integers)") from None
+    if min(hq, hkv, d) < 1 or hq % hkv or d % 16:
+        raise ValueError(f"--models: {text!r} needs HQ a multiple of HKV and D a multiple of 16")
+    ALL_MODELS[name] = (hq, hkv, d)
+    return name
 # kivi-3, kvquant-3-dense-post (codebooks only) and kvquant-3 (with outliers and pre-RoPE keys,
 # decode_gluon.KVQUANT_FULL) go through the Gluon body's 3-bit planes (decode_gluon.PLANES3, on
 # unless KVBITS_GLUON_3BIT=0); kvquant-2 / kvquant-4 (--presets) through the Triton kernel
@@ -266,7 +284,11 @@ def main(argv=None) -> None:
                    help="a previous JSON of this benchmark: its rows for shapes not run here are "
                         "kept (the notes say which run produced which rows)")
     p.add_argument("--models", default=",".join(MODELS),
-                   help=f"comma-separated, of {', '.join(ALL_MODELS)} (default: the two Llamas)")
+                   help=f"comma-separated, of {', '.join(ALL_MODELS)} (default: the two Llamas) "
+                        "or NAME=HQ/HKV/D for any other shape (e.g. yi-34b=56/8/128)")
+    p.add_argument("--batches", default="32,8,1", help="comma-separated (default 32,8,1)")
+    p.add_argument("--contexts", default="4096,32768,131072",
+                   help="comma-separated tokens per sequence (default 4096,32768,131072)")
     p.add_argument("--name", default=None, help="output file stem (default decode_attention)")
     p.add_argument("--no-baselines", action="store_true",
                    help="skip the seed-design and QuantizedCache rows (FP16 SDPA stays)")
@@ -278,12 +300,16 @@ def main(argv=None) -> None:
     bw = copy_bandwidth()
     print(f"{env['gpu']}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     presets = args.presets.split(",")
-    models = args.models.split(",")
-    unknown = [m for m in models if m not in ALL_MODELS]
-    if unknown:
-        p.error(f"--models: unknown {unknown}; choose from {', '.join(ALL_MODELS)}")
+    try:
+        models = [add_model(m) for m in args.models.split(",")]
+        batches = [int(b) for b in args.batches.split(",")]
+        contexts = [int(t) for t in args.contexts.split(",")]
+    except ValueError as e:
+        p.error(str(e))
+    if min(batches + contexts) < 1:
+        p.error("--batches and --contexts must be positive integers")
     # largest batches first: a run cut short by a time limit still has the long rows
-    shapes = [(m, b, t) for b in (32, 8, 1) for m in models for t in (4096, 32768, 131072)]
+    shapes = [(m, b, t) for b in batches for m in models for t in contexts]
     if args.quick:
         shapes = [("llama-3-8b", 8, 32768), ("llama-2-7b", 1, 131072)]
     if args.shapes:
@@ -361,7 +387,8 @@ def main(argv=None) -> None:
             notes.append(f"{model} B={batch} T={context} failed: {type(e).__name__}: {e}")
             continue
         order = {s: i for i, s in enumerate(
-            (m, b, t) for m in ALL_MODELS for b in (1, 8, 32) for t in (4096, 32768, 131072))}
+            (m, b, t) for m in ALL_MODELS for b in sorted({1, 8, 32, *batches})
+            for t in sorted({4096, 32768, 131072, *contexts}))}
         merged = sorted(kept + rows, key=lambda r: order.get((r["model"], r["batch"],
                                                                r["context"]), -1))
         write_results(name, merged, cols, env, notes, args.out)  # after every shape

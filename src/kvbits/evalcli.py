@@ -181,7 +181,10 @@ def _register_bench(sub) -> None:
                        "published configs with RANDOM weights (speed does not depend on them). "
                        "Writes NAME.json, NAME.md and PNG plots into --out.")
     p.add_argument("--model", default="llama-2-7b",
-                   help="llama-2-7b, llama-3-8b, smollm2 or tiny (configs, random weights)")
+                   help="llama-2-7b, llama-3-8b, mistral-7b, qwen2.5-7b, smollm2, tiny "
+                   "(published configs: kvbits.eval.speed.MODEL_CONFIGS), or a config.json or "
+                   "a model folder holding one (any architecture with SDPA attention); random "
+                   "weights")
     p.add_argument("--layers", type=_positive, help="decoder layers (default: the model's)")
     p.add_argument("--presets", type=_preset_items,
                    default=("fp16", "hf-int2", "kivi-4", "kivi-2"),

@@ -35,6 +35,46 @@ def test_named_configs_have_the_published_shapes():
         model_config("gpt-5")
 
 
+def test_more_named_configs_build_their_own_architecture():
+    mistral, qwen = model_config("mistral-7b", layers=2), model_config("qwen2.5-7b")
+    assert mistral.model_type == "mistral" and mistral.num_key_value_heads == 8
+    assert mistral.sliding_window is None and mistral.num_hidden_layers == 2
+    assert qwen.model_type == "qwen2" and (qwen.num_attention_heads, qwen.num_key_value_heads,
+                                           qwen.hidden_size // qwen.num_attention_heads) == (28, 4, 128)
+    assert model_config("llama-2-7b").model_type == "llama"  # the default type
+
+
+TINY_ARCHS = {  # small configs of other architectures, as a config.json would give them
+    "qwen2": {"hidden_size": 192, "num_attention_heads": 6, "num_key_value_heads": 2},  # GQA 3:1
+    "mistral": {"num_attention_heads": 4, "num_key_value_heads": 1, "sliding_window": None},
+    "gemma3_text": {"num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64,
+                    "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"]},
+}
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_ARCHS))
+def test_bench_takes_a_config_json_of_any_architecture(tmp_path, arch):
+    """kvbits bench --model path/config.json: built with random weights, every variant decodes,
+    and (without sliding layers) the cache of a kvbits preset is smaller than FP16's."""
+    from kvbits.cli import main
+
+    cfg = {"model_type": arch, "architectures": ["X"], "hidden_size": 128,
+           "intermediate_size": 256, "num_hidden_layers": 2, "vocab_size": 512,
+           "max_position_embeddings": 1024, **TINY_ARCHS[arch]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rc = main(["bench", "--model", str(tmp_path), "--device", "cpu", "--contexts", "320",
+               "--steps", "2", "--warmup", "1", "--presets", "fp16,kivi-2,kivi-2+graphs",
+               "--out", str(tmp_path), "--name", "arch"])
+    assert rc == 0
+    rows = json.loads((tmp_path / "arch.json").read_text())["speed"]
+    assert [r["variant"] for r in rows] == ["fp16", "kivi-2", "kivi-2+graphs"]
+    assert all(r["tok_s"] > 0 and r["cache_tokens_after"] == 320 + 1 + 1 + 2 for r in rows)
+    if not cfg.get("sliding_window"):  # (FP16's sliding layers keep only their window)
+        assert rows[1]["cache_bytes"] < rows[0]["cache_bytes"]
+    with pytest.raises(ValueError, match="config.json"):
+        model_config(str(tmp_path / "missing"))
+
+
 def test_parse_variant():
     assert parse_variant("fp16").kind == "fp16" and parse_variant("fp16").sdpa_backends is None
     flash = parse_variant("fp16-flash")

@@ -44,6 +44,47 @@ def test_kmeans_matches_brute_force(seed, k):
     assert got <= want * (1 + 1e-5) + 1e-9, (got, want)
 
 
+def brute_force_pinned(x, w, k, lo, hi):
+    """Best objective with the first and last centroids fixed at ``lo`` and ``hi``: every split
+    of the sorted values into k contiguous runs, the two end runs possibly empty."""
+    order = x.double().argsort()
+    xs, ws = x.double()[order], w.double()[order]
+    n = xs.numel()
+    best = float("inf")
+    for cuts in itertools.combinations_with_replacement(range(n + 1), k - 1):
+        bounds = (0, *cuts, n)
+        runs = list(itertools.pairwise(bounds))
+        if any(b <= a for a, b in runs[1:-1]):
+            continue  # inner clusters hold at least one value
+        total = 0.0
+        for m, (a, b) in enumerate(runs):
+            c = lo if m == 0 else hi if m == k - 1 else (ws[a:b] * xs[a:b]).sum() / ws[a:b].sum()
+            total += float((ws[a:b] * (xs[a:b] - c) ** 2).sum())
+        best = min(best, total)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_kmeans_pinned_ends_matches_brute_force(seed, k):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(9, generator=g) * 3
+    w = torch.rand(9, generator=g) + 0.05
+    cb = kvq.kmeans_1d(x, w, k, ends=(0.0, 3.0))
+    assert cb.shape == (k,) and float(cb[0]) == 0.0 and float(cb[-1]) == 3.0
+    assert bool((cb[1:] >= cb[:-1]).all())
+    wn = w.double() / w.double().mean()  # kmeans_1d's own normalization of the weights
+    got = kvq.kmeans_objective(x, wn, cb)
+    assert got <= brute_force_pinned(x, wn, k, 0.0, 3.0) * (1 + 1e-5) + 1e-9
+
+
+def test_kmeans_pinned_ends_few_values_and_bad_k():
+    cb = kvq.kmeans_1d(torch.tensor([1.0, 1.0, 2.0]), None, 8, ends=(0.0, 7.0))
+    assert cb.tolist()[0] == 0.0 and cb.tolist()[-1] == 7.0 and {1.0, 2.0} <= set(cb.tolist())
+    with pytest.raises(ValueError, match="k >= 2"):
+        kvq.kmeans_1d(torch.rand(10), None, 1, ends=(0.0, 1.0))
+
+
 def test_kmeans_histogram_path_beats_uniform():
     g = torch.Generator().manual_seed(0)
     u = (torch.randn(20000, generator=g).clamp(-3, 3) + 3) / 6 * 7  # bell shape on [0, 7]

@@ -45,10 +45,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -72,6 +74,16 @@ MODEL_CONFIGS: dict[str, dict] = {
         "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
         "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
         "rope_theta": 500000.0, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5},
+    "mistral-7b": {  # v0.3: no sliding window
+        "model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "vocab_size": 32768, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
+        "sliding_window": None, "rms_norm_eps": 1e-5},
+    "qwen2.5-7b": {  # q/k/v projections with bias, GQA 7:1
+        "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "vocab_size": 152064, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
+        "use_sliding_window": False, "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
     # for tests: 2 layers, head_dim 32, GQA 2:1
     "tiny": {
         "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
@@ -81,33 +93,47 @@ MODEL_CONFIGS: dict[str, dict] = {
 
 
 def model_config(name: str, layers: int | None = None, max_positions: int | None = None):
-    """A ``LlamaConfig`` of a named model (``layers`` overrides the depth; ``max_positions``
-    raises ``max_position_embeddings``: plain RoPE has no limit, the field only sizes caches)."""
-    from transformers import LlamaConfig
+    """The config of a named model (:data:`MODEL_CONFIGS`, ``model_type`` default llama) or of
+    ``name`` as a path: a ``config.json`` or a folder holding one (any architecture transformers
+    builds with SDPA attention; no weights are read). ``layers`` overrides the depth;
+    ``max_positions`` raises ``max_position_embeddings`` (the field only sizes caches here)."""
+    from transformers import AutoConfig
 
-    if name not in MODEL_CONFIGS:
-        raise ValueError(f"unknown model config {name!r}; known: {', '.join(MODEL_CONFIGS)}")
-    kw = dict(MODEL_CONFIGS[name])
+    path = Path(name)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".json" and path.is_file():
+        kw = json.loads(path.read_text())
+    elif name in MODEL_CONFIGS:
+        kw = dict(MODEL_CONFIGS[name])
+    else:
+        raise ValueError(f"unknown model config {name!r}; known: {', '.join(MODEL_CONFIGS)}, or a "
+                         "config.json / a model folder holding one")
+    model_type = kw.pop("model_type", "llama")
+    for key in ("architectures", "transformers_version", "torch_dtype", "dtype", "auto_map"):
+        kw.pop(key, None)
     if layers is not None:
         kw["num_hidden_layers"] = layers
+        kw.pop("layer_types", None)  # rebuilt for the new depth from the sliding-window pattern
     if max_positions is not None:
-        kw["max_position_embeddings"] = max(kw["max_position_embeddings"], max_positions)
-    cfg = LlamaConfig(**kw)
+        kw["max_position_embeddings"] = max(kw.get("max_position_embeddings", 0), max_positions)
+    cfg = AutoConfig.for_model(model_type, **kw)
     cfg._name_or_path = name
     return cfg
 
 
 def build_model(config, device="cuda", dtype=None, seed: int = 0):
-    """A ``LlamaForCausalLM`` with random weights (transformers' init) on ``device``, eval mode,
-    SDPA attention; FP16 on CUDA, float32 on CPU (FP16 matmuls are slow there) by default."""
-    from transformers import LlamaForCausalLM
+    """The causal LM of ``config`` with random weights (transformers' init) on ``device``, eval
+    mode, SDPA attention; FP16 on CUDA, float32 on CPU (FP16 matmuls are slow there) by
+    default."""
+    from transformers import AutoModelForCausalLM
 
     if dtype is None:
         dtype = torch.float16 if torch.device(device).type == "cuda" else torch.float32
 
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     model.eval().requires_grad_(False)
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
@@ -686,8 +712,6 @@ def plot_bench(speed: list[dict], budget_rows: list[dict], out_dir, name: str, t
     import matplotlib
 
     matplotlib.use("Agg")
-    from pathlib import Path
-
     import matplotlib.pyplot as plt
 
     paths = []
@@ -740,9 +764,6 @@ def plot_bench(speed: list[dict], budget_rows: list[dict], out_dir, name: str, t
 def write_bench(out_dir, name: str, speed: list[dict], budget_rows: list[dict], env: dict,
                 cfg: BenchConfig) -> list:
     """``NAME.json``, ``NAME.md`` and the PNG plots in ``out_dir``."""
-    import json
-    from pathlib import Path
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -110,18 +111,24 @@ def thresholds_of(codebook: torch.Tensor) -> torch.Tensor:
 
 
 def kmeans_1d(x: torch.Tensor, w: torch.Tensor | None, k: int, bins: int = 512,
-              iters: int = 8) -> torch.Tensor:
+              iters: int = 8, ends: tuple[float, float] | None = None) -> torch.Tensor:
     """Weighted 1-D k-means: ``k`` sorted centroids minimizing ``sum w (x - c(x))**2``.
 
     Exact (dynamic programming over contiguous clusters of the sorted data, which is optimal in
     1-D) on the distinct values when there are at most ``bins`` of them, else on a ``bins``-bin
     histogram; then ``iters`` Lloyd steps on the raw data (which never increase the objective).
     Fewer distinct values than ``k`` give repeated centroids.
+
+    ``ends = (lo, hi)`` pins the first and last centroids there (``k >= 2``) and fits the
+    ``k - 2`` others, exactly as above: the first cluster then costs ``sum w (x - lo)**2``
+    instead of its variance, and may be empty.
     """
     x = x.detach().flatten().double()
     w = torch.ones_like(x) if w is None else w.detach().flatten().double().clamp_min(0)
     if x.numel() == 0:
         raise ValueError("kmeans_1d: no data")
+    if ends is not None and k < 2:
+        raise ValueError(f"kmeans_1d: ends needs k >= 2 centroids, got k={k}")
     w = w / w.mean().clamp_min(1e-300) + 1e-9  # no zero-weight cluster
     uniq, inv = torch.unique(x, return_inverse=True)
     if uniq.numel() <= bins:
@@ -137,33 +144,50 @@ def kmeans_1d(x: torch.Tensor, w: torch.Tensor | None, k: int, bins: int = 512,
     W, S, Q = W[keep], S[keep], Q[keep]
     n = W.numel()
     means = S / W
-    if n <= k:
+    if ends is None and n <= k:
         cb = torch.cat([means, means[-1:].expand(k - n)])
         return cb.float()
+    if ends is not None and n <= k - 2:  # every value a centroid of its own, between the ends
+        cb = torch.cat([torch.tensor(ends, dtype=torch.float64), means,
+                        means[-1:].expand(k - 2 - n)])
+        return cb.sort().values.float()
     pw, ps, pq = (torch.cat([torch.zeros(1, dtype=torch.float64), t.cumsum(0)]) for t in (W, S, Q))
     i = torch.arange(n + 1)
-    # cost[i, j]: squared error of one cluster holding items i .. j-1 (inf where j <= i)
-    dw = pw[None, :] - pw[:, None]
-    cost = (pq[None, :] - pq[:, None]) - (ps[None, :] - ps[:, None]) ** 2 / dw.clamp_min(1e-300)
-    cost = torch.where(i[None, :] > i[:, None], cost.clamp_min(0), torch.full_like(cost, math.inf))
-    best = cost[0].clone()  # best[j]: items 0..j-1 in m+1 clusters
+    dw, ds, dq = (p[None, :] - p[:, None] for p in (pw, ps, pq))  # sums over items i .. j-1
+    # cost[i, j]: squared error of one cluster holding items i .. j-1 at its mean (inf: j <= i)
+    cost = torch.where(i[None, :] > i[:, None], (dq - ds ** 2 / dw.clamp_min(1e-300)).clamp_min(0),
+                       math.inf)
+
+    def at(c):  # the same at a fixed centroid c; an empty cluster (j == i) costs nothing
+        return torch.where(i[None, :] >= i[:, None], (dq - 2 * c * ds + c * c * dw).clamp_min(0),
+                           math.inf)
+    free = k if ends is None else k - 2
+    best = cost[0].clone() if ends is None else at(ends[0])[0].clone()  # items 0..j-1
     back = []
-    for _ in range(1, k):
-        total = best[:, None] + cost  # [i, j]
-        best, arg = total.min(dim=0)
+    for _ in range(free - (1 if ends is None else 0)):
+        best, arg = (best[:, None] + cost).min(dim=0)
         back.append(arg)
-    cuts, j = [n], n
+    j = n
+    if ends is not None:  # the last cluster, items j..n-1, at ends[1]
+        j = int((best + at(ends[1])[:, n]).argmin())
+    cuts = [n] if ends is None else [n, j]
     for arg in reversed(back):
         j = int(arg[j])
         cuts.append(j)
-    cuts = cuts[::-1]
-    cuts = [0] + cuts
-    cb = torch.stack([(ps[b] - ps[a]) / (pw[b] - pw[a]) for a, b in zip(cuts[:-1], cuts[1:])])
+    cuts = [0, *cuts[::-1]]
+    if ends is None:
+        cb = torch.stack([(ps[b] - ps[a]) / (pw[b] - pw[a]) for a, b in itertools.pairwise(cuts)])
+    else:
+        inner = [(ps[b] - ps[a]) / (pw[b] - pw[a]) for a, b in itertools.pairwise(cuts[1:-1])]
+        cb = torch.tensor([ends[0], *inner, ends[1]], dtype=torch.float64)
     for _ in range(iters):  # Lloyd on the raw data
         code = torch.bucketize(x, (cb[1:] + cb[:-1]) / 2)
         sw = torch.zeros(k, dtype=torch.float64).index_add_(0, code, w)
         sx = torch.zeros(k, dtype=torch.float64).index_add_(0, code, w * x)
-        cb = torch.where(sw > 0, sx / sw.clamp_min(1e-300), cb).sort().values
+        new = torch.where(sw > 0, sx / sw.clamp_min(1e-300), cb)
+        if ends is not None:
+            new[0], new[-1] = ends
+        cb = new.sort().values
     return cb.float()
 
 
@@ -538,7 +562,12 @@ def collect_kv(model, input_ids: torch.Tensor, window: int = 512, fisher: bool =
 
 
 def _fit_one(u: torch.Tensor, w: torch.Tensor | None, bits: int, qnorm: bool):
-    """Codebook and thresholds ``[2**bits]``, ``[2**bits - 1]`` for normalized data ``u``."""
+    """Codebook and thresholds ``[2**bits]``, ``[2**bits - 1]`` for normalized data ``u``.
+
+    The ends are fitted like the other entries, although every group's min and max normalize
+    to exactly ``0`` and ``2**bits - 1``: pinning them there (``kmeans_1d(ends=...)``, as
+    uniform min-max does) measured better on one text and worse on others
+    (``benchmarks/results/codebook_ends.md``)."""
     cb = kmeans_1d(u, w, 1 << bits)
     th = thresholds_of(cb)
     if qnorm:

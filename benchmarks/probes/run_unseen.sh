@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Session 20: models and shapes no earlier table measured, on one H200, one part per device call.
+#   OUT=... bash benchmarks/probes/run_unseen.sh 1|2
+# 1: kvbits bench (generate loop, random weights) on the Mistral-7B and Qwen2.5-7B configs,
+#    batch 1, 4k and 32k: FP16 flash generate, the FP16 control in the same captured+fused loop,
+#    kivi-2 / kivi-4 in it. 2: decode_attention on shapes of other models (Yi-34B 56/8/128,
+#    Qwen2.5-7B 28/4/128, Command-R 64/8/128, Gemma-2-9B 16/8/256), batch 1 and 8, 32k and 128k.
+set -x
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+case "${1:?usage: run_unseen.sh 1|2}" in
+  1) for m in mistral-7b qwen2.5-7b; do
+       timeout -s KILL 270 python3 -m kvbits.cli bench --model $m --contexts 4k,32k \
+         --presets fp16-flash,kvbits-fp16+graphs+fused,kivi-2+graphs+fused,kivi-4+graphs+fused \
+         --out "$OUT" --name "e2e_unseen_${m//./_}" 2>&1 | grep -v "^\s*$" | tail -12
+     done ;;
+  2) timeout -s KILL 560 python3 benchmarks/decode_attention.py --out "$OUT" --skip-quantize-pack \
+       --no-baselines --name decode_attention_unseen --batches 8,1 --contexts 32768,131072 \
+       --models yi-34b=56/8/128,qwen2.5-7b,command-r=64/8/128,gemma-2-9b \
+       --presets kivi-2,kivi-4,kvquant-3 2>&1 | grep -v "^\s*$" | tail -40 ;;
+esac
