@@ -18,3 +18,12 @@ case "${1:?usage: run_unseen.sh 1|2}" in
        --models yi-34b=56/8/128,qwen2.5-7b,command-r=64/8/128,gemma-2-9b \
        --presets kivi-2,kivi-4,kvquant-3 2>&1 | grep -v "^\s*$" | tail -40 ;;
 esac
+# 3: after the pre-RoPE tile rule at head_dim > 128: the KVQuant kernel tests on the GPU, then the
+#    Gemma-2-9B-shaped rows again (kvquant-3 and its dense-post form).
+case "$1" in
+  3) timeout -s KILL 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_attention.py \
+       -k "kvquant" > "$OUT/kvquant_tests_session20.log" 2>&1; tail -3 "$OUT/kvquant_tests_session20.log"
+     timeout -s KILL 300 python3 benchmarks/decode_attention.py --out "$OUT" --skip-quantize-pack \
+       --no-baselines --name decode_attention_unseen_wide --batches 8,1 --contexts 32768,131072 \
+       --models gemma-2-9b --presets kvquant-3,kvquant-3-dense-post 2>&1 | grep -v "^\s*$" | tail -20 ;;
+esac

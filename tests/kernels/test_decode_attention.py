@@ -663,6 +663,9 @@ KVQ_CASES = {
     "K3V3-G32-GQA-padded": Case(kb=3, vb=3, G=32, D=64, body=128, HG=3, B=2, S=4,
                                 starts=(0, 37), lengths=(150, 150)),
     "K4V4-G64-D128-Lq4": Case(kb=4, vb=4, G=64, D=128, body=128, HG=2, Lq=4, window=100),
+    # head_dim 256: 32-token steps with pre-RoPE keys (the library's tile there), 64 without
+    "K3V3-G32-D256-MQA": Case(kb=3, vb=3, G=32, D=256, body=96, HG=4, B=1, Hkv=1,
+                              lengths=(100,)),
 }
 
 

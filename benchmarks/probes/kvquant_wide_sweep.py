@@ -1,0 +1,49 @@
+"""Probe (GPU): KVQuant layers at head_dim 256 (Gemma-2/3 shapes), which only the Triton kernel
+serves. Session 20's table of unseen shapes (decode_attention_unseen.md) had kvquant-3 at
+0.06-0.09x flash SDPA there. Which part costs it (outliers, pre-RoPE keys, codebooks), and do
+the launch knobs (num_warps, tile_tokens) recover it? CUDA-graph time against flash SDPA.
+
+    PYTHONPATH=src python3 benchmarks/probes/kvquant_wide_sweep.py > kvquant_wide_sweep.log
+"""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import random_packed_kv  # noqa: E402
+from decode_attention import bench_graph, sdpa_fp16  # noqa: E402
+
+from kvbits.kernels.decode_attention import decode_attention  # noqa: E402
+from kvbits.spec import resolve_spec  # noqa: E402
+
+VARIANTS = {"kvquant-3": {}, "no outliers": {"outliers": 0.0}, "post-RoPE": {"pre_rope": False},
+            "dense-post": {"outliers": 0.0, "pre_rope": False}}
+GRID = [(4, None), (8, None), (4, 32), (8, 32), (8, 128), (2, 32)]  # (warps, tile)
+T = 32768
+for hq, hkv, d, B in ((16, 8, 256, 1), (16, 8, 256, 8), (8, 1, 256, 8)):
+    q = torch.randn(B, hq, 1, d, dtype=torch.float16, device="cuda")
+    k = torch.randn(B, hkv, T, d, dtype=torch.float16, device="cuda")
+    v = torch.randn_like(k)
+    tf = bench_graph(lambda: sdpa_fp16(q, k, v, d ** -0.5))
+    del k, v
+    print(f"Hq={hq} Hkv={hkv} D={d} B={B} T={T}: flash {tf:.1f} us", flush=True)
+    for name, kw in VARIANTS.items():
+        kv = random_packed_kv(B, hkv, T, d, resolve_spec("kvquant-3", **kw))
+        ref = decode_attention(q, kv, scale=d ** -0.5, gluon=False)
+        for warps, tile in GRID:
+            args = dict(num_warps=warps, tile_tokens=tile, gluon=False)
+            try:
+                o = decode_attention(q, kv, scale=d ** -0.5, **args)
+                err = ((o.float() - ref.float()).norm() / ref.float().norm()).item()
+                t = bench_graph(lambda: decode_attention(q, kv, scale=d ** -0.5, **args))
+            except Exception as e:  # noqa: BLE001
+                print(f"  {name:12s} warps={warps} tile={tile}: {type(e).__name__}: "
+                      f"{str(e)[:100]}", flush=True)
+                continue
+            print(f"  {name:12s} warps={warps} tile={tile or 64:>3}: {t:8.1f} us "
+                  f"x{tf / t:.2f}  diff {err:.1e}", flush=True)
+        t = bench_graph(lambda: decode_attention(q, kv, scale=d ** -0.5))
+        print(f"  {name:12s} library default: {t:8.1f} us x{tf / t:.2f}", flush=True)
+        del kv
+        torch.cuda.empty_cache()
