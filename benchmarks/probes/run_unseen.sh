@@ -27,3 +27,9 @@ case "$1" in
        --no-baselines --name decode_attention_unseen_wide --batches 8,1 --contexts 32768,131072 \
        --models gemma-2-9b --presets kvquant-3,kvquant-3-dense-post 2>&1 | grep -v "^\s*$" | tail -20 ;;
 esac
+# 4: the memory-budget search on an unseen model: Qwen2.5-7B config (4 KV heads), 32k, 80 GB.
+case "$1" in
+  4) timeout -s KILL 570 python3 -m kvbits.cli bench --model qwen2.5-7b --contexts 32k \
+       --presets fp16,kivi-4,kivi-2 --steps 16 --memory-budget 80GB --budget-contexts 32k \
+       --batch-cap 256 --out "$OUT" --name e2e_budget32k_qwen2_5_7b 2>&1 | grep -v "^\s*$" | tail -20 ;;
+esac
