@@ -721,7 +721,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     # head dims past 128: half the tile (registers), except FP8 (one convert per element; at
     # head_dim 256, 128 tokens per step ran 1.14-1.24x faster: few_pairs_sweep.log), and a
     # quarter with pre-RoPE keys (the turned tile and its cos/sin table spill at 64 tokens:
-    # kvquant-3 at head_dim 256 ran 1.6-1.9x faster at 32, probes/kvquant_wide_sweep.py)
+    # kvquant-3 at head_dim 256 ran 1.6-2x faster at 32, probes/kvquant_wide_sweep.py)
     tile = tile_tokens or (DEFAULT_TILE_TOKENS if BLOCK_D <= 128 or fp8
                            else DEFAULT_TILE_TOKENS // 4
                            if getattr(kv, "rope_inv_freq", None) is not None
