@@ -39,8 +39,9 @@ def test_more_named_configs_build_their_own_architecture():
     mistral, qwen = model_config("mistral-7b", layers=2), model_config("qwen2.5-7b")
     assert mistral.model_type == "mistral" and mistral.num_key_value_heads == 8
     assert mistral.sliding_window is None and mistral.num_hidden_layers == 2
-    assert qwen.model_type == "qwen2" and (qwen.num_attention_heads, qwen.num_key_value_heads,
-                                           qwen.hidden_size // qwen.num_attention_heads) == (28, 4, 128)
+    head_dim = qwen.hidden_size // qwen.num_attention_heads
+    assert qwen.model_type == "qwen2" and head_dim == 128
+    assert (qwen.num_attention_heads, qwen.num_key_value_heads) == (28, 4)
     assert model_config("llama-2-7b").model_type == "llama"  # the default type
 
 
