@@ -13,8 +13,8 @@ case "${1:?usage: run_unseen.sh 1|2}" in
          --presets fp16-flash,kvbits-fp16+graphs+fused,kivi-2+graphs+fused,kivi-4+graphs+fused \
          --out "$OUT" --name "e2e_unseen_${m//./_}" 2>&1 | grep -v "^\s*$" | tail -12
      done ;;
-  2) timeout -s KILL 560 python3 benchmarks/decode_attention.py --out "$OUT" --skip-quantize-pack \
-       --no-baselines --name decode_attention_unseen --batches 8,1 --contexts 32768,131072 \
+  2) timeout -s KILL 480 python3 benchmarks/decode_attention.py --out "$OUT" --skip-quantize-pack \
+       --name decode_attention_unseen --batches 8,1 --contexts 32768,131072 \
        --models yi-34b=56/8/128,qwen2.5-7b,command-r=64/8/128,gemma-2-9b \
        --presets kivi-2,kivi-4,kvquant-3 2>&1 | grep -v "^\s*$" | tail -40 ;;
 esac
