@@ -100,6 +100,15 @@ def sdpa_fp16(q, k, v, scale):
     raise RuntimeError("no SDPA backend accepted the shapes")
 
 
+def flash_graph_us(batch, hq, hkv, context, d):
+    """A decode query ``[batch, hq, 1, d]`` and FP16 flash SDPA's CUDA-graph time over random
+    K/V of ``context`` tokens (freed on return): the baseline of the probes' sweeps."""
+    q = torch.randn(batch, hq, 1, d, dtype=torch.float16, device="cuda")
+    k = torch.randn(batch, hkv, context, d, dtype=torch.float16, device="cuda")
+    v = torch.randn_like(k)
+    return q, bench_graph(lambda: sdpa_fp16(q, k, v, d ** -0.5))
+
+
 # (num_warps, tile_tokens, prmt) tried by --tune.
 TUNE_GRID = [(4, 128, True), (4, 128, False), (8, 128, True), (4, 64, True), (8, 256, True),
              (4, 256, True)]

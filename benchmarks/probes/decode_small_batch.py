@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import copy_bandwidth, packed_nbytes, random_packed_kv  # noqa: E402
-from decode_attention import MODELS, bench_graph, rel_err, sdpa_fp16  # noqa: E402
+from decode_attention import MODELS, bench_graph, flash_graph_us, rel_err  # noqa: E402
 
 from kvbits.kernels import decode_gluon  # noqa: E402
 from kvbits.kernels.decode_attention import _sm_count, decode_attention, num_splits  # noqa: E402
@@ -36,10 +36,7 @@ def emit(**row):
 def query_and_flash(part, model, B, T):
     """A decode query for the shape, and FP16 flash SDPA's graph time over random K/V (reported)."""
     hq, hkv, d = MODELS[model]
-    q = torch.randn(B, hq, 1, d, dtype=torch.float16, device="cuda")
-    k = torch.randn(B, hkv, T, d, dtype=torch.float16, device="cuda")
-    v = torch.randn_like(k)
-    fp = bench_graph(lambda: sdpa_fp16(q, k, v, d ** -0.5))
+    q, fp = flash_graph_us(B, hq, hkv, T, d)
     emit(part=part, model=model, B=B, T=T, cfg="flash", us=fp)
     return q, hkv, d, fp
 

@@ -10,28 +10,18 @@ kernel): warps / tile / splits. CUDA-graph time throughout.
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import random_packed_kv  # noqa: E402
-from decode_attention import ALL_MODELS, bench_graph, sdpa_fp16  # noqa: E402
+from decode_attention import ALL_MODELS, bench_graph, flash_graph_us  # noqa: E402
 
 from kvbits.kernels import decode_gluon  # noqa: E402
 from kvbits.kernels.decode_attention import _sm_count, decode_attention, num_splits  # noqa: E402
 from kvbits.spec import resolve_spec  # noqa: E402
 
 
-def flash(B, hq, hkv, T, d):
-    q = torch.randn(B, hq, 1, d, dtype=torch.float16, device="cuda")
-    k = torch.randn(B, hkv, T, d, dtype=torch.float16, device="cuda")
-    v = torch.randn_like(k)
-    t = bench_graph(lambda: sdpa_fp16(q, k, v, d ** -0.5))
-    return q, t
-
-
 def gluon_splits(label, model, B, T, presets):
     hq, hkv, d = ALL_MODELS[model]
-    q, tf = flash(B, hq, hkv, T, d)
+    q, tf = flash_graph_us(B, hq, hkv, T, d)
     sms = _sm_count(q.device)
     for preset in presets:
         kv = random_packed_kv(B, hkv, T, d, resolve_spec(preset))
@@ -57,7 +47,7 @@ gluon_splits("wide", "gemma-2-9b", 1, 32768, ("kivi-2", "kivi-3", "kivi-4", "kvq
 
 hq, hkv, d = ALL_MODELS["gemma-2-9b"]
 for B in (8, 1):
-    q, tf = flash(B, hq, hkv, 32768, d)
+    q, tf = flash_graph_us(B, hq, hkv, 32768, d)
     kv = random_packed_kv(B, hkv, 32768, d, resolve_spec("fp8-dynamic"))
     td = bench_graph(lambda: decode_attention(q, kv, scale=d ** -0.5))
     print(f"fp8 gemma-2-9b B={B}: flash {tf:.1f} us, default {td:.1f} ({tf / td:.2f}x)", flush=True)

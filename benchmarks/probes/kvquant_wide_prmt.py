@@ -10,18 +10,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import random_packed_kv  # noqa: E402
-from decode_attention import bench_graph, sdpa_fp16  # noqa: E402
+from decode_attention import bench_graph, flash_graph_us  # noqa: E402
 
 from kvbits.kernels.decode_attention import decode_attention  # noqa: E402
 from kvbits.spec import resolve_spec  # noqa: E402
 
 T = 32768
 for hq, hkv, d, B in ((16, 8, 256, 1), (16, 8, 256, 8)):
-    q = torch.randn(B, hq, 1, d, dtype=torch.float16, device="cuda")
-    k = torch.randn(B, hkv, T, d, dtype=torch.float16, device="cuda")
-    v = torch.randn_like(k)
-    tf = bench_graph(lambda: sdpa_fp16(q, k, v, d ** -0.5))
-    del k, v
+    q, tf = flash_graph_us(B, hq, hkv, T, d)
     print(f"Hq={hq} Hkv={hkv} D={d} B={B}: flash {tf:.1f} us", flush=True)
     for name, kw in (("kvquant-3", {}), ("post-RoPE", {"pre_rope": False}),
                      ("no outliers", {"outliers": 0.0}),

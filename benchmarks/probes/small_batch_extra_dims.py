@@ -8,11 +8,9 @@ shape and preset, flash SDPA, the Gluon body (forced) and the Triton kernel, in 
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import random_packed_kv  # noqa: E402
-from decode_attention import ALL_MODELS, bench_graph, sdpa_fp16  # noqa: E402
+from decode_attention import ALL_MODELS, bench_graph, flash_graph_us  # noqa: E402
 
 from kvbits.kernels.decode_attention import decode_attention  # noqa: E402
 from kvbits.spec import resolve_spec  # noqa: E402
@@ -20,11 +18,7 @@ from kvbits.spec import resolve_spec  # noqa: E402
 for model in ("gemma-2-9b", "phi-3-mini"):
     hq, hkv, d = ALL_MODELS[model]
     for B, T in ((1, 4096), (1, 32768), (1, 131072), (2, 32768), (4, 32768)):
-        q = torch.randn(B, hq, 1, d, dtype=torch.float16, device="cuda")
-        k = torch.randn(B, hkv, T, d, dtype=torch.float16, device="cuda")
-        v = torch.randn_like(k)
-        tf = bench_graph(lambda: sdpa_fp16(q, k, v, d ** -0.5))
-        del k, v
+        q, tf = flash_graph_us(B, hq, hkv, T, d)
         for preset in ("kivi-2", "kivi-4"):
             kv = random_packed_kv(B, hkv, T, d, resolve_spec(preset))
             tg = bench_graph(lambda: decode_attention(q, kv, scale=d ** -0.5, gluon=True))

@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import random_packed_kv  # noqa: E402
-from decode_attention import ALL_MODELS, bench_graph, sdpa_fp16  # noqa: E402
+from decode_attention import ALL_MODELS, bench_graph, flash_graph_us  # noqa: E402
 
 from kvbits.kernels.decode_attention import _sm_count, decode_attention, num_splits  # noqa: E402
 from kvbits.spec import resolve_spec  # noqa: E402
@@ -24,11 +24,7 @@ T = 32768
 for preset in ("kivi-2", "kivi-4", "kivi-3"):
     for model, B in SHAPES:
         hq, hkv, d = ALL_MODELS[model]
-        q = torch.randn(B, hq, 1, d, dtype=torch.float16, device="cuda")
-        k = torch.randn(B, hkv, T, d, dtype=torch.float16, device="cuda")
-        v = torch.randn_like(k)
-        tf = bench_graph(lambda: sdpa_fp16(q, k, v, d ** -0.5))
-        del k, v
+        q, tf = flash_graph_us(B, hq, hkv, T, d)
         kv = random_packed_kv(B, hkv, T, d, resolve_spec(preset))
         ref = decode_attention(q, kv, scale=d ** -0.5, gluon=False)
         print(f"{preset} {model} B={B}: flash {tf:.1f} us", flush=True)

@@ -14,17 +14,24 @@ from kvbits.spec import resolve_spec
 
 
 # ------------------------------------------------------------------------------------ k-means
-def brute_force(x, w, k):
-    """Best objective over all partitions of the sorted distinct values into k contiguous runs."""
-    xs, inv = torch.unique(x.double(), return_inverse=True)
-    ws = torch.zeros_like(xs).index_add_(0, inv, w.double())
+def brute_force(x, w, k, ends=None):
+    """Best objective over all splits of the sorted values into k contiguous runs, each at its
+    weighted mean; with ``ends = (lo, hi)`` the first and last runs sit at ``lo`` and ``hi`` and
+    may be empty (the inner ones never are)."""
+    order = x.double().argsort()
+    xs, ws = x.double()[order], w.double()[order]
     n = xs.numel()
     best = float("inf")
-    for cuts in itertools.combinations(range(1, n), k - 1):
-        bounds = (0, *cuts, n)
+    for cuts in itertools.combinations_with_replacement(range(n + 1), k - 1):
+        runs = list(itertools.pairwise((0, *cuts, n)))
+        if any(b <= a for a, b in (runs if ends is None else runs[1:-1])):
+            continue
         total = 0.0
-        for a, b in itertools.pairwise(bounds):
-            c = (ws[a:b] * xs[a:b]).sum() / ws[a:b].sum()
+        for m, (a, b) in enumerate(runs):
+            if ends is not None and m in (0, k - 1):
+                c = ends[0] if m == 0 else ends[1]
+            else:
+                c = (ws[a:b] * xs[a:b]).sum() / ws[a:b].sum()
             total += float((ws[a:b] * (xs[a:b] - c) ** 2).sum())
         best = min(best, total)
     return best
@@ -44,26 +51,6 @@ def test_kmeans_matches_brute_force(seed, k):
     assert got <= want * (1 + 1e-5) + 1e-9, (got, want)
 
 
-def brute_force_pinned(x, w, k, lo, hi):
-    """Best objective with the first and last centroids fixed at ``lo`` and ``hi``: every split
-    of the sorted values into k contiguous runs, the two end runs possibly empty."""
-    order = x.double().argsort()
-    xs, ws = x.double()[order], w.double()[order]
-    n = xs.numel()
-    best = float("inf")
-    for cuts in itertools.combinations_with_replacement(range(n + 1), k - 1):
-        bounds = (0, *cuts, n)
-        runs = list(itertools.pairwise(bounds))
-        if any(b <= a for a, b in runs[1:-1]):
-            continue  # inner clusters hold at least one value
-        total = 0.0
-        for m, (a, b) in enumerate(runs):
-            c = lo if m == 0 else hi if m == k - 1 else (ws[a:b] * xs[a:b]).sum() / ws[a:b].sum()
-            total += float((ws[a:b] * (xs[a:b] - c) ** 2).sum())
-        best = min(best, total)
-    return best
-
-
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("k", [2, 3, 4])
 def test_kmeans_pinned_ends_matches_brute_force(seed, k):
@@ -75,7 +62,7 @@ def test_kmeans_pinned_ends_matches_brute_force(seed, k):
     assert bool((cb[1:] >= cb[:-1]).all())
     wn = w.double() / w.double().mean()  # kmeans_1d's own normalization of the weights
     got = kvq.kmeans_objective(x, wn, cb)
-    assert got <= brute_force_pinned(x, wn, k, 0.0, 3.0) * (1 + 1e-5) + 1e-9
+    assert got <= brute_force(x, wn, k, ends=(0.0, 3.0)) * (1 + 1e-5) + 1e-9
 
 
 def test_kmeans_pinned_ends_few_values_and_bad_k():

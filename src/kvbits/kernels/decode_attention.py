@@ -718,14 +718,17 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     m_tiles = _cdiv(M, BLOCK_M)
     G = kv.group_size
     fp8 = bool(getattr(kv, "fp8", False))  # e4m3 body; k/v_scale [B, H, 1, 1] fp32, no zeros
+    inv_freq = getattr(kv, "rope_inv_freq", None)  # pre-RoPE keys (KVQuant)
     # head dims past 128: half the tile (registers), except FP8 (one convert per element; at
     # head_dim 256, 128 tokens per step ran 1.14-1.24x faster: few_pairs_sweep.log), and a
     # quarter with pre-RoPE keys (the turned tile and its cos/sin table spill at 64 tokens:
     # kvquant-3 at head_dim 256 ran 1.6-2x faster at 32, probes/kvquant_wide_sweep.py)
-    tile = tile_tokens or (DEFAULT_TILE_TOKENS if BLOCK_D <= 128 or fp8
-                           else DEFAULT_TILE_TOKENS // 4
-                           if getattr(kv, "rope_inv_freq", None) is not None
-                           else DEFAULT_TILE_TOKENS // 2)
+    if tile_tokens:
+        tile = tile_tokens
+    elif BLOCK_D <= 128 or fp8:
+        tile = DEFAULT_TILE_TOKENS
+    else:
+        tile = DEFAULT_TILE_TOKENS // (4 if inv_freq is not None else 2)
     GPT = max(1, tile // G)  # groups per loop step
     n_groups = kv.body_len // G
     bhm = B * Hkv * m_tiles
@@ -774,7 +777,6 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     kcb, vcb = getattr(kv, "k_codebook", None), getattr(kv, "v_codebook", None)
     koi, kov = getattr(kv, "k_out_idx", None), getattr(kv, "k_out_val", None)
     voi, vov = getattr(kv, "v_out_idx", None), getattr(kv, "v_out_val", None)
-    inv_freq = getattr(kv, "rope_inv_freq", None)
     if inv_freq is not None and not pre_rope_kernel_ok(D):
         raise ValueError("decode_attention: pre-RoPE keys need a power-of-two head_dim >= 32, "
                          f"got {D}")

@@ -161,10 +161,9 @@ def kmeans_1d(x: torch.Tensor, w: torch.Tensor | None, k: int, bins: int = 512,
     def at(c):  # the same at a fixed centroid c; an empty cluster (j == i) costs nothing
         return torch.where(i[None, :] >= i[:, None], (dq - 2 * c * ds + c * c * dw).clamp_min(0),
                            math.inf)
-    free = k if ends is None else k - 2
     best = cost[0].clone() if ends is None else at(ends[0])[0].clone()  # items 0..j-1
     back = []
-    for _ in range(free - (1 if ends is None else 0)):
+    for _ in range(k - 1 if ends is None else k - 2):  # the other free clusters
         best, arg = (best[:, None] + cost).min(dim=0)
         back.append(arg)
     j = n
