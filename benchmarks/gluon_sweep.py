@@ -33,6 +33,23 @@ VARIANTS = os.environ.get("SWEEP_PF", "0").split(",")
 SHAPES = tuple(tuple(int(x) for x in sh.split("x")) for sh in os.environ.get(
     "SWEEP_SHAPES", "32x32x8x32768,8x32x8x32768,8x32x32x32768,1x32x8x131072,32x32x32x4096").split(","))
 SMS = torch.cuda.get_device_properties(0).multi_processor_count
+_SEEN_REGS: dict = {}
+
+
+def _regs(kernel, label) -> str:
+    """Registers and spills of the variant ``label`` of ``kernel``: the entry its first run added
+    to the JIT cache (later runs reuse it), or '' where this Triton keeps them elsewhere."""
+    try:
+        cache = next(iter(kernel.device_caches.values()))[0]
+        new = [k for key, k in cache.items() if key not in _SEEN_REGS.get("keys", set())]
+        _SEEN_REGS["keys"] = set(cache)
+        if new:
+            _SEEN_REGS[label] = f" regs={new[-1].n_regs} spills={new[-1].n_spills}"
+        return _SEEN_REGS.get(label, "")
+    except Exception:  # noqa: BLE001
+        return ""
+
+
 decode_gluon.PLANES3 = True  # 3-bit presets (kivi-3) through the Gluon body whatever the env says
 TMA_STAGES = dict(decode_gluon_tma.STAGES)
 for preset in sys.argv[1:] or ["kivi-2", "kivi-4"]:
@@ -82,7 +99,8 @@ for preset in sys.argv[1:] or ["kivi-2", "kivi-4"]:
                         continue
                     print(f"   maxnreg={reg:3d} splits={splits or 'lib'} pf={var:4s}: "
                           f"{t5 * 1e3:8.1f} us x{tf / t5:4.2f}, graph {tg * 1e3:8.1f} us "
-                          f"x{tf / tg:4.2f} ({nb / min(t5, tg) * 1e-9:.2f} TB/s)  diff {d:.1e}",
+                          f"x{tf / tg:4.2f} ({nb / min(t5, tg) * 1e-9:.2f} TB/s)  diff {d:.1e}"
+                          f"{_regs(decode_gluon._body_kernel, (preset, reg, var)) if 'T' not in var else ''}",
                           flush=True)
         del kv
         torch.cuda.empty_cache()
