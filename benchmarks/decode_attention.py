@@ -353,8 +353,8 @@ def main(argv=None) -> None:
              "the H200, near copy bandwidth for decode), measured in the same run",
              "kvbits (gluon): the body of KIVI and uniform layers (K/V bits 2 or 4, or both 3 as "
              "bit planes, with KVQuant codebooks, outliers and pre-RoPE keys) through "
-             "kvbits.kernels.decode_gluon (MMA operands built in registers; on Hopper 2-bit "
-             "layers, and 4-bit ones from 256 (sequence, KV head) pairs, fed by the TMA ring of "
+             "kvbits.kernels.decode_gluon (MMA operands built in registers; on Hopper 2- and "
+             "4-bit layers fed by the TMA ring of "
              "decode_gluon_tma inside CUDA-graph capture or for calls of >= 2^23 body tokens x "
              "pairs), the FP16 parts and the merge through the Triton kernel; kvbits (triton v4): "
              "the same layer through the Triton kernel alone",

@@ -1045,7 +1045,6 @@ def test_gluon_tma_inside_cuda_graph(bits, monkeypatch):
     from kvbits.kernels import decode_gluon
     from kvbits.kernels import decode_gluon_tma as dt
     serve_small(monkeypatch, decode_gluon)
-    monkeypatch.setattr(decode_gluon, "MANY_PAIRS", 1)  # 4-bit layers too at this small batch
     monkeypatch.setattr(dt, "MODE", "auto")
     used = count_calls(monkeypatch, dt)
     c = Case(kb=bits, vb=bits, G=32, D=128, B=2, Hkv=2, HG=4, S=3, body=32 * 40, res=48,
@@ -1108,12 +1107,11 @@ def test_gluon_tma_eligibility():
 
 def test_gluon_tma_serves_rule(monkeypatch):
     """When the ring serves an eligible layer on a Hopper GPU (no GPU needed): ``auto`` takes
-    2-bit layers inside CUDA-graph capture or for calls of >= EAGER_MIN_WORK body tokens x
-    pairs (below, the register body's shorter host path wins eager), 4-bit layers only from
-    MANY_PAIRS pairs; ``1`` always, ``0`` never."""
+    2- and 4-bit layers inside CUDA-graph capture or for calls of >= EAGER_MIN_WORK body tokens
+    x pairs (below, the register body's shorter host path wins eager), at any pair count;
+    ``1`` always, ``0`` never."""
     import dataclasses
 
-    from kvbits.kernels import decode_gluon
     from kvbits.kernels import decode_gluon_tma as dt
     if dt.gluon is None:
         pytest.skip("this Triton has no Gluon TMA")
@@ -1124,12 +1122,12 @@ def test_gluon_tma_serves_rule(monkeypatch):
     kv2 = make_kv(Case(kb=2, vb=2, G=32, D=128, body=32 * 4, Gv=32), spare=8)  # 2 pairs
     kv4 = make_kv(Case(kb=4, vb=4, G=32, D=128, body=32 * 4, Gv=32), spare=8)
     big2 = dataclasses.replace(kv2, body_len=dt.EAGER_MIN_WORK // 2)  # (2 pairs) x body
-    big4 = dataclasses.replace(kv4, body_len=dt.EAGER_MIN_WORK)
-    assert decode_gluon.MANY_PAIRS > 2
-    for mode, want in {"auto": [False, True, True, False, False],
-                       "1": [True] * 5, "0": [False] * 5}.items():
+    big4 = dataclasses.replace(kv4, body_len=dt.EAGER_MIN_WORK // 2)
+    for mode, want in {"auto": [False, True, False, True, True, True, True],
+                       "1": [True] * 7, "0": [False] * 7}.items():
         monkeypatch.setattr(dt, "MODE", mode)
-        got = [dt.serves(kv2, False, cuda), dt.serves(big2, False, cuda)]
+        got = [dt.serves(kv2, False, cuda), dt.serves(big2, False, cuda),
+               dt.serves(kv4, False, cuda), dt.serves(big4, False, cuda)]
         capturing[0] = True
         got += [dt.serves(kv2, False, cuda), dt.serves(big4, False, cuda),
                 dt.serves(kv4, False, cuda)]

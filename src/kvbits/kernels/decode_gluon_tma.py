@@ -16,9 +16,10 @@ Served: KIVI layers with equal key/value bits 2 or 4, keys scaled per channel ov
 64 tokens, values per token over 32 channels, head_dim 128, contiguous buffers (TMA needs
 16-byte-aligned rows); :func:`eligible` says which, :func:`serves` when (``KVBITS_GLUON_TMA``:
 ``auto`` by default, ``1`` always, ``0`` never). H200, against the register body with the L2
-prefetch (``benchmarks/results/decode_gluon_tma.log``): kivi-2 5-18% faster, kivi-4 11% faster
-from 256 (sequence, KV head) pairs and 2x slower below (the 4-bit ring's shared memory halves
-the resident programs there), so ``auto`` leaves those to the register body.
+prefetch: kivi-2 5-18% faster (``benchmarks/results/decode_gluon_tma.log``), kivi-4 8-11%
+faster in CUDA-graph time at every (sequence, KV head) pair count measured, 8 to 256
+(``benchmarks/results/tma4_pairs.log``). Eager calls pay ~100-200 us more host time for the ring's
+descriptors, so ``auto`` takes it outside graph capture only for large calls (``EAGER_MIN_WORK``).
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ try:  # Hopper's TMA and mbarriers in Gluon (Triton >= 3.5)
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
-# KVBITS_GLUON_TMA: "auto" (default) serves where the H200 sweep measured a win (2-bit layers;
-# 4-bit layers from dg.MANY_PAIRS (sequence, KV head) pairs: below that the 4-bit ring's 22 KB
-# per program halves the resident programs and it ran at half speed); "1" always; "0" never.
+# KVBITS_GLUON_TMA: "auto" (default) serves where the H200 sweeps measured a win (2- and 4-bit
+# layers; until session 21 4-bit layers only from 256 (sequence, KV head) pairs, after an eager
+# timing at 64 pairs that measured the descriptors' host time: in graph time the 4-bit ring is
+# 8-11% faster at 8 to 256 pairs, benchmarks/results/tma4_pairs.log); "1" always; "0" never.
 # An eager call of the ring costs ~100 us more host time than the register body (six tensor
 # descriptors built and encoded per launch), so "auto" takes it outside CUDA-graph capture
 # only for calls of at least EAGER_MIN_WORK body tokens x (sequence, KV head) pairs, where the
@@ -373,8 +375,6 @@ def serves(kv, k_tok: bool, device) -> bool:
     import torch
 
     pairs = kv.k_codes.shape[0] * kv.k_codes.shape[1]
-    if kv.key_bits != 2 and pairs < dg.MANY_PAIRS:
-        return False
     return pairs * kv.body_len >= EAGER_MIN_WORK or torch.cuda.is_current_stream_capturing()
 
 
