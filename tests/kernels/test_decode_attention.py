@@ -700,12 +700,15 @@ def test_gluon_kvquant_codebooks_match_reference(c, monkeypatch):
 
 # KVQuant's full layers through the Gluon body (decode_gluon.KVQUANT_FULL): dense-and-sparse
 # outliers as one-hot tiles on the tensor cores, pre-RoPE keys turned per element by R(j) against
-# R(p0)^T q; head dims 128 and 64, GQA 1 to 16, G 32 and 64, 1-3 outliers per token, left
-# padding (pre-RoPE positions count from each sequence's start).
+# R(p0)^T q; head dims 128, 64 and 256 (KVQUANT_WIDE: four chunks, turned in pairs (0, 2) and
+# (1, 3)), GQA 1 to 16, G 32 and 64, 1-3 outliers per token, left padding (pre-RoPE positions
+# count from each sequence's start).
 GLUON_KVQ_FULL_CASES = [(body_case(3, G, D, HG, 9 + G + HG + n_out), n_out, rope)
                         for G, D, HG, n_out, rope in ((32, 128, 4, 2, True), (32, 128, 1, 2, False),
                                                       (64, 128, 2, 0, True), (64, 64, 7, 1, True),
-                                                      (32, 64, 16, 2, True), (32, 128, 8, 3, False))]
+                                                      (32, 64, 16, 2, True), (32, 128, 8, 3, False),
+                                                      (32, 256, 2, 3, True), (64, 256, 1, 3, False),
+                                                      (32, 256, 8, 0, True), (64, 256, 4, 2, True))]
 
 
 @gpu
@@ -788,6 +791,12 @@ def test_gluon_kvquant_dispatch(monkeypatch):
     assert not decode_gluon.eligible(odd, 1, 4, None)
     wide = c._replace(D=96)  # three channel chunks: the rotate-half halves are not two chunks
     assert not decode_gluon.eligible(_kvquant_kv(wide, 2, True, device="cpu"), 1, 4, None)
+    wide = c._replace(D=256)  # four: the halves are chunks (0, 1) and (2, 3), with KVQUANT_WIDE
+    assert all(decode_gluon.eligible(_kvquant_kv(wide, n, r, device="cpu"), 1, 4, None)
+               for n, r in ((3, True), (3, False), (0, True)))
+    monkeypatch.setattr(decode_gluon, "KVQUANT_WIDE", False)
+    assert not decode_gluon.eligible(_kvquant_kv(wide, 3, True, device="cpu"), 1, 4, None)
+    assert decode_gluon.eligible(_kvquant_kv(wide, 0, False, device="cpu"), 1, 4, None)
     two = c._replace(kb=2, vb=2)
     assert not decode_gluon.eligible(_kvquant_kv(two, 0, False, device="cpu"), 1, 4, None)
     assert not decode_gluon.eligible(_kvquant_kv(two, 2, True, device="cpu"), 1, 4, None)

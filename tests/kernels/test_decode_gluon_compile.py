@@ -50,6 +50,10 @@ CONFIGS = [
     {**BASE, "HG": 16, "HP": 16, "D": 64, "KBITS": 3, "VBITS": 3, "G": 64, "GV": 64, "GK": 64,
      "CB": True, "KOUT": 1, "VOUT": 1, "ROPE": True},
     {**BASE, "HG": 8, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 3, "VOUT": 3},
+    # ... at head_dim 256 (KVQUANT_WIDE): chunk pairs (0, 2), (1, 3) turned, 3 outliers per
+    # token on four chunks, later query chunks reloaded
+    {**BASE, "HG": 2, "D": 256, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 3, "VOUT": 3,
+     "ROPE": True, "Q_RELOAD": True},
     # more chunks (EXTRA_HEAD_DIMS): head_dim 256 as four of 64 (2 bits GQA 2; 4 bits G 64),
     # 96 as three of 32 (4 bits, 8 heads)
     {**BASE, "HG": 2, "D": 256},

@@ -1024,19 +1024,22 @@ if gluon is not None:
         return (a * c + b * s).to(gl.float16), (b * c - a * s).to(gl.float16)
 
     @gluon.jit
-    def _key_outliers(st, oi_base, ov_base, t_cur, body_len, rows_a, rows_c, qa, qb, cs_ptr,
-                      NOUT: gl.constexpr, DC: gl.constexpr, ROPE: gl.constexpr,
-                      a_l: gl.constexpr, mma: gl.constexpr):
+    def _key_outliers(st, oi_base, ov_base, t_cur, body_len, rows_a, rows_c, x0, x1, x2, x3,
+                      cs_ptr, NOUT: gl.constexpr, NCH: gl.constexpr, DC: gl.constexpr,
+                      ROPE: gl.constexpr, a_l: gl.constexpr, mma: gl.constexpr):
         """Dense-and-sparse keys: the ``NOUT`` FP16 corrections ``val`` at channel ``idx`` of
         each token, added to the scores as ``val * q'[idx]``. A one-hot tile times the query
         operand picks ``q'[idx]`` for every head on the tensor cores (one ``set.eq.f16x2`` per
         element pair; the compare-and-add into the key tile costs three). ``rows_a`` /
         ``rows_c``: token offsets of the rows in the A operand / ``S^T`` layouts. Post-RoPE:
-        ``q'`` is the query (halves ``qa, qb``, channel chunks 0 and 1). Pre-RoPE (``ROPE``):
-        the correction turns with its key, ``R(j) e_idx`` having two non-zeros (channels ``i =
-        idx mod D/2`` and ``i + D/2``, at ``cos/sin(j theta_i)`` from the step table
-        ``cs_ptr``, rows in MMA-row order), so both rotated query halves are picked at ``i`` and
-        combined."""
+        ``q'`` is the query, ``x0 .. x3`` its channel chunks (``NCH`` of them, 2 or 4).
+        Pre-RoPE (``ROPE``): the correction turns with its key, ``R(j) e_idx`` having two
+        non-zeros (channels ``i = idx mod D/2`` and ``i + D/2``, at ``cos/sin(j theta_i)`` from
+        the step table ``cs_ptr``, rows in MMA-row order), so both rotated query halves are
+        picked at ``i`` and combined; ``(x0, x1)`` are the rotated halves' chunk-0 pair and, at
+        four chunks, ``(x2, x3)`` the chunk-1 pair (a half is then two chunks: the one-hot over
+        ``i`` is cut in two)."""
+        H2: gl.constexpr = DC * NCH // 2  # channels per rotate-half half
         ta = t_cur + rows_a
         tc = t_cur + rows_c
         ch = gl.arange(0, DC, layout=gl.SliceLayout(0, a_l))
@@ -1048,30 +1051,40 @@ if gluon is not None:
             ic, val = _outlier(oi_base, ov_base, tc, tc < body_len, wc, vc, j, NOUT)
             val = val.to(gl.float32)
             if ROPE:
-                oh = _one_hot(_magic(idx & (DC - 1)), _magic(ch))
-                ga = mma_v2(oh, qa, zero)
-                gb = mma_v2(oh, qb, zero)
-                i_c = (ic & (DC - 1)).to(gl.int32)
-                cs = cs_ptr + gl.arange(0, 64, layout=gl.SliceLayout(1, mma)) * DC + i_c
+                m = _magic(idx & (H2 - 1))
+                oh = _one_hot(m, _magic(ch))
+                ga = mma_v2(oh, x0, zero)
+                gb = mma_v2(oh, x1, zero)
+                if NCH == 4:  # the half's second chunk
+                    oh = _one_hot(m, _magic(ch + DC))
+                    ga = mma_v2(oh, x2, ga)
+                    gb = mma_v2(oh, x3, gb)
+                i_c = (ic & (H2 - 1)).to(gl.int32)
+                cs = cs_ptr + gl.arange(0, 64, layout=gl.SliceLayout(1, mma)) * H2 + i_c
                 c = gl.load(cs).to(gl.float32) * val
-                s = gl.load(cs + 64 * DC).to(gl.float32) * val
-                hi = ic >= DC  # the partner is i (below) instead of i + D/2: -s and c
+                s = gl.load(cs + 64 * H2).to(gl.float32) * val
+                hi = ic >= H2  # the partner is i (below) instead of i + D/2: -s and c
                 st = st + gl.where(hi, -s, c)[:, None] * ga + gl.where(hi, c, s)[:, None] * gb
             else:
                 m = _magic(idx)
-                g = mma_v2(_one_hot(m, _magic(ch)), qa, zero)
-                g = mma_v2(_one_hot(m, _magic(ch + DC)), qb, g)
+                g = mma_v2(_one_hot(m, _magic(ch)), x0, zero)
+                g = mma_v2(_one_hot(m, _magic(ch + DC)), x1, g)
+                if NCH == 4:
+                    g = mma_v2(_one_hot(m, _magic(ch + 2 * DC)), x2, g)
+                    g = mma_v2(_one_hot(m, _magic(ch + 3 * DC)), x3, g)
                 st = st + val[:, None] * g
         return st
 
     @gluon.jit
-    def _value_outliers(acc0, acc1, pb, oi_base, ov_base, t_cur, body_len, cols_a, rows_b,
-                        NOUT: gl.constexpr, DC: gl.constexpr, a_l: gl.constexpr):
+    def _value_outliers(acc0, acc1, acc2, acc3, pb, oi_base, ov_base, t_cur, body_len, cols_a,
+                        rows_b, NOUT: gl.constexpr, NCH: gl.constexpr, DC: gl.constexpr,
+                        a_l: gl.constexpr):
         """Dense-and-sparse values: ``O^T[idx, h] += val * P[t, h]`` for the ``NOUT`` FP16
         corrections of each token, as ``OneHot^T (P * val)`` on the tensor cores (the one-hot
-        ``[DC, 64]`` per channel chunk; ``cols_a`` / ``rows_b``: token offsets of P's rows in
-        the A operand's columns / the B operand's rows). P already carries the online softmax's
-        scale, so the correction rescales with the accumulator."""
+        ``[DC, 64]`` per channel chunk, ``NCH`` of them, 2 or 4; ``acc2, acc3`` pass through at
+        two; ``cols_a`` / ``rows_b``: token offsets of P's rows in the A operand's columns / the
+        B operand's rows). P already carries the online softmax's scale, so the correction
+        rescales with the accumulators (add it after this step's rescale)."""
         ta = t_cur + cols_a
         tb = t_cur + rows_b
         ch = gl.arange(0, DC, layout=gl.SliceLayout(1, a_l))
@@ -1084,7 +1097,16 @@ if gluon is not None:
             m = _magic(idx)
             acc0 = mma_v2(_one_hot(_magic(ch), m), w, acc0)
             acc1 = mma_v2(_one_hot(_magic(ch + DC), m), w, acc1)
-        return acc0, acc1
+            if NCH == 4:
+                acc2 = mma_v2(_one_hot(_magic(ch + 2 * DC), m), w, acc2)
+                acc3 = mma_v2(_one_hot(_magic(ch + 3 * DC), m), w, acc3)
+        return acc0, acc1, acc2, acc3
+
+    @gluon.constexpr_function
+    def _partner_chunk(NCH, ROPE):
+        """The chunk a step loads with chunk 0 (see ``K1`` in :func:`_body_kernel`)."""
+        return 2 if int(getattr(NCH, "value", NCH)) == 4 and bool(getattr(ROPE, "value", ROPE)) \
+            else 1
 
     @gluon.constexpr_function
     def head_chunks(D):
@@ -1135,8 +1157,13 @@ if gluon is not None:
             Starts, Lens, LenTab, sink_len, body_len, res_len, Hkv, HG, HAS_STARTS, HAS_LENS,
             LENS_DEV)
         bh64 = bh.to(gl.int64)
-        gl.static_assert(not (ROPE or KOUT > 0 or VOUT > 0) or (KBITS == 3 and CB and NCH == 2),
-                         "outliers / pre-RoPE keys: 3-bit codebooks at head_dim 64 or 128")
+        gl.static_assert(not (ROPE or KOUT > 0 or VOUT > 0)
+                         or (KBITS == 3 and CB and (NCH == 2 or (NCH == 4 and DC == 64))),
+                         "outliers / pre-RoPE keys: 3-bit codebooks at head_dim 64, 128 or 256")
+        H2: gl.constexpr = D // 2  # channels per rotate-half half (pre-RoPE keys)
+        # the chunk loaded with chunk 0 at the step's start: its rotate-half partner (chunk 2 of
+        # four) with pre-RoPE keys at head_dim 256, else chunk 1
+        K1: gl.constexpr = _partner_chunk(NCH, ROPE)
 
         q0, q1 = _query_operands(Q, q_row0, qk_scale, 0, HG, HP, D, DC, b_l)
         if NCH >= 3 and not Q_RELOAD:
@@ -1163,7 +1190,9 @@ if gluon is not None:
             rows_b = _row_tokens(KBITS, W, G, gl.SliceLayout(1, b_l))
         if ROPE:  # cos / sin(j theta) per A-operand element: the [2, 64, D/2] table of row j
             inv_f = gl.load(InvFreq + gl.arange(0, DC, layout=gl.SliceLayout(1, b_l)))
-            cs_off = (gl.arange(0, 64, layout=gl.SliceLayout(1, a_l))[:, None] * DC
+            if NCH == 4:  # the frequencies of the second chunk pair, (1, 3)
+                inv_f1 = gl.load(InvFreq + DC + gl.arange(0, DC, layout=gl.SliceLayout(1, b_l)))
+            cs_off = (gl.arange(0, 64, layout=gl.SliceLayout(1, a_l))[:, None] * H2
                       + gl.arange(0, DC, layout=gl.SliceLayout(0, a_l))[None, :])
 
         n_groups = body_len // G
@@ -1213,7 +1242,7 @@ if gluon is not None:
                 kp0, kq0, kr0, ks0, kz0 = _key_loads3(kc_base, ks_base, kz_base, s, n_groups, 0,
                                                       G, D, DC, KW)
                 kp1, kq1, kr1, ks1, kz1 = _key_loads3(kc_base, ks_base, kz_base, s, n_groups,
-                                                      DC, G, D, DC, KW)
+                                                      K1 * DC, G, D, DC, KW)
             else:
                 kw0, ks0, kz0 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur,
                                            body_len, 0, KBITS, W, G, D, DC, GK, KW, KT, K_TOK)
@@ -1240,11 +1269,32 @@ if gluon is not None:
             if ROPE:  # both halves first: R(j) k against R(p0)^T q (_rope_query)
                 k1 = _key_operand3(kp1, kq1, kr1, ks1, kz1, klo0, klo1, khi0, khi1, DC, KW, a_l,
                                    CB)
-                xa, xb = _rope_query(q0, q1, sink_len + t_cur - start, inv_f)
+                if NCH == 4:  # chunk pairs (0, 2) and (1, 3) are the rotate-half partners
+                    if Q_RELOAD:
+                        q2 = _query_operand(Q, q_row0, qk_scale, 2, HG, HP, D, DC, b_l)
+                    xa, xb = _rope_query(q0, q2, sink_len + t_cur - start, inv_f)
+                else:
+                    xa, xb = _rope_query(q0, q1, sink_len + t_cur - start, inv_f)
                 cj = gl.load(RopeCS + cs_off)
-                sj = gl.load(RopeCS + 64 * DC + cs_off)
+                sj = gl.load(RopeCS + 64 * H2 + cs_off)
                 st = mma_v2(k * cj - k1 * sj, xa, gl.zeros([64, HP], gl.float32, layout=mma))
                 st = mma_v2(k1 * cj + k * sj, xb, st)
+                if NCH == 4:  # the second pair's words only now (registers)
+                    kp, kq, kr, ksc, kzr = _key_loads3(kc_base, ks_base, kz_base, s, n_groups,
+                                                       DC, G, D, DC, KW)
+                    k = _key_operand3(kp, kq, kr, ksc, kzr, klo0, klo1, khi0, khi1, DC, KW, a_l,
+                                      CB)
+                    kp, kq, kr, ksc, kzr = _key_loads3(kc_base, ks_base, kz_base, s, n_groups,
+                                                       3 * DC, G, D, DC, KW)
+                    k1 = _key_operand3(kp, kq, kr, ksc, kzr, klo0, klo1, khi0, khi1, DC, KW,
+                                       a_l, CB)
+                    if Q_RELOAD:
+                        q3 = _query_operand(Q, q_row0, qk_scale, 3, HG, HP, D, DC, b_l)
+                    xa1, xb1 = _rope_query(q1, q3, sink_len + t_cur - start, inv_f1)
+                    cj = gl.load(RopeCS + DC + cs_off)
+                    sj = gl.load(RopeCS + 64 * H2 + DC + cs_off)
+                    st = mma_v2(k * cj - k1 * sj, xa1, st)
+                    st = mma_v2(k1 * cj + k * sj, xb1, st)
             else:
                 st = mma_v2(k, q0, gl.zeros([64, HP], gl.float32, layout=mma))
                 if KBITS == 3:
@@ -1253,13 +1303,6 @@ if gluon is not None:
                 else:
                     k = _key_operand(kw1, ks1, kz1, KBITS, DC, KW, a_l, K_TOK)
                 st = mma_v2(k, q1, st)
-            if KOUT > 0:
-                if ROPE:
-                    st = _key_outliers(st, koi_base, kov_base, t_cur, body_len, rows_a, dn, xa,
-                                       xb, RopeCS, KOUT, DC, True, a_l, mma)
-                else:
-                    st = _key_outliers(st, koi_base, kov_base, t_cur, body_len, rows_a, dn, q0,
-                                       q1, RopeCS, KOUT, DC, False, a_l, mma)
             # chunks past the second: their words only now (at head_dim 256, 255 registers with
             # 8-18 spilled words per step this way, 54-98 with every load at the step's start)
             if NCH == 4 and KBITS != 3:  # both chunks' words first (fewer spills at 4 bits)
@@ -1277,7 +1320,7 @@ if gluon is not None:
                     q3 = _query_operand(Q, q_row0, qk_scale, 3, HG, HP, D, DC, b_l)
                 k = _key_operand(kw3, ks3, kz3, KBITS, DC, KW, a_l, K_TOK)
                 st = mma_v2(k, q3, st)
-            elif NCH >= 3:
+            elif NCH >= 3 and not ROPE:  # (pre-RoPE keys: all four chunks above)
                 if Q_RELOAD:  # from L1 each step: 8-16 fewer live registers through the loop
                     q2 = _query_operand(Q, q_row0, qk_scale, 2, HG, HP, D, DC, b_l)
                 st = _later_key_chunk(st, q2, 2, kc_base, ks_base, kz_base, s, n_groups, r_cur,
@@ -1289,6 +1332,19 @@ if gluon is not None:
                     st = _later_key_chunk(st, q3, 3, kc_base, ks_base, kz_base, s, n_groups,
                                           r_cur, n_rows, t_cur, body_len, klo0, klo1, khi0, khi1,
                                           KBITS, W, G, D, DC, GK, KW, KT, K_TOK, a_l, CB)
+            if KOUT > 0:  # after every chunk's scores (at four chunks the later query chunks)
+                if ROPE and NCH == 4:
+                    st = _key_outliers(st, koi_base, kov_base, t_cur, body_len, rows_a, dn, xa,
+                                       xb, xa1, xb1, RopeCS, KOUT, NCH, DC, True, a_l, mma)
+                elif ROPE:
+                    st = _key_outliers(st, koi_base, kov_base, t_cur, body_len, rows_a, dn, xa,
+                                       xb, xa, xb, RopeCS, KOUT, NCH, DC, True, a_l, mma)
+                elif NCH == 4:
+                    st = _key_outliers(st, koi_base, kov_base, t_cur, body_len, rows_a, dn, q0,
+                                       q1, q2, q3, RopeCS, KOUT, NCH, DC, False, a_l, mma)
+                else:
+                    st = _key_outliers(st, koi_base, kov_base, t_cur, body_len, rows_a, dn, q0,
+                                       q1, q0, q1, RopeCS, KOUT, NCH, DC, False, a_l, mma)
             if (lo < first) | (lo + SPAN > end):
                 t = t_cur + dn
                 st = gl.where(((t >= first) & (t < end))[:, None], st, float("-inf"))
@@ -1321,9 +1377,6 @@ if gluon is not None:
             else:
                 v = _value_operand(vw1, vs1, vz1, VBITS, DC, VW, a_l)
             acc1 = mma_v2(v, pb, acc1 * alpha[None, :])
-            if VOUT > 0:
-                acc0, acc1 = _value_outliers(acc0, acc1, pb, voi_base, vov_base, t_cur, body_len,
-                                             cols_a, rows_b, VOUT, DC, a_l)
             # chunks past the second: their words only now (as for the keys)
             if NCH == 4 and VBITS != 3:
                 vw2, vs2, vz2 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
@@ -1343,6 +1396,15 @@ if gluon is not None:
                                               n_groups, rv, nv_rows, t_cur, body_len, vlo0,
                                               vlo1, vhi0, vhi1, VBITS, WV, G, D, DC, GV, VW,
                                               VS_L, a_l, CB)
+            if VOUT > 0:  # after every chunk's rescale by alpha (the corrections are this step's)
+                if NCH == 4:
+                    acc0, acc1, acc2, acc3 = _value_outliers(
+                        acc0, acc1, acc2, acc3, pb, voi_base, vov_base, t_cur, body_len, cols_a,
+                        rows_b, VOUT, NCH, DC, a_l)
+                else:
+                    acc0, acc1, _a2, _a3 = _value_outliers(
+                        acc0, acc1, acc0, acc1, pb, voi_base, vov_base, t_cur, body_len, cols_a,
+                        rows_b, VOUT, NCH, DC, a_l)
 
         _store_partial(Out, Lse, acc0, acc1, m_i, l_i, q_row0, n_out, split, HG, HP, D, DC, mma)
         if NCH >= 3:
@@ -1412,13 +1474,22 @@ _KVQUANT_ENV = os.environ.get("KVBITS_GLUON_KVQUANT", "1")
 if _KVQUANT_ENV not in ("0", "1"):
     raise ValueError(f"KVBITS_GLUON_KVQUANT must be '0' or '1', got {_KVQUANT_ENV!r}")
 KVQUANT_FULL = _KVQUANT_ENV == "1"
+# ... and at head_dim 256 (Gemma-style), four 64-channel chunks: pre-RoPE keys turned per chunk
+# pair (0, 2) and (1, 3), the rotate-half partners, the outliers' one-hot tiles one per chunk
+# (session 21). KVBITS_GLUON_KVQUANT_WIDE=0 sends those layers to the Triton kernel.
+_KVQUANT_WIDE_ENV = os.environ.get("KVBITS_GLUON_KVQUANT_WIDE", "1")
+if _KVQUANT_WIDE_ENV not in ("0", "1"):
+    raise ValueError("KVBITS_GLUON_KVQUANT_WIDE must be '0' or '1', got "
+                     f"{_KVQUANT_WIDE_ENV!r}")
+KVQUANT_WIDE = _KVQUANT_WIDE_ENV == "1"
 MAX_OUTLIERS = 4  # per token, keys or values (one pair of MMAs each)
 
 
 def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
     """Whether :func:`attend_body` serves this layer and call: Gluon importable, integer codes
     (KVQuant codebooks at 3 bits with ``PLANES3``; their outliers, at most ``MAX_OUTLIERS`` per
-    token, and pre-RoPE keys with ``KVQUANT_FULL`` at head_dim 64 / 128),
+    token, and pre-RoPE keys with ``KVQUANT_FULL`` at head_dim 64 / 128, and 256 with
+    ``KVQUANT_WIDE``),
     per-channel key scales (or, with ``TOKEN_KEYS``, per-token key scales
     over at least half the head), per-token value scales, key/value bits of 2 or 4 (equal, or
     with ``MIXED_BITS`` any pair at group size <= 64) or, with ``PLANES3``, both 3 at group
@@ -1434,14 +1505,16 @@ def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
     if any(getattr(kv, n, None) is not None for n in ("k_out_idx", "v_out_idx",
                                                       "rope_inv_freq")):
         # KVQuant outliers and pre-RoPE keys: with KVQUANT_FULL, 3-bit codebooks at head_dim
-        # 64 / 128 (the two channel chunks are the two rotate-half halves); else Triton
+        # 64 / 128 (the two channel chunks are the two rotate-half halves) and, with
+        # KVQUANT_WIDE, 256 (four chunks, the halves two each); else Triton
         outs = [t.shape[3] for t in (getattr(kv, "k_out_idx", None),
                                      getattr(kv, "v_out_idx", None)) if t is not None]
         # two outliers per token are read as one 16-bit word of indices, one 32-bit of values
         aligned = all(t.data_ptr() % a == 0 for n, a in (("k_out_idx", 2), ("v_out_idx", 2),
                                                          ("k_out_val", 4), ("v_out_val", 4))
                       if (t := getattr(kv, n, None)) is not None)
-        if not (KVQUANT_FULL and codebooks and D in (64, 128) and aligned
+        wide = D == 256 and KVQUANT_WIDE and EXTRA_HEAD_DIMS  # chunk pairs (0, 2), (1, 3)
+        if not (KVQUANT_FULL and codebooks and (D in (64, 128) or wide) and aligned
                 and all(n <= MAX_OUTLIERS for n in outs)):
             return False
     if codebooks != (getattr(kv, "v_codebook", None) is not None) or (
@@ -1575,13 +1648,17 @@ _Q_RELOAD_ENV = os.environ.get("KVBITS_GLUON_Q_RELOAD", "auto")
 Q_RELOAD_CB_PAIRS = 64
 
 
-def q_reload(D: int, key_bits: int, codebooks: bool, batch_heads: int) -> bool:
-    """Whether the body reloads its later query chunks at every step (see ``Q_RELOAD_CB_PAIRS``)."""
+def q_reload(D: int, key_bits: int, codebooks: bool, batch_heads: int,
+             full: bool = False) -> bool:
+    """Whether the body reloads its later query chunks at every step (see ``Q_RELOAD_CB_PAIRS``;
+    ``full``: KVQuant outliers or pre-RoPE keys, which hold more live registers: always, sm_90
+    SASS of the 3-outlier pre-RoPE layer at GQA 2: 9749 -> 9546 instructions per step, spill
+    stack 1360 -> 1016 bytes)."""
     if head_chunks(D) != 4 or key_bits not in (3, 4) or _Q_RELOAD_ENV == "0":
         return False
     if _Q_RELOAD_ENV == "1":
         return True
-    return key_bits == 3 and (not codebooks or batch_heads >= Q_RELOAD_CB_PAIRS)
+    return key_bits == 3 and (not codebooks or full or batch_heads >= Q_RELOAD_CB_PAIRS)
 
 
 def split_count(body_len: int, splits: int) -> int:
@@ -1643,7 +1720,9 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         PF_L1=PREFETCH_L1, PF_AFTER=PREFETCH_AFTER_KEYS, EARLY_V=EARLY_VALUES,
         CB=kcb is not None, KOUT=koi.shape[3] if koi is not None else 0,
         VOUT=voi.shape[3] if voi is not None else 0, ROPE=inv_freq is not None,
-        Q_RELOAD=q_reload(D, kv.key_bits, kcb is not None, B * Hkv), num_warps=1,
+        Q_RELOAD=q_reload(D, kv.key_bits, kcb is not None, B * Hkv,
+                          full=koi is not None or voi is not None or inv_freq is not None),
+        num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg else {}))
 
 
