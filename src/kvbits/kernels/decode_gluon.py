@@ -35,7 +35,8 @@ layers (bit planes; ``PLANES3``) use their own token order (``_tok3``),
 in which three plane words merge into 4-bit fields, and from there the 4-bit path; KVQuant's
 3-bit codebooks ride on it (``CB``), with their dense-and-sparse outliers as one-hot tiles on the
 tensor cores and their pre-RoPE keys turned per element between the two channel chunks, which
-are the rotate-half partners (``KVQUANT_FULL``). Keys scaled per token over at least half the
+are the rotate-half partners (``KVQUANT_FULL``; at head_dim 256 chunk pairs (0, 2) and (1, 3),
+``KVQUANT_WIDE``). Keys scaled per token over at least half the
 head (the uniform method, ``TOKEN_KEYS``) are served too. Each step's key words are loaded at
 its start and its value words after the softmax; right after its key loads a step asks, with
 ``prefetch.global.L2`` (no registers, no shared memory), for every byte of the next step, so the
