@@ -264,3 +264,33 @@ def test_cli_parses_kvquant_overrides_and_refuses_kivi_calibration():
                                                                         "head", False)
     with pytest.raises(ValueError, match="kvquant"):
         run_calibrate(CalibrateConfig(variant=parse_presets("kivi-2")[0]))
+
+
+@pytest.mark.parametrize("preset", ["kvquant-3", "kvquant-3-post", "kvquant-2"])
+def test_elements_past_float16_range_saturate_without_nan(preset):
+    """A BF16/FP32 model can hold a K or V element past float16's range: like the dense scales,
+    the outlier correction saturates at +-65504 instead of becoming inf (NaN attention); the
+    store, the reference and the kernel (interpreter on CPU) all stay finite."""
+    import math
+
+    from kvbits import ops
+    from kvbits.cache.store import LayerStore
+
+    g = torch.Generator().manual_seed(3)
+    B, H, T, D = 1, 2, 65, 64  # one sink token and two groups of 32
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    k, v = (torch.randn(B, H, T, D, generator=g) for _ in range(2))
+    k[0, 1, 40, 9] = -2e5
+    v[0, 0, 5, 3] = 1e5
+    spec = resolve_spec(preset, residual_length=0)
+    st = LayerStore(spec, B, H, D, torch.bfloat16, "cpu",
+                    inv_freq=inv if spec.pre_rope else None)
+    st.append(k.bfloat16(), v.bfloat16(), flush=False)
+    st.flush()
+    assert torch.isfinite(st.k_out_val.float()).all() and torch.isfinite(st.v_out_val.float()).all()
+    deq = kvq.dequantize_values(st.v_codes, st.v_scale, st.v_zero, spec.value_bits, 32, 32,
+                                st.codebooks.v_codebook, st.v_out_idx, st.v_out_val)
+    assert abs(float(deq[0, 0, 4, 3]) - ref_quant.FP16_MAX) < 64, "saturated, not lost"
+    q = torch.randn(B, H, 1, D, generator=g).bfloat16()
+    out = ops.decode_attention(q, st.view(), scale=1 / math.sqrt(D), starts=st.starts)
+    assert torch.isfinite(out.float()).all()

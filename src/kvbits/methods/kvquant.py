@@ -66,7 +66,7 @@ from pathlib import Path
 import torch
 
 from ..formats.packing import pack_bits, packed_length, unpack_bits
-from ..reference.quant import minmax_qparams
+from ..reference.quant import FP16_MAX, minmax_qparams
 from ..spec import QuantSpec
 
 __all__ = ["Calibration", "LayerCodebooks", "calibrate", "dequantize_keys", "dequantize_values",
@@ -289,8 +289,12 @@ def _split_values(v: torch.Tensor, bits: int, value_group: int, n_out: int,
 
 
 def _corrections(x: torch.Tensor, deq: torch.Tensor, idx: torch.Tensor, valid_tok, D: int):
-    """``(out_idx, out_val)`` of flattened-token tensors ``x, deq [B,H,T,D]``."""
-    val = (x.gather(-1, idx) - deq.gather(-1, idx)).to(torch.float16)
+    """``(out_idx, out_val)`` of flattened-token tensors ``x, deq [B,H,T,D]``. Like the dense
+    scales and zeros, an element past float16's range saturates at +-65504 (BF16/FP32 models
+    can hold one): the correction brings the dequantized value to the saturated one, never to
+    an infinite float16 that turns attention into NaN."""
+    target = x.gather(-1, idx).float().clamp(-FP16_MAX, FP16_MAX)
+    val = (target - deq.gather(-1, idx).float()).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
     if valid_tok is not None:
         val = torch.where(valid_tok, val, torch.zeros_like(val))
         idx = torch.where(valid_tok, idx, torch.zeros_like(idx))
