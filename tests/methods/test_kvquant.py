@@ -226,6 +226,42 @@ def test_calibration_refuses_other_spec_and_model(calibrated):
         KVBitsCache(model, spec, calibration=bad)
 
 
+def test_calibration_follows_the_weights_not_their_dtype(calibrated):
+    """`kvbits calibrate` runs in float32 on the CPU; the same model in float16 or bfloat16 (a
+    GPU) is the same model: accepted. Other weights of the same shape are refused, also for
+    models whose K projection is fused into one QKV weight (Phi-3's ``qkv_proj``), and files
+    written before the weight probe still compare their exact fingerprint."""
+    import copy
+    import dataclasses
+
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    model, spec, cal, path = calibrated
+    loaded = kvq.Calibration.load(path)
+    assert loaded.probe is not None and len(loaded.probe) == kvq.PROBE_VALUES
+    for dtype in (torch.float16, torch.bfloat16):
+        half = copy.deepcopy(model).to(dtype)
+        loaded.check(half, spec)  # no error
+        assert kvq.model_fingerprint(half).rsplit("-", 1)[0] == cal.fingerprint.rsplit("-", 1)[0]
+    with pytest.raises(ValueError, match="calibration was made for model tiny"):
+        loaded.check(tiny_llama(seed=1).to(torch.bfloat16), spec)
+
+    def phi3(seed):
+        torch.manual_seed(seed)
+        return Phi3ForCausalLM(Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=2, num_attention_heads=2,
+                                          num_key_value_heads=2, pad_token_id=0)).eval()
+    a, b = phi3(0), phi3(1)
+    assert "noweights" not in kvq.model_fingerprint(a)
+    assert kvq.model_fingerprint(a) != kvq.model_fingerprint(b)
+    assert not kvq.probes_match(kvq.weight_probe(a), kvq.weight_probe(b))
+    legacy = dataclasses.replace(loaded, probe=None,
+                                 fingerprint=kvq._legacy_fingerprint(model))
+    legacy.check(model, spec)
+    with pytest.raises(ValueError, match="calibration was made for model"):
+        legacy.check(tiny_llama(seed=1), spec)
+
+
 def test_fisher_weights_change_the_codebook(calibrated):
     model, spec, cal, _ = calibrated
     ids = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(0))

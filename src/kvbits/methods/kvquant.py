@@ -49,8 +49,9 @@ and scaled so that the dequantized calibration data has the original mean and st
 (KVQuant's Q-Norm, folded into the table; thresholds stay those of the fitted codebook).
 
 The result is a :class:`Calibration`, saved with :meth:`Calibration.save` as safetensors (tensors
-``layers.{i}.{k,v}_{codebook,thresholds}``, metadata: model fingerprint, spec fields, preset,
-data, date) and refused by :meth:`Calibration.check` for another model or spec.
+``layers.{i}.{k,v}_{codebook,thresholds}``, metadata: model fingerprint and weight probe, spec
+fields, preset, data, date) and refused by :meth:`Calibration.check` for another model (in any
+float dtype of the same weights it is accepted) or spec.
 """
 
 from __future__ import annotations
@@ -393,9 +394,57 @@ def dequantize_values(codes, scale, zero, bits, value_group, group_size, codeboo
 
 
 # ---------------------------------------------------------------------------------- calibration
+# The weight a calibration is tied to: the first key projection, else the first fused QKV one
+# (Phi-3, GPT-NeoX, GPT-2, MPT, Baichuan), else any attention weight.
+KEY_WEIGHTS = ("k_proj.weight", "qkv_proj.weight", "query_key_value.weight", "c_attn.weight",
+               "Wqkv.weight", "W_pack.weight")
+PROBE_VALUES = 64  # weights sampled into a calibration's metadata (see weight_probe)
+PROBE_RTOL = 2.0 ** -7  # bfloat16 rounds to 2**-8: a model in any float dtype still matches
+
+
+def _key_weight(model):
+    params = dict(model.named_parameters())
+    for suffix in KEY_WEIGHTS:
+        w = next((p for n, p in params.items() if n.endswith(suffix)), None)
+        if w is not None:
+            return w
+    return next((p for n, p in params.items()
+                 if n.endswith("weight") and ("attn" in n or "attention" in n)), None)
+
+
+def weight_probe(model) -> list[float] | None:
+    """``PROBE_VALUES`` weights of the model's first key (or fused QKV) projection at fixed,
+    evenly spaced positions, as floats: which weights a calibration was measured on, compared
+    with a tolerance (:meth:`Calibration.check`) so that the same model converted to float16
+    or bfloat16 (a calibration made on the CPU in float32, used on a GPU) still matches."""
+    w = _key_weight(model)
+    if w is None:
+        return None
+    flat = w.detach().reshape(-1)
+    pos = torch.linspace(0, flat.numel() - 1, PROBE_VALUES).round().long().to(flat.device)
+    return flat[pos].float().cpu().tolist()
+
+
 def model_fingerprint(model) -> str:
-    """``{model_type}-L{layers}-H{kv_heads}-D{head_dim}-{sha1 of the first K projection}``: a
-    calibration is only valid for the weights it was measured on."""
+    """``{model_type}-L{layers}-H{kv_heads}-D{head_dim}-{hash}``, the hash of the signs and
+    binary exponents of :func:`weight_probe` (the same in any float dtype but for values at a
+    power of two; it names cached calibrations, :meth:`Calibration.check` compares the probe
+    itself)."""
+    config = model.config.get_text_config(decoder=True)
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    probe = weight_probe(model)
+    h = "noweights"
+    if probe is not None:
+        mant, exp = torch.frexp(torch.tensor(probe, dtype=torch.float64))
+        coarse = (torch.sign(mant) * (exp + 1000)).long()
+        h = hashlib.sha1(coarse.numpy().tobytes()).hexdigest()[:12]
+    return f"{config.model_type}-L{config.num_hidden_layers}-H{kv}-D{hd}-{h}"
+
+
+def _legacy_fingerprint(model) -> str:
+    """The fingerprint files written before the probe carried (sha1 of the whole first K
+    projection in float32): still accepted for those files, exactly as then."""
     config = model.config.get_text_config(decoder=True)
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -404,6 +453,13 @@ def model_fingerprint(model) -> str:
     if w is not None:
         h = hashlib.sha1(w.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:12]
     return f"{config.model_type}-L{config.num_hidden_layers}-H{kv}-D{hd}-{h}"
+
+
+def probes_match(a: list[float], b: list[float]) -> bool:
+    """Two :func:`weight_probe` samples of the same weights, up to float rounding."""
+    x, y = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return x.shape == y.shape and bool(
+        ((x - y).abs() <= PROBE_RTOL * torch.maximum(x.abs(), y.abs()) + 1e-12).all())
 
 
 def spec_fields(spec: QuantSpec) -> dict:
@@ -422,11 +478,23 @@ class Calibration:
     data: str = ""
     date: str = ""
     extra: dict = field(default_factory=dict)
+    probe: list[float] | None = None  # weight_probe of the model it was made for
 
     def check(self, model, spec: QuantSpec) -> None:
-        """Refuse a calibration made for another model or another spec (ValueError)."""
+        """Refuse a calibration made for another model or another spec (ValueError). The model
+        must have the same shape (fingerprint prefix) and, where the file carries a weight
+        probe, the same weights up to float rounding (any dtype); older files without one
+        compare their exact fingerprint."""
         fp = model_fingerprint(model) if hasattr(model, "named_parameters") else None
-        if fp is not None and fp != self.fingerprint:
+        if fp is None:
+            same = True
+        elif self.probe is not None:
+            probe = weight_probe(model)
+            same = (fp.rsplit("-", 1)[0] == self.fingerprint.rsplit("-", 1)[0]
+                    and probe is not None and probes_match(probe, self.probe))
+        else:
+            same = _legacy_fingerprint(model) == self.fingerprint
+        if not same:
             raise ValueError(
                 f"calibration was made for model {self.model or '?'} ({self.fingerprint}), not "
                 f"for this model ({fp}); calibrate it: kvbits calibrate --model ... --preset "
@@ -451,6 +519,8 @@ class Calibration:
         meta = {"format": FORMAT, "model": self.model, "fingerprint": self.fingerprint,
                 "preset": self.preset, "data": self.data, "date": self.date,
                 "spec": json.dumps(self.spec), "extra": json.dumps(self.extra)}
+        if self.probe is not None:
+            meta["probe"] = json.dumps(self.probe)
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
@@ -479,7 +549,8 @@ class Calibration:
                 "k_codebook", "k_thresholds", "v_codebook", "v_thresholds"))) for i in range(n)]
         return cls(layers, json.loads(meta["spec"]), meta["fingerprint"], meta.get("model", ""),
                    meta.get("preset", ""), meta.get("data", ""), meta.get("date", ""),
-                   json.loads(meta.get("extra", "{}")))
+                   json.loads(meta.get("extra", "{}")),
+                   json.loads(meta["probe"]) if "probe" in meta else None)
 
 
 def _capture_attention(store: dict, grad: bool):
@@ -662,4 +733,5 @@ def calibrate(model, input_ids: torch.Tensor, spec: QuantSpec, *, model_name: st
     layers = [fit_layer(*layer, spec) for layer in kv]
     return Calibration(layers, spec_fields(spec), model_fingerprint(model), model_name, preset,
                        data, datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                       {"tokens": int(input_ids.numel()), "window": window})
+                       {"tokens": int(input_ids.numel()), "window": window},
+                       weight_probe(model))
