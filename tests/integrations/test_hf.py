@@ -226,6 +226,25 @@ def test_reorder_repeat_select_crop_reset():
     assert cache.get_seq_length() == 0 and cache.layers[0].store is None
 
 
+def test_crop_is_all_layers_or_none():
+    """A cut one layer cannot make (inside a quantized group of layer 1, while layer 0 is FP16)
+    raises before any layer is cut; removing more tokens than the cache holds says so."""
+    cache = KVBitsCache(tiny_config(num_hidden_layers=2), "kivi-2", residual_length=0,
+                        skip_layers=(0,))
+    k, v = kv(batch=1, tokens=240)
+    for i in range(2):
+        cache.update(k, v, i)
+    cache.layers[1].store.flush()
+    with pytest.raises(ValueError, match="quantized in groups of 32"):
+        cache.crop(-30)
+    assert [ly.store.total_len for ly in cache.layers] == [240, 240]
+    with pytest.raises(ValueError, match="cannot remove 1000 tokens: the cache holds 240"):
+        cache.crop(-1000)
+    assert [ly.store.total_len for ly in cache.layers] == [240, 240]
+    cache.crop(-48)  # a group boundary for both
+    assert [ly.store.total_len for ly in cache.layers] == [192, 192]
+
+
 def test_padding_starts_from_mask():
     B, L = 3, 6
     starts = torch.tensor([0, 2, 5])

@@ -567,24 +567,32 @@ class LayerStore:
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` tokens. Quantized tokens can only be dropped in whole groups."""
-        if length < 0:
-            length = max(0, self.seq_len + length)
-        if length >= self.seq_len:
+        length = self.check_crop(length)
+        if length is None:
             return
         self._dense = None
         body_end = self.sink_len + self.body_len
         if length >= body_end:
             self.res_len = length - body_end
-            return
-        if length <= self.sink_len:
+        elif length <= self.sink_len:
             self.sink_len, self.body_len, self.res_len = length, 0, 0
-            return
-        if (length - self.sink_len) % self.spec.group_size:
+        else:
+            self.body_len, self.res_len = length - self.sink_len, 0
+
+    def check_crop(self, length: int) -> int | None:
+        """The length :meth:`crop` would keep (None: nothing to drop), or ValueError for a cut
+        inside a quantized group; changes nothing (a multi-layer crop checks every layer first)."""
+        if length < 0:
+            length = max(0, self.seq_len + length)
+        if length >= self.seq_len:
+            return None
+        body_end = self.sink_len + self.body_len
+        if self.sink_len < length < body_end and (length - self.sink_len) % self.spec.group_size:
             raise ValueError(
                 f"crop: cannot cut at {length}: tokens {self.sink_len}..{body_end} are quantized "
                 f"in groups of {self.spec.group_size}; crop to a group boundary or into the "
                 f"FP16 residual (>= {body_end})")
-        self.body_len, self.res_len = length - self.sink_len, 0
+        return length
 
     # ------------------------------------------------------------------ checks
     def _check_input(self, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -201,16 +201,26 @@ class KVBitsLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int = 0, **kwargs) -> None:
         """Negative: drop that many tokens; positive (legacy): keep that many; 0: nothing."""
+        keep = self.crop_target(tokens_to_remove, **kwargs)
+        if keep is not None:
+            self.store.crop(keep)
+
+    def crop_target(self, tokens_to_remove: int = 0, **kwargs) -> int | None:
+        """The store length :meth:`crop` would keep (None: nothing to do), checked without
+        changing anything: ValueError where the cut is impossible."""
         if "max_length" in kwargs:  # transformers < 5.18 keyword
             tokens_to_remove = kwargs.pop("max_length")
         if self.store is None or tokens_to_remove == 0:
-            return
+            return None
         n = self.store.total_len
+        if tokens_to_remove < -n:
+            raise ValueError(f"crop: cannot remove {-tokens_to_remove} tokens: the cache holds {n}")
         keep = n + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
         if keep < self.store.evicted:
-            raise ValueError(f"crop: cannot keep {max(keep, 0)} tokens: the first "
-                             f"{self.store.evicted} left this sliding-window layer already")
-        self.store.crop(keep - self.store.evicted)
+            raise ValueError(f"crop: cannot keep {keep} tokens: the first {self.store.evicted} "
+                             "left this sliding-window layer already")
+        self.store.check_crop(keep - self.store.evicted)
+        return keep - self.store.evicted
 
     # ------------------------------------------------------------------ helpers
     def _impl_is_kvbits(self) -> bool:
@@ -321,6 +331,15 @@ class KVBitsCache(Cache):
 
     def __repr__(self):
         return f"KVBitsCache({self.spec.describe()}, layers={len(self.layers)})"
+
+    def crop(self, *args, **kwargs) -> None:
+        """transformers' ``crop``, all layers or none: every layer's cut is checked
+        (:meth:`KVBitsLayer.crop_target`) before any layer is cut, so a cut that one layer
+        cannot make (inside a quantized group, past a sliding window) leaves the cache whole."""
+        for layer in self.layers:
+            if isinstance(layer, KVBitsLayer):
+                layer.crop_target(*args, **kwargs)
+        super().crop(*args, **kwargs)
 
     # ------------------------------------------------------------------ lengths on the device
     def device_lengths_ok(self) -> bool:
