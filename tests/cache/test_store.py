@@ -456,3 +456,18 @@ def test_evict_drops_whole_invisible_groups_and_shifts_padding():
     assert st.sink_len == 0 and st.res_len == 11  # the closed sink does not refill
     st.begin_device_lengths(400)
     assert st.evict(10**6) == 0  # lengths on the device: buffers stay put
+
+
+def test_value_group_that_does_not_divide_head_dim_is_announced():
+    """group_size 64 at head_dim 96 (Phi-3): values are grouped by gcd = 32 channels, and the
+    store says so once instead of silently."""
+    import warnings
+
+    spec = resolve_spec("uniform-int4")  # q_group_size 64
+    with pytest.warns(UserWarning, match="groups of 32 channels"):
+        st = LayerStore(spec, 1, 2, 96, torch.float32, "cpu")
+    assert st.value_group == 32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LayerStore(spec, 1, 2, 128, torch.float32, "cpu")  # divides: nothing to say
+        LayerStore(resolve_spec("fp16"), 1, 2, 16, torch.float32, "cpu")  # nothing grouped

@@ -685,3 +685,23 @@ def test_beam_search_with_eviction_equals_keep_everything(monkeypatch):
     monkeypatch.setattr(LayerStore, "evict", lambda self, upto: 0)
     want, _ = run()
     assert torch.equal(got, want)
+
+
+def test_partial_rotary_refused_for_pre_rope_keys_at_construction():
+    """Pre-RoPE keys need the whole head rotated; a model with partial rotary embeddings (Phi-3
+    with partial_rotary_factor 0.5) is refused when the cache is built, before any calibration,
+    naming the way out; its -post preset works."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Phi3ForCausalLM(Phi3Config(vocab_size=64, hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=2,
+                                       num_key_value_heads=2, partial_rotary_factor=0.5,
+                                       pad_token_id=0)).eval()
+    with pytest.raises(NotImplementedError, match="rotates 16 of its 32 head channels.*-post"):
+        KVBitsCache(model, "kvquant-3", calibration="uniform")
+    ids = torch.randint(1, 64, (1, 12))
+    out = model.generate(ids, past_key_values=KVBitsCache(model, "kvquant-3-post",
+                                                          calibration="uniform"),
+                         max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 16)

@@ -22,6 +22,8 @@ quantized tokens' amax, or given by a calibration); ``spec.hadamard`` keeps ever
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .. import ops
@@ -54,6 +56,10 @@ class LayerStore:
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.value_group = spec.value_group(head_dim)
+        if self.value_group != spec.group_size and spec.method in ("kivi", "uniform", "kvquant"):
+            warnings.warn(f"group_size {spec.group_size} does not divide head_dim {head_dim}: "
+                          f"values are quantized in groups of {self.value_group} channels "
+                          "(spec.value_group)", stacklevel=2)
         self.starts = torch.zeros(batch, dtype=torch.int32, device=self.device)
         self._pad_end = 0  # host-side bound: no sequence has padding at positions >= this
         self.lens_dev: torch.Tensor | None = None  # device lengths mode (begin_device_lengths)
