@@ -430,29 +430,31 @@ def model_fingerprint(model) -> str:
     binary exponents of :func:`weight_probe` (the same in any float dtype but for values at a
     power of two; it names cached calibrations, :meth:`Calibration.check` compares the probe
     itself)."""
-    config = model.config.get_text_config(decoder=True)
-    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     probe = weight_probe(model)
     h = "noweights"
     if probe is not None:
         mant, exp = torch.frexp(torch.tensor(probe, dtype=torch.float64))
         coarse = (torch.sign(mant) * (exp + 1000)).long()
         h = hashlib.sha1(coarse.numpy().tobytes()).hexdigest()[:12]
-    return f"{config.model_type}-L{config.num_hidden_layers}-H{kv}-D{hd}-{h}"
+    return f"{_shape_name(model)}-{h}"
+
+
+def _shape_name(model) -> str:
+    """``{model_type}-L{layers}-H{kv_heads}-D{head_dim}``."""
+    config = model.config.get_text_config(decoder=True)
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return f"{config.model_type}-L{config.num_hidden_layers}-H{kv}-D{hd}"
 
 
 def _legacy_fingerprint(model) -> str:
     """The fingerprint files written before the probe carried (sha1 of the whole first K
     projection in float32): still accepted for those files, exactly as then."""
-    config = model.config.get_text_config(decoder=True)
-    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     w = next((p for n, p in model.named_parameters() if n.endswith("k_proj.weight")), None)
     h = "noweights"
     if w is not None:
         h = hashlib.sha1(w.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:12]
-    return f"{config.model_type}-L{config.num_hidden_layers}-H{kv}-D{hd}-{h}"
+    return f"{_shape_name(model)}-{h}"
 
 
 def probes_match(a: list[float], b: list[float]) -> bool:
@@ -490,7 +492,7 @@ class Calibration:
             same = True
         elif self.probe is not None:
             probe = weight_probe(model)
-            same = (fp.rsplit("-", 1)[0] == self.fingerprint.rsplit("-", 1)[0]
+            same = (_shape_name(model) == self.fingerprint.rsplit("-", 1)[0]
                     and probe is not None and probes_match(probe, self.probe))
         else:
             same = _legacy_fingerprint(model) == self.fingerprint
