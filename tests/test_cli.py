@@ -117,6 +117,7 @@ def test_parse_hf_variants_errors(text, match):
     (["bench", "--batch-cap", "0"], "argument --batch-cap: expected a positive integer"),
     (["bench", "--hf-max-tokens", "-1"], "argument --hf-max-tokens: expected an integer >= 0"),
     (["memory", "--gpu-memory", "0"], "gpu_memory must be a number of bytes > 0"),
+    (["needle", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
 ])
 def test_bad_arguments_name_the_parameter(capsys, argv, match):
     import re
@@ -142,6 +143,42 @@ def test_generate_device_choices(capsys):
     assert code == 2 and "--device" in err and "auto" in err, err
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_needle_refuses_cuda_without_a_gpu(capsys):
+    code, _, err = run(capsys, "needle", "--device", "cuda")
+    assert code == 2 and "--device cuda: torch sees no CUDA device" in err, err
+
+
+def test_runs_where_no_token_reads_the_cache_are_refused():
+    """With one chunk per window every token is scored by the full-precision prefill, so every
+    preset would score exactly like FP16 (found by a CLI audit: kivi-2 "+0.00%" at --tokens 256
+    with the default --chunk 256)."""
+    from types import SimpleNamespace
+
+    from kvbits.cli import _check_chunks
+    from kvbits.eval.perplexity import reads_cache
+
+    model = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda decoder: SimpleNamespace(
+        max_position_embeddings=8192)))
+    assert not reads_cache(256, 256, 8192) and reads_cache(257, 256, 8192)
+    assert not reads_cache(1024, 256, 200) and reads_cache(1024, 128, 200, stride=100)
+    with pytest.raises(ValueError, match="--chunk 256 covers every window"):
+        _check_chunks(model, 256, 256, None, None)
+    with pytest.raises(ValueError, match="window 200"):
+        _check_chunks(model, 1024, 256, 200, None)
+    _check_chunks(model, 1024, 256, None, None)  # four chunks: three read the cache
+
+
+def test_output_folders_are_created(tmp_path):
+    """`kvbits tune -o` and `memory --json` into a folder that does not exist yet (they raised
+    FileNotFoundError after the work was done)."""
+    from kvbits.spec import resolve_spec
+
+    path = tmp_path / "new" / "dir" / "spec.json"
+    resolve_spec("kivi-2").save(path, model="x")
+    assert resolve_spec(str(path)).key_bits == 2
+
+
 # ---------------------------------------------------------------------------------- memory
 def test_calibrate_command_refuses_non_kvquant_preset(capsys):
     code, _, err = run(capsys, "calibrate", "--preset", "kivi-2")
@@ -158,6 +195,23 @@ def test_memory_command(capsys, tmp_path):
     assert k2["fixed_fp16_tokens"] == 159 and k2["weights_bytes"] == 2 * 8_030_261_248
     assert k2["max_batch"] > fp["max_batch"] == 3
     assert k2["preset"] == "kivi-2"
+
+
+def test_memory_command_names_sliding_window_layers(capsys, tmp_path):
+    """Gemma3's sliding layers are counted as full attention (an upper bound): the command says
+    so, and a transformers config is read the same way."""
+    from transformers import Gemma3TextConfig
+
+    from kvbits.eval.memory import kv_shape
+
+    path = tmp_path / "sub" / "m.json"  # the folder is created
+    code, out, _ = run(capsys, "memory", "--config", "gemma3-270m", "--preset", "fp16,kivi-4",
+                       "--context", "2048", "--json", str(path))
+    assert code == 0 and path.exists()
+    assert "15 of 18 layers, window 512 use a sliding window" in out
+    assert kv_shape(Gemma3TextConfig(num_hidden_layers=12, sliding_window=256)).sliding == \
+        "10 of 12 layers, window 256"
+    assert kv_shape("llama-3-8b").sliding == ""
 
 
 def test_memory_command_with_overrides_and_explicit_weights(capsys, tmp_path):

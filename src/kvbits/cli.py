@@ -213,7 +213,24 @@ def _load(model_name: str, text_name: str | None = None, tokens: int | None = No
     _log(f"loading text {text_name!r}")
     ids = data.tokenize_text(tok, data.load_text(text_name, log=_log), tokens)
     _log(f"{ids.shape[1]} tokens of {text_name!r}")
+    if tokens is not None and ids.shape[1] < tokens:
+        _log(f"note: the text has only {ids.shape[1]} tokens; --tokens asked for {tokens}, "
+             f"so {ids.shape[1]} are used")
     return model, tok, ids
+
+
+def _check_chunks(model, n_tokens: int, chunk: int, window: int | None, stride: int | None):
+    """Refuse a run in which no token reads the quantized cache back (see
+    :func:`kvbits.eval.perplexity.reads_cache`)."""
+    from .eval.perplexity import default_window, reads_cache
+
+    window = default_window(model) if window is None else window
+    if not reads_cache(n_tokens, chunk, window, stride):
+        raise ValueError(
+            f"--chunk {chunk} covers every window ({n_tokens} tokens, window {window}): each "
+            "window is one full-precision prefill, so no token attends to the quantized cache "
+            "and every preset would score exactly like FP16; use a --chunk smaller than "
+            "--tokens and --window (e.g. 128 or 256 for 1024 tokens)")
 
 
 def _versions() -> dict:
@@ -268,6 +285,8 @@ def run_ppl(cfg: PplConfig, command: str) -> list[dict]:
     from .eval.perplexity import perplexity
 
     model, _, ids = _load(cfg.model, cfg.text, cfg.tokens)
+    if any(v.kind == "hf" or v.spec.method != "fp16" for v in cfg.variants):
+        _check_chunks(model, ids.shape[1], cfg.chunk, cfg.window, cfg.stride)
     meta = {"command": command, "date": datetime.datetime.now().astimezone().isoformat(
         timespec="seconds"), "versions": _versions(), "model": cfg.model, "text": cfg.text,
         "tokens": int(ids.shape[1]), "chunk": cfg.chunk, "window": cfg.window, "stride": cfg.stride,
@@ -377,7 +396,9 @@ def run_tune(cfg: TuneConfig) -> Path:
     model, _, ids = _load(cfg.model, cfg.text, cfg.tokens)
     t0 = time.perf_counter()
     r = tune(model, ids, cfg.base.spec, cfg.avg_bits, window=cfg.window, log=_log)
-    out = Path(cfg.output or f"{cfg.model}-avg{cfg.avg_bits:g}.json")
+    # default: in the working directory, named after the model (its last path part for a
+    # folder or an HF id such as org/name)
+    out = Path(cfg.output or f"{Path(cfg.model).name}-avg{cfg.avg_bits:g}.json")
     r.spec.save(out, model=cfg.model, base=cfg.base.label, text=cfg.text,
                 tokens=int(ids.shape[1]), avg_bits=r.avg_bits, predicted_kl=r.predicted_kl,
                 sensitivity=r.sensitivity, **r.info)
@@ -430,6 +451,9 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
                                             return_dict=True)["input_ids"]
     else:
         ids = tokenizer(cfg.prompt, return_tensors="pt")["input_ids"]
+    if ids.shape[1] == 0:
+        raise ValueError("--prompt: the prompt has no tokens (give some text, or --chat for the "
+                         "model's chat template)")
     ids = ids.to(model.device)
     if cfg.spec.calibrated or cfg.spec.hadamard_calibrated:  # calibrated once, then cached
         cache = make_cache_factory(model, Variant(cfg.label or "custom", "kvbits", cfg.spec))()
@@ -527,18 +551,20 @@ def run_demo(cfg: DemoConfig) -> list[dict]:
 
     t0 = time.perf_counter()
     model, tok, ids = _load(cfg.model, cfg.text, cfg.tokens)
-    prompt = _demo_prompt(tok, ids[0, : cfg.prompt_tokens])
+    _check_chunks(model, ids.shape[1], cfg.chunk, None, None)
+    prompt_tokens = min(cfg.prompt_tokens, ids.shape[1])
+    prompt = _demo_prompt(tok, ids[0, :prompt_tokens])
     rows = []
     for name in cfg.presets:
         spec = PRESETS[name]
-        _log(f"{name}: greedy continuation of a {cfg.prompt_tokens}-token prompt, then perplexity "
+        _log(f"{name}: greedy continuation of a {prompt_tokens}-token prompt, then perplexity "
              f"on {ids.shape[1]} tokens in chunks of {cfg.chunk}")
         gen = generate_text(model, tok, GenerateConfig(cfg.model, spec, prompt, cfg.new_tokens))
         ppl = perplexity(model, ids, lambda s=spec: KVBitsCache(model, s), chunk_size=cfg.chunk,
                          desc=name)
         rows.append({"preset": name, "spec": spec.describe(), "continuation": gen["text"], **ppl})
     base = rows[0]
-    print(f"\nModel {cfg.model}, text {cfg.text}. Prompt ({cfg.prompt_tokens} tokens) ends with:\n"
+    print(f"\nModel {cfg.model}, text {cfg.text}. Prompt ({prompt_tokens} tokens) ends with:\n"
           f"  ...{prompt[-160:]!r}\n")
     print(markdown_table(
         ["preset", "spec", f"PPL ({ids.shape[1]} tok)", "vs fp16", "KV cache", "vs FP16"],
@@ -608,7 +634,12 @@ def run_memory(cfg: MemoryConfig) -> list:
     for v, r in zip(cfg.variants, reports):
         r.preset = v.label
     print(memory_table(reports))
+    if shape.sliding:
+        print(f"\nNote: {shape.sliding} use a sliding window; this table counts them as full "
+              "attention for FP16 and kvbits alike (an upper bound: DynamicCache keeps window - 1 "
+              "tokens there, kvbits about 1.25 windows).")
     if cfg.json_path:
+        Path(cfg.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.json_path).write_text(json.dumps([r.to_dict() for r in reports], indent=1) + "\n")
     return reports
 

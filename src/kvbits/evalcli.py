@@ -69,6 +69,8 @@ def _cmd_needle(args) -> int:
     from .eval.needle import NeedleConfig, needle_meta, run_needle, write_needle
 
     parse_presets(",".join(args.presets))  # fail before loading anything
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device (use --device cpu)")
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = NeedleConfig(model=args.model, text=args.text, lengths=args.lengths, depths=args.depths,
@@ -133,7 +135,8 @@ def register(sub) -> None:
                    "sotu-pre-2000, disjoint from the haystack")
     p.add_argument("--calib-tokens", type=_positive, default=4096,
                    help="calibration tokens (default 4096)")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cpu (default) or cuda")
     p.add_argument("--threads", type=_positive, help="torch CPU threads")
     p.add_argument("--out", default="benchmarks/results", help="output folder")
     p.add_argument("--name", default="needle", help="file stem (default needle)")

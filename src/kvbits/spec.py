@@ -244,6 +244,7 @@ class QuantSpec:
         from pathlib import Path
 
         doc = {"kvbits_spec": 1, "spec": self.to_dict(), **({"info": info} if info else {})}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
     @classmethod

@@ -330,3 +330,15 @@ def test_elements_past_float16_range_saturate_without_nan(preset):
     q = torch.randn(B, H, 1, D, generator=g).bfloat16()
     out = ops.decode_attention(q, st.view(), scale=1 / math.sqrt(D), starts=st.starts)
     assert torch.isfinite(out.float()).all()
+
+
+def test_calibration_uses_every_token():
+    """Calibration windows cover the whole text (the tokens past the last whole window were
+    dropped while the metadata recorded them); empty text is refused by name."""
+    from kvbits.methods import calibration_windows
+
+    assert calibration_windows(1100, 512) == [(0, 512), (512, 1024), (1024, 1100)]
+    assert calibration_windows(1025, 512) == [(0, 512), (512, 1024)]  # 1 token: nothing to score
+    assert calibration_windows(100, 512) == [(0, 100)]
+    with pytest.raises(ValueError, match="at least 2 tokens of text, got 0"):
+        calibration_windows(0, 512)

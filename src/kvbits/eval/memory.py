@@ -10,8 +10,11 @@ For a model with ``L`` layers, ``H`` KV heads of ``D`` channels:
   ``R + G - 1`` recent tokens (keys move to the body a whole group at a time). This module counts
   the worst case, ``S + R + G - 1`` FP16 tokens per sequence (fewer when the sequence is shorter).
 
-Layers with a sliding window are counted like full-attention layers (kvbits keeps their whole
-history; see :mod:`kvbits.integrations.hf`), so the numbers are an upper bound for such models.
+Layers with a sliding window are counted like full-attention layers, for FP16 and kvbits alike,
+so the numbers are an upper bound for such models: there transformers' ``DynamicCache`` keeps
+``window - 1`` tokens and kvbits about 1.25 windows (it drops whole quantized groups that no
+later query can see; :mod:`kvbits.integrations.hf`). :attr:`KVShape.sliding` says when this
+applies, and ``kvbits memory`` prints it.
 
 >>> r = kv_memory("llama-3-8b", "kivi-2", context=131072)
 >>> r.fp16_bytes_per_token, r.body_bytes_per_token
@@ -48,6 +51,7 @@ class KVShape:
     kv_heads: int
     head_dim: int
     params: int | None = None  # total parameters, None when unknown
+    sliding: str = ""  # e.g. "15 of 18 layers, window 512": counted as full attention here
 
 
 # Published configurations (config.json of each model), written here so that no download is needed.
@@ -59,7 +63,7 @@ NAMED_CONFIGS: dict[str, KVShape] = {
     "mistral-7b": KVShape("mistral-7b", 32, 8, 128, 7_241_732_096),
     "smollm2": KVShape("smollm2", 30, 3, 64, 134_515_008),
     "qwen2.5-0.5b": KVShape("qwen2.5-0.5b", 24, 2, 64, 494_032_768),
-    "gemma3-270m": KVShape("gemma3-270m", 18, 1, 256, 268_098_176),
+    "gemma3-270m": KVShape("gemma3-270m", 18, 1, 256, 268_098_176, "15 of 18 layers, window 512"),
 }
 
 
@@ -87,7 +91,12 @@ def kv_shape(config) -> KVShape:
     kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads
     name = getattr(config, "_name_or_path", "") or getattr(config, "model_type", "config")
-    return KVShape(str(name), layers, int(kv_heads), int(head_dim))
+    types = list(getattr(config, "layer_types", None) or [])
+    window = getattr(config, "sliding_window", None)
+    n_sliding = sum(t == "sliding_attention" for t in types) if types else (
+        layers if window and getattr(config, "use_sliding_window", True) else 0)
+    sliding = f"{n_sliding} of {layers} layers, window {window}" if n_sliding and window else ""
+    return KVShape(str(name), layers, int(kv_heads), int(head_dim), sliding=sliding)
 
 
 @dataclass

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -69,6 +70,17 @@ def plan_windows(n_tokens: int, window: int, stride: int | None = None) -> list[
     return out
 
 
+def reads_cache(n_tokens: int, chunk_size: int, window: int, stride: int | None = None) -> bool:
+    """Whether any scored token comes from a chunk after its window's first, i.e. attends to
+    history read back from the cache (the first chunk of a window is a full-precision prefill,
+    so with one chunk per window every cache scores like FP16).
+
+    >>> reads_cache(256, 256, 8192), reads_cache(1024, 256, 8192)
+    (False, True)
+    """
+    return any(end - start > chunk_size for start, end, _ in plan_windows(n_tokens, window, stride))
+
+
 @torch.no_grad()
 def perplexity(model, input_ids: torch.Tensor, make_cache: Callable[[], object],
                chunk_size: int = 256, window: int | None = None, stride: int | None = None,
@@ -105,6 +117,10 @@ def perplexity(model, input_ids: torch.Tensor, make_cache: Callable[[], object],
         raise ValueError(f"need at least 2 tokens to score one, got {n}")
     window = default_window(model) if window is None else window
     plan = plan_windows(n, window, stride)
+    if not reads_cache(n, chunk_size, window, stride):
+        warnings.warn(f"chunk_size {chunk_size} covers every window ({n} tokens, window "
+                      f"{window}): each is one full-precision prefill, so the cache is never read "
+                      "back and every cache scores like FP16; use smaller chunks", stacklevel=2)
     input_ids = input_ids.to(model.device)
     from ..integrations.hf import cache_kwargs
 

@@ -39,3 +39,17 @@ def calibration_ids(model, text: str, tokens: int, what: str, log=None):
                          "model._kvbits_tokenizer (kvbits.data.load_model does) or pass the "
                          f"{what}")
     return tokenize_text(tok, load_text(text, log=log), tokens)
+
+
+def calibration_windows(n_tokens: int, window: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each calibration window: every token is used, the last window may
+    be shorter (one of fewer than 2 tokens is dropped: it has no next token to score).
+
+    >>> calibration_windows(1100, 512)
+    [(0, 512), (512, 1024), (1024, 1100)]
+    """
+    out = [(a, min(a + window, n_tokens)) for a in range(0, n_tokens, window)]
+    out = [(a, b) for a, b in out if b - a >= 2]
+    if not out:
+        raise ValueError(f"calibration needs at least 2 tokens of text, got {n_tokens}")
+    return out

@@ -34,7 +34,7 @@ import torch
 
 from ..reference import hadamard as ref_hadamard
 from ..spec import QuantSpec
-from . import calibration_ids, per_layer_calibration
+from . import calibration_ids, calibration_windows, per_layer_calibration
 
 __all__ = ["auto_hadamard_channels", "calibrate_hadamard", "choose_channels", "collect_qk",
            "layer_channels", "load_hadamard_channels", "rotation_cost",
@@ -114,12 +114,12 @@ def collect_qk(model, input_ids: torch.Tensor, window: int = 512) -> list:
     ids = input_ids.reshape(-1)
     out: dict[int, list] = {}
     try:
-        for w in range(max(1, ids.numel() // window)):
+        for a, b in calibration_windows(ids.numel(), window):
             rec: dict[int, tuple] = {}
             AttentionInterface.register(name, _capture(rec))
             AttentionMaskInterface.register(name, sdpa_mask)
             model.set_attn_implementation(name)
-            model(ids[w * window:(w + 1) * window][None].to(model.device), use_cache=False)
+            model(ids[a:b][None].to(model.device), use_cache=False)
             for i, qk in rec.items():
                 out.setdefault(i, []).append(qk)
     finally:

@@ -69,6 +69,7 @@ import torch
 from ..formats.packing import pack_bits, packed_length, unpack_bits
 from ..reference.quant import FP16_MAX, minmax_qparams
 from ..spec import QuantSpec
+from . import calibration_windows
 
 __all__ = ["Calibration", "LayerCodebooks", "calibrate", "dequantize_keys", "dequantize_values",
            "kmeans_1d", "model_fingerprint", "outlier_index_dtype", "quantize_keys",
@@ -589,12 +590,13 @@ def collect_kv(model, input_ids: torch.Tensor, window: int = 512, fisher: bool =
     params = [p for p in model.parameters() if p.requires_grad]
     out: dict[int, list] = {}
     ids = input_ids.reshape(-1)
-    n_win = max(1, ids.numel() // window)
+    bounds = calibration_windows(ids.numel(), window)
+    n_win = len(bounds)
     try:
         for p in params:
             p.requires_grad_(False)
-        for w in range(n_win):
-            chunk = ids[w * window:(w + 1) * window][None].to(model.device)
+        for w, (a, b) in enumerate(bounds):
+            chunk = ids[a:b][None].to(model.device)
             rec: dict[int, list] = {}
             AttentionInterface.register(name, _capture_attention(rec, fisher))
             AttentionMaskInterface.register(name, sdpa_mask)
