@@ -118,6 +118,9 @@ def test_parse_hf_variants_errors(text, match):
     (["bench", "--hf-max-tokens", "-1"], "argument --hf-max-tokens: expected an integer >= 0"),
     (["memory", "--gpu-memory", "0"], "gpu_memory must be a number of bytes > 0"),
     (["needle", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["generate", "--prompt", "x", "--temperature", "0.5"], "--temperature apply to --sample"),
+    (["generate", "--prompt", "x", "--sample", "--top-p", "1.5"], r"--top-p must be in \(0, 1\]"),
+    (["generate", "--prompt", "x", "--sample", "--temperature=0"], "--temperature must be > 0"),
 ])
 def test_bad_arguments_name_the_parameter(capsys, argv, match):
     import re

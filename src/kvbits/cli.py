@@ -290,7 +290,8 @@ def run_ppl(cfg: PplConfig, command: str) -> list[dict]:
     meta = {"command": command, "date": datetime.datetime.now().astimezone().isoformat(
         timespec="seconds"), "versions": _versions(), "model": cfg.model, "text": cfg.text,
         "tokens": int(ids.shape[1]), "chunk": cfg.chunk, "window": cfg.window, "stride": cfg.stride,
-        "threads": __import__("torch").get_num_threads(), "machine": platform.machine()}
+        "threads": __import__("torch").get_num_threads(), "machine": platform.machine(),
+        "calib_text": cfg.calib_text, "calib_tokens": cfg.calib_tokens}
     results: list[dict] = []
     for v in cfg.variants:
         _log(f"{v.label}: {v.describe()}")
@@ -517,6 +518,15 @@ def _until_eos(tokens, eos) -> int:
 
 
 def _cmd_generate(args) -> int:
+    if not args.temperature > 0:
+        raise ValueError(f"--temperature must be > 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    given = [o for o in ("--temperature", "--top-p")
+             if any(a == o or a.startswith(o + "=") for a in getattr(args, "argv", ()))]
+    if given and not args.sample:
+        raise ValueError(f"{' and '.join(given)} apply to --sample only (greedy decoding "
+                         "otherwise): add --sample")
     variant = parse_preset(args.preset, group_size=args.group_size,
                            residual_length=args.residual_length, sink_tokens=args.sink_tokens)
     cfg = GenerateConfig(args.model, variant.spec, args.prompt, args.max_new_tokens, args.sample,

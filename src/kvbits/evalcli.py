@@ -153,6 +153,8 @@ def _cmd_bench(args) -> int:
     for v in args.presets:
         parse_variant(v)  # fail before building anything
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device is None and device == "cpu":
+        _log("no CUDA device: a CPU smoke test, not GPU timings (--device cpu says so)")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here (use --device cpu for a smoke test)")
     cfg = BenchConfig(model=args.model, layers=args.layers, variants=args.presets,
