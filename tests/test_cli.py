@@ -212,6 +212,11 @@ def test_memory_command_names_sliding_window_layers(capsys, tmp_path):
                        "--context", "2048", "--json", str(path))
     assert code == 0 and path.exists()
     assert "15 of 18 layers, window 512 use a sliding window" in out
+    fp, k4 = json.loads(path.read_text())
+    # DynamicCache: 3 full layers x 2048 tokens + 15 sliding layers x 511, 1 KiB per token-layer
+    # (measured through the cache: 13.5 MiB, README); kivi-4 at most ~1.25 windows there
+    assert fp["fp16_total_bytes"] == (3 * 2048 + 15 * 511) * 1024
+    assert k4["total_bytes"] < 0.6 * fp["fp16_total_bytes"]
     assert kv_shape(Gemma3TextConfig(num_hidden_layers=12, sliding_window=256)).sliding == \
         "10 of 12 layers, window 256"
     assert kv_shape("llama-3-8b").sliding == ""

@@ -645,9 +645,9 @@ def run_memory(cfg: MemoryConfig) -> list:
         r.preset = v.label
     print(memory_table(reports))
     if shape.sliding:
-        print(f"\nNote: {shape.sliding} use a sliding window; this table counts them as full "
-              "attention for FP16 and kvbits alike (an upper bound: DynamicCache keeps window - 1 "
-              "tokens there, kvbits about 1.25 windows).")
+        print(f"\nNote: {shape.sliding} use a sliding window: there DynamicCache keeps "
+              "window - 1 tokens and kvbits at most about 1.25 windows (decoding token by token; "
+              "kvbits.eval.memory.sliding_hold).")
     if cfg.json_path:
         Path(cfg.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.json_path).write_text(json.dumps([r.to_dict() for r in reports], indent=1) + "\n")

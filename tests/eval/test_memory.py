@@ -134,3 +134,26 @@ def test_table_and_format():
                           for p in ("fp16", "kivi-2")])
     lines = table.splitlines()
     assert len(lines) == 4 and "max context" in lines[0] and "kivi-2" in lines[3]
+
+
+def test_sliding_window_layers_are_bounded():
+    """A layer with a sliding window holds at most window - 1 tokens in DynamicCache and
+    sliding_hold() in kvbits; only the full layers grow with the context (so the context that
+    fits is much longer), and a model without such layers is counted as before."""
+    from kvbits.eval.memory import sliding_hold
+    from kvbits.spec import resolve_spec
+
+    spec = resolve_spec("kivi-2")
+    assert 512 < sliding_hold(512, spec) <= 1.25 * (512 + 32) + 32 + 159
+    slide = KVShape("s", 4, 2, 64, sliding_layers=3, window=512)
+    full = KVShape("f", 4, 2, 64)
+    short, long = (kv_memory(slide, "kivi-2", context=c) for c in (256, 100_000))
+    assert short.total_bytes == kv_memory(full, "kivi-2", context=256).total_bytes  # < window
+    grows = (long.total_bytes - short.total_bytes) / (100_000 - 256)
+    assert grows < 0.3 * kv_memory(full, "kivi-2", context=100_000).body_bytes_per_token
+    assert long.fp16_total_bytes == (100_000 + 3 * 511) * 2 * 2 * 64 * 2
+    budget = kv_memory(slide, "kivi-2", context=4096, gpu_memory=10**9)
+    assert budget.max_context > 3 * kv_memory(full, "kivi-2", context=4096,
+                                              gpu_memory=10**9).max_context
+    every = KVShape("all", 2, 2, 64, sliding_layers=2, window=512)
+    assert kv_memory(every, "kivi-2", context=4096, gpu_memory=10**9).max_context == 1 << 40

@@ -10,11 +10,12 @@ For a model with ``L`` layers, ``H`` KV heads of ``D`` channels:
   ``R + G - 1`` recent tokens (keys move to the body a whole group at a time). This module counts
   the worst case, ``S + R + G - 1`` FP16 tokens per sequence (fewer when the sequence is shorter).
 
-Layers with a sliding window are counted like full-attention layers, for FP16 and kvbits alike,
-so the numbers are an upper bound for such models: there transformers' ``DynamicCache`` keeps
-``window - 1`` tokens and kvbits about 1.25 windows (it drops whole quantized groups that no
-later query can see; :mod:`kvbits.integrations.hf`). :attr:`KVShape.sliding` says when this
-applies, and ``kvbits memory`` prints it.
+Layers with a sliding window of ``W`` tokens hold at most ``W - 1`` tokens in transformers'
+``DynamicCache``; kvbits drops the whole quantized groups no later query can see once they are a
+quarter of the live ones (:meth:`kvbits.cache.store.LayerStore.evict`), so such a layer holds at
+most :func:`sliding_hold` tokens, about 1.25 windows, while it decodes token by token (an
+upper bound, like the FP16 part; a prefill chunk of ``c`` tokens adds up to ``c`` more until the
+next eviction).
 
 >>> r = kv_memory("llama-3-8b", "kivi-2", context=131072)
 >>> r.fp16_bytes_per_token, r.body_bytes_per_token
@@ -51,7 +52,14 @@ class KVShape:
     kv_heads: int
     head_dim: int
     params: int | None = None  # total parameters, None when unknown
-    sliding: str = ""  # e.g. "15 of 18 layers, window 512": counted as full attention here
+    sliding_layers: int = 0  # layers with a sliding window of ``window`` tokens
+    window: int = 0
+
+    @property
+    def sliding(self) -> str:
+        """e.g. ``"15 of 18 layers, window 512"`` ('' without sliding layers)."""
+        return (f"{self.sliding_layers} of {self.layers} layers, window {self.window}"
+                if self.sliding_layers else "")
 
 
 # Published configurations (config.json of each model), written here so that no download is needed.
@@ -63,7 +71,7 @@ NAMED_CONFIGS: dict[str, KVShape] = {
     "mistral-7b": KVShape("mistral-7b", 32, 8, 128, 7_241_732_096),
     "smollm2": KVShape("smollm2", 30, 3, 64, 134_515_008),
     "qwen2.5-0.5b": KVShape("qwen2.5-0.5b", 24, 2, 64, 494_032_768),
-    "gemma3-270m": KVShape("gemma3-270m", 18, 1, 256, 268_098_176, "15 of 18 layers, window 512"),
+    "gemma3-270m": KVShape("gemma3-270m", 18, 1, 256, 268_098_176, sliding_layers=15, window=512),
 }
 
 
@@ -95,8 +103,10 @@ def kv_shape(config) -> KVShape:
     window = getattr(config, "sliding_window", None)
     n_sliding = sum(t == "sliding_attention" for t in types) if types else (
         layers if window and getattr(config, "use_sliding_window", True) else 0)
-    sliding = f"{n_sliding} of {layers} layers, window {window}" if n_sliding and window else ""
-    return KVShape(str(name), layers, int(kv_heads), int(head_dim), sliding=sliding)
+    if not (n_sliding and window):
+        n_sliding, window = 0, 0
+    return KVShape(str(name), layers, int(kv_heads), int(head_dim), sliding_layers=n_sliding,
+                   window=int(window))
 
 
 @dataclass
@@ -171,13 +181,16 @@ def kv_memory(config, preset: str | QuantSpec = "kivi-2", context: int = 4096, b
         fixed = spec.sink_tokens + spec.residual_length + spec.group_size - 1
     else:
         body_tok, fixed = float(fp_tok), 0
+    def seq_bytes(tokens: int) -> int:  # one sequence, sliding layers bounded
+        return _sequence_bytes(tokens, fp_tok, body_tok, fixed, shape, spec)
+
     report = MemoryReport(
         config=shape.name, preset=preset if isinstance(preset, str) else spec.describe(),
         spec=spec.describe(), layers=shape.layers, kv_heads=shape.kv_heads,
         head_dim=shape.head_dim, fp16_bytes_per_token=fp_tok, body_bytes_per_token=body_tok,
         fixed_fp16_tokens=fixed, fixed_fp16_bytes=fixed * fp_tok, context=context, batch=batch,
-        total_bytes=batch * _sequence_bytes(context, fp_tok, body_tok, fixed),
-        fp16_total_bytes=batch * context * fp_tok, compression=0.0,
+        total_bytes=batch * seq_bytes(context),
+        fp16_total_bytes=batch * _fp16_sequence_bytes(context, fp_tok, shape), compression=0.0,
         gpu_memory=gpu_memory, weights_bytes=weights_bytes)
     report.compression = report.fp16_total_bytes / report.total_bytes if report.total_bytes else 1.0
     if gpu_memory is not None:
@@ -185,26 +198,61 @@ def kv_memory(config, preset: str | QuantSpec = "kivi-2", context: int = 4096, b
         if free <= 0:
             raise ValueError(f"weights_bytes ({format_bytes(weights_bytes)}) leave no room in "
                              f"gpu_memory ({format_bytes(gpu_memory)})")
-        report.max_context = _max_context(free // batch, fp_tok, body_tok, fixed)
-        per_seq = _sequence_bytes(context, fp_tok, body_tok, fixed)
+        report.max_context = _max_context(free // batch, seq_bytes)
+        per_seq = seq_bytes(context)
         report.max_batch = int(free // per_seq) if per_seq else None
     return report
 
 
-def _sequence_bytes(tokens: int, fp_tok: int, body_tok: float, fixed: int) -> int:
-    """Worst-case bytes of one sequence: up to ``fixed`` FP16 tokens, the rest in the body."""
-    n_fp = min(tokens, fixed)
-    return math.ceil(n_fp * fp_tok + (tokens - n_fp) * body_tok)
+def sliding_hold(window: int, spec: QuantSpec) -> int:
+    """At most how many tokens a kvbits layer with a sliding window holds: the visible
+    ``window`` plus up to a group, and dead ones until they are a quarter of the live ones
+    (``EVICT_RATIO``), plus the FP16 sink and residual."""
+    G = spec.group_size if spec.quantized else 1
+    fixed = spec.sink_tokens + spec.residual_length + G - 1 if spec.quantized else 0
+    live = window + G
+    return fixed + G * math.ceil(live * (1 + 1 / EVICT_RATIO) / G)
 
 
-def _max_context(budget: int, fp_tok: int, body_tok: float, fixed: int) -> int:
-    """Largest token count whose :func:`_sequence_bytes` fits in ``budget`` bytes."""
-    if budget < fixed * fp_tok:
-        return int(budget // fp_tok)
-    n = fixed + int((budget - fixed * fp_tok) // body_tok)
-    while n > 0 and _sequence_bytes(n, fp_tok, body_tok, fixed) > budget:  # float rounding
-        n -= 1
-    return n
+def _fp16_sequence_bytes(tokens: int, fp_tok: int, shape: KVShape) -> int:
+    """One sequence in transformers' ``DynamicCache``: sliding layers keep ``window - 1``."""
+    per_layer = fp_tok // shape.layers
+    full = shape.layers - shape.sliding_layers
+    return tokens * full * per_layer + min(tokens, max(shape.window - 1, 0)) * \
+        shape.sliding_layers * per_layer
+
+
+def _sequence_bytes(tokens: int, fp_tok: int, body_tok: float, fixed: int,
+                    shape: KVShape | None = None, spec: QuantSpec | None = None) -> int:
+    """Worst-case bytes of one sequence: up to ``fixed`` FP16 tokens, the rest in the body;
+    with ``shape``'s sliding layers holding at most :func:`sliding_hold` tokens."""
+    def part(n: int, share: float) -> float:
+        n_fp = min(n, fixed)
+        return share * (n_fp * fp_tok + (n - n_fp) * body_tok)
+    if shape is None or not shape.sliding_layers:
+        return math.ceil(part(tokens, 1.0))
+    s = shape.sliding_layers / shape.layers
+    return math.ceil(part(tokens, 1 - s) + part(min(tokens, sliding_hold(shape.window, spec)), s))
+
+
+# a LayerStore.evict rule (kept here, not imported: this module needs no torch)
+EVICT_RATIO = 4
+_CONTEXT_CAP = 1 << 40
+
+
+def _max_context(budget: int, seq_bytes) -> int:
+    """Largest token count whose ``seq_bytes`` (non-decreasing) fits in ``budget`` bytes
+    (at most 2^40: a model whose every layer slides never runs out)."""
+    if seq_bytes(_CONTEXT_CAP) <= budget:
+        return _CONTEXT_CAP
+    lo, hi = 0, _CONTEXT_CAP
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if seq_bytes(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 # ------------------------------------------------------------------------------ units and tables
