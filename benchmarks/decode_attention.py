@@ -109,6 +109,15 @@ def flash_graph_us(batch, hq, hkv, context, d):
     return q, bench_graph(lambda: sdpa_fp16(q, k, v, d ** -0.5))
 
 
+def variant_graph_us(q, kv, ref, **knobs):
+    """``decode_attention`` with launch ``knobs`` (splits, tile, gluon, ...): its CUDA-graph time
+    and its relative error against ``ref`` (the same call with the probe's reference knobs)."""
+    scale = q.shape[-1] ** -0.5
+    out = decode_attention(q, kv, scale=scale, **knobs)
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    return bench_graph(lambda: decode_attention(q, kv, scale=scale, **knobs)), err
+
+
 # (num_warps, tile_tokens, prmt) tried by --tune.
 TUNE_GRID = [(4, 128, True), (4, 128, False), (8, 128, True), (4, 64, True), (8, 256, True),
              (4, 256, True)]

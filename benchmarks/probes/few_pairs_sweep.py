@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import random_packed_kv  # noqa: E402
-from decode_attention import ALL_MODELS, bench_graph, flash_graph_us  # noqa: E402
+from decode_attention import ALL_MODELS, bench_graph, flash_graph_us, variant_graph_us  # noqa: E402
 
 from kvbits.kernels import decode_gluon  # noqa: E402
 from kvbits.kernels.decode_attention import _sm_count, decode_attention, num_splits  # noqa: E402
@@ -32,9 +32,7 @@ def gluon_splits(label, model, B, T, presets):
                 f"({tf / tt:.2f}x); gluon splits"]
         for sp in sorted({base, 256, 132, 96, 64, 32, 16, 8}, reverse=True):
             kw = dict(gluon=True, splits=sp)
-            o = decode_attention(q, kv, scale=d ** -0.5, **kw)
-            err = ((o.float() - ref.float()).norm() / ref.float().norm()).item()
-            t = bench_graph(lambda: decode_attention(q, kv, scale=d ** -0.5, **kw))
+            t, err = variant_graph_us(q, kv, ref, **kw)
             line.append(f"{sp}{'*' if sp == base else ''}: {t:.1f} ({tf / t:.2f}x, d {err:.0e})")
         print(" ".join(line[:1]) + " " + ", ".join(line[1:]), flush=True)
         del kv

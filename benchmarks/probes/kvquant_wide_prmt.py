@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import random_packed_kv  # noqa: E402
-from decode_attention import bench_graph, flash_graph_us  # noqa: E402
+from decode_attention import flash_graph_us, variant_graph_us  # noqa: E402
 
 from kvbits.kernels.decode_attention import decode_attention  # noqa: E402
 from kvbits.spec import resolve_spec  # noqa: E402
@@ -27,9 +27,7 @@ for hq, hkv, d, B in ((16, 8, 256, 1), (16, 8, 256, 8)):
         for tile in (None, 32):
             for prmt in (True, False):
                 args = dict(gluon=False, prmt=prmt, tile_tokens=tile)
-                o = decode_attention(q, kv, scale=d ** -0.5, **args)
-                err = ((o.float() - ref.float()).norm() / ref.float().norm()).item()
-                t = bench_graph(lambda: decode_attention(q, kv, scale=d ** -0.5, **args))
+                t, err = variant_graph_us(q, kv, ref, **args)
                 print(f"  {name:12s} tile={tile} prmt={prmt}: {t:8.1f} us x{tf / t:.2f} "
                       f"diff {err:.1e}", flush=True)
         del kv

@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import random_packed_kv  # noqa: E402
-from decode_attention import bench_graph, flash_graph_us  # noqa: E402
+from decode_attention import bench_graph, flash_graph_us, variant_graph_us  # noqa: E402
 
 from kvbits.kernels.decode_attention import decode_attention  # noqa: E402
 from kvbits.spec import resolve_spec  # noqa: E402
@@ -30,9 +30,7 @@ for hq, hkv, d, B in ((16, 8, 256, 1), (16, 8, 256, 8), (8, 1, 256, 8)):
         for warps, tile in GRID:
             args = dict(num_warps=warps, tile_tokens=tile, gluon=False)
             try:
-                o = decode_attention(q, kv, scale=d ** -0.5, **args)
-                err = ((o.float() - ref.float()).norm() / ref.float().norm()).item()
-                t = bench_graph(lambda: decode_attention(q, kv, scale=d ** -0.5, **args))
+                t, err = variant_graph_us(q, kv, ref, **args)
             except Exception as e:  # noqa: BLE001
                 print(f"  {name:12s} warps={warps} tile={tile}: {type(e).__name__}: "
                       f"{str(e)[:100]}", flush=True)
