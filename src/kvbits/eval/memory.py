@@ -175,10 +175,10 @@ def kv_memory(config, preset: str | QuantSpec = "kivi-2", context: int = 4096, b
             _body_bytes(spec.for_layer(i, shape.layers), shape.head_dim)
             if spec.for_layer(i, shape.layers).quantized else fp_bytes_per_token(shape.head_dim)
             for i in range(shape.layers))
-        fixed = spec.sink_tokens + spec.residual_length + spec.group_size - 1
+        fixed = _fixed_fp16_tokens(spec)
     elif spec.quantized:
         body_tok = shape.layers * shape.kv_heads * _body_bytes(spec, shape.head_dim)
-        fixed = spec.sink_tokens + spec.residual_length + spec.group_size - 1
+        fixed = _fixed_fp16_tokens(spec)
     else:
         body_tok, fixed = float(fp_tok), 0
     def seq_bytes(tokens: int) -> int:  # one sequence, sliding layers bounded
@@ -204,12 +204,19 @@ def kv_memory(config, preset: str | QuantSpec = "kivi-2", context: int = 4096, b
     return report
 
 
+def _fixed_fp16_tokens(spec: QuantSpec) -> int:
+    """The worst-case FP16 tokens of a quantized sequence: sink, residual and a group waiting."""
+    return spec.sink_tokens + spec.residual_length + spec.group_size - 1
+
+
 def sliding_hold(window: int, spec: QuantSpec) -> int:
     """At most how many tokens a kvbits layer with a sliding window holds: the visible
     ``window`` plus up to a group, and dead ones until they are a quarter of the live ones
     (``EVICT_RATIO``), plus the FP16 sink and residual."""
+    from ..cache.store import EVICT_RATIO  # the store's rule (imported only when needed)
+
     G = spec.group_size if spec.quantized else 1
-    fixed = spec.sink_tokens + spec.residual_length + G - 1 if spec.quantized else 0
+    fixed = _fixed_fp16_tokens(spec) if spec.quantized else 0
     live = window + G
     return fixed + G * math.ceil(live * (1 + 1 / EVICT_RATIO) / G)
 
@@ -235,8 +242,6 @@ def _sequence_bytes(tokens: int, fp_tok: int, body_tok: float, fixed: int,
     return math.ceil(part(tokens, 1 - s) + part(min(tokens, sliding_hold(shape.window, spec)), s))
 
 
-# a LayerStore.evict rule (kept here, not imported: this module needs no torch)
-EVICT_RATIO = 4
 _CONTEXT_CAP = 1 << 40
 
 
