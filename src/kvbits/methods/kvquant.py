@@ -426,12 +426,12 @@ def weight_probe(model) -> list[float] | None:
     return flat[pos].float().cpu().tolist()
 
 
-def model_fingerprint(model) -> str:
+def model_fingerprint(model, probe: list[float] | None = None) -> str:
     """``{model_type}-L{layers}-H{kv_heads}-D{head_dim}-{hash}``, the hash of the signs and
     binary exponents of :func:`weight_probe` (the same in any float dtype but for values at a
     power of two; it names cached calibrations, :meth:`Calibration.check` compares the probe
-    itself)."""
-    probe = weight_probe(model)
+    itself). ``probe``: the model's probe when the caller has it already."""
+    probe = weight_probe(model) if probe is None else probe
     h = "noweights"
     if probe is not None:
         mant, exp = torch.frexp(torch.tensor(probe, dtype=torch.float64))
@@ -488,11 +488,11 @@ class Calibration:
         must have the same shape (fingerprint prefix) and, where the file carries a weight
         probe, the same weights up to float rounding (any dtype); older files without one
         compare their exact fingerprint."""
-        fp = model_fingerprint(model) if hasattr(model, "named_parameters") else None
+        probe = weight_probe(model) if hasattr(model, "named_parameters") else None
+        fp = model_fingerprint(model, probe) if hasattr(model, "named_parameters") else None
         if fp is None:
             same = True
         elif self.probe is not None:
-            probe = weight_probe(model)
             same = (_shape_name(model) == self.fingerprint.rsplit("-", 1)[0]
                     and probe is not None and probes_match(probe, self.probe))
         else:
@@ -735,7 +735,8 @@ def calibrate(model, input_ids: torch.Tensor, spec: QuantSpec, *, model_name: st
     kv = collect_kv(model, input_ids, window=window, fisher=spec.fisher, pre_rope=spec.pre_rope,
                     log=log)
     layers = [fit_layer(*layer, spec) for layer in kv]
-    return Calibration(layers, spec_fields(spec), model_fingerprint(model), model_name, preset,
-                       data, datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                       {"tokens": int(input_ids.numel()), "window": window},
-                       weight_probe(model))
+    probe = weight_probe(model)
+    return Calibration(layers, spec_fields(spec), model_fingerprint(model, probe), model_name,
+                       preset, data,
+                       datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                       {"tokens": int(input_ids.numel()), "window": window}, probe)
