@@ -75,14 +75,20 @@ def _assert_same_state(a, b, what):
         assert torch.equal(ua[name], ub[name]), f"{what}: buffer {name} differs"
 
 
-def _assert_matches_one_shot(store, k, v, what, valid=None):
+def _assert_matches_one_shot(store, k, v, what, valid=None, starts=None):
     """The store holds exactly sink = k[:S], body = quantize(k[S:S+body]) in one call,
-    residual = the rest, unchanged."""
+    residual = the rest, unchanged. With left padding ``starts``, sequence b's sink is its own
+    first S tokens k[b, :, starts[b]:starts[b]+S] instead, and ``valid`` must hide them too."""
     s = store.spec
     S, nb, nr = store.sink_len, store.body_len, store.res_len
     assert S + nb + nr == k.shape[2], f"{what}: {S}+{nb}+{nr} tokens held, {k.shape[2]} appended"
-    assert torch.equal(store.sink_k[:, :, :S], k[:, :, :S]), f"{what}: sink keys differ"
-    assert torch.equal(store.sink_v[:, :, :S], v[:, :, :S]), f"{what}: sink values differ"
+    if starts is None:
+        sink_k, sink_v = k[:, :, :S], v[:, :, :S]
+    else:
+        sink_k = torch.stack([k[b, :, p:p + S] for b, p in enumerate(starts.tolist())])
+        sink_v = torch.stack([v[b, :, p:p + S] for b, p in enumerate(starts.tolist())])
+    assert torch.equal(store.sink_k[:, :, :S], sink_k), f"{what}: sink keys differ"
+    assert torch.equal(store.sink_v[:, :, :S], sink_v), f"{what}: sink values differ"
     assert torch.equal(store.res_k[:, :, :nr], k[:, :, S + nb:]), f"{what}: residual keys differ"
     assert torch.equal(store.res_v[:, :, :nr], v[:, :, S + nb:]), f"{what}: residual values differ"
     if not nb:
@@ -216,8 +222,9 @@ def test_reorder_selects_along_batch():
     spec = QuantSpec(residual_length=16, sink_tokens=2)
     store = _store(spec, b=3)
     k, v = _kv(100, b=3, seed=4)
-    store.append(k, v)
+    store.append(k, v, flush=False)
     store.set_padding(torch.tensor([0, 3, 1]))
+    store.flush()
     before = {n: t.clone() for n, t in _used(store).items()}
     index = torch.tensor([2, 0, 0, 1])  # beams may repeat and change the batch size
     store.reorder(index)
@@ -229,7 +236,9 @@ def test_reorder_selects_along_batch():
     k2, v2 = _kv(40, b=4, seed=5)
     store.append(k2, v2)
     fresh = _store(spec, b=4)
-    fresh.append(torch.cat([k[index], k2], 2), torch.cat([v[index], v2], 2))
+    fresh.append(torch.cat([k[index], k2], 2), torch.cat([v[index], v2], 2), flush=False)
+    fresh.set_padding(torch.tensor([1, 0, 0, 3]))
+    fresh.flush()
     _assert_same_state(store, fresh, "reorder then append")
 
 
@@ -327,14 +336,47 @@ def test_padding_kept_out_of_minmax(poison):
     used = _used(store)
     for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
         assert torch.isfinite(used[name]).all(), f"padding reached {name}"
-    # Identical to quantizing with the padding excluded, whatever the padding holds.
-    _assert_matches_one_shot(store, kp, vp, f"padding poison={poison}", valid=valid)
+    # Identical to quantizing with the padding (and each sequence's own sink tokens, kept in
+    # FP16) excluded, whatever the padding holds.
+    hidden = torch.arange(T)[None, :] >= starts[:, None] + S
+    _assert_matches_one_shot(store, kp, vp, f"padding poison={poison}", valid=hidden,
+                             starts=starts)
     clean = _store(spec, b=3)
     clean.set_padding(starts)
     clean.append(k, v)
     for name in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"):
         assert torch.equal(used[name], _used(clean)[name]), f"padding values changed {name}"
     assert (used["k_scale"][2, :, 0] == 0).all(), "fully padded key group must have scale 0"
+
+
+def test_padded_sinks_settle_close_and_guard_edits():
+    """A left-padded batch's sink holds each sequence's own first tokens; while the shortest
+    sequence has fewer than S, the sink holds that many and grows with later tokens, until the
+    first flush closes it. Edits that would split a sequence's sink are refused."""
+    S, R, G = 3, 0, 32
+    spec = QuantSpec(key_bits=4, value_bits=4, group_size=G, residual_length=R, sink_tokens=S)
+    k, v = _kv(100, b=2, seed=9)
+    store = _store(spec, b=2)
+    store.set_padding(torch.tensor([0, 39]))
+    store.append(k[:, :, :40], v[:, :, :40], flush=False)  # sequence 1 holds one real token
+    assert store.sink_len == 1 and torch.equal(store.sink_k[1, :, 0], k[1, :, 39])
+    assert torch.equal(store.sink_k[0, :, 0], k[0, :, 0])
+    store.append(k[:, :, 40:41], v[:, :, 40:41], flush=False)  # ... now two
+    assert store.sink_len == 2 and torch.equal(store.sink_k[1, :, :2], k[1, :, 39:41])
+    assert store.res_len == 39 and torch.equal(store.res_k[:, :, :39], k[:, :, 2:41])
+    store.flush()  # the first flush closes the sink at 2
+    assert (store.sink_len, store.body_len, store.res_len) == (2, 32, 7)
+    store.append(k[:, :, 41:], v[:, :, 41:])
+    assert store.sink_len == 2 and torch.equal(store.sink_k[1, :, :2], k[1, :, 39:41])
+    # The reference puts the sinks back at their positions: FP16 there, bit for bit.
+    keys, _ = dequantize_layer(store.view(), torch.float16, starts=store.starts)
+    assert torch.equal(keys[1, :, 39:41], k[1, :, 39:41])
+    assert torch.equal(keys[0, :, :2], k[0, :, :2])
+    with pytest.raises(ValueError, match="own sink"):
+        store.crop(40)  # sequence 1's sink reaches position 40
+    with pytest.raises(ValueError, match="already holds quantized tokens"):
+        store.set_padding(torch.tensor([0, 4]))
+    assert store.evict(40) == 0, "the sink went while a sequence could still see it"
 
 
 # ----------------------------------------------------------------------------- nbytes

@@ -392,9 +392,11 @@ def test_chunks_see_what_generation_sees(arch, chunk, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "gemma2"])
-def test_cuda_kernels_in_model_match_reference(arch, monkeypatch):
-    """On CUDA the cache runs the Triton kernels: same logits as the PyTorch reference ops."""
+@pytest.mark.parametrize("arch,sinks", [("llama", 0), ("gemma3", 0), ("gemma2", 0),
+                                        ("llama", 3), ("gemma3", 2)])
+def test_cuda_kernels_in_model_match_reference(arch, sinks, monkeypatch):
+    """On CUDA the cache runs the Triton kernels: same logits as the PyTorch reference ops
+    (with ``sinks``: each left-padded row's sink holds its own first tokens)."""
     model = tiny_model(arch, "cuda", torch.float16)
     x, mask = padded_batch("cuda", length=80)
     real = mask.bool()
@@ -404,9 +406,10 @@ def test_cuda_kernels_in_model_match_reference(arch, monkeypatch):
     scale = full[real].abs().max().item()
     fp = stepwise_logits(model, x, mask, KVBitsCache(model, "fp16")).float()
     assert (fp[real] - full[real]).abs().max().item() <= 1e-2 * scale
-    kernel = stepwise_logits(model, x, mask, KVBitsCache(model, "kivi-4", residual_length=0))
+    kw = dict(residual_length=0, sink_tokens=sinks)
+    kernel = stepwise_logits(model, x, mask, KVBitsCache(model, "kivi-4", **kw))
     monkeypatch.setenv("KVBITS_KERNELS", "reference")
-    ref = stepwise_logits(model, x, mask, KVBitsCache(model, "kivi-4", residual_length=0))
+    ref = stepwise_logits(model, x, mask, KVBitsCache(model, "kivi-4", **kw))
     assert (kernel.float() - ref.float())[real].abs().max().item() <= 1e-2 * scale
 
 
@@ -513,19 +516,35 @@ def _left_pad(rows, pad_id):
     return ids, mask
 
 
-def test_left_padded_batch_equals_single_runs(lm):
-    """Padding of exactly one group: the short prompt's groups line up with its solo run."""
+@pytest.mark.parametrize("preset,kw", [("kivi-4", {}), ("kivi-4", {"sink_tokens": 3}),
+                                       ("kvquant-3", {"calibration": "uniform"})],
+                         ids=["kivi-4", "kivi-4-S3", "kvquant-3-S1"])
+def test_left_padded_batch_equals_single_runs(lm, preset, kw):
+    """Padding of exactly one group: the short prompt's groups line up with its solo run, and
+    its sink holds its own first tokens (not padding), so generation is identical."""
     model, tok = lm
     x = prompt(tok, 70)[0].tolist()
     long, short = x[:70], x[:38]
     ids, mask = _left_pad([long, short], tok.pad_token_id)
-    cache = KVBitsCache(model, "kivi-4", residual_length=0)
-    out = generate(model, ids, cache, attention_mask=mask, pad_token_id=tok.pad_token_id)
-    alone_long = generate(model, torch.tensor([long]), KVBitsCache(model, "kivi-4", residual_length=0))
-    alone_short = generate(model, torch.tensor([short]), KVBitsCache(model, "kivi-4", residual_length=0))
+
+    def cache():
+        return KVBitsCache(model, preset, residual_length=0, **kw)
+    padded = cache()
+    out = generate(model, ids, padded, attention_mask=mask, pad_token_id=tok.pad_token_id)
+    alone_long = generate(model, torch.tensor([long]), cache())
+    alone_short = generate(model, torch.tensor([short]), cache())
     assert out[0, 70:].tolist() == alone_long[0, 70:].tolist()
     assert out[1, 70:].tolist() == alone_short[0, 38:].tolist()
-    for store in cache.stores:
+    S = padded.stores[0].sink_len
+    assert S == padded.stores[0].spec.sink_tokens
+    if S:  # the short prompt's sink: its own first S keys, bit for bit (the solo run's sink)
+        solo = cache()
+        forward(model, torch.tensor([short]), solo)
+        for a, b in zip(padded.stores, solo.stores):
+            assert torch.equal(a.sink_k[1, :, :S], b.sink_k[0, :, :S])
+    if preset != "kivi-4":
+        return
+    for store in padded.stores:
         assert store.starts.tolist() == [0, 32]
         # The all-padding group 0 of the short prompt holds no valid token: scale = zero = 0.
         assert not store.k_scale[1, :, 0].any() and not store.k_zero[1, :, 0].any()

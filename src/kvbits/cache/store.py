@@ -6,6 +6,11 @@ or more, its oldest whole groups of G are quantized in one call and moved to the
 is quantized exactly once, from its original values: history is never re-quantized.
 
 Left padding is tracked per sequence (``starts``) so padding never enters a group's min/max.
+In a left-padded batch each sequence's sink holds *its own* first S tokens (gathered at the
+prompt, :meth:`LayerStore.set_padding`), so a shorter prompt keeps its attention sink in FP16
+like an unpadded one: sequence ``b``'s sink token ``j`` sits at position ``starts[b] + j``, and
+its body and residual are visible from index ``starts[b] + sink_len`` on (the copies of the sink
+tokens there are hidden, and kept out of every group's min/max).
 
 KVQuant (``spec.method == "kvquant"``): the store also holds the layer's codebooks and the
 per-token outliers of the body (see :mod:`kvbits.methods.kvquant`); with ``spec.pre_rope`` the
@@ -61,7 +66,12 @@ class LayerStore:
                           f"values are quantized in groups of {self.value_group} channels "
                           "(spec.value_group)", stacklevel=2)
         self.starts = torch.zeros(batch, dtype=torch.int32, device=self.device)
-        self._pad_end = 0  # host-side bound: no sequence has padding at positions >= this
+        # host-side bound: no sequence has hidden tokens (padding, or copies of its sink) in
+        # the body or residual at positions >= this
+        self._pad_end = 0
+        self._pad = 0  # max(starts): the longest left padding
+        self._row_sinks = False  # the sink holds each sequence's own first tokens (padded batch)
+        self._sink_closed = False  # ... and takes no more (it is full, or tokens were quantized)
         self.lens_dev: torch.Tensor | None = None  # device lengths mode (begin_device_lengths)
         self._dev_valid = False  # that mode: flushes still need a padding mask
         self._dense = None  # reference path only: see _dense_body
@@ -232,10 +242,62 @@ class LayerStore:
 
     # ------------------------------------------------------------------ writes
     def set_padding(self, starts: torch.Tensor) -> None:
-        """Record left padding: sequence ``b`` has padding at positions ``< starts[b]``."""
-        self.starts = starts.to(device=self.device, dtype=torch.int32)
+        """Record left padding: sequence ``b`` has padding at positions ``< starts[b]``.
+
+        Set it before the prompt's tokens are quantized (the HF integration sets it between
+        ``append(..., flush=False)`` and :meth:`flush`). With a sink, each padded sequence's
+        sink then holds its *own* first tokens (positions ``starts[b] + j``,
+        :meth:`_settle_sinks`)."""
+        starts = starts.to(device=self.device, dtype=torch.int32)
         # One host read here (at prefill) spares one per flush during decode.
-        self._pad_end = int(self.starts.max()) if self.starts.numel() else 0
+        pad = int(starts.max()) if starts.numel() else 0
+        if pad > 0 and self.spec.sink_tokens and (self.body_len or self.evicted):
+            raise ValueError("set_padding: this layer already holds quantized tokens; set the "
+                             "padding before the prompt is flushed (append(..., flush=False), "
+                             "set_padding, flush)")
+        self.starts, self._pad = starts, pad
+        self._settle_sinks()
+
+    def _settle_sinks(self) -> None:
+        """In a left-padded batch whose sink is still open, (re)gather every sequence's first
+        ``min(S, shortest sequence)`` real tokens into the sink from the FP16 tokens held (the
+        sink and the residual; nothing is quantized yet). The sink closes once it holds S, or
+        at the first flush. Keeps ``_pad_end`` (the host bound of hidden positions) in step."""
+        if self._pad and self.spec.sink_tokens and not self._sink_closed:
+            k, v = self._fp_in_order()
+            n = k.shape[2]
+            keep = max(0, min(self.spec.sink_tokens, n - self._pad))
+            at = self.starts.long()[:, None] + torch.arange(keep, device=self.device)  # [B, keep]
+            at = at[:, None, :, None].expand(-1, self.kv_heads, -1, self.head_dim)
+            self.sink_k[:, :, :keep] = torch.gather(k, 2, at)
+            self.sink_v[:, :, :keep] = torch.gather(v, 2, at)
+            self.res_k, self.res_v = (_write(x.new_empty(*x.shape[:2], 0, x.shape[3]), 0,
+                                             x[:, :, keep:]) for x in (k, v))
+            self.sink_len, self.res_len = keep, n - keep
+            self._row_sinks = True
+            self._sink_closed = keep == self.spec.sink_tokens
+        self._pad_end = self._pad + self.sink_len if self._pad else 0
+
+    def _fp_in_order(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sink and residual (no body yet) as one ``[B, H, n, D]`` pair in position order:
+        per-sequence sink tokens go back to their positions ``starts[b] + j``."""
+        k = torch.cat([self.sink_k[:, :, :self.sink_len], self.res_k[:, :, :self.res_len]], 2)
+        v = torch.cat([self.sink_v[:, :, :self.sink_len], self.res_v[:, :, :self.res_len]], 2)
+        if self._row_sinks and self.sink_len:
+            at = self.starts.long()[:, None] + torch.arange(self.sink_len, device=self.device)
+            at = at[:, None, :, None].expand(-1, self.kv_heads, -1, self.head_dim)
+            k = k.scatter(2, at, k[:, :, :self.sink_len])
+            v = v.scatter(2, at, v[:, :, :self.sink_len])
+        return k, v
+
+    def _close_sink(self) -> None:
+        """No more sink tokens: the first group is about to be quantized."""
+        self._sink_closed = self._sink_closed or bool(self._pad)
+
+    def _visible_from(self) -> torch.Tensor:
+        """``[B, 1]``: each sequence's first body/residual index that it sees (past its padding
+        and the copies of its sink tokens)."""
+        return (self.starts + self.sink_len)[:, None]
 
     def append(self, k: torch.Tensor, v: torch.Tensor, flush: bool = True) -> None:
         """Add ``k, v [B, H, T, D]`` at the end of every sequence.
@@ -247,7 +309,9 @@ class LayerStore:
         k, v = k.to(self.dtype), v.to(self.dtype)
         if self.hadamard is not None:
             k = ref_hadamard.rotate(k, self.hadamard)
-        take = 0 if self.evicted else min(self.spec.sink_tokens - self.sink_len, k.shape[2])
+        # padded batch: the sink is gathered per sequence (_settle_sinks), not taken in order
+        take = 0 if self.evicted or self._sink_closed or self._pad else \
+            min(self.spec.sink_tokens - self.sink_len, k.shape[2])
         if take > 0:
             self.sink_k[:, :, self.sink_len:self.sink_len + take] = k[:, :, :take]
             self.sink_v[:, :, self.sink_len:self.sink_len + take] = v[:, :, :take]
@@ -257,6 +321,8 @@ class LayerStore:
             self.res_k = _write(self.res_k, self.res_len, k)
             self.res_v = _write(self.res_v, self.res_len, v)
             self.res_len += k.shape[2]
+        if self._pad and not self._sink_closed:
+            self._settle_sinks()
         if flush:
             self.flush()
 
@@ -273,7 +339,7 @@ class LayerStore:
         device lengths; the reference reads the host ones): pre-RoPE keys need a power-of-two
         head_dim >= 32 (:func:`~kvbits.formats.layout.pre_rope_kernel_ok`)."""
         s = self.spec
-        if self.sink_len < s.sink_tokens and not self.evicted:
+        if self.sink_len < s.sink_tokens and not (self.evicted or self._sink_closed):
             return False
         if not s.quantized:
             return True
@@ -319,6 +385,8 @@ class LayerStore:
         before the first stored token, which keeps every mask (relative to stored indices) and
         the pre-RoPE re-rotation (at ``index - starts``) exact with no offset in the kernels."""
         if self.lens_dev is not None:
+            return 0
+        if self.sink_len and self._pad_end > upto:  # a sequence still sees its own sink
             return 0
         if not self.spec.quantized:  # FP16 spec: every token is in the residual
             drop = min(max(0, upto - self.sink_len), self.res_len)
@@ -392,7 +460,7 @@ class LayerStore:
         first = self.lens_dev[0:1].long() + body  # sequence index of the group's first token
         valid = None
         if self._dev_valid:
-            valid = (first + torch.arange(G, device=self.device))[None, :] >= self.starts[:, None]
+            valid = (first + torch.arange(G, device=self.device))[None, :] >= self._visible_from()
         if self.inv_freq is not None:  # pre-RoPE keys: undo the model's rotation
             k = ref_rope.unrotate(k, ref_rope.token_positions(self.starts, first, G),
                                   self.inv_freq)
@@ -466,12 +534,13 @@ class LayerStore:
         if n_groups <= 0:
             return
         n = n_groups * G
+        self._close_sink()
         k, v = self.res_k[:, :, :n], self.res_v[:, :, :n]
         first = self.sink_len + self.body_len
         valid = None  # past every sequence's padding: no mask, and no device->host sync
         if first < self._pad_end:
             positions = first + torch.arange(n, device=self.device)
-            valid = positions[None, :] >= self.starts[:, None]  # [B, n]
+            valid = positions[None, :] >= self._visible_from()  # [B, n]
         if self.inv_freq is not None:  # pre-RoPE keys: undo the model's rotation
             pos = ref_rope.token_positions(self.starts, first, n)
             k = ref_rope.unrotate(k, pos, self.inv_freq)
@@ -592,6 +661,10 @@ class LayerStore:
             length = max(0, self.seq_len + length)
         if length >= self.seq_len:
             return None
+        if self._row_sinks and self.sink_len and length < self._pad_end:
+            raise ValueError(
+                f"crop: cannot cut at {length}: in this left-padded batch a sequence's own sink "
+                f"tokens reach position {self._pad_end - 1}; crop to >= {self._pad_end}")
         body_end = self.sink_len + self.body_len
         if self.sink_len < length < body_end and (length - self.sink_len) % self.spec.group_size:
             raise ValueError(

@@ -54,7 +54,11 @@ Method breadth (``QuantSpec.method`` "uniform" / "fp8", ``hadamard``; plain KIVI
   calling attention, so ``q . k`` is unchanged and a kernel reads the layer as a plain one.
 
 Lengths are shared by the batch (as in transformers' caches); per-sequence validity is given to
-the ops separately (``starts``: left padding, ``lengths``: ragged ends). A dequantized value is
+the ops separately (``starts``: left padding, ``lengths``: ragged ends). Sequence ``b``'s sink
+holds *its own* first ``sink_len`` tokens, at positions ``starts[b] + j``; its body and residual
+are visible from index ``starts[b] + sink_len`` (before that: padding, and copies of its sink
+tokens, which the cache keeps out of every group's min/max). Without padding this is the plain
+``sink | body | residual`` order. A dequantized value is
 ``code * scale + zero``: the reference computes it in float32, the decode kernel in float16
 (one half-precision FMA; the kernel tests bound the difference).
 """

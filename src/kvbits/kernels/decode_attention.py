@@ -400,7 +400,8 @@ def _attend_fp16(q, k_base, v_base, lo, hi, pos0, pos, start, length, window, m_
                  offs_d, d_ok, softcap, D: tl.constexpr, BLOCK_FP: tl.constexpr,
                  HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     """Online-softmax attention over FP16 rows ``[lo, hi)`` of one (sequence, head) slice whose
-    first row sits at position ``pos0`` (sink: 0; residual: after the body)."""
+    first row sits at position ``pos0`` (sink: the sequence's start; residual: after the body),
+    visible from position ``start``."""
     for i0 in range(lo, hi, BLOCK_FP):
         offs_i = i0 + tl.arange(0, BLOCK_FP)
         i_ok = offs_i < hi
@@ -505,7 +506,9 @@ def _decode_kernel(
         n_groups = body_len // G
         g_lo = split * groups_per_split
         g_hi = tl.minimum(g_lo + groups_per_split, n_groups)
-        first = start - sink_len  # skip groups outside this sequence's [start, length) and window
+        # skip groups outside this sequence's visible range (its body starts at index
+        # start + sink_len: before it, padding and the copies of its own sink) and window
+        first = start
         if HAS_WINDOW:
             first = tl.maximum(first, length - Lq - window + 1 - sink_len)
         g_lo = tl.maximum(g_lo, tl.maximum(first, 0) // G)
@@ -558,11 +561,12 @@ def _decode_kernel(
             # Only tiles at the edges (padding, sequence end, window, last partial step) need the
             # per-element mask; rows past the real query rows are dropped at the store.
             t_lo = sink_len + g0 * G
-            edge = (t_lo < start) | (g0 + GPT > g_hi) | (t_lo + N - 1 > pos_min)
+            edge = (t_lo < start + sink_len) | (g0 + GPT > g_hi) | (t_lo + N - 1 > pos_min)
             if HAS_WINDOW:
                 edge = edge | (t_lo <= length - 1 - window)
             if edge:
-                vis = _visible(sink_len + offs_t, pos, start, length, window, HAS_WINDOW)
+                vis = _visible(sink_len + offs_t, pos, start + sink_len, length, window,
+                               HAS_WINDOW)
                 sc = tl.where(vis & (offs_t < g_hi * G)[None, :], sc, float("-inf"))
             p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, softcap, SOFTCAP)
             if FP8:  # the value multiplier scales the finished partial output instead
@@ -574,18 +578,20 @@ def _decode_kernel(
                                GV, EVEN_D, USE_PRMT, V_CB, V_OUT)
             acc = acc * alpha[:, None] + tl.dot(p.to(Q.dtype.element_ty), v.to(Q.dtype.element_ty))
     else:
-        # FP16 tokens: index i < sink_len is sink token i, else residual token i - sink_len.
+        # FP16 tokens: index i < sink_len is sink token i (the sequence's own i-th token, at
+        # position start + i), else residual token i - sink_len.
         fs = split - n_body_splits
         i_lo = fs * fp_per_split
         i_hi = tl.minimum(i_lo + fp_per_split, sink_len + res_len)
         m_i, l_i, acc = _attend_fp16(q, SinkK + bh64 * sink_cap * D, SinkV + bh64 * sink_cap * D,
-                                     i_lo, tl.minimum(i_hi, sink_len), 0, pos, start, length,
+                                     i_lo, tl.minimum(i_hi, sink_len), start, pos, start, length,
                                      window, m_i, l_i, acc, offs_d, d_ok, softcap, D, BLOCK_FP,
                                      HAS_WINDOW, SOFTCAP)
         m_i, l_i, acc = _attend_fp16(q, ResK + bh64 * res_cap * D, ResV + bh64 * res_cap * D,
                                      tl.maximum(i_lo, sink_len) - sink_len, i_hi - sink_len,
-                                     sink_len + body_len, pos, start, length, window, m_i, l_i,
-                                     acc, offs_d, d_ok, softcap, D, BLOCK_FP, HAS_WINDOW, SOFTCAP)
+                                     sink_len + body_len, pos, start + sink_len, length, window,
+                                     m_i, l_i, acc, offs_d, d_ok, softcap, D, BLOCK_FP,
+                                     HAS_WINDOW, SOFTCAP)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     if FP8:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if split < n_body_splits:
@@ -671,7 +677,9 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
                      softcap: float | None = None) -> torch.Tensor:
     """Attention of ``q [B, Hq, Lq, D]`` over a packed layer (rules of the reference op).
 
-    ``starts``/``lengths``: optional ``[B]`` int tensors (first visible position; sequence end).
+    ``starts``/``lengths``: optional ``[B]`` int tensors (first real position, i.e. left
+    padding; sequence end). A sequence's sink holds its own first ``sink_len`` tokens, at
+    positions ``start + j``, so its body and residual are visible from ``start + sink_len``.
     ``splits``, ``num_warps`` and ``tile_tokens`` (body tokens per loop step, a power-of-two
     multiple of the group size) override the defaults (tests and tuning); ``prmt`` selects the
     PTX byte-permute code conversion (default: on a GPU, not under ``TRITON_INTERPRET``).

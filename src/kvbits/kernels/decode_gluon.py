@@ -1202,7 +1202,7 @@ if gluon is not None:
         n_steps = (body_len + 63) // 64
         s_lo = split * steps_per_split
         s_hi = gl.minimum(s_lo + steps_per_split, n_steps)
-        first = gl.maximum(start - sink_len, 0)
+        first = gl.maximum(start, 0)  # body index: padding and sink copies before
         s_lo = gl.maximum(s_lo, (first // SPAN) * (SPAN // 64))
         end = gl.minimum(length - sink_len, body_len)  # body tokens visible: [first, end)
         s_hi = gl.minimum(s_hi, ((end + SPAN - 1) // SPAN) * (SPAN // 64))

@@ -6,6 +6,8 @@ and applies the same masking rules the kernel applies:
 * the ``Lq`` query rows of sequence ``b`` sit at positions ``lengths[b] - Lq + i``;
 * row ``i`` sees tokens ``starts[b] <= t <= lengths[b] - Lq + i`` (left padding, causality and
   ragged ends), and with a sliding ``window`` only ``t > position - window``;
+* a left-padded sequence's sink holds its own first tokens, at positions ``starts[b] + j``
+  (:func:`dequantize_layer` puts them there);
 * query head ``h`` reads KV head ``h // (Hq // Hkv)`` (grouped-query attention);
 * a row that sees no token outputs zeros.
 """
@@ -84,7 +86,25 @@ def _kvq():
 def dequantize_layer(kv: PackedKV, dtype: torch.dtype = torch.float32, starts=None):
     """Full-precision ``(K, V)`` of shape ``[B, H, total_len, D]`` in logical token order.
 
-    ``starts`` (left padding) only matters for pre-RoPE keys (their positions)."""
+    ``starts`` (left padding): sequence ``b``'s sink tokens are its first real ones, so they go
+    to positions ``starts[b] + j`` (over the body/residual copies there, or into the sink's
+    slots); pre-RoPE keys are re-rotated at their positions."""
+    keys, values = _stored_order(kv, dtype, starts)
+    if starts is not None and kv.sink_len:
+        starts = torch.as_tensor(starts, device=keys.device).long().expand(kv.batch)
+        if bool((starts > 0).any()):
+            total, S = keys.shape[2], kv.sink_len
+            at = starts[:, None] + torch.arange(S, device=keys.device)  # [B, S]
+            at = at[:, None, :, None].expand(-1, kv.kv_heads, -1, keys.shape[-1])
+            # S spare slots at the end take the sink tokens of a sequence shorter than its sink
+            # (positions past the end: no query sees them, as in the kernel)
+            keys, values = (torch.cat([x, x[:, :, :S]], 2).scatter(2, at, x[:, :, :S])[:, :, :total]
+                            for x in (keys, values))
+    return keys, values
+
+
+def _stored_order(kv: PackedKV, dtype: torch.dtype, starts):
+    """``sink | body | residual`` as stored, concatenated."""
     keys = [kv.sink_k[:, :, : kv.sink_len].to(dtype)]
     values = [kv.sink_v[:, :, : kv.sink_len].to(dtype)]
     if kv.body_len and kv.dense_body is not None:
