@@ -303,6 +303,35 @@ def test_generate_text_decode_loop_equals_generate():
                                                               graphs=False, fuse=True))
 
 
+@pytest.mark.parametrize("preset", ["fp16", "kivi-4:R=0,S=2"])
+def test_generate_text_several_prompts_is_a_padded_batch(preset):
+    """Several prompts decode as one left-padded batch: each row continues as it does alone
+    (padding of one whole group, so even the quantized rows' groups and sinks line up)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvbits.cli import GenerateConfig, generate_text, parse_preset
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.generation_config.eos_token_id = None
+    spec = parse_preset(preset).spec
+    words = [str(i) for i in torch.randint(1, 64, (72,)).tolist()]
+    long, short = " ".join(words), " ".join(words[:40])
+    run = lambda prompt: generate_text(model, _StubTokenizer(), GenerateConfig(
+        spec=spec, prompt=prompt, max_new_tokens=12, graphs=False))
+    both = run([long, short])
+    assert both["texts"] == [run(long)["text"], run(short)["text"]]
+    assert both["prompt_tokens"] == 112 and both["new_tokens"] == 24
+    with pytest.raises(ValueError, match="one prompt"):
+        generate_text(model, _StubTokenizer(), GenerateConfig(spec=spec, prompt=[long, short],
+                                                              graphs=True))
+
+
 def test_generate_calibrates_kvquant_presets_on_the_fly(monkeypatch):
     """A kvquant preset in ``kvbits generate`` gets its (cached) calibration instead of failing
     for want of codebooks, through the same factory as ``kvbits ppl``."""

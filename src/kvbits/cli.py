@@ -421,7 +421,7 @@ def _cmd_tune(args) -> int:
 class GenerateConfig:
     model: str = "smollm2"
     spec: QuantSpec = field(default_factory=lambda: PRESETS["kivi-2"])
-    prompt: str = ""
+    prompt: str | list[str] = ""  # several: one left-padded batch
     max_new_tokens: int = 64
     sample: bool = False
     temperature: float = 0.7
@@ -440,22 +440,23 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
     Greedy single-beam decoding on CUDA goes through
     :class:`~kvbits.integrations.decode_loop.GreedyDecoder` (each step replayed from a CUDA
     graph; the same tokens as ``generate``, which is host-bound at small batch), stopping at the
-    first end-of-sequence token as ``generate`` does; ``cfg.graphs=False`` keeps ``generate``."""
+    first end-of-sequence token as ``generate`` does; ``cfg.graphs=False`` keeps ``generate``.
+    Several prompts (a list) decode as one left-padded batch through ``generate``: ``texts``
+    holds each continuation (``text`` is the first)."""
     import torch
 
     from .eval.perplexity import cache_nbytes
     from .integrations.hf import KVBitsCache, cache_kwargs
 
-    if cfg.chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": cfg.prompt}],
-                                            add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True)["input_ids"]
-    else:
-        ids = tokenizer(cfg.prompt, return_tensors="pt")["input_ids"]
-    if ids.shape[1] == 0:
-        raise ValueError("--prompt: the prompt has no tokens (give some text, or --chat for the "
-                         "model's chat template)")
-    ids = ids.to(model.device)
+    prompts = [cfg.prompt] if isinstance(cfg.prompt, str) else list(cfg.prompt)
+    if not prompts:
+        raise ValueError("--prompt: give at least one prompt")
+    rows = [_prompt_ids(tokenizer, text, cfg.chat) for text in prompts]
+    width = max(len(r) for r in rows)
+    pad = _pad_id(model, tokenizer)
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=model.device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows],
+                        device=model.device)
     if cfg.spec.calibrated or cfg.spec.hadamard_calibrated:  # calibrated once, then cached
         cache = make_cache_factory(model, Variant(cfg.label or "custom", "kvbits", cfg.spec))()
     else:
@@ -467,10 +468,14 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
     else:
         opts.update(temperature=None, top_p=None, top_k=None)
     one_beam = cfg.num_beams == 1
-    graphs = (one_beam and model.device.type == "cuda") if cfg.graphs is None else cfg.graphs
+    graphs = (one_beam and len(rows) == 1 and model.device.type == "cuda") \
+        if cfg.graphs is None else cfg.graphs
     if graphs and not one_beam:
         raise ValueError("generate: graphs=True needs one beam (greedy or --sample), got "
                          f"num_beams={cfg.num_beams}")
+    if graphs and len(rows) > 1:
+        raise ValueError(f"generate: graphs=True decodes one prompt, got {len(rows)} (several "
+                         "prompts decode as a padded batch through generate: --no-graphs)")
     if cfg.fuse and not graphs:
         raise ValueError("generate: fuse=True (--fuse) needs the graph loop (graphs=True, one "
                          "beam)")
@@ -485,15 +490,16 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
             sampling = (Sampling(cfg.temperature, getattr(model.generation_config, "top_k", 0)
                                  or 0, cfg.top_p) if cfg.sample else None)
             new = GreedyDecoder(model, cache, fuse="inductor" if cfg.fuse else None,
-                                sampling=sampling).generate(ids, cfg.max_new_tokens)[0]
-            new = new[: _until_eos(new, model.generation_config.eos_token_id)]
+                                sampling=sampling).generate(ids, cfg.max_new_tokens)
         else:
-            out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                 **opts, **cache_kwargs(model, cache))
-            new = out[0, ids.shape[1]:]
+            new = model.generate(ids, attention_mask=mask, pad_token_id=pad,
+                                 **opts, **cache_kwargs(model, cache))[:, width:]
     seconds = time.perf_counter() - t0
-    return {"text": tokenizer.decode(new, skip_special_tokens=True), "prompt_tokens": ids.shape[1],
-            "new_tokens": int(new.numel()), "seconds": seconds,
+    eos = model.generation_config.eos_token_id
+    new = [row[: _until_eos(row, eos)] for row in new]
+    texts = [tokenizer.decode(row, skip_special_tokens=True) for row in new]
+    return {"text": texts[0], "texts": texts, "prompt_tokens": sum(len(r) for r in rows),
+            "new_tokens": sum(int(row.numel()) for row in new), "seconds": seconds,
             "cache_bytes": cache_nbytes(cache), "cache_bytes_fp16": cache_nbytes(cache, fp16=True),
             "fp16_cache_bytes": cache.fp16_nbytes() * 2 // next(model.parameters()).element_size()}
 
@@ -507,6 +513,31 @@ def _device(name: str) -> str:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: torch sees no CUDA device (use --device cpu or auto)")
     return name
+
+
+def _prompt_ids(tokenizer, text: str, chat: bool) -> list[int]:
+    """Token ids of one prompt (in the chat template with ``chat``, where the tokenizer has one)."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    if ids.shape[1] == 0:
+        raise ValueError(f"--prompt: the prompt {text!r} has no tokens (give some text, or "
+                         "--chat for the model's chat template)")
+    return ids[0].tolist()
+
+
+def _pad_id(model, tokenizer) -> int:
+    """The id that left-pads a batch of prompts (masked out; the tokenizer's pad token, else the
+    model's, else end-of-sequence)."""
+    for x in (getattr(tokenizer, "pad_token_id", None), model.generation_config.pad_token_id,
+              model.generation_config.eos_token_id, 0):
+        x = x[0] if isinstance(x, (list, tuple)) and x else x
+        if isinstance(x, int):
+            return x
+    return 0
 
 
 def _until_eos(tokens, eos) -> int:
@@ -529,12 +560,16 @@ def _cmd_generate(args) -> int:
                          "otherwise): add --sample")
     variant = parse_preset(args.preset, group_size=args.group_size,
                            residual_length=args.residual_length, sink_tokens=args.sink_tokens)
-    cfg = GenerateConfig(args.model, variant.spec, args.prompt, args.max_new_tokens, args.sample,
+    prompt = args.prompt[0] if len(args.prompt) == 1 else args.prompt
+    cfg = GenerateConfig(args.model, variant.spec, prompt, args.max_new_tokens, args.sample,
                          args.temperature, args.top_p, args.num_beams, args.chat, args.seed,
                          args.graphs, variant.label, args.fuse)
     model, tok, _ = _load(cfg.model, device=_device(args.device))
     r = generate_text(model, tok, cfg)
-    print(r["text"])
+    if len(r["texts"]) == 1:
+        print(r["text"])
+    for i, text in enumerate(r["texts"] if len(r["texts"]) > 1 else ()):
+        print(f"--- [{i}] {args.prompt[i]!r}\n{text}")
     _log(f"{variant.label} ({cfg.spec.describe()}): {r['prompt_tokens']} prompt + "
          f"{r['new_tokens']} new tokens in {r['seconds']:.1f} s; KV cache "
          f"{r['cache_bytes_fp16']:,} bytes as FP16 model (FP16 cache: {r['fp16_cache_bytes']:,})")
@@ -726,7 +761,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate from a prompt with a KVBitsCache.")
     p.add_argument("--model", default="smollm2", help=f"model: {model_help} (default smollm2)")
     p.add_argument("--preset", default="kivi-2", help=PRESET_HELP + " (default kivi-2)")
-    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--prompt", required=True, action="append",
+                   help="the prompt text; repeat it to decode several prompts as one "
+                        "left-padded batch (each row keeps its own attention sink)")
     p.add_argument("--max-new-tokens", type=_positive, default=64, help="default 64")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=0.7, help="with --sample (default 0.7)")
