@@ -37,7 +37,7 @@ from ..formats.packing import packed_length
 from ..methods import kvquant as kvq
 from ..reference import hadamard as ref_hadamard
 from ..reference import quant as ref_quant
-from ..reference.attention import dequantize_body
+from ..reference.attention import dequantize_body, place_sinks
 from ..reference import rope as ref_rope
 from ..spec import QuantSpec
 
@@ -284,10 +284,7 @@ class LayerStore:
         k = torch.cat([self.sink_k[:, :, :self.sink_len], self.res_k[:, :, :self.res_len]], 2)
         v = torch.cat([self.sink_v[:, :, :self.sink_len], self.res_v[:, :, :self.res_len]], 2)
         if self._row_sinks and self.sink_len:
-            at = self.starts.long()[:, None] + torch.arange(self.sink_len, device=self.device)
-            at = at[:, None, :, None].expand(-1, self.kv_heads, -1, self.head_dim)
-            k = k.scatter(2, at, k[:, :, :self.sink_len])
-            v = v.scatter(2, at, v[:, :, :self.sink_len])
+            k, v = (place_sinks(x, self.starts, self.sink_len) for x in (k, v))
         return k, v
 
     def _close_sink(self) -> None:

@@ -93,14 +93,19 @@ def dequantize_layer(kv: PackedKV, dtype: torch.dtype = torch.float32, starts=No
     if starts is not None and kv.sink_len:
         starts = torch.as_tensor(starts, device=keys.device).long().expand(kv.batch)
         if bool((starts > 0).any()):
-            total, S = keys.shape[2], kv.sink_len
-            at = starts[:, None] + torch.arange(S, device=keys.device)  # [B, S]
-            at = at[:, None, :, None].expand(-1, kv.kv_heads, -1, keys.shape[-1])
-            # S spare slots at the end take the sink tokens of a sequence shorter than its sink
-            # (positions past the end: no query sees them, as in the kernel)
-            keys, values = (torch.cat([x, x[:, :, :S]], 2).scatter(2, at, x[:, :, :S])[:, :, :total]
-                            for x in (keys, values))
+            keys, values = (place_sinks(x, starts, kv.sink_len) for x in (keys, values))
     return keys, values
+
+
+def place_sinks(x: torch.Tensor, starts: torch.Tensor, sink_len: int) -> torch.Tensor:
+    """``x [B, H, n, D]`` in stored order (the ``sink_len`` sink tokens first) -> position
+    order: sequence ``b``'s sink tokens go to positions ``starts[b] + j``, over what the stored
+    order has there (padding, or the hidden copies of those tokens). A sink token past ``n`` (a
+    sequence shorter than its sink) is dropped: no query sees it, as in the kernel."""
+    n, S = x.shape[2], sink_len
+    at = (starts.long()[:, None] + torch.arange(S, device=x.device)).clamp(max=n + S - 1)
+    at = at[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
+    return torch.cat([x, x[:, :, :S]], 2).scatter(2, at, x[:, :, :S])[:, :, :n]
 
 
 def _stored_order(kv: PackedKV, dtype: torch.dtype, starts):
