@@ -267,22 +267,31 @@ class _StubTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
-def test_generate_text_decode_loop_equals_generate():
-    """The CUDA-graph loop's path (eager here, on the CPU) gives generate's greedy tokens and
-    stops where generate stops."""
+def _tiny_llama(logit_scale: float = 1.0):
+    """A random 2-layer Llama (seed 0, 64-token vocabulary, GQA 2) with no end-of-sequence token;
+    ``logit_scale`` sharpens its output so that greedy tokens are stable."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from kvbits.cli import GenerateConfig, _until_eos, generate_text
-    from kvbits.spec import resolve_spec
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
+        model.lm_head.weight.mul_(logit_scale)
     model.generation_config.eos_token_id = None
+    return model
+
+
+def test_generate_text_decode_loop_equals_generate():
+    """The CUDA-graph loop's path (eager here, on the CPU) gives generate's greedy tokens and
+    stops where generate stops."""
+    import torch
+
+    from kvbits.cli import GenerateConfig, _until_eos, generate_text
+    from kvbits.spec import resolve_spec
+
+    model = _tiny_llama(logit_scale=8.0)
     prompt = " ".join(str(i) for i in torch.randint(1, 64, (40,)).tolist())
     spec = resolve_spec("kivi-2").replace(residual_length=4)
     runs = {g: generate_text(model, _StubTokenizer(), GenerateConfig(spec=spec, prompt=prompt,
@@ -308,17 +317,10 @@ def test_generate_text_several_prompts_is_a_padded_batch(preset):
     """Several prompts decode as one left-padded batch: each row continues as it does alone
     (padding of one whole group, so even the quantized rows' groups and sinks line up)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from kvbits.cli import GenerateConfig, generate_text, parse_preset
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    model.generation_config.eos_token_id = None
+    model = _tiny_llama(logit_scale=8.0)
     spec = parse_preset(preset).spec
     words = [str(i) for i in torch.randint(1, 64, (72,)).tolist()]
     long, short = " ".join(words), " ".join(words[:40])
@@ -336,17 +338,12 @@ def test_generate_calibrates_kvquant_presets_on_the_fly(monkeypatch):
     """A kvquant preset in ``kvbits generate`` gets its (cached) calibration instead of failing
     for want of codebooks, through the same factory as ``kvbits ppl``."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     import kvbits.methods.kvquant as kvq
     from kvbits.cli import GenerateConfig, generate_text
     from kvbits.spec import resolve_spec
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    model = LlamaForCausalLM(cfg).eval()
-    model.generation_config.eos_token_id = None
+    model = _tiny_llama()
     spec = resolve_spec("kvquant-3").replace(residual_length=4, group_size=32)
     ids = torch.randint(0, 64, (1, 256))
     made = []
