@@ -35,9 +35,10 @@ from kvbits.spec import resolve_spec  # noqa: E402
 
 MODELS = {"llama-2-7b": (32, 32, 128), "llama-3-8b": (32, 8, 128)}  # q heads, kv heads, head_dim
 # Shapes the kernels were not tuned on (--models), from the published configs: GQA 7:1, head
-# dims 64, 96 and 256
+# dims 64, 96 and 256; Gemma-2 (run with --softcap 50, as its global layers are)
 OTHER_MODELS = {"qwen2.5-7b": (28, 4, 128), "gemma-2-9b": (16, 8, 256),
-                "phi-3-mini": (32, 32, 96), "smollm2-1.7b": (32, 32, 64)}
+                "gemma-2-27b": (32, 16, 128), "phi-3-mini": (32, 32, 96),
+                "smollm2-1.7b": (32, 32, 64)}
 ALL_MODELS = MODELS | OTHER_MODELS
 
 
@@ -168,14 +169,14 @@ def dequantize_all_torch(kv):
     return k, v
 
 
-def rel_err(out, kv, q, scale) -> float:
+def rel_err(out, kv, q, scale, softcap=None) -> float:
     """Kernel vs the PyTorch reference on sequence 0 (the reference dequantizes in float32)."""
-    ref = reference_attention(q[:1], batch_slice(kv, 0), scale=scale)
+    ref = reference_attention(q[:1], batch_slice(kv, 0), scale=scale, softcap=softcap)
     return ((out[:1].float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def run_shape(model, hq, hkv, d, batch, context, bw, presets, baselines, knobs,
-              triton_rows=True) -> list[dict]:
+              triton_rows=True, softcap=None) -> list[dict]:
     scale = d ** -0.5
     q = torch.randn(batch, hq, 1, d, dtype=torch.float16, device="cuda")
     base = dict(model=model, batch=batch, context=context, q_heads=hq, kv_heads=hkv, head_dim=d)
@@ -203,9 +204,9 @@ def run_shape(model, hq, hkv, d, batch, context, bw, presets, baselines, knobs,
         spec = resolve_spec(preset)
         kv = random_packed_kv(batch, hkv, context, d, spec)
         nb = packed_nbytes(kv)
-        kw = knobs.get(preset, {})
+        kw = dict(knobs.get(preset, {}), softcap=softcap)
         out = decode_attention(q, kv, scale=scale, **kw)
-        err = rel_err(out, kv, q, scale)
+        err = rel_err(out, kv, q, scale, softcap)
         t = bench(lambda: decode_attention(q, kv, scale=scale, **kw))
         tg = bench_graph(lambda: decode_attention(q, kv, scale=scale, **kw))
         h = host_us(lambda: decode_attention(q, kv, scale=scale, **kw))
@@ -217,14 +218,14 @@ def run_shape(model, hq, hkv, d, batch, context, bw, presets, baselines, knobs,
                          rel_err=err))
         if gl_used and triton_rows:  # the same layer through the Triton kernel alone (v4)
             kw4 = dict(kw, gluon=False)
-            err4 = rel_err(decode_attention(q, kv, scale=scale, **kw4), kv, q, scale)
+            err4 = rel_err(decode_attention(q, kv, scale=scale, **kw4), kv, q, scale, softcap)
             t4 = bench(lambda: decode_attention(q, kv, scale=scale, **kw4))
             tg4 = bench_graph(lambda: decode_attention(q, kv, scale=scale, **kw4))
             rows.append(dict(base, preset=preset, provider="kvbits (triton v4)", us=t4,
                              speedup=t_fp / t4, speedup_best=t_best / t4, us_graph=tg4, speedup_graph=g_fp / tg4,
                              bytes=nb, tbps=nb / min(t4, tg4) * 1e-6,
                              frac_bw=nb / min(t4, tg4) * 1e6 / bw, rel_err=err4))
-        if preset == "kivi-2" and baselines:
+        if preset == "kivi-2" and baselines and softcap is None:
             if batch * context <= 32 * 32768:
                 def hf_step():
                     kk, vv = dequantize_all_torch(kv)
@@ -310,6 +311,10 @@ def main(argv=None) -> None:
     p.add_argument("--name", default=None, help="output file stem (default decode_attention)")
     p.add_argument("--no-baselines", action="store_true",
                    help="skip the seed-design and QuantizedCache rows (FP16 SDPA stays)")
+    p.add_argument("--softcap", type=float, default=None,
+                   help="attention-logit softcapping of the kvbits rows (Gemma2: 50); the FP16 "
+                        "rows stay uncapped SDPA (it has no cap), the QuantizedCache and seed "
+                        "rows are skipped")
     p.add_argument("--skip-quantize-pack", action="store_true")
     p.add_argument("--quantize-pack-only", action="store_true",
                    help="only the quantize_pack table (no attention shapes)")
@@ -371,6 +376,14 @@ def main(argv=None) -> None:
              "CUDA-graph µs: the same call captured once and replayed (how a decode loop runs it), "
              "with the same L2 flush; host µs/call: Python + launch time to enqueue one call; "
              "TB/s and the fraction of copy bandwidth use the faster of the two timings"]
+    if args.softcap is not None:
+        if not args.softcap > 0:
+            p.error("--softcap must be positive")
+        notes.append(f"softcap {args.softcap:g}: every kvbits row caps its scores (Gemma2's "
+                     "attention-logit softcapping, in both kernels' online softmax); the FP16 "
+                     "rows are SDPA without a cap (SDPA has none; a capped FP16 flash kernel "
+                     "reads the same bytes), so they stand for FP16's cost; rel_err against the "
+                     "capped reference")
     cols = [("model", "model"), ("batch", "B"), ("context", "context"), ("q_heads", "Hq"),
             ("kv_heads", "Hkv"), ("head_dim", "D"), ("preset", "preset"),
             ("provider", "provider"), ("us", "median µs"), ("speedup", "speedup vs FP16"),
@@ -399,7 +412,7 @@ def main(argv=None) -> None:
             continue
         try:
             rows += run_shape(model, hq, hkv, d, batch, context, bw, presets,
-                              not args.no_baselines, knobs)
+                              not args.no_baselines, knobs, softcap=args.softcap)
         except Exception as e:  # noqa: BLE001 (reported; the other shapes still run)
             print(f"FAILED {model} B={batch} T={context}: {type(e).__name__}: {e}", flush=True)
             notes.append(f"{model} B={batch} T={context} failed: {type(e).__name__}: {e}")

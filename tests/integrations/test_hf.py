@@ -392,11 +392,25 @@ def test_chunks_see_what_generation_sees(arch, chunk, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("arch,sinks", [("llama", 0), ("gemma3", 0), ("gemma2", 0),
-                                        ("llama", 3), ("gemma3", 2)])
-def test_cuda_kernels_in_model_match_reference(arch, sinks, monkeypatch):
+@pytest.mark.parametrize("arch,sinks,gluon", [("llama", 0, False), ("gemma3", 0, False),
+                                              ("gemma2", 0, False), ("llama", 3, False),
+                                              ("gemma3", 2, False), ("gemma2", 0, True),
+                                              ("gemma3", 2, True)])
+def test_cuda_kernels_in_model_match_reference(arch, sinks, gluon, monkeypatch):
     """On CUDA the cache runs the Triton kernels: same logits as the PyTorch reference ops
-    (with ``sinks``: each left-padded row's sink holds its own first tokens)."""
+    (with ``sinks``: each left-padded row's sink holds its own first tokens). ``gluon``: the
+    single-row steps' bodies through the Gluon kernel at these small sizes, with Gemma2's
+    softcapping and both Gemmas' sliding windows applied there."""
+    from kvbits.kernels import decode_gluon
+    used = []
+    if gluon:
+        if decode_gluon.gluon is None:
+            pytest.skip("this Triton has no Gluon")
+        for name in ("MIN_BODY_TOKENS", "MIN_BODY_TOKENS_PLANES", "MIN_BODY_TOKENS_WIDE"):
+            monkeypatch.setattr(decode_gluon, name, 1)
+        real = decode_gluon.attend_body
+        monkeypatch.setattr(decode_gluon, "attend_body",
+                            lambda *a, **k: used.append(k.get("window")) or real(*a, **k))
     model = tiny_model(arch, "cuda", torch.float16)
     x, mask = padded_batch("cuda", length=80)
     real = mask.bool()
@@ -408,6 +422,8 @@ def test_cuda_kernels_in_model_match_reference(arch, sinks, monkeypatch):
     assert (fp[real] - full[real]).abs().max().item() <= 1e-2 * scale
     kw = dict(residual_length=0, sink_tokens=sinks)
     kernel = stepwise_logits(model, x, mask, KVBitsCache(model, "kivi-4", **kw))
+    if gluon:  # both kinds of layer went through it
+        assert None in used and 16 in used, used
     monkeypatch.setenv("KVBITS_KERNELS", "reference")
     ref = stepwise_logits(model, x, mask, KVBitsCache(model, "kivi-4", **kw))
     assert (kernel.float() - ref.float())[real].abs().max().item() <= 1e-2 * scale

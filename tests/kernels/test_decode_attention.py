@@ -75,12 +75,13 @@ class Case(NamedTuple):
     splits: int | None = None
     seed: int = 0
     Gv: int | None = None  # value group (channels); None: gcd(G, D)
+    softcap: float | None = None  # Gemma2's attention-logit softcapping
 
     def __str__(self) -> str:
         s = (f"K{self.kb}V{self.vb} G={self.G} D={self.D} B={self.B} Hkv={self.Hkv} "
              f"HG={self.HG} Lq={self.Lq} sink={self.S} body={self.body} res={self.res} "
              f"{str(self.dtype).replace('torch.', '')}")
-        for f in ("lengths", "starts", "window", "splits", "Gv"):
+        for f in ("lengths", "starts", "window", "splits", "Gv", "softcap"):
             if getattr(self, f) is not None:
                 s += f" {f}={getattr(self, f)}"
         return s
@@ -203,6 +204,8 @@ def run_case(c: Case, *, device=DEVICE, check=True, kv=None):
     q_before = q.clone()
     args = {"scale": c.D ** -0.5, "starts": _seq(c.starts, device),
             "lengths": _seq(c.lengths, device), "window": c.window}
+    if c.softcap is not None:
+        args["softcap"] = c.softcap
     o = kernel(q, kv, splits=c.splits, **args)
     r = reference(q, kv, **args)
     assert torch.equal(q, q_before), "the kernel modified q"
@@ -969,6 +972,88 @@ def test_gluon_tma_body_matches_reference(c, monkeypatch):
     assert n == 3 and len(used) == 4, "the TMA kernel was not used for every call"
 
 
+# Sliding windows (Gemma2/3, Mistral-style layers) and Gemma2's softcapping in both Gluon bodies:
+# a window inside the body (programs whose whole range is hidden), one that hides the sink and
+# the body (window 1: the query sees itself only), one past everything; caps of 0.3 (scores of
+# ~1 and more: changes the answer) and 50 (Gemma2's value). Register body: 2/3/4 bits, head dims
+# 64-256, KVQuant's full layer; TMA ring: 2 and 4 bits at head_dim 128.
+GLUON_WINDOW_CASES = [
+    body_case(2, 32, 128, 4, 71, window=700, softcap=0.3),
+    body_case(4, 64, 256, 2, 72, window=1500, softcap=50.0),
+    body_case(3, 32, 64, 8, 73, window=1, softcap=0.3),
+    body_case(2, 128, 96, 1, 74, window=10_000),
+    body_case(4, 32, 128, 16, 75, softcap=0.3),
+]
+GLUON_WINDOW_KVQ_CASES = [(body_case(3, 32, 128, 4, 76, window=900, softcap=0.3), 2, True),
+                          (body_case(3, 64, 256, 2, 77, window=333, softcap=50.0), 3, True)]
+TMA_WINDOW_CASES = [body_case(2, 32, 128, 4, 78, Gv=32, window=640, softcap=0.3),
+                    body_case(4, 16, 128, 8, 79, Gv=32, window=37, softcap=50.0),
+                    body_case(2, 64, 128, 1, 80, Gv=32, softcap=0.3)]
+
+
+def _cap_bites(c, kv):
+    """With a cap of 0.3 the answer must differ from the uncapped one (the test would pass with
+    a kernel that ignores the cap otherwise)."""
+    if c.softcap is not None and c.softcap < 1:
+        g = torch.Generator().manual_seed(c.seed + 1)
+        q = torch.randn(c.B, c.Hkv * c.HG, c.Lq, c.D, generator=g).to(c.dtype).to(DEVICE)
+        args = {"scale": c.D ** -0.5, "starts": _seq(c.starts), "lengths": _seq(c.lengths),
+                "window": c.window}
+        r = reference(q, kv, softcap=c.softcap, **args).float()
+        plain = reference(q, kv, **args).float()
+        assert (plain - r).norm() > 0.05 * r.norm(), "the cap did not bite"
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", GLUON_WINDOW_CASES, ids=str)
+def test_gluon_body_window_and_softcap(c, monkeypatch):
+    from kvbits.kernels import decode_gluon
+    monkeypatch.setattr(decode_gluon, "PLANES3", True)
+    monkeypatch.setattr(decode_gluon, "EXTRA_HEAD_DIMS", True)
+    kv = make_kv(c)
+    assert decode_gluon.eligible(kv, c.Lq, c.HG, c.window), str(c)
+    used = count_calls(monkeypatch, decode_gluon)
+    serve_small(monkeypatch, decode_gluon)
+    run_case(c, kv=kv)
+    run_case(c._replace(splits=1), kv=kv)
+    assert len(used) == 2, "the Gluon kernel was not used"
+    _cap_bites(c, kv)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("c,n_out,rope", GLUON_WINDOW_KVQ_CASES,
+                         ids=[str(c) for c, _, _ in GLUON_WINDOW_KVQ_CASES])
+def test_gluon_kvquant_full_window_and_softcap(c, n_out, rope, monkeypatch):
+    from kvbits.kernels import decode_gluon
+    for flag in ("PLANES3", "KVQUANT_FULL", "KVQUANT_WIDE", "EXTRA_HEAD_DIMS"):
+        monkeypatch.setattr(decode_gluon, flag, True)
+    serve_small(monkeypatch, decode_gluon)
+    kv = _kvquant_kv(c, n_out, rope)
+    assert decode_gluon.eligible(kv, 1, c.HG, c.window), str(c)
+    used = count_calls(monkeypatch, decode_gluon)
+    run_case(c, kv=kv)
+    assert len(used) == 1, "the Gluon kernel was not used"
+    _cap_bites(c, kv)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", TMA_WINDOW_CASES, ids=str)
+def test_gluon_tma_window_and_softcap(c, monkeypatch):
+    from kvbits.kernels import decode_gluon, decode_gluon_tma
+    kv = make_kv(c, spare=8)
+    assert decode_gluon_tma.eligible(kv, False), str(c)
+    used = count_calls(monkeypatch, decode_gluon_tma)
+    monkeypatch.setattr(decode_gluon_tma, "MODE", "1")
+    serve_small(monkeypatch, decode_gluon)
+    run_case(c, kv=kv)
+    run_case(c._replace(splits=3), kv=kv)  # ranges that start mid-body
+    assert len(used) == 2, "the TMA kernel was not used"
+    _cap_bites(c, kv)
+
+
 # Device lengths (CUDA-graph decode): the view's lengths are bounds over real data and lens_dev
 # holds the true (sink, body, residual) lengths; anything read past them changes the answer.
 LENS_DEV_CASES = [
@@ -1196,7 +1281,7 @@ def test_gluon_dispatch_rules():
     assert decode_gluon.eligible(kv, 1, 4, None)
     assert not decode_gluon.eligible(kv, 2, 4, None)  # chunked prefill: Triton
     assert not decode_gluon.eligible(kv, 1, 17, None)  # > 16 query heads per KV head
-    assert not decode_gluon.eligible(kv, 1, 4, 128)  # sliding window
+    assert decode_gluon.eligible(kv, 1, 4, 128)  # sliding window: applied by the kernel
     assert not decode_gluon.serves(kv, 1, 4, None, 64)  # 64 x 64 tokens: too small a step
     kv.body_len = 32768
     assert decode_gluon.serves(kv, 1, 4, None, 8)  # Llama-3 batch 1 at 32k: 8 x 32k tokens

@@ -66,6 +66,10 @@ CONFIGS = [
     # keys per token at head_dim 256 (TOKEN_KEYS_WIDE): one 64-channel key group per chunk
     {**BASE, "HG": 2, "D": 256, "KBITS": 4, "VBITS": 4, "G": 64, "GV": 64, "GK": 64,
      "K_TOK": True},
+    # a sliding window and Gemma2's softcapping (2 bits; 3-bit KVQuant at head_dim 256)
+    {**BASE, "HAS_WINDOW": True, "SOFTCAP": True},
+    {**BASE, "HG": 2, "D": 256, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 3, "VOUT": 3,
+     "ROPE": True, "Q_RELOAD": True, "HAS_WINDOW": True, "SOFTCAP": True},
     {**BASE, "KBITS": 4, "PF": 0, "PF_AFTER": False},  # K4V2 (mixed widths; last, no prefetch)
 ]
 
@@ -108,6 +112,9 @@ TMA_CONFIGS = [  # 2 bits, 3 stages, GQA 4, device lengths; 4 bits, 2 stages, 16
      "HAS_LENS": False, "LENS_DEV": False, "NS": 2},
     {"HG": 1, "HP": 8, "D": 128, "BITS": 2, "G": 16, "GV": 32, "HAS_STARTS": False,
      "HAS_LENS": True, "LENS_DEV": False, "NS": 3},
+    # a sliding window and Gemma2's softcapping
+    {"HG": 2, "HP": 8, "D": 128, "BITS": 4, "G": 32, "GV": 32, "HAS_STARTS": True,
+     "HAS_LENS": True, "LENS_DEV": True, "NS": 2, "HAS_WINDOW": True, "SOFTCAP": True},
 ]
 
 

@@ -691,7 +691,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     read by both kernels; ``kv``'s lengths are then upper bounds that only set the launch
     geometry, so one launch (one CUDA graph) serves many decode steps.
     ``softcap``: attention-logit softcapping (Gemma2; scores ``softcap * tanh(s / softcap)``),
-    applied in this kernel's online softmax; the Gluon body has none, so such layers stay here.
+    applied in both kernels' online softmax, as is the sliding ``window``.
     """
     B, Hq, Lq, D = q.shape
     Hkv = kv.kv_heads
@@ -754,8 +754,6 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
                                  or lens_dev.device != dev):
         raise ValueError("decode_attention: lens_dev must be an int32 [3] tensor (sink, body, "
                          f"residual lengths) on {dev}")
-    if softcap is not None:  # the Gluon body does not cap its scores
-        gluon = False
     if gluon is None:  # where PTX runs, for layers and batches where it is the faster kernel
         gluon = (use_prmt and GLUON_ENABLED and n_groups > 0
                  and decode_gluon.serves(kv, Lq, HG, window, B * Hkv))
@@ -798,7 +796,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     if gluon:
         decode_gluon.attend_body(q, kv, out, lse, scale_log2=scale * LOG2E, starts=starts,
                                  lengths=lengths, has_starts=has_starts, has_lens=has_lens,
-                                 n_out=n_total, splits=splits, lens_dev=lens_dev)
+                                 n_out=n_total, splits=splits, lens_dev=lens_dev,
+                                 window=window, softcap=softcap)
         split0 = splits
     if n_total > split0:  # the Triton kernel: every split, or only the FP16 ones
         _decode_kernel[(bhm, n_total - split0)](

@@ -899,6 +899,23 @@ if gluon is not None:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=0)
 
     @gluon.jit
+    def _cap_scores(st, softcap):
+        """Gemma2's attention-logit softcapping on base-2 scores, as the Triton kernel's
+        ``_softmax_step`` does it: ``c tanh(s / c)`` in natural units with
+        ``tanh(u) = 1 - 2 / (1 + e^(2u))`` (no overflow: the exponent is clamped)."""
+        t = 1.0 - 2.0 / (1.0 + gl.exp2(gl.minimum(st * (2.0 / softcap), 64.0)))
+        return (softcap * 1.4426950408889634) * t  # log2(e): back to base-2 units
+
+    @gluon.jit
+    def _visible_from(start, length, sink_len, window, HAS_WINDOW: gl.constexpr):
+        """The first body index a single query row (at ``length - 1``) sees: past the left
+        padding and the copies of the row's own sink, and inside a sliding window."""
+        first = gl.maximum(start, 0)
+        if HAS_WINDOW:
+            first = gl.maximum(first, length - window - sink_len)
+        return first
+
+    @gluon.jit
     def _store_chunk(Out, acc, l_i, q_row0, n_out, split, C: gl.constexpr, HG: gl.constexpr,
                      HP: gl.constexpr, D: gl.constexpr, DC: gl.constexpr, mma: gl.constexpr):
         """Output chunk ``C`` of a split, normalized; the rows of ``Lse`` and the safe sums."""
@@ -1124,8 +1141,8 @@ if gluon is not None:
     def _body_kernel(
         Q, Out, Lse, KC, KS, KZ, VC, VS, VZ, Starts, Lens, LenTab, KCB, VCB,
         KOI, KOV, VOI, VOV, InvFreq, RopeCS,
-        qk_scale, sink_len, body_len, res_len, kc_cap, ks_slice, vc_cap, vs_slice,
-        kout_cap, vout_cap, Hkv, n_out, steps_per_split,
+        qk_scale, softcap, sink_len, body_len, res_len, window, kc_cap, ks_slice, vc_cap,
+        vs_slice, kout_cap, vout_cap, Hkv, n_out, steps_per_split,
         HG: gl.constexpr, HP: gl.constexpr, D: gl.constexpr, KBITS: gl.constexpr,
         VBITS: gl.constexpr, G: gl.constexpr, GV: gl.constexpr, HAS_STARTS: gl.constexpr,
         HAS_LENS: gl.constexpr, GK: gl.constexpr, K_TOK: gl.constexpr,
@@ -1133,6 +1150,7 @@ if gluon is not None:
         PF_AFTER: gl.constexpr = False, EARLY_V: gl.constexpr = False, CB: gl.constexpr = False,
         Q_RELOAD: gl.constexpr = False,
         KOUT: gl.constexpr = 0, VOUT: gl.constexpr = 0, ROPE: gl.constexpr = False,
+        HAS_WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
     ):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                       instr_shape=[16, 8])
@@ -1202,7 +1220,7 @@ if gluon is not None:
         n_steps = (body_len + 63) // 64
         s_lo = split * steps_per_split
         s_hi = gl.minimum(s_lo + steps_per_split, n_steps)
-        first = gl.maximum(start, 0)  # body index: padding and sink copies before
+        first = _visible_from(start, length, sink_len, window, HAS_WINDOW)  # a body index
         s_lo = gl.maximum(s_lo, (first // SPAN) * (SPAN // 64))
         end = gl.minimum(length - sink_len, body_len)  # body tokens visible: [first, end)
         s_hi = gl.minimum(s_hi, ((end + SPAN - 1) // SPAN) * (SPAN // 64))
@@ -1346,6 +1364,8 @@ if gluon is not None:
                 else:
                     st = _key_outliers(st, koi_base, kov_base, t_cur, body_len, rows_a, dn, q0,
                                        q1, q0, q1, RopeCS, KOUT, NCH, DC, False, a_l, mma)
+            if SOFTCAP:  # before the mask: masked rows may hold anything
+                st = _cap_scores(st, softcap)
             if (lo < first) | (lo + SPAN > end):
                 t = t_cur + dn
                 st = gl.where(((t >= first) & (t < end))[:, None], st, float("-inf"))
@@ -1497,8 +1517,8 @@ def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
     size 32 or 64 with per-channel key scales, group
     size 16-128, head_dim 64 or 128 (or 96, 192, 256 with ``EXTRA_HEAD_DIMS``: per-channel
     keys), value groups of 32 to 128 channels (smaller ones compile but
-    are not tested on a GPU), one query row per sequence, at most 16 query heads per KV head, no
-    sliding window."""
+    are not tested on a GPU), one query row per sequence, at most 16 query heads per KV head
+    (sliding windows and softcapping are applied by the kernel)."""
     if gluon is None or kv.body_len == 0 or getattr(kv, "fp8", False):
         return False
     codebooks = getattr(kv, "k_codebook", None) is not None
@@ -1537,7 +1557,7 @@ def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
     return (keys_ok and bits_ok and getattr(kv, "value_axis", "token") == "token"
             and G in (16, 32, 64, 128)
             and dims_ok and GV in (32, 64, 128) and D % GV == 0 and q_rows == 1
-            and heads_per_kv <= 16 and window is None)
+            and heads_per_kv <= 16)
 
 
 # Below this size the Triton kernel is the better choice: on the H200 in CUDA-graph time
@@ -1671,12 +1691,14 @@ def split_count(body_len: int, splits: int) -> int:
 
 def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_starts: bool,
                 has_lens: bool, n_out: int, splits: int, maxnreg: int | None = None,
-                lens_dev=None, prefetch: int | None = None) -> None:
+                lens_dev=None, prefetch: int | None = None, window: int | None = None,
+                softcap: float | None = None) -> None:
     """Write the body partials of ``q [B, Hq, 1, D]`` over ``kv`` into columns ``[0, splits)``
     of ``out [B*Hq, n_out, D]`` / ``lse [B*Hq, n_out]``. ``splits`` must already be
     :func:`split_count`'s (every split non-empty). ``lens_dev``: int32 ``[3]`` true (sink, body,
     residual) lengths on the device, ``kv``'s being bounds (splits past the true body end
-    write empty partials)."""
+    write empty partials). ``window``: a sliding window (tokens the query sees, itself
+    included); ``softcap``: Gemma2's attention-logit softcapping, both as in the reference."""
     B, Hq, _, D = q.shape
     Hkv = kv.kv_heads
     HG = Hq // Hkv
@@ -1686,7 +1708,8 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
     if decode_gluon_tma.serves(kv, k_tok, q.device):
         decode_gluon_tma.attend_body(q, kv, out, lse, scale_log2=scale_log2, starts=starts,
                                      lengths=lengths, has_starts=has_starts, has_lens=has_lens,
-                                     n_out=n_out, splits=splits, lens_dev=lens_dev)
+                                     n_out=n_out, splits=splits, lens_dev=lens_dev,
+                                     window=window, softcap=softcap)
         return
     steps = -(-kv.body_len // STEP)
     per = -(-steps // splits)  # steps per split
@@ -1708,8 +1731,8 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         inv_freq if inv_freq is not None else starts,
         rope_rows(kv.rope_inv_freq, kv.key_bits, kv.group_size) if inv_freq is not None
         else starts,
-        scale_log2, kv.sink_len, kv.body_len, kv.res_len,
-        kv.k_codes.shape[2], kv.k_scale.shape[2] * kv.k_scale.shape[3], kv.v_codes.shape[2],
+        scale_log2, float(softcap) if softcap is not None else 1.0, kv.sink_len, kv.body_len,
+        kv.res_len, int(window) if window is not None else 0, kv.k_codes.shape[2], kv.k_scale.shape[2] * kv.k_scale.shape[3], kv.v_codes.shape[2],
         kv.v_scale.shape[2] * kv.v_scale.shape[3],
         koi.shape[2] if koi is not None else 0, voi.shape[2] if voi is not None else 0,
         Hkv, n_out, per,
@@ -1723,7 +1746,7 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         VOUT=voi.shape[3] if voi is not None else 0, ROPE=inv_freq is not None,
         Q_RELOAD=q_reload(D, kv.key_bits, kcb is not None, B * Hkv,
                           full=koi is not None or voi is not None or inv_freq is not None),
-        num_warps=1,
+        HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg else {}))
 
 
@@ -1750,8 +1773,8 @@ def compile_sm90(constexprs: dict, **options):
     params = inspect.signature(fn.fn).parameters
     cx = {**{k: p.default for k, p in params.items()
              if "constexpr" in str(p.annotation) and p.default is not p.empty}, **constexprs}
-    sig = {k: _SM90_POINTERS.get(k, "fp32" if k == "qk_scale" else "i32") for k, p in params.items()
-           if "constexpr" not in str(p.annotation)}
+    sig = {k: _SM90_POINTERS.get(k, "fp32" if k in ("qk_scale", "softcap") else "i32")
+           for k, p in params.items() if "constexpr" not in str(p.annotation)}
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items()
              if v.startswith("*") or k.endswith(("_cap", "_slice"))}
     src = gluon._runtime.GluonASTSource(fn=fn, signature={**sig, **dict.fromkeys(cx, "constexpr")},

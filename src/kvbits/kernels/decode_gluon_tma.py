@@ -238,14 +238,15 @@ if gluon is not None:
         _tma_load(vs_d, [bh * vs_rows + s * 32, 0], bar, vs_s.index(st))
         _tma_load(vz_d, [bh * vs_rows + s * 32, 0], bar, vz_s.index(st))
 
-    @gluon.jit(do_not_specialize=("sink_len", "res_len", "n_out", "steps_per_split"))
+    @gluon.jit(do_not_specialize=("sink_len", "res_len", "window", "n_out", "steps_per_split"))
     def _body_tma_kernel(
         Q, Out, Lse, kc_d, ks_d, kz_d, vc_d, vs_d, vz_d, Starts, Lens, LenTab,
-        qk_scale, sink_len, body_len, res_len, kc_cap, ng_cap, vc_cap, vs_rows, Hkv, n_out,
-        steps_per_split,
+        qk_scale, softcap, sink_len, body_len, res_len, window, kc_cap, ng_cap, vc_cap, vs_rows,
+        Hkv, n_out, steps_per_split,
         HG: gl.constexpr, HP: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, G: gl.constexpr,
         GV: gl.constexpr, HAS_STARTS: gl.constexpr, HAS_LENS: gl.constexpr,
-        LENS_DEV: gl.constexpr, NS: gl.constexpr,
+        LENS_DEV: gl.constexpr, NS: gl.constexpr, HAS_WINDOW: gl.constexpr = False,
+        SOFTCAP: gl.constexpr = False,
     ):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                       instr_shape=[16, 8])
@@ -268,7 +269,7 @@ if gluon is not None:
         n_steps = (body_len + 63) // 64
         s_lo = split * steps_per_split
         s_hi = gl.minimum(s_lo + steps_per_split, n_steps)
-        first = gl.maximum(start, 0)  # body index: padding and sink copies before
+        first = dg._visible_from(start, length, sink_len, window, HAS_WINDOW)  # a body index
         s_lo = gl.maximum(s_lo, first // 64)
         end = gl.minimum(length - sink_len, body_len)
         s_hi = gl.minimum(s_hi, (end + 63) // 64)
@@ -309,6 +310,8 @@ if gluon is not None:
             u, sc, ze = _smem_keys(kc, ks_s.index(st), kz_s.index(st), DC, BITS, D, G, KW)
             k = dg._key_operand_u(u, sc, ze, BITS, DC, KW, a_l, False)
             st_ = mma_v2(k, q1, st_)
+            if SOFTCAP:  # before the mask: masked rows may hold anything
+                st_ = dg._cap_scores(st_, softcap)
             boundary = (tok0 < first) | (tok0 + 64 > end)
             if boundary:  # tokens outside [first, end); rows past the body hold anything
                 t = tok0 + dn
@@ -393,22 +396,28 @@ def _kernel_signature(bits: int, D: int, G: int) -> dict:
                 "element_bitwidth=32, rank=2)>")
     sig = {"Q": "*fp16", "Out": "*fp32", "Lse": "*fp32"}
     sig.update({k: desc(b) for k, b in block_shapes(bits, D, G).items()})
-    sig.update({"Starts": "*i32", "Lens": "*i32", "LenTab": "*i32", "qk_scale": "fp32"})
-    sig.update(dict.fromkeys(("sink_len", "body_len", "res_len", "kc_cap", "ng_cap", "vc_cap",
-                              "vs_rows", "Hkv", "n_out", "steps_per_split"), "i32"))
+    sig.update({"Starts": "*i32", "Lens": "*i32", "LenTab": "*i32", "qk_scale": "fp32",
+                "softcap": "fp32"})
+    sig.update(dict.fromkeys(("sink_len", "body_len", "res_len", "window", "kc_cap", "ng_cap",
+                              "vc_cap", "vs_rows", "Hkv", "n_out", "steps_per_split"), "i32"))
     return sig
 
 
 def compile_sm90(constexprs: dict):
     """``_body_tma_kernel`` compiled for sm_90 without a GPU (Triton ships ptxas): the compile
     test and ``benchmarks/probes/gluon_tma_aot.py`` read its PTX/SASS. ``constexprs``: the
-    kernel's constexpr arguments (``BITS``, ``D``, ``G``, ...)."""
+    kernel's constexpr arguments (``BITS``, ``D``, ``G``, ...; those with defaults may be left
+    out)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    cx = constexprs
-    sig = _kernel_signature(cx["BITS"], cx["D"], cx["G"])
+    import inspect
+
     fn = _body_tma_kernel
+    params = inspect.signature(fn.fn).parameters  # constexprs left out take their defaults
+    cx = {**{k: p.default for k, p in params.items()
+             if "constexpr" in str(p.annotation) and p.default is not p.empty}, **constexprs}
+    sig = _kernel_signature(cx["BITS"], cx["D"], cx["G"])
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items()
              if v.startswith("*")}
     src = gluon._runtime.GluonASTSource(fn=fn, signature={**sig, **dict.fromkeys(cx, "constexpr")},
@@ -432,7 +441,8 @@ def _descriptors(kv):
 
 
 def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_starts: bool,
-                has_lens: bool, n_out: int, splits: int, lens_dev=None) -> None:
+                has_lens: bool, n_out: int, splits: int, lens_dev=None, window=None,
+                softcap=None) -> None:
     """``decode_gluon.attend_body`` for :func:`eligible` layers, through the TMA ring."""
     B, Hq, _, D = q.shape
     Hkv = kv.kv_heads
@@ -443,9 +453,11 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
     _body_tma_kernel[(B * Hkv, splits)](
         q, out, lse, kc_d, ks_d, kz_d, vc_d, vs_d, vz_d, starts, lengths,
         lens_dev if lens_dev is not None else starts, scale_log2,
-        kv.sink_len, kv.body_len, kv.res_len, kv.k_codes.shape[2], kv.k_scale.shape[2],
+        float(softcap) if softcap is not None else 1.0, kv.sink_len, kv.body_len, kv.res_len,
+        int(window) if window is not None else 0, kv.k_codes.shape[2], kv.k_scale.shape[2],
         kv.v_codes.shape[2], kv.v_scale.shape[2] * kv.v_scale.shape[3] // 8, Hkv, n_out,
         -(-steps // splits),
         HG=HG, HP=8 if HG <= 8 else 16, D=D, BITS=bits, G=kv.group_size, GV=kv.value_group,
         HAS_STARTS=has_starts, HAS_LENS=has_lens, LENS_DEV=lens_dev is not None,
-        NS=STAGES[bits], num_warps=1)
+        NS=STAGES[bits], HAS_WINDOW=window is not None, SOFTCAP=softcap is not None,
+        num_warps=1)
