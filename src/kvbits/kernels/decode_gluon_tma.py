@@ -408,10 +408,10 @@ def compile_sm90(constexprs: dict):
     test and ``benchmarks/probes/gluon_tma_aot.py`` read its PTX/SASS. ``constexprs``: the
     kernel's constexpr arguments (``BITS``, ``D``, ``G``, ...; those with defaults may be left
     out)."""
+    import inspect
+
     import triton
     from triton.backends.compiler import GPUTarget
-
-    import inspect
 
     fn = _body_tma_kernel
     params = inspect.signature(fn.fn).parameters  # constexprs left out take their defaults
