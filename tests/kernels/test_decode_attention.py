@@ -980,7 +980,7 @@ def test_gluon_tma_body_matches_reference(c, monkeypatch):
 GLUON_WINDOW_CASES = [
     body_case(2, 32, 128, 4, 71, window=700, softcap=0.3),
     body_case(4, 64, 256, 2, 72, window=1500, softcap=50.0),
-    body_case(3, 32, 64, 8, 73, window=1, softcap=0.3),
+    body_case(3, 32, 64, 8, 73, window=1),  # one token seen: no cap can change it
     body_case(2, 128, 96, 1, 74, window=10_000),
     body_case(4, 32, 128, 16, 75, softcap=0.3),
 ]
