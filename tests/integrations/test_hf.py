@@ -408,9 +408,9 @@ def test_cuda_kernels_in_model_match_reference(arch, sinks, gluon, monkeypatch):
             pytest.skip("this Triton has no Gluon")
         for name in ("MIN_BODY_TOKENS", "MIN_BODY_TOKENS_PLANES", "MIN_BODY_TOKENS_WIDE"):
             monkeypatch.setattr(decode_gluon, name, 1)
-        real = decode_gluon.attend_body
+        attend = decode_gluon.attend_body
         monkeypatch.setattr(decode_gluon, "attend_body",
-                            lambda *a, **k: used.append(k.get("window")) or real(*a, **k))
+                            lambda *a, **k: used.append(k.get("window")) or attend(*a, **k))
     model = tiny_model(arch, "cuda", torch.float16)
     x, mask = padded_batch("cuda", length=80)
     real = mask.bool()
