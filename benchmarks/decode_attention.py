@@ -169,20 +169,36 @@ def dequantize_all_torch(kv):
     return k, v
 
 
-def rel_err(out, kv, q, scale, softcap=None) -> float:
+def rel_err(out, kv, q, scale, softcap=None, window=None) -> float:
     """Kernel vs the PyTorch reference on sequence 0 (the reference dequantizes in float32)."""
-    ref = reference_attention(q[:1], batch_slice(kv, 0), scale=scale, softcap=softcap)
+    ref = reference_attention(q[:1], batch_slice(kv, 0), scale=scale, softcap=softcap,
+                              window=window)
     return ((out[:1].float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+def windowed_nbytes(kv, context: int, window: int | None) -> int:
+    """:func:`packed_nbytes` of the tokens a query at ``context - 1`` sees through a sliding
+    ``window``: the body from the group holding its first visible token, and the FP16 parts."""
+    total = packed_nbytes(kv)
+    if window is None or kv.body_len == 0:
+        return total
+    fp = sum(t.numel() * t.element_size() for t in (
+        kv.sink_k[:, :, :kv.sink_len], kv.sink_v[:, :, :kv.sink_len],
+        kv.res_k[:, :, :kv.res_len], kv.res_v[:, :, :kv.res_len]))
+    n_groups = kv.body_len // kv.group_size
+    hidden = min(n_groups, max(0, context - window - kv.sink_len) // kv.group_size)
+    return fp + (total - fp) * (n_groups - hidden) // n_groups
+
+
 def run_shape(model, hq, hkv, d, batch, context, bw, presets, baselines, knobs,
-              triton_rows=True, softcap=None) -> list[dict]:
+              triton_rows=True, softcap=None, window=None) -> list[dict]:
     scale = d ** -0.5
     q = torch.randn(batch, hq, 1, d, dtype=torch.float16, device="cuda")
     base = dict(model=model, batch=batch, context=context, q_heads=hq, kv_heads=hkv, head_dim=d)
     rows = []
-    fp_bytes = 2 * batch * hkv * context * d * 2
-    k = torch.randn(batch, hkv, context, d, dtype=torch.float16, device="cuda")
+    seen = context if window is None else min(context, window)  # what FP16's cache holds
+    fp_bytes = 2 * batch * hkv * seen * d * 2
+    k = torch.randn(batch, hkv, seen, d, dtype=torch.float16, device="cuda")
     v = torch.randn_like(k)
     t_fp = bench(lambda: sdpa_fp16(q, k, v, scale))
     g_fp = bench_graph(lambda: sdpa_fp16(q, k, v, scale))
@@ -203,14 +219,14 @@ def run_shape(model, hq, hkv, d, batch, context, bw, presets, baselines, knobs,
     for preset in presets:
         spec = resolve_spec(preset)
         kv = random_packed_kv(batch, hkv, context, d, spec)
-        nb = packed_nbytes(kv)
-        kw = dict(knobs.get(preset, {}), softcap=softcap)
+        nb = windowed_nbytes(kv, context, window)
+        kw = dict(knobs.get(preset, {}), softcap=softcap, window=window)
         out = decode_attention(q, kv, scale=scale, **kw)
-        err = rel_err(out, kv, q, scale, softcap)
+        err = rel_err(out, kv, q, scale, softcap, window)
         t = bench(lambda: decode_attention(q, kv, scale=scale, **kw))
         tg = bench_graph(lambda: decode_attention(q, kv, scale=scale, **kw))
         h = host_us(lambda: decode_attention(q, kv, scale=scale, **kw))
-        gl_used = decode_gluon.serves(kv, 1, hq // hkv, None, batch * hkv)
+        gl_used = decode_gluon.serves(kv, 1, hq // hkv, window, batch * hkv)
         rows.append(dict(base, preset=preset, provider="kvbits (gluon)" if gl_used else "kvbits",
                          us=t, speedup=t_fp / t, speedup_best=t_best / t,
                          us_graph=tg, speedup_graph=g_fp / tg, host_us=h, bytes=nb,
@@ -218,14 +234,15 @@ def run_shape(model, hq, hkv, d, batch, context, bw, presets, baselines, knobs,
                          rel_err=err))
         if gl_used and triton_rows:  # the same layer through the Triton kernel alone (v4)
             kw4 = dict(kw, gluon=False)
-            err4 = rel_err(decode_attention(q, kv, scale=scale, **kw4), kv, q, scale, softcap)
+            err4 = rel_err(decode_attention(q, kv, scale=scale, **kw4), kv, q, scale, softcap,
+                           window)
             t4 = bench(lambda: decode_attention(q, kv, scale=scale, **kw4))
             tg4 = bench_graph(lambda: decode_attention(q, kv, scale=scale, **kw4))
             rows.append(dict(base, preset=preset, provider="kvbits (triton v4)", us=t4,
                              speedup=t_fp / t4, speedup_best=t_best / t4, us_graph=tg4, speedup_graph=g_fp / tg4,
                              bytes=nb, tbps=nb / min(t4, tg4) * 1e-6,
                              frac_bw=nb / min(t4, tg4) * 1e6 / bw, rel_err=err4))
-        if preset == "kivi-2" and baselines and softcap is None:
+        if preset == "kivi-2" and baselines and softcap is None and window is None:
             if batch * context <= 32 * 32768:
                 def hf_step():
                     kk, vv = dequantize_all_torch(kv)
@@ -315,6 +332,11 @@ def main(argv=None) -> None:
                    help="attention-logit softcapping of the kvbits rows (Gemma2: 50); the FP16 "
                         "rows stay uncapped SDPA (it has no cap), the QuantizedCache and seed "
                         "rows are skipped")
+    p.add_argument("--window", type=int, default=None,
+                   help="a sliding-window layer: the kvbits rows attend through this window "
+                        "over contexts of (typically) 1.25 windows, as a sliding layer's store "
+                        "holds; the FP16 rows over the last WINDOW tokens (what transformers' "
+                        "sliding DynamicCache layer keeps); QuantizedCache and seed rows skipped")
     p.add_argument("--skip-quantize-pack", action="store_true")
     p.add_argument("--quantize-pack-only", action="store_true",
                    help="only the quantize_pack table (no attention shapes)")
@@ -376,6 +398,13 @@ def main(argv=None) -> None:
              "CUDA-graph µs: the same call captured once and replayed (how a decode loop runs it), "
              "with the same L2 flush; host µs/call: Python + launch time to enqueue one call; "
              "TB/s and the fraction of copy bandwidth use the faster of the two timings"]
+    if args.window is not None:
+        if args.window < 1:
+            p.error("--window must be a positive number of tokens")
+        notes.append(f"window {args.window}: a sliding-window layer; kvbits rows hold `context` "
+                     "tokens and attend through the window (bytes: the groups it reaches and the "
+                     "FP16 parts); FP16 rows attend over the last min(context, window) tokens, "
+                     "which is all transformers' sliding cache layer keeps")
     if args.softcap is not None:
         if not args.softcap > 0:
             p.error("--softcap must be positive")
@@ -412,7 +441,8 @@ def main(argv=None) -> None:
             continue
         try:
             rows += run_shape(model, hq, hkv, d, batch, context, bw, presets,
-                              not args.no_baselines, knobs, softcap=args.softcap)
+                              not args.no_baselines, knobs, softcap=args.softcap,
+                              window=args.window)
         except Exception as e:  # noqa: BLE001 (reported; the other shapes still run)
             print(f"FAILED {model} B={batch} T={context}: {type(e).__name__}: {e}", flush=True)
             notes.append(f"{model} B={batch} T={context} failed: {type(e).__name__}: {e}")
