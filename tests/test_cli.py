@@ -334,6 +334,35 @@ def test_generate_text_several_prompts_is_a_padded_batch(preset):
                                                               graphs=True))
 
 
+def test_generate_text_prompt_lookup(monkeypatch):
+    """--prompt-lookup: transformers' prompt-lookup decoding over the cache (drafts copied from
+    a repetitive prompt, rejected ones cropped from the FP16 residual): FP16 gives plain greedy
+    decoding's text; drafts longer than the residual, several prompts and graphs are refused."""
+    import torch
+
+    from kvbits.cli import GenerateConfig, generate_text, parse_preset
+    from kvbits.integrations.hf import KVBitsCache
+
+    model = _tiny_llama(logit_scale=8.0)
+    prompt = " ".join(str(i) for i in torch.randint(1, 64, (12,)).tolist() * 5)
+    run = lambda preset, n: generate_text(model, _StubTokenizer(), GenerateConfig(
+        spec=parse_preset(preset).spec, prompt=prompt, max_new_tokens=16, graphs=False,
+        prompt_lookup=n))
+    assert run("fp16", 4)["text"] == run("fp16", 0)["text"]
+    cuts = []
+    crop = KVBitsCache.crop
+    monkeypatch.setattr(KVBitsCache, "crop", lambda self, n, *a, **k: cuts.append(n)
+                        or crop(self, n, *a, **k))
+    out = run("kivi-4:R=8", 4)
+    assert out["new_tokens"] == 16 and cuts, "the drafts were never verified"
+    with pytest.raises(ValueError, match="residual_length=8"):
+        run("kivi-4:R=8", 9)
+    with pytest.raises(ValueError, match="one prompt and one beam"):
+        generate_text(model, _StubTokenizer(), GenerateConfig(
+            spec=parse_preset("fp16").spec, prompt=[prompt, prompt], graphs=False,
+            prompt_lookup=4))
+
+
 def test_generate_calibrates_kvquant_presets_on_the_fly(monkeypatch):
     """A kvquant preset in ``kvbits generate`` gets its (cached) calibration instead of failing
     for want of codebooks, through the same factory as ``kvbits ppl``."""

@@ -432,6 +432,7 @@ class GenerateConfig:
     graphs: bool | None = None  # None: CUDA graphs where they apply (CUDA, one beam)
     label: str = ""  # the preset's name (names a kvquant/fp8/hadc calibration made on the fly)
     fuse: bool = False  # graphs + torch.compile of norms / MLP activation / RoPE (fused_pointwise)
+    prompt_lookup: int = 0  # > 0: prompt-lookup decoding, drafts of this many tokens (generate)
 
 
 def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
@@ -468,8 +469,18 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
     else:
         opts.update(temperature=None, top_p=None, top_k=None)
     one_beam = cfg.num_beams == 1
-    graphs = (one_beam and len(rows) == 1 and model.device.type == "cuda") \
-        if cfg.graphs is None else cfg.graphs
+    if cfg.prompt_lookup:  # drafts verified in one chunk, the rejected ones cropped
+        if not one_beam or len(rows) > 1 or cfg.graphs:
+            raise ValueError("generate: prompt-lookup decoding (--prompt-lookup) runs through "
+                             "transformers' generate with one prompt and one beam (no --graphs)")
+        R = cfg.spec.residual_length
+        if cfg.spec.quantized and cfg.prompt_lookup > R:
+            raise ValueError(f"--prompt-lookup {cfg.prompt_lookup}: the drafts must fit in the "
+                             f"FP16 residual (residual_length={R}), where a rejected draft can be "
+                             "cropped; draft at most that many tokens or raise --residual-length")
+        opts["prompt_lookup_num_tokens"] = cfg.prompt_lookup
+    graphs = (one_beam and len(rows) == 1 and model.device.type == "cuda"
+              and not cfg.prompt_lookup) if cfg.graphs is None else cfg.graphs
     if graphs and not one_beam:
         raise ValueError("generate: graphs=True needs one beam (greedy or --sample), got "
                          f"num_beams={cfg.num_beams}")
@@ -563,7 +574,7 @@ def _cmd_generate(args) -> int:
     prompt = args.prompt[0] if len(args.prompt) == 1 else args.prompt
     cfg = GenerateConfig(args.model, variant.spec, prompt, args.max_new_tokens, args.sample,
                          args.temperature, args.top_p, args.num_beams, args.chat, args.seed,
-                         args.graphs, variant.label, args.fuse)
+                         args.graphs, variant.label, args.fuse, args.prompt_lookup)
     model, tok, _ = _load(cfg.model, device=_device(args.device))
     r = generate_text(model, tok, cfg)
     if len(r["texts"]) == 1:
@@ -782,6 +793,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the model runs: auto = the GPU (FP16) when there is one, else the "
                         "CPU (FP32) (default auto)")
+    p.add_argument("--prompt-lookup", type=_non_negative, default=0, metavar="N",
+                   help="prompt-lookup decoding through transformers' generate: drafts of up to "
+                        "N tokens copied from the prompt, verified in one step, the rejected "
+                        "ones cropped from the FP16 residual (N <= residual_length; one prompt, "
+                        "no graphs; default 0: off)")
     _spec_options(p)
     p.set_defaults(func=_cmd_generate)
 

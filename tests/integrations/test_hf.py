@@ -17,6 +17,7 @@ from transformers import AttentionInterface, DynamicCache, LlamaConfig
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvbits.formats.layout import body_bytes_per_token
+from kvbits.formats.packing import packed_length
 from kvbits.integrations.hf import (
     ATTN_IMPLEMENTATION,
     KVBitsCache,
@@ -243,6 +244,81 @@ def test_crop_is_all_layers_or_none():
     assert [ly.store.total_len for ly in cache.layers] == [240, 240]
     cache.crop(-48)  # a group boundary for both
     assert [ly.store.total_len for ly in cache.layers] == [192, 192]
+
+
+# ------------------------------------------------------------------ speculative decoding
+def test_rejected_drafts_leave_no_trace():
+    """Speculative verification is one chunk (the last accepted token and the drafts), then
+    transformers crops the rejected drafts. The drafts sit in the FP16 residual (R >= draft
+    length), so the accepted rows' logits, the stored state and every later logit are those of
+    a run that never saw the drafts; a group flush happens inside the chunk."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 256, (1, 96), generator=g)
+    drafts = torch.randint(0, 256, (1, 3), generator=g)
+
+    def run(with_drafts: bool):
+        cache = KVBitsCache(model, "kivi-2", residual_length=8)  # G = 32: flush at 40 held
+        forward(model, x[:, :70], cache)  # prompt: 32 quantized, 38 in the residual
+        chunk = torch.cat([x[:, 70:74], drafts], 1) if with_drafts else x[:, 70:74]
+        rows = forward(model, chunk, cache).logits[:, :4]
+        if with_drafts:
+            assert cache.layers[0].store.body_len == 64  # flushed by the chunk's third row
+            cache.crop(-3)
+        later = torch.cat([forward(model, x[:, t:t + 1], cache).logits for t in range(74, 96)], 1)
+        return rows, later, cache.layers[0].store
+
+    rows_a, later_a, store_a = run(True)
+    rows_b, later_b, store_b = run(False)
+    torch.testing.assert_close(rows_a, rows_b, atol=1e-5, rtol=0)
+    torch.testing.assert_close(later_a, later_b, atol=1e-5, rtol=0)
+    assert (store_a.body_len, store_a.res_len) == (store_b.body_len, store_b.res_len)
+    n = store_a.body_len // 32 * packed_length(32, 2)
+    agree = (store_a.k_codes[:, :, :n] == store_b.k_codes[:, :, :n]).float().mean().item()
+    assert agree > 0.999, agree  # the same tokens quantized (up to float rounding ties)
+
+
+@pytest.mark.parametrize("mode", ["prompt_lookup", "assistant"])
+def test_speculative_generate_through_the_cache(mode):
+    """transformers' prompt-lookup and assisted decoding with a KVBitsCache: FP16 gives
+    DynamicCache's tokens; kivi-4 generates with the drafts cropped from its residual (the cache
+    ends holding exactly the output); without a residual window the layer is not croppable
+    and transformers refuses before decoding."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(6)
+    x = torch.randint(0, 256, (1, 16), generator=g).repeat(1, 6)  # repeats: lookups find drafts
+    if mode == "prompt_lookup":
+        kw = {"prompt_lookup_num_tokens": 4}
+    else:  # a draft model that disagrees now and then: the same one with noisy weights
+        draft = tiny_model("llama")
+        with torch.no_grad():
+            for p in draft.parameters():
+                p.add_(0.5 * p.std() * torch.randn(p.shape, generator=g))
+        kw = {"assistant_model": draft}
+    ref = generate(model, x, DynamicCache())
+    assert generate(model, x, KVBitsCache(model, "fp16"), **kw).tolist() == ref.tolist()
+    cache = KVBitsCache(model, "kivi-4", residual_length=16)
+    cuts = []
+    crop = cache.crop
+    cache.crop = lambda n, *a, **k: cuts.append(n) or crop(n, *a, **k)
+    out = generate(model, x, cache, **kw)
+    assert any(n < 0 for n in cuts), cuts  # drafts were rejected and cropped
+    assert out.shape[1] == x.shape[1] + NEW and cache.get_seq_length() == out.shape[1] - 1
+    assert cache.layers[0].store.body_len > 0  # the history really was quantized
+    no_residual = KVBitsCache(model, "kivi-4", residual_length=0)
+    assert not no_residual.layers[0].is_croppable
+    with pytest.raises(ValueError, match="crop"):
+        generate(model, x, no_residual, **kw)
+
+
+def test_draft_longer_than_the_residual_is_explained():
+    """A crop into a quantized group names the residual window as the cause."""
+    cache = KVBitsCache(tiny_config(num_hidden_layers=1), "kivi-2", residual_length=4)
+    k, v = kv(batch=1, tokens=70)
+    cache.update(k, v, 0)
+    cache.layers[0].store.flush()  # 64 quantized, 6 in the residual
+    with pytest.raises(ValueError, match="residual_length=4"):
+        cache.crop(-10)
 
 
 def test_padding_starts_from_mask():

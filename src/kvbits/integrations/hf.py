@@ -45,13 +45,15 @@ Known limits
   except on the slow path and while lengths live on the device (CUDA-graph decoding).
 * Attention-logit softcapping (Gemma2): the prompt step runs an eager attention with the cap
   (SDPA has none; it builds the ``[B, H, Lq, Lk]`` scores), decode caps the scores inside the
-  Triton kernel's softmax; the Gluon body has no cap, so such layers decode on the Triton kernel.
+  kernels' online softmax.
 * Layer types other than full and sliding attention (chunked, linear/SSM, KV sharing) are rejected.
 * Not ``torch.compile``-able (``is_compileable`` is False). CUDA graphs instead:
   :meth:`KVBitsCache.begin_device_lengths` (lengths on the device, fixed-size flushes) makes
   decode steps replayable; :mod:`kvbits.integrations.decode_loop` captures and replays them.
-* Crop can only cut quantized history at
-  a group boundary (``is_croppable`` is False, so assisted generation will not rely on it).
+* Crop can only cut quantized history at a group boundary. Assisted and prompt-lookup
+  decoding (transformers crops the rejected drafts) work while a draft fits in the FP16 residual
+  (``residual_length`` >= draft tokens: drafts are never quantized before they are verified);
+  a quantized layer without a residual window is not croppable (``is_croppable``).
 """
 
 from __future__ import annotations
@@ -98,7 +100,13 @@ class KVBitsLayer(CacheLayerMixin):
     """
 
     is_compileable = False
-    is_croppable = False
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether transformers may crop this layer (assisted and prompt-lookup decoding): the
+        rejected drafts sit in the FP16 residual, never quantized, while a draft is at most
+        ``residual_length`` tokens, so a quantized layer needs a residual window."""
+        return not self.spec.quantized or self.spec.residual_length > 0
 
     def __init__(self, spec: QuantSpec, sliding_window: int | None = None, cache=None,
                  codebooks=None, inv_freq: torch.Tensor | None = None, fp8_scales=None,
@@ -219,7 +227,16 @@ class KVBitsLayer(CacheLayerMixin):
         if keep < self.store.evicted:
             raise ValueError(f"crop: cannot keep {keep} tokens: the first {self.store.evicted} "
                              "left this sliding-window layer already")
-        self.store.check_crop(keep - self.store.evicted)
+        try:
+            self.store.check_crop(keep - self.store.evicted)
+        except ValueError as e:
+            if not self.spec.quantized:
+                raise
+            raise ValueError(
+                f"{e}. Assisted or prompt-lookup decoding: a draft longer than the FP16 residual "
+                f"(residual_length={self.spec.residual_length}) is quantized before it is "
+                "verified; draft fewer tokens (num_assistant_tokens, prompt_lookup_num_tokens) "
+                "or raise residual_length") from None
         return keep - self.store.evicted
 
     # ------------------------------------------------------------------ helpers
