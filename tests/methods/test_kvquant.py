@@ -262,6 +262,36 @@ def test_calibration_follows_the_weights_not_their_dtype(calibrated):
         legacy.check(tiny_llama(seed=1), spec)
 
 
+def test_calibration_of_a_softcapped_model():
+    """Gemma2 caps its attention logits, which SDPA cannot: calibration records K/V through the
+    model's own eager attention instead of failing, and the calibrated cache decodes close to
+    the model (within the error of the same codebooks on post-RoPE keys)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from kvbits.integrations.hf import KVBitsCache
+    from kvbits.spec import resolve_spec
+
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=32,
+        attn_logit_softcapping=0.5, attn_implementation="eager")).eval()
+    ids = torch.randint(0, 128, (1, 160), generator=torch.Generator().manual_seed(1))
+    x = ids[:, :120]
+    with torch.no_grad():
+        full = model(input_ids=x).logits
+    errs = {}
+    for preset in ("kvquant-3", "kvquant-3-post"):
+        spec = resolve_spec(preset).replace(residual_length=8)
+        cache = KVBitsCache(model, spec, calibration=kvq.calibrate(model, ids, spec, window=64))
+        with torch.no_grad():
+            parts = [model(input_ids=x[:, :80], past_key_values=cache, use_cache=True).logits]
+            parts += [model(input_ids=x[:, t:t + 1], past_key_values=cache,
+                            use_cache=True).logits for t in range(80, 120)]
+        errs[preset] = ((torch.cat(parts, 1) - full).abs().max() / full.abs().max()).item()
+    assert errs["kvquant-3"] < 0.2 and errs["kvquant-3"] < 2 * errs["kvquant-3-post"], errs
+
+
 def test_fisher_weights_change_the_codebook(calibrated):
     model, spec, cal, _ = calibrated
     ids = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(0))

@@ -70,3 +70,47 @@ def test_dynamic_rope_refused():
                                                     "factor": 2.0})
     with pytest.raises(NotImplementedError, match="pre_rope=False"):
         rope.model_inv_freqs(cfg)
+
+
+def _tiny(arch: str):
+    import transformers as tf
+
+    common = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    build = {
+        "phi": lambda: tf.PhiForCausalLM(tf.PhiConfig(partial_rotary_factor=0.5, **common)),
+        "stablelm": lambda: tf.StableLmForCausalLM(tf.StableLmConfig(partial_rotary_factor=0.25,
+                                                                     **common)),
+        "cohere": lambda: tf.CohereForCausalLM(tf.CohereConfig(pad_token_id=0, **common)),
+        "smollm3": lambda: tf.SmolLM3ForCausalLM(tf.SmolLM3Config(pad_token_id=0, **common)),
+    }
+    return build[arch]().eval()
+
+
+@pytest.mark.parametrize("arch,match", [("phi", "rotates 8 of its 16 key channels"),
+                                        ("stablelm", "rotates 4 of its 16 key channels"),
+                                        ("cohere", "pairs channels differently")])
+def test_other_rotary_layouts_refused(arch, match):
+    """Partial rotary embeddings (Phi, StableLM, GPT-NeoX, GLM) and neighbour-pair rotation
+    (Cohere, GLM, GPT-J) are not the whole-head rotate-half convention the cache re-rotates in:
+    pre-RoPE keys are refused with a pointer to ``pre_rope=False``, not crashed on or silently
+    stored in another frame."""
+    with pytest.raises(ValueError, match=match) as e:
+        rope.model_inv_freqs(_tiny(arch))
+    assert "pre_rope=False" in str(e.value)
+
+
+def test_nope_layers_turn_by_zero():
+    """SmolLM3-style NoPE layers (``no_rope_layers[i] == 0``) take no rotation: their
+    frequencies are zero, so un-rotation and re-rotation leave their keys as they are."""
+    model = _tiny("smollm3")
+    flags = model.config.no_rope_layers
+    assert 0 in flags and 1 in flags
+    invs = rope.model_inv_freqs(model)
+    k = torch.randn(1, 2, 10, 16)
+    pos = torch.arange(10)[None]
+    for flag, attn, inv in zip(flags, (layer.self_attn for layer in model.model.layers), invs):
+        assert bool(attn.use_rope) == bool(flag) == bool(inv.abs().sum() > 0)
+        if not flag:
+            assert torch.equal(rope.unrotate(k, pos, inv), k)

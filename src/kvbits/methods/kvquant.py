@@ -557,7 +557,10 @@ class Calibration:
 
 
 def _capture_attention(store: dict, grad: bool):
-    """An attention function recording each layer's (post-RoPE) K and V, then running SDPA."""
+    """An attention function recording each layer's (post-RoPE) K and V, then running SDPA, or
+    with an attention-logit cap (Gemma2; SDPA has none) the model's own eager attention."""
+    import sys
+
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def fn(module, query, key, value, attention_mask, **kwargs):
@@ -565,6 +568,9 @@ def _capture_attention(store: dict, grad: bool):
             key.retain_grad()
             value.retain_grad()
         store.setdefault(module.layer_idx, []).append((key, value))
+        if kwargs.get("softcap") is not None:
+            eager = sys.modules[type(module).__module__].eager_attention_forward
+            return eager(module, query, key, value, attention_mask, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     return fn
 

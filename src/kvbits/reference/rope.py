@@ -14,6 +14,8 @@ frequency scaling) matters; it is read from the model's own rotary module
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 # rope types whose frequencies depend on the sequence length at run time: the cache cannot
@@ -92,8 +94,44 @@ def model_inv_freqs(model_or_config, layer_types: list[str] | None = None) -> li
                 inv = getattr(module, "inv_freq", None)
         if inv is None:
             inv = _inv_freq_from_config(config, lt, rtype)
-        out.append(inv.detach().float().cpu().clone())
+        inv = inv.detach().float().cpu().clone()
+        if not _uses_rope(config, i):  # a NoPE layer (SmolLM3, Llama 4): rotation by angle 0
+            inv.zero_()
+        out.append(inv)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    for i, inv in enumerate(out):
+        if 2 * inv.numel() != head_dim:
+            raise ValueError(
+                f"pre_rope: layer {i} rotates {2 * inv.numel()} of its {head_dim} key channels "
+                "(a partial rotary embedding); kvbits un-rotates and re-rotates whole heads: "
+                "use pre_rope=False (e.g. kvquant-3-post) for this model")
+    if hasattr(model_or_config, "modules"):
+        _check_rotate_half(model_or_config)
     return out
+
+
+def _uses_rope(config, layer: int) -> bool:
+    """False for the layers a ``no_rope_layers`` config (SmolLM3, Llama 4: 1 = RoPE, 0 = none)
+    leaves unrotated."""
+    flags = getattr(config, "no_rope_layers", None)
+    return not isinstance(flags, (list, tuple)) or layer >= len(flags) or bool(flags[layer])
+
+
+def _check_rotate_half(model) -> None:
+    """Refuse models whose RoPE pairs channels other than ``i`` with ``i + D/2`` (Cohere,
+    GLM, GPT-J pair neighbours): re-rotating their stored keys in this module's convention
+    would still give back the model's keys, but the stored keys would not be pre-RoPE ones.
+    The model's own ``rotate_half`` (in its modeling file) is probed on ``[1, 2, 3, 4]``."""
+    probe = torch.arange(1.0, 5.0)
+    for name in {type(m).__module__ for m in model.modules()}:
+        fn = getattr(sys.modules.get(name), "rotate_half", None)
+        if callable(fn):
+            got = fn(probe)
+            if not torch.equal(got, _rotate_half(probe)):
+                raise ValueError(
+                    f"pre_rope: {name}.rotate_half pairs channels differently (it maps [1, 2, "
+                    f"3, 4] to {got.tolist()}, the Llama convention to [-3, -4, 1, 2]); use "
+                    "pre_rope=False (e.g. kvquant-3-post) for this model")
 
 
 def _rope_params(config, layer_type: str):

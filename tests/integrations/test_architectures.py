@@ -1,0 +1,56 @@
+"""KVBitsCache on decoder architectures beyond the ones the accuracy tables use (tiny random
+configs of transformers' own classes): prefill, a chunk and single steps through the cache
+against the model's full forward. FP16 must match to float rounding; kivi-4 stays close."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+from kvbits.integrations.hf import KVBitsCache, cache_kwargs
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              pad_token_id=0)
+ARCHS = {
+    "mistral-sliding": lambda: tf.MistralForCausalLM(tf.MistralConfig(sliding_window=48,
+                                                                      **COMMON)),
+    "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(head_dim=16, **COMMON)),
+    "qwen3-moe": lambda: tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+        head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **COMMON)),
+    "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**COMMON)),
+    "phi-partial-rotary": lambda: tf.PhiForCausalLM(tf.PhiConfig(partial_rotary_factor=0.5,
+                                                                 **COMMON)),
+    "gemma": lambda: tf.GemmaForCausalLM(tf.GemmaConfig(head_dim=16, **COMMON)),
+    "olmo2": lambda: tf.Olmo2ForCausalLM(tf.Olmo2Config(**COMMON)),
+    "granite": lambda: tf.GraniteForCausalLM(tf.GraniteConfig(**COMMON)),
+    "cohere": lambda: tf.CohereForCausalLM(tf.CohereConfig(**COMMON)),
+    "starcoder2": lambda: tf.Starcoder2ForCausalLM(tf.Starcoder2Config(**COMMON)),
+    "smollm3-nope": lambda: tf.SmolLM3ForCausalLM(tf.SmolLM3Config(**COMMON)),
+    "glm4": lambda: tf.Glm4ForCausalLM(tf.Glm4Config(head_dim=16, **COMMON)),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_decoding_through_the_cache_matches_the_model(arch):
+    torch.manual_seed(0)
+    try:
+        model = ARCHS[arch]().eval()
+    except AttributeError as e:  # a class this transformers version does not have
+        pytest.skip(f"{arch}: {e}")
+    x = torch.randint(0, 128, (1, 100), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(input_ids=x).logits
+    scale = full.abs().max()
+    for preset, tol in (("fp16", 1e-5), ("kivi-4", 0.25)):  # random tiny models: loose
+        cache = KVBitsCache(model, preset, residual_length=8)
+        kw = cache_kwargs(model, cache)
+        with torch.no_grad():
+            parts = [model(input_ids=x[:, :70], use_cache=True, **kw).logits,
+                     model(input_ids=x[:, 70:80], use_cache=True, **kw).logits]
+            parts += [model(input_ids=x[:, t:t + 1], use_cache=True, **kw).logits
+                      for t in range(80, 100)]
+        err = ((torch.cat(parts, 1) - full).abs().max() / scale).item()
+        assert err < tol, (arch, preset, err)
+        assert cache.layers[0].store.body_len > 0 or preset == "fp16"
