@@ -247,15 +247,19 @@ def test_crop_is_all_layers_or_none():
 
 
 # ------------------------------------------------------------------ speculative decoding
-def test_rejected_drafts_leave_no_trace():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_rejected_drafts_leave_no_trace(device):
     """Speculative verification is one chunk (the last accepted token and the drafts), then
     transformers crops the rejected drafts. The drafts sit in the FP16 residual (R >= draft
     length), so the accepted rows' logits, the stored state and every later logit are those of
-    a run that never saw the drafts; a group flush happens inside the chunk."""
-    model = tiny_model("llama")
+    a run that never saw the drafts; a group flush happens inside the chunk. On CUDA (FP16
+    model, the Triton kernel's multi-row path) up to the FP16 GEMMs' rounding."""
+    cuda = device == "cuda"
+    model = tiny_model("llama", device, torch.float16 if cuda else torch.float32)
     g = torch.Generator().manual_seed(5)
-    x = torch.randint(0, 256, (1, 96), generator=g)
-    drafts = torch.randint(0, 256, (1, 3), generator=g)
+    x = torch.randint(0, 256, (1, 96), generator=g).to(device)
+    drafts = torch.randint(0, 256, (1, 3), generator=g).to(device)
 
     def run(with_drafts: bool):
         cache = KVBitsCache(model, "kivi-2", residual_length=8)  # G = 32: flush at 40 held
@@ -270,12 +274,13 @@ def test_rejected_drafts_leave_no_trace():
 
     rows_a, later_a, store_a = run(True)
     rows_b, later_b, store_b = run(False)
-    torch.testing.assert_close(rows_a, rows_b, atol=1e-5, rtol=0)
-    torch.testing.assert_close(later_a, later_b, atol=1e-5, rtol=0)
+    atol = 1e-2 * rows_b.float().abs().max().item() if cuda else 1e-5
+    torch.testing.assert_close(rows_a.float(), rows_b.float(), atol=atol, rtol=0)
+    torch.testing.assert_close(later_a.float(), later_b.float(), atol=atol, rtol=0)
     assert (store_a.body_len, store_a.res_len) == (store_b.body_len, store_b.res_len)
     n = store_a.body_len // 32 * packed_length(32, 2)
     agree = (store_a.k_codes[:, :, :n] == store_b.k_codes[:, :, :n]).float().mean().item()
-    assert agree > 0.999, agree  # the same tokens quantized (up to float rounding ties)
+    assert agree > (0.99 if cuda else 0.999), agree  # the same tokens (up to rounding ties)
 
 
 @pytest.mark.parametrize("mode", ["prompt_lookup", "assistant"])
@@ -307,8 +312,12 @@ def test_speculative_generate_through_the_cache(mode):
     assert cache.layers[0].store.body_len > 0  # the history really was quantized
     no_residual = KVBitsCache(model, "kivi-4", residual_length=0)
     assert not no_residual.layers[0].is_croppable
-    with pytest.raises(ValueError, match="crop"):
-        generate(model, x, no_residual, **kw)
+    import transformers.generation.utils as gen_utils
+    # recent transformers check is_croppable before drafting; older ones (5.17) crop anyway, and
+    # a crop the layer cannot make raises (test_draft_longer_than_the_residual_is_explained)
+    if "requires a cache that can be cropped" in inspect.getsource(gen_utils):
+        with pytest.raises(ValueError, match="crop"):
+            generate(model, x, no_residual, **kw)
 
 
 def test_draft_longer_than_the_residual_is_explained():
