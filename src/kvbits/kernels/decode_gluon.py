@@ -1732,7 +1732,8 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         rope_rows(kv.rope_inv_freq, kv.key_bits, kv.group_size) if inv_freq is not None
         else starts,
         scale_log2, float(softcap) if softcap is not None else 1.0, kv.sink_len, kv.body_len,
-        kv.res_len, int(window) if window is not None else 0, kv.k_codes.shape[2], kv.k_scale.shape[2] * kv.k_scale.shape[3], kv.v_codes.shape[2],
+        kv.res_len, int(window) if window is not None else 0, kv.k_codes.shape[2],
+        kv.k_scale.shape[2] * kv.k_scale.shape[3], kv.v_codes.shape[2],
         kv.v_scale.shape[2] * kv.v_scale.shape[3],
         koi.shape[2] if koi is not None else 0, voi.shape[2] if voi is not None else 0,
         Hkv, n_out, per,
