@@ -818,7 +818,7 @@ def test_partial_rotary_refused_for_pre_rope_keys_at_construction():
                                        num_hidden_layers=2, num_attention_heads=2,
                                        num_key_value_heads=2, partial_rotary_factor=0.5,
                                        pad_token_id=0)).eval()
-    with pytest.raises(NotImplementedError, match="rotates 16 of its 32 head channels.*-post"):
+    with pytest.raises(ValueError, match="rotates 16 of its 32 key channels.*-post"):
         KVBitsCache(model, "kvquant-3", calibration="uniform")
     ids = torch.randint(1, 64, (1, 12))
     out = model.generate(ids, past_key_values=KVBitsCache(model, "kvquant-3-post",

@@ -329,16 +329,8 @@ class KVBitsCache(Cache):
         if self.spec.pre_rope and self.spec.quantized:  # checked here, before any calibration
             from ..reference.rope import model_inv_freqs
 
+            # refuses partial and neighbour-pair rotary embeddings, with the way out
             inv_freqs = model_inv_freqs(model_or_config)
-            head_dim = (getattr(text_config, "head_dim", None)
-                        or text_config.hidden_size // text_config.num_attention_heads)
-            bad = next((inv for inv in inv_freqs
-                        if inv is not None and inv.numel() * 2 != head_dim), None)
-            if bad is not None:
-                raise NotImplementedError(
-                    f"pre_rope: the model rotates {2 * bad.numel()} of its {head_dim} "
-                    "head channels (partial rotary embeddings are not supported); use a -post "
-                    "preset or pre_rope=False")
         codebooks = _layer_codebooks(model_or_config, self.spec, calibration,
                                      spec if isinstance(spec, str) else "", len(windows))
         layers = [KVBitsLayer(ls, window, cache=self, codebooks=cb, inv_freq=inv, fp8_scales=f8,
