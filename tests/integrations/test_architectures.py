@@ -10,9 +10,9 @@ import transformers as tf
 
 from kvbits.integrations.hf import KVBitsCache, cache_kwargs
 
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-              pad_token_id=0)
+COMMON = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+          "pad_token_id": 0}
 ARCHS = {
     "mistral-sliding": lambda: tf.MistralForCausalLM(tf.MistralConfig(sliding_window=48,
                                                                       **COMMON)),

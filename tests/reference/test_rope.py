@@ -75,8 +75,9 @@ def test_dynamic_rope_refused():
 def _tiny(arch: str):
     import transformers as tf
 
-    common = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    common = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 64,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 256}
     torch.manual_seed(0)
     build = {
         "phi": lambda: tf.PhiForCausalLM(tf.PhiConfig(partial_rotary_factor=0.5, **common)),
