@@ -1060,6 +1060,9 @@ LENS_DEV_CASES = [
     Case(kb=2, vb=2, G=32, D=64, B=2, Hkv=2, HG=4, S=3, body=32 * 40, res=48, starts=(0, 7),
          seed=21),
     Case(kb=4, vb=4, G=64, D=128, B=1, Hkv=2, HG=1, body=64 * 20, res=70, seed=22),
+    # a sliding window counted from the true end (CUDA-graph decode of a sliding layer), capped
+    Case(kb=2, vb=2, G=32, D=64, B=2, Hkv=2, HG=2, S=2, body=32 * 40, res=48, starts=(0, 7),
+         window=700, softcap=0.3, seed=24),
 ]
 
 
@@ -1105,7 +1108,9 @@ def _check_device_lengths(c, bound, gluon, what):
     g = torch.Generator().manual_seed(c.seed + 1)
     q = torch.randn(c.B, c.Hkv * c.HG, 1, c.D, generator=g).to(c.dtype).to(DEVICE)
     lens = torch.tensor([c.S, true_body, true_res], dtype=torch.int32, device=DEVICE)
-    args = {"scale": c.D ** -0.5, "starts": _seq(c.starts)}
+    args = {"scale": c.D ** -0.5, "starts": _seq(c.starts), "window": c.window}
+    if c.softcap is not None:
+        args["softcap"] = c.softcap
     got = kernel(q, bound, lens_dev=lens, gluon=gluon, **args)
     compare(got, reference(q, view, **args), c.dtype, what)
     return q, lens, args
@@ -1113,15 +1118,17 @@ def _check_device_lengths(c, bound, gluon, what):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("bits", [2, 4])
-def test_gluon_tma_device_lengths_inside_bounds(bits, monkeypatch):
+@pytest.mark.parametrize("bits,window", [(2, None), (4, None), (2, 900)])
+def test_gluon_tma_device_lengths_inside_bounds(bits, window, monkeypatch):
     """The TMA ring with lengths on the device: steps past the true body are never copied or
-    read (the bounds' tail holds real data that would change the answer)."""
+    read (the bounds' tail holds real data that would change the answer); with a sliding
+    window (and a cap) counted from the true end."""
     from kvbits.kernels import decode_gluon, decode_gluon_tma
     serve_small(monkeypatch, decode_gluon)
     monkeypatch.setattr(decode_gluon_tma, "MODE", "1")
     c = Case(kb=bits, vb=bits, G=32, D=128, B=2, Hkv=2, HG=4, S=3, body=32 * 40, res=48,
-             starts=(0, 7), Gv=32, seed=23 + bits)
+             starts=(0, 7), Gv=32, seed=23 + bits, window=window,
+             softcap=0.3 if window else None)
     bound = make_kv(c, spare=8)
     assert decode_gluon_tma.eligible(bound, False)
     _check_device_lengths(c, bound, True, f"{c} lens_dev TMA")
