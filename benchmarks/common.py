@@ -166,6 +166,31 @@ def write_results(name: str, rows: list[dict], columns: list[tuple[str, str]], e
     (out_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 
+def write_model_results(out_dir: Path, name: str, title: str, script: str, fields: dict,
+                        rows: list[dict], columns: list[str], prose: str,
+                        setting: str = "") -> dict:
+    """Result files of a real-model benchmark (CPU, the library's reference path): ``name.json``
+    (meta + rows) and ``name.md`` (title, command, date, versions, ``prose``, the table of
+    ``columns``). ``fields`` join the meta (model, text, knobs); ``setting`` precedes the
+    versions (e.g. ``"CPU, 2 threads; "``). Returns the meta."""
+    import time
+
+    from kvbits.cli import _versions
+    from kvbits.eval.memory import markdown_table
+
+    meta = {"command": shlex.join(["python", f"benchmarks/{script}", *sys.argv[1:]]),
+            **fields, "versions": _versions(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    md = [f"# {title}", "", f"```\n{meta['command']}\n```", "",
+          f"{meta['date']}; {setting}"
+          + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + ".", "", prose, "",
+          markdown_table(columns, [[r[c] for c in columns] for r in rows])]
+    (out_dir / f"{name}.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return meta
+
+
 def _fmt(x) -> str:
     if x is None:
         return "-"

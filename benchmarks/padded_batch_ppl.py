@@ -13,9 +13,7 @@ sink slot held padding. Rows come from different slices of the text.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -24,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvbits.cli import _versions, make_cache_factory, parse_presets  # noqa: E402
+from common import write_model_results  # noqa: E402
+from kvbits.cli import make_cache_factory, parse_presets  # noqa: E402
 from kvbits.data import load_model, load_text, tokenize_text  # noqa: E402
-from kvbits.eval.memory import markdown_table  # noqa: E402
 from kvbits.integrations.hf import cache_kwargs  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -95,25 +93,16 @@ def main() -> int:
                             "ppl_alone": round(ppl_a, 4), "ppl_in_batch": round(ppl_b, 4),
                             "batch_vs_alone": f"{100 * (ppl_b / ppl_a - 1):+.2f}%"})
         print(f"{v.label}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
-    meta = {"command": shlex.join(["python", "benchmarks/padded_batch_ppl.py", *sys.argv[1:]]),
-            "model": args.model, "text": args.text, "continuation": args.cont,
-            "chunk": args.chunk, "versions": _versions(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
-    cols = ["preset", "row", "prompt", "padding", "ppl_alone", "ppl_in_batch", "batch_vs_alone"]
-    md = [f"# Left-padded batch vs each row alone: {args.model} on {args.text}", "",
-          f"```\n{meta['command']}\n```", "",
-          f"{meta['date']}; " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
-          + ".", "",
-          f"Rows take prompts of {args.prompts} tokens from different slices of the text, left-"
-          f"padded to the longest and prefilled in one forward; then {args.cont} continuation "
-          f"tokens per row are scored in chunks of {args.chunk} (they attend to the quantized "
-          "history). `ppl_alone`: the same row as a batch of one.", "",
-          markdown_table(cols, [[r[c] for c in cols] for r in results])]
-    (out / f"{args.name}.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    write_model_results(
+        Path(args.out), args.name, f"Left-padded batch vs each row alone: {args.model} on "
+        f"{args.text}", "padded_batch_ppl.py",
+        {"model": args.model, "text": args.text, "continuation": args.cont, "chunk": args.chunk},
+        results, ["preset", "row", "prompt", "padding", "ppl_alone", "ppl_in_batch",
+                  "batch_vs_alone"],
+        f"Rows take prompts of {args.prompts} tokens from different slices of the text, left-"
+        f"padded to the longest and prefilled in one forward; then {args.cont} continuation "
+        f"tokens per row are scored in chunks of {args.chunk} (they attend to the quantized "
+        "history). `ppl_alone`: the same row as a batch of one.")
     return 0
 
 

@@ -14,8 +14,6 @@ full precision together with the prompt, so the texts may part at a near-tie).
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -24,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvbits.cli import _versions, make_cache_factory, parse_presets  # noqa: E402
+from common import write_model_results  # noqa: E402
+from kvbits.cli import make_cache_factory, parse_presets  # noqa: E402
 from kvbits.data import load_model, load_text  # noqa: E402
-from kvbits.eval.memory import markdown_table  # noqa: E402
 from kvbits.integrations.hf import cache_kwargs  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -89,7 +87,7 @@ def main() -> int:
         make = make_cache_factory(model, v)
         run(model, prompts[0][:, :64], make(), 4, args.lookup)  # warm-up (and calibration)
         for i, ids in enumerate(prompts):
-            plain, t_plain, f_plain = run(model, ids, make(), args.new, 0)
+            plain, t_plain, _ = run(model, ids, make(), args.new, 0)
             drafted, t_look, f_look = run(model, ids, make(), args.new, args.lookup)
             agree = next((j for j, (a, b) in enumerate(zip(plain, drafted)) if a != b), args.new)
             rows.append({"preset": v.label, "prompt": i, "prompt_tokens": ids.shape[1],
@@ -98,28 +96,18 @@ def main() -> int:
                          "tokens_per_forward": round(args.new / max(1, f_look - 1), 2),
                          "same_text": plain == drafted, "agree_tokens": agree})
             print(rows[-1], file=sys.stderr, flush=True)
-    meta = {"command": shlex.join(["python", "benchmarks/prompt_lookup.py", *sys.argv[1:]]),
-            "model": args.model, "text": args.text, "new_tokens": args.new,
-            "lookup": args.lookup, "threads": torch.get_num_threads(),
-            "versions": _versions(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    cols = list(rows[0])
-    md = [f"# Prompt-lookup decoding through the cache: {args.model} on {args.text}", "",
-          f"```\n{meta['command']}\n```", "",
-          f"{meta['date']}; CPU, {meta['threads']} threads; "
-          + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + ".", "",
-          f"Each prompt asks the model (chat template) to repeat one paragraph of the text; "
-          f"{args.new} greedy tokens through `generate`, plainly (`plain_s`) and with "
-          f"`prompt_lookup_num_tokens={args.lookup}` (`lookup_s`). `tokens_per_forward`: new "
-          "tokens per decode forward with lookup (the prefill forward not counted). "
-          "`agree_tokens`: how many leading tokens the two texts share (FP16 must agree on all; "
-          "a quantized cache verifies the first drafts at full precision with the prompt, so its "
-          "texts may part at a near-tie).", "",
-          markdown_table(cols, [[r[c] for c in cols] for r in rows])]
-    (out / f"{args.name}.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    write_model_results(
+        Path(args.out), args.name, f"Prompt-lookup decoding through the cache: {args.model} on "
+        f"{args.text}", "prompt_lookup.py",
+        {"model": args.model, "text": args.text, "new_tokens": args.new, "lookup": args.lookup,
+         "threads": torch.get_num_threads()}, rows, list(rows[0]),
+        f"Each prompt asks the model (chat template) to repeat one paragraph of the text; "
+        f"{args.new} greedy tokens through `generate`, plainly (`plain_s`) and with "
+        f"`prompt_lookup_num_tokens={args.lookup}` (`lookup_s`). `tokens_per_forward`: new "
+        "tokens per decode forward with lookup (the prefill forward not counted). "
+        "`agree_tokens`: how many leading tokens the two texts share (FP16 must agree on all; "
+        "a quantized cache verifies the first drafts at full precision with the prompt, so its "
+        "texts may part at a near-tie).", setting=f"CPU, {torch.get_num_threads()} threads; ")
     return 0
 
 
