@@ -196,14 +196,20 @@ def compare(o: torch.Tensor, r: torch.Tensor, dtype, what: str, tol=None):
     return glob, worst
 
 
+def _query_and_args(c: Case, device=DEVICE):
+    """The case's query (seeded from ``c.seed + 1``) and the attention arguments besides the
+    cap: scale, starts, lengths, window."""
+    g = torch.Generator().manual_seed(c.seed + 1)
+    q = torch.randn(c.B, c.Hkv * c.HG, c.Lq, c.D, generator=g).to(c.dtype).to(device)
+    return q, {"scale": c.D ** -0.5, "starts": _seq(c.starts, device),
+               "lengths": _seq(c.lengths, device), "window": c.window}
+
+
 def run_case(c: Case, *, device=DEVICE, check=True, kv=None):
     """Build the case, run kernel and reference; returns (global, worst row) relative error."""
     kv = make_kv(c, device) if kv is None else kv
-    g = torch.Generator().manual_seed(c.seed + 1)
-    q = torch.randn(c.B, c.Hkv * c.HG, c.Lq, c.D, generator=g).to(c.dtype).to(device)
+    q, args = _query_and_args(c, device)
     q_before = q.clone()
-    args = {"scale": c.D ** -0.5, "starts": _seq(c.starts, device),
-            "lengths": _seq(c.lengths, device), "window": c.window}
     if c.softcap is not None:
         args["softcap"] = c.softcap
     o = kernel(q, kv, splits=c.splits, **args)
@@ -892,6 +898,21 @@ GLUON_CASES += [body_case(3, G, D, HG, 3 + G + HG + D)
                 for G, D, HG in ((32, 96, 3), (64, 256, 2), (32, 256, 8), (64, 192, 1))]
 
 
+# Sliding windows (Gemma2/3, Mistral-style layers) and Gemma2's softcapping in both Gluon bodies:
+# a window inside the body (programs whose whole range is hidden), one that hides the sink and
+# the body (window 1: the query sees itself only), one past everything; caps of 0.3 (scores of
+# ~1 and more: changes the answer) and 50 (Gemma2's value). Register body: 2/3/4 bits, head dims
+# 64-256, KVQuant's full layer; TMA ring: 2 and 4 bits at head_dim 128.
+GLUON_WINDOW_CASES = [
+    body_case(2, 32, 128, 4, 71, window=700, softcap=0.3),
+    body_case(4, 64, 256, 2, 72, window=1500, softcap=50.0),
+    body_case(3, 32, 64, 8, 73, window=1),  # one token seen: no cap can change it
+    body_case(2, 128, 96, 1, 74, window=10_000),
+    body_case(4, 32, 128, 16, 75, softcap=0.3),
+]
+GLUON_CASES += GLUON_WINDOW_CASES
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("c", GLUON_CASES, ids=str)
@@ -905,8 +926,9 @@ def test_gluon_body_matches_reference(c, monkeypatch):
     serve_small(monkeypatch, decode_gluon)
     run_case(c, kv=kv)
     run_case(c._replace(splits=1), kv=kv)  # one program walks the whole body
+    assert len(used) == 2, "the Gluon kernel was not used"
+    _cap_bites(c, kv)  # window / softcap cases: the cap changes the answer
     run_case(c._replace(lengths=None, starts=None, dtype=torch.bfloat16, seed=c.seed + 1))
-    assert used, "the Gluon kernel was not used"
 
 
 @gpu
@@ -972,18 +994,7 @@ def test_gluon_tma_body_matches_reference(c, monkeypatch):
     assert n == 3 and len(used) == 4, "the TMA kernel was not used for every call"
 
 
-# Sliding windows (Gemma2/3, Mistral-style layers) and Gemma2's softcapping in both Gluon bodies:
-# a window inside the body (programs whose whole range is hidden), one that hides the sink and
-# the body (window 1: the query sees itself only), one past everything; caps of 0.3 (scores of
-# ~1 and more: changes the answer) and 50 (Gemma2's value). Register body: 2/3/4 bits, head dims
-# 64-256, KVQuant's full layer; TMA ring: 2 and 4 bits at head_dim 128.
-GLUON_WINDOW_CASES = [
-    body_case(2, 32, 128, 4, 71, window=700, softcap=0.3),
-    body_case(4, 64, 256, 2, 72, window=1500, softcap=50.0),
-    body_case(3, 32, 64, 8, 73, window=1),  # one token seen: no cap can change it
-    body_case(2, 128, 96, 1, 74, window=10_000),
-    body_case(4, 32, 128, 16, 75, softcap=0.3),
-]
+# The same for KVQuant's full layer and for the TMA ring.
 GLUON_WINDOW_KVQ_CASES = [(body_case(3, 32, 128, 4, 76, window=900, softcap=0.3), 2, True),
                           (body_case(3, 64, 256, 2, 77, window=333, softcap=50.0), 3, True)]
 TMA_WINDOW_CASES = [body_case(2, 32, 128, 4, 78, Gv=32, window=640, softcap=0.3),
@@ -995,30 +1006,10 @@ def _cap_bites(c, kv):
     """With a cap of 0.3 the answer must differ from the uncapped one (the test would pass with
     a kernel that ignores the cap otherwise)."""
     if c.softcap is not None and c.softcap < 1:
-        g = torch.Generator().manual_seed(c.seed + 1)
-        q = torch.randn(c.B, c.Hkv * c.HG, c.Lq, c.D, generator=g).to(c.dtype).to(DEVICE)
-        args = {"scale": c.D ** -0.5, "starts": _seq(c.starts), "lengths": _seq(c.lengths),
-                "window": c.window}
+        q, args = _query_and_args(c)
         r = reference(q, kv, softcap=c.softcap, **args).float()
         plain = reference(q, kv, **args).float()
         assert (plain - r).norm() > 0.05 * r.norm(), "the cap did not bite"
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("c", GLUON_WINDOW_CASES, ids=str)
-def test_gluon_body_window_and_softcap(c, monkeypatch):
-    from kvbits.kernels import decode_gluon
-    monkeypatch.setattr(decode_gluon, "PLANES3", True)
-    monkeypatch.setattr(decode_gluon, "EXTRA_HEAD_DIMS", True)
-    kv = make_kv(c)
-    assert decode_gluon.eligible(kv, c.Lq, c.HG, c.window), str(c)
-    used = count_calls(monkeypatch, decode_gluon)
-    serve_small(monkeypatch, decode_gluon)
-    run_case(c, kv=kv)
-    run_case(c._replace(splits=1), kv=kv)
-    assert len(used) == 2, "the Gluon kernel was not used"
-    _cap_bites(c, kv)
 
 
 @gpu
