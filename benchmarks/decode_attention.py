@@ -226,7 +226,7 @@ def run_shape(model, hq, hkv, d, batch, context, bw, presets, baselines, knobs,
         t = bench(lambda: decode_attention(q, kv, scale=scale, **kw))
         tg = bench_graph(lambda: decode_attention(q, kv, scale=scale, **kw))
         h = host_us(lambda: decode_attention(q, kv, scale=scale, **kw))
-        gl_used = decode_gluon.serves(kv, 1, hq // hkv, window, batch * hkv)
+        gl_used = decode_gluon.serves(kv, 1, hq // hkv, batch * hkv)
         rows.append(dict(base, preset=preset, provider="kvbits (gluon)" if gl_used else "kvbits",
                          us=t, speedup=t_fp / t, speedup_best=t_best / t,
                          us_graph=tg, speedup_graph=g_fp / tg, host_us=h, bytes=nb,

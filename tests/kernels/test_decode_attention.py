@@ -700,7 +700,7 @@ def test_gluon_kvquant_codebooks_match_reference(c, monkeypatch):
     monkeypatch.setattr(decode_gluon, "PLANES3", True)
     serve_small(monkeypatch, decode_gluon)
     kv = _kvquant_kv(c, 0, False)
-    assert decode_gluon.eligible(kv, 1, c.HG, None), str(c)
+    assert decode_gluon.eligible(kv, 1, c.HG), str(c)
     used = count_calls(monkeypatch, decode_gluon)
     run_case(c, kv=kv)
     run_case(c._replace(splits=1), kv=kv)
@@ -730,7 +730,7 @@ def test_gluon_kvquant_full_matches_reference(c, n_out, rope, monkeypatch):
     monkeypatch.setattr(decode_gluon, "KVQUANT_FULL", True)
     serve_small(monkeypatch, decode_gluon)
     kv = _kvquant_kv(c, n_out, rope)
-    assert decode_gluon.eligible(kv, 1, c.HG, None), str(c)
+    assert decode_gluon.eligible(kv, 1, c.HG), str(c)
     used = count_calls(monkeypatch, decode_gluon)
     glob, _ = run_case(c, kv=kv)
     run_case(c._replace(splits=1), kv=kv)
@@ -784,31 +784,31 @@ def test_gluon_kvquant_dispatch(monkeypatch):
     c = Case(kb=3, vb=3, G=32, D=128, B=1, Hkv=2, body=128, res=0)
     kv = _kvquant_kv(c, 0, False, device="cpu")
     monkeypatch.setattr(decode_gluon, "PLANES3", False)
-    assert not decode_gluon.eligible(kv, 1, 4, None)
+    assert not decode_gluon.eligible(kv, 1, 4)
     monkeypatch.setattr(decode_gluon, "PLANES3", True)
-    assert decode_gluon.eligible(kv, 1, 4, None)
+    assert decode_gluon.eligible(kv, 1, 4)
     full = [_kvquant_kv(c, 2, False, device="cpu"), _kvquant_kv(c, 0, True, device="cpu"),
             _kvquant_kv(c, 2, True, device="cpu")]
     monkeypatch.setattr(decode_gluon, "KVQUANT_FULL", False)
-    assert not any(decode_gluon.eligible(kv, 1, 4, None) for kv in full)
+    assert not any(decode_gluon.eligible(kv, 1, 4) for kv in full)
     monkeypatch.setattr(decode_gluon, "KVQUANT_FULL", True)  # outliers / pre-RoPE keys
-    assert all(decode_gluon.eligible(kv, 1, 4, None) for kv in full)
-    assert not decode_gluon.eligible(_kvquant_kv(c, 5, False, device="cpu"), 1, 4, None)
+    assert all(decode_gluon.eligible(kv, 1, 4) for kv in full)
+    assert not decode_gluon.eligible(_kvquant_kv(c, 5, False, device="cpu"), 1, 4)
     odd = _kvquant_kv(c, 2, False, device="cpu")  # indices one byte off a 16-bit boundary
     buf = torch.empty(odd.k_out_idx.numel() + 1, dtype=torch.uint8)
     odd.k_out_idx = buf[1:].view(odd.k_out_idx.shape).copy_(odd.k_out_idx)
-    assert not decode_gluon.eligible(odd, 1, 4, None)
+    assert not decode_gluon.eligible(odd, 1, 4)
     wide = c._replace(D=96)  # three channel chunks: the rotate-half halves are not two chunks
-    assert not decode_gluon.eligible(_kvquant_kv(wide, 2, True, device="cpu"), 1, 4, None)
+    assert not decode_gluon.eligible(_kvquant_kv(wide, 2, True, device="cpu"), 1, 4)
     wide = c._replace(D=256)  # four: the halves are chunks (0, 1) and (2, 3), with KVQUANT_WIDE
-    assert all(decode_gluon.eligible(_kvquant_kv(wide, n, r, device="cpu"), 1, 4, None)
+    assert all(decode_gluon.eligible(_kvquant_kv(wide, n, r, device="cpu"), 1, 4)
                for n, r in ((3, True), (3, False), (0, True)))
     monkeypatch.setattr(decode_gluon, "KVQUANT_WIDE", False)
-    assert not decode_gluon.eligible(_kvquant_kv(wide, 3, True, device="cpu"), 1, 4, None)
-    assert decode_gluon.eligible(_kvquant_kv(wide, 0, False, device="cpu"), 1, 4, None)
+    assert not decode_gluon.eligible(_kvquant_kv(wide, 3, True, device="cpu"), 1, 4)
+    assert decode_gluon.eligible(_kvquant_kv(wide, 0, False, device="cpu"), 1, 4)
     two = c._replace(kb=2, vb=2)
-    assert not decode_gluon.eligible(_kvquant_kv(two, 0, False, device="cpu"), 1, 4, None)
-    assert not decode_gluon.eligible(_kvquant_kv(two, 2, True, device="cpu"), 1, 4, None)
+    assert not decode_gluon.eligible(_kvquant_kv(two, 0, False, device="cpu"), 1, 4)
+    assert not decode_gluon.eligible(_kvquant_kv(two, 2, True, device="cpu"), 1, 4)
 
 def test_kvquant_pre_rope_changes_the_answer():
     # The rotation must really happen: the same layer read as post-RoPE differs.
@@ -921,7 +921,7 @@ def test_gluon_body_matches_reference(c, monkeypatch):
     monkeypatch.setattr(decode_gluon, "PLANES3", True)
     monkeypatch.setattr(decode_gluon, "EXTRA_HEAD_DIMS", True)
     kv = make_kv(c)
-    assert decode_gluon.eligible(kv, c.Lq, c.HG, c.window), str(c)
+    assert decode_gluon.eligible(kv, c.Lq, c.HG), str(c)
     used = count_calls(monkeypatch, decode_gluon)
     serve_small(monkeypatch, decode_gluon)
     run_case(c, kv=kv)
@@ -1022,7 +1022,7 @@ def test_gluon_kvquant_full_window_and_softcap(c, n_out, rope, monkeypatch):
         monkeypatch.setattr(decode_gluon, flag, True)
     serve_small(monkeypatch, decode_gluon)
     kv = _kvquant_kv(c, n_out, rope)
-    assert decode_gluon.eligible(kv, 1, c.HG, c.window), str(c)
+    assert decode_gluon.eligible(kv, 1, c.HG), str(c)
     used = count_calls(monkeypatch, decode_gluon)
     run_case(c, kv=kv)
     assert len(used) == 1, "the Gluon kernel was not used"
@@ -1063,7 +1063,7 @@ def test_device_lengths_inside_bounds(c, gluon, monkeypatch):
     from kvbits.kernels import decode_gluon
     serve_small(monkeypatch, decode_gluon)
     bound = make_kv(c)
-    assert not gluon or decode_gluon.eligible(bound, 1, c.HG, None)
+    assert not gluon or decode_gluon.eligible(bound, 1, c.HG)
     q, lens, args = _check_device_lengths(c, bound, gluon, f"{c} lens_dev gluon={gluon}")
     with pytest.raises(ValueError, match="lens_dev"):
         kernel(q, bound, lens_dev=lens.long(), **args)
@@ -1082,7 +1082,7 @@ def test_gluon_kvquant_full_device_lengths(n_out, rope, monkeypatch):
     c = Case(kb=3, vb=3, G=32, D=128, B=2, Hkv=2, HG=4, S=3, body=32 * 40, res=48,
              starts=(0, 7), seed=24 + rope)
     bound = _kvquant_kv(c, n_out, rope)
-    assert decode_gluon.eligible(bound, 1, c.HG, None)
+    assert decode_gluon.eligible(bound, 1, c.HG)
     used = count_calls(monkeypatch, decode_gluon)
     _check_device_lengths(c, bound, True, f"{c} kvquant out={n_out} rope={rope} lens_dev")
     assert used, "the Gluon kernel was not used"
@@ -1276,20 +1276,19 @@ def test_gluon_dispatch_rules():
     if decode_gluon.gluon is None:
         pytest.skip("this Triton has no Gluon")
     kv = make_kv(Case(kb=2, vb=2, G=32, D=128, B=1, Hkv=1, body=64, res=0), device="cpu")
-    assert decode_gluon.eligible(kv, 1, 4, None)
-    assert not decode_gluon.eligible(kv, 2, 4, None)  # chunked prefill: Triton
-    assert not decode_gluon.eligible(kv, 1, 17, None)  # > 16 query heads per KV head
-    assert decode_gluon.eligible(kv, 1, 4, 128)  # sliding window: applied by the kernel
-    assert not decode_gluon.serves(kv, 1, 4, None, 64)  # 64 x 64 tokens: too small a step
+    assert decode_gluon.eligible(kv, 1, 4)
+    assert not decode_gluon.eligible(kv, 2, 4)  # chunked prefill: Triton
+    assert not decode_gluon.eligible(kv, 1, 17)  # > 16 query heads per KV head
+    assert not decode_gluon.serves(kv, 1, 4, 64)  # 64 x 64 tokens: too small a step
     kv.body_len = 32768
-    assert decode_gluon.serves(kv, 1, 4, None, 8)  # Llama-3 batch 1 at 32k: 8 x 32k tokens
-    assert not decode_gluon.serves(kv, 1, 4, None, 4)
+    assert decode_gluon.serves(kv, 1, 4, 8)  # Llama-3 batch 1 at 32k: 8 x 32k tokens
+    assert not decode_gluon.serves(kv, 1, 4, 4)
     # other head dims take it from 2^16 tokens x pairs (the Triton kernel is weaker there)
     wide = make_kv(Case(kb=2, vb=2, G=32, D=96, B=1, Hkv=1, body=64, res=0), device="cpu")
     wide.body_len = 32768
     if decode_gluon.EXTRA_HEAD_DIMS:
-        assert decode_gluon.serves(wide, 1, 4, None, 2)
-        assert not decode_gluon.serves(wide, 1, 4, None, 1)
+        assert decode_gluon.serves(wide, 1, 4, 2)
+        assert not decode_gluon.serves(wide, 1, 4, 1)
     # one wave for small grids, 32 programs per SM for large ones; never more than the steps
     assert decode_gluon.body_splits(8, 32768, 132) == 132
     assert decode_gluon.body_splits(4, 32768, 132) == 132  # never more splits per pair than SMs
@@ -1304,32 +1303,32 @@ def test_gluon_dispatch_rules():
     assert decode_gluon.body_splits(8, 640, 132) == 10
     for kb, vb, G, D in [(4, 2, 128, 128), (8, 8, 32, 128), (2, 2, 32, 80)]:
         other = make_kv(Case(kb=kb, vb=vb, G=G, D=D, B=1, Hkv=1, body=128, res=0), device="cpu")
-        assert not decode_gluon.eligible(other, 1, 4, None), (kb, vb, G, D)
+        assert not decode_gluon.eligible(other, 1, 4), (kb, vb, G, D)
     # 3-bit planes (PLANES3, on by default): equal widths, G 32 / 64; off sends them to Triton
     three = make_kv(Case(kb=3, vb=3, G=32, D=128, B=1, Hkv=1, body=128, res=0), device="cpu")
-    assert decode_gluon.eligible(three, 1, 4, None) == decode_gluon.PLANES3
+    assert decode_gluon.eligible(three, 1, 4) == decode_gluon.PLANES3
     was = decode_gluon.PLANES3
     try:
         decode_gluon.PLANES3 = False
-        assert not decode_gluon.eligible(three, 1, 4, None)
+        assert not decode_gluon.eligible(three, 1, 4)
         decode_gluon.PLANES3 = True
-        assert decode_gluon.eligible(three, 1, 4, None)
+        assert decode_gluon.eligible(three, 1, 4)
         # planes from a smaller step (Triton's 3-bit path is the slow one), while a 2-bit step
         # of the same size stays with Triton; the tiniest 3-bit steps stay there too
         two = make_kv(Case(kb=2, vb=2, G=32, D=128, B=1, Hkv=1, body=128, res=0), device="cpu")
         pairs = decode_gluon.MIN_BODY_TOKENS_PLANES // 128  # 128 body tokens per pair
         assert decode_gluon.MIN_BODY_TOKENS_PLANES < decode_gluon.MIN_BODY_TOKENS
-        assert decode_gluon.serves(three, 1, 4, None, pairs)
-        assert not decode_gluon.serves(three, 1, 4, None, pairs - 1)
-        assert not decode_gluon.serves(two, 1, 4, None, pairs)
+        assert decode_gluon.serves(three, 1, 4, pairs)
+        assert not decode_gluon.serves(three, 1, 4, pairs - 1)
+        assert not decode_gluon.serves(two, 1, 4, pairs)
         # a single pair with a long enough body too (splits capped at one per SM)
         long3 = make_kv(Case(kb=3, vb=3, G=32, D=128, B=1, Hkv=1, body=1 << 16, res=0),
                         device="cpu")
-        assert decode_gluon.serves(long3, 1, 4, None, 1)
+        assert decode_gluon.serves(long3, 1, 4, 1)
         for kb, vb, G in [(3, 3, 128), (3, 2, 32), (2, 3, 32), (3, 4, 64)]:
             other = make_kv(Case(kb=kb, vb=vb, G=G, D=128, B=1, Hkv=1, body=128, res=0),
                             device="cpu")
-            assert not decode_gluon.eligible(other, 1, 4, None), (kb, vb, G)
+            assert not decode_gluon.eligible(other, 1, 4), (kb, vb, G)
     finally:
         decode_gluon.PLANES3 = was
     # head dims 96 / 192 / 256 only with EXTRA_HEAD_DIMS (on since its session-16 GPU run):
@@ -1339,18 +1338,18 @@ def test_gluon_dispatch_rules():
             for b, d in ((2, 256), (4, 96), (2, 192))]
     wide3 = make_kv(Case(kb=3, vb=3, G=32, D=256, B=1, Hkv=1, body=128, res=0), device="cpu")
     d80 = make_kv(Case(kb=2, vb=2, G=32, D=80, B=1, Hkv=1, body=128, res=0), device="cpu")
-    assert all(decode_gluon.eligible(w, 1, 2, None) == decode_gluon.EXTRA_HEAD_DIMS
+    assert all(decode_gluon.eligible(w, 1, 2) == decode_gluon.EXTRA_HEAD_DIMS
                for w in wide)
     was = decode_gluon.EXTRA_HEAD_DIMS, decode_gluon.PLANES3
     try:
         decode_gluon.EXTRA_HEAD_DIMS = decode_gluon.PLANES3 = True
-        assert all(decode_gluon.eligible(w, 1, 2, None) for w in wide)
-        assert decode_gluon.eligible(wide3, 1, 2, None)
-        assert not decode_gluon.eligible(d80, 1, 2, None)
+        assert all(decode_gluon.eligible(w, 1, 2) for w in wide)
+        assert decode_gluon.eligible(wide3, 1, 2)
+        assert not decode_gluon.eligible(d80, 1, 2)
     finally:
         decode_gluon.EXTRA_HEAD_DIMS, decode_gluon.PLANES3 = was
     mixed = make_kv(Case(kb=4, vb=2, G=32, D=128, B=1, Hkv=1, body=64, res=0), device="cpu")
-    assert decode_gluon.eligible(mixed, 1, 4, None) == decode_gluon.MIXED_BITS  # on by default
+    assert decode_gluon.eligible(mixed, 1, 4) == decode_gluon.MIXED_BITS  # on by default
 
 
 def _store_layer(preset: str, device, tokens: int = 700, D: int = 128):
@@ -1373,7 +1372,7 @@ def test_store_built_kivi_layers_are_gluon_eligible(preset, monkeypatch):
         pytest.skip("this Triton has no Gluon")
     monkeypatch.setenv("KVBITS_KERNELS", "reference")
     kv = _store_layer(preset, "cpu")
-    assert kv.body_len > 0 and decode_gluon.eligible(kv, 1, 4, None)
+    assert kv.body_len > 0 and decode_gluon.eligible(kv, 1, 4)
 
 
 @gpu
@@ -1410,7 +1409,7 @@ def test_gluon_body_token_keys(c, monkeypatch):
     monkeypatch.setattr(decode_gluon, "EXTRA_HEAD_DIMS", True)
     serve_small(monkeypatch, decode_gluon)
     kv = _axes_kv(c, "token", "token")
-    assert decode_gluon.eligible(kv, 1, c.HG, None)
+    assert decode_gluon.eligible(kv, 1, c.HG)
     run_case(c, kv=kv)
 
 
@@ -1421,18 +1420,18 @@ def test_gluon_token_keys_need_the_flag(monkeypatch):
     c = GLUON_TOKEN_KEY_CASES[0]
     kv = _axes_kv(c._replace(body=c.G * 3), "token", "token", device="cpu")
     monkeypatch.setattr(decode_gluon, "TOKEN_KEYS", False)
-    assert not decode_gluon.eligible(kv, 1, c.HG, None)
+    assert not decode_gluon.eligible(kv, 1, c.HG)
     monkeypatch.setattr(decode_gluon, "TOKEN_KEYS", True)
-    assert decode_gluon.eligible(kv, 1, c.HG, None)
+    assert decode_gluon.eligible(kv, 1, c.HG)
     narrow = _axes_kv(c._replace(body=c.G * 3, G=32, D=128), "token", "token", device="cpu")
-    assert not decode_gluon.eligible(narrow, 1, c.HG, None)  # 32-channel key groups: Triton
+    assert not decode_gluon.eligible(narrow, 1, c.HG)  # 32-channel key groups: Triton
     # head_dim 256 (four 64-channel chunks, one 64-channel key group each) only with the flag
     wide = _axes_kv(c._replace(body=c.G * 3, D=256), "token", "token", device="cpu")
     monkeypatch.setattr(decode_gluon, "EXTRA_HEAD_DIMS", True)
     monkeypatch.setattr(decode_gluon, "TOKEN_KEYS_WIDE", False)
-    assert not decode_gluon.eligible(wide, 1, c.HG, None)
+    assert not decode_gluon.eligible(wide, 1, c.HG)
     monkeypatch.setattr(decode_gluon, "TOKEN_KEYS_WIDE", True)
-    assert decode_gluon.eligible(wide, 1, c.HG, None)
+    assert decode_gluon.eligible(wide, 1, c.HG)
 
 
 GLUON_MIXED_CASES = [
@@ -1454,7 +1453,7 @@ def test_gluon_body_mixed_bits(c, monkeypatch):
     monkeypatch.setattr(decode_gluon, "MIXED_BITS", True)
     serve_small(monkeypatch, decode_gluon)
     kv = make_kv(c)
-    assert decode_gluon.eligible(kv, 1, c.HG, None)
+    assert decode_gluon.eligible(kv, 1, c.HG)
     run_case(c, kv=kv)
     run_case(c._replace(splits=1), kv=kv)
 
@@ -1478,11 +1477,11 @@ def test_gluon_token_orders_permute_by_bits(monkeypatch):
     c = GLUON_MIXED_CASES[0]
     kv = make_kv(c._replace(body=c.G * 3, lengths=None, starts=None), device="cpu")
     monkeypatch.setattr(decode_gluon, "MIXED_BITS", False)
-    assert not decode_gluon.eligible(kv, 1, c.HG, None)
+    assert not decode_gluon.eligible(kv, 1, c.HG)
     monkeypatch.setattr(decode_gluon, "MIXED_BITS", True)
-    assert decode_gluon.eligible(kv, 1, c.HG, None)
+    assert decode_gluon.eligible(kv, 1, c.HG)
     wide = make_kv(c._replace(G=128, body=384, lengths=None, starts=None), device="cpu")
-    assert not decode_gluon.eligible(wide, 1, c.HG, None)  # G > 64: steps differ by width
+    assert not decode_gluon.eligible(wide, 1, c.HG)  # G > 64: steps differ by width
 
 
 def test_store_capacities_are_multiples_of_16(monkeypatch):

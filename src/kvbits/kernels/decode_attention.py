@@ -756,9 +756,9 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
                          f"residual lengths) on {dev}")
     if gluon is None:  # where PTX runs, for layers and batches where it is the faster kernel
         gluon = (use_prmt and GLUON_ENABLED and n_groups > 0
-                 and decode_gluon.serves(kv, Lq, HG, window, B * Hkv))
+                 and decode_gluon.serves(kv, Lq, HG, B * Hkv))
     elif gluon:  # asked for explicitly (tests, benchmarks): any eligible layer
-        gluon = n_groups > 0 and decode_gluon.eligible(kv, Lq, HG, window)
+        gluon = n_groups > 0 and decode_gluon.eligible(kv, Lq, HG)
     if gluon:
         splits = decode_gluon.split_count(
             kv.body_len, req_splits or decode_gluon.body_splits(B * Hkv, kv.body_len, sms, D))

@@ -1506,7 +1506,7 @@ KVQUANT_WIDE = _KVQUANT_WIDE_ENV == "1"
 MAX_OUTLIERS = 4  # per token, keys or values (one pair of MMAs each)
 
 
-def eligible(kv, q_rows: int, heads_per_kv: int, window) -> bool:
+def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
     """Whether :func:`attend_body` serves this layer and call: Gluon importable, integer codes
     (KVQuant codebooks at 3 bits with ``PLANES3``; their outliers, at most ``MAX_OUTLIERS`` per
     token, and pre-RoPE keys with ``KVQUANT_FULL`` at head_dim 64 / 128, and 256 with
@@ -1580,7 +1580,7 @@ MIN_BODY_TOKENS_PLANES = 1 << 16
 MIN_BODY_TOKENS_WIDE = 1 << 16
 
 
-def serves(kv, q_rows: int, heads_per_kv: int, window, batch_heads: int) -> bool:
+def serves(kv, q_rows: int, heads_per_kv: int, batch_heads: int) -> bool:
     """:func:`eligible` and a step big enough for this kernel to be the faster one."""
     planes = kv.key_bits == 3 or kv.value_bits == 3
     if planes:
@@ -1588,7 +1588,7 @@ def serves(kv, q_rows: int, heads_per_kv: int, window, batch_heads: int) -> bool
     else:
         min_tokens = MIN_BODY_TOKENS if kv.res_k.shape[-1] in (64, 128) else MIN_BODY_TOKENS_WIDE
     return (batch_heads * kv.body_len >= min_tokens
-            and eligible(kv, q_rows, heads_per_kv, window))
+            and eligible(kv, q_rows, heads_per_kv))
 
 
 # Fewer (sequence, KV head) pairs than this: the grid is one wave, SMALL_GRID_PER_SM programs per
