@@ -191,10 +191,12 @@ def windowed_nbytes(kv, context: int, window: int | None) -> int:
 
 
 def run_shape(model, hq, hkv, d, batch, context, bw, presets, baselines, knobs,
-              triton_rows=True, softcap=None, window=None) -> list[dict]:
+              triton_rows=True, softcap=None, window=None, q_rows=1) -> list[dict]:
     scale = d ** -0.5
-    q = torch.randn(batch, hq, 1, d, dtype=torch.float16, device="cuda")
+    q = torch.randn(batch, hq, q_rows, d, dtype=torch.float16, device="cuda")
     base = dict(model=model, batch=batch, context=context, q_heads=hq, kv_heads=hkv, head_dim=d)
+    if q_rows > 1:
+        base["q_rows"] = q_rows
     rows = []
     seen = context if window is None else min(context, window)  # what FP16's cache holds
     fp_bytes = 2 * batch * hkv * seen * d * 2
@@ -226,7 +228,7 @@ def run_shape(model, hq, hkv, d, batch, context, bw, presets, baselines, knobs,
         t = bench(lambda: decode_attention(q, kv, scale=scale, **kw))
         tg = bench_graph(lambda: decode_attention(q, kv, scale=scale, **kw))
         h = host_us(lambda: decode_attention(q, kv, scale=scale, **kw))
-        gl_used = decode_gluon.serves(kv, 1, hq // hkv, batch * hkv)
+        gl_used = decode_gluon.serves(kv, q_rows, hq // hkv, batch * hkv)
         rows.append(dict(base, preset=preset, provider="kvbits (gluon)" if gl_used else "kvbits",
                          us=t, speedup=t_fp / t, speedup_best=t_best / t,
                          us_graph=tg, speedup_graph=g_fp / tg, host_us=h, bytes=nb,
@@ -242,7 +244,8 @@ def run_shape(model, hq, hkv, d, batch, context, bw, presets, baselines, knobs,
                              speedup=t_fp / t4, speedup_best=t_best / t4, us_graph=tg4, speedup_graph=g_fp / tg4,
                              bytes=nb, tbps=nb / min(t4, tg4) * 1e-6,
                              frac_bw=nb / min(t4, tg4) * 1e6 / bw, rel_err=err4))
-        if preset == "kivi-2" and baselines and softcap is None and window is None:
+        if preset == "kivi-2" and baselines and softcap is None and window is None \
+                and q_rows == 1:
             if batch * context <= 32 * 32768:
                 def hf_step():
                     kk, vv = dequantize_all_torch(kv)
@@ -337,6 +340,10 @@ def main(argv=None) -> None:
                         "over contexts of (typically) 1.25 windows, as a sliding layer's store "
                         "holds; the FP16 rows over the last WINDOW tokens (what transformers' "
                         "sliding DynamicCache layer keeps); QuantizedCache and seed rows skipped")
+    p.add_argument("--q-rows", type=int, default=1,
+                   help="query rows per sequence (speculative verification of q_rows - 1 "
+                        "drafts); the FP16 rows attend without a causal mask among them (the "
+                        "flash backend takes no offset mask; the cost is the same)")
     p.add_argument("--skip-quantize-pack", action="store_true")
     p.add_argument("--quantize-pack-only", action="store_true",
                    help="only the quantize_pack table (no attention shapes)")
@@ -405,6 +412,14 @@ def main(argv=None) -> None:
                      "tokens and attend through the window (bytes: the groups it reaches and the "
                      "FP16 parts); FP16 rows attend over the last min(context, window) tokens, "
                      "which is all transformers' sliding cache layer keeps")
+    if args.q_rows > 1:
+        notes.append(f"q_rows {args.q_rows}: every sequence has {args.q_rows} query rows (the "
+                     "verification of speculative drafts): kvbits rows attend causally among "
+                     "them, the FP16 SDPA rows over the whole cache without a mask (the flash "
+                     "backend has no bottom-right causal mask; the cost is the same); "
+                     "QuantizedCache and seed rows skipped")
+    elif args.q_rows < 1:
+        p.error("--q-rows must be a positive integer")
     if args.softcap is not None:
         if not args.softcap > 0:
             p.error("--softcap must be positive")
@@ -413,7 +428,8 @@ def main(argv=None) -> None:
                      "rows are SDPA without a cap (SDPA has none; a capped FP16 flash kernel "
                      "reads the same bytes), so they stand for FP16's cost; rel_err against the "
                      "capped reference")
-    cols = [("model", "model"), ("batch", "B"), ("context", "context"), ("q_heads", "Hq"),
+    cols = [("model", "model"), ("batch", "B"), ("context", "context"),
+            *([("q_rows", "q rows")] if args.q_rows > 1 else []), ("q_heads", "Hq"),
             ("kv_heads", "Hkv"), ("head_dim", "D"), ("preset", "preset"),
             ("provider", "provider"), ("us", "median µs"), ("speedup", "speedup vs FP16"),
             ("speedup_best", "vs best SDPA"),
@@ -442,7 +458,7 @@ def main(argv=None) -> None:
         try:
             rows += run_shape(model, hq, hkv, d, batch, context, bw, presets,
                               not args.no_baselines, knobs, softcap=args.softcap,
-                              window=args.window)
+                              window=args.window, q_rows=args.q_rows)
         except Exception as e:  # noqa: BLE001 (reported; the other shapes still run)
             print(f"FAILED {model} B={batch} T={context}: {type(e).__name__}: {e}", flush=True)
             notes.append(f"{model} B={batch} T={context} failed: {type(e).__name__}: {e}")

@@ -247,14 +247,28 @@ def test_crop_is_all_layers_or_none():
 
 
 # ------------------------------------------------------------------ speculative decoding
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device")])])
-def test_rejected_drafts_leave_no_trace(device):
+_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                             reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA),
+                                    pytest.param("cuda-gluon", marks=_CUDA)])
+def test_rejected_drafts_leave_no_trace(device, monkeypatch):
     """Speculative verification is one chunk (the last accepted token and the drafts), then
     transformers crops the rejected drafts. The drafts sit in the FP16 residual (R >= draft
     length), so the accepted rows' logits, the stored state and every later logit are those of
     a run that never saw the drafts; a group flush happens inside the chunk. On CUDA (FP16
-    model, the Triton kernel's multi-row path) up to the FP16 GEMMs' rounding."""
+    model) up to the FP16 GEMMs' rounding: through the Triton kernel's multi-row path, and
+    ("cuda-gluon", size limits lifted) with the chunk's rows as columns of the Gluon body."""
+    rows_seen = []
+    if device == "cuda-gluon":
+        from kvbits.kernels import decode_gluon
+        for name in ("MIN_BODY_TOKENS", "MIN_BODY_TOKENS_PLANES", "MIN_BODY_TOKENS_WIDE"):
+            monkeypatch.setattr(decode_gluon, name, 1)
+        real = decode_gluon.attend_body
+        monkeypatch.setattr(decode_gluon, "attend_body",
+                            lambda q, *a, **k: rows_seen.append(q.shape[2]) or real(q, *a, **k))
+        device = "cuda"
     cuda = device == "cuda"
     model = tiny_model("llama", device, torch.float16 if cuda else torch.float32)
     g = torch.Generator().manual_seed(5)
@@ -281,6 +295,7 @@ def test_rejected_drafts_leave_no_trace(device):
     n = store_a.body_len // 32 * packed_length(32, 2)
     agree = (store_a.k_codes[:, :, :n] == store_b.k_codes[:, :, :n]).float().mean().item()
     assert agree > (0.99 if cuda else 0.999), agree  # the same tokens (up to rounding ties)
+    assert not rows_seen or max(rows_seen) > 1, rows_seen  # gluon: the chunk's rows went there
 
 
 @pytest.mark.parametrize("mode", ["prompt_lookup", "assistant"])

@@ -1045,6 +1045,70 @@ def test_gluon_tma_window_and_softcap(c, monkeypatch):
     _cap_bites(c, kv)
 
 
+# Several query rows per sequence (speculative verification, short chunks) through the Gluon
+# bodies: each row is one more column of its KV head's MMA, masked by its own causal end and
+# window. The ragged sequences of body_case end inside the body (rows at different ends there);
+# a window of a few tokens gives each row a different view. Register body (2/3/4 bits, head dims
+# 64-256, up to 16 columns), KVQuant's full layer, the TMA ring.
+GLUON_ROWS_CASES = [
+    ("register", body_case(2, 32, 128, 1, 81, Lq=5)),
+    ("register", body_case(4, 64, 128, 4, 82, Lq=4)),  # 16 columns
+    ("register", body_case(3, 32, 64, 2, 83, Lq=3, window=6)),
+    ("register", body_case(2, 32, 256, 2, 84, Lq=2, softcap=0.3)),
+    ("kvquant", body_case(3, 32, 128, 2, 85, Lq=4, window=9)),
+    ("tma", body_case(2, 32, 128, 1, 86, Gv=32, Lq=5)),
+    ("tma", body_case(4, 32, 128, 2, 87, Gv=32, Lq=3, window=5, softcap=50.0)),
+]
+
+
+def _rows_bite(c, kv):
+    """The case really tells the rows apart: had every row seen what the last row sees, some
+    row's answer would be off by far more than the tolerance."""
+    q, args = _query_and_args(c)
+    if c.softcap is not None:
+        args["softcap"] = c.softcap
+    r = reference(q, kv, **args).float()
+    as_last = torch.cat([reference(q[:, :, i:i + 1], kv, **args) for i in range(c.Lq)], 2)
+    worst = ((as_last.float() - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-30)).max().item()
+    assert worst > 3 * TOLERANCES[c.dtype][1], worst
+
+
+def test_gluon_takes_query_rows_up_to_16_columns():
+    """Query heads x query rows per KV head are the MMA's columns (no GPU needed): up to 16 go
+    to the Gluon body (5 rows of one head, 4 of four heads, 16 of one), more to Triton."""
+    from kvbits.kernels import decode_gluon
+    if decode_gluon.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    kv = make_kv(Case(kb=2, vb=2, G=32, D=128, B=1, Hkv=2, body=128), "cpu")
+    assert all(decode_gluon.eligible(kv, rows, hg) for rows, hg in ((5, 1), (4, 4), (16, 1)))
+    assert not any(decode_gluon.eligible(kv, rows, hg) for rows, hg in ((5, 4), (17, 1), (3, 7)))
+    q = torch.arange(2 * 8 * 3 * 4.0).view(2, 8, 3, 4)
+    heads, group, rows = decode_gluon.query_rows_as_heads(q, 2)
+    assert (group, rows) == (12, 3) and heads.shape == (2, 24, 1, 4)
+    assert torch.equal(heads[1, 5 * 3 + 2, 0], q[1, 5, 2])  # column h * Lq + r
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,c", GLUON_ROWS_CASES, ids=[f"{k}-{c}" for k, c in GLUON_ROWS_CASES])
+def test_gluon_query_rows_match_reference(kind, c, monkeypatch):
+    from kvbits.kernels import decode_gluon, decode_gluon_tma
+    for flag in ("PLANES3", "EXTRA_HEAD_DIMS", "KVQUANT_FULL"):
+        monkeypatch.setattr(decode_gluon, flag, True)
+    monkeypatch.setattr(decode_gluon_tma, "MODE", "1" if kind == "tma" else "0")
+    serve_small(monkeypatch, decode_gluon)
+    kv = _kvquant_kv(c, 2, True) if kind == "kvquant" else make_kv(c, spare=8)
+    assert decode_gluon.eligible(kv, c.Lq, c.HG), str(c)
+    assert not decode_gluon.eligible(kv, 16 // c.HG + 1, c.HG)  # past 16 columns: Triton
+    assert kind != "tma" or decode_gluon_tma.eligible(kv, False)
+    used = count_calls(monkeypatch, decode_gluon_tma if kind == "tma" else decode_gluon)
+    run_case(c, kv=kv)
+    run_case(c._replace(splits=3), kv=kv)  # ranges that start mid-body
+    assert len(used) == 2, "the Gluon kernel was not used"
+    _rows_bite(c, kv)
+    _cap_bites(c, kv)
+
+
 # Device lengths (CUDA-graph decode): the view's lengths are bounds over real data and lens_dev
 # holds the true (sink, body, residual) lengths; anything read past them changes the answer.
 LENS_DEV_CASES = [

@@ -70,6 +70,12 @@ CONFIGS = [
     {**BASE, "HAS_WINDOW": True, "SOFTCAP": True},
     {**BASE, "HG": 2, "D": 256, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 3, "VOUT": 3,
      "ROPE": True, "Q_RELOAD": True, "HAS_WINDOW": True, "SOFTCAP": True},
+    # several query rows per sequence as more columns (speculative verification): 4 heads x 3
+    # rows with a window (each row its own causal end and window start); KVQuant's full layer,
+    # 2 heads x 4 rows
+    {**BASE, "HG": 12, "HP": 16, "LQ": 3, "HAS_WINDOW": True},
+    {**BASE, "HG": 8, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 2, "VOUT": 2, "ROPE": True,
+     "LQ": 4},
     {**BASE, "KBITS": 4, "PF": 0, "PF_AFTER": False},  # K4V2 (mixed widths; last, no prefetch)
 ]
 
@@ -115,6 +121,9 @@ TMA_CONFIGS = [  # 2 bits, 3 stages, GQA 4, device lengths; 4 bits, 2 stages, 16
     # a sliding window and Gemma2's softcapping
     {"HG": 2, "HP": 8, "D": 128, "BITS": 4, "G": 32, "GV": 32, "HAS_STARTS": True,
      "HAS_LENS": True, "LENS_DEV": True, "NS": 2, "HAS_WINDOW": True, "SOFTCAP": True},
+    # five query rows of one head (speculative verification, MHA)
+    {"HG": 5, "HP": 8, "D": 128, "BITS": 2, "G": 32, "GV": 32, "HAS_STARTS": True,
+     "HAS_LENS": True, "LENS_DEV": False, "NS": 3, "LQ": 5},
 ]
 
 

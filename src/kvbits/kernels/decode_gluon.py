@@ -916,6 +916,43 @@ if gluon is not None:
         return first
 
     @gluon.jit
+    def _body_bounds(start, length, sink_len, body_len, window, HAS_WINDOW: gl.constexpr,
+                     LQ: gl.constexpr):
+        """Body indices seen by the ``LQ`` query rows of a sequence (at ``length - LQ`` ..
+        ``length - 1``; their columns are ``head * LQ + row``): ``[first_any, end_any)`` by at
+        least one row (the steps to walk), ``[first_all, end_all)`` by every row (steps inside
+        it need no mask). One row: both are the row's own range."""
+        first_all = _visible_from(start, length, sink_len, window, HAS_WINDOW)  # the last row
+        end_any = gl.minimum(length - sink_len, body_len)
+        if LQ == 1:
+            first_any = first_all
+            end_all = end_any
+        else:  # the first row: the window's start and the causal end earliest
+            first_any = _visible_from(start, length - (LQ - 1), sink_len, window, HAS_WINDOW)
+            end_all = gl.minimum(length - (LQ - 1) - sink_len, body_len)
+        return first_any, first_all, end_all, end_any
+
+    @gluon.jit
+    def _mask_scores(st, t, start, length, sink_len, body_len, window, HAS_WINDOW: gl.constexpr,
+                     LQ: gl.constexpr, HP: gl.constexpr, mma: gl.constexpr):
+        """``S^T [64, HP]`` with tokens (body indices ``t``) a column's row does not see at
+        ``-inf``: before its first visible index or at / past its own position (causal among
+        ``LQ`` rows: row ``r`` of ``LQ`` ends ``LQ - 1 - r`` tokens before ``length``)."""
+        if LQ == 1:
+            first = _visible_from(start, length, sink_len, window, HAS_WINDOW)
+            end = gl.minimum(length - sink_len, body_len)
+            return gl.where(((t >= first) & (t < end))[:, None], st, float("-inf"))
+        back = (LQ - 1) - gl.arange(0, HP, layout=gl.SliceLayout(0, mma)) % LQ
+        row_len = length - back  # each column's own sequence end
+        seen = t[:, None] < gl.minimum(row_len - sink_len, body_len)[None, :]
+        if HAS_WINDOW:
+            seen = seen & (t[:, None] >= _visible_from(start, row_len, sink_len, window,
+                                                       HAS_WINDOW)[None, :])
+        else:
+            seen = seen & (t >= gl.maximum(start, 0))[:, None]
+        return gl.where(seen, st, float("-inf"))
+
+    @gluon.jit
     def _store_chunk(Out, acc, l_i, q_row0, n_out, split, C: gl.constexpr, HG: gl.constexpr,
                      HP: gl.constexpr, D: gl.constexpr, DC: gl.constexpr, mma: gl.constexpr):
         """Output chunk ``C`` of a split, normalized; the rows of ``Lse`` and the safe sums."""
@@ -1150,7 +1187,7 @@ if gluon is not None:
         PF_AFTER: gl.constexpr = False, EARLY_V: gl.constexpr = False, CB: gl.constexpr = False,
         Q_RELOAD: gl.constexpr = False,
         KOUT: gl.constexpr = 0, VOUT: gl.constexpr = 0, ROPE: gl.constexpr = False,
-        HAS_WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
+        HAS_WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False, LQ: gl.constexpr = 1,
     ):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                       instr_shape=[16, 8])
@@ -1220,10 +1257,10 @@ if gluon is not None:
         n_steps = (body_len + 63) // 64
         s_lo = split * steps_per_split
         s_hi = gl.minimum(s_lo + steps_per_split, n_steps)
-        first = _visible_from(start, length, sink_len, window, HAS_WINDOW)  # a body index
-        s_lo = gl.maximum(s_lo, (first // SPAN) * (SPAN // 64))
-        end = gl.minimum(length - sink_len, body_len)  # body tokens visible: [first, end)
-        s_hi = gl.minimum(s_hi, ((end + SPAN - 1) // SPAN) * (SPAN // 64))
+        first_any, first_all, end_all, end_any = _body_bounds(  # body indices, as [first, end)
+            start, length, sink_len, body_len, window, HAS_WINDOW, LQ)
+        s_lo = gl.maximum(s_lo, (first_any // SPAN) * (SPAN // 64))
+        s_hi = gl.minimum(s_hi, ((end_any + SPAN - 1) // SPAN) * (SPAN // 64))
 
         kc_base = KC + bh64 * kc_cap * D
         vc_base = VC + bh64 * vc_cap * D
@@ -1366,9 +1403,9 @@ if gluon is not None:
                                        q1, q0, q1, RopeCS, KOUT, NCH, DC, False, a_l, mma)
             if SOFTCAP:  # before the mask: masked rows may hold anything
                 st = _cap_scores(st, softcap)
-            if (lo < first) | (lo + SPAN > end):
-                t = t_cur + dn
-                st = gl.where(((t >= first) & (t < end))[:, None], st, float("-inf"))
+            if (lo < first_all) | (lo + SPAN > end_all):
+                st = _mask_scores(st, t_cur + dn, start, length, sink_len, body_len, window,
+                                  HAS_WINDOW, LQ, HP, mma)
             p, alpha, m_i, l_i = _online_softmax(st, m_i, l_i)
             p = p.to(gl.float16)
             if KBITS != VBITS:  # P's rows from the keys' token order to the values'
@@ -1517,8 +1554,9 @@ def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
     size 32 or 64 with per-channel key scales, group
     size 16-128, head_dim 64 or 128 (or 96, 192, 256 with ``EXTRA_HEAD_DIMS``: per-channel
     keys), value groups of 32 to 128 channels (smaller ones compile but
-    are not tested on a GPU), one query row per sequence, at most 16 query heads per KV head
-    (sliding windows and softcapping are applied by the kernel)."""
+    are not tested on a GPU), at most 16 query heads x query rows per KV head (several rows:
+    speculative verification, short chunks). Sliding windows, softcapping and each row's causal
+    end are applied by the kernel."""
     if gluon is None or kv.body_len == 0 or getattr(kv, "fp8", False):
         return False
     codebooks = getattr(kv, "k_codebook", None) is not None
@@ -1556,8 +1594,8 @@ def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
                                  and (key_axis == "channel" or TOKEN_KEYS_WIDE))
     return (keys_ok and bits_ok and getattr(kv, "value_axis", "token") == "token"
             and G in (16, 32, 64, 128)
-            and dims_ok and GV in (32, 64, 128) and D % GV == 0 and q_rows == 1
-            and heads_per_kv <= 16)
+            and dims_ok and GV in (32, 64, 128) and D % GV == 0
+            and q_rows * heads_per_kv <= 16)
 
 
 # Below this size the Triton kernel is the better choice: on the H200 in CUDA-graph time
@@ -1693,15 +1731,18 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
                 has_lens: bool, n_out: int, splits: int, maxnreg: int | None = None,
                 lens_dev=None, prefetch: int | None = None, window: int | None = None,
                 softcap: float | None = None) -> None:
-    """Write the body partials of ``q [B, Hq, 1, D]`` over ``kv`` into columns ``[0, splits)``
-    of ``out [B*Hq, n_out, D]`` / ``lse [B*Hq, n_out]``. ``splits`` must already be
+    """Write the body partials of ``q [B, Hq, Lq, D]`` over ``kv`` into columns ``[0, splits)``
+    of ``out [B*Hq*Lq, n_out, D]`` / ``lse [B*Hq*Lq, n_out]``. Several query rows (speculative
+    verification, short chunks) are more columns of the MMA: a row is a head of its own
+    (``q`` read as ``[B, Hq*Lq, 1, D]``, the same memory), masked causally where the body
+    reaches past the first row (see :func:`query_rows_as_heads`). ``splits`` must already be
     :func:`split_count`'s (every split non-empty). ``lens_dev``: int32 ``[3]`` true (sink, body,
     residual) lengths on the device, ``kv``'s being bounds (splits past the true body end
     write empty partials). ``window``: a sliding window (tokens the query sees, itself
     included); ``softcap``: Gemma2's attention-logit softcapping, both as in the reference."""
-    B, Hq, _, D = q.shape
+    q, HG, Lq = query_rows_as_heads(q, kv.kv_heads)
+    B, _, _, D = q.shape
     Hkv = kv.kv_heads
-    HG = Hq // Hkv
     k_tok = getattr(kv, "key_axis", "channel") == "token"
     from . import decode_gluon_tma  # (imports this module: imported here, not at the top)
 
@@ -1747,8 +1788,16 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         VOUT=voi.shape[3] if voi is not None else 0, ROPE=inv_freq is not None,
         Q_RELOAD=q_reload(D, kv.key_bits, kcb is not None, B * Hkv,
                           full=koi is not None or voi is not None or inv_freq is not None),
-        HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, num_warps=1,
+        HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, LQ=Lq, num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg else {}))
+
+
+def query_rows_as_heads(q, kv_heads: int):
+    """``q [B, Hq, Lq, D]`` (contiguous) as ``[B, Hq*Lq, 1, D]``: row ``r`` of head ``h`` is
+    column ``h*Lq + r`` of its KV head's group of ``Hq/Hkv*Lq`` (the layout of ``out`` rows,
+    ``(b*Hq + h)*Lq + r``, is the same). Returns the view, that group size and ``Lq``."""
+    B, Hq, Lq, D = q.shape
+    return q.view(B, Hq * Lq, 1, D), Hq // kv_heads * Lq, Lq
 
 
 # Run-time arguments of _body_kernel with their types for an ahead-of-time compile (pointers,

@@ -246,7 +246,7 @@ if gluon is not None:
         HG: gl.constexpr, HP: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, G: gl.constexpr,
         GV: gl.constexpr, HAS_STARTS: gl.constexpr, HAS_LENS: gl.constexpr,
         LENS_DEV: gl.constexpr, NS: gl.constexpr, HAS_WINDOW: gl.constexpr = False,
-        SOFTCAP: gl.constexpr = False,
+        SOFTCAP: gl.constexpr = False, LQ: gl.constexpr = 1,
     ):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                       instr_shape=[16, 8])
@@ -269,10 +269,10 @@ if gluon is not None:
         n_steps = (body_len + 63) // 64
         s_lo = split * steps_per_split
         s_hi = gl.minimum(s_lo + steps_per_split, n_steps)
-        first = dg._visible_from(start, length, sink_len, window, HAS_WINDOW)  # a body index
-        s_lo = gl.maximum(s_lo, first // 64)
-        end = gl.minimum(length - sink_len, body_len)
-        s_hi = gl.minimum(s_hi, (end + 63) // 64)
+        first_any, first_all, end_all, end_any = dg._body_bounds(  # body indices
+            start, length, sink_len, body_len, window, HAS_WINDOW, LQ)
+        s_lo = gl.maximum(s_lo, first_any // 64)
+        s_hi = gl.minimum(s_hi, (end_any + 63) // 64)
 
         kc_s = gl.allocate_shared_memory(gl.int32, [NS, RS, D], kc_d.layout)
         ks_s = gl.allocate_shared_memory(gl.int32, [NS, 4, D // 2], ks_d.layout)
@@ -312,10 +312,10 @@ if gluon is not None:
             st_ = mma_v2(k, q1, st_)
             if SOFTCAP:  # before the mask: masked rows may hold anything
                 st_ = dg._cap_scores(st_, softcap)
-            boundary = (tok0 < first) | (tok0 + 64 > end)
-            if boundary:  # tokens outside [first, end); rows past the body hold anything
-                t = tok0 + dn
-                st_ = gl.where(((t >= first) & (t < end))[:, None], st_, float("-inf"))
+            boundary = (tok0 < first_all) | (tok0 + 64 > end_all)
+            if boundary:  # tokens a row does not see; rows past the body hold anything
+                st_ = dg._mask_scores(st_, tok0 + dn, start, length, sink_len, body_len, window,
+                                      HAS_WINDOW, LQ, HP, mma)
             p, alpha, m_i, l_i = dg._online_softmax(st_, m_i, l_i)
             pb = gl.convert_layout(p.to(gl.float16), b_l)
             vsw = vs_s.index(st).load(_lay("VSS", BITS, D, G))
@@ -444,9 +444,9 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
                 has_lens: bool, n_out: int, splits: int, lens_dev=None, window=None,
                 softcap=None) -> None:
     """``decode_gluon.attend_body`` for :func:`eligible` layers, through the TMA ring."""
-    B, Hq, _, D = q.shape
+    q, HG, Lq = dg.query_rows_as_heads(q, kv.kv_heads)
+    B, _, _, D = q.shape
     Hkv = kv.kv_heads
-    HG = Hq // Hkv
     steps = -(-kv.body_len // dg.STEP)
     kc_d, ks_d, kz_d, vc_d, vs_d, vz_d = _descriptors(kv)
     bits = kv.key_bits
@@ -459,5 +459,5 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         -(-steps // splits),
         HG=HG, HP=8 if HG <= 8 else 16, D=D, BITS=bits, G=kv.group_size, GV=kv.value_group,
         HAS_STARTS=has_starts, HAS_LENS=has_lens, LENS_DEV=lens_dev is not None,
-        NS=STAGES[bits], HAS_WINDOW=window is not None, SOFTCAP=softcap is not None,
+        NS=STAGES[bits], HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, LQ=Lq,
         num_warps=1)
