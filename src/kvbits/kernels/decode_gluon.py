@@ -1740,8 +1740,6 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
     residual) lengths on the device, ``kv``'s being bounds (splits past the true body end
     write empty partials). ``window``: a sliding window (tokens the query sees, itself
     included); ``softcap``: Gemma2's attention-logit softcapping, both as in the reference."""
-    q, HG, Lq = query_rows_as_heads(q, kv.kv_heads)
-    B, _, _, D = q.shape
     Hkv = kv.kv_heads
     k_tok = getattr(kv, "key_axis", "channel") == "token"
     from . import decode_gluon_tma  # (imports this module: imported here, not at the top)
@@ -1752,6 +1750,8 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
                                      n_out=n_out, splits=splits, lens_dev=lens_dev,
                                      window=window, softcap=softcap)
         return
+    q, HG, Lq = query_rows_as_heads(q, Hkv)
+    B, _, _, D = q.shape
     steps = -(-kv.body_len // STEP)
     per = -(-steps // splits)  # steps per split
     maxnreg = maxnreg or DEFAULT_MAXNREG or None

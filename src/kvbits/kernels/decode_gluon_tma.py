@@ -443,7 +443,8 @@ def _descriptors(kv):
 def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_starts: bool,
                 has_lens: bool, n_out: int, splits: int, lens_dev=None, window=None,
                 softcap=None) -> None:
-    """``decode_gluon.attend_body`` for :func:`eligible` layers, through the TMA ring."""
+    """``decode_gluon.attend_body`` for :func:`eligible` layers, through the TMA ring
+    (``q [B, Hq, Lq, D]``: its rows as columns, as there)."""
     q, HG, Lq = dg.query_rows_as_heads(q, kv.kv_heads)
     B, _, _, D = q.shape
     Hkv = kv.kv_heads
