@@ -670,6 +670,57 @@ class LayerStore:
                 f"FP16 residual (>= {body_end})")
         return length
 
+    # ------------------------------------------------------------------ persistence
+    def state(self) -> tuple[dict, dict]:
+        """What :meth:`load_state` restores: the used rows of every buffer (not their spare
+        capacity) with ``starts``, and the lengths and flags (for saving a cache,
+        :mod:`kvbits.integrations.persist`)."""
+        if self.lens_dev is not None:
+            raise ValueError("a store whose lengths live on the device (a captured decode loop) "
+                             "cannot be saved; save it before or after that loop")
+        groups = self.body_len // self.spec.group_size
+        per_group = self._rows_per_group()
+        tensors = {"starts": self.starts}
+        for name in _BUFFERS:
+            buf = getattr(self, name)
+            if buf is None:
+                continue
+            if name in per_group:
+                buf = buf.narrow(2, 0, groups * per_group[name])
+            elif name in ("res_k", "res_v"):
+                buf = buf.narrow(2, 0, self.res_len)
+            if buf.numel():  # the sink (S rows) and FP8's per-head scales are kept whole
+                tensors[name] = buf
+        scalars = {n: int(getattr(self, n)) for n in _STATE_INTS}
+        scalars.update({n: bool(getattr(self, n)) for n in _STATE_FLAGS})
+        return tensors, scalars
+
+    def load_state(self, tensors: dict, scalars: dict) -> None:
+        """Restore :meth:`state` into this new, empty store (same spec and shapes): growing
+        buffers get a capacity of whole 16-row blocks, as :func:`_write` gives them."""
+        unknown = set(tensors) - {"starts", *_BUFFERS} | set(scalars) - {*_STATE_INTS,
+                                                                          *_STATE_FLAGS}
+        if unknown:
+            raise ValueError(f"unknown store state: {sorted(unknown)}")
+        for name, t in tensors.items():
+            if name == "starts":
+                self.starts = t.to(self.device, torch.int32)
+                continue
+            buf = getattr(self, name)
+            if buf is None or t.shape[:2] != buf.shape[:2] or t.shape[3:] != buf.shape[3:]:
+                raise ValueError(f"saved {name} has shape {tuple(t.shape)}; this layer's buffer "
+                                 f"is {None if buf is None else tuple(buf.shape)}")
+            if name.startswith("sink_") or (self.fp8 and name.endswith("_scale")):  # fixed
+                buf.copy_(t)
+            else:
+                rows = t.shape[2]
+                buf = buf.new_empty(*buf.shape[:2], _capacity(rows), *buf.shape[3:])
+                buf.narrow(2, 0, rows).copy_(t)
+                setattr(self, name, buf)
+        for name, value in scalars.items():
+            setattr(self, name, value)
+        self._dense = None
+
     # ------------------------------------------------------------------ checks
     def _check_input(self, k: torch.Tensor, v: torch.Tensor) -> None:
         want = (self.batch, self.kv_heads, self.head_dim)
@@ -685,6 +736,11 @@ class LayerStore:
 _OUTLIER_BUFFERS = ("k_out_idx", "k_out_val", "v_out_idx", "v_out_val")
 _BUFFERS = ("sink_k", "sink_v", "res_k", "res_v", "k_codes", "k_scale", "k_zero",
             "v_codes", "v_scale", "v_zero", *_OUTLIER_BUFFERS)
+
+
+# The lengths and flags of LayerStore.state (the buffers' rows follow from them).
+_STATE_INTS = ("sink_len", "body_len", "res_len", "evicted", "_pad_end", "_pad")
+_STATE_FLAGS = ("_row_sinks", "_sink_closed", "_fp8_ready")
 
 
 # LayerStore.evict waits until the dead groups are at least 1/4 of the live ones: a sliding

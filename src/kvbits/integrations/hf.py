@@ -350,6 +350,24 @@ class KVBitsCache(Cache):
     def __repr__(self):
         return f"KVBitsCache({self.spec.describe()}, layers={len(self.layers)})"
 
+    def save(self, path, **info):
+        """Write this cache to ``path`` (safetensors: packed buffers, lengths, spec, the model's
+        shape; ``info`` kept in the metadata), e.g. a prefilled document for later sessions
+        (:mod:`kvbits.integrations.persist`). Returns the path."""
+        from .persist import save_cache
+
+        return save_cache(self, path, **info)
+
+    @classmethod
+    def load(cls, path, model_or_config, device=None, dtype=None) -> KVBitsCache:
+        """A cache holding what :meth:`save` wrote, for ``model_or_config`` (a model of another
+        shape is refused); the stores go to the model's device and dtype unless ``device`` /
+        ``dtype`` say otherwise. Codebooks, FP8 scales and Hadamard channels come from the
+        file: nothing is calibrated again."""
+        from .persist import load_cache
+
+        return load_cache(cls, path, model_or_config, device=device, dtype=dtype)
+
     def crop(self, *args, **kwargs) -> None:
         """transformers' ``crop``, all layers or none: every layer's cut is checked
         (:meth:`KVBitsLayer.crop_target`) before any layer is cut, so a cut that one layer

@@ -1,0 +1,151 @@
+"""A :class:`~kvbits.integrations.hf.KVBitsCache` saved to a safetensors file and loaded back.
+
+Prefix caching across sessions: a long document or system prompt is prefilled and quantized once,
+and later sessions load its packed cache instead of recomputing it, at the cache's packed size on
+disk (a kivi-2 file is ~5x smaller than the FP16 K/V it stands for). The file holds, per layer,
+the used rows of the store's buffers (codes, scales, zeros, outliers, the FP16 sink and residual,
+left padding) with its lengths, and the inputs a layer was built from that a new cache could not
+recompute by itself: KVQuant codebooks, calibrated FP8 scales, Hadamard channel subsets. Its
+metadata holds the spec and the shape of the model (refused on load when they differ: codes of
+another model or spec would decode to garbage silently).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+FORMAT = "kvbits-cache"
+VERSION = 1
+# Config fields that must match between the model that wrote a cache and the one that loads it.
+_SHAPE_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "hidden_size", "vocab_size", "sliding_window", "layer_types",
+                 "rope_theta", "rope_parameters", "rope_scaling")
+_CODEBOOKS = ("k_codebook", "k_thresholds", "v_codebook", "v_thresholds")
+
+
+def model_shape(config) -> dict:
+    """The fields of ``config`` (its text config) that a saved cache must agree with, as JSON."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return json.loads(json.dumps({k: getattr(text, k, None) for k in _SHAPE_FIELDS}, default=str))
+
+
+def save_cache(cache, path, **info) -> Path:
+    """Write ``cache`` to ``path`` (safetensors); ``info`` (JSON-able) is kept in the metadata.
+    Returns the path."""
+    from safetensors.torch import save_file
+
+    from .. import __version__
+
+    tensors, layers, channels = {}, [], []
+    for i, layer in enumerate(cache.layers):
+        if layer.codebooks is not None:
+            for n in _CODEBOOKS:
+                tensors[f"layers.{i}.codebooks.{n}"] = getattr(layer.codebooks, n)
+        if layer.fp8_scales is not None:
+            for n, t in zip(("k", "v"), layer.fp8_scales):
+                tensors[f"layers.{i}.fp8_scales.{n}"] = t
+        channels.append(None if layer.hadamard_channels is None
+                        else [[int(c) for c in head] for head in layer.hadamard_channels])
+        store = layer.store
+        if store is None:
+            layers.append(None)
+            continue
+        buffers, scalars = store.state()
+        for n, t in buffers.items():
+            tensors[f"layers.{i}.store.{n}"] = t
+        layers.append({"batch": store.batch, "kv_heads": store.kv_heads,
+                       "head_dim": store.head_dim, **scalars})
+    doc = {"format": FORMAT, "version": VERSION, "kvbits": __version__,
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "spec": cache.spec.to_dict(),
+           "model": model_shape(cache.config), "layers": layers, "hadamard_channels": channels,
+           **({"info": info} if info else {})}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: t.detach().to("cpu", copy=True).contiguous() for k, t in tensors.items()},
+              str(path),
+              metadata={FORMAT: json.dumps(doc)})
+    return path
+
+
+def read_cache_file(path) -> tuple[dict, dict]:
+    """The metadata document and the tensors of a file written by :func:`save_cache`."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+    except (OSError, SafetensorError) as exc:
+        raise ValueError(f"cannot read kvbits cache file {str(path)!r}: {exc}") from None
+    if FORMAT not in meta:
+        raise ValueError(f"{str(path)!r} is not a kvbits cache file (no {FORMAT!r} metadata)")
+    doc = json.loads(meta[FORMAT])
+    if doc.get("version") != VERSION:
+        raise ValueError(f"{str(path)!r} is a kvbits cache file of version {doc.get('version')}; "
+                         f"this kvbits reads version {VERSION}")
+    return doc, tensors
+
+
+def load_cache(cls, path, model_or_config, device=None, dtype=None):
+    """A new ``cls`` (:class:`~kvbits.integrations.hf.KVBitsCache`) holding the cache saved at
+    ``path``, for ``model_or_config`` (the model is switched to the kvbits attention, as by the
+    constructor). ``device`` / ``dtype``: where the stores live and the dtype of their FP parts
+    (default: the model's parameters', else the file's CPU and float32)."""
+    from ..methods.kvquant import LayerCodebooks
+    from ..spec import QuantSpec
+
+    doc, tensors = read_cache_file(path)
+    model = model_or_config if hasattr(model_or_config, "parameters") else None
+    config = model.config if model is not None else model_or_config
+    saved, here = doc["model"], model_shape(config)
+    differ = [k for k in _SHAPE_FIELDS if saved.get(k) != here.get(k)]
+    if differ:
+        raise ValueError(f"{str(path)!r} holds a cache of another model: "
+                         + ", ".join(f"{k} {saved.get(k)!r} there, {here.get(k)!r} here"
+                                     for k in differ))
+    spec = QuantSpec.from_dict(doc["spec"])
+    n = len(doc["layers"])
+
+    def layer_tensor(i, part, name):
+        return tensors[f"layers.{i}.{part}.{name}"]
+    # the calibrated inputs come from the file: no calibration runs here
+    calibration = None
+    if spec.method == "kvquant":
+        calibration = "uniform"  # codebooks set from the file below
+    elif spec.method == "fp8" and spec.fp8_scale == "calibrated":
+        calibration = [tuple(layer_tensor(i, "fp8_scales", k) for k in ("k", "v"))
+                       for i in range(n)]
+    elif spec.hadamard_calibrated:
+        calibration = doc["hadamard_channels"]
+    cache = cls(model_or_config, spec, calibration=calibration)
+    if len(cache.layers) != n:
+        raise ValueError(f"{str(path)!r} has {n} layers, the model {len(cache.layers)}")
+    if model is not None:
+        param = next(model.parameters(), None)
+        if param is not None:
+            device = param.device if device is None else device
+            dtype = param.dtype if dtype is None else dtype
+    device = torch.device("cpu" if device is None else device)
+    for i, (layer, meta) in enumerate(zip(cache.layers, doc["layers"])):
+        if f"layers.{i}.codebooks.k_codebook" in tensors:
+            layer.codebooks = LayerCodebooks(*(layer_tensor(i, "codebooks", c)
+                                               for c in _CODEBOOKS))
+        if meta is None:
+            continue
+        prefix = f"layers.{i}.store."
+        buffers = {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
+        fp_dtype = dtype or next((buffers[n].dtype for n in ("res_k", "sink_k") if n in buffers),
+                                 torch.float32)
+        layer.lazy_initialization(torch.empty(meta["batch"], meta["kv_heads"], 0,
+                                              meta["head_dim"], dtype=fp_dtype, device=device),
+                                  None)
+        layer.store.load_state(buffers, {k: v for k, v in meta.items()
+                                         if k not in ("batch", "kv_heads", "head_dim")})
+        # as after a prompt through the kvbits attention: decode steps take the packed path
+        # (only where the model is known to use that attention; else the slow, correct path)
+        layer._attended = cache._model_config is not None
+    return cache

@@ -1,0 +1,155 @@
+"""A KVBitsCache saved to a file and loaded back (kvbits.integrations.persist): the loaded cache
+continues a generation exactly as the saved one does, for every method (KIVI, KVQuant with its
+codebooks, outliers and pre-RoPE keys, uniform per-token scales, FP8, calibrated Hadamard keys,
+FP16), in a left-padded batch with sinks and on sliding-window layers that evicted; the file is
+the packed size; another model or a foreign file is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+from kvbits.integrations.hf import KVBitsCache
+from kvbits.methods.kvquant import LayerCodebooks, thresholds_of
+
+SMALL = {"vocab_size": 256, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny(arch="llama", **kw):
+    torch.manual_seed(0)
+    if arch == "mistral":  # every layer slides over 40 tokens
+        model = MistralForCausalLM(MistralConfig(**{**SMALL, "sliding_window": 40, **kw}))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**{**SMALL, **kw}))
+    return model.eval()
+
+
+def prompt(batch=2, tokens=100, pad=7):
+    """Ids and an attention mask; the last sequence is left-padded by ``pad`` tokens."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 256, (batch, tokens), generator=g)
+    mask = torch.ones(batch, tokens, dtype=torch.long)
+    mask[batch - 1, :pad] = 0
+    return ids, mask
+
+
+@torch.no_grad()
+def feed(model, cache, mask, tokens, start):
+    """Logits of ``tokens [B, n]`` fed one at a time, after ``start`` tokens past the prompt."""
+    real = mask.sum(1, keepdim=True)
+    out = []
+    for t in range(tokens.shape[1]):
+        seen = torch.cat([mask, mask.new_ones(mask.shape[0], start + t + 1)], 1)
+        out.append(model(input_ids=tokens[:, t:t + 1], attention_mask=seen,
+                         position_ids=real + start + t, past_key_values=cache,
+                         use_cache=True).logits)
+    return torch.cat(out, 1)
+
+
+def prefilled(model, preset, ids, mask, calibration=None, **kw):
+    cache = KVBitsCache(model, preset, calibration=calibration, **kw)
+    if cache.spec.method == "kvquant":  # non-uniform, per-head tables that must travel
+        g = torch.Generator().manual_seed(3)
+        for layer in cache.layers:
+            def table(bits):
+                steps = torch.rand(2, 1 << bits, generator=g) + 0.2
+                cb = torch.cumsum(steps, 1) - steps[:, :1]
+                cb = cb / cb[:, -1:] * ((1 << bits) - 1)
+                return cb, thresholds_of(cb)
+            layer.codebooks = LayerCodebooks(*table(cache.spec.key_bits),
+                                             *table(cache.spec.value_bits))
+    pos = (mask.cumsum(1) - 1).clamp_min(0)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+              use_cache=True)
+    return cache
+
+
+CASES = {
+    "kivi-2": ("llama", "kivi-2", None, {"residual_length": 16, "sink_tokens": 2}),
+    "kvquant-3": ("llama", "kvquant-3", "uniform", {"residual_length": 16}),
+    "uniform-int4": ("llama", "uniform-int4", None, {"residual_length": 16}),
+    "fp8-dynamic": ("llama", "fp8-dynamic", None, {"residual_length": 16}),
+    "fp8": ("llama", "fp8", [(torch.full((2,), 0.02), torch.full((2,), 0.03))] * 2,
+            {"residual_length": 16}),
+    "kivi-2-hadc": ("llama", "kivi-2-hadc", [[list(range(8)), [3, 9]]] * 2,
+                    {"residual_length": 16}),
+    "fp16": ("llama", "fp16", None, {}),
+    "kivi-4-sliding": ("mistral", "kivi-4", None, {"residual_length": 8}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_loaded_cache_continues_like_the_saved_one(name, tmp_path):
+    arch, preset, calibration, kw = CASES[name]
+    model = tiny(arch)
+    ids, mask = prompt()
+    saved = prefilled(model, preset, ids, mask, calibration, **kw)
+    steps = torch.randint(1, 256, (2, 52), generator=torch.Generator().manual_seed(2))
+    feed(model, saved, mask, steps[:, :12], 0)  # decode steps (flushes, evictions) first
+    store = saved.layers[0].store
+    assert not saved.spec.quantized or store.body_len > 0  # the history reached the body
+    assert arch != "mistral" or store.evicted > 0  # a sliding layer that dropped groups
+    path = saved.save(tmp_path / "prompt.safetensors", text="random ids")
+    loaded = KVBitsCache.load(path, model)
+    assert [ly.store.total_len for ly in loaded.layers] == [ly.store.total_len
+                                                           for ly in saved.layers]
+    a = feed(model, saved, mask, steps[:, 12:], 12)
+    b = feed(model, loaded, mask, steps[:, 12:], 12)
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+    for x, y in zip(saved.layers, loaded.layers):  # and the same state after more flushes
+        (ta, sa), (tb, sb) = x.store.state(), y.store.state()
+        assert sa == sb and ta.keys() == tb.keys()
+        for n in ta:
+            if ta[n].dtype in (torch.float16, torch.bfloat16, torch.float32):  # new tokens' K/V
+                torch.testing.assert_close(tb[n], ta[n], atol=1e-5, rtol=0)
+            else:  # codes (and FP8 bytes) of the same tokens
+                assert torch.equal(tb[n].view(torch.uint8), ta[n].view(torch.uint8)), n
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["kivi-2", "kvquant-3"])
+def test_loaded_cache_continues_on_the_gpu(name, tmp_path):
+    """The same through the CUDA kernels (FP16 model): buffers loaded with 16-row capacities
+    are read by the decode kernels exactly as the saved ones."""
+    arch, preset, calibration, kw = CASES[name]
+    model = tiny(arch).half().cuda()
+    ids, mask = (x.cuda() for x in prompt())
+    saved = prefilled(model, preset, ids, mask, calibration, **kw)
+    steps = torch.randint(1, 256, (2, 40), generator=torch.Generator().manual_seed(2)).cuda()
+    feed(model, saved, mask, steps[:, :12], 0)
+    loaded = KVBitsCache.load(saved.save(tmp_path / "c.safetensors"), model)
+    assert loaded.layers[0].store.k_codes.is_cuda
+    a = feed(model, saved, mask, steps[:, 12:], 12).float()
+    b = feed(model, loaded, mask, steps[:, 12:], 12).float()
+    torch.testing.assert_close(b, a, atol=1e-3 * a.abs().max().item(), rtol=0)
+
+
+def test_file_is_the_packed_size_and_foreign_files_are_refused(tmp_path):
+    model = tiny()
+    ids, mask = prompt(batch=1, tokens=400, pad=0)
+    cache = prefilled(model, "kivi-2", ids, mask, residual_length=16)
+    path = cache.save(tmp_path / "c.safetensors")
+    size = path.stat().st_size
+    assert size < cache.nbytes() + 16_000  # the packed bytes and a small header
+    assert size < 0.2 * cache.fp16_nbytes()  # DynamicCache: these tokens' float32 K/V
+    with pytest.raises(ValueError, match=r"another model: num_key_value_heads 2 there, 1 here"):
+        KVBitsCache.load(path, tiny(num_key_value_heads=1))
+    other = tmp_path / "other.safetensors"
+    from safetensors.torch import save_file
+    save_file({"x": torch.zeros(2)}, str(other))
+    with pytest.raises(ValueError, match="not a kvbits cache file"):
+        KVBitsCache.load(other, model)
+    with pytest.raises(ValueError, match="cannot read kvbits cache file"):
+        KVBitsCache.load(tmp_path / "missing.safetensors", model)
