@@ -117,6 +117,23 @@ def test_loaded_cache_continues_like_the_saved_one(name, tmp_path):
                 assert torch.equal(tb[n].view(torch.uint8), ta[n].view(torch.uint8)), n
 
 
+def test_generate_from_a_loaded_prefix(tmp_path):
+    """Prefix caching as a user does it: a document's cache saved once; ``generate`` on the
+    document plus a question, with the loaded cache, prefills only the question (transformers
+    skips the cached tokens) and gives the tokens the saved cache gives."""
+    model = tiny()
+    doc = torch.randint(1, 256, (1, 150), generator=torch.Generator().manual_seed(4))
+    question = torch.randint(1, 256, (1, 9), generator=torch.Generator().manual_seed(5))
+    saved = prefilled(model, "kivi-2", doc, torch.ones_like(doc), residual_length=16)
+    path = saved.save(tmp_path / "doc.safetensors")
+    full = torch.cat([doc, question], 1)
+    kw = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+    loaded = KVBitsCache.load(path, model)
+    out = model.generate(full, past_key_values=loaded, **kw)
+    assert torch.equal(out, model.generate(full, past_key_values=saved, **kw))
+    assert loaded.get_seq_length() == full.shape[1] + 11  # the last token is not fed back
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", ["kivi-2", "kvquant-3"])
