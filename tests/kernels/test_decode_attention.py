@@ -1341,7 +1341,8 @@ def test_gluon_dispatch_rules():
         pytest.skip("this Triton has no Gluon")
     kv = make_kv(Case(kb=2, vb=2, G=32, D=128, B=1, Hkv=1, body=64, res=0), device="cpu")
     assert decode_gluon.eligible(kv, 1, 4)
-    assert not decode_gluon.eligible(kv, 2, 4)  # chunked prefill: Triton
+    assert decode_gluon.eligible(kv, 4, 4)  # several rows: rows x heads columns, up to 16
+    assert not decode_gluon.eligible(kv, 5, 4)  # 20 columns (a longer chunk): Triton
     assert not decode_gluon.eligible(kv, 1, 17)  # > 16 query heads per KV head
     assert not decode_gluon.serves(kv, 1, 4, 64)  # 64 x 64 tokens: too small a step
     kv.body_len = 32768
