@@ -196,6 +196,9 @@ def test_file_is_the_packed_size_and_foreign_files_are_refused(tmp_path):
     assert size < 0.2 * cache.fp16_nbytes()  # DynamicCache: these tokens' float32 K/V
     with pytest.raises(ValueError, match=r"another model: num_key_value_heads 2 there, 1 here"):
         KVBitsCache.load(path, tiny(num_key_value_heads=1))
+    with pytest.raises(ValueError, match=r"another model: rope_theta"):
+        KVBitsCache.load(path, tiny(rope_parameters={"rope_type": "default",
+                                                     "rope_theta": 5e5}))
     other = tmp_path / "other.safetensors"
     from safetensors.torch import save_file
     save_file({"x": torch.zeros(2)}, str(other))

@@ -28,9 +28,13 @@ _CODEBOOKS = ("k_codebook", "k_thresholds", "v_codebook", "v_thresholds")
 
 
 def model_shape(config) -> dict:
-    """The fields of ``config`` (its text config) that a saved cache must agree with, as JSON."""
+    """The fields of ``config`` (its text config) that a saved cache must agree with, as JSON;
+    ``rope_theta`` also from ``rope_parameters``, where recent transformers keep it."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    return json.loads(json.dumps({k: getattr(text, k, None) for k in _SHAPE_FIELDS}, default=str))
+    shape = {k: getattr(text, k, None) for k in _SHAPE_FIELDS}
+    if shape["rope_theta"] is None and isinstance(shape["rope_parameters"], dict):
+        shape["rope_theta"] = shape["rope_parameters"].get("rope_theta")
+    return json.loads(json.dumps(shape, default=str))
 
 
 def save_cache(cache, path, **info) -> Path:
@@ -102,7 +106,10 @@ def load_cache(cls, path, model_or_config, device=None, dtype=None):
     model = model_or_config if hasattr(model_or_config, "parameters") else None
     config = model.config if model is not None else model_or_config
     saved, here = doc["model"], model_shape(config)
-    differ = [k for k in _SHAPE_FIELDS if saved.get(k) != here.get(k)]
+    # a field one side lacks (transformers versions name the RoPE fields differently) is not
+    # compared; every field both have must agree
+    differ = [k for k in _SHAPE_FIELDS if None not in (saved.get(k), here.get(k))
+              and saved.get(k) != here.get(k)]
     if differ:
         raise ValueError(f"{str(path)!r} holds a cache of another model: "
                          + ", ".join(f"{k} {saved.get(k)!r} there, {here.get(k)!r} here"
