@@ -155,6 +155,34 @@ def test_any_chunking_same_state(S, R, G, chunks, seed):
     _assert_matches_one_shot(chunked, k, v, f"chunks {chunks}")
 
 
+@settings(max_examples=25, deadline=None)
+@given(preset=st.sampled_from(["kivi-2", "kivi-3", "k4v2", "uniform-int4", "kivi-8"]),
+       S=st.integers(0, 4), R=st.sampled_from([0, 5, 16]), G=st.sampled_from([32, 64]),
+       before=st.integers(1, 200), after=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+       seed=st.integers(0, 99))
+def test_saved_state_continues_like_the_store(preset, S, R, G, before, after, seed):
+    """``state()`` -> ``load_state()`` into a new store: the same state, and the same state again
+    after further appends (flushes included); saved buffers hold only their used rows."""
+    spec = resolve_spec(preset, group_size=G, residual_length=R, sink_tokens=S)
+    k, v = _kv(before + sum(after), seed=seed)
+    a = _store(spec)
+    a.append(k[:, :, :before], v[:, :, :before])
+    tensors, scalars = a.state()
+    assert all(t.shape[2] <= getattr(a, n).shape[2] for n, t in tensors.items() if n != "starts")
+    assert "res_k" not in tensors or tensors["res_k"].shape[2] == a.res_len
+    b = _store(spec)
+    b.load_state({n: t.clone() for n, t in tensors.items()}, scalars)
+    assert all(getattr(b, n).shape[2] % 16 == 0 for n in tensors
+               if n not in ("starts", "sink_k", "sink_v"))  # capacities in 16-row blocks
+    at = before
+    for c in after:
+        _assert_same_state(a, b, f"{preset} after {at} tokens")
+        for st_ in (a, b):
+            st_.append(k[:, :, at:at + c], v[:, :, at:at + c])
+        at += c
+    _assert_same_state(a, b, f"{preset} after {at} tokens")
+
+
 @pytest.mark.parametrize("preset", ["kivi-2", "kivi-3", "kivi-4", "kivi-8", "k4v2", "k8v4"])
 def test_prompt_in_one_append_equals_token_by_token(preset):
     spec = resolve_spec(preset, residual_length=20, sink_tokens=3)
