@@ -2,7 +2,7 @@
 is bound by it), Gluon body path (Llama-2-7B shape, 32k) and Triton-only path (Llama-3-8B, 4k):
 µs per call and a cProfile of each.
 
-    PYTHONPATH=src python3 benchmarks/probes/decode_call_profile.py
+    PYTHONPATH=src python3 benchmarks/probes/decode_call_profile.py [B:Hq:Hkv:T:preset,...]
 """
 import cProfile
 import pstats
@@ -18,10 +18,14 @@ from common import random_packed_kv  # noqa: E402
 from kvbits.ops import decode_attention  # noqa: E402
 from kvbits.spec import resolve_spec  # noqa: E402
 
-for hq, hkv, T, preset in ((32, 32, 32768, "kivi-2"), (32, 8, 4096, "kivi-2"),
-                           (32, 8, 32768, "kvquant-3-dense-post")):
-    kv = random_packed_kv(1, hkv, T, 128, resolve_spec(preset))
-    q = torch.randn(1, hq, 1, 128, dtype=torch.float16, device="cuda")
+# SHAPES="B:Hq:Hkv:T:preset,..." overrides the default batch-1 shapes
+SHAPES = [tuple(int(x) if x.isdigit() else x for x in s.split(":"))
+          for s in sys.argv[1].split(",")] if len(sys.argv) > 1 else [
+    (1, 32, 32, 32768, "kivi-2"), (1, 32, 8, 4096, "kivi-2"),
+    (1, 32, 8, 32768, "kvquant-3-dense-post")]
+for B, hq, hkv, T, preset in SHAPES:
+    kv = random_packed_kv(B, hkv, T, 128, resolve_spec(preset))
+    q = torch.randn(B, hq, 1, 128, dtype=torch.float16, device="cuda")
 
     def call():
         return decode_attention(q, kv, scale=0.088)
@@ -34,11 +38,18 @@ for hq, hkv, T, preset in ((32, 32, 32768, "kivi-2"), (32, 8, 4096, "kivi-2"),
         call()
     host = (time.perf_counter() - t0) / n * 1e6
     torch.cuda.synchronize()
-    print(f"== Hq={hq} Hkv={hkv} T={T} {preset}: {host:.1f} us host per call", flush=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+        torch.cuda.synchronize()
+    synced = (time.perf_counter() - t0) / n * 1e6
+    print(f"== B={B} Hq={hq} Hkv={hkv} T={T} {preset}: {host:.1f} us host per call, "
+          f"{synced:.1f} us per call with a sync after each", flush=True)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(n):
         call()
     prof.disable()
     torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
