@@ -25,8 +25,9 @@ fragment pair (tokens e = 0, 1 of one channel) is one mask of one word: both hal
 ``half2`` come out of one ``lop3``. Softmax and P V do not care about the token order.
 
 Only the KIVI layout family is served here (keys scaled per channel over G tokens, values per
-token over GV channels, key/value bits of 2 or 4, one query row per sequence, no sliding window,
-head_dim 64 or 128 as two channel chunks, with ``EXTRA_HEAD_DIMS`` also 96, 192 and 256 as three
+token over GV channels, key/value bits of 2 or 4, up to 16 query heads x query rows per KV
+head as the MMA's columns (each row masked by its own causal end and window), head_dim 64 or 128
+as two channel chunks, with ``EXTRA_HEAD_DIMS`` also 96, 192 and 256 as three
 or four: ``head_chunks``, chunks past the second loaded only after the first two's MMAs);
 :func:`eligible` says which layers, the Triton kernel does the rest.
 Different key and value widths (``MIXED_BITS``) permute P's rows between
@@ -908,8 +909,9 @@ if gluon is not None:
 
     @gluon.jit
     def _visible_from(start, length, sink_len, window, HAS_WINDOW: gl.constexpr):
-        """The first body index a single query row (at ``length - 1``) sees: past the left
-        padding and the copies of the row's own sink, and inside a sliding window."""
+        """The first body index a query row at ``length - 1`` sees (``length`` may be a tensor
+        of per-column ends, :func:`_mask_scores`): past the left padding and the copies of the
+        sequence's own sink, and inside a sliding window."""
         first = gl.maximum(start, 0)
         if HAS_WINDOW:
             first = gl.maximum(first, length - window - sink_len)
