@@ -1012,39 +1012,6 @@ def _cap_bites(c, kv):
         assert (plain - r).norm() > 0.05 * r.norm(), "the cap did not bite"
 
 
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("c,n_out,rope", GLUON_WINDOW_KVQ_CASES,
-                         ids=[str(c) for c, _, _ in GLUON_WINDOW_KVQ_CASES])
-def test_gluon_kvquant_full_window_and_softcap(c, n_out, rope, monkeypatch):
-    from kvbits.kernels import decode_gluon
-    for flag in ("PLANES3", "KVQUANT_FULL", "KVQUANT_WIDE", "EXTRA_HEAD_DIMS"):
-        monkeypatch.setattr(decode_gluon, flag, True)
-    serve_small(monkeypatch, decode_gluon)
-    kv = _kvquant_kv(c, n_out, rope)
-    assert decode_gluon.eligible(kv, 1, c.HG), str(c)
-    used = count_calls(monkeypatch, decode_gluon)
-    run_case(c, kv=kv)
-    assert len(used) == 1, "the Gluon kernel was not used"
-    _cap_bites(c, kv)
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("c", TMA_WINDOW_CASES, ids=str)
-def test_gluon_tma_window_and_softcap(c, monkeypatch):
-    from kvbits.kernels import decode_gluon, decode_gluon_tma
-    kv = make_kv(c, spare=8)
-    assert decode_gluon_tma.eligible(kv, False), str(c)
-    used = count_calls(monkeypatch, decode_gluon_tma)
-    monkeypatch.setattr(decode_gluon_tma, "MODE", "1")
-    serve_small(monkeypatch, decode_gluon)
-    run_case(c, kv=kv)
-    run_case(c._replace(splits=3), kv=kv)  # ranges that start mid-body
-    assert len(used) == 2, "the TMA kernel was not used"
-    _cap_bites(c, kv)
-
-
 # Several query rows per sequence (speculative verification, short chunks) through the Gluon
 # bodies: each row is one more column of its KV head's MMA, masked by its own causal end and
 # window. The ragged sequences of body_case end inside the body (rows at different ends there);
@@ -1088,24 +1055,35 @@ def test_gluon_takes_query_rows_up_to_16_columns():
     assert torch.equal(heads[1, 5 * 3 + 2, 0], q[1, 5, 2])  # column h * Lq + r
 
 
+# The window / softcap / query-row cases of the other bodies, one test: KVQuant's full layer
+# (its outlier count and pre-RoPE keys per case), the TMA ring, and the register body with rows.
+GLUON_VARIANT_CASES = ([("kvquant", c, n, r) for c, n, r in GLUON_WINDOW_KVQ_CASES]
+                       + [("tma", c, 0, False) for c in TMA_WINDOW_CASES]
+                       + [(k, c, 2 if k == "kvquant" else 0, k == "kvquant")
+                          for k, c in GLUON_ROWS_CASES])
+
+
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind,c", GLUON_ROWS_CASES, ids=[f"{k}-{c}" for k, c in GLUON_ROWS_CASES])
-def test_gluon_query_rows_match_reference(kind, c, monkeypatch):
+@pytest.mark.parametrize("kind,c,n_out,rope", GLUON_VARIANT_CASES,
+                         ids=[f"{k}-{c}-out{n}-rope{int(r)}" for k, c, n, r in GLUON_VARIANT_CASES])
+def test_gluon_variants_match_reference(kind, c, n_out, rope, monkeypatch):
     from kvbits.kernels import decode_gluon, decode_gluon_tma
-    for flag in ("PLANES3", "EXTRA_HEAD_DIMS", "KVQUANT_FULL"):
+    for flag in ("PLANES3", "EXTRA_HEAD_DIMS", "KVQUANT_FULL", "KVQUANT_WIDE"):
         monkeypatch.setattr(decode_gluon, flag, True)
     monkeypatch.setattr(decode_gluon_tma, "MODE", "1" if kind == "tma" else "0")
     serve_small(monkeypatch, decode_gluon)
-    kv = _kvquant_kv(c, 2, True) if kind == "kvquant" else make_kv(c, spare=8)
+    kv = _kvquant_kv(c, n_out, rope) if kind == "kvquant" else make_kv(c, spare=8)
     assert decode_gluon.eligible(kv, c.Lq, c.HG), str(c)
-    assert not decode_gluon.eligible(kv, 16 // c.HG + 1, c.HG)  # past 16 columns: Triton
+    if c.Lq > 1:
+        assert not decode_gluon.eligible(kv, 16 // c.HG + 1, c.HG)  # past 16 columns: Triton
     assert kind != "tma" or decode_gluon_tma.eligible(kv, False)
     used = count_calls(monkeypatch, decode_gluon_tma if kind == "tma" else decode_gluon)
     run_case(c, kv=kv)
     run_case(c._replace(splits=3), kv=kv)  # ranges that start mid-body
     assert len(used) == 2, "the Gluon kernel was not used"
-    _rows_bite(c, kv)
+    if c.Lq > 1:
+        _rows_bite(c, kv)
     _cap_bites(c, kv)
 
 

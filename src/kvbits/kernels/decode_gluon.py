@@ -935,14 +935,14 @@ if gluon is not None:
         return first_any, first_all, end_all, end_any
 
     @gluon.jit
-    def _mask_scores(st, t, start, length, sink_len, body_len, window, HAS_WINDOW: gl.constexpr,
-                     LQ: gl.constexpr, HP: gl.constexpr, mma: gl.constexpr):
+    def _mask_scores(st, t, first, end, start, length, sink_len, body_len, window,
+                     HAS_WINDOW: gl.constexpr, LQ: gl.constexpr, HP: gl.constexpr,
+                     mma: gl.constexpr):
         """``S^T [64, HP]`` with tokens (body indices ``t``) a column's row does not see at
         ``-inf``: before its first visible index or at / past its own position (causal among
-        ``LQ`` rows: row ``r`` of ``LQ`` ends ``LQ - 1 - r`` tokens before ``length``)."""
+        ``LQ`` rows: row ``r`` of ``LQ`` ends ``LQ - 1 - r`` tokens before ``length``). One row:
+        outside ``[first, end)`` (:func:`_body_bounds`' ``first_all``, ``end_any``)."""
         if LQ == 1:
-            first = _visible_from(start, length, sink_len, window, HAS_WINDOW)
-            end = gl.minimum(length - sink_len, body_len)
             return gl.where(((t >= first) & (t < end))[:, None], st, float("-inf"))
         back = (LQ - 1) - gl.arange(0, HP, layout=gl.SliceLayout(0, mma)) % LQ
         row_len = length - back  # each column's own sequence end
@@ -1406,8 +1406,8 @@ if gluon is not None:
             if SOFTCAP:  # before the mask: masked rows may hold anything
                 st = _cap_scores(st, softcap)
             if (lo < first_all) | (lo + SPAN > end_all):
-                st = _mask_scores(st, t_cur + dn, start, length, sink_len, body_len, window,
-                                  HAS_WINDOW, LQ, HP, mma)
+                st = _mask_scores(st, t_cur + dn, first_all, end_any, start, length, sink_len,
+                                  body_len, window, HAS_WINDOW, LQ, HP, mma)
             p, alpha, m_i, l_i = _online_softmax(st, m_i, l_i)
             p = p.to(gl.float16)
             if KBITS != VBITS:  # P's rows from the keys' token order to the values'

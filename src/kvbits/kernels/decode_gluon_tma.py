@@ -314,8 +314,8 @@ if gluon is not None:
                 st_ = dg._cap_scores(st_, softcap)
             boundary = (tok0 < first_all) | (tok0 + 64 > end_all)
             if boundary:  # tokens a row does not see; rows past the body hold anything
-                st_ = dg._mask_scores(st_, tok0 + dn, start, length, sink_len, body_len, window,
-                                      HAS_WINDOW, LQ, HP, mma)
+                st_ = dg._mask_scores(st_, tok0 + dn, first_all, end_any, start, length,
+                                      sink_len, body_len, window, HAS_WINDOW, LQ, HP, mma)
             p, alpha, m_i, l_i = dg._online_softmax(st_, m_i, l_i)
             pb = gl.convert_layout(p.to(gl.float16), b_l)
             vsw = vs_s.index(st).load(_lay("VSS", BITS, D, G))
