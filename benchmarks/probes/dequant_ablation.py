@@ -9,7 +9,9 @@ CUDA-graph time:
 * ``base``: the library as it is;
 * ``one-fma``: ``lop3`` + one ``HFMA2`` (what a fold of the exactness FMA alone would leave);
 * ``no-fma``: ``lop3`` only, keys and values;
-* ``keys-no-fma`` / ``values-no-fma``: one side only.
+* ``const-scales``: both ``HFMA2`` with constant scales and zeros (no scale loads or registers);
+* ``keys-no-fma`` / ``values-no-fma``: one side only;
+* ``keys-const`` / ``values-const``: one side's scales and zeros constant.
 
 One variant per process (the patch must precede the first compile):
 
@@ -41,6 +43,11 @@ def _ablated_asm(p, bits, fmas):
     mask = (cmax << sh) | (cmax << (sh + 16))
     if fmas == 0:
         return f"lop3.b32 $0, $1, {hex(mask)}, 0x64006400, 0xea;"
+    if fmas == 2:  # both FMAs, the scale and zero constants (no scale loads or registers)
+        return ("{ .reg .b32 t, a, b, c; "
+                f"lop3.b32 t, $1, {hex(mask)}, 0x64006400, 0xea; "
+                "mov.b32 a, 0x3c003c00; mov.b32 b, 0xe400e400; mov.b32 c, 0x2c002c00; "
+                "fma.rn.f16x2 t, t, a, b; fma.rn.f16x2 $0, t, c, a; }")
     return ("{ .reg .b32 t; "
             f"lop3.b32 t, $1, {hex(mask)}, 0x64006400, 0xea; "
             "fma.rn.f16x2 $0, t, $2, $3; }")
@@ -52,23 +59,44 @@ def _asm_no_fma(p, bits):
 
 
 @gluon.constexpr_function
+def _asm_const_scales(p, bits):
+    return _ablated_asm(p, bits, 2)
+
+
+@gluon.constexpr_function
 def _asm_one_fma(p, bits):
     return _ablated_asm(p, bits, 1)
 
 
 @gluon.jit
-def _dequant_no_fma(u, sc, ze, P: gl.constexpr, BITS: gl.constexpr):
+def _dequant_ablated(u, sc, ze, P: gl.constexpr, BITS: gl.constexpr, FMAS: gl.constexpr):
     NP: gl.constexpr = dg._in_place(BITS)
     if P >= NP:
         u = u >> (BITS * NP)
-    return gl.inline_asm_elementwise(_asm_no_fma(P % NP, BITS), "=r,r,r,r", [u, sc, ze],
+    return gl.inline_asm_elementwise(_ablated_asm(P % NP, BITS, FMAS), "=r,r,r,r", [u, sc, ze],
                                      dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _dequant_no_fma(u, sc, ze, P: gl.constexpr, BITS: gl.constexpr):
+    return _dequant_ablated(u, sc, ze, P, BITS, 0)
+
+
+@gluon.jit
+def _dequant_const(u, sc, ze, P: gl.constexpr, BITS: gl.constexpr):
+    return _dequant_ablated(u, sc, ze, P, BITS, 2)
 
 
 @gluon.jit
 def _vpair_no_fma(w, s, z, P: gl.constexpr, SL: gl.constexpr):
     BITS: gl.constexpr = 2 if len(w.shape) == 3 else 4
     return _dequant_no_fma(w, dg._bcast(s, SL), dg._bcast(z, SL), P, BITS)
+
+
+@gluon.jit
+def _vpair_const(w, s, z, P: gl.constexpr, SL: gl.constexpr):
+    BITS: gl.constexpr = 2 if len(w.shape) == 3 else 4
+    return _dequant_const(w, dg._bcast(s, SL), dg._bcast(z, SL), P, BITS)
 
 
 @gluon.jit
@@ -88,14 +116,20 @@ def patch(variant: str) -> None:
         dg._pair_asm = _asm_no_fma
     elif variant == "one-fma":
         dg._pair_asm = _asm_one_fma
+    elif variant == "const-scales":
+        dg._pair_asm = _asm_const_scales
     elif variant == "values-no-fma":
         dg._vpair = _vpair_no_fma
     elif variant == "keys-no-fma":  # keys call _dequant directly, values through _vpair
         dg._dequant = _dequant_no_fma
         dg._vpair = _vpair_library
+    elif variant == "values-const":
+        dg._vpair = _vpair_const
+    elif variant == "keys-const":
+        dg._dequant = _dequant_const
+        dg._vpair = _vpair_library
     else:
-        raise SystemExit(f"variant must be base, no-fma, one-fma, keys-no-fma or values-no-fma, "
-                         f"got {variant!r}")
+        raise SystemExit(f"unknown variant {variant!r} (see the docstring)")
 
 
 def main() -> None:

@@ -4,6 +4,6 @@
 OUT=${1:-/tmp}
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
-for v in base one-fma no-fma values-no-fma keys-no-fma; do
+for v in ${VARIANTS:-base one-fma no-fma values-no-fma keys-no-fma}; do
   timeout 150 python3 benchmarks/probes/dequant_ablation.py $v 2>&1 | grep -v "^nanobind\|^ - \|UserWarning\|warn_once"
-done | tee $OUT/dequant_ablation_s25.log
+done | tee -a $OUT/dequant_ablation_s25.log
