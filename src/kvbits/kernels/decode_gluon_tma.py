@@ -118,7 +118,38 @@ if gluon is not None:
             regs = [at(S[2]), at(R[0]), at(S[0]), at(S[1])]
             lanes = [at(R[1]), at(R[2])]
         vss = _dll([[0, 1]] + regs, lanes + [[0, 0]] * 3, [32, 4])
-        return {"KWS": kws, "KSS": kss, "VWS": vws, "VSS": vss}
+        return {"KWS": _words3(kws, bits, RS, DC), "KSS": kss, "VWS": _words3(vws, bits, RS, DC),
+                "VSS": vss}
+
+    @gluon.constexpr_function
+    def word_tile(bits, D):
+        """Shape of one channel half's word tile of a stage in shared memory: the half's two
+        128-byte quarters of each of the ``RS`` word rows, 128-byte swizzled, ordered so that
+        the rows one load instruction reads (word rows ``a``, or ``2a + h``) fall in distinct
+        swizzle phases and so in distinct banks: ``[RS, 2, 32]`` for 2 bits (shared-memory row
+        ``2R + q``), ``[2, RS, 32]`` for 4 bits (``RS q + R``). Unswizzled 512-byte rows put
+        all four in the same banks (4-way conflicts, ``benchmarks/results/ncu_body_s25.log``)."""
+        bits, D = (int(getattr(x, "value", x)) for x in (bits, D))
+        if D != 128:
+            raise ValueError(f"the TMA ring serves head_dim 128, got {D}")
+        return [2 * bits, 2, 32] if bits == 2 else [2, 2 * bits, 32]
+
+    @gluon.constexpr_function
+    def _words3(layout, bits, RS, DC):
+        """A word layout over ``[RS, DC]`` (one channel half) re-indexed by that half's
+        shared-memory tile (:func:`word_tile`): channel ``c`` is quarter ``c // 32``, word
+        ``c % 32`` of a 128-byte row."""
+        bits, DC = (int(getattr(x, "value", x)) for x in (bits, DC))
+        layout = getattr(layout, "value", layout)
+
+        def to3(base):
+            r, c = base
+            q, w = c >> 5, c & 31
+            return [r, q, w] if bits == 2 else [q, r, w]
+        return gl.DistributedLinearLayout(
+            reg_bases=[to3(b) for b in layout.reg_bases],
+            lane_bases=[to3(b) for b in layout.lane_bases], warp_bases=[], block_bases=[],
+            shape=word_tile(bits, DC * 2))
 
     @gluon.constexpr_function
     def _lay(name, bits, D, G):
@@ -151,7 +182,7 @@ if gluon is not None:
         pairs, shaped for ``decode_gluon._key_operand_u``."""
         DC: gl.constexpr = D // 2
         J: gl.constexpr = DC // 2
-        x = kc.slice(DC0, DC, dim=1).load(_lay("KWS", BITS, D, G))
+        x = _half_words(kc, _lay("KWS", BITS, D, G), BITS, DC)
         if BITS == 2:
             lo, hi = gl.split(gl.reshape(x, [4, J, 2]))
             SK: gl.constexpr = gl.SliceLayout(1, KW)
@@ -167,6 +198,14 @@ if gluon is not None:
         sc = _rows_to_kw(ks.slice(DC0 // 2, J, dim=1).load(KSS), BITS, J, G, KW)
         ze = _rows_to_kw(kz.slice(DC0 // 2, J, dim=1).load(KSS), BITS, J, G, KW)
         return u, sc, ze
+
+    @gluon.jit
+    def _half_words(tile, layout: gl.constexpr, BITS: gl.constexpr, DC: gl.constexpr):
+        """One channel half's word tile (:func:`word_tile`) read as ``[RS, DC]``."""
+        x = tile.load(layout)
+        if BITS == 4:
+            x = gl.permute(x, (1, 0, 2))
+        return gl.reshape(x, [2 * BITS, DC])
 
     @gluon.jit
     def _rows_to_kw(y, BITS: gl.constexpr, J: gl.constexpr, G: gl.constexpr, KW: gl.constexpr):
@@ -191,7 +230,7 @@ if gluon is not None:
         halves (from :func:`_smem_value_scales`)."""
         DC: gl.constexpr = D // 2
         NGC: gl.constexpr = DC // GV
-        x = vc.slice(c * DC, DC, dim=1).load(_lay("VWS", BITS, D, G))
+        x = _half_words(vc, _lay("VWS", BITS, D, G), BITS, DC)
         if BITS == 2:
             w = gl.permute(gl.reshape(x, [4, NGC, GV]), (1, 2, 0))
         else:
@@ -230,13 +269,23 @@ if gluon is not None:
         """Copy every byte of step ``s`` into stage ``st`` (completing on ``bars[st]``)."""
         bar = bars.index(st)
         mbarrier.expect(bar, 2 * RS * D * 4 + 2 * 4 * D * 2 + 2 * 32 * 4 * 4)
-        _tma_load(kc_d, [bh * kc_cap + s * RS, 0], bar, kc_s.index(st))
+        for c in gl.static_range(2):  # channel halves, each a 128-byte-swizzled word tile
+            _tma_load(kc_d, _tile_coord(bh * kc_cap + s * RS, c, RS), bar, kc_s.index(2 * st + c))
         for k in gl.static_range(4 // SG):  # the step's SG key-scale rows, 4 / SG times
             _tma_load(ks_d, [bh * ng_cap + s * SG, 0], bar, ks_s.index(st).slice(k * SG, SG, dim=0))
             _tma_load(kz_d, [bh * ng_cap + s * SG, 0], bar, kz_s.index(st).slice(k * SG, SG, dim=0))
-        _tma_load(vc_d, [bh * vc_cap + s * RS, 0], bar, vc_s.index(st))
+        for c in gl.static_range(2):
+            _tma_load(vc_d, _tile_coord(bh * vc_cap + s * RS, c, RS), bar, vc_s.index(2 * st + c))
         _tma_load(vs_d, [bh * vs_rows + s * 32, 0], bar, vs_s.index(st))
         _tma_load(vz_d, [bh * vs_rows + s * 32, 0], bar, vz_s.index(st))
+
+    @gluon.jit
+    def _tile_coord(row, c, RS: gl.constexpr):
+        """TMA coordinates of channel half ``c`` of the word rows from ``row`` (see
+        :func:`word_tile`)."""
+        if RS == 4:
+            return [row, 2 * c, 0]
+        return [2 * c, row, 0]
 
     @gluon.jit(do_not_specialize=("sink_len", "res_len", "window", "n_out", "steps_per_split"))
     def _body_tma_kernel(
@@ -274,10 +323,11 @@ if gluon is not None:
         s_lo = gl.maximum(s_lo, first_any // 64)
         s_hi = gl.minimum(s_hi, (end_any + 63) // 64)
 
-        kc_s = gl.allocate_shared_memory(gl.int32, [NS, RS, D], kc_d.layout)
+        WT: gl.constexpr = word_tile(BITS, D)
+        kc_s = gl.allocate_shared_memory(gl.int32, [2 * NS, WT[0], WT[1], WT[2]], kc_d.layout)
         ks_s = gl.allocate_shared_memory(gl.int32, [NS, 4, D // 2], ks_d.layout)
         kz_s = gl.allocate_shared_memory(gl.int32, [NS, 4, D // 2], kz_d.layout)
-        vc_s = gl.allocate_shared_memory(gl.int32, [NS, RS, D], vc_d.layout)
+        vc_s = gl.allocate_shared_memory(gl.int32, [2 * NS, WT[0], WT[1], WT[2]], vc_d.layout)
         vs_s = gl.allocate_shared_memory(gl.int32, [NS, 32, 4], vs_d.layout)
         vz_s = gl.allocate_shared_memory(gl.int32, [NS, 32, 4], vz_d.layout)
         bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
@@ -303,11 +353,12 @@ if gluon is not None:
                             vc_cap, vs_rows, RS, SG, D)
             mbarrier.wait(bars.index(st), (it // NS) & 1)
             tok0 = s * 64
-            kc = kc_s.index(st)
-            u, sc, ze = _smem_keys(kc, ks_s.index(st), kz_s.index(st), 0, BITS, D, G, KW)
+            u, sc, ze = _smem_keys(kc_s.index(2 * st), ks_s.index(st), kz_s.index(st), 0, BITS,
+                                   D, G, KW)
             k = dg._key_operand_u(u, sc, ze, BITS, DC, KW, a_l, False)
             st_ = mma_v2(k, q0, gl.zeros([64, HP], gl.float32, layout=mma))
-            u, sc, ze = _smem_keys(kc, ks_s.index(st), kz_s.index(st), DC, BITS, D, G, KW)
+            u, sc, ze = _smem_keys(kc_s.index(2 * st + 1), ks_s.index(st), kz_s.index(st), DC,
+                                   BITS, D, G, KW)
             k = dg._key_operand_u(u, sc, ze, BITS, DC, KW, a_l, False)
             st_ = mma_v2(k, q1, st_)
             if SOFTCAP:  # before the mask: masked rows may hold anything
@@ -320,8 +371,7 @@ if gluon is not None:
             pb = gl.convert_layout(p.to(gl.float16), b_l)
             vsw = vs_s.index(st).load(_lay("VSS", BITS, D, G))
             vzw = vz_s.index(st).load(_lay("VSS", BITS, D, G))
-            vc = vc_s.index(st)
-            w, vs, vz = _smem_values(vc, vsw, vzw, 0, BITS, D, G, GV, VW, VS_L)
+            w, vs, vz = _smem_values(vc_s.index(2 * st), vsw, vzw, 0, BITS, D, G, GV, VW, VS_L)
             if tok0 + 64 > body_len:  # scales past the body may be anything (not even finite)
                 _, _, _, _, s_ok = dg._value_ptrs(Q, Q, Q, 0, 0, tok0, body_len, 0, BITS, W, G,
                                                   D, DC, GV, VW, VS_L)
@@ -329,7 +379,8 @@ if gluon is not None:
                 vz = gl.where(s_ok, vz, 0)
             v = dg._value_operand(w, vs, vz, BITS, DC, VW, a_l)
             acc0 = mma_v2(v, pb, acc0 * alpha[None, :])
-            w, vs, vz = _smem_values(vc, vsw, vzw, 1, BITS, D, G, GV, VW, VS_L)
+            w, vs, vz = _smem_values(vc_s.index(2 * st + 1), vsw, vzw, 1, BITS, D, G, GV, VW,
+                                     VS_L)
             if tok0 + 64 > body_len:
                 _, _, _, _, s_ok = dg._value_ptrs(Q, Q, Q, 0, 0, tok0, body_len, DC, BITS, W, G,
                                                   D, DC, GV, VW, VS_L)
@@ -381,19 +432,24 @@ def serves(kv, k_tok: bool, device) -> bool:
     return pairs * kv.body_len >= EAGER_MIN_WORK or torch.cuda.is_current_stream_capturing()
 
 
+WORD_SWIZZLE = 128  # bytes: the word tiles' shared-memory swizzle (rows of 32 int32)
+
+
 def block_shapes(bits: int, D: int, G: int) -> dict:
     """The TMA box of each descriptor (int32 elements): a step's key and value word rows, its
     key scale/zero group rows (channel pairs), its value scale/zero words as 16-byte rows."""
     RS, SG = 2 * bits, 64 // G
-    return {"kc_d": [RS, D], "ks_d": [SG, D // 2], "kz_d": [SG, D // 2], "vc_d": [RS, D],
+    WT = list(word_tile(bits, D))
+    return {"kc_d": WT, "ks_d": [SG, D // 2], "kz_d": [SG, D // 2], "vc_d": WT,
             "vs_d": [32, 4], "vz_d": [32, 4]}
 
 
 def _kernel_signature(bits: int, D: int, G: int) -> dict:
     """``_body_tma_kernel``'s argument types (constexprs excluded)."""
     def desc(block):
-        return (f"tensordesc<i32[{block[0]}, {block[1]}],NVMMASharedLayout(swizzle_byte_width=0, "
-                "element_bitwidth=32, rank=2)>")
+        sw = WORD_SWIZZLE if len(block) == 3 else 0
+        return (f"tensordesc<i32[{', '.join(map(str, block))}],NVMMASharedLayout("
+                f"swizzle_byte_width={sw}, element_bitwidth=32, rank={len(block)})>")
     sig = {"Q": "*fp16", "Out": "*fp32", "Lse": "*fp32"}
     sig.update({k: desc(b) for k, b in block_shapes(bits, D, G).items()})
     sig.update({"Starts": "*i32", "Lens": "*i32", "LenTab": "*i32", "qk_scale": "fp32",
@@ -431,10 +487,17 @@ def _descriptors(kv):
     import torch
 
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    words = gl.NVMMASharedLayout(swizzle_byte_width=WORD_SWIZZLE, element_bitwidth=32, rank=3)
     blocks = block_shapes(kv.key_bits, kv.k_codes.shape[-1], kv.group_size)
     out = []
     for t, block in zip((kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero),
                         blocks.values()):
+        if len(block) == 3:  # word rows as [rows, 4 quarters, 32] (2 bits) / [4, rows, 32]
+            t2 = t.view(torch.int32).reshape(-1, 4, 32)
+            if block[0] == 2:
+                t2 = t2.permute(1, 0, 2)
+            out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), list(block), words))
+            continue
         t2 = t.view(torch.int32).reshape(-1, block[1])
         out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), list(block), layout))
     return out
