@@ -107,3 +107,52 @@ def test_stage_reads_match_the_register_body(bits, G, c):
             _, sh, sa, k0, k1, se = idx
             t = tok(2 * sa + sh, k0 + 2 * k1 + 4 * se, W, G)
         assert vs[idx] == t * 10 + word, idx
+
+
+def _bank_conflicts(layout, tile, swizzle: bool) -> int:
+    """Worst bank conflict (distinct 4-byte words sharing a bank) of one shared-memory load
+    instruction of ``layout`` over a word tile ``tile`` (``[.., .., 32]`` int32): the lanes at
+    each register index, the first register base counted with it when it is the ``LDS.64`` pair
+    bit. Rows are 128 bytes; with ``swizzle`` the 16-byte chunk of row ``r`` is XOR-ed with ``r
+    % 8`` (TMA's 128-byte swizzle), without it the rows stand unswizzled."""
+    import itertools
+
+    def coord(bits_on, bases):
+        c = [0] * len(tile)
+        for on, b in zip(bits_on, bases):
+            if on:
+                c = [x ^ y for x, y in zip(c, b)]
+        return c
+
+    pair = [layout.reg_bases[0]] if layout.reg_bases[0] == [0, 0, 1] else []
+    others = layout.reg_bases[len(pair):]
+    worst = 1
+    for regs in itertools.product([0, 1], repeat=len(others)):
+        words = set()
+        for lanes in itertools.product([0, 1], repeat=len(layout.lane_bases)):
+            for p in itertools.product([0, 1], repeat=len(pair)):
+                c = coord(list(regs) + list(lanes) + list(p), others + layout.lane_bases + pair)
+                words.add(tuple(c))
+        banks = {}
+        for c in words:
+            row = c[0] * tile[1] + c[1]
+            chunk = (c[2] // 4) ^ (row % 8 if swizzle else 0)
+            banks.setdefault((chunk * 4 + c[2] % 4) % 32, set()).add(c)
+        worst = max(worst, max(len(v) for v in banks.values()))
+    return worst
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("name", ["KWS", "VWS"])
+def test_word_tile_reads_are_free_of_bank_conflicts(bits, name):
+    """The reason for the swizzled word tiles (``decode_gluon_tma.word_tile``): each load
+    instruction's word rows fall in distinct swizzle phases, so no two of its words share a bank;
+    the same reads from unswizzled rows (what the ring did before, 512-byte rows, all in the
+    same banks) conflict 4-way, the 5.3-way average Nsight Compute measured
+    (``benchmarks/results/ncu_body_s25.log``) with the scale reads."""
+    layout = dt._smem_layouts(bits, D, 32)[name]
+    layout = getattr(layout, "value", layout)
+    tile = [int(x) for x in dt.word_tile(bits, D)]
+    assert list(layout.shape) == tile
+    assert _bank_conflicts(layout, tile, swizzle=True) == 1
+    assert _bank_conflicts(layout, tile, swizzle=False) >= 2

@@ -6,11 +6,14 @@ about half of peak. Here every byte of a step (key and value words, key scales/z
 groups, value scales/zeros of its tokens) is copied by the TMA engine into a ring of ``NS``
 shared-memory stages, ``NS - 1`` steps ahead, completing on one ``mbarrier`` per stage: the warp
 only waits when the ring runs dry, and the copies cost no registers (one elected thread issues
-6-12 copies per step: small key groups' scale rows are copied where the lanes read them). Each
+8-14 copies per step: small key groups' scale rows are copied where the lanes read them). Each
 thread then reads exactly the words and scales its MMA fragments need, from shared memory, in the
 register layouts of :mod:`kvbits.kernels.decode_gluon` (``LDS.64`` per key channel pair; the
 layout conversions after the loads are register renamings), and the step's math is that kernel's
-own (``_key_operand_u``, ``_value_operand``).
+own (``_key_operand_u``, ``_value_operand``). The word rows land in 128-byte-swizzled tiles, one
+per channel half (:func:`word_tile`), so the four rows a load instruction reads sit in distinct
+banks: 3-9% faster than unswizzled 512-byte rows on the long Llama rows (session 25,
+``benchmarks/results/decode_attention_swizzle_s25.md``).
 
 Served: KIVI layers with equal key/value bits 2 or 4, keys scaled per channel over G = 16, 32 or
 64 tokens, values per token over 32 channels, head_dim 128, contiguous buffers (TMA needs
@@ -78,11 +81,13 @@ if gluon is not None:
         :func:`kvbits.kernels.decode_gluon._chunk_layouts` it feeds, re-indexed by the stage's
         own coordinates (broadcast lanes get zero bases):
 
-        ``KWS``: key words ``[RS, DC]`` int32 (one channel half), the pair bit first in the
-        registers (one ``LDS.64`` per pair); ``KSS``: key scale pairs ``[4, DC/2]`` int32 (the
-        step's groups copied 4 / SG times, so each thread's group is at a row its own lanes
-        address and no lane exchange follows); ``VWS``: value words ``[RS, DC]``; ``VSS``: value scale words ``[32, 4]``
-        int32 (the stage's 64 tokens x 2 words of two groups' fp16, 16-byte rows as TMA wants)."""
+        ``KWS``: key words of one channel half, ``[RS, DC]`` int32 re-indexed by its swizzled
+        tile (:func:`word_tile`), the pair bit first in the registers (one ``LDS.64`` per
+        pair); ``KSS``: key scale pairs ``[4, DC/2]`` int32 (the step's groups copied 4 / SG
+        times, so each thread's group is at a row its own lanes address and no lane exchange
+        follows); ``VWS``: value words, like ``KWS``; ``VSS``: value scale words ``[32, 4]``
+        int32 (the stage's 64 tokens x 2 words of two groups' fp16, 16-byte rows as TMA
+        wants)."""
         bits, D, G = (int(getattr(x, "value", x)) for x in (bits, D, G))
 
         def _dll(regs, lanes, shape):
@@ -436,8 +441,9 @@ WORD_SWIZZLE = 128  # bytes: the word tiles' shared-memory swizzle (rows of 32 i
 
 
 def block_shapes(bits: int, D: int, G: int) -> dict:
-    """The TMA box of each descriptor (int32 elements): a step's key and value word rows, its
-    key scale/zero group rows (channel pairs), its value scale/zero words as 16-byte rows."""
+    """The TMA box of each descriptor (int32 elements): one channel half of a step's key and
+    value word rows (:func:`word_tile`, two copies per step), its key scale/zero group rows
+    (channel pairs), its value scale/zero words as 16-byte rows."""
     RS, SG = 2 * bits, 64 // G
     WT = list(word_tile(bits, D))
     return {"kc_d": WT, "ks_d": [SG, D // 2], "kz_d": [SG, D // 2], "vc_d": WT,
