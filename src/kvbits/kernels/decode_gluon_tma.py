@@ -426,12 +426,14 @@ def _hopper(index: int) -> bool:
 
 def serves(kv, k_tok: bool, device) -> bool:
     """``MODE`` allows it, a Hopper-or-newer GPU (TMA) and an :func:`eligible` layer."""
-    if not (MODE != "0" and device.type == "cuda" and eligible(kv, k_tok)
-            and _hopper(device.index or 0)):
+    import torch
+
+    if not (MODE != "0" and device.type == "cuda" and eligible(kv, k_tok)):
+        return False
+    if not _hopper(device.index if device.index is not None else torch.cuda.current_device()):
         return False
     if MODE == "1":
         return True
-    import torch
 
     pairs = kv.k_codes.shape[0] * kv.k_codes.shape[1]
     return pairs * kv.body_len >= EAGER_MIN_WORK or torch.cuda.is_current_stream_capturing()
@@ -444,7 +446,7 @@ def block_shapes(bits: int, D: int, G: int) -> dict:
     """The TMA box of each descriptor (int32 elements): one channel half of a step's key and
     value word rows (:func:`word_tile`, two copies per step), its key scale/zero group rows
     (channel pairs), its value scale/zero words as 16-byte rows."""
-    RS, SG = 2 * bits, 64 // G
+    SG = 64 // G
     WT = list(word_tile(bits, D))
     return {"kc_d": WT, "ks_d": [SG, D // 2], "kz_d": [SG, D // 2], "vc_d": WT,
             "vs_d": [32, 4], "vz_d": [32, 4]}

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -26,6 +27,18 @@ def use_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda and _triton_available()
 
 
+def on_device(x: torch.Tensor):
+    """A context that makes ``x``'s CUDA device the current one for the kernels launched inside.
+
+    Triton launches on the *current* device, not on its arguments': a layer of a model spread
+    over GPUs (``device_map="auto"``) holds tensors on ``cuda:1`` while ``cuda:0`` is current,
+    and an unguarded launch there fails ("cannot be accessed from Triton") or reads another
+    GPU's memory. A no-op when ``x`` is already on the current device (or not on CUDA)."""
+    if x.is_cuda and x.device.index is not None and x.device.index != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
+
+
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401
@@ -38,7 +51,8 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int, valid: torch.Tens
     """Per-channel key quantization + packing; see :func:`kvbits.reference.quant.quantize_keys`."""
     if use_kernels(k):
         from ..kernels.quantize_pack import quantize_keys as kernel
-        return kernel(k, bits, group_size, valid)
+        with on_device(k):
+            return kernel(k, bits, group_size, valid)
     return _ref_quant.quantize_keys(k, bits, group_size, valid)
 
 
@@ -47,7 +61,8 @@ def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: in
     """Per-token value quantization + packing; see :func:`kvbits.reference.quant.quantize_values`."""
     if use_kernels(v):
         from ..kernels.quantize_pack import quantize_values as kernel
-        return kernel(v, bits, value_group, group_size, valid)
+        with on_device(v):
+            return kernel(v, bits, value_group, group_size, valid)
     return _ref_quant.quantize_values(v, bits, value_group, group_size, valid)
 
 
@@ -77,7 +92,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
                          f"got {softcap!r}")
     if use_kernels(q) and kernel_reads(kv):
         from ..kernels.decode_attention import decode_attention as kernel
-        return kernel(q, kv, scale=scale, starts=starts, lengths=lengths, window=window,
-                      lens_dev=lens_dev, softcap=softcap)
+        with on_device(q):
+            return kernel(q, kv, scale=scale, starts=starts, lengths=lengths, window=window,
+                          lens_dev=lens_dev, softcap=softcap)
     return _ref_attention.decode_attention(q, kv, scale=scale, starts=starts, lengths=lengths,
                                            window=window, softcap=softcap)
