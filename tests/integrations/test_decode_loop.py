@@ -233,3 +233,19 @@ def test_small_pre_rope_head_dim_decodes_eagerly_under_kernels(model, monkeypatc
     got, calls, _ = decode(model, ids, "kvquant-3", dict(residual_length=4, group_size=32,
                                                         calibration="uniform"), new=8)
     assert not calls and torch.equal(got, want)
+
+
+def test_graphs_refuse_a_model_spread_over_gpus():
+    """A model loaded over two GPUs cannot be captured in one CUDA graph: refused by name, and
+    one GPU (or none) passes."""
+    from types import SimpleNamespace
+
+    from kvbits.integrations.decode_loop import check_one_gpu
+
+    def model(*devices):
+        params = [SimpleNamespace(device=torch.device(d)) for d in devices]
+        return SimpleNamespace(parameters=lambda: iter(params))
+    with pytest.raises(ValueError, match=r"cuda:0, cuda:1.*graphs=False"):
+        check_one_gpu(model("cuda:0", "cuda:0", "cuda:1"))
+    check_one_gpu(model("cuda:1", "cuda:1"))
+    check_one_gpu(model("cpu"))

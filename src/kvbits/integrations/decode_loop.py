@@ -33,6 +33,17 @@ from .hf import KVBitsCache, cache_kwargs
 from .sampling import Sampling, next_token
 
 
+def check_one_gpu(model) -> None:
+    """CUDA graphs capture one device's stream: a model spread over GPUs
+    (``device_map="auto"``) cannot be captured whole. Refuse it clearly instead of failing
+    inside the capture."""
+    devices = sorted({str(p.device) for p in model.parameters() if p.device.type == "cuda"})
+    if len(devices) > 1:
+        raise ValueError(f"GreedyDecoder: graphs=True needs the model on one GPU, got its "
+                         f"parameters on {', '.join(devices)}; pass graphs=False (eager steps) "
+                         "or load the model on one device")
+
+
 class GreedyDecoder:
     """``GreedyDecoder(model, cache).generate(input_ids, n)`` -> ``[B, n]`` new token ids.
 
@@ -112,6 +123,8 @@ class GreedyDecoder:
         else:
             kind_of_next = lambda: None  # noqa: E731  (not replayable: always eager)
         capture = self.graphs and dev.type == "cuda"
+        if capture:
+            check_one_gpu(self.model)
         graphs: dict = {}
         fused = (fused_pointwise(self.model, self.fuse) if self.fuse is not None
                  else contextlib.nullcontext())
