@@ -502,7 +502,7 @@ def _descriptors(kv):
                         blocks.values()):
         if len(block) == 3:  # word rows as [rows, 4 quarters, 32] (2 bits) / [4, rows, 32]
             t2 = t.view(torch.int32).reshape(-1, 4, 32)
-            if block[0] == 2:
+            if kv.key_bits == 4:  # quarter-major (word_tile): a permuted view, strides 32, 128
                 t2 = t2.permute(1, 0, 2)
             out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), list(block), words))
             continue
