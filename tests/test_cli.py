@@ -386,3 +386,44 @@ def test_generate_calibrates_kvquant_presets_on_the_fly(monkeypatch):
     out = generate_text(model, _StubTokenizer(), GenerateConfig(
         spec=spec, prompt=prompt, max_new_tokens=8, graphs=False, label="kvquant-3"))
     assert made == ["kvquant-3"] and out["new_tokens"] == 8
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_generate_text_prefix_cache(tmp_path, graphs, monkeypatch):
+    """``--prefix-cache``: the first run saves the prompt's cache, a second loads it and feeds the
+    model only the last token, with the same text; a longer prompt with the same opening reuses
+    it (without quantization, equal to a run that prefills everything); other presets, other
+    openings and several prompts are refused."""
+    import torch
+
+    from kvbits.cli import GenerateConfig, generate_text
+    from kvbits.spec import resolve_spec
+
+    model = _tiny_llama(logit_scale=8.0)
+    prompt = " ".join(str(i) for i in torch.randint(1, 64, (40,)).tolist())
+    spec = resolve_spec("kivi-2").replace(residual_length=4)
+    f = tmp_path / "prefix.safetensors"
+
+    def run(text, spec=spec, path=f):
+        return generate_text(model, _StubTokenizer(), GenerateConfig(
+            spec=spec, prompt=text, max_new_tokens=12, graphs=graphs,
+            prefix_cache=None if path is None else str(path)))
+    first = run(prompt)
+    assert f.exists() and first["reused_tokens"] == 39 and not first["prefix_loaded"]
+    fed = []
+    hook = model.model.register_forward_pre_hook(
+        lambda mod, args, kwargs: fed.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    again = run(prompt)
+    hook.remove()
+    assert again["text"] == first["text"] and again["prefix_loaded"] and fed[0] == 1
+    fp16, g = resolve_spec("fp16"), tmp_path / "fp16.safetensors"
+    run(prompt, fp16, g)
+    longer = prompt + " 5 9 12"
+    assert run(longer, fp16, g)["text"] == run(longer, fp16, None)["text"]
+    with pytest.raises(ValueError, match="preset"):
+        run(prompt, resolve_spec("kivi-4"))
+    with pytest.raises(ValueError, match="do not start this prompt"):
+        run("7 " + prompt)
+    with pytest.raises(ValueError, match="one prompt"):
+        generate_text(model, _StubTokenizer(), GenerateConfig(
+            spec=spec, prompt=[prompt, prompt], graphs=False, prefix_cache=str(f)))

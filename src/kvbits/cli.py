@@ -433,6 +433,7 @@ class GenerateConfig:
     label: str = ""  # the preset's name (names a kvquant/fp8/hadc calibration made on the fly)
     fuse: bool = False  # graphs + torch.compile of norms / MLP activation / RoPE (fused_pointwise)
     prompt_lookup: int = 0  # > 0: prompt-lookup decoding, drafts of this many tokens (generate)
+    prefix_cache: str | None = None  # a file: the prompt's cache saved there / loaded from there
 
 
 def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
@@ -458,10 +459,18 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=model.device)
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows],
                         device=model.device)
-    if cfg.spec.calibrated or cfg.spec.hadamard_calibrated:  # calibrated once, then cached
-        cache = make_cache_factory(model, Variant(cfg.label or "custom", "kvbits", cfg.spec))()
+    def new_cache():
+        if cfg.spec.calibrated or cfg.spec.hadamard_calibrated:  # calibrated once, then cached
+            return make_cache_factory(model, Variant(cfg.label or "custom", "kvbits", cfg.spec))()
+        return KVBitsCache(model, cfg.spec)
+    reused, loaded = 0, False
+    if cfg.prefix_cache:
+        if len(rows) > 1 or cfg.prompt_lookup:
+            raise ValueError("--prefix-cache: one prompt, without --prompt-lookup")
+        loaded = Path(cfg.prefix_cache).exists()
+        cache, reused = prefix_cache(model, cfg, rows[0], new_cache)
     else:
-        cache = KVBitsCache(model, cfg.spec)
+        cache = new_cache()
     torch.manual_seed(cfg.seed)
     opts = {"max_new_tokens": cfg.max_new_tokens, "do_sample": cfg.sample, "num_beams": cfg.num_beams}
     if cfg.sample:
@@ -510,9 +519,49 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
     new = [row[: _until_eos(row, eos)] for row in new]
     texts = [tokenizer.decode(row, skip_special_tokens=True) for row in new]
     return {"text": texts[0], "texts": texts, "prompt_tokens": sum(len(r) for r in rows),
+            "reused_tokens": reused, "prefix_loaded": loaded,
             "new_tokens": sum(int(row.numel()) for row in new), "seconds": seconds,
             "cache_bytes": cache_nbytes(cache), "cache_bytes_fp16": cache_nbytes(cache, fp16=True),
             "fp16_cache_bytes": cache.fp16_nbytes() * 2 // next(model.parameters()).element_size()}
+
+
+def prefix_cache(model, cfg: GenerateConfig, ids: list[int], new_cache) -> tuple:
+    """``(cache, n)``: a cache holding the first ``n`` tokens of the prompt ``ids``, from
+    ``cfg.prefix_cache``. A file written by an earlier run is loaded when its tokens start this
+    prompt (all but the prompt's last token at most) and its spec is ``cfg.spec``; a missing file
+    is written: this prompt but its last token prefilled into ``new_cache()`` and saved with its
+    token ids, so the next run with the same opening prefills only what follows it."""
+    import torch
+
+    from .integrations.hf import KVBitsCache, cache_kwargs
+    from .integrations.persist import read_cache_file
+
+    path = Path(cfg.prefix_cache)
+    if path.exists():
+        doc, _ = read_cache_file(path)
+        held = (doc.get("info") or {}).get("prompt_ids")
+        if held is None:
+            raise ValueError(f"--prefix-cache {path}: a kvbits cache, but not one written by "
+                             "kvbits generate (it holds no prompt token ids)")
+        saved = QuantSpec.from_dict(doc["spec"])
+        if saved.to_dict() != cfg.spec.to_dict():
+            raise ValueError(f"--prefix-cache {path} holds a {saved.describe()} cache; the preset "
+                             f"asks for {cfg.spec.describe()}: use the file's preset or another "
+                             "file")
+        if len(held) >= len(ids) or ids[:len(held)] != held:
+            raise ValueError(f"--prefix-cache {path}: its {len(held)} tokens do not start this "
+                             f"prompt ({len(ids)} tokens, of which at least the last must be "
+                             "new): use another file for another opening")
+        return KVBitsCache.load(path, model), len(held)
+    if len(ids) < 2:
+        raise ValueError("--prefix-cache: the prompt needs at least 2 tokens (all but the last "
+                         "are saved)")
+    cache = new_cache()
+    with torch.no_grad():
+        model(torch.tensor([ids[:-1]], device=model.device), use_cache=True, logits_to_keep=1,
+              **cache_kwargs(model, cache))
+    cache.save(path, prompt_ids=ids[:-1], model=cfg.model)
+    return cache, len(ids) - 1
 
 
 def _device(name: str) -> str:
@@ -574,13 +623,17 @@ def _cmd_generate(args) -> int:
     prompt = args.prompt[0] if len(args.prompt) == 1 else args.prompt
     cfg = GenerateConfig(args.model, variant.spec, prompt, args.max_new_tokens, args.sample,
                          args.temperature, args.top_p, args.num_beams, args.chat, args.seed,
-                         args.graphs, variant.label, args.fuse, args.prompt_lookup)
+                         args.graphs, variant.label, args.fuse, args.prompt_lookup,
+                         args.prefix_cache)
     model, tok, _ = _load(cfg.model, device=_device(args.device))
     r = generate_text(model, tok, cfg)
     if len(r["texts"]) == 1:
         print(r["text"])
     for i, text in enumerate(r["texts"] if len(r["texts"]) > 1 else ()):
         print(f"--- [{i}] {args.prompt[i]!r}\n{text}")
+    if cfg.prefix_cache:
+        _log(f"prefix cache {cfg.prefix_cache}: {r['reused_tokens']} prompt tokens "
+             + ("loaded from it" if r["prefix_loaded"] else "prefilled and saved to it"))
     _log(f"{variant.label} ({cfg.spec.describe()}): {r['prompt_tokens']} prompt + "
          f"{r['new_tokens']} new tokens in {r['seconds']:.1f} s; KV cache "
          f"{r['cache_bytes_fp16']:,} bytes as FP16 model (FP16 cache: {r['fp16_cache_bytes']:,})")
@@ -798,6 +851,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "N tokens copied from the prompt, verified in one step, the rejected "
                         "ones cropped from the FP16 residual (N <= residual_length; one prompt, "
                         "no graphs; default 0: off)")
+    p.add_argument("--prefix-cache", metavar="FILE",
+                   help="reuse a prompt's KV cache across runs: when FILE does not exist, the "
+                        "prompt (all but its last token) is prefilled and its packed cache saved "
+                        "there; a later run whose prompt starts with those tokens loads it and "
+                        "prefills only the rest (one prompt, the same preset)")
     _spec_options(p)
     p.set_defaults(func=_cmd_generate)
 

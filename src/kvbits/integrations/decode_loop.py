@@ -94,10 +94,17 @@ class GreedyDecoder:
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Prefill ``input_ids [B, T]`` (no padding), then ``max_new_tokens`` greedy tokens."""
+        """Prefill ``input_ids [B, T]`` (no padding), then ``max_new_tokens`` greedy tokens. A
+        cache that already holds the first tokens of ``input_ids`` (a loaded prefix,
+        :meth:`~kvbits.integrations.hf.KVBitsCache.load`) gets only the rest, as ``generate``
+        does."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        out = self.model(input_ids, use_cache=True, logits_to_keep=1, **self._kw)
+        held = self.cache.get_seq_length()
+        if held >= input_ids.shape[1]:
+            raise ValueError(f"GreedyDecoder.generate: the cache holds {held} tokens, the input "
+                             f"{input_ids.shape[1]}: at least one input token must be new")
+        out = self.model(input_ids[:, held:], use_cache=True, logits_to_keep=1, **self._kw)
         first = next_token(out.logits[:, -1], self.sampling)
         return self.decode(first, input_ids.shape[1], max_new_tokens)
 
