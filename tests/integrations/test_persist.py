@@ -134,6 +134,26 @@ def test_generate_from_a_loaded_prefix(tmp_path):
     assert loaded.get_seq_length() == full.shape[1] + 11  # the last token is not fed back
 
 
+def test_each_layer_loads_on_its_own_device(tmp_path):
+    """A model spread over devices (``device_map="auto"``) runs each layer where its weights
+    are, so each layer's loaded store goes to its attention module's device, not the first
+    parameter's (here layer 1 moved to the meta device stands for a second GPU)."""
+    from kvbits.integrations.persist import layer_devices
+
+    model = tiny()
+    ids, mask = prompt()
+    path = prefilled(model, "kivi-2", ids, mask, residual_length=16).save(tmp_path / "p.st")
+    assert layer_devices(model) == {0: torch.device("cpu"), 1: torch.device("cpu")}
+    model.model.layers[1].to("meta")
+    assert layer_devices(model) == {0: torch.device("cpu"), 1: torch.device("meta")}
+    loaded = KVBitsCache.load(path, model)
+    state = [ly.store.state()[0] for ly in loaded.layers]
+    assert {t.device.type for t in state[0].values()} == {"cpu"}
+    assert {t.device.type for t in state[1].values()} == {"meta"}
+    pinned = KVBitsCache.load(path, model, device="cpu")  # an explicit device wins
+    assert {t.device.type for ly in pinned.layers for t in ly.store.state()[0].values()} == {"cpu"}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", ["kivi-2", "kvquant-3"])

@@ -94,11 +94,25 @@ def read_cache_file(path) -> tuple[dict, dict]:
     return doc, tensors
 
 
+def layer_devices(model) -> dict:
+    """``{layer index: device}`` of the model's attention modules (those with an integer
+    ``layer_idx`` and parameters): where each layer's cache must live when the model is spread
+    over devices (``device_map="auto"``)."""
+    out = {}
+    for m in model.modules():
+        idx = getattr(m, "layer_idx", None)
+        p = next(m.parameters(recurse=True), None) if isinstance(idx, int) else None
+        if p is not None:
+            out.setdefault(idx, p.device)
+    return out
+
+
 def load_cache(cls, path, model_or_config, device=None, dtype=None):
     """A new ``cls`` (:class:`~kvbits.integrations.hf.KVBitsCache`) holding the cache saved at
     ``path``, for ``model_or_config`` (the model is switched to the kvbits attention, as by the
     constructor). ``device`` / ``dtype``: where the stores live and the dtype of their FP parts
-    (default: the model's parameters', else the file's CPU and float32)."""
+    (default: each layer's attention module's device, as on a model spread over GPUs, and the
+    model's dtype; without a model, the CPU and the file's dtype)."""
     from ..methods.kvquant import LayerCodebooks
     from ..spec import QuantSpec
 
@@ -131,9 +145,11 @@ def load_cache(cls, path, model_or_config, device=None, dtype=None):
     cache = cls(model_or_config, spec, calibration=calibration)
     if len(cache.layers) != n:
         raise ValueError(f"{str(path)!r} has {n} layers, the model {len(cache.layers)}")
+    devices = {}
     if model is not None:
         param = next(model.parameters(), None)
         if param is not None:
+            devices = {} if device is not None else layer_devices(model)
             device = param.device if device is None else device
             dtype = param.dtype if dtype is None else dtype
     device = torch.device("cpu" if device is None else device)
@@ -148,8 +164,8 @@ def load_cache(cls, path, model_or_config, device=None, dtype=None):
         fp_dtype = dtype or next((buffers[n].dtype for n in ("res_k", "sink_k") if n in buffers),
                                  torch.float32)
         layer.lazy_initialization(torch.empty(meta["batch"], meta["kv_heads"], 0,
-                                              meta["head_dim"], dtype=fp_dtype, device=device),
-                                  None)
+                                              meta["head_dim"], dtype=fp_dtype,
+                                              device=devices.get(i, device)), None)
         layer.store.load_state(buffers, {k: v for k, v in meta.items()
                                          if k not in ("batch", "kv_heads", "head_dim")})
         # as after a prompt through the kvbits attention: decode steps take the packed path
