@@ -420,6 +420,11 @@ def test_generate_text_prefix_cache(tmp_path, graphs, monkeypatch):
     run(prompt, fp16, g)
     longer = prompt + " 5 9 12"
     assert run(longer, fp16, g)["text"] == run(longer, fp16, None)["text"]
+    if not graphs:  # beams: generate expands the prompt, the loaded cache is expanded to match
+        beams = [generate_text(model, _StubTokenizer(), GenerateConfig(
+            spec=fp16, prompt=longer, max_new_tokens=8, graphs=False, num_beams=2,
+            prefix_cache=path))["text"] for path in (str(g), None)]
+        assert beams[0] == beams[1]
     with pytest.raises(ValueError, match="preset"):
         run(prompt, resolve_spec("kivi-4"))
     with pytest.raises(ValueError, match="do not start this prompt"):

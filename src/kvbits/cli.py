@@ -512,6 +512,8 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
             new = GreedyDecoder(model, cache, fuse="inductor" if cfg.fuse else None,
                                 sampling=sampling).generate(ids, cfg.max_new_tokens)
         else:
+            if reused and cfg.num_beams > 1:  # generate expands the inputs, not a filled cache
+                cache.batch_repeat_interleave(cfg.num_beams)
             new = model.generate(ids, attention_mask=mask, pad_token_id=pad,
                                  **opts, **cache_kwargs(model, cache))[:, width:]
     seconds = time.perf_counter() - t0
