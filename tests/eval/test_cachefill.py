@@ -44,6 +44,39 @@ def test_copy_of_a_dense_prefill_matches_a_real_kvbits_prefill(tiny, preset):
     assert copied.get_seq_length() == 203
 
 
+def test_copy_of_a_sliding_model_needs_every_token():
+    """A sliding-window model (every layer slides over 40 tokens): a config-built DynamicCache
+    keeps only the window, and copying it is refused (the tokens would sit at wrong positions:
+    the Gemma3 needle run of session 25 answered garbage); a full-layer DynamicCache copies, and
+    the kvbits cache (FP16 and kivi-4) then continues like the real prefill through it."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=40)).eval()
+    ids = torch.randint(1, 256, (1, 120), generator=torch.Generator().manual_seed(1))
+    nxt = torch.randint(1, 256, (1, 3), generator=torch.Generator().manual_seed(2))
+    windowed = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=windowed)
+    with pytest.raises(ValueError, match="sliding-window layer that holds 39 of its 120"):
+        copy_dense_cache(windowed, KVBitsCache(model, "fp16"))
+    for preset, tol in (("fp16", 1e-4), ("kivi-4", 5e-2)):
+        real = KVBitsCache(model, preset, residual_length=8)
+        with torch.no_grad():
+            model(ids, past_key_values=real)
+            want = model(nxt, past_key_values=real).logits
+        full = DynamicCache()
+        with torch.no_grad():
+            model(ids, past_key_values=full)
+        copied = KVBitsCache(model, preset, residual_length=8)
+        copy_dense_cache(full, copied)
+        with torch.no_grad():
+            got = model(nxt, past_key_values=copied).logits
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
 def test_fill_random_in_chunks_quantizes_through_the_store():
     cfg = model_config("tiny")
     cache = KVBitsCache(cfg, "kivi-2")

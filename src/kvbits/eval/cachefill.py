@@ -47,9 +47,19 @@ def copy_dense_cache(dense, cache) -> None:
     """Put the K/V held by a ``DynamicCache`` (e.g. after a real prefill) into ``cache``.
 
     For a :class:`KVBitsCache` the result is the state a prefill of the same tokens through the
-    ``"kvbits"`` attention leaves (same K/V, quantized in one call, no padding).
+    ``"kvbits"`` attention leaves (same K/V, quantized in one call, no padding). ``dense`` must
+    hold every token of every layer: a ``DynamicCache(config=...)`` of a model with sliding
+    layers (Mistral, Gemma 2/3) keeps only a window of them there, and copied as if they were the
+    first tokens they would sit at wrong positions; prefill with ``DynamicCache()`` (full
+    layers; the model still masks its windows), and the kvbits cache evicts by itself.
     """
     for i, layer in enumerate(dense.layers):
+        seen = getattr(layer, "cumulative_length", None)
+        if seen is not None and seen > layer.keys.shape[-2]:
+            raise ValueError(
+                f"copy_dense_cache: layer {i} of the dense cache is a sliding-window layer that "
+                f"holds {layer.keys.shape[-2]} of its {seen} tokens; prefill with "
+                "DynamicCache() (no config: full layers) to copy the whole history")
         append_kv(cache, i, layer.keys.clone(), layer.values.clone())
 
 

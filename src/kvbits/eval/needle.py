@@ -20,7 +20,10 @@ How the caches are compared
 ---------------------------
 The prompt is split into the *document* (instruction + haystack + needle) and the *question*
 (the last tokens: question and answer prefix, from the chat template). The document is prefilled
-once per trial with a ``DynamicCache`` (full-precision attention). Each kvbits preset then gets
+once per trial with a ``DynamicCache`` of full layers (full-precision attention; the model still
+masks its sliding windows, and a sliding layer must hand over every token, not the window a
+config-built ``DynamicCache`` keeps: :func:`kvbits.eval.cachefill.copy_dense_cache`). Each kvbits
+preset then gets
 a :class:`~kvbits.integrations.hf.KVBitsCache` holding those K/V, filled through the same calls a
 prefill through the ``"kvbits"`` attention makes (:func:`kvbits.eval.cachefill.copy_dense_cache`:
 same K/V, quantized in one call), so the prefill is shared by all presets. The question is then
@@ -223,7 +226,7 @@ def run_needle(model, tokenizer, text: str, cfg: NeedleConfig,
                 ids = torch.tensor([p.ids], device=device)
                 doc, question = ids[:, :-p.question_tokens], ids[:, -p.question_tokens:]
                 t0 = time.perf_counter()
-                dense = DynamicCache(config=model.config)
+                dense = DynamicCache()  # full layers: sliding ones must copy every token
                 with torch.no_grad():
                     model(doc, use_cache=True, logits_to_keep=1, **cache_kwargs(model, dense))
                 prefill_s = time.perf_counter() - t0
