@@ -37,7 +37,7 @@ def calibrate_fp8(model, input_ids: torch.Tensor, spec: QuantSpec, window: int =
 
     amax = None
     for s in range(0, input_ids.shape[1], window):
-        cache = DynamicCache(config=model.config)
+        cache = DynamicCache()  # full layers: a sliding one would keep only its window
         model(input_ids[:, s:s + window].to(model.device), use_cache=True,
               **cache_kwargs(model, cache))
         cur = []
