@@ -540,7 +540,7 @@ def prefix_cache(model, cfg: GenerateConfig, ids: list[int], new_cache) -> tuple
 
     path = Path(cfg.prefix_cache)
     if path.exists():
-        doc, _ = read_cache_file(path)
+        doc, _ = read_cache_file(path, tensors=False)  # the tensors: KVBitsCache.load
         held = (doc.get("info") or {}).get("prompt_ids")
         if held is None:
             raise ValueError(f"--prefix-cache {path}: a kvbits cache, but not one written by "

@@ -361,8 +361,8 @@ class KVBitsCache(Cache):
     @classmethod
     def load(cls, path, model_or_config, device=None, dtype=None) -> KVBitsCache:
         """A cache holding what :meth:`save` wrote, for ``model_or_config`` (a model of another
-        shape is refused); the stores go to the model's device and dtype unless ``device`` /
-        ``dtype`` say otherwise. Codebooks, FP8 scales and Hadamard channels come from the
+        shape is refused); each layer's store goes to that layer's device (a model spread over
+        GPUs) and the model's dtype unless ``device`` / ``dtype`` say otherwise. Codebooks, FP8 scales and Hadamard channels come from the
         file: nothing is calibrated again."""
         from .persist import load_cache
 

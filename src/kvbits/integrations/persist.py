@@ -75,14 +75,15 @@ def save_cache(cache, path, **info) -> Path:
     return path
 
 
-def read_cache_file(path) -> tuple[dict, dict]:
-    """The metadata document and the tensors of a file written by :func:`save_cache`."""
+def read_cache_file(path, tensors: bool = True) -> tuple[dict, dict]:
+    """The metadata document and the tensors of a file written by :func:`save_cache`
+    (``tensors=False``: the document alone, the tensors left on disk)."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+            data = {k: f.get_tensor(k) for k in f.keys()} if tensors else {}  # noqa: SIM118
     except (OSError, SafetensorError) as exc:
         raise ValueError(f"cannot read kvbits cache file {str(path)!r}: {exc}") from None
     if FORMAT not in meta:
@@ -91,7 +92,7 @@ def read_cache_file(path) -> tuple[dict, dict]:
     if doc.get("version") != VERSION:
         raise ValueError(f"{str(path)!r} is a kvbits cache file of version {doc.get('version')}; "
                          f"this kvbits reads version {VERSION}")
-    return doc, tensors
+    return doc, data
 
 
 def layer_devices(model) -> dict:
@@ -145,12 +146,12 @@ def load_cache(cls, path, model_or_config, device=None, dtype=None):
     cache = cls(model_or_config, spec, calibration=calibration)
     if len(cache.layers) != n:
         raise ValueError(f"{str(path)!r} has {n} layers, the model {len(cache.layers)}")
-    devices = {}
+    devices = {}  # per layer, where the model puts the layers on several devices
     if model is not None:
         param = next(model.parameters(), None)
         if param is not None:
-            devices = {} if device is not None else layer_devices(model)
-            device = param.device if device is None else device
+            if device is None:
+                devices, device = layer_devices(model), param.device
             dtype = param.dtype if dtype is None else dtype
     device = torch.device("cpu" if device is None else device)
     for i, (layer, meta) in enumerate(zip(cache.layers, doc["layers"])):

@@ -123,7 +123,7 @@ if gluon is not None:
             regs = [at(S[2]), at(R[0]), at(S[0]), at(S[1])]
             lanes = [at(R[1]), at(R[2])]
         vss = _dll([[0, 1]] + regs, lanes + [[0, 0]] * 3, [32, 4])
-        return {"KWS": _words3(kws, bits, RS, DC), "KSS": kss, "VWS": _words3(vws, bits, RS, DC),
+        return {"KWS": _words3(kws, bits, DC), "KSS": kss, "VWS": _words3(vws, bits, DC),
                 "VSS": vss}
 
     @gluon.constexpr_function
@@ -140,7 +140,7 @@ if gluon is not None:
         return [2 * bits, 2, 32] if bits == 2 else [2, 2 * bits, 32]
 
     @gluon.constexpr_function
-    def _words3(layout, bits, RS, DC):
+    def _words3(layout, bits, DC):
         """A word layout over ``[RS, DC]`` (one channel half) re-indexed by that half's
         shared-memory tile (:func:`word_tile`): channel ``c`` is quarter ``c // 32``, word
         ``c % 32`` of a 128-byte row."""
