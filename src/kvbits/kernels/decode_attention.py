@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ..formats.layout import PackedKV, pre_rope_kernel_ok
 from . import decode_gluon
+from .launch import FastLaunch
 
 LOG2E = 1.4426950408889634
 
@@ -622,6 +623,10 @@ def _merge_kernel(Out, Lse, O, n_splits, D: tl.constexpr, BLOCK_D: tl.constexpr,
     tl.store(O + row * D + offs_d, res.to(O.dtype.element_ty), mask=offs_d < D)
 
 
+_DECODE = FastLaunch(_decode_kernel)
+_MERGE = FastLaunch(_merge_kernel)
+
+
 def reads(kv: PackedKV) -> bool:
     """Whether this kernel reads the layer: KIVI, uniform (either scale axis), FP8 and KVQuant
     (codebooks, outliers, pre-RoPE keys) layers; pre-RoPE keys only where
@@ -800,7 +805,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
                                  window=window, softcap=softcap)
         split0 = splits
     if n_total > split0:  # the Triton kernel: every split, or only the FP16 ones
-        _decode_kernel[(bhm, n_total - split0)](
+        _DECODE[(bhm, n_total - split0)](
             q, out, lse,
             kv.sink_k, kv.sink_v, kv.res_k, kv.res_v,
             kv.k_codes, kv.k_scale, k_zero, kv.v_codes, kv.v_scale, v_zero,
@@ -831,7 +836,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
             num_warps=num_warps or DEFAULT_WARPS, num_stages=2 if BLOCK_D <= 128 else 1,
         )
     o = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=dev)
-    _merge_kernel[(B * Hq * Lq,)](out, lse, o, n_total, D=D, BLOCK_D=BLOCK_D,
+    _MERGE[(B * Hq * Lq,)](out, lse, o, n_total, D=D, BLOCK_D=BLOCK_D,
                                   BLOCK_S=max(2, _next_pow2(n_total)))
     return o
 

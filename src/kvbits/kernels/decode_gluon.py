@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import os
 
+from .launch import FastLaunch
+
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves everything.
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -1175,6 +1177,9 @@ if gluon is not None:
             return 2
         return D // 64 if D % 64 == 0 else D // 32
 
+    # the same, called from the host: a constexpr_function call costs ~7 us there (every step)
+    chunks_of = head_chunks.fn
+
     # Step-varying integers are not specialized (see decode_attention._STEP_VARYING).
     @gluon.jit(do_not_specialize=("sink_len", "res_len", "n_out", "steps_per_split"))
     def _body_kernel(
@@ -1543,6 +1548,7 @@ if _KVQUANT_WIDE_ENV not in ("0", "1"):
                      f"{_KVQUANT_WIDE_ENV!r}")
 KVQUANT_WIDE = _KVQUANT_WIDE_ENV == "1"
 MAX_OUTLIERS = 4  # per token, keys or values (one pair of MMAs each)
+_BODY = FastLaunch(_body_kernel) if gluon is not None else None  # (kernels.launch)
 
 
 def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
@@ -1585,7 +1591,7 @@ def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
     key_axis = getattr(kv, "key_axis", "channel")
     # keys per token: at most one scale group per channel chunk (the chunk broadcasts it)
     keys_ok = key_axis == "channel" or (TOKEN_KEYS and key_axis == "token"
-                                        and kv.k_scale.shape[3] <= head_chunks(D))
+                                        and kv.k_scale.shape[3] <= chunks_of(D))
     if kv.key_bits == 3 or kv.value_bits == 3:  # bit planes: equal widths, G 32 or 64
         bits_ok = (PLANES3 and kv.key_bits == kv.value_bits and G in (32, 64)
                    and key_axis == "channel")
@@ -1715,7 +1721,7 @@ def q_reload(D: int, key_bits: int, codebooks: bool, batch_heads: int,
     ``full``: KVQuant outliers or pre-RoPE keys, which hold more live registers: always, sm_90
     SASS of the 3-outlier pre-RoPE layer at GQA 2: 9749 -> 9546 instructions per step, spill
     stack 1360 -> 1016 bytes)."""
-    if head_chunks(D) != 4 or key_bits not in (3, 4) or _Q_RELOAD_ENV == "0":
+    if chunks_of(D) != 4 or key_bits not in (3, 4) or _Q_RELOAD_ENV == "0":
         return False
     if _Q_RELOAD_ENV == "1":
         return True
@@ -1766,7 +1772,7 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
     inv_freq = getattr(kv, "rope_inv_freq", None)
     if inv_freq is not None:
         inv_freq = inv_freq.float().contiguous()
-    _body_kernel[(B * Hkv, splits)](
+    _BODY[(B * Hkv, splits)](
         q, out, lse, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero,
         starts, lengths, lens_dev if lens_dev is not None else starts,
         kcb if kcb is not None else starts, vcb if vcb is not None else starts,

@@ -1,0 +1,202 @@
+"""Kernel launches with less host time: a specialization's second launch skips Triton's binder.
+
+An eager decode step launches two or three kernels per layer, and Triton's JIT spends most of a
+launch's host time binding and specializing the ~35-50 arguments before it reaches the compiled
+launcher: on the H200 host 30-51 us per launch through the JIT against 8-13 us through the
+launcher itself (``benchmarks/results/host_breakdown_s26.log``), against 17-26 us for the whole
+FP16 SDPA call. :class:`FastLaunch` wraps a ``@triton.jit`` / ``@gluon.jit`` kernel: the first
+launch of a specialization goes through the JIT (which compiles it), and later launches with the
+same key call the compiled kernel's launcher directly.
+
+The key is what the JIT's specialization reads, in the JIT's own classes: each tensor argument's
+dtype and 16-byte alignment, each specialized integer's class (equal to 1, divisible by 16, or
+neither, and its 32/64-bit range), the range of the integers it does not specialize
+(``do_not_specialize``), the exact value of bools, the keyword arguments (constexprs and launch
+options) and the device. The first launch of a key checks those classes against the binder's
+own specialization and keeps no plan if they differ (a Triton with other rules), so a plan is
+only reused for arguments that satisfy every assumption its kernel was compiled under. An
+argument of any other type (a TMA descriptor, a tuple) sends the launch through the JIT, as do
+launch hooks (profilers), the interpreter and CPU tensors. Not re-checked on the fast path:
+Triton's guard against module globals changed after compilation (kvbits reads its switches
+once, at import).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# KVBITS_FAST_LAUNCH=0 sends every launch through Triton's JIT (A/B checks, debugging).
+ENABLED = os.environ.get("KVBITS_FAST_LAUNCH", "1") != "0"
+_I32 = 2**31
+_I64 = 2**63
+
+
+MAX_PLANS = 4096  # plans per kernel before the cache starts over
+
+
+def hooked(hook) -> bool:
+    """Whether a Triton launch hook is set: None, or a ``HookChain`` without calls (Triton
+    3.6+ keeps an empty chain), is not."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _int_class(x: int) -> int:
+    """The integer type the JIT gives an integer argument: i32 (0), i64 (1) or u64 (2)."""
+    if -_I32 <= x < _I32:
+        return 0
+    return 1 if -_I64 <= x < _I64 else 2
+
+
+def _spec_class(x: int):
+    """The JIT's specialization of an integer: a constexpr 1, divisible by 16 ("D"), or ""."""
+    if x == 1:
+        return 1
+    return "D" if x % 16 == 0 else ""
+
+
+def _expected(part):
+    """The binder's specialization value (second element) implied by a key part, or a marker
+    that matches anything (floats, bools, None: typed, not specialized)."""
+    if isinstance(part, tuple) and part and part[0] == "t":
+        return "D" if part[2] else ""
+    if isinstance(part, tuple) and part and part[0] == "i":
+        return part[1]
+    if isinstance(part, tuple) and part and part[0] == "n":
+        return None
+    return ...
+
+
+def _key_function(args, specialized, aligned):
+    """Code for :meth:`FastLaunch.classes` at the argument types of ``args`` (a tensor, int,
+    float, bool or None at each position; else None): one expression per argument, no loop, as
+    Triton's own binder is generated. Arguments of other types at a later launch make it return
+    None (or raise), and the launch goes through the JIT."""
+    names = [f"a{i}" for i in range(len(args))]
+    guards, parts = [], []
+    for n, a, spec, align in zip(names, args, specialized, aligned):
+        if isinstance(a, torch.Tensor):
+            guards.append(f"isinstance({n}, T)")
+            parts.append(f"('t', {n}.dtype, {n}.data_ptr() % 16 == 0)" if align
+                         else f"('t', {n}.dtype, False)")
+        elif isinstance(a, bool):
+            guards.append(f"type({n}) is bool")
+            parts.append(f"('b', {n})")
+        elif isinstance(a, int):
+            guards.append(f"type({n}) is int")
+            rng = (f"(0 if -{_I32} <= {n} < {_I32} else 1 if -{_I64} <= {n} < {_I64} "
+                   "else 2)")  # _int_class, inline
+            parts.append(f"('i', 1 if {n} == 1 else 'D' if {n} % 16 == 0 else '', {rng})"
+                         if spec else f"('n', {rng})")  # _spec_class, inline
+        elif isinstance(a, float):
+            guards.append(f"type({n}) is float")
+            parts.append("float")
+        elif a is None:
+            guards.append(f"{n} is None")
+            parts.append("None")
+        else:
+            return lambda *args: None
+    src = (f"def key({', '.join(names)}):\n"
+           f"    if not ({' and '.join(guards) or 'True'}):\n        return None\n"
+           f"    return ({', '.join(parts)},)\n")
+    scope = {"T": torch.Tensor}
+    exec(src, scope)  # noqa: S102 - code built above from the argument kinds only
+    return scope["key"]
+
+
+class FastLaunch:
+    """``kernel[grid](*args, **kwargs)`` for a JIT kernel, with the launch of a specialization
+    already compiled going straight to its launcher (module docstring). Positional arguments
+    are the kernel's leading parameters; keywords are the rest (constexprs) and launch
+    options."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        params = getattr(fn, "params", None)  # absent from the interpreter's functions
+        self._jit_only = params is None
+        self._specialized = [not p.do_not_specialize for p in params or ()]
+        self._aligned = [not p.do_not_specialize_on_alignment for p in params or ()]
+        self._plans: dict = {}
+        self._fast_key = None
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.run(grid, args, kwargs)
+
+    def key(self, args, kwargs):
+        """The plan key of a launch, or None where the launch must go through the JIT: the
+        positional arguments' classes (as :meth:`classes` gives them, by code generated for
+        the argument types of the kernel's first launch), the keywords and the device."""
+        if self._fast_key is None:
+            if any(isinstance(a, torch.Tensor) and not a.is_cuda for a in args):
+                return None
+            self._fast_key = _key_function(args, self._specialized, self._aligned)
+        try:
+            parts = self._fast_key(*args)
+        except (TypeError, ValueError, AttributeError):  # other types or count: the JIT's
+            return None
+        return None if parts is None else (torch.cuda.current_device(), *parts,
+                                           *kwargs.items())
+
+    def classes(self, args):
+        """Each positional argument's specialization class (see the module docstring), or None
+        for an argument of a type the fast path does not take."""
+        parts = []
+        for a, spec, align in zip(args, self._specialized, self._aligned):
+            if isinstance(a, torch.Tensor):
+                parts.append(("t", a.dtype, align and a.data_ptr() % 16 == 0))
+            elif isinstance(a, bool):
+                parts.append(("b", a))
+            elif isinstance(a, int):
+                parts.append(("i", _spec_class(a), _int_class(a)) if spec
+                             else ("n", _int_class(a)))
+            elif isinstance(a, float):
+                parts.append(float)
+            elif a is None:
+                parts.append(None)
+            else:
+                return None
+        return parts
+
+    @staticmethod
+    def agrees(parts, specialization) -> bool:
+        """Whether the binder specialized the positional arguments as their classes say."""
+        for part, (ty, value) in zip(parts, specialization):
+            want = _expected(part)
+            if want is ...:
+                continue
+            if want == 1:  # an integer equal to 1 becomes a constexpr
+                if ty != "constexpr" or value != 1:
+                    return False
+            elif ty == "constexpr" or value != want:
+                return False
+        return True
+
+    def run(self, grid, args, kwargs):
+        """Launch; the first launch of a key compiles and launches through the JIT."""
+        from triton import knobs
+        from triton.runtime import driver
+
+        hooks = knobs.runtime
+        if (not ENABLED or self._jit_only or hooked(hooks.launch_enter_hook)
+                or hooked(hooks.launch_exit_hook)):
+            return self.fn[grid](*args, **kwargs)
+        key = self.key(args, kwargs)
+        plan = self._plans.get(key) if key is not None else None
+        if plan is None:
+            kernel = self.fn[grid](*args, **kwargs)
+            if key is not None and kernel is not None and not hasattr(kernel, "result"):
+                binder = self.fn.device_caches[key[0]][-1]
+                bound, specialization, _ = binder(*args, **kwargs)
+                if key[1:1 + len(args)] == tuple(self.classes(args) or ()) and self.agrees(
+                        key[1:1 + len(args)], specialization):
+                    if len(self._plans) >= MAX_PLANS:
+                        self._plans.clear()
+                    self._plans[key] = (kernel, tuple(bound.values())[len(args):])
+            return kernel
+        kernel, tail = plan
+        g = (*grid, 1, 1)
+        stream = driver.active.get_current_stream(key[0])
+        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None,
+                   None, None, *args, *tail)
+        return kernel
