@@ -116,6 +116,23 @@ def test_only_real_hooks_send_launches_to_the_jit():
     assert hooked(print)
 
 
+def test_other_jit_internals_fall_back_for_good():
+    """A JIT function without Triton 3.4-3.9's per-device binder: no plan, and every later
+    launch of that wrapper goes through the JIT."""
+
+    class OtherJIT:
+        params = _axpb_jit.params
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: "launched"
+
+    launch = FastLaunch(OtherJIT())
+    x = torch.zeros(4)
+    launch._plan((0, *launch.classes((x, x, 16, 5, 1.0))), object(), (x, x, 16, 5, 1.0), {})
+    assert launch._jit_only and not launch._plans
+    assert launch.run((1,), (x, x, 16, 5, 1.0), {}) == "launched"
+
+
 @pytest.mark.skipif(CUDA, reason="the CPU path")
 def test_cpu_launch_goes_through_the_jit():
     launch = FastLaunch(_axpb)

@@ -16,9 +16,11 @@ options) and the device. The first launch of a key checks those classes against 
 own specialization and keeps no plan if they differ (a Triton with other rules), so a plan is
 only reused for arguments that satisfy every assumption its kernel was compiled under. An
 argument of any other type (a TMA descriptor, a tuple) sends the launch through the JIT, as do
-launch hooks (profilers), the interpreter and CPU tensors. Not re-checked on the fast path:
-Triton's guard against module globals changed after compilation (kvbits reads its switches
-once, at import).
+launch hooks (profilers), the interpreter, CPU tensors and a Triton older than 3.4 or with other
+JIT internals (no ``knobs``, no per-device binder, another launcher signature: the wrapper then
+stays on the JIT for good). Not re-checked on the fast path: Triton's guard against module
+globals changed after compilation (kvbits reads its switches once, at import) and its ``debug``
+knob.
 """
 
 from __future__ import annotations
@@ -31,8 +33,6 @@ import torch
 ENABLED = os.environ.get("KVBITS_FAST_LAUNCH", "1") != "0"
 _I32 = 2**31
 _I64 = 2**63
-
-
 MAX_PLANS = 4096  # plans per kernel before the cache starts over
 
 
@@ -174,29 +174,58 @@ class FastLaunch:
 
     def run(self, grid, args, kwargs):
         """Launch; the first launch of a key compiles and launches through the JIT."""
-        from triton import knobs
-        from triton.runtime import driver
-
-        hooks = knobs.runtime
-        if (not ENABLED or self._jit_only or hooked(hooks.launch_enter_hook)
-                or hooked(hooks.launch_exit_hook)):
+        runtime = _runtime()
+        if (not ENABLED or self._jit_only or runtime is None
+                or hooked(runtime.launch_enter_hook) or hooked(runtime.launch_exit_hook)):
             return self.fn[grid](*args, **kwargs)
         key = self.key(args, kwargs)
         plan = self._plans.get(key) if key is not None else None
         if plan is None:
             kernel = self.fn[grid](*args, **kwargs)
             if key is not None and kernel is not None and not hasattr(kernel, "result"):
-                binder = self.fn.device_caches[key[0]][-1]
-                bound, specialization, _ = binder(*args, **kwargs)
-                if key[1:1 + len(args)] == tuple(self.classes(args) or ()) and self.agrees(
-                        key[1:1 + len(args)], specialization):
-                    if len(self._plans) >= MAX_PLANS:
-                        self._plans.clear()
-                    self._plans[key] = (kernel, tuple(bound.values())[len(args):])
+                self._plan(key, kernel, args, kwargs)
             return kernel
         kernel, tail = plan
         g = (*grid, 1, 1)
-        stream = driver.active.get_current_stream(key[0])
-        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None,
-                   None, None, *args, *tail)
+        stream = _DRIVER.active.get_current_stream(key[0])
+        try:
+            kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None,
+                       None, None, *args, *tail)
+        except TypeError:  # a launcher of another signature (before it launched): the JIT's
+            self._jit_only = True
+            return self.fn[grid](*args, **kwargs)
         return kernel
+
+    def _plan(self, key, kernel, args, kwargs) -> None:
+        """Keep the plan of a key just launched through the JIT, where the binder's
+        specialization confirms the key's classes. A Triton whose JIT internals differ from
+        3.4-3.9's (no per-device binder) keeps no plans at all."""
+        try:
+            binder = self.fn.device_caches[key[0]][-1]
+            bound, specialization, _ = binder(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - any other internals: the JIT for good
+            self._jit_only = True
+            return
+        parts = key[1:1 + len(args)]
+        if parts == tuple(self.classes(args) or ()) and self.agrees(parts, specialization):
+            if len(self._plans) >= MAX_PLANS:
+                self._plans.clear()
+            self._plans[key] = (kernel, tuple(bound.values())[len(args):])
+
+
+_DRIVER = None
+_RUNTIME = None
+
+
+def _runtime():
+    """Triton's launch-hook settings (``triton.knobs.runtime``, Triton 3.4+), or None on an
+    older Triton (then every launch goes through the JIT). Imported on first use."""
+    global _DRIVER, _RUNTIME
+    if _RUNTIME is None:
+        try:
+            from triton import knobs
+            from triton.runtime import driver
+        except ImportError:
+            return None
+        _DRIVER, _RUNTIME = driver, knobs.runtime
+    return _RUNTIME
