@@ -1,7 +1,7 @@
 """The TMA ring's stage indexing, checked on the CPU against the register body's pointer math.
 
 ``kernels/decode_gluon_tma.py`` reads each step from shared-memory stages laid out as TMA copies
-them (whole rows, scale rows copied 4 / SG times, value scales as a flat ``[32, 4]`` int32 tile)
+them (whole rows, key scale rows once each, value scales as a flat ``[32, 4]`` int32 tile)
 and turns them into the register body's tensors by reshapes, permutes, splits and joins. The
 compiler checks that those conversions move no data between lanes; it cannot check that they
 put the right element at each index. This test replays the same tensor operations in NumPy on
@@ -42,14 +42,14 @@ def key_words_smem(bits, c):
 
 
 def key_scales_smem(G, c):
-    """Key scale pairs ``[A, J]`` as ``_smem_keys`` / ``_rows_to_kw`` build them."""
+    """Key scale pairs ``[A, J]`` as ``_smem_keys`` / ``_rows_to_kw`` build them: the stage's
+    SG group rows (each once, ``key_scale_tile``), the chunk's half, each row broadcast over
+    the 4 / SG copy lanes (``KSP``) and reshaped to the word-row index ``a = g K + k``."""
     SG = 64 // G
-    groups = np.arange(SG)[:, None] * 1000 + np.arange(D // 2)[None, :]  # id = group, pair
-    stage = np.concatenate([groups] * (4 // SG))  # the step's rows copied 4 / SG times
+    stage = np.arange(SG)[:, None] * 1000 + np.arange(D // 2)[None, :]  # id = group, pair
+    assert list(stage.shape) == dt.key_scale_tile(G, D)
     y = stage[:, c * J:(c + 1) * J]
-    if SG == 2:
-        y = y.reshape(2, 2, J).transpose(1, 0, 2).reshape(4, J)
-    return y
+    return np.broadcast_to(y[:, None, :], (SG, 4 // SG, J)).reshape(4, J)
 
 
 def value_words_smem(bits, c):
@@ -156,3 +156,39 @@ def test_word_tile_reads_are_free_of_bank_conflicts(bits, name):
     assert list(layout.shape) == tile
     assert _bank_conflicts(layout, tile, swizzle=True) == 1
     assert _bank_conflicts(layout, tile, swizzle=False) >= 2
+
+
+def _key_scale_conflicts(layout, SG: int) -> int:
+    """Worst bank conflict of one load instruction of the key-scale layout ``KSS`` over a
+    half-slice ``[SG, 32]`` of the stage's ``[SG, 64]`` int32 tile (256-byte rows)."""
+    import itertools
+
+    def coord(bits_on, bases):
+        c = [0, 0]
+        for on, b in zip(bits_on, bases):
+            if on:
+                c = [c[0] ^ b[0], c[1] ^ b[1]]
+        return c
+    worst = 1
+    for regs in itertools.product([0, 1], repeat=len(layout.reg_bases)):
+        for half in (0, 1):
+            words = {tuple(coord(list(regs) + list(lanes), layout.reg_bases + layout.lane_bases))
+                     for lanes in itertools.product([0, 1], repeat=len(layout.lane_bases))}
+            banks = {}
+            for r, col in words:
+                banks.setdefault((r * 64 + half * 32 + col) % 32, set()).add((r, col))
+            worst = max(worst, max(len(v) for v in banks.values()))
+    return worst
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("G,want", [(16, 4), (32, 2), (64, 1)])
+def test_key_scale_reads_read_each_group_row_once(bits, G, want):
+    """Key scale rows once each (session 26): a load instruction's lanes read one word per group
+    row they need (the copy lanes broadcast), so its conflicts are the SG rows sharing banks:
+    none at G = 64, 2-way at G = 32, 4-way at G = 16, against 4-way at every G when the rows were
+    copied 4 / SG times and each lane read its own copy."""
+    layout = dt._smem_layouts(bits, D, G)["KSS"]
+    layout = getattr(layout, "value", layout)
+    assert list(layout.shape) == [64 // G, J]
+    assert _key_scale_conflicts(layout, 64 // G) == want

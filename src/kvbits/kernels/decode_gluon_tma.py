@@ -6,7 +6,8 @@ about half of peak. Here every byte of a step (key and value words, key scales/z
 groups, value scales/zeros of its tokens) is copied by the TMA engine into a ring of ``NS``
 shared-memory stages, ``NS - 1`` steps ahead, completing on one ``mbarrier`` per stage: the warp
 only waits when the ring runs dry, and the copies cost no registers (one elected thread issues
-8-14 copies per step: small key groups' scale rows are copied where the lanes read them). Each
+8 copies per step; the key scale rows once each, read by the lanes that share a row as one
+word, :func:`key_scale_tile`). Each
 thread then reads exactly the words and scales its MMA fragments need, from shared memory, in the
 register layouts of :mod:`kvbits.kernels.decode_gluon` (``LDS.64`` per key channel pair; the
 layout conversions after the loads are register renamings), and the step's math is that kernel's
@@ -83,11 +84,12 @@ if gluon is not None:
 
         ``KWS``: key words of one channel half, ``[RS, DC]`` int32 re-indexed by its swizzled
         tile (:func:`word_tile`), the pair bit first in the registers (one ``LDS.64`` per
-        pair); ``KSS``: key scale pairs ``[4, DC/2]`` int32 (the step's groups copied 4 / SG
-        times, so each thread's group is at a row its own lanes address and no lane exchange
-        follows); ``VWS``: value words, like ``KWS``; ``VSS``: value scale words ``[32, 4]``
-        int32 (the stage's 64 tokens x 2 words of two groups' fp16, 16-byte rows as TMA
-        wants)."""
+        pair); ``KSS``: key scale pairs of one channel half, ``[SG, DC/2]`` int32 of the stage's
+        :func:`key_scale_tile` (each group once; lanes that need no group bit broadcast), and
+        ``KSP``: ``[SG, 4 / SG, DC/2]``, their broadcast to the four word rows (a register
+        renaming: the copy axis is lanes that read the same word); ``VWS``: value words, like
+        ``KWS``; ``VSS``: value scale words ``[32, 4]`` int32 (the stage's 64 tokens x 2 words
+        of two groups' fp16, 16-byte rows as TMA wants)."""
         bits, D, G = (int(getattr(x, "value", x)) for x in (bits, D, G))
 
         def _dll(regs, lanes, shape):
@@ -103,11 +105,19 @@ if gluon is not None:
         h_row = [[1, 0]] if bits == 4 else []
         kws = _dll([[0, 1]] + h_row + [[0, 1 << (b + 1)] for b in range(2, dbits - 1)],
                    [[0, 2], [0, 4], [0, 0], a_row[0], a_row[1]], [RS, DC])
-        # key scales: the stage holds the step's SG group rows 4 / SG times over (rows k SG +
-        # g), so the group of word row a (a, a1 or the only one) is at a row the lanes of a reach
-        a0, a1 = ([2, 0], [1, 0]) if 64 // G == 2 else ([1, 0], [2, 0])
+        # key scales: the stage holds the step's SG group rows once (key_scale_tile); lanes a0,
+        # a1 address the group of word row a (g = a1 at G = 32, g = a at G = 16, the one group
+        # at G = 64) and read the same word otherwise; KSP (below) then broadcasts the rows to
+        # the word-row index a without moving data.
+        SG = 64 // G
+        g_lanes = {1: [[0, 0], [0, 0]], 2: [[0, 0], [1, 0]], 4: [[1, 0], [2, 0]]}[SG]
         kss = _dll([[0, 1 << b] for b in range(2, dbits - 1)],
-                   [[0, 1], [0, 2], [0, 0], a0, a1], [4, DC // 2])
+                   [[0, 1], [0, 2], [0, 0]] + g_lanes, [SG, DC // 2])
+        K = 4 // SG  # copies of a group row in [A, J]: row a = g K + k
+        k_lanes = {1: [[0, 1, 0], [0, 2, 0]], 2: [[0, 1, 0], [1, 0, 0]],
+                   4: [[1, 0, 0], [2, 0, 0]]}[SG]
+        ksp = _dll([[0, 0, 4], [0, 0, 8], [0, 0, 16]],
+                   [[0, 0, 1], [0, 0, 2], [0, 0, 0]] + k_lanes, [SG, K, DC // 2])
         vws = _dll([[0, 1 << b] for b in range(3, dbits)] + h_row,
                    [a_row[0], a_row[1], [0, 1], [0, 2], [0, 4]], [RS, DC])
 
@@ -123,8 +133,8 @@ if gluon is not None:
             regs = [at(S[2]), at(R[0]), at(S[0]), at(S[1])]
             lanes = [at(R[1]), at(R[2])]
         vss = _dll([[0, 1]] + regs, lanes + [[0, 0]] * 3, [32, 4])
-        return {"KWS": _words3(kws, bits, DC), "KSS": kss, "VWS": _words3(vws, bits, DC),
-                "VSS": vss}
+        return {"KWS": _words3(kws, bits, DC), "KSS": kss, "KSP": ksp,
+                "VWS": _words3(vws, bits, DC), "VSS": vss}
 
     @gluon.constexpr_function
     def word_tile(bits, D):
@@ -200,8 +210,9 @@ if gluon is not None:
             hi = gl.expand_dims(gl.convert_layout(gl.permute(hi, (1, 0, 2)), SK), 2)
         u = _halves2(lo, hi, dg._half_selector(BITS, DC, KW))
         KSS: gl.constexpr = _lay("KSS", BITS, D, G)
-        sc = _rows_to_kw(ks.slice(DC0 // 2, J, dim=1).load(KSS), BITS, J, G, KW)
-        ze = _rows_to_kw(kz.slice(DC0 // 2, J, dim=1).load(KSS), BITS, J, G, KW)
+        KSP: gl.constexpr = _lay("KSP", BITS, D, G)
+        sc = _rows_to_kw(ks.slice(DC0 // 2, J, dim=1).load(KSS), BITS, J, G, KW, KSP)
+        ze = _rows_to_kw(kz.slice(DC0 // 2, J, dim=1).load(KSS), BITS, J, G, KW, KSP)
         return u, sc, ze
 
     @gluon.jit
@@ -213,12 +224,15 @@ if gluon is not None:
         return gl.reshape(x, [2 * BITS, DC])
 
     @gluon.jit
-    def _rows_to_kw(y, BITS: gl.constexpr, J: gl.constexpr, G: gl.constexpr, KW: gl.constexpr):
-        """Key scale pairs as loaded (``KSS``) -> ``[A, J]`` by word row, expanded to broadcast
-        over ``KW`` (and ``H``, 4 bits). With two groups per step the stage rows are ``2 a0 +
-        a1`` (two copies of the groups): swapping the two index bits makes the index ``a``."""
-        if 64 // G == 2:
-            y = gl.reshape(gl.permute(gl.reshape(y, [2, 2, J]), (1, 0, 2)), [4, J])
+    def _rows_to_kw(y, BITS: gl.constexpr, J: gl.constexpr, G: gl.constexpr, KW: gl.constexpr,
+                    KSP: gl.constexpr):
+        """A half's key scale pairs as loaded (``KSS``, ``[SG, J]``) -> ``[A, J]`` by word row
+        (row ``a = g K + k``, each group row broadcast over the ``K = 4 / SG`` copy lanes, no data
+        moved), expanded to broadcast over ``KW`` (and ``H``, 4 bits)."""
+        SG: gl.constexpr = 64 // G
+        y = gl.convert_layout(y, gl.SliceLayout(1, KSP))
+        y, _ = gl.broadcast(gl.expand_dims(y, 1), gl.zeros([SG, 4 // SG, J], gl.int32, KSP))
+        y = gl.reshape(y, [4, J])
         if BITS == 2:
             out = gl.expand_dims(gl.convert_layout(y, gl.SliceLayout(1, KW)), 1)
         else:
@@ -273,12 +287,11 @@ if gluon is not None:
                     SG: gl.constexpr, D: gl.constexpr):
         """Copy every byte of step ``s`` into stage ``st`` (completing on ``bars[st]``)."""
         bar = bars.index(st)
-        mbarrier.expect(bar, 2 * RS * D * 4 + 2 * 4 * D * 2 + 2 * 32 * 4 * 4)
+        mbarrier.expect(bar, 2 * RS * D * 4 + 2 * SG * D * 2 + 2 * 32 * 4 * 4)
         for c in gl.static_range(2):  # channel halves, each a 128-byte-swizzled word tile
             _tma_load(kc_d, _tile_coord(bh * kc_cap + s * RS, c, RS), bar, kc_s.index(2 * st + c))
-        for k in gl.static_range(4 // SG):  # the step's SG key-scale rows, 4 / SG times
-            _tma_load(ks_d, [bh * ng_cap + s * SG, 0], bar, ks_s.index(st).slice(k * SG, SG, dim=0))
-            _tma_load(kz_d, [bh * ng_cap + s * SG, 0], bar, kz_s.index(st).slice(k * SG, SG, dim=0))
+        _tma_load(ks_d, [bh * ng_cap + s * SG, 0], bar, ks_s.index(st))  # the SG rows, once
+        _tma_load(kz_d, [bh * ng_cap + s * SG, 0], bar, kz_s.index(st))
         for c in gl.static_range(2):
             _tma_load(vc_d, _tile_coord(bh * vc_cap + s * RS, c, RS), bar, vc_s.index(2 * st + c))
         _tma_load(vs_d, [bh * vs_rows + s * 32, 0], bar, vs_s.index(st))
@@ -330,8 +343,8 @@ if gluon is not None:
 
         WT: gl.constexpr = word_tile(BITS, D)
         kc_s = gl.allocate_shared_memory(gl.int32, [2 * NS, WT[0], WT[1], WT[2]], kc_d.layout)
-        ks_s = gl.allocate_shared_memory(gl.int32, [NS, 4, D // 2], ks_d.layout)
-        kz_s = gl.allocate_shared_memory(gl.int32, [NS, 4, D // 2], kz_d.layout)
+        ks_s = gl.allocate_shared_memory(gl.int32, [NS, SG, D // 2], ks_d.layout)
+        kz_s = gl.allocate_shared_memory(gl.int32, [NS, SG, D // 2], kz_d.layout)
         vc_s = gl.allocate_shared_memory(gl.int32, [2 * NS, WT[0], WT[1], WT[2]], vc_d.layout)
         vs_s = gl.allocate_shared_memory(gl.int32, [NS, 32, 4], vs_d.layout)
         vz_s = gl.allocate_shared_memory(gl.int32, [NS, 32, 4], vz_d.layout)
@@ -442,24 +455,42 @@ def serves(kv, k_tok: bool, device) -> bool:
 WORD_SWIZZLE = 128  # bytes: the word tiles' shared-memory swizzle (rows of 32 int32)
 
 
+def key_scale_tile(G: int, D: int = 128) -> list:
+    """Shape of a stage's key scale (or zero) tile, int32: the step's ``SG = 64 / G`` group rows
+    of ``D / 2`` channel pairs, each row once. Before session 26 the rows were copied 4 / SG
+    times so that every lane read its group at a row of its own; now the lanes that need no
+    group bit read the same word (a broadcast, free) and the rows are broadcast to the four
+    word rows in registers (``KSP``). A load instruction's lanes then read SG rows instead of
+    four, which share banks (256-byte rows): 2-way conflicts at G = 32 (4-way before), none at
+    G = 64, and two TMA copies per step instead of 2 x 4 / SG. (A swizzled tile would remove
+    the last conflicts, but TMA's 32/64-byte swizzles need boxes of at least eight rows, and a
+    half cannot be sliced along the swizzle.)"""
+    if D != 128:
+        raise ValueError(f"the TMA ring serves head_dim 128, got {D}")
+    return [64 // G, D // 2]
+
+
 def block_shapes(bits: int, D: int, G: int) -> dict:
     """The TMA box of each descriptor (int32 elements): one channel half of a step's key and
     value word rows (:func:`word_tile`, two copies per step), its key scale/zero group rows
-    (channel pairs), its value scale/zero words as 16-byte rows."""
-    SG = 64 // G
+    (:func:`key_scale_tile`), its value scale/zero words as 16-byte rows."""
     WT = list(word_tile(bits, D))
-    return {"kc_d": WT, "ks_d": [SG, D // 2], "kz_d": [SG, D // 2], "vc_d": WT,
-            "vs_d": [32, 4], "vz_d": [32, 4]}
+    KS = key_scale_tile(G, D)
+    return {"kc_d": WT, "ks_d": KS, "kz_d": KS, "vc_d": WT, "vs_d": [32, 4], "vz_d": [32, 4]}
+
+
+def _swizzle(name: str) -> int:
+    """The shared-memory swizzle (bytes) of a descriptor's tiles."""
+    return WORD_SWIZZLE if name in ("kc_d", "vc_d") else 0
 
 
 def _kernel_signature(bits: int, D: int, G: int) -> dict:
     """``_body_tma_kernel``'s argument types (constexprs excluded)."""
-    def desc(block):
-        sw = WORD_SWIZZLE if len(block) == 3 else 0
+    def desc(name, block):
         return (f"tensordesc<i32[{', '.join(map(str, block))}],NVMMASharedLayout("
-                f"swizzle_byte_width={sw}, element_bitwidth=32, rank={len(block)})>")
+                f"swizzle_byte_width={_swizzle(name)}, element_bitwidth=32, rank={len(block)})>")
     sig = {"Q": "*fp16", "Out": "*fp32", "Lse": "*fp32"}
-    sig.update({k: desc(b) for k, b in block_shapes(bits, D, G).items()})
+    sig.update({k: desc(k, b) for k, b in block_shapes(bits, D, G).items()})
     sig.update({"Starts": "*i32", "Lens": "*i32", "LenTab": "*i32", "qk_scale": "fp32",
                 "softcap": "fp32"})
     sig.update(dict.fromkeys(("sink_len", "body_len", "res_len", "window", "kc_cap", "ng_cap",
@@ -490,23 +521,22 @@ def compile_sm90(constexprs: dict):
 
 
 def _descriptors(kv):
-    """TMA descriptors of the layer's six buffers (2D int32 views). Built per call and not
-    cached: a descriptor holds its buffer, and a cache of them would keep freed caches alive."""
+    """TMA descriptors of the layer's six buffers (int32 views). Built per call and not cached:
+    a descriptor holds its buffer, and a cache of them would keep freed caches alive."""
     import torch
 
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    words = gl.NVMMASharedLayout(swizzle_byte_width=WORD_SWIZZLE, element_bitwidth=32, rank=3)
     blocks = block_shapes(kv.key_bits, kv.k_codes.shape[-1], kv.group_size)
     out = []
-    for t, block in zip((kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero),
-                        blocks.values()):
-        if len(block) == 3:  # word rows as [rows, 4 quarters, 32] (2 bits) / [4, rows, 32]
+    for (name, block), t in zip(blocks.items(), (kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes,
+                                                  kv.v_scale, kv.v_zero)):
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=_swizzle(name), element_bitwidth=32,
+                                      rank=len(block))
+        if name in ("kc_d", "vc_d"):  # word rows as [rows, 4 quarters, 32] (2 bits) / [4, rows, 32]
             t2 = t.view(torch.int32).reshape(-1, 4, 32)
             if kv.key_bits == 4:  # quarter-major (word_tile): a permuted view, strides 32, 128
                 t2 = t2.permute(1, 0, 2)
-            out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), list(block), words))
-            continue
-        t2 = t.view(torch.int32).reshape(-1, block[1])
+        else:  # key scale rows (key_scale_tile), value scales as 16-byte rows
+            t2 = t.view(torch.int32).reshape(-1, block[1])
         out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), list(block), layout))
     return out
 
