@@ -27,7 +27,7 @@ from common import (RESULTS, batch_slice, copy_bandwidth, environment, host_us, 
                     packed_nbytes, random_packed_kv, write_results)
 from seed_unfused import SeedCache  # noqa: E402
 
-from kvbits.kernels import decode_gluon  # noqa: E402
+from kvbits.kernels import decode_gluon, launch  # noqa: E402
 from kvbits.kernels.decode_attention import decode_attention  # noqa: E402
 from kvbits.kernels.quantize_pack import quantize_keys, quantize_values  # noqa: E402
 from kvbits.reference.attention import decode_attention as reference_attention  # noqa: E402
@@ -407,7 +407,11 @@ def main(argv=None) -> None:
              f"kernel launch knobs per preset: {knobs or 'library defaults'}",
              "CUDA-graph µs: the same call captured once and replayed (how a decode loop runs it), "
              "with the same L2 flush; host µs/call: Python + launch time to enqueue one call; "
-             "TB/s and the fraction of copy bandwidth use the faster of the two timings"]
+             "TB/s and the fraction of copy bandwidth use the faster of the two timings",
+             "kvbits launches: "
+             + ("a specialization's later launches skip Triton's binder (kernels.launch."
+                "FastLaunch, session 26)" if launch.ENABLED else "every launch through Triton's "
+                "JIT (KVBITS_FAST_LAUNCH=0)")]
     if args.window is not None:
         if args.window < 1:
             p.error("--window must be a positive number of tokens")
