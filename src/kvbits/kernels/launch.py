@@ -59,13 +59,12 @@ def _spec_class(x: int):
 def _expected(part):
     """The binder's specialization value (second element) implied by a key part, or a marker
     that matches anything (floats, bools, None: typed, not specialized)."""
-    if isinstance(part, tuple) and part and part[0] == "t":
+    kind = part[0] if isinstance(part, tuple) else None
+    if kind == "t":
         return "D" if part[2] else ""
-    if isinstance(part, tuple) and part and part[0] == "i":
+    if kind == "i":
         return part[1]
-    if isinstance(part, tuple) and part and part[0] == "n":
-        return None
-    return ...
+    return None if kind == "n" else ...
 
 
 def _key_function(args, specialized, aligned):
@@ -86,7 +85,7 @@ def _key_function(args, specialized, aligned):
         elif isinstance(a, int):
             guards.append(f"type({n}) is int")
             rng = (f"(0 if -{_I32} <= {n} < {_I32} else 1 if -{_I64} <= {n} < {_I64} "
-                   "else 2)")  # _int_class, inline
+                   "else 2)")  # _int_class, inline (test_generated_key_is_the_classes)
             parts.append(f"('i', 1 if {n} == 1 else 'D' if {n} % 16 == 0 else '', {rng})"
                          if spec else f"('n', {rng})")  # _spec_class, inline
         elif isinstance(a, float):
