@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from kvbits.kernels.launch import FastLaunch, hooked
+from kvbits.kernels.launch import FastLaunch, Keywords, hooked, keyword_maker
 
 CUDA = torch.cuda.is_available()
 
@@ -133,6 +133,31 @@ def test_other_jit_internals_fall_back_for_good():
     assert launch.run((1,), (x, x, 16, 5, 1.0), {}) == "launched"
 
 
+def test_keywords_are_made_once_and_key_by_value():
+    """``keyword_maker`` returns the same :class:`Keywords` for the same values (a decode step
+    reuses the step before's), distinct ones for other values, refuses a wrong count; equal
+    keywords are equal plan-key parts whichever object holds them."""
+    make = keyword_maker(("FLAG", "BLOCK"))
+    a = make(True, 64)
+    assert a is make(True, 64) and a.kwargs == {"FLAG": True, "BLOCK": 64}
+    assert make(False, 64) != a and make(True, 32) != a
+    other = Keywords({"FLAG": True, "BLOCK": 64})
+    assert other == a and hash(other) == hash(a) and len({a: 1, other: 2}) == 1
+    assert Keywords({"BLOCK": 64, "FLAG": True}) != a  # the order of a call's keywords counts
+    with pytest.raises(TypeError, match="expected 2 keyword values"):
+        make(True)
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU path")
+def test_keywords_launch_on_cpu_goes_through_the_jit():
+    launch = FastLaunch(_axpb)
+    x = torch.randn(64)
+    y = torch.zeros(64)
+    launch.launch((1,), (x, y, 17, 3, 0.5), keyword_maker(("FLAG", "BLOCK"))(False, 64))
+    torch.testing.assert_close(y, _reference(x, 17, 3, 0.5, False))
+    assert not launch._plans
+
+
 @pytest.mark.skipif(CUDA, reason="the CPU path")
 def test_cpu_launch_goes_through_the_jit():
     launch = FastLaunch(_axpb)
@@ -158,7 +183,11 @@ def test_plans_compute_what_the_jit_computes():
                 for m in (5, 2**33):
                     x = (base + rep)[off:off + 64]  # off 1: 4-byte aligned only
                     y = torch.zeros(64, device="cuda")
-                    launch[(1,)](x, y, n, m, 0.25, FLAG=rep % 2 == 0, BLOCK=64)
+                    if off == 4:  # the same launch with its keywords built once (Keywords)
+                        launch.launch((1,), (x, y, n, m, 0.25),
+                                      keyword_maker(("FLAG", "BLOCK"))(rep % 2 == 0, 64))
+                    else:
+                        launch[(1,)](x, y, n, m, 0.25, FLAG=rep % 2 == 0, BLOCK=64)
                     want = _reference(x.double(), n, m, 0.25, rep % 2 == 0)
                     torch.testing.assert_close(y.double(), want, rtol=1e-6, atol=m * 1e-6)
     aligned = {k[1][2] for k in launch._plans}  # X's class in each plan's key

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ..formats.layout import PackedKV, pre_rope_kernel_ok
 from . import decode_gluon
-from .launch import FastLaunch
+from .launch import FastLaunch, keyword_maker
 
 LOG2E = 1.4426950408889634
 
@@ -625,6 +625,13 @@ def _merge_kernel(Out, Lse, O, n_splits, D: tl.constexpr, BLOCK_D: tl.constexpr,
 
 _DECODE = FastLaunch(_decode_kernel)
 _MERGE = FastLaunch(_merge_kernel)
+# Their keywords, built once per combination (launch.keyword_maker), in this order:
+_DECODE_KEYWORDS = keyword_maker((
+    "HG", "D", "BLOCK_D", "BLOCK_M", "KBITS", "VBITS", "G", "GPT", "GK", "GV", "K_PER_TOKEN",
+    "V_PER_TOKEN", "BLOCK_FP", "HAS_WINDOW", "EVEN_D", "USE_PRMT", "FP8", "HAS_STARTS",
+    "HAS_LENS", "K_CB", "V_CB", "K_OUT", "V_OUT", "PRE_ROPE", "LENS_DEV", "SOFTCAP", "num_warps",
+    "num_stages"))
+_MERGE_KEYWORDS = keyword_maker(("D", "BLOCK_D", "BLOCK_S"))
 
 
 def reads(kv: PackedKV) -> bool:
@@ -805,7 +812,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
                                  window=window, softcap=softcap)
         split0 = splits
     if n_total > split0:  # the Triton kernel: every split, or only the FP16 ones
-        _DECODE[(bhm, n_total - split0)](
+        _DECODE.launch((bhm, n_total - split0), (
             q, out, lse,
             kv.sink_k, kv.sink_v, kv.res_k, kv.res_v,
             kv.k_codes, kv.k_scale, k_zero, kv.v_codes, kv.v_scale, v_zero,
@@ -821,23 +828,18 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
             kv.v_scale.shape[2] * kv.v_scale.shape[3],
             koi.shape[2] if koi is not None else 0, voi.shape[2] if voi is not None else 0,
             Hkv, Lq, m_tiles, splits, groups_per_split, fp_per_split, split0, n_total,
-            HG=HG, D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
-            KBITS=kv.key_bits, VBITS=kv.value_bits, G=G, GPT=GPT,
-            GK=D // kv.k_scale.shape[3] if k_tok else G,
-            GV=D // kv.v_scale.shape[3] if v_tok else G,
-            K_PER_TOKEN=k_tok, V_PER_TOKEN=v_tok,
-            BLOCK_FP=BLOCK_FP, HAS_WINDOW=window is not None, EVEN_D=D == BLOCK_D,
-            USE_PRMT=use_prmt, FP8=fp8, HAS_STARTS=has_starts,
-            HAS_LENS=has_lens, K_CB=kcb is not None, V_CB=vcb is not None,
-            K_OUT=koi.shape[3] if koi is not None else 0,
-            V_OUT=voi.shape[3] if voi is not None else 0,
-            PRE_ROPE=inv_freq is not None, LENS_DEV=lens_dev is not None,
-            SOFTCAP=softcap is not None,
-            num_warps=num_warps or DEFAULT_WARPS, num_stages=2 if BLOCK_D <= 128 else 1,
-        )
+        ), _DECODE_KEYWORDS(
+            HG, D, BLOCK_D, BLOCK_M, kv.key_bits, kv.value_bits, G, GPT,
+            D // kv.k_scale.shape[3] if k_tok else G,  # GK
+            D // kv.v_scale.shape[3] if v_tok else G,  # GV
+            k_tok, v_tok, BLOCK_FP, window is not None, D == BLOCK_D, use_prmt, fp8, has_starts,
+            has_lens, kcb is not None, vcb is not None,
+            koi.shape[3] if koi is not None else 0, voi.shape[3] if voi is not None else 0,
+            inv_freq is not None, lens_dev is not None, softcap is not None,
+            num_warps or DEFAULT_WARPS, 2 if BLOCK_D <= 128 else 1))
     o = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=dev)
-    _MERGE[(B * Hq * Lq,)](out, lse, o, n_total, D=D, BLOCK_D=BLOCK_D,
-                                  BLOCK_S=max(2, _next_pow2(n_total)))
+    _MERGE.launch((B * Hq * Lq,), (out, lse, o, n_total),
+                  _MERGE_KEYWORDS(D, BLOCK_D, max(2, _next_pow2(n_total))))
     return o
 
 

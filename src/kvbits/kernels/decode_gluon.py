@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import os
 
-from .launch import FastLaunch
+from .launch import FastLaunch, keyword_maker
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves everything.
     from triton.experimental import gluon
@@ -1549,6 +1549,12 @@ if _KVQUANT_WIDE_ENV not in ("0", "1"):
 KVQUANT_WIDE = _KVQUANT_WIDE_ENV == "1"
 MAX_OUTLIERS = 4  # per token, keys or values (one pair of MMAs each)
 _BODY = FastLaunch(_body_kernel) if gluon is not None else None  # (kernels.launch)
+# Its keywords, built once per combination (launch.keyword_maker), in this order (+ maxnreg):
+_BODY_NAMES = ("HG", "HP", "D", "KBITS", "VBITS", "G", "GV", "HAS_STARTS", "HAS_LENS", "GK",
+               "K_TOK", "LENS_DEV", "PF", "PF_L1", "PF_AFTER", "EARLY_V", "CB", "KOUT", "VOUT",
+               "ROPE", "Q_RELOAD", "HAS_WINDOW", "SOFTCAP", "LQ", "num_warps")
+_BODY_KEYWORDS = keyword_maker(_BODY_NAMES)
+_BODY_KEYWORDS_MAXNREG = keyword_maker(_BODY_NAMES + ("maxnreg",))
 
 
 def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
@@ -1772,7 +1778,17 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
     inv_freq = getattr(kv, "rope_inv_freq", None)
     if inv_freq is not None:
         inv_freq = inv_freq.float().contiguous()
-    _BODY[(B * Hkv, splits)](
+    keywords = (
+        HG, 8 if HG <= 8 else 16, D, kv.key_bits, kv.value_bits, kv.group_size, kv.value_group,
+        has_starts, has_lens, D // kv.k_scale.shape[3] if k_tok else kv.group_size, k_tok,
+        lens_dev is not None, DEFAULT_PREFETCH if prefetch is None else prefetch, PREFETCH_L1,
+        PREFETCH_AFTER_KEYS, EARLY_VALUES, kcb is not None,
+        koi.shape[3] if koi is not None else 0, voi.shape[3] if voi is not None else 0,
+        inv_freq is not None,
+        q_reload(D, kv.key_bits, kcb is not None, B * Hkv,
+                 full=koi is not None or voi is not None or inv_freq is not None),
+        window is not None, softcap is not None, Lq, 1)
+    _BODY.launch((B * Hkv, splits), (
         q, out, lse, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero,
         starts, lengths, lens_dev if lens_dev is not None else starts,
         kcb if kcb is not None else starts, vcb if vcb is not None else starts,
@@ -1786,18 +1802,7 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         kv.v_scale.shape[2] * kv.v_scale.shape[3],
         koi.shape[2] if koi is not None else 0, voi.shape[2] if voi is not None else 0,
         Hkv, n_out, per,
-        HG=HG, HP=8 if HG <= 8 else 16, D=D, KBITS=kv.key_bits, VBITS=kv.value_bits,
-        G=kv.group_size,
-        GV=kv.value_group, HAS_STARTS=has_starts, HAS_LENS=has_lens,
-        GK=D // kv.k_scale.shape[3] if k_tok else kv.group_size, K_TOK=k_tok,
-        LENS_DEV=lens_dev is not None, PF=DEFAULT_PREFETCH if prefetch is None else prefetch,
-        PF_L1=PREFETCH_L1, PF_AFTER=PREFETCH_AFTER_KEYS, EARLY_V=EARLY_VALUES,
-        CB=kcb is not None, KOUT=koi.shape[3] if koi is not None else 0,
-        VOUT=voi.shape[3] if voi is not None else 0, ROPE=inv_freq is not None,
-        Q_RELOAD=q_reload(D, kv.key_bits, kcb is not None, B * Hkv,
-                          full=koi is not None or voi is not None or inv_freq is not None),
-        HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, LQ=Lq, num_warps=1,
-        **({"maxnreg": maxnreg} if maxnreg else {}))
+    ), _BODY_KEYWORDS_MAXNREG(*keywords, maxnreg) if maxnreg else _BODY_KEYWORDS(*keywords))
 
 
 def query_rows_as_heads(q, kv_heads: int):
