@@ -104,3 +104,25 @@ def test_kernels_on_the_second_gpu_while_the_first_is_current():
     got = ops.quantize_keys(k, 2, 32)  # cuda:0 current again
     assert torch.cuda.current_device() == 0
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("gluon", [False, True])
+def test_repeated_calls_on_two_gpus_keep_their_own_launch_plans(gluon):
+    """The same layer shape attended on ``cuda:1`` and on ``cuda:0``, call after call (the
+    later calls through kernels.launch's plans, which are per device), through the Triton
+    kernel alone or with the Gluon body: every output equals the reference on its own GPU."""
+    from kvbits.kernels.decode_attention import decode_attention
+
+    torch.cuda.set_device(0)
+    for rep in range(3):
+        c = Case(kb=2, vb=2, G=32, D=128, B=2, Hkv=2, HG=4, body=4096, res=64, S=0, seed=rep)
+        for dev in ("cuda:1", "cuda:0"):
+            kv = make_kv(c, device=dev)
+            q, args = _query_and_args(c, device=dev)
+            with torch.cuda.device(torch.device(dev)):
+                out = decode_attention(q, kv, gluon=gluon, **args)
+            torch.cuda.synchronize(torch.device(dev))
+            assert torch.cuda.current_device() == 0
+            compare(out, reference(q, kv, **args), c.dtype, f"{dev} rep {rep} gluon {gluon}")
