@@ -111,7 +111,7 @@ class Keywords:
     rehash ~30 (name, value) pairs per launch (~3 us of host time each on the H200's host).
     Pass it as the only keyword source: ``FastLaunch.launch(grid, args, keywords)``."""
 
-    __slots__ = ("kwargs", "_items", "_hash")
+    __slots__ = ("_hash", "_items", "kwargs")
 
     def __init__(self, kwargs: dict):
         self.kwargs = dict(kwargs)
