@@ -189,6 +189,34 @@ def test_gpu_captured_runs_match_eager(gpu_model, preset, kw):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["kivi-2", "kivi-4"])
+def test_gpu_captured_tma_ring_matches_eager(preset, monkeypatch):
+    """At head_dim 128 the captured steps attend through the TMA ring (``decode_gluon_tma``,
+    taken inside capture) over the store's own buffers, whose scale capacities grow in whole
+    64-token steps as the generation crosses them; the tokens equal the eager steps' (the
+    register body: too small a call for the ring outside capture)."""
+    from kvbits.kernels import decode_gluon, decode_gluon_tma
+    if decode_gluon_tma.gluon is None or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the TMA ring needs Hopper and Gluon")
+    monkeypatch.setattr(decode_gluon, "MIN_BODY_TOKENS", 0)  # the Gluon body at this size
+    used = []
+    real = decode_gluon_tma.attend_body
+    monkeypatch.setattr(decode_gluon_tma, "attend_body",
+                        lambda *a, **k: used.append(1) or real(*a, **k))
+    m = tiny_llama(2, hidden_size=256, intermediate_size=256, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=128, max_position_embeddings=1024
+                   ).half().cuda()
+    ids = prompt(300, 2).cuda()
+    eager = GreedyDecoder(m, KVBitsCache(m, preset), graphs=False).generate(ids, 150)
+    assert not used, "the eager steps were meant to run the register body"
+    dec = GreedyDecoder(m, KVBitsCache(m, preset), graphs=True)
+    got = dec.generate(ids, 150)
+    assert dec.captures == 2 and used, "the captured steps did not take the TMA ring"
+    assert torch.equal(got, eager)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["kivi-2", "fp16"])
 def test_gpu_fused_pointwise_under_graphs(gpu_model, preset):
     """Inductor's kernels captured with kvbits' in the two step graphs: the same tokens as the

@@ -543,9 +543,10 @@ def _descriptors(kv):
 
 def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_starts: bool,
                 has_lens: bool, n_out: int, splits: int, lens_dev=None, window=None,
-                softcap=None) -> None:
+                softcap=None, maxnreg: int = 0) -> None:
     """``decode_gluon.attend_body`` for :func:`eligible` layers, through the TMA ring
-    (``q [B, Hq, Lq, D]``: its rows as columns, as there)."""
+    (``q [B, Hq, Lq, D]``: its rows as columns, as there). ``maxnreg``: a register cap (0: none;
+    probes only, ``benchmarks/probes/tma_maxnreg_ab.py``)."""
     q, HG, Lq = dg.query_rows_as_heads(q, kv.kv_heads)
     B, _, _, D = q.shape
     Hkv = kv.kv_heads
@@ -562,4 +563,4 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         HG=HG, HP=8 if HG <= 8 else 16, D=D, BITS=bits, G=kv.group_size, GV=kv.value_group,
         HAS_STARTS=has_starts, HAS_LENS=has_lens, LENS_DEV=lens_dev is not None,
         NS=STAGES[bits], HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, LQ=Lq,
-        num_warps=1)
+        num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}))

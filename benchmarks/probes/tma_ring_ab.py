@@ -1,8 +1,11 @@
-"""Probe (GPU): the TMA ring's body kernel, key scale rows once each (session 26) against the
-previous ring (rows copied 4 / SG times), alternated in one process, CUDA-graph time (median of
-``triton.testing.do_bench_cudagraph``, best of three rounds each), on the long Llama rows.
+"""Probe (GPU): the TMA ring's body kernel against an older copy of its module, alternated in
+one process, CUDA-graph time (median of ``triton.testing.do_bench_cudagraph``, best of three
+rounds each), on the long Llama rows; whether the outputs are bit for bit equal. Session 26: key
+scale rows once each against the session-25 ring (``tma_keyscale_ab_s26.log``); session 28: the
+scale rows interleaved by 16-byte chunks (``key_scale_tile``, ``value_scale_tile``) against
+session 27's.
 
-    PYTHONPATH=src python3 benchmarks/probes/tma_keyscale_ab.py OLD_MODULE.py [B:Hq:Hkv:T:preset,...]
+    PYTHONPATH=src python3 benchmarks/probes/tma_ring_ab.py OLD_MODULE.py [B:Hq:Hkv:T:preset,...]
 
 OLD_MODULE.py: the previous ``kvbits/kernels/decode_gluon_tma.py`` (``git show
 <commit>:src/kvbits/kernels/decode_gluon_tma.py``), loaded as a sibling module.
