@@ -200,6 +200,15 @@ def test_memory_command(capsys, tmp_path):
     assert k2["preset"] == "kivi-2"
 
 
+def test_memory_command_takes_the_other_commands_spellings(capsys):
+    """``--model`` / ``--presets`` (as ppl, bench and needle spell them) mean ``--config`` /
+    ``--preset`` here: the same table."""
+    args = ("--context", "4096")
+    _, want, _ = run(capsys, "memory", "--config", "mistral-7b", "--preset", "kivi-4,fp8", *args)
+    code, got, _ = run(capsys, "memory", "--model", "mistral-7b", "--presets", "kivi-4,fp8", *args)
+    assert code == 0 and got == want and "| mistral-7b | fp8" in got
+
+
 def test_memory_command_names_sliding_window_layers(capsys, tmp_path):
     """Gemma3's sliding layers are counted as full attention (an upper bound): the command says
     so, and a transformers config is read the same way."""

@@ -930,10 +930,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("memory", help="KV cache bytes per token, max context and max batch",
                        description="KV-cache memory of a model configuration under presets "
                        "(no download): bytes per token, fixed FP16 part, max context / batch.")
-    p.add_argument("--config", default="llama-3-8b",
+    # --model / --presets: the spellings of the other commands (ppl, bench, needle) work too
+    p.add_argument("--config", "--model", dest="config", default="llama-3-8b",
                    help="llama-2-7b, llama-2-13b, llama-3-8b, llama-3-70b, mistral-7b, smollm2, "
                    "qwen2.5-0.5b, gemma3-270m, or a config.json / model folder (default llama-3-8b)")
-    p.add_argument("--preset", default="fp16,kivi-4,kivi-2",
+    p.add_argument("--preset", "--presets", dest="preset", default="fp16,kivi-4,kivi-2",
                    help="comma-separated; each a " + PRESET_HELP + " (default fp16,kivi-4,kivi-2)")
     p.add_argument("--context", type=_non_negative, default=4096, help="tokens per sequence")
     p.add_argument("--batch", type=_positive, default=1, help="sequences (default 1)")
