@@ -192,9 +192,9 @@ def test_gpu_captured_runs_match_eager(gpu_model, preset, kw):
 @pytest.mark.parametrize("preset", ["kivi-2", "kivi-4"])
 def test_gpu_captured_tma_ring_matches_eager(preset, monkeypatch):
     """At head_dim 128 the captured steps attend through the TMA ring (``decode_gluon_tma``,
-    taken inside capture) over the store's own buffers, whose scale capacities grow in whole
-    64-token steps as the generation crosses them; the tokens equal the eager steps' (the
-    register body: too small a call for the ring outside capture)."""
+    taken inside capture) over the store's own buffers (reserved for the whole generation,
+    flushed in place at device offsets); the tokens equal the eager steps' (the register body:
+    too small a call for the ring outside capture)."""
     from kvbits.kernels import decode_gluon, decode_gluon_tma
     if decode_gluon_tma.gluon is None or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the TMA ring needs Hopper and Gluon")
