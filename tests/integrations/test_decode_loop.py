@@ -189,7 +189,7 @@ def test_gpu_captured_runs_match_eager(gpu_model, preset, kw):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["kivi-2", "kivi-4"])
+@pytest.mark.parametrize("preset", ["kivi-2", "kivi-4", "uniform-int4"])
 def test_gpu_captured_tma_ring_matches_eager(preset, monkeypatch):
     """At head_dim 128 the captured steps attend through the TMA ring (``decode_gluon_tma``,
     taken inside capture) over the store's own buffers (reserved for the whole generation,

@@ -994,6 +994,38 @@ def test_gluon_tma_body_matches_reference(c, monkeypatch):
     assert n == 3 and len(used) == 4, "the TMA kernel was not used for every call"
 
 
+# The uniform method's layout through the TMA ring (keys and values scaled per token over 64
+# channels: one word of two fp16 per token and channel half in each stage), and KIVI with
+# 64-channel value groups: 2 and 4 bits, MHA to 16 heads, query rows, a window and caps.
+TMA_TOKEN_CASES = [("token", body_case(4, 64, 128, 4, 101)),
+                   ("token", body_case(2, 64, 128, 1, 102)),
+                   ("token", body_case(2, 64, 128, 16, 103, window=500, softcap=0.3)),
+                   ("token", body_case(4, 64, 128, 2, 104, Lq=3, window=6, softcap=50.0)),
+                   ("channel", body_case(2, 64, 128, 4, 105)),
+                   ("channel", body_case(4, 32, 128, 8, 106, Gv=64, window=37))]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("key_axis,c", TMA_TOKEN_CASES, ids=[f"{a}-{c}" for a, c in TMA_TOKEN_CASES])
+def test_gluon_tma_token_scales_match_reference(key_axis, c, monkeypatch):
+    from kvbits.kernels import decode_gluon, decode_gluon_tma
+    kv = _axes_kv(c, key_axis, "token", spare=8)
+    k_tok = key_axis == "token"
+    assert kv.value_group == 64 and decode_gluon_tma.eligible(kv, k_tok), str(c)
+    assert decode_gluon.eligible(kv, c.Lq, c.HG), str(c)
+    monkeypatch.setattr(decode_gluon_tma, "MODE", "1")
+    serve_small(monkeypatch, decode_gluon)
+    used = count_calls(monkeypatch, decode_gluon_tma)
+    run_case(c, kv=kv)
+    run_case(c._replace(splits=1), kv=kv)  # one program walks the whole body through the ring
+    run_case(c._replace(splits=3), kv=kv)  # ranges that start mid-body
+    assert len(used) == 3, "the TMA kernel was not used for every call"
+    if c.Lq > 1:
+        _rows_bite(c, kv)
+    _cap_bites(c, kv)
+
+
 # The same for KVQuant's full layer and for the TMA ring.
 GLUON_WINDOW_KVQ_CASES = [(body_case(3, 32, 128, 4, 76, window=900, softcap=0.3), 2, True),
                           (body_case(3, 64, 256, 2, 77, window=333, softcap=50.0), 3, True)]
@@ -1222,19 +1254,25 @@ def test_gluon_env_switches_are_checked(var, module, allowed):
 
 
 def test_gluon_tma_eligibility():
-    """Which layers the TMA ring takes (no GPU needed): G = 32 KIVI layers at head_dim 128 with
-    32-channel value groups and TMA-addressable buffers; not per-token keys, mixed widths,
-    other value groups, or value-scale rows that are not whole 16-byte rows."""
+    """Which layers the TMA ring takes (no GPU needed): KIVI layers at head_dim 128 with 32- or
+    64-channel value groups and TMA-addressable buffers, and the uniform method's per-token keys
+    over 64 channels; not mixed widths, other value or key groups, or scale rows that are not
+    whole 16-byte rows."""
     from kvbits.kernels import decode_gluon_tma
     if decode_gluon_tma.gluon is None:
         pytest.skip("this Triton has no Gluon TMA")
     base = Case(kb=2, vb=2, G=32, D=128, body=32 * 4, Gv=32)
     assert decode_gluon_tma.eligible(make_kv(base, spare=8), False)
-    assert not decode_gluon_tma.eligible(make_kv(base, spare=8), True)  # per-token keys
+    assert not decode_gluon_tma.eligible(make_kv(base, spare=8), True)  # not per-token scales
     assert not decode_gluon_tma.eligible(make_kv(base, spare=5), False)  # odd scale rows
     assert not decode_gluon_tma.eligible(make_kv(base._replace(vb=4), spare=8), False)
-    assert not decode_gluon_tma.eligible(make_kv(base._replace(Gv=64), spare=8), False)
+    assert decode_gluon_tma.eligible(make_kv(base._replace(Gv=64), spare=8), False)
+    assert not decode_gluon_tma.eligible(make_kv(base._replace(Gv=128), spare=8), False)
     assert not decode_gluon_tma.eligible(make_kv(base._replace(D=64), spare=8), False)
+    uniform = base._replace(G=64, body=64 * 4, Gv=None)  # keys and values per token, 64 channels
+    assert decode_gluon_tma.eligible(_axes_kv(uniform, "token", "token", "cpu", spare=8), True)
+    narrow = base._replace(Gv=None)  # 32-channel per-token key groups: two per channel half
+    assert not decode_gluon_tma.eligible(_axes_kv(narrow, "token", "token", "cpu", spare=8), True)
     assert not decode_gluon_tma.serves(make_kv(base, spare=8), False, torch.device("cpu"))
 
 

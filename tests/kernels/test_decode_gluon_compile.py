@@ -124,6 +124,9 @@ TMA_CONFIGS = [  # 2 bits, 3 stages, GQA 4, device lengths; 4 bits, 2 stages, 16
     # five query rows of one head (speculative verification, MHA)
     {"HG": 5, "HP": 8, "D": 128, "BITS": 2, "G": 32, "GV": 32, "HAS_STARTS": True,
      "HAS_LENS": True, "LENS_DEV": False, "NS": 3, "LQ": 5},
+    # the uniform method: keys and values scaled per token over 64 channels
+    {"HG": 4, "HP": 8, "D": 128, "BITS": 4, "G": 64, "GV": 64, "HAS_STARTS": True,
+     "HAS_LENS": True, "LENS_DEV": True, "NS": 2, "K_TOK": True},
 ]
 
 
@@ -137,7 +140,10 @@ def test_tma_body_kernel_compiles_for_sm90(compile_sm90):
         pytest.skip("this Triton has no Gluon TMA")
     for cx, r in zip(TMA_CONFIGS, compile_sm90(TMA_CHILD, TMA_CONFIGS)):
         SG = 64 // cx["G"]  # key scale rows per step, each once (key_scale_tile)
-        ring = cx["NS"] * (2 * 2 * cx["BITS"] * cx["D"] * 4 + 2 * SG * cx["D"] * 2 + 2 * 512)
+        key_scales = 64 * 4 if cx.get("K_TOK") else SG * cx["D"] * 2  # or a word per token
+        value_scales = 64 * 2 * cx["D"] // cx["GV"]
+        ring = cx["NS"] * (2 * 2 * cx["BITS"] * cx["D"] * 4 + 2 * key_scales
+                           + 2 * value_scales)
         assert r["mma"] and r["tma"] >= 6 and r["shared"] >= ring, (cx, r)
         assert r["shfl"] <= 64 and r["st_shared"] <= 16, (cx, r)
 

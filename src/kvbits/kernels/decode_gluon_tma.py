@@ -16,9 +16,9 @@ per channel half (:func:`word_tile`), so the four rows a load instruction reads 
 banks: 3-9% faster than unswizzled 512-byte rows on the long Llama rows (session 25,
 ``benchmarks/results/decode_attention_swizzle_s25.md``).
 
-Served: KIVI layers with equal key/value bits 2 or 4, keys scaled per channel over G = 16, 32 or
-64 tokens, values per token over 32 channels, head_dim 128, contiguous buffers (TMA needs
-16-byte-aligned rows); :func:`eligible` says which, :func:`serves` when (``KVBITS_GLUON_TMA``:
+Served: KIVI and uniform layers with equal key/value bits 2 or 4, keys scaled per channel over
+G = 16, 32 or 64 tokens or (uniform) per token over 64 channels, values per token over 32 or 64
+channels, head_dim 128, contiguous buffers (TMA needs 16-byte-aligned rows); :func:`eligible` says which, :func:`serves` when (``KVBITS_GLUON_TMA``:
 ``auto`` by default, ``1`` always, ``0`` never). H200, against the register body with the L2
 prefetch: kivi-2 5-18% faster (``benchmarks/results/decode_gluon_tma.log``), kivi-4 8-11%
 faster in CUDA-graph time at every (sequence, KV head) pair count measured, 8 to 256
@@ -89,7 +89,10 @@ if gluon is not None:
         ``KSP``: ``[SG, 4 / SG, DC/2]``, their broadcast to the four word rows (a register
         renaming: the copy axis is lanes that read the same word); ``VWS``: value words, like
         ``KWS``; ``VSS``: value scale words ``[32, 4]`` int32 (the stage's 64 tokens x 2 words
-        of two groups' fp16, 16-byte rows as TMA wants)."""
+        of two groups' fp16, 16-byte rows as TMA wants). With one word per token (two 64-channel
+        groups' fp16, one per channel half), ``[16, 4]``: ``VS1`` for value scales (``VS``'s
+        order, :func:`_words_to_vs`) and ``KTS`` for per-token key scales (the order of
+        ``decode_gluon``'s ``KT``: lanes e, a0, a1, the slot / row bits in registers)."""
         bits, D, G = (int(getattr(x, "value", x)) for x in (bits, D, G))
 
         def _dll(regs, lanes, shape):
@@ -133,8 +136,22 @@ if gluon is not None:
             regs = [at(S[2]), at(R[0]), at(S[0]), at(S[1])]
             lanes = [at(R[1]), at(R[2])]
         vss = _dll([[0, 1]] + regs, lanes + [[0, 0]] * 3, [32, 4])
+
+        def at1(t):  # token bit t of the flat int32 index t in [16, 4] (one word per token)
+            return [0, 1 << t] if t < 2 else [1 << (t - 2), 0]
+
+        def one_word(b):  # a base of the [32, 4] layout above, for [16, 4]
+            return [0, 0] if b == [0, 0] else at1(next(t for t in range(6) if at(t) == b))
+        vs1 = _dll([one_word(b) for b in regs], [one_word(b) for b in lanes] + [[0, 0]] * 3,
+                   [16, 4])
+        if bits == 2:  # KT: registers I0..I2 (slot bits 0-2); lanes e (slot bit 3), a0, a1
+            kts = _dll([at1(S[i]) for i in range(3)],
+                       [[0, 0], [0, 0], at1(S[3]), at1(R[0]), at1(R[1])], [16, 4])
+        else:  # KT: registers H (row bit 0), K0, K1; lanes e (slot bit 2), a0, a1 (rows 1, 2)
+            kts = _dll([at1(R[0]), at1(S[0]), at1(S[1])],
+                       [[0, 0], [0, 0], at1(S[2]), at1(R[1]), at1(R[2])], [16, 4])
         return {"KWS": _words3(kws, bits, DC), "KSS": kss, "KSP": ksp,
-                "VWS": _words3(vws, bits, DC), "VSS": vss}
+                "VWS": _words3(vws, bits, DC), "VSS": vss, "VS1": vs1, "KTS": kts}
 
     @gluon.constexpr_function
     def word_tile(bits, D):
@@ -184,6 +201,53 @@ if gluon is not None:
         t = _tbit(kind, i, bits, G)
         return 5 - int(getattr(t, "value", t))
 
+    @gluon.constexpr_function
+    def _kt_axis(bits, G, d):
+        """Axis ``d`` of the permutation that takes per-token words ``[2] * 6`` (token bits 5..0)
+        to the order of ``decode_gluon``'s ``KT`` layout: ``[a1, a0, e, i0, i1, i2]`` (2 bits) or
+        ``[h, a1, a0, e, k0, k1]`` (4 bits)."""
+        bits, G, d = (int(getattr(x, "value", x)) for x in (bits, G, d))
+        if bits == 2:
+            order = [("R", 1), ("R", 0), ("S", 3), ("S", 0), ("S", 1), ("S", 2)]
+        else:
+            order = [("R", 0), ("R", 2), ("R", 1), ("S", 2), ("S", 0), ("S", 1)]
+        t = _tbit(*order[d], bits, G)
+        return 5 - int(getattr(t, "value", t))
+
+    @gluon.jit
+    def _token_half(x, c: gl.constexpr):
+        """Words of two fp16 (channel halves 0 and 1 of one token) -> the fp16 of half ``c``."""
+        lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [x],
+                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=1)
+        if c == 0:
+            y = lo
+        else:
+            y = hi
+        return y
+
+    @gluon.jit
+    def _smem_token_keys(ks, kz, c: gl.constexpr, BITS: gl.constexpr, D: gl.constexpr,
+                         G: gl.constexpr, KT: gl.constexpr):
+        """Per-token key scales and zeros of channel half ``c`` (the uniform method, 64-channel
+        key groups: one word per token holds both halves' fp16) in ``KT``, for
+        ``decode_gluon._key_operand_u`` with ``K_TOK``."""
+        KTS: gl.constexpr = _lay("KTS", BITS, D, G)
+        sc = _words_to_kt(_token_half(ks.load(KTS), c), BITS, G, KT)
+        ze = _words_to_kt(_token_half(kz.load(KTS), c), BITS, G, KT)
+        return sc, ze
+
+    @gluon.jit
+    def _words_to_kt(x, BITS: gl.constexpr, G: gl.constexpr, KT: gl.constexpr):
+        """One half's per-token fp16 ``[16, 4]`` (token order) -> ``KT``."""
+        y = gl.permute(gl.reshape(x, [2, 2, 2, 2, 2, 2]),
+                       (_kt_axis(BITS, G, 0), _kt_axis(BITS, G, 1), _kt_axis(BITS, G, 2),
+                        _kt_axis(BITS, G, 3), _kt_axis(BITS, G, 4), _kt_axis(BITS, G, 5)))
+        if BITS == 2:
+            y = gl.reshape(y, [4, 2, 2, 2, 2])
+        else:
+            y = gl.reshape(y, [2, 4, 2, 2, 2])
+        return gl.convert_layout(y, KT)
+
     @gluon.jit
     def _halves2(lo, hi, sel):
         """``_key_halves`` from the two words of a channel pair."""
@@ -195,6 +259,19 @@ if gluon is not None:
                    G: gl.constexpr, KW: gl.constexpr):
         """A stage's keys for channels ``[DC0, DC0 + DC)``: the halves ``u`` and the scale/zero
         pairs, shaped for ``decode_gluon._key_operand_u``."""
+        J: gl.constexpr = D // 4
+        u = _smem_key_halves(kc, BITS, D, G, KW)
+        KSS: gl.constexpr = _lay("KSS", BITS, D, G)
+        KSP: gl.constexpr = _lay("KSP", BITS, D, G)
+        sc = _rows_to_kw(ks.slice(DC0 // 2, J, dim=1).load(KSS), BITS, J, G, KW, KSP)
+        ze = _rows_to_kw(kz.slice(DC0 // 2, J, dim=1).load(KSS), BITS, J, G, KW, KSP)
+        return u, sc, ze
+
+    @gluon.jit
+    def _smem_key_halves(kc, BITS: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
+                         KW: gl.constexpr):
+        """A stage's key words of one channel half as the thread's halves ``u`` (layout ``KW``;
+        one ``prmt`` per channel pair picks the half of both words that holds its slots)."""
         DC: gl.constexpr = D // 2
         J: gl.constexpr = DC // 2
         x = _half_words(kc, _lay("KWS", BITS, D, G), BITS, DC)
@@ -208,12 +285,7 @@ if gluon is not None:
             SK: gl.constexpr = gl.SliceLayout(2, KW)
             lo = gl.expand_dims(gl.convert_layout(gl.permute(lo, (1, 0, 2)), SK), 2)
             hi = gl.expand_dims(gl.convert_layout(gl.permute(hi, (1, 0, 2)), SK), 2)
-        u = _halves2(lo, hi, dg._half_selector(BITS, DC, KW))
-        KSS: gl.constexpr = _lay("KSS", BITS, D, G)
-        KSP: gl.constexpr = _lay("KSP", BITS, D, G)
-        sc = _rows_to_kw(ks.slice(DC0 // 2, J, dim=1).load(KSS), BITS, J, G, KW, KSP)
-        ze = _rows_to_kw(kz.slice(DC0 // 2, J, dim=1).load(KSS), BITS, J, G, KW, KSP)
-        return u, sc, ze
+        return _halves2(lo, hi, dg._half_selector(BITS, DC, KW))
 
     @gluon.jit
     def _half_words(tile, layout: gl.constexpr, BITS: gl.constexpr, DC: gl.constexpr):
@@ -244,9 +316,9 @@ if gluon is not None:
     def _smem_values(vc, vsw, vzw, c: gl.constexpr, BITS: gl.constexpr, D: gl.constexpr,
                      G: gl.constexpr, GV: gl.constexpr, VW: gl.constexpr, VS: gl.constexpr):
         """A stage's values for channel half ``c``: words ``[NGC, GV, (H,) A]`` and the scale
-        and zero words (two groups' fp16 each) ``[1, (H,) A, I..., E]``, shaped for
-        ``decode_gluon._value_operand``. ``vsw``/``vzw``: the stage's scale/zero words, both
-        halves (from :func:`_smem_value_scales`)."""
+        and zero words (two groups' fp16 each) ``[1, (H,) A, I..., E]`` (fp16 of the half's
+        one group at GV = 64), shaped for ``decode_gluon._value_operand``. ``vsw``/``vzw``: the
+        stage's scale/zero words, both halves (``VSS``, or ``VS1`` at GV = 64)."""
         DC: gl.constexpr = D // 2
         NGC: gl.constexpr = DC // GV
         x = _half_words(vc, _lay("VWS", BITS, D, G), BITS, DC)
@@ -255,14 +327,18 @@ if gluon is not None:
         else:
             w = gl.permute(gl.reshape(x, [4, 2, NGC, GV]), (2, 3, 1, 0))
         w = gl.convert_layout(w, VW)
-        s0, s1 = gl.split(gl.reshape(vsw, [32, 2, 2]))
-        z0, z1 = gl.split(gl.reshape(vzw, [32, 2, 2]))
-        if c == 0:
-            vs = _words_to_vs(s0, BITS, G, VS)
-            vz = _words_to_vs(z0, BITS, G, VS)
+        if GV == 64:  # one word per token: its two groups are the two channel halves
+            vs = _words_to_vs(_token_half(vsw, c), BITS, G, VS)
+            vz = _words_to_vs(_token_half(vzw, c), BITS, G, VS)
         else:
-            vs = _words_to_vs(s1, BITS, G, VS)
-            vz = _words_to_vs(z1, BITS, G, VS)
+            s0, s1 = gl.split(gl.reshape(vsw, [32, 2, 2]))
+            z0, z1 = gl.split(gl.reshape(vzw, [32, 2, 2]))
+            if c == 0:
+                vs = _words_to_vs(s0, BITS, G, VS)
+                vz = _words_to_vs(z0, BITS, G, VS)
+            else:
+                vs = _words_to_vs(s1, BITS, G, VS)
+                vz = _words_to_vs(z1, BITS, G, VS)
         return w, vs, vz
 
     @gluon.jit
@@ -283,19 +359,20 @@ if gluon is not None:
 
     @gluon.jit
     def _issue_step(s, bh, st, bars, kc_s, ks_s, kz_s, vc_s, vs_s, vz_s, kc_d, ks_d, kz_d, vc_d,
-                    vs_d, vz_d, kc_cap, ng_cap, vc_cap, vs_rows, RS: gl.constexpr,
-                    SG: gl.constexpr, D: gl.constexpr):
-        """Copy every byte of step ``s`` into stage ``st`` (completing on ``bars[st]``)."""
+                    vs_d, vz_d, kc_cap, ks_rows, vc_cap, vs_rows, RS: gl.constexpr,
+                    KR: gl.constexpr, KC: gl.constexpr, VR: gl.constexpr, D: gl.constexpr):
+        """Copy every byte of step ``s`` into stage ``st`` (completing on ``bars[st]``): ``KR``
+        rows of ``KC`` int32 of key scales (and zeros), ``VR`` rows of 4 of value scales."""
         bar = bars.index(st)
-        mbarrier.expect(bar, 2 * RS * D * 4 + 2 * SG * D * 2 + 2 * 32 * 4 * 4)
+        mbarrier.expect(bar, 2 * RS * D * 4 + 2 * KR * KC * 4 + 2 * VR * 4 * 4)
         for c in gl.static_range(2):  # channel halves, each a 128-byte-swizzled word tile
             _tma_load(kc_d, _tile_coord(bh * kc_cap + s * RS, c, RS), bar, kc_s.index(2 * st + c))
-        _tma_load(ks_d, [bh * ng_cap + s * SG, 0], bar, ks_s.index(st))  # the SG rows, once
-        _tma_load(kz_d, [bh * ng_cap + s * SG, 0], bar, kz_s.index(st))
+        _tma_load(ks_d, [bh * ks_rows + s * KR, 0], bar, ks_s.index(st))  # group rows once
+        _tma_load(kz_d, [bh * ks_rows + s * KR, 0], bar, kz_s.index(st))
         for c in gl.static_range(2):
             _tma_load(vc_d, _tile_coord(bh * vc_cap + s * RS, c, RS), bar, vc_s.index(2 * st + c))
-        _tma_load(vs_d, [bh * vs_rows + s * 32, 0], bar, vs_s.index(st))
-        _tma_load(vz_d, [bh * vs_rows + s * 32, 0], bar, vz_s.index(st))
+        _tma_load(vs_d, [bh * vs_rows + s * VR, 0], bar, vs_s.index(st))
+        _tma_load(vz_d, [bh * vs_rows + s * VR, 0], bar, vz_s.index(st))
 
     @gluon.jit
     def _tile_coord(row, c, RS: gl.constexpr):
@@ -308,12 +385,12 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=("sink_len", "res_len", "window", "n_out", "steps_per_split"))
     def _body_tma_kernel(
         Q, Out, Lse, kc_d, ks_d, kz_d, vc_d, vs_d, vz_d, Starts, Lens, LenTab,
-        qk_scale, softcap, sink_len, body_len, res_len, window, kc_cap, ng_cap, vc_cap, vs_rows,
+        qk_scale, softcap, sink_len, body_len, res_len, window, kc_cap, ks_rows, vc_cap, vs_rows,
         Hkv, n_out, steps_per_split,
         HG: gl.constexpr, HP: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, G: gl.constexpr,
         GV: gl.constexpr, HAS_STARTS: gl.constexpr, HAS_LENS: gl.constexpr,
         LENS_DEV: gl.constexpr, NS: gl.constexpr, HAS_WINDOW: gl.constexpr = False,
-        SOFTCAP: gl.constexpr = False, LQ: gl.constexpr = 1,
+        SOFTCAP: gl.constexpr = False, LQ: gl.constexpr = 1, K_TOK: gl.constexpr = False,
     ):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                       instr_shape=[16, 8])
@@ -323,9 +400,15 @@ if gluon is not None:
         KW: gl.constexpr = dg._layout("KW", BITS, DC, GV)
         VW: gl.constexpr = dg._layout("VW", BITS, DC, GV)
         VS_L: gl.constexpr = dg._layout("VS", BITS, DC, GV)
+        KT: gl.constexpr = dg._layout("KT", BITS, DC, GV)
+        # scale tiles per stage: key rows (SG groups x DC pairs, or 16 x 4 words of per-token
+        # scales), value rows of 16 bytes (64 tokens x D / GV fp16)
+        KR: gl.constexpr = 16 if K_TOK else 64 // G
+        KC: gl.constexpr = 4 if K_TOK else D // 2
+        VR: gl.constexpr = 64 * (D // GV) // 8
+        VSS: gl.constexpr = _lay("VS1", BITS, D, G) if GV == 64 else _lay("VSS", BITS, D, G)
         W: gl.constexpr = G * BITS // 32
         RS: gl.constexpr = 2 * BITS
-        SG: gl.constexpr = 64 // G
         sink_len, body_len, res_len, bh, split, start, length, q_row0 = dg._program_bounds(
             Starts, Lens, LenTab, sink_len, body_len, res_len, Hkv, HG, HAS_STARTS, HAS_LENS,
             LENS_DEV)
@@ -343,11 +426,11 @@ if gluon is not None:
 
         WT: gl.constexpr = word_tile(BITS, D)
         kc_s = gl.allocate_shared_memory(gl.int32, [2 * NS, WT[0], WT[1], WT[2]], kc_d.layout)
-        ks_s = gl.allocate_shared_memory(gl.int32, [NS, SG, D // 2], ks_d.layout)
-        kz_s = gl.allocate_shared_memory(gl.int32, [NS, SG, D // 2], kz_d.layout)
+        ks_s = gl.allocate_shared_memory(gl.int32, [NS, KR, KC], ks_d.layout)
+        kz_s = gl.allocate_shared_memory(gl.int32, [NS, KR, KC], kz_d.layout)
         vc_s = gl.allocate_shared_memory(gl.int32, [2 * NS, WT[0], WT[1], WT[2]], vc_d.layout)
-        vs_s = gl.allocate_shared_memory(gl.int32, [NS, 32, 4], vs_d.layout)
-        vz_s = gl.allocate_shared_memory(gl.int32, [NS, 32, 4], vz_d.layout)
+        vs_s = gl.allocate_shared_memory(gl.int32, [NS, VR, 4], vs_d.layout)
+        vz_s = gl.allocate_shared_memory(gl.int32, [NS, VR, 4], vz_d.layout)
         bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NS):
             mbarrier.init(bars.index(i), count=1)
@@ -355,7 +438,8 @@ if gluon is not None:
         for i in gl.static_range(NS - 1):  # the ring's first steps
             if s_lo + i < s_hi:
                 _issue_step(s_lo + i, bh, i, bars, kc_s, ks_s, kz_s, vc_s, vs_s, vz_s, kc_d,
-                            ks_d, kz_d, vc_d, vs_d, vz_d, kc_cap, ng_cap, vc_cap, vs_rows, RS, SG, D)
+                            ks_d, kz_d, vc_d, vs_d, vz_d, kc_cap, ks_rows, vc_cap, vs_rows, RS, KR,
+                            KC, VR, D)
 
         m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
         l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, mma))
@@ -367,17 +451,25 @@ if gluon is not None:
             if s + NS - 1 < s_hi:  # refill the stage the previous step read
                 fence_async_shared()
                 _issue_step(s + NS - 1, bh, (it + NS - 1) % NS, bars, kc_s, ks_s, kz_s, vc_s,
-                            vs_s, vz_s, kc_d, ks_d, kz_d, vc_d, vs_d, vz_d, kc_cap, ng_cap,
-                            vc_cap, vs_rows, RS, SG, D)
+                            vs_s, vz_s, kc_d, ks_d, kz_d, vc_d, vs_d, vz_d, kc_cap, ks_rows,
+                            vc_cap, vs_rows, RS, KR, KC, VR, D)
             mbarrier.wait(bars.index(st), (it // NS) & 1)
             tok0 = s * 64
-            u, sc, ze = _smem_keys(kc_s.index(2 * st), ks_s.index(st), kz_s.index(st), 0, BITS,
-                                   D, G, KW)
-            k = dg._key_operand_u(u, sc, ze, BITS, DC, KW, a_l, False)
+            if K_TOK:
+                u = _smem_key_halves(kc_s.index(2 * st), BITS, D, G, KW)
+                sc, ze = _smem_token_keys(ks_s.index(st), kz_s.index(st), 0, BITS, D, G, KT)
+            else:
+                u, sc, ze = _smem_keys(kc_s.index(2 * st), ks_s.index(st), kz_s.index(st), 0,
+                                       BITS, D, G, KW)
+            k = dg._key_operand_u(u, sc, ze, BITS, DC, KW, a_l, K_TOK)
             st_ = mma_v2(k, q0, gl.zeros([64, HP], gl.float32, layout=mma))
-            u, sc, ze = _smem_keys(kc_s.index(2 * st + 1), ks_s.index(st), kz_s.index(st), DC,
-                                   BITS, D, G, KW)
-            k = dg._key_operand_u(u, sc, ze, BITS, DC, KW, a_l, False)
+            if K_TOK:
+                u = _smem_key_halves(kc_s.index(2 * st + 1), BITS, D, G, KW)
+                sc, ze = _smem_token_keys(ks_s.index(st), kz_s.index(st), 1, BITS, D, G, KT)
+            else:
+                u, sc, ze = _smem_keys(kc_s.index(2 * st + 1), ks_s.index(st), kz_s.index(st),
+                                       DC, BITS, D, G, KW)
+            k = dg._key_operand_u(u, sc, ze, BITS, DC, KW, a_l, K_TOK)
             st_ = mma_v2(k, q1, st_)
             if SOFTCAP:  # before the mask: masked rows may hold anything
                 st_ = dg._cap_scores(st_, softcap)
@@ -387,8 +479,8 @@ if gluon is not None:
                                       sink_len, body_len, window, HAS_WINDOW, LQ, HP, mma)
             p, alpha, m_i, l_i = dg._online_softmax(st_, m_i, l_i)
             pb = gl.convert_layout(p.to(gl.float16), b_l)
-            vsw = vs_s.index(st).load(_lay("VSS", BITS, D, G))
-            vzw = vz_s.index(st).load(_lay("VSS", BITS, D, G))
+            vsw = vs_s.index(st).load(VSS)
+            vzw = vz_s.index(st).load(VSS)
             w, vs, vz = _smem_values(vc_s.index(2 * st), vsw, vzw, 0, BITS, D, G, GV, VW, VS_L)
             if tok0 + 64 > body_len:  # scales past the body may be anything (not even finite)
                 _, _, _, _, s_ok = dg._value_ptrs(Q, Q, Q, 0, 0, tok0, body_len, 0, BITS, W, G,
@@ -415,19 +507,23 @@ if gluon is not None:
 
 def eligible(kv, k_tok: bool) -> bool:
     """Whether :func:`attend_body` serves a layer that ``decode_gluon.eligible`` accepts: equal
-    key/value bits, keys per channel over G <= 64, values per token over 32 channels, head_dim
-    128, and buffers TMA can address (contiguous, 16-byte rows; the value scales' per-head rows
-    a whole number of 16-byte rows)."""
-    if (gluon is None or k_tok or kv.key_bits != kv.value_bits or kv.key_bits not in STAGES
+    key/value bits, codes packed in groups of G <= 64 tokens, keys scaled per channel over
+    those groups or (``k_tok``, the uniform method) per token over 64 channels, values per
+    token over 32 or 64 channels, head_dim 128, and buffers TMA can address (contiguous,
+    16-byte rows; per-token scales' per-head rows a whole number of 16-byte rows)."""
+    if (gluon is None or kv.key_bits != kv.value_bits or kv.key_bits not in STAGES
             or kv.group_size not in (16, 32, 64)):
         return False
     D = kv.res_k.shape[-1]
-    if D != 128 or kv.value_group != 32:
+    if D != 128 or kv.value_group not in (32, 64) or kv.v_scale.shape[3] != D // kv.value_group:
+        return False
+    if k_tok and kv.k_scale.shape[3] != 2:  # one 64-channel key group per channel half
         return False
     ts = (kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero)
     if any(t is None or not t.is_contiguous() or t.data_ptr() % 16 for t in ts):
         return False
-    return (kv.v_scale.shape[2] * kv.v_scale.shape[3]) % 8 == 0 and kv.v_scale.shape[3] == 4
+    rows_ok = (kv.v_scale.shape[2] * kv.v_scale.shape[3]) % 8 == 0
+    return rows_ok and (not k_tok or (kv.k_scale.shape[2] * kv.k_scale.shape[3]) % 8 == 0)
 
 
 @functools.cache
@@ -470,13 +566,15 @@ def key_scale_tile(G: int, D: int = 128) -> list:
     return [64 // G, D // 2]
 
 
-def block_shapes(bits: int, D: int, G: int) -> dict:
+def block_shapes(bits: int, D: int, G: int, k_tok: bool = False, GV: int = 32) -> dict:
     """The TMA box of each descriptor (int32 elements): one channel half of a step's key and
     value word rows (:func:`word_tile`, two copies per step), its key scale/zero group rows
-    (:func:`key_scale_tile`), its value scale/zero words as 16-byte rows."""
+    (:func:`key_scale_tile`; per-token key scales, ``k_tok``: 16-byte rows, one word of two
+    fp16 per token), its value scale/zero words as 16-byte rows (64 tokens x D / GV fp16)."""
     WT = list(word_tile(bits, D))
-    KS = key_scale_tile(G, D)
-    return {"kc_d": WT, "ks_d": KS, "kz_d": KS, "vc_d": WT, "vs_d": [32, 4], "vz_d": [32, 4]}
+    KS = [16, 4] if k_tok else key_scale_tile(G, D)
+    VS = [64 * (D // GV) // 8, 4]
+    return {"kc_d": WT, "ks_d": KS, "kz_d": KS, "vc_d": WT, "vs_d": VS, "vz_d": VS}
 
 
 def _swizzle(name: str) -> int:
@@ -484,16 +582,16 @@ def _swizzle(name: str) -> int:
     return WORD_SWIZZLE if name in ("kc_d", "vc_d") else 0
 
 
-def _kernel_signature(bits: int, D: int, G: int) -> dict:
+def _kernel_signature(bits: int, D: int, G: int, k_tok: bool = False, GV: int = 32) -> dict:
     """``_body_tma_kernel``'s argument types (constexprs excluded)."""
     def desc(name, block):
         return (f"tensordesc<i32[{', '.join(map(str, block))}],NVMMASharedLayout("
                 f"swizzle_byte_width={_swizzle(name)}, element_bitwidth=32, rank={len(block)})>")
     sig = {"Q": "*fp16", "Out": "*fp32", "Lse": "*fp32"}
-    sig.update({k: desc(k, b) for k, b in block_shapes(bits, D, G).items()})
+    sig.update({k: desc(k, b) for k, b in block_shapes(bits, D, G, k_tok, GV).items()})
     sig.update({"Starts": "*i32", "Lens": "*i32", "LenTab": "*i32", "qk_scale": "fp32",
                 "softcap": "fp32"})
-    sig.update(dict.fromkeys(("sink_len", "body_len", "res_len", "window", "kc_cap", "ng_cap",
+    sig.update(dict.fromkeys(("sink_len", "body_len", "res_len", "window", "kc_cap", "ks_rows",
                               "vc_cap", "vs_rows", "Hkv", "n_out", "steps_per_split"), "i32"))
     return sig
 
@@ -512,7 +610,8 @@ def compile_sm90(constexprs: dict):
     params = inspect.signature(fn.fn).parameters  # constexprs left out take their defaults
     cx = {**{k: p.default for k, p in params.items()
              if "constexpr" in str(p.annotation) and p.default is not p.empty}, **constexprs}
-    sig = _kernel_signature(cx["BITS"], cx["D"], cx["G"])
+    sig = _kernel_signature(cx["BITS"], cx["D"], cx["G"], cx.get("K_TOK", False),
+                            cx.get("GV", 32))
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items()
              if v.startswith("*")}
     src = gluon._runtime.GluonASTSource(fn=fn, signature={**sig, **dict.fromkeys(cx, "constexpr")},
@@ -525,7 +624,9 @@ def _descriptors(kv):
     a descriptor holds its buffer, and a cache of them would keep freed caches alive."""
     import torch
 
-    blocks = block_shapes(kv.key_bits, kv.k_codes.shape[-1], kv.group_size)
+    k_tok = getattr(kv, "key_axis", "channel") == "token"
+    blocks = block_shapes(kv.key_bits, kv.k_codes.shape[-1], kv.group_size, k_tok,
+                          kv.value_group)
     out = []
     for (name, block), t in zip(blocks.items(), (kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes,
                                                   kv.v_scale, kv.v_zero)):
@@ -535,7 +636,7 @@ def _descriptors(kv):
             t2 = t.view(torch.int32).reshape(-1, 4, 32)
             if kv.key_bits == 4:  # quarter-major (word_tile): a permuted view, strides 32, 128
                 t2 = t2.permute(1, 0, 2)
-        else:  # key scale rows (key_scale_tile), value scales as 16-byte rows
+        else:  # key scale rows (key_scale_tile) or 16-byte rows of per-token scales
             t2 = t.view(torch.int32).reshape(-1, block[1])
         out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), list(block), layout))
     return out
@@ -553,14 +654,17 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
     steps = -(-kv.body_len // dg.STEP)
     kc_d, ks_d, kz_d, vc_d, vs_d, vz_d = _descriptors(kv)
     bits = kv.key_bits
+    k_tok = getattr(kv, "key_axis", "channel") == "token"
+    ks = kv.k_scale
+    ks_rows = ks.shape[2] * ks.shape[3] // 8 if k_tok else ks.shape[2]  # rows per (b, h)
     _body_tma_kernel[(B * Hkv, splits)](
         q, out, lse, kc_d, ks_d, kz_d, vc_d, vs_d, vz_d, starts, lengths,
         lens_dev if lens_dev is not None else starts, scale_log2,
         float(softcap) if softcap is not None else 1.0, kv.sink_len, kv.body_len, kv.res_len,
-        int(window) if window is not None else 0, kv.k_codes.shape[2], kv.k_scale.shape[2],
+        int(window) if window is not None else 0, kv.k_codes.shape[2], ks_rows,
         kv.v_codes.shape[2], kv.v_scale.shape[2] * kv.v_scale.shape[3] // 8, Hkv, n_out,
         -(-steps // splits),
         HG=HG, HP=8 if HG <= 8 else 16, D=D, BITS=bits, G=kv.group_size, GV=kv.value_group,
         HAS_STARTS=has_starts, HAS_LENS=has_lens, LENS_DEV=lens_dev is not None,
         NS=STAGES[bits], HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, LQ=Lq,
-        num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}))
+        K_TOK=k_tok, num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}))
