@@ -1,7 +1,7 @@
 # Nsight Compute on the TMA ring with and without the key-scale fold (session 29), kivi-2 at
 # Llama-3-8B batch 8 128k: speed of light, occupancy, scheduler statistics, stall reasons and
-# pipe utilisation. Needs benchmarks/probes/tma_key_scale_fold_s29.patch applied (the fold was
-# not kept); writes to stdout (benchmarks/results/ncu_fold_s29.log).
+# pipe utilisation. Needs benchmarks/probes/tma_key_scale_fold_s29.patch applied to commit 5c61ffb
+# (the fold was not kept); writes to stdout (benchmarks/results/ncu_fold_s29.log).
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 for f in 0 1; do
   echo "== KVBITS_GLUON_FOLD=$f kivi-2 llama-3-8b B=8 T=131072"

@@ -29,7 +29,8 @@ from kvbits.spec import resolve_spec
 def _ring_copy_kernel(Out, kc_d, ks_d, kz_d, vc_d, vs_d, vz_d, body_len, kc_cap, ng_cap, vc_cap,
                       vs_rows, steps_per_split, D: gl.constexpr, BITS: gl.constexpr,
                       G: gl.constexpr, NS: gl.constexpr):
-    """The ring of ``decode_gluon_tma._body_tma_kernel`` without the math."""
+    """The ring of ``decode_gluon_tma._body_tma_kernel`` without the math (KIVI layers: key
+    scale rows per group, 32-channel value groups)."""
     RS: gl.constexpr = 2 * BITS
     SG: gl.constexpr = 64 // G
     bh = gl.program_id(0)
@@ -50,7 +51,8 @@ def _ring_copy_kernel(Out, kc_d, ks_d, kz_d, vc_d, vs_d, vz_d, body_len, kc_cap,
     for i in gl.static_range(NS - 1):
         if s_lo + i < s_hi:
             dt._issue_step(s_lo + i, bh, i, bars, kc_s, ks_s, kz_s, vc_s, vs_s, vz_s, kc_d, ks_d,
-                           kz_d, vc_d, vs_d, vz_d, kc_cap, ng_cap, vc_cap, vs_rows, RS, SG, D)
+                           kz_d, vc_d, vs_d, vz_d, kc_cap, ng_cap, vc_cap, vs_rows, RS, SG,
+                           D // 2, 32, D)
     L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0])
     acc = gl.zeros([SG, 32], gl.int32, L)
     for s in range(s_lo, s_hi):
@@ -60,7 +62,7 @@ def _ring_copy_kernel(Out, kc_d, ks_d, kz_d, vc_d, vs_d, vz_d, body_len, kc_cap,
             fence_async_shared()
             dt._issue_step(s + NS - 1, bh, (it + NS - 1) % NS, bars, kc_s, ks_s, kz_s, vc_s,
                            vs_s, vz_s, kc_d, ks_d, kz_d, vc_d, vs_d, vz_d, kc_cap, ng_cap, vc_cap,
-                           vs_rows, RS, SG, D)
+                           vs_rows, RS, SG, D // 2, 32, D)
         mbarrier.wait(bars.index(st), (it // NS) & 1)
         acc += ks_s.index(st).slice(0, 32, dim=1).load(L)
     for i in gl.static_range(NS):

@@ -3,7 +3,7 @@ the dequantizing ring (``"0"``), the body kernel alone, alternated in one proces
 time (median of ``triton.testing.do_bench_cudagraph``, best of three rounds each), on the long
 Llama rows; how far apart the two partial outputs are (they round differently).
 
-    git apply benchmarks/probes/tma_key_scale_fold_s29.patch  # the fold was not kept
+    git checkout 5c61ffb -- src tests && git apply benchmarks/probes/tma_key_scale_fold_s29.patch  # the fold was not kept
     PYTHONPATH=src python3 benchmarks/probes/tma_fold_ab.py [B:Hq:Hkv:T:preset,...]
 
 Session 29: 1-5% slower on every row (``benchmarks/results/tma_key_scale_fold_s29.log``).

@@ -5,7 +5,7 @@ rounding: every variant does the same arithmetic): ``decode_gluon_tma.BRANCHLESS
 step: one basic block per step), ``SKEW`` (step s + 1's scores beside step s's softmax and
 values), and ``STAGES`` (ring depth).
 
-    git apply benchmarks/probes/tma_loop_shapes_s29.patch  # the switches were not kept
+    git checkout 5c61ffb -- src tests && git apply benchmarks/probes/tma_loop_shapes_s29.patch  # the switches were not kept
     PYTHONPATH=src python3 benchmarks/probes/tma_loop_ab.py [B:Hq:Hkv:T:preset,...]
 
 Session 29: every variant slower than the plain loop (``benchmarks/results/tma_loop_shapes_s29.log``).
