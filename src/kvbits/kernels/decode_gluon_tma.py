@@ -18,11 +18,12 @@ banks: 3-9% faster than unswizzled 512-byte rows on the long Llama rows (session
 
 Served: KIVI and uniform layers with equal key/value bits 2 or 4, keys scaled per channel over
 G = 16, 32 or 64 tokens or (uniform) per token over 64 channels, values per token over 32 or 64
-channels, head_dim 128, contiguous buffers (TMA needs 16-byte-aligned rows); :func:`eligible` says which, :func:`serves` when (``KVBITS_GLUON_TMA``:
-``auto`` by default, ``1`` always, ``0`` never). H200, against the register body with the L2
-prefetch: kivi-2 5-18% faster (``benchmarks/results/decode_gluon_tma.log``), kivi-4 8-11%
-faster in CUDA-graph time at every (sequence, KV head) pair count measured, 8 to 256
-(``benchmarks/results/tma4_pairs.log``). Eager calls pay ~100-200 us more host time for the ring's
+channels, head_dim 128, contiguous buffers (TMA needs 16-byte-aligned rows); :func:`eligible`
+says which, :func:`serves` when (``KVBITS_GLUON_TMA``: ``auto`` by default, ``1`` always,
+``0`` never). H200, against the register body with the L2 prefetch: kivi-2 5-18% faster
+(``benchmarks/results/decode_gluon_tma.log``), kivi-4 8-11% faster in CUDA-graph time at every
+(sequence, KV head) pair count measured, 8 to 256 (``benchmarks/results/tma4_pairs.log``),
+uniform-int4 27-39% (``benchmarks/results/tma_uniform_ab_s29.log``). Eager calls pay ~100-200 us more host time for the ring's
 descriptors, so ``auto`` takes it outside graph capture only for large calls (``EAGER_MIN_WORK``).
 """
 
