@@ -109,6 +109,48 @@ def test_stage_reads_match_the_register_body(bits, G, c):
         assert vs[idx] == t * 10 + word, idx
 
 
+def token_words_smem(c):
+    """A stage's per-token scale words ``[16, 4]`` (one int32 per token, its two fp16 the
+    channel halves: the uniform method's keys, values in 64-channel groups) with the half of
+    chunk ``c`` picked (``_token_half``): ids ``token * 10 + half``."""
+    t = np.arange(64)
+    return (t * 10 + c).reshape(16, 4)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("c", [0, 1])
+def test_token_scale_reads_match_the_register_body(bits, c):
+    """Per-token scales through the ring (``_smem_token_keys``, ``_smem_values`` at GV = 64):
+    each element of the ``KT`` / ``VS`` tensors is the scale the register body loads for it
+    (``decode_gluon._key_ptrs`` with ``K_TOK``: ``t NGK + DC0 // GK``; ``_value_ptrs`` with one
+    group per chunk: ``t NGV + DC0 // GV``; both ``2 t + c`` here)."""
+    G = 64  # the uniform method's group: codes packed in blocks of 64 tokens
+    W = G * bits // 32
+    x = token_words_smem(c)
+    order = [int(dt._kt_axis(bits, G, d)) for d in range(6)]
+    kt = x.reshape([2] * 6).transpose(order)
+    kt = kt.reshape(4, 2, 2, 2, 2) if bits == 2 else kt.reshape(2, 4, 2, 2, 2)
+    for idx in np.ndindex(kt.shape):
+        if bits == 2:
+            a, e, i0, i1, i2 = idx
+            t = tok(a, i0 + 2 * i1 + 4 * i2 + 8 * e, W, G)
+        else:
+            h, a, e, k0, k1 = idx
+            t = tok(2 * a + h, k0 + 2 * k1 + 4 * e, W, G)
+        assert kt[idx] == t * 10 + c, idx
+    order = [int(dt._vs_axis(bits, G, d)) for d in range(6)]
+    vs = x.reshape([2] * 6).transpose(order)
+    vs = vs.reshape(4, 2, 2, 2, 2) if bits == 2 else vs.reshape(2, 4, 2, 2, 2)
+    for idx in np.ndindex(vs.shape):
+        if bits == 2:
+            sa, i0, i1, i2, se = idx
+            t = tok(sa, i0 + 2 * i1 + 4 * i2 + 8 * se, W, G)
+        else:
+            sh, sa, k0, k1, se = idx
+            t = tok(2 * sa + sh, k0 + 2 * k1 + 4 * se, W, G)
+        assert vs[idx] == t * 10 + c, idx
+
+
 def _bank_conflicts(layout, tile, swizzle: bool) -> int:
     """Worst bank conflict (distinct 4-byte words sharing a bank) of one shared-memory load
     instruction of ``layout`` over a word tile ``tile`` (``[.., .., 32]`` int32): the lanes at
