@@ -211,3 +211,62 @@ def host_us(fn, n: int = 200) -> float:
     torch.cuda.synchronize()
     return (t1 - t0) / n * 1e6
 
+
+
+# The long Llama rows the Gluon body probes time: (batch, query heads, KV heads, context, preset).
+LONG_ROWS = [(8, 32, 8, 32768, "kivi-2"), (8, 32, 8, 131072, "kivi-2"),
+             (8, 32, 8, 32768, "kivi-4"), (8, 32, 8, 131072, "kivi-4"),
+             (8, 32, 32, 32768, "kivi-2"), (8, 32, 32, 32768, "kivi-4"),
+             (1, 32, 8, 131072, "kivi-2"), (32, 32, 8, 32768, "kivi-2")]
+
+
+def parse_rows(arg: str | None, default) -> list[tuple]:
+    """A probe's ``B:Hq:Hkv:T:preset,...`` argument as tuples (``default`` when absent)."""
+    if not arg:
+        return list(default)
+    return [tuple(int(x) if x.isdigit() else x for x in s.split(":")) for s in arg.split(",")]
+
+
+def best_graph_us(fns: dict, rounds: int = 3) -> dict:
+    """CUDA-graph time of each callable in µs: the best of ``rounds`` medians of
+    ``triton.testing.do_bench_cudagraph``, the callables alternated within each round."""
+    from triton.testing import do_bench_cudagraph
+
+    times: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(do_bench_cudagraph(fn, rep=100, return_mode="median"))
+    return {name: min(t) * 1e3 for name, t in times.items()}
+
+
+def body_variants_ab(row: tuple, variants: dict, sms: int, head_dim: int = 128):
+    """Run and time the Gluon body kernel's ``variants`` on one ``row`` (see ``LONG_ROWS``):
+    each variant is ``fn(q, kv, out, lse, splits)`` writing the body partials. Returns the
+    layer, the split count, ``{name: best µs}`` and ``{name: (out, lse)}`` from a first run."""
+    from kvbits.kernels import decode_gluon as dg
+    from kvbits.spec import resolve_spec
+
+    B, hq, hkv, T, preset = row
+    kv = random_packed_kv(B, hkv, T, head_dim, resolve_spec(preset))
+    q = torch.randn(B, hq, 1, head_dim, dtype=torch.float16, device="cuda")
+    splits = dg.split_count(kv.body_len, dg.body_splits(B * hkv, kv.body_len, sms, head_dim))
+    calls, outs = {}, {}
+    for name, fn in variants.items():
+        out = torch.zeros(B * hq, splits, head_dim, dtype=torch.float32, device="cuda")
+        lse = torch.zeros(B * hq, splits, dtype=torch.float32, device="cuda")
+
+        def call(fn=fn, out=out, lse=lse):
+            fn(q, kv, out, lse, splits)
+        call()
+        torch.cuda.synchronize()
+        outs[name] = (out.clone(), lse.clone())
+        calls[name] = call
+    return kv, splits, best_graph_us(calls), outs
+
+
+def attend_body_fn(module):
+    """A ``body_variants_ab`` variant calling ``module.attend_body`` (the Gluon body modules)."""
+    def fn(q, kv, out, lse, splits):
+        module.attend_body(q, kv, out, lse, scale_log2=0.127, starts=q, lengths=q,
+                           has_starts=False, has_lens=False, n_out=splits, splits=splits)
+    return fn

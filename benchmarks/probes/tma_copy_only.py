@@ -15,10 +15,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import random_packed_kv
+from common import best_graph_us, copy_bandwidth, parse_rows, random_packed_kv
 
 from kvbits.kernels import decode_gluon as dg
 from kvbits.kernels import decode_gluon_tma as dt
@@ -121,26 +120,16 @@ def _issue_block(blk_a, blk_b, ring_a, ring_b, bars, st, row, RA: gl.constexpr,
 
 
 def main():
-    shapes = [tuple(int(x) if x.isdigit() else x for x in s.split(":"))
-              for s in sys.argv[1].split(",")] if len(sys.argv) > 1 else [
+    rows = parse_rows(sys.argv[1] if len(sys.argv) > 1 else None, [
         (8, 32, 8, 32768, "kivi-2"), (8, 32, 8, 131072, "kivi-2"), (8, 32, 8, 131072, "kivi-4"),
-        (8, 32, 32, 32768, "kivi-2"), (32, 32, 8, 32768, "kivi-2")]
+        (8, 32, 32, 32768, "kivi-2"), (32, 32, 8, 32768, "kivi-2")])
     dt.MODE = "1"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     copy_bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}: device copy {copy_bw / 1e12:.2f} TB/s (read + "
           "write); the TMA ring's copies without math, CUDA-graph us (best of 3 medians)")
-    for B, hq, hkv, T, preset in shapes:
-        measure(B, hq, hkv, T, preset, sms, copy_bw)
-
-
-def copy_bandwidth(n: int = 2**28) -> float:
-    """Bytes per second of a device-to-device copy of ``n`` bytes (read + write)."""
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    t = min(do_bench_cudagraph(lambda: dst.copy_(src), rep=100, return_mode="median")
-            for _ in range(3))
-    return 2 * n / (t * 1e-3)
+    for row in rows:
+        measure(*row, sms, copy_bw)
 
 
 def measure(B, hq, hkv, T, preset, sms, copy_bw):
@@ -182,15 +171,14 @@ def measure(B, hq, hkv, T, preset, sms, copy_bw):
     def body():
         dt.attend_body(q, kv, o, lse, scale_log2=0.127, starts=q, lengths=q,
                        has_starts=False, has_lens=False, n_out=splits, splits=splits)
-    row = []
-    for name, fn in (("ring copies", ring), ("one block per step", block),
-                     ("body kernel", body)):
+    fns = {"ring copies": ring, "one block per step": block, "body kernel": body}
+    for fn in fns.values():
         fn()
-        torch.cuda.synchronize()
-        t = min(do_bench_cudagraph(fn, rep=100, return_mode="median") for _ in range(3))
-        bw = nbytes / (t * 1e-3)
-        row.append(f"{name} {t * 1e3:.1f} us = {bw / 1e12:.2f} TB/s "
-                   f"({bw / copy_bw * 100:.0f}% of copy)")
+    torch.cuda.synchronize()
+    row = []
+    for name, us in best_graph_us(fns).items():
+        bw = nbytes / (us * 1e-6)
+        row.append(f"{name} {us:.1f} us = {bw / 1e12:.2f} TB/s ({bw / copy_bw * 100:.0f}% of copy)")
     print(f"B={B} Hq={hq} Hkv={hkv} T={T} {preset} splits={splits} "
           f"({step_bytes} B per step): " + "; ".join(row), flush=True)
 

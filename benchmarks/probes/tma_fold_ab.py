@@ -12,48 +12,31 @@ import sys
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import random_packed_kv
+from common import LONG_ROWS, attend_body_fn, body_variants_ab, parse_rows
 
-from kvbits.kernels import decode_gluon as dg
 from kvbits.kernels import decode_gluon_tma as dt
-from kvbits.spec import resolve_spec
 
-shapes = [tuple(int(x) if x.isdigit() else x for x in s.split(":"))
-          for s in sys.argv[1].split(",")] if len(sys.argv) > 1 else [
-    (8, 32, 8, 32768, "kivi-2"), (8, 32, 8, 131072, "kivi-2"), (8, 32, 8, 32768, "kivi-4"),
-    (8, 32, 8, 131072, "kivi-4"), (8, 32, 32, 32768, "kivi-2"), (8, 32, 32, 32768, "kivi-4"),
-    (1, 32, 8, 131072, "kivi-2"), (32, 32, 8, 32768, "kivi-2")]
+
+def with_fold(fold):
+    def fn(*args):
+        dt.FOLD = fold
+        attend_body_fn(dt)(*args)
+    return fn
+
+
 dt.MODE = "1"
 sms = torch.cuda.get_device_properties(0).multi_processor_count
 print(f"# {torch.cuda.get_device_name()}: TMA ring body kernel, dequantizing (fold 0) vs key-"
       "scale fold (fold 1), CUDA-graph us (best of 3 medians)")
-for B, hq, hkv, T, preset in shapes:
-    kv = random_packed_kv(B, hkv, T, 128, resolve_spec(preset))
-    q = torch.randn(B, hq, 1, 128, dtype=torch.float16, device="cuda")
-    splits = dg.split_count(kv.body_len, dg.body_splits(B * hkv, kv.body_len, sms, 128))
-    res, outs = {}, {}
-    for fold in ("0", "1"):
-        out = torch.zeros(B * hq, splits, 128, dtype=torch.float32, device="cuda")
-        lse = torch.zeros(B * hq, splits, dtype=torch.float32, device="cuda")
-
-        def call(fold=fold, out=out, lse=lse, q=q, kv=kv, splits=splits):
-            dt.FOLD = fold
-            dt.attend_body(q, kv, out, lse, scale_log2=0.127, starts=q, lengths=q,
-                           has_starts=False, has_lens=False, n_out=splits, splits=splits)
-        call()
-        torch.cuda.synchronize()
-        outs[fold] = (out.clone(), lse.clone())
-        res[fold] = (call, [])
+for row in parse_rows(sys.argv[1] if len(sys.argv) > 1 else None, LONG_ROWS):
+    kv, splits, us, outs = body_variants_ab(row, {"0": with_fold("0"), "1": with_fold("1")}, sms)
     o0, o1 = outs["0"][0], outs["1"][0]
     err = ((o1 - o0).norm() / o0.norm()).item()
     lse_err = (outs["1"][1] - outs["0"][1]).abs().max().item()
-    for _ in range(3):
-        for fold in ("0", "1"):
-            res[fold][1].append(do_bench_cudagraph(res[fold][0], rep=100, return_mode="median"))
-    a, b = min(res["0"][1]) * 1e3, min(res["1"][1]) * 1e3
+    a, b = us["0"], us["1"]
+    B, hq, hkv, T, preset = row
     folds = dt.fold_applies(kv.group_size, hq // hkv, 1)
     print(f"B={B} Hq={hq} Hkv={hkv} T={T} {preset} splits={splits} fold={folds}: "
           f"dequantizing {a:.1f} us, fold {b:.1f} us ({(a / b - 1) * 100:+.1f}%), "

@@ -127,28 +127,19 @@ def test_token_scale_reads_match_the_register_body(bits, c):
     G = 64  # the uniform method's group: codes packed in blocks of 64 tokens
     W = G * bits // 32
     x = token_words_smem(c)
-    order = [int(dt._kt_axis(bits, G, d)) for d in range(6)]
-    kt = x.reshape([2] * 6).transpose(order)
-    kt = kt.reshape(4, 2, 2, 2, 2) if bits == 2 else kt.reshape(2, 4, 2, 2, 2)
-    for idx in np.ndindex(kt.shape):
-        if bits == 2:
-            a, e, i0, i1, i2 = idx
-            t = tok(a, i0 + 2 * i1 + 4 * i2 + 8 * e, W, G)
-        else:
-            h, a, e, k0, k1 = idx
-            t = tok(2 * a + h, k0 + 2 * k1 + 4 * e, W, G)
-        assert kt[idx] == t * 10 + c, idx
-    order = [int(dt._vs_axis(bits, G, d)) for d in range(6)]
-    vs = x.reshape([2] * 6).transpose(order)
-    vs = vs.reshape(4, 2, 2, 2, 2) if bits == 2 else vs.reshape(2, 4, 2, 2, 2)
-    for idx in np.ndindex(vs.shape):
-        if bits == 2:
-            sa, i0, i1, i2, se = idx
-            t = tok(sa, i0 + 2 * i1 + 4 * i2 + 8 * se, W, G)
-        else:
-            sh, sa, k0, k1, se = idx
-            t = tok(2 * sa + sh, k0 + 2 * k1 + 4 * se, W, G)
-        assert vs[idx] == t * 10 + c, idx
+    # KT: [A, E, I0, I1, I2] (2 bits) / [H, A, E, K0, K1]; VS: [A, I0, I1, I2, E] / [H, A, K0, K1, E]
+    kt_fields = ("a", "e", "k0", "k1", "h") if bits == 2 else ("h", "a", "e", "k0", "k1")
+    vs_fields = ("a", "k0", "k1", "h", "e") if bits == 2 else ("h", "a", "k0", "k1", "e")
+    for name, axis, fields in (("KT", dt._kt_axis, kt_fields), ("VS", dt._vs_axis, vs_fields)):
+        y = x.reshape([2] * 6).transpose([int(axis(bits, G, d)) for d in range(6)])
+        y = y.reshape(4, 2, 2, 2, 2) if bits == 2 else y.reshape(2, 4, 2, 2, 2)
+        for idx in np.ndindex(y.shape):
+            f = dict(zip(fields, idx))
+            if bits == 2:  # token n = e + 2a + 8h + 16k at word row a, slot k + 4h + 8e
+                t = tok(f["a"], f["k0"] + 2 * f["k1"] + 4 * f["h"] + 8 * f["e"], W, G)
+            else:  # word row 2a + h, slot k + 4e
+                t = tok(2 * f["a"] + f["h"], f["k0"] + 2 * f["k1"] + 4 * f["e"], W, G)
+            assert y[idx] == t * 10 + c, (name, idx)
 
 
 def _bank_conflicts(layout, tile, swizzle: bool) -> int:
