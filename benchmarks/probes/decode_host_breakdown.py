@@ -25,10 +25,10 @@ from kvbits.kernels import launch
 from kvbits.ops import decode_attention
 from kvbits.spec import resolve_spec
 
-KERNELS = {"triton": da._decode_kernel, "merge": da._merge_kernel,
+KERNELS = {"triton": da._decode_kernel, "finish": da._finish_kernel,
            "gluon": dg._body_kernel, "gluon_tma": getattr(dt, "_body_tma_kernel", None)}
 KERNELS = {k: v for k, v in KERNELS.items() if v is not None}
-FAST = {"triton": getattr(da, "_DECODE", None), "merge": getattr(da, "_MERGE", None),
+FAST = {"triton": getattr(da, "_DECODE", None), "finish": getattr(da, "_FINISH", None),
         "gluon": getattr(dg, "_BODY", None)}  # kvbits.kernels.launch.FastLaunch wrappers
 
 

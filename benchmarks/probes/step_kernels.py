@@ -28,7 +28,7 @@ def kind(name: str) -> str:
     n = name.lower()
     if any(s in n for s in ("gemv", "gemm", "cutlass", "xmma", "cublas", "splitk", "nvjet")):
         return "matmul"
-    if any(s in n for s in ("_decode_kernel", "_merge_kernel", "_quantize_", "_body", "gluon")):
+    if any(s in n for s in ("_decode_kernel", "_finish_kernel", "_quantize_", "_body", "gluon")):
         return "kvbits"
     if n.startswith("triton_"):
         return "inductor"

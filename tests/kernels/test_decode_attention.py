@@ -387,6 +387,31 @@ def test_poison_is_really_there():
     assert kv.k_scale[:, :, 2:].isnan().all() and kv.v_scale[:, :, 64:].isnan().all()
 
 
+# The finish kernel (the last launch: FP16 sink + residual when short, then the merge of every
+# split) against the reference, with the FP16 part attended inline or as Triton-kernel splits
+# (FINISH_FP_TOKENS 0), and merge tiles of one row or several (FINISH_TILE): ragged rows, sinks,
+# left padding, a window, 17 query rows of 7 heads (two m-tiles), a residual past the inline
+# limit, FP16 only, body only.
+FINISH_CASES = {
+    "ragged-sink": Case(B=3, HG=3, S=2, body=128, res=40, lengths=(170, 100, 9),
+                        starts=(0, 7, 1)),
+    "window-rows": Case(HG=7, Lq=17, body=96, res=33, S=1, window=50, splits=3),
+    "long-residual": Case(HG=2, body=64, res=300),
+    "fp16-only": Case(HG=4, S=3, body=0, res=70, lengths=(60,)),
+    "body-only": Case(HG=2, body=128, res=0, splits=4),
+}
+
+
+@pytest.mark.parametrize("tile", [1, 8192])
+@pytest.mark.parametrize("inline", [True, False])
+@pytest.mark.parametrize("name", list(FINISH_CASES))
+def test_finish_kernel_matches_reference(name, inline, tile, monkeypatch):
+    from kvbits.kernels import decode_attention as da
+    monkeypatch.setattr(da, "FINISH_FP_TOKENS", 256 if inline else 0)
+    monkeypatch.setattr(da, "FINISH_TILE", tile)
+    run_case(FINISH_CASES[name])
+
+
 def test_splits_zero_does_not_drop_the_body():
     c = Case(kb=4, vb=4, body=128, res=16, HG=2)
     run_case(c._replace(splits=0))
@@ -992,6 +1017,57 @@ def test_gluon_tma_body_matches_reference(c, monkeypatch):
     c16 = c._replace(lengths=None, starts=None, dtype=torch.bfloat16, seed=c.seed + 1)
     run_case(c16, kv=make_kv(c16, spare=8))  # bf16 queries and cache
     assert n == 3 and len(used) == 4, "the TMA kernel was not used for every call"
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("body,tma", [("triton", "0"), ("gluon", "0"), ("gluon", "1")])
+def test_finish_kernel_as_programmatic_dependent(body, tma, monkeypatch):
+    """The finish kernel launched as a programmatic dependent of the body kernel (Hopper): its
+    FP16 part may run while the body's programs still write their partials, so its merge must
+    wait for them. Bit for bit the output without PDL, eagerly and in a CUDA graph whose
+    replays see the lengths grow on the device (a captured decode loop)."""
+    from kvbits.kernels import decode_attention as da
+    from kvbits.kernels import decode_gluon, decode_gluon_tma
+    if not da._pdl_ok(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs sm_90 and a Triton with launch_pdl")
+    monkeypatch.setattr(decode_gluon_tma, "MODE", tma)
+    serve_small(monkeypatch, decode_gluon)
+    c = body_case(2, 32, 128, 4, 7)._replace(B=4, Hkv=8, lengths=None, starts=None, S=1,
+                                               body=32 * 300, res=100)
+    kv = make_kv(c, spare=8)
+    q, args = _query_and_args(c)
+    lens_dev = torch.tensor([1, 32 * 290, 60], dtype=torch.int32, device="cuda")
+
+    def call():
+        return kernel(q, kv, gluon=body == "gluon", lens_dev=lens_dev, **args)
+    outs = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(da, "PDL_ENABLED", pdl)
+        lens_dev.copy_(torch.tensor([1, 32 * 290, 60]))
+        eager = call()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            call()  # compile and warm outside the capture
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call()
+        replays = []
+        for step in range(12):
+            lens_dev.copy_(torch.tensor([1, 32 * 290 + 32 * (step % 3), 60 + step]))
+            graph.replay()
+            replays.append(out.clone())
+        torch.cuda.synchronize()
+        outs[pdl] = (eager, replays)
+    assert torch.equal(outs[True][0], outs[False][0])
+    for a, b in zip(outs[True][1], outs[False][1]):
+        assert torch.equal(a, b)
+    assert not torch.equal(outs[True][1][0], outs[True][1][1])  # the lengths did change it
+    import dataclasses
+    view = dataclasses.replace(kv, body_len=32 * 290, res_len=60)
+    compare(outs[True][0], reference(q, view, **args), c.dtype, "eager, PDL")
 
 
 # The uniform method's layout through the TMA ring (keys and values scaled per token over 64
@@ -1600,7 +1676,7 @@ def test_decode_steps_do_not_recompile(gluon):
     g = torch.Generator().manual_seed(8)
     store.append(*(torch.randn(2, 8, 2100, 128, generator=g).half().cuda() for _ in range(2)))
     q = torch.randn(2, 32, 1, 128, generator=g).half().cuda()
-    fns = (da._decode_kernel, da._merge_kernel, decode_gluon._body_kernel)
+    fns = (da._decode_kernel, da._finish_kernel, decode_gluon._body_kernel)
 
     def steps(n):
         for _ in range(n):

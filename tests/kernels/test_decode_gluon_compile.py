@@ -25,7 +25,8 @@ for cx in json.loads(sys.argv[1]):
     ir = c.asm["ttgir"]
     out.append({"mma": "mma" in ir, "local_alloc": ir.count("local_alloc"),
                 "shared": c.metadata.shared, "shfl": c.asm["ptx"].count("shfl.sync"),
-                "prefetch": c.asm["ptx"].count("prefetch.global.L2")})
+                "prefetch": c.asm["ptx"].count("prefetch.global.L2"),
+                "pdl": c.asm["ptx"].count("griddepcontrol.launch_dependents")})
 print(json.dumps(out))
 '''
 
@@ -66,8 +67,9 @@ CONFIGS = [
     # keys per token at head_dim 256 (TOKEN_KEYS_WIDE): one 64-channel key group per chunk
     {**BASE, "HG": 2, "D": 256, "KBITS": 4, "VBITS": 4, "G": 64, "GV": 64, "GK": 64,
      "K_TOK": True},
-    # a sliding window and Gemma2's softcapping (2 bits; 3-bit KVQuant at head_dim 256)
-    {**BASE, "HAS_WINDOW": True, "SOFTCAP": True},
+    # a sliding window and Gemma2's softcapping (2 bits; 3-bit KVQuant at head_dim 256); the
+    # finish kernel launched as a programmatic dependent (PDL)
+    {**BASE, "HAS_WINDOW": True, "SOFTCAP": True, "PDL": True},
     {**BASE, "HG": 2, "D": 256, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 3, "VOUT": 3,
      "ROPE": True, "Q_RELOAD": True, "HAS_WINDOW": True, "SOFTCAP": True},
     # several query rows per sequence as more columns (speculative verification): 4 heads x 3
@@ -90,6 +92,7 @@ def test_body_kernel_compiles_for_sm90_without_shared_memory_tiles(compile_sm90)
         assert r["shfl"] <= 64, r
         # the next step's bytes are asked for (PF=1): key/value words and their scales/zeros
         assert r["prefetch"] >= 6, r
+    assert [r["pdl"] for r in results] == [int(cx.get("PDL", False)) for cx in CONFIGS]
     assert mixed["prefetch"] == 0, mixed  # PF=0: none
     # mixed widths: only P (64 tokens x 8 heads, fp16) crosses shared memory, to be permuted
     # from the keys' token order to the values'; no K or V tile does
@@ -107,7 +110,7 @@ for cx in json.loads(sys.argv[1]):
     ptx = c.asm["ptx"]
     out.append({"mma": "mma.sync" in ptx, "tma": ptx.count("cp.async.bulk.tensor"),
                 "shfl": ptx.count("shfl.sync"), "st_shared": ptx.count("st.shared"),
-                "shared": c.metadata.shared})
+                "shared": c.metadata.shared, "pdl": ptx.count("griddepcontrol.launch_dependents")})
 print(json.dumps(out))
 '''
 
@@ -126,7 +129,7 @@ TMA_CONFIGS = [  # 2 bits, 3 stages, GQA 4, device lengths; 4 bits, 2 stages, 16
      "HAS_LENS": True, "LENS_DEV": False, "NS": 3, "LQ": 5},
     # the uniform method: keys and values scaled per token over 64 channels
     {"HG": 4, "HP": 8, "D": 128, "BITS": 4, "G": 64, "GV": 64, "HAS_STARTS": True,
-     "HAS_LENS": True, "LENS_DEV": True, "NS": 2, "K_TOK": True},
+     "HAS_LENS": True, "LENS_DEV": True, "NS": 2, "K_TOK": True, "PDL": True},
 ]
 
 
@@ -146,6 +149,7 @@ def test_tma_body_kernel_compiles_for_sm90(compile_sm90):
                            + 2 * value_scales)
         assert r["mma"] and r["tma"] >= 6 and r["shared"] >= ring, (cx, r)
         assert r["shfl"] <= 64 and r["st_shared"] <= 16, (cx, r)
+        assert r["pdl"] == int(cx.get("PDL", False)), (cx, r)  # lets the finish kernel start
 
 
 def test_q_reload_rule():

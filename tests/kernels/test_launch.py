@@ -226,4 +226,4 @@ def test_repeated_decode_calls_match_the_reference(preset, monkeypatch):
             want = reference(q.float(), kv, scale=0.088)
             err = (got.float() - want).norm() / want.norm()
             assert err < 1e-2, (T, rep, float(err))
-    assert da._MERGE._plans
+    assert da._FINISH._plans

@@ -418,6 +418,24 @@ def _attend_fp16(q, k_base, v_base, lo, hi, pos0, pos, start, length, window, m_
     return m_i, l_i, acc
 
 
+
+@triton.jit
+def _attend_sink_residual(q, SinkK, SinkV, ResK, ResV, bh64, i_lo, i_hi, sink_len, body_len,
+                          sink_cap, res_cap, start, pos, length, window, m_i, l_i, acc, offs_d,
+                          d_ok, softcap, D: tl.constexpr, BLOCK_FP: tl.constexpr,
+                          HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+    """FP16 tokens ``[i_lo, i_hi)`` of one (sequence, KV head): index ``i < sink_len`` is sink
+    token ``i`` (the sequence's own i-th token, at position ``start + i``), else residual token
+    ``i - sink_len`` (after the body)."""
+    m_i, l_i, acc = _attend_fp16(q, SinkK + bh64 * sink_cap * D, SinkV + bh64 * sink_cap * D,
+                                 i_lo, tl.minimum(i_hi, sink_len), start, pos, start, length,
+                                 window, m_i, l_i, acc, offs_d, d_ok, softcap, D, BLOCK_FP,
+                                 HAS_WINDOW, SOFTCAP)
+    return _attend_fp16(q, ResK + bh64 * res_cap * D, ResV + bh64 * res_cap * D,
+                        tl.maximum(i_lo, sink_len) - sink_len, i_hi - sink_len,
+                        sink_len + body_len, pos, start + sink_len, length, window,
+                        m_i, l_i, acc, offs_d, d_ok, softcap, D, BLOCK_FP, HAS_WINDOW, SOFTCAP)
+
 @triton.jit
 def _body_tile(c_base, s_base, z_base, cb_ptr, oi_base, ov_base, g0, g_hi, offs_t, offs_d, d_ok,
                PER_TOKEN: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, GPT: tl.constexpr,
@@ -436,6 +454,47 @@ def _body_tile(c_base, s_base, z_base, cb_ptr, oi_base, ov_base, g0, g_hi, offs_
     if NOUT > 0:
         x = _add_outliers(x, oi_base, ov_base, offs_t, g_hi * G, offs_d, NOUT, USE_PRMT)
     return x
+
+
+@triton.jit
+def _query_tile(Q, Starts, Lens, pid, m_tiles, Hkv, Lq, qk_scale, total_len, HG: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                HAS_STARTS: tl.constexpr, HAS_LENS: tl.constexpr):
+    """The query rows of program ``pid`` (one m-tile of one (sequence, KV head)): row ``m`` is
+    head ``h*HG + m // Lq``, query index ``m % Lq``; its position, its row of ``q`` and the
+    scaled query tile ``[BLOCK_M, BLOCK_D]`` (``scale * log2(e)``)."""
+    mt = pid % m_tiles
+    bh = pid // m_tiles
+    h = bh % Hkv
+    b = bh // Hkv
+    start = 0
+    length = total_len
+    if HAS_STARTS:
+        start = tl.load(Starts + b)
+    if HAS_LENS:
+        length = tl.load(Lens + b)
+    offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < HG * Lq
+    head = h * HG + offs_m // Lq
+    qi = offs_m % Lq
+    pos = length - Lq + qi  # [M] position of each query row
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    q_row = (b.to(tl.int64) * Hkv * HG + head) * Lq + qi  # row of q in [B*Hq*Lq, D]
+    q = tl.load(Q + q_row[:, None] * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :],
+                other=0.0)
+    q = (q.to(tl.float32) * qk_scale).to(Q.dtype.element_ty)
+    return mt, h, bh.to(tl.int64), start, length, offs_m, m_ok, pos, offs_d, d_ok, q_row, q
+
+
+@triton.jit
+def _store_partial(Out, Lse, o_row, acc, m_i, l_i, offs_d, m_ok, d_ok, D: tl.constexpr):
+    """A split's normalised partial output and base-2 log-sum-exp (-inf if it saw nothing)."""
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    tl.store(Out + o_row[:, None] * D + offs_d[None, :], acc / l_safe[:, None],
+             mask=m_ok[:, None] & d_ok[None, :])
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+    tl.store(Lse + o_row, lse, mask=m_ok)
 
 
 # Integers that change from one decode step to the next (lengths, split geometry) are not
@@ -464,6 +523,7 @@ def _decode_kernel(
     USE_PRMT: tl.constexpr, FP8: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_LENS: tl.constexpr,
     K_CB: tl.constexpr, V_CB: tl.constexpr, K_OUT: tl.constexpr, V_OUT: tl.constexpr,
     PRE_ROPE: tl.constexpr, LENS_DEV: tl.constexpr, SOFTCAP: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     if LENS_DEV:  # (sink, body, residual) lengths on the device; the ints are only bounds
@@ -472,31 +532,11 @@ def _decode_kernel(
         res_len = tl.load(LenTab + 2)
     split = tl.program_id(1) + split0  # columns [0, split0) are written by another kernel
     n_splits = n_out
-    mt = pid % m_tiles
-    bh = pid // m_tiles
-    h = bh % Hkv
-    b = bh // Hkv
-    bh64 = bh.to(tl.int64)
-
-    start = 0
-    length = sink_len + body_len + res_len
-    if HAS_STARTS:
-        start = tl.load(Starts + b)
-    if HAS_LENS:
-        length = tl.load(Lens + b)
-
-    # Query rows of this KV head: row m -> head h*HG + m // Lq, query index m % Lq.
-    offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < HG * Lq
-    head = h * HG + offs_m // Lq
-    qi = offs_m % Lq
-    pos = length - Lq + qi  # [M] position of each query row
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    q_row = (b.to(tl.int64) * Hkv * HG + head) * Lq + qi  # row of q in [B*Hq*Lq, D]
-    q = tl.load(Q + q_row[:, None] * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :],
-                other=0.0)
-    q = (q.to(tl.float32) * qk_scale).to(Q.dtype.element_ty)  # [M, D], scale * log2(e)
+    _mt, h, bh64, start, length, _offs_m, m_ok, pos, offs_d, d_ok, q_row, q = _query_tile(
+        Q, Starts, Lens, pid, m_tiles, Hkv, Lq, qk_scale, sink_len + body_len + res_len, HG,
+        BLOCK_M, BLOCK_D, D, HAS_STARTS, HAS_LENS)
+    if PDL:  # the finish kernel may start while this one runs (it waits before merging)
+        tl.extra.cuda.gdc_launch_dependents()
     o_row = q_row * n_splits + split  # Out is [B*Hq*Lq, n_splits, D]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -579,59 +619,92 @@ def _decode_kernel(
                                GV, EVEN_D, USE_PRMT, V_CB, V_OUT)
             acc = acc * alpha[:, None] + tl.dot(p.to(Q.dtype.element_ty), v.to(Q.dtype.element_ty))
     else:
-        # FP16 tokens: index i < sink_len is sink token i (the sequence's own i-th token, at
-        # position start + i), else residual token i - sink_len.
+        # FP16 tokens (_attend_sink_residual)
         fs = split - n_body_splits
         i_lo = fs * fp_per_split
-        i_hi = tl.minimum(i_lo + fp_per_split, sink_len + res_len)
-        m_i, l_i, acc = _attend_fp16(q, SinkK + bh64 * sink_cap * D, SinkV + bh64 * sink_cap * D,
-                                     i_lo, tl.minimum(i_hi, sink_len), start, pos, start, length,
-                                     window, m_i, l_i, acc, offs_d, d_ok, softcap, D, BLOCK_FP,
-                                     HAS_WINDOW, SOFTCAP)
-        m_i, l_i, acc = _attend_fp16(q, ResK + bh64 * res_cap * D, ResV + bh64 * res_cap * D,
-                                     tl.maximum(i_lo, sink_len) - sink_len, i_hi - sink_len,
-                                     sink_len + body_len, pos, start + sink_len, length, window,
-                                     m_i, l_i, acc, offs_d, d_ok, softcap, D, BLOCK_FP,
-                                     HAS_WINDOW, SOFTCAP)
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        m_i, l_i, acc = _attend_sink_residual(
+            q, SinkK, SinkV, ResK, ResV, bh64, i_lo,
+            tl.minimum(i_lo + fp_per_split, sink_len + res_len), sink_len, body_len, sink_cap,
+            res_cap, start, pos, length, window, m_i, l_i, acc, offs_d, d_ok, softcap, D,
+            BLOCK_FP, HAS_WINDOW, SOFTCAP)
     if FP8:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if split < n_body_splits:
             acc = acc * tl.load(VS + bh64 * vs_slice)
-    tl.store(Out + o_row[:, None] * D + offs_d[None, :], acc / l_safe[:, None],
-             mask=m_ok[:, None] & d_ok[None, :])
-    # Base-2 log-sum-exp of this split (-inf if it saw nothing).
-    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
-    tl.store(Lse + o_row, lse, mask=m_ok)
+    _store_partial(Out, Lse, o_row, acc, m_i, l_i, offs_d, m_ok, d_ok, D)
 
 
-@triton.jit(do_not_specialize=("n_splits",))
-def _merge_kernel(Out, Lse, O, n_splits, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_S: tl.constexpr):
-    """Merge the per-split partials of one query row: weights exp2(lse_s - max)."""
-    row = tl.program_id(0).to(tl.int64)
+@triton.jit(do_not_specialize=("sink_len", "res_len", "n_out"))
+def _finish_kernel(
+    Q, Out, Lse, O,
+    SinkK, SinkV, ResK, ResV, Starts, Lens, LenTab,
+    qk_scale, window, softcap, sink_len, body_len, res_len, sink_cap, res_cap,
+    Hkv, Lq, m_tiles, n_out,
+    HG: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_FP: tl.constexpr, BLOCK_S: tl.constexpr, ROWS: tl.constexpr, HAS_FP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_LENS: tl.constexpr,
+    LENS_DEV: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr,
+):
+    """The last launch of a decode step, one program per m-tile of a (sequence, KV head): with
+    ``HAS_FP``, attention over the whole FP16 sink and residual (written as the last partial
+    column), then the merge of every split of its query rows (weights ``exp2(lse_s - max)``).
+    With ``PDL`` it was launched as a programmatic dependent of the body kernel: the FP16 part
+    runs while the body finishes, and ``gdc_wait`` holds the merge until the body's partials
+    are written."""
+    pid = tl.program_id(0)
+    if LENS_DEV:  # (sink, body, residual) lengths on the device; the ints are only bounds
+        sink_len = tl.load(LenTab)
+        body_len = tl.load(LenTab + 1)
+        res_len = tl.load(LenTab + 2)
+    mt, _h, bh64, start, length, _offs_m, m_ok, pos, offs_d, d_ok, q_row, q = _query_tile(
+        Q, Starts, Lens, pid, m_tiles, Hkv, Lq, qk_scale, sink_len + body_len + res_len, HG,
+        BLOCK_M, BLOCK_D, D, HAS_STARTS, HAS_LENS)
+    if HAS_FP:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        m_i, l_i, acc = _attend_sink_residual(
+            q, SinkK, SinkV, ResK, ResV, bh64, 0, sink_len + res_len, sink_len, body_len,
+            sink_cap, res_cap, start, pos, length, window, m_i, l_i, acc, offs_d, d_ok, softcap,
+            D, BLOCK_FP, HAS_WINDOW, SOFTCAP)
+        _store_partial(Out, Lse, q_row * n_out + n_out - 1, acc, m_i, l_i, offs_d, m_ok, d_ok, D)
+        tl.debug_barrier()  # the merge below reads that column back, from other threads
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    # Merge ROWS query rows at a time: their rows of Out are contiguous per (sequence, KV head).
+    n_rows = tl.minimum(HG * Lq - mt * BLOCK_M, BLOCK_M)
+    row0 = bh64 * (HG * Lq) + mt * BLOCK_M
+    offs_r = tl.arange(0, ROWS)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < n_splits
-    lse = tl.load(Lse + row * n_splits + offs_s, mask=s_ok, other=float("-inf"))
-    mx = tl.max(lse, axis=0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.exp2(lse - mx)
-    o = tl.load(Out + (row * n_splits + offs_s[:, None]) * D + offs_d[None, :],
-                mask=s_ok[:, None] & (offs_d < D)[None, :], other=0.0)
-    total = tl.sum(w, axis=0)
-    res = tl.sum(o * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(O + row * D + offs_d, res.to(O.dtype.element_ty), mask=offs_d < D)
-
+    s_ok = offs_s < n_out
+    for r0 in range(0, n_rows, ROWS):
+        r_ok = r0 + offs_r < n_rows
+        row = row0 + r0 + offs_r
+        lse = tl.load(Lse + row[:, None] * n_out + offs_s[None, :],
+                      mask=r_ok[:, None] & s_ok[None, :], other=float("-inf"))
+        mx = tl.max(lse, axis=1)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        w = tl.exp2(lse - mx[:, None])  # [ROWS, BLOCK_S]
+        o = tl.load(Out + (row[:, None, None] * n_out + offs_s[None, :, None]) * D
+                    + offs_d[None, None, :],
+                    mask=(r_ok[:, None] & s_ok[None, :])[:, :, None] & d_ok[None, None, :],
+                    other=0.0)
+        total = tl.sum(w, axis=1)
+        res = tl.sum(o * w[:, :, None], axis=1) / tl.where(total == 0.0, 1.0, total)[:, None]
+        tl.store(O + row[:, None] * D + offs_d[None, :], res.to(O.dtype.element_ty),
+                 mask=r_ok[:, None] & d_ok[None, :])
 
 _DECODE = FastLaunch(_decode_kernel)
-_MERGE = FastLaunch(_merge_kernel)
+_FINISH = FastLaunch(_finish_kernel)
 # Their keywords, built once per combination (launch.keyword_maker), in this order:
 _DECODE_KEYWORDS = keyword_maker((
     "HG", "D", "BLOCK_D", "BLOCK_M", "KBITS", "VBITS", "G", "GPT", "GK", "GV", "K_PER_TOKEN",
     "V_PER_TOKEN", "BLOCK_FP", "HAS_WINDOW", "EVEN_D", "USE_PRMT", "FP8", "HAS_STARTS",
-    "HAS_LENS", "K_CB", "V_CB", "K_OUT", "V_OUT", "PRE_ROPE", "LENS_DEV", "SOFTCAP", "num_warps",
-    "num_stages"))
-_MERGE_KEYWORDS = keyword_maker(("D", "BLOCK_D", "BLOCK_S"))
+    "HAS_LENS", "K_CB", "V_CB", "K_OUT", "V_OUT", "PRE_ROPE", "LENS_DEV", "SOFTCAP", "PDL",
+    "num_warps", "num_stages"))
+_FINISH_NAMES = ("HG", "D", "BLOCK_D", "BLOCK_M", "BLOCK_FP", "BLOCK_S", "ROWS", "HAS_FP",
+                 "HAS_WINDOW", "HAS_STARTS", "HAS_LENS", "LENS_DEV", "SOFTCAP", "PDL", "num_warps")
+_FINISH_KEYWORDS = keyword_maker(_FINISH_NAMES)
+_FINISH_KEYWORDS_PDL = keyword_maker((*_FINISH_NAMES, "launch_pdl"))
 
 
 def reads(kv: PackedKV) -> bool:
@@ -665,6 +738,14 @@ GLUON_ENABLED = os.environ.get("KVBITS_GLUON", "1") != "0"
 # per token without register spills on sm_90 (see benchmarks/results/README.md).
 DEFAULT_TILE_TOKENS = 128
 DEFAULT_WARPS = 4
+# FP16 tokens (sink + residual) up to which the finish kernel attends them itself: a decode
+# step's residual (R + G - 1) and sink, without a launch of their own.
+FINISH_FP_TOKENS = 256
+# Elements of the finish kernel's merge tile [rows, splits, head_dim] (64 fp32 per thread).
+FINISH_TILE = 8192
+# Programmatic dependent launch (Hopper on): the finish kernel starts while the body kernel
+# ends, its FP16 part overlapping the body's tail. KVBITS_PDL=0 turns it off.
+PDL_ENABLED = os.environ.get("KVBITS_PDL", "1") != "0"
 # Offsets inside one (sequence, head) slice of a kv tensor are int32 (the slice bases are int64).
 SLICE_ELEMENTS_MAX = 2**31
 
@@ -776,13 +857,16 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
             kv.body_len, req_splits or decode_gluon.body_splits(B * Hkv, kv.body_len, sms, D))
     BLOCK_FP = 64 if BLOCK_D <= 128 else 32
     n_fp = kv.sink_len + kv.res_len
-    fp_splits = num_splits(bhm, _cdiv(n_fp, BLOCK_FP), sms) if n_fp else 0
-    if not splits and not fp_splits:
+    # A short FP16 part (a decode step's sink and residual) is attended by the finish kernel,
+    # which merges anyway; a long one (an FP16 cache, a prompt not yet quantized) gets splits.
+    fp_inline = 0 < n_fp <= FINISH_FP_TOKENS
+    fp_splits = num_splits(bhm, _cdiv(n_fp, BLOCK_FP), sms) if n_fp and not fp_inline else 0
+    if not splits and not n_fp:
         return torch.zeros_like(q)
     fp_per_split = _cdiv(_cdiv(n_fp, fp_splits), BLOCK_FP) * BLOCK_FP if fp_splits else 1
     if fp_splits:
         fp_splits = _cdiv(n_fp, fp_per_split)
-    n_total = splits + fp_splits
+    n_total = splits + fp_splits + fp_inline  # partial columns; the finish kernel's is the last
     out = torch.empty(B * Hq * Lq, n_total, D, dtype=torch.float32, device=dev)
     lse = torch.empty(B * Hq * Lq, n_total, dtype=torch.float32, device=dev)
     # Scale/zero axes: "channel" = [groups, D] per (G-token group, channel); "token" = [tokens,
@@ -805,14 +889,15 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
         t = t if dtype is None else t.to(dtype)
         return t.contiguous()
     split0 = 0
+    pdl = PDL_ENABLED and _pdl_ok(dev)
     if gluon:
         decode_gluon.attend_body(q, kv, out, lse, scale_log2=scale * LOG2E, starts=starts,
                                  lengths=lengths, has_starts=has_starts, has_lens=has_lens,
                                  n_out=n_total, splits=splits, lens_dev=lens_dev,
-                                 window=window, softcap=softcap)
+                                 window=window, softcap=softcap, pdl=pdl)
         split0 = splits
-    if n_total > split0:  # the Triton kernel: every split, or only the FP16 ones
-        _DECODE.launch((bhm, n_total - split0), (
+    if splits + fp_splits > split0:  # the Triton kernel: every split, or only the FP16 ones
+        _DECODE.launch((bhm, splits + fp_splits - split0), (
             q, out, lse,
             kv.sink_k, kv.sink_v, kv.res_k, kv.res_v,
             kv.k_codes, kv.k_scale, k_zero, kv.v_codes, kv.v_scale, v_zero,
@@ -835,12 +920,31 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
             k_tok, v_tok, BLOCK_FP, window is not None, D == BLOCK_D, use_prmt, fp8, has_starts,
             has_lens, kcb is not None, vcb is not None,
             koi.shape[3] if koi is not None else 0, voi.shape[3] if voi is not None else 0,
-            inv_freq is not None, lens_dev is not None, softcap is not None,
+            inv_freq is not None, lens_dev is not None, softcap is not None, pdl,
             num_warps or DEFAULT_WARPS, 2 if BLOCK_D <= 128 else 1))
+    # A programmatic dependent only of a kernel launched just above (never of the kernel that
+    # appended the residual it reads).
+    pdl = pdl and splits + fp_splits > 0
     o = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=dev)
-    _MERGE.launch((B * Hq * Lq,), (out, lse, o, n_total),
-                  _MERGE_KEYWORDS(D, BLOCK_D, max(2, _next_pow2(n_total))))
+    BLOCK_S = max(2, _next_pow2(n_total))
+    rows = max(1, min(_next_pow2(min(M, BLOCK_M)), FINISH_TILE // (BLOCK_S * BLOCK_D)))
+    _FINISH.launch((bhm,), (
+        q, out, lse, o, kv.sink_k, kv.sink_v, kv.res_k, kv.res_v,
+        starts, lengths, lens_dev if lens_dev is not None else q,
+        scale * LOG2E, int(window) if window is not None else 0,
+        float(softcap) if softcap is not None else 1.0,
+        kv.sink_len, kv.body_len, kv.res_len, kv.sink_k.shape[2], kv.res_k.shape[2],
+        Hkv, Lq, m_tiles, n_total,
+    ), _finish_keywords(
+        HG, D, BLOCK_D, BLOCK_M, BLOCK_FP, BLOCK_S, rows, fp_inline, window is not None,
+        has_starts, has_lens, lens_dev is not None, softcap is not None, pdl, DEFAULT_WARPS))
     return o
+
+
+def _finish_keywords(*values):
+    """The finish kernel's keywords; launched as a programmatic dependent where ``PDL``."""
+    kw = _FINISH_KEYWORDS(*values)
+    return _FINISH_KEYWORDS_PDL(*values, True) if kw.kwargs["PDL"] else kw
 
 
 def _rope_table(inv_freq: torch.Tensor, n: int) -> torch.Tensor:
@@ -870,6 +974,25 @@ def rope_cos_sin(inv_freq: torch.Tensor, offsets, key=None) -> torch.Tensor:
 
 # Triton reads TRITON_INTERPRET when a kernel is defined, so it cannot change afterwards either.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_PDL_OK: dict = {}
+
+
+def _pdl_ok(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may be launched as programmatic dependents: sm_90+, not
+    under ``TRITON_INTERPRET``, and a Triton whose CUDA launcher takes ``launch_pdl``."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _PDL_OK:
+        try:
+            from triton.backends.nvidia.compiler import CUDAOptions
+            has = "launch_pdl" in CUDAOptions.__dataclass_fields__
+        except (ImportError, AttributeError):
+            has = False
+        _PDL_OK[idx] = has and torch.cuda.get_device_capability(idx)[0] >= 9
+    return _PDL_OK[idx]
 
 
 def _use_prmt(device: torch.device) -> bool:

@@ -1180,6 +1180,13 @@ if gluon is not None:
     # the same, called from the host: a constexpr_function call costs ~7 us there (every step)
     chunks_of = head_chunks.fn
 
+    @gluon.jit
+    def _launch_dependents():
+        """``griddepcontrol.launch_dependents``: a kernel launched after this one as a
+        programmatic dependent (``launch_pdl``) may start once every program has passed here."""
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
     # Step-varying integers are not specialized (see decode_attention._STEP_VARYING).
     @gluon.jit(do_not_specialize=("sink_len", "res_len", "n_out", "steps_per_split"))
     def _body_kernel(
@@ -1195,7 +1202,10 @@ if gluon is not None:
         Q_RELOAD: gl.constexpr = False,
         KOUT: gl.constexpr = 0, VOUT: gl.constexpr = 0, ROPE: gl.constexpr = False,
         HAS_WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False, LQ: gl.constexpr = 1,
+        PDL: gl.constexpr = False,
     ):
+        if PDL:  # the finish kernel may be scheduled now (it waits for this one to merge)
+            _launch_dependents()
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                       instr_shape=[16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -1552,7 +1562,7 @@ _BODY = FastLaunch(_body_kernel) if gluon is not None else None  # (kernels.laun
 # Its keywords, built once per combination (launch.keyword_maker), in this order (+ maxnreg):
 _BODY_NAMES = ("HG", "HP", "D", "KBITS", "VBITS", "G", "GV", "HAS_STARTS", "HAS_LENS", "GK",
                "K_TOK", "LENS_DEV", "PF", "PF_L1", "PF_AFTER", "EARLY_V", "CB", "KOUT", "VOUT",
-               "ROPE", "Q_RELOAD", "HAS_WINDOW", "SOFTCAP", "LQ", "num_warps")
+               "ROPE", "Q_RELOAD", "HAS_WINDOW", "SOFTCAP", "LQ", "PDL", "num_warps")
 _BODY_KEYWORDS = keyword_maker(_BODY_NAMES)
 _BODY_KEYWORDS_MAXNREG = keyword_maker(_BODY_NAMES + ("maxnreg",))
 
@@ -1744,7 +1754,7 @@ def split_count(body_len: int, splits: int) -> int:
 def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_starts: bool,
                 has_lens: bool, n_out: int, splits: int, maxnreg: int | None = None,
                 lens_dev=None, prefetch: int | None = None, window: int | None = None,
-                softcap: float | None = None) -> None:
+                softcap: float | None = None, pdl: bool = False) -> None:
     """Write the body partials of ``q [B, Hq, Lq, D]`` over ``kv`` into columns ``[0, splits)``
     of ``out [B*Hq*Lq, n_out, D]`` / ``lse [B*Hq*Lq, n_out]``. Several query rows (speculative
     verification, short chunks) are more columns of the MMA: a row is a head of its own
@@ -1753,7 +1763,8 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
     :func:`split_count`'s (every split non-empty). ``lens_dev``: int32 ``[3]`` true (sink, body,
     residual) lengths on the device, ``kv``'s being bounds (splits past the true body end
     write empty partials). ``window``: a sliding window (tokens the query sees, itself
-    included); ``softcap``: Gemma2's attention-logit softcapping, both as in the reference."""
+    included); ``softcap``: Gemma2's attention-logit softcapping, both as in the reference.
+    ``pdl``: the next launch is a programmatic dependent (the finish kernel): let it start."""
     Hkv = kv.kv_heads
     k_tok = getattr(kv, "key_axis", "channel") == "token"
     from . import decode_gluon_tma  # (imports this module: imported here, not at the top)
@@ -1762,7 +1773,7 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         decode_gluon_tma.attend_body(q, kv, out, lse, scale_log2=scale_log2, starts=starts,
                                      lengths=lengths, has_starts=has_starts, has_lens=has_lens,
                                      n_out=n_out, splits=splits, lens_dev=lens_dev,
-                                     window=window, softcap=softcap)
+                                     window=window, softcap=softcap, pdl=pdl)
         return
     q, HG, Lq = query_rows_as_heads(q, Hkv)
     B, _, _, D = q.shape
@@ -1787,7 +1798,7 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         inv_freq is not None,
         q_reload(D, kv.key_bits, kcb is not None, B * Hkv,
                  full=koi is not None or voi is not None or inv_freq is not None),
-        window is not None, softcap is not None, Lq, 1)
+        window is not None, softcap is not None, Lq, pdl, 1)
     _BODY.launch((B * Hkv, splits), (
         q, out, lse, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero,
         starts, lengths, lens_dev if lens_dev is not None else starts,

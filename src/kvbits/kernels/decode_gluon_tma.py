@@ -392,7 +392,10 @@ if gluon is not None:
         GV: gl.constexpr, HAS_STARTS: gl.constexpr, HAS_LENS: gl.constexpr,
         LENS_DEV: gl.constexpr, NS: gl.constexpr, HAS_WINDOW: gl.constexpr = False,
         SOFTCAP: gl.constexpr = False, LQ: gl.constexpr = 1, K_TOK: gl.constexpr = False,
+        PDL: gl.constexpr = False,
     ):
+        if PDL:  # the finish kernel may be scheduled now (it waits for this one to merge)
+            dg._launch_dependents()
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                       instr_shape=[16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -645,7 +648,7 @@ def _descriptors(kv):
 
 def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_starts: bool,
                 has_lens: bool, n_out: int, splits: int, lens_dev=None, window=None,
-                softcap=None, maxnreg: int = 0) -> None:
+                softcap=None, maxnreg: int = 0, pdl: bool = False) -> None:
     """``decode_gluon.attend_body`` for :func:`eligible` layers, through the TMA ring
     (``q [B, Hq, Lq, D]``: its rows as columns, as there). ``maxnreg``: a register cap (0: none;
     probes only, ``benchmarks/probes/tma_maxnreg_ab.py``)."""
@@ -668,4 +671,4 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         HG=HG, HP=8 if HG <= 8 else 16, D=D, BITS=bits, G=kv.group_size, GV=kv.value_group,
         HAS_STARTS=has_starts, HAS_LENS=has_lens, LENS_DEV=lens_dev is not None,
         NS=STAGES[bits], HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, LQ=Lq,
-        K_TOK=k_tok, num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}))
+        K_TOK=k_tok, PDL=pdl, num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}))
