@@ -3,8 +3,9 @@
 Variants of one ``decode_attention`` call (CUDA-graph time, best of three medians of
 ``do_bench_cudagraph``, alternated; eager median of ``do_bench`` for two of them):
 
-* ``split``: the FP16 sink/residual as Triton-kernel splits (their own launch, the session-29
-  structure), then the finish kernel as a plain merge;
+* ``split``: the FP16 sink/residual as Triton-kernel splits (their own launch), then the
+  finish kernel as a plain merge, one program per query row (the session-29 structure and the
+  default);
 * ``inline``: the finish kernel attends the FP16 part itself (one launch fewer);
 * ``inline+pdl``: that, launched as a programmatic dependent of the body kernel (its FP16 part
   runs while the body's last programs finish; it waits before merging);
@@ -35,8 +36,8 @@ ROWS = [(8, 32, 8, 32768, "kivi-2"), (8, 32, 8, 32768, "kivi-4"),
         (1, 32, 8, 131072, "kivi-2"), (1, 32, 8, 4096, "kivi-2"), (32, 32, 8, 32768, "kivi-2"),
         (8, 32, 8, 32768, "kivi-3"), (8, 32, 8, 32768, "fp8-dynamic"),
         (8, 32, 8, 32768, "kvquant-3")]
-VARIANTS = {"split": (0, False), "inline": (da.FINISH_FP_TOKENS, False),
-            "inline+pdl": (da.FINISH_FP_TOKENS, True), "split+pdl": (0, True)}
+VARIANTS = {"split": (0, False), "inline": (256, False), "inline+pdl": (256, True),
+            "split+pdl": (0, True)}
 SCALE = 128 ** -0.5
 
 

@@ -1021,8 +1021,9 @@ def test_gluon_tma_body_matches_reference(c, monkeypatch):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp_tokens", [0, 256])
 @pytest.mark.parametrize("body,tma", [("triton", "0"), ("gluon", "0"), ("gluon", "1")])
-def test_finish_kernel_as_programmatic_dependent(body, tma, monkeypatch):
+def test_finish_kernel_as_programmatic_dependent(body, tma, fp_tokens, monkeypatch):
     """The finish kernel launched as a programmatic dependent of the body kernel (Hopper): its
     FP16 part may run while the body's programs still write their partials, so its merge must
     wait for them. Bit for bit the output without PDL, eagerly and in a CUDA graph whose
@@ -1032,6 +1033,7 @@ def test_finish_kernel_as_programmatic_dependent(body, tma, monkeypatch):
     if not da._pdl_ok(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs sm_90 and a Triton with launch_pdl")
     monkeypatch.setattr(decode_gluon_tma, "MODE", tma)
+    monkeypatch.setattr(da, "FINISH_FP_TOKENS", fp_tokens)  # FP16 part: splits, or inline
     serve_small(monkeypatch, decode_gluon)
     c = body_case(2, 32, 128, 4, 7)._replace(B=4, Hkv=8, lengths=None, starts=None, S=1,
                                                body=32 * 300, res=100)

@@ -644,9 +644,10 @@ def _finish_kernel(
     HAS_WINDOW: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_LENS: tl.constexpr,
     LENS_DEV: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr,
 ):
-    """The last launch of a decode step, one program per m-tile of a (sequence, KV head): with
-    ``HAS_FP``, attention over the whole FP16 sink and residual (written as the last partial
-    column), then the merge of every split of its query rows (weights ``exp2(lse_s - max)``).
+    """The last launch of a decode step, per m-tile of a (sequence, KV head): with ``HAS_FP``
+    (one program), attention over the whole FP16 sink and residual (written as the last partial
+    column), then the merge of every split of its query rows (weights ``exp2(lse_s - max)``;
+    without ``HAS_FP`` the rows are shared by the programs of the grid's second axis).
     With ``PDL`` it was launched as a programmatic dependent of the body kernel: the FP16 part
     runs while the body finishes, and ``gdc_wait`` holds the merge until the body's partials
     are written."""
@@ -670,13 +671,14 @@ def _finish_kernel(
         tl.debug_barrier()  # the merge below reads that column back, from other threads
     if PDL:
         tl.extra.cuda.gdc_wait()
-    # Merge ROWS query rows at a time: their rows of Out are contiguous per (sequence, KV head).
+    # Merge ROWS query rows at a time (their rows of Out are contiguous per (sequence, KV
+    # head)); without an FP16 part, programs along the grid's second axis share the rows.
     n_rows = tl.minimum(HG * Lq - mt * BLOCK_M, BLOCK_M)
     row0 = bh64 * (HG * Lq) + mt * BLOCK_M
     offs_r = tl.arange(0, ROWS)
     offs_s = tl.arange(0, BLOCK_S)
     s_ok = offs_s < n_out
-    for r0 in range(0, n_rows, ROWS):
+    for r0 in range(tl.program_id(1) * ROWS, n_rows, ROWS * tl.num_programs(1)):
         r_ok = r0 + offs_r < n_rows
         row = row0 + r0 + offs_r
         lse = tl.load(Lse + row[:, None] * n_out + offs_s[None, :],
@@ -738,14 +740,16 @@ GLUON_ENABLED = os.environ.get("KVBITS_GLUON", "1") != "0"
 # per token without register spills on sm_90 (see benchmarks/results/README.md).
 DEFAULT_TILE_TOKENS = 128
 DEFAULT_WARPS = 4
-# FP16 tokens (sink + residual) up to which the finish kernel attends them itself: a decode
-# step's residual (R + G - 1) and sink, without a launch of their own.
-FINISH_FP_TOKENS = 256
+# FP16 tokens (sink + residual) up to which the finish kernel attends them itself (a decode
+# step's residual, R + G - 1, and sink) instead of the Triton kernel's splits in a launch of
+# their own (KVBITS_FINISH_FP_TOKENS, e.g. 256), and programmatic dependent launch of the finish
+# kernel after the body (Hopper, KVBITS_PDL=1): its FP16 part would run while the body's last
+# programs finish. Both off by default until measured on the H200
+# (benchmarks/probes/finish_pdl_ab.py, run_s30.sh): built in session 30 without a GPU.
+FINISH_FP_TOKENS = int(os.environ.get("KVBITS_FINISH_FP_TOKENS", "0"))
+PDL_ENABLED = os.environ.get("KVBITS_PDL", "0") == "1"
 # Elements of the finish kernel's merge tile [rows, splits, head_dim] (64 fp32 per thread).
 FINISH_TILE = 8192
-# Programmatic dependent launch (Hopper on): the finish kernel starts while the body kernel
-# ends, its FP16 part overlapping the body's tail. KVBITS_PDL=0 turns it off.
-PDL_ENABLED = os.environ.get("KVBITS_PDL", "1") != "0"
 # Offsets inside one (sequence, head) slice of a kv tensor are int32 (the slice bases are int64).
 SLICE_ELEMENTS_MAX = 2**31
 
@@ -927,8 +931,11 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     pdl = pdl and splits + fp_splits > 0
     o = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=dev)
     BLOCK_S = max(2, _next_pow2(n_total))
-    rows = max(1, min(_next_pow2(min(M, BLOCK_M)), FINISH_TILE // (BLOCK_S * BLOCK_D)))
-    _FINISH.launch((bhm,), (
+    # With an FP16 part, one program per m-tile (one tl.dot serves its rows) merges them
+    # ``rows`` at a time; a plain merge takes one program per query row.
+    rows = (max(1, min(_next_pow2(min(M, BLOCK_M)), FINISH_TILE // (BLOCK_S * BLOCK_D)))
+            if fp_inline else 1)
+    _FINISH.launch((bhm, 1 if fp_inline else min(M, BLOCK_M)), (
         q, out, lse, o, kv.sink_k, kv.sink_v, kv.res_k, kv.res_v,
         starts, lengths, lens_dev if lens_dev is not None else q,
         scale * LOG2E, int(window) if window is not None else 0,
