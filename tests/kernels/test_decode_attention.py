@@ -1209,10 +1209,13 @@ LENS_DEV_CASES = [
 ]
 
 
+@pytest.mark.parametrize("fp_tokens", [0, 256])  # the FP16 part as splits, or in the finish
 @pytest.mark.parametrize("gluon", [False, pytest.param(True, marks=[gpu, pytest.mark.gpu])])
 @pytest.mark.parametrize("c", LENS_DEV_CASES, ids=str)
-def test_device_lengths_inside_bounds(c, gluon, monkeypatch):
+def test_device_lengths_inside_bounds(c, gluon, fp_tokens, monkeypatch):
+    from kvbits.kernels import decode_attention as da
     from kvbits.kernels import decode_gluon
+    monkeypatch.setattr(da, "FINISH_FP_TOKENS", fp_tokens)
     serve_small(monkeypatch, decode_gluon)
     bound = make_kv(c)
     assert not gluon or decode_gluon.eligible(bound, 1, c.HG)
