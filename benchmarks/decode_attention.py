@@ -31,6 +31,7 @@ from kvbits.kernels import decode_gluon, launch  # noqa: E402
 from kvbits.kernels.decode_attention import decode_attention  # noqa: E402
 from kvbits.kernels.quantize_pack import quantize_keys, quantize_values  # noqa: E402
 from kvbits.reference.attention import decode_attention as reference_attention  # noqa: E402
+from kvbits.cli import parse_preset, parse_presets  # noqa: E402
 from kvbits.spec import resolve_spec  # noqa: E402
 
 MODELS = {"llama-2-7b": (32, 32, 128), "llama-3-8b": (32, 8, 128)}  # q heads, kv heads, head_dim
@@ -124,13 +125,18 @@ TUNE_GRID = [(4, 128, True), (4, 128, False), (8, 128, True), (4, 64, True), (8,
              (4, 256, True)]
 
 
+def spec_of(preset: str):
+    """A preset, or one with overrides as ``kvbits ppl`` takes them (``kvquant-3:G=64``)."""
+    return parse_preset(preset).spec
+
+
 def tune(presets, bw) -> dict:
     """Pick (num_warps, tile_tokens, prmt) per preset on a Llama-3-8B batch-8 32k step; returns
     kwargs."""
     best = {}
     q = torch.randn(8, 32, 1, 128, dtype=torch.float16, device="cuda")
     for preset in presets:
-        kv = random_packed_kv(8, 8, 32768, 128, resolve_spec(preset))
+        kv = random_packed_kv(8, 8, 32768, 128, spec_of(preset))
         nb = packed_nbytes(kv)
         for warps, tile, prmt in TUNE_GRID:
             kw = dict(num_warps=warps, tile_tokens=tile, prmt=prmt)
@@ -222,7 +228,7 @@ def run_shape(model, hq, hkv, d, batch, context, bw, presets, baselines, knobs,
                      speedup=t_fp / t_best, speedup_best=1.0, bytes=fp_bytes,
                      tbps=fp_bytes / t_best * 1e-6, frac_bw=fp_bytes / t_best * 1e6 / bw))
     for preset in presets:
-        spec = resolve_spec(preset)
+        spec = spec_of(preset)
         kv = random_packed_kv(batch, hkv, context, d, spec)
         nb = windowed_nbytes(kv, context, window)
         kw = dict(knobs.get(preset, {}), softcap=softcap, window=window)
@@ -354,7 +360,7 @@ def main(argv=None) -> None:
     env = environment()
     bw = copy_bandwidth()
     print(f"{env['gpu']}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    presets = args.presets.split(",")
+    presets = [v.label for v in parse_presets(args.presets)]  # overrides: kvquant-3:G=64
     try:
         models = [add_model(m) for m in args.models.split(",")]
         batches = [int(b) for b in args.batches.split(",")]

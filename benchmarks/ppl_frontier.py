@@ -4,7 +4,8 @@ Reads ``benchmarks/results/NAME.json`` (``kvbits ppl`` output) for each NAME giv
 news-text and SOTU tables of all three models, and the
 per-head-codebook news tables) and writes ``ppl_frontier.{md,json,png}`` there:
 per table, each kvquant row against KIVI's Pareto front interpolated at its bits
-(``kvbits.eval.frontier``), and a plot of perplexity against bits per element.
+(``kvbits.eval.frontier``), and a plot of perplexity against bits per element. ``A+B`` reads
+table A with the rows of its companion B (same model, text and tokens) added.
 
     python benchmarks/ppl_frontier.py [NAME ...]
 """
@@ -32,9 +33,24 @@ def _pct(x: float | None, base: float) -> str:
     return "-" if x is None else f"{100 * (x / base - 1):+.2f}%"
 
 
+def _results(name: str) -> tuple[dict, list]:
+    """A table's document and rows; ``A+B``: A's rows, then B's rows of labels A lacks (a
+    companion table of the same model, text and tokens, e.g. ``ppl_group64_*``)."""
+    parts = name.split("+")
+    doc = json.loads((RESULTS / f"{parts[0]}.json").read_text())
+    res = list(doc["results"])
+    for extra in parts[1:]:
+        other = json.loads((RESULTS / f"{extra}.json").read_text())
+        for k in ("model", "text", "tokens"):
+            if other[k] != doc[k]:
+                raise ValueError(f"{extra}: {k} {other[k]!r} differs from {parts[0]}'s {doc[k]!r}")
+        seen = {r["label"] for r in res}
+        res += [r for r in other["results"] if r["label"] not in seen]
+    return doc, res
+
+
 def analyse(name: str) -> dict:
-    doc = json.loads((RESULTS / f"{name}.json").read_text())
-    res = doc["results"]
+    doc, res = _results(name)
     fp16 = next(r["ppl"] for r in res if r["label"] == "fp16")
     kivi = points_of(res, "kivi")
     rows = compare_at_equal_bits(points_of(res, "kvquant"), kivi)
@@ -105,7 +121,8 @@ def plot(tables: list[dict], path: Path) -> None:
 
 def main() -> None:
     names = sys.argv[1:] or list(DEFAULT)
-    tables = [analyse(n) for n in names if (RESULTS / f"{n}.json").exists()]
+    tables = [analyse(n) for n in names
+              if all((RESULTS / f"{part}.json").exists() for part in n.split("+"))]
     (RESULTS / "ppl_frontier.json").write_text(json.dumps(tables, indent=1) + "\n")
     (RESULTS / "ppl_frontier.md").write_text(markdown(tables))
     plot(tables, RESULTS / "ppl_frontier.png")

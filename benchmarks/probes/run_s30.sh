@@ -13,3 +13,10 @@ if [ "${TESTS:-1}" = 1 ]; then
     > "$OUT/gpu_tests_s30.log" 2>&1
   tail -n 25 "$OUT/gpu_tests_s30.log"
 fi
+if [ "${KVQ:-1}" = 1 ]; then  # kvquant-3 with 64-token key groups beside the preset (G = 32)
+  timeout -s INT ${KVQ_S:-200} python3 benchmarks/decode_attention.py --out "$OUT" \
+    --skip-quantize-pack --no-baselines --presets kvquant-3,kvquant-3:G=64,kivi-3,kivi-3:G=64 \
+    --models llama-3-8b,llama-2-7b --batches 8 --contexts 32768 \
+    --name decode_attention_kvquant_g64_s30 > "$OUT/decode_attention_kvquant_g64_s30.log" 2>&1
+  tail -n 12 "$OUT/decode_attention_kvquant_g64_s30.log"
+fi
