@@ -31,7 +31,7 @@ from kvbits.kernels import decode_gluon, launch  # noqa: E402
 from kvbits.kernels.decode_attention import decode_attention  # noqa: E402
 from kvbits.kernels.quantize_pack import quantize_keys, quantize_values  # noqa: E402
 from kvbits.reference.attention import decode_attention as reference_attention  # noqa: E402
-from kvbits.cli import parse_preset, parse_presets  # noqa: E402
+from kvbits.cli import parse_preset, parse_presets
 from kvbits.spec import resolve_spec  # noqa: E402
 
 MODELS = {"llama-2-7b": (32, 32, 128), "llama-3-8b": (32, 8, 128)}  # q heads, kv heads, head_dim
