@@ -10,7 +10,9 @@ of *all* query rows of the GQA group with one ``tl.dot``, then ``P V`` with anot
 program does the same over the sink and residual. Each program writes its normalised partial
 output and log-sum-exp (base 2).
 
-Stage 2 merges the splits with the usual log-sum-exp weights.
+Stage 2, the finish kernel, merges the splits with the usual log-sum-exp weights; it can also
+attend a short FP16 part itself (``FINISH_FP_TOKENS``), so that stage 1 needs no FP16 splits,
+and on Hopper start as a programmatic dependent of the body kernel (``PDL_ENABLED``).
 
 The history is never written back to memory in full precision: the only HBM traffic is the
 packed codes, the scales and zeros, the FP16 windows, Q, and the small per-split partials.
@@ -418,7 +420,6 @@ def _attend_fp16(q, k_base, v_base, lo, hi, pos0, pos, start, length, window, m_
     return m_i, l_i, acc
 
 
-
 @triton.jit
 def _attend_sink_residual(q, SinkK, SinkV, ResK, ResV, bh64, i_lo, i_hi, sink_len, body_len,
                           sink_cap, res_cap, start, pos, length, window, m_i, l_i, acc, offs_d,
@@ -435,6 +436,7 @@ def _attend_sink_residual(q, SinkK, SinkV, ResK, ResV, bh64, i_lo, i_hi, sink_le
                         tl.maximum(i_lo, sink_len) - sink_len, i_hi - sink_len,
                         sink_len + body_len, pos, start + sink_len, length, window,
                         m_i, l_i, acc, offs_d, d_ok, softcap, D, BLOCK_FP, HAS_WINDOW, SOFTCAP)
+
 
 @triton.jit
 def _body_tile(c_base, s_base, z_base, cb_ptr, oi_base, ov_base, g0, g_hi, offs_t, offs_d, d_ok,
