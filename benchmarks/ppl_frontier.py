@@ -22,7 +22,11 @@ from kvbits.eval.frontier import compare_at_equal_bits, pareto_front, points_of
 from kvbits.eval.memory import markdown_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULT = ("ppl_lee_news", "ppl_lee_news_qwen", "ppl_lee_news_gemma3", "ppl_methods",
+# The news tables and SmolLM2's SOTU table with their 64-token-group companions
+# (benchmarks/ppl_group64.sh): KIVI's front then includes kivi-N:G=64 (with and without a sink).
+DEFAULT = ("ppl_lee_news+ppl_group64_lee_news", "ppl_lee_news_qwen+ppl_group64_lee_news_qwen",
+           "ppl_lee_news_gemma3+ppl_group64_lee_news_gemma3",
+           "ppl_methods+ppl_group64_methods",
            "ppl_methods_qwen", "ppl_methods_gemma3", "ppl_kvquant_dense_post",
            "ppl_kvquant_dense_post_qwen", "ppl_kvquant_dense_post_gemma3",
            "ppl_lee_news_cb_head", "ppl_lee_news_qwen_cb_head", "ppl_methods_cb_head",
