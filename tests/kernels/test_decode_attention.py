@@ -357,6 +357,21 @@ def test_random_cases(c):
     run_case(c)
 
 
+@settings(max_examples=20, deadline=None)
+@given(c=cases(), tile=st.sampled_from([1, 512, 8192]))
+def test_random_cases_fp16_in_the_finish_kernel(c, tile):
+    """The same random cases with the FP16 part attended by the finish kernel where it holds
+    up to 64 sink + residual tokens (longer ones as splits: both routes occur), and merge tiles
+    of one to many rows."""
+    from kvbits.kernels import decode_attention as da
+    old = da.FINISH_FP_TOKENS, da.FINISH_TILE
+    da.FINISH_FP_TOKENS, da.FINISH_TILE = 64, tile  # cases() holds up to 84 FP16 tokens
+    try:
+        run_case(c)
+    finally:
+        da.FINISH_FP_TOKENS, da.FINISH_TILE = old
+
+
 # ----------------------------------------------------------------------------- end to end
 @pytest.mark.parametrize("preset,S,R", [("kivi-2", 0, 16), ("k4v2", 4, 0), ("kivi-4", 2, 40)])
 def test_store_built_layer(preset, S, R, monkeypatch):
