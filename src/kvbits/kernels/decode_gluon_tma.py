@@ -651,7 +651,8 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
                 softcap=None, maxnreg: int = 0, pdl: bool = False) -> None:
     """``decode_gluon.attend_body`` for :func:`eligible` layers, through the TMA ring
     (``q [B, Hq, Lq, D]``: its rows as columns, as there). ``maxnreg``: a register cap (0: none;
-    probes only, ``benchmarks/probes/tma_maxnreg_ab.py``)."""
+    probes only, ``benchmarks/probes/tma_maxnreg_ab.py``). ``pdl``: let the next launch, a
+    programmatic dependent, start (as there)."""
     q, HG, Lq = dg.query_rows_as_heads(q, kv.kv_heads)
     B, _, _, D = q.shape
     Hkv = kv.kv_heads
