@@ -944,16 +944,11 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
         float(softcap) if softcap is not None else 1.0,
         kv.sink_len, kv.body_len, kv.res_len, kv.sink_k.shape[2], kv.res_k.shape[2],
         Hkv, Lq, m_tiles, n_total,
-    ), _finish_keywords(
+    ), (_FINISH_KEYWORDS_PDL if pdl else _FINISH_KEYWORDS)(
         HG, D, BLOCK_D, BLOCK_M, BLOCK_FP, BLOCK_S, rows, fp_inline, window is not None,
-        has_starts, has_lens, lens_dev is not None, softcap is not None, pdl, DEFAULT_WARPS))
+        has_starts, has_lens, lens_dev is not None, softcap is not None, pdl, DEFAULT_WARPS,
+        *((True,) if pdl else ())))  # launch_pdl: a programmatic dependent
     return o
-
-
-def _finish_keywords(*values):
-    """The finish kernel's keywords; launched as a programmatic dependent where ``PDL``."""
-    kw = _FINISH_KEYWORDS(*values)
-    return _FINISH_KEYWORDS_PDL(*values, True) if kw.kwargs["PDL"] else kw
 
 
 def _rope_table(inv_freq: torch.Tensor, n: int) -> torch.Tensor:
@@ -991,7 +986,7 @@ _PDL_OK: dict = {}
 def _pdl_ok(device: torch.device) -> bool:
     """Whether kernels on ``device`` may be launched as programmatic dependents: sm_90+, not
     under ``TRITON_INTERPRET``, and a Triton whose CUDA launcher takes ``launch_pdl``."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if not _use_prmt(device):  # (a CUDA device, outside the interpreter)
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _PDL_OK:
