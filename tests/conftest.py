@@ -14,6 +14,25 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+@pytest.hookimpl(trylast=True)  # after -m / -k have deselected
+def pytest_collection_modifyitems(config, items):
+    """``KVBITS_TEST_SHARD=i/n`` keeps every n-th collected test from the i-th (0-based), so that
+    n processes share one GPU run (``benchmarks/probes/run_gpu_suite_sharded.sh``); compiling
+    dominates those tests, and it runs on the host's cores in parallel."""
+    shard = os.environ.get("KVBITS_TEST_SHARD")
+    if not shard:
+        return
+    try:
+        i, n = (int(x) for x in shard.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"KVBITS_TEST_SHARD must be 'i/n' (0 <= i < n), got {shard!r}")
+    if not 0 <= i < n:
+        raise pytest.UsageError(f"KVBITS_TEST_SHARD must be 'i/n' (0 <= i < n), got {shard!r}")
+    keep = items[i::n]
+    config.hook.pytest_deselected(items=[t for t in items if t not in set(keep)])
+    items[:] = keep
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """``(model, tokenizer)`` of SmolLM2-135M in float32, eval mode (skips if unavailable).

@@ -10,12 +10,15 @@ Variants of one ``decode_attention`` call (CUDA-graph time, best of three median
 * ``inline+pdl``: that, launched as a programmatic dependent of the body kernel (its FP16 part
   runs while the body's last programs finish; it waits before merging);
 * ``split+pdl``;
+* ``split+stream`` (session 31): the FP16 splits on a side stream beside the body (captured
+  calls only: eagerly the same as ``split``);
 * ``body``: the body kernel alone (the floor).
 
 Each variant's output is checked against the float32 reference on sequence 0.
 
     PYTHONPATH=src python3 benchmarks/probes/finish_pdl_ab.py [B:Hq:Hkv:T:preset,...]
 """
+import os
 import sys
 from pathlib import Path
 
@@ -36,14 +39,16 @@ ROWS = [(8, 32, 8, 32768, "kivi-2"), (8, 32, 8, 32768, "kivi-4"),
         (1, 32, 8, 131072, "kivi-2"), (1, 32, 8, 4096, "kivi-2"), (32, 32, 8, 32768, "kivi-2"),
         (8, 32, 8, 32768, "kivi-3"), (8, 32, 8, 32768, "fp8-dynamic"),
         (8, 32, 8, 32768, "kvquant-3")]
-VARIANTS = {"split": (0, False), "inline": (256, False), "inline+pdl": (256, True),
-            "split+pdl": (0, True)}
+# name: (FINISH_FP_TOKENS, PDL_ENABLED, SIDE_STREAM)
+VARIANTS = {"split": (0, False, False), "inline": (256, False, False),
+            "inline+pdl": (256, True, False), "split+pdl": (0, True, False),
+            "split+stream": (0, False, True)}
 SCALE = 128 ** -0.5
 
 
-def call(q, kv, fp_tokens, pdl):
+def call(q, kv, fp_tokens, pdl, side=False):
     def fn():
-        da.FINISH_FP_TOKENS, da.PDL_ENABLED = fp_tokens, pdl
+        da.FINISH_FP_TOKENS, da.PDL_ENABLED, da.SIDE_STREAM = fp_tokens, pdl, side
         return da.decode_attention(q, kv, scale=SCALE)
     return fn
 
@@ -69,7 +74,8 @@ def main():
         torch.manual_seed(0)
         kv = random_packed_kv(B, hkv, T, 128, resolve_spec(preset))
         q = torch.randn(B, hq, 1, 128, dtype=torch.float16, device="cuda")
-        fns = {name: call(q, kv, *v) for name, v in VARIANTS.items()}
+        fns = {name: call(q, kv, *v) for name, v in VARIANTS.items()
+               if name in os.environ.get("VARIANTS", ",".join(VARIANTS)).split(",")}
         ref = reference(q[:1].float(), batch_slice(kv, 0), scale=SCALE)
         errs = {}
         for name, fn in fns.items():
@@ -80,12 +86,12 @@ def main():
             fns["body"] = body_only(q, kv)
         us = best_graph_us(fns)
         eager = {name: do_bench(fns[name], warmup=25, rep=200, return_mode="median") * 1e3
-                 for name in ("split", "inline+pdl")}
+                 for name in ("split", "inline+pdl") if name in fns}
         base = us["split"]
         cells = ", ".join(f"{n} {t:.1f}" + ("" if n == "split" else f" ({(base / t - 1) * 100:+.1f}%)")
                           for n, t in us.items())
         print(f"B={B} Hq={hq} Hkv={hkv} T={T} {preset} gluon={gluon}: graph {cells}; eager "
-              f"split {eager['split']:.1f}, inline+pdl {eager['inline+pdl']:.1f}; rel err "
+              + ", ".join(f"{n} {t:.1f}" for n, t in eager.items()) + "; rel err "
               + " ".join(f"{e:.1e}" for e in errs.values()), flush=True)
         assert max(errs.values()) < 1e-2, errs
         del kv, q, fns

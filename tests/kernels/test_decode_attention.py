@@ -427,6 +427,80 @@ def test_finish_kernel_matches_reference(name, inline, tile, monkeypatch):
     run_case(FINISH_CASES[name])
 
 
+def _count_triton_launches(monkeypatch, da) -> list:
+    """Spy on the Triton kernel's launches (the FP16 splits, with a Gluon body); returns the
+    list that each launch appends its grid to."""
+    grids = []
+    launch = da._DECODE.launch
+    monkeypatch.setattr(da._DECODE, "launch", lambda grid, *a: grids.append(grid) or launch(grid, *a))
+    return grids
+
+
+@pytest.mark.parametrize("setting, inline", [(None, True), (0, False), (64, True), (32, False)])
+def test_finish_fp_tokens_policy(setting, inline, monkeypatch):
+    """``FINISH_FP_TOKENS``: "auto" (None) lets an eager call's finish kernel attend the FP16
+    part itself (no Triton launch for a body-less call); an integer is the limit everywhere."""
+    from kvbits.kernels import decode_attention as da
+    monkeypatch.setattr(da, "FINISH_FP_TOKENS", setting)
+    grids = _count_triton_launches(monkeypatch, da)
+    run_case(Case(HG=2, S=1, body=0, res=40))  # 41 FP16 tokens, no body
+    assert (len(grids) == 0) == inline, grids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (graph capture)")
+def test_finish_fp16_part_splits_under_graph_capture(monkeypatch):
+    """Under "auto", a call captured in a CUDA graph keeps the FP16 splits (measured faster in
+    replays), and its eager twin attends the part in the finish kernel; both match the
+    reference."""
+    from kvbits.kernels import decode_attention as da
+    monkeypatch.setattr(da, "FINISH_FP_TOKENS", None)
+    c = Case(B=2, HG=4, S=1, body=0, res=100, lengths=(101, 77))
+    kv = make_kv(c, "cuda")
+    q, args = _query_and_args(c, "cuda")
+    grids = _count_triton_launches(monkeypatch, da)
+    eager = kernel(q, kv, **args)
+    assert not grids, "an eager call launched FP16 splits"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernel(q, kv, **args)
+    assert grids, "the captured call attended the FP16 part in the finish kernel"
+    graph.replay()
+    ref = reference(q, kv, **args)
+    compare(eager, ref, c.dtype, f"{c} eager")
+    compare(out, ref, c.dtype, f"{c} graph replay")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (graph capture)")
+@pytest.mark.parametrize("side", [True, False])
+def test_fp16_splits_beside_the_gluon_body_in_a_graph(side, monkeypatch):
+    """Captured with a Gluon body, the FP16 splits go to a side stream (``SIDE_STREAM``), forked
+    from and joined to the call's stream; replays match the reference with new queries, as do
+    the same splits kept in the call's stream."""
+    from kvbits.kernels import decode_attention as da
+    monkeypatch.setattr(da, "FINISH_FP_TOKENS", None)
+    monkeypatch.setattr(da, "SIDE_STREAM", side)
+    c = Case(kb=2, vb=2, G=32, D=128, B=2, Hkv=2, HG=4, S=1, body=2048, res=100,
+             lengths=(2149, 1500))
+    kv = make_kv(c, "cuda")
+    q, args = _query_and_args(c, "cuda")
+    streams = []
+    launch = da._DECODE.launch
+    monkeypatch.setattr(da._DECODE, "launch", lambda grid, *a: streams.append(
+        torch.cuda.current_stream()) or launch(grid, *a))
+    kernel(q, kv, gluon=True, **args)  # warm-up: compiles, makes the side stream
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        main = torch.cuda.current_stream()
+        out = kernel(q, kv, gluon=True, **args)
+    assert streams and (streams[-1] != main) == side, (streams, main)
+    for seed in range(3):
+        q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)))
+        graph.replay()
+        compare(out, reference(q, kv, **args), c.dtype, f"{c} side={side} replay {seed}")
+
+
 def test_splits_zero_does_not_drop_the_body():
     c = Case(kb=4, vb=4, body=128, res=16, HG=2)
     run_case(c._replace(splits=0))
@@ -1336,7 +1410,8 @@ def test_gluon_tma_inside_cuda_graph(bits, monkeypatch):
     ("KVBITS_GLUON_3BIT", "decode_gluon", "'0' or '1'"),
     ("KVBITS_GLUON_EXTRA_DIMS", "decode_gluon", "'0' or '1'"),
     ("KVBITS_GLUON_TOKEN_KEYS_WIDE", "decode_gluon", "'0' or '1'"),
-    ("KVBITS_GLUON_KVQUANT", "decode_gluon", "'0' or '1'")])
+    ("KVBITS_GLUON_KVQUANT", "decode_gluon", "'0' or '1'"),
+    ("KVBITS_FINISH_FP_TOKENS", "decode_attention", "'auto' or a non-negative integer")])
 def test_gluon_env_switches_are_checked(var, module, allowed):
     """A mistyped Gluon switch is refused at import, naming the variable and its values."""
     import subprocess

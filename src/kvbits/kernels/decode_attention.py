@@ -10,9 +10,11 @@ of *all* query rows of the GQA group with one ``tl.dot``, then ``P V`` with anot
 program does the same over the sink and residual. Each program writes its normalised partial
 output and log-sum-exp (base 2).
 
-Stage 2, the finish kernel, merges the splits with the usual log-sum-exp weights; it can also
-attend a short FP16 part itself (``FINISH_FP_TOKENS``), so that stage 1 needs no FP16 splits,
-and on Hopper start as a programmatic dependent of the body kernel (``PDL_ENABLED``).
+Stage 2, the finish kernel, merges the splits with the usual log-sum-exp weights; in eager calls
+it also attends a short FP16 part itself (``FINISH_FP_TOKENS``), so that stage 1 needs no FP16
+splits (one launch fewer); captured calls keep the splits, on a side stream beside a Gluon body
+(``SIDE_STREAM``). On Hopper it can start as a programmatic dependent of the body kernel
+(``PDL_ENABLED``, off).
 
 The history is never written back to memory in full precision: the only HBM traffic is the
 packed codes, the scales and zeros, the FP16 windows, Q, and the small per-split partials.
@@ -744,12 +746,29 @@ DEFAULT_TILE_TOKENS = 128
 DEFAULT_WARPS = 4
 # FP16 tokens (sink + residual) up to which the finish kernel attends them itself (a decode
 # step's residual, R + G - 1, and sink) instead of the Triton kernel's splits in a launch of
-# their own (KVBITS_FINISH_FP_TOKENS, e.g. 256), and programmatic dependent launch of the finish
-# kernel after the body (Hopper, KVBITS_PDL=1): its FP16 part would run while the body's last
-# programs finish. Both off by default until measured on the H200
-# (benchmarks/probes/finish_pdl_ab.py, run_s30.sh): built in session 30 without a GPU.
-FINISH_FP_TOKENS = int(os.environ.get("KVBITS_FINISH_FP_TOKENS", "0"))
+# their own. KVBITS_FINISH_FP_TOKENS: "auto" (default, None here) takes EAGER_FINISH_FP_TOKENS in
+# eager calls and 0 (splits) under CUDA-graph capture; an integer, that limit everywhere.
+# H200, alternated in one process (benchmarks/results/finish_pdl_ab_s30.log, finish_eager_ab_s31.log):
+# eagerly, one launch fewer saves ~50 us of host time per call (kivi-2 Llama-3-8B batch 8 32k:
+# 188 -> 135 us) at -3% to +46% of device time (batch 1 128k: 160 -> 110 us); in graph replays,
+# where host time is gone, the splits run in parallel with the body's tail and the inline part
+# after it: 1-13% slower on 9 of 12 rows, so captured calls keep the splits.
+# KVBITS_PDL=1: programmatic dependent launch of the finish kernel after the body (Hopper): its
+# FP16 part runs while the body's last programs finish. Off: -2.4% to +1.3% in graph time,
+# -2% to +3.7% eagerly, against the same variant without it (same logs).
+_FINISH_ENV = os.environ.get("KVBITS_FINISH_FP_TOKENS", "auto")
+if _FINISH_ENV != "auto" and not _FINISH_ENV.isdigit():
+    raise ValueError("KVBITS_FINISH_FP_TOKENS must be 'auto' or a non-negative integer, got "
+                     f"{_FINISH_ENV!r}")
+FINISH_FP_TOKENS = None if _FINISH_ENV == "auto" else int(_FINISH_ENV)
+EAGER_FINISH_FP_TOKENS = 256
 PDL_ENABLED = os.environ.get("KVBITS_PDL", "0") == "1"
+# KVBITS_SIDE_STREAM: "1" (default) lets a captured call with a Gluon body run its FP16 splits on
+# a side stream, beside the body; "0" keeps them after it in the call's stream.
+_SIDE_ENV = os.environ.get("KVBITS_SIDE_STREAM", "1")
+if _SIDE_ENV not in ("0", "1"):
+    raise ValueError(f"KVBITS_SIDE_STREAM must be '0' or '1', got {_SIDE_ENV!r}")
+SIDE_STREAM = _SIDE_ENV == "1"
 # Elements of the finish kernel's merge tile [rows, splits, head_dim] (64 fp32 per thread).
 FINISH_TILE = 8192
 # Offsets inside one (sequence, head) slice of a kv tensor are int32 (the slice bases are int64).
@@ -865,7 +884,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     n_fp = kv.sink_len + kv.res_len
     # A short FP16 part (a decode step's sink and residual) is attended by the finish kernel,
     # which merges anyway; a long one (an FP16 cache, a prompt not yet quantized) gets splits.
-    fp_inline = 0 < n_fp <= FINISH_FP_TOKENS
+    capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    fp_inline = 0 < n_fp <= _finish_fp_tokens(capturing)
     fp_splits = num_splits(bhm, _cdiv(n_fp, BLOCK_FP), sms) if n_fp and not fp_inline else 0
     if not splits and not n_fp:
         return torch.zeros_like(q)
@@ -894,15 +914,15 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
             return q
         t = t if dtype is None else t.to(dtype)
         return t.contiguous()
-    split0 = 0
-    pdl = PDL_ENABLED and _pdl_ok(dev)
-    if gluon:
-        decode_gluon.attend_body(q, kv, out, lse, scale_log2=scale * LOG2E, starts=starts,
-                                 lengths=lengths, has_starts=has_starts, has_lens=has_lens,
-                                 n_out=n_total, splits=splits, lens_dev=lens_dev,
-                                 window=window, softcap=softcap, pdl=pdl)
-        split0 = splits
-    if splits + fp_splits > split0:  # the Triton kernel: every split, or only the FP16 ones
+    split0 = splits if gluon else 0
+    # Captured with a Gluon body, the FP16 splits run on a side stream beside the body (a fork
+    # and a join in the graph): in stream order they would start only when the body ends.
+    side = bool(gluon and fp_splits and capturing and SIDE_STREAM)
+    if gluon and SIDE_STREAM and not capturing:
+        _side_stream(dev)  # made in an eager call (the warm-up), not inside a capture
+    pdl = PDL_ENABLED and not side and _pdl_ok(dev)
+
+    def launch_triton():  # every split, or (after a Gluon body) only the FP16 ones
         _DECODE.launch((bhm, splits + fp_splits - split0), (
             q, out, lse,
             kv.sink_k, kv.sink_v, kv.res_k, kv.res_v,
@@ -928,6 +948,22 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
             koi.shape[3] if koi is not None else 0, voi.shape[3] if voi is not None else 0,
             inv_freq is not None, lens_dev is not None, softcap is not None, pdl,
             num_warps or DEFAULT_WARPS, 2 if BLOCK_D <= 128 else 1))
+
+    if side:
+        main = torch.cuda.current_stream(dev)
+        stream = _side_stream(dev)
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            launch_triton()
+    if gluon:
+        decode_gluon.attend_body(q, kv, out, lse, scale_log2=scale * LOG2E, starts=starts,
+                                 lengths=lengths, has_starts=has_starts, has_lens=has_lens,
+                                 n_out=n_total, splits=splits, lens_dev=lens_dev,
+                                 window=window, softcap=softcap, pdl=pdl)
+    if splits + fp_splits > split0 and not side:
+        launch_triton()
+    if side:
+        main.wait_stream(stream)
     # A programmatic dependent only of a kernel launched just above (never of the kernel that
     # appended the residual it reads).
     pdl = pdl and splits + fp_splits > 0
@@ -978,6 +1014,26 @@ def rope_cos_sin(inv_freq: torch.Tensor, offsets, key=None) -> torch.Tensor:
 
 # Triton reads TRITON_INTERPRET when a kernel is defined, so it cannot change afterwards either.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _finish_fp_tokens(capturing: bool) -> int:
+    """The FP16 tokens the finish kernel attends itself (``FINISH_FP_TOKENS``; "auto": all of a
+    decode step's in eager calls, none while a CUDA graph is being captured)."""
+    if FINISH_FP_TOKENS is not None:
+        return FINISH_FP_TOKENS
+    return 0 if capturing else EAGER_FINISH_FP_TOKENS
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream that runs a captured call's FP16 splits beside the Gluon body (one per device,
+    made on first use)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SIDE_STREAMS:
+        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
+    return _SIDE_STREAMS[idx]
 
 
 _PDL_OK: dict = {}

@@ -1,0 +1,15 @@
+# The whole GPU test suite in one device call: SHARDS pytest processes share the GPU, each
+# taking every SHARDS-th GPU test (tests/conftest.py, KVBITS_TEST_SHARD); the tests' time is
+# mostly Triton/Gluon compiles, which then run on the host's cores side by side. One log per
+# shard in $OUT, and a summary line per shard.
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+N=${SHARDS:-8}
+for i in $(seq 0 $((N - 1))); do
+  KVBITS_TEST_SHARD=$i/$N timeout -s INT ${TEST_S:-420} python3 -m pytest -q -p no:cacheprovider \
+    --tb=short -m gpu --durations=3 ${FILES:-tests} > "$OUT/gpu_suite_shard$i.log" 2>&1 &
+done
+wait
+for i in $(seq 0 $((N - 1))); do
+  echo "shard $i: $(grep -E 'passed|failed|error' "$OUT/gpu_suite_shard$i.log" | tail -n 1)"
+done
+grep -h -E "^(FAILED|ERROR)" "$OUT"/gpu_suite_shard*.log | head -n 40
