@@ -200,6 +200,25 @@ def test_gpu_captured_runs_match_eager(gpu_model, preset, kw, one_fp16_route):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.gpu
+@pytest.mark.parametrize("preset,kw", [("kivi-2", {}), ("kvquant-3", dict(calibration="uniform"))])
+def test_gpu_captures_on_the_default_fp16_routes(gpu_model, preset, kw):
+    """With the default routes (eager steps attend the FP16 part in the finish kernel, captured
+    ones as splits, beside the body), both step graphs capture: everything a captured call
+    needs is built by the eager warm-up step, though that step takes the other route (pre-RoPE
+    keys' cos/sin table, session 31). The tokens start as the eager run's."""
+    m = gpu_model
+    ids = prompt(300, 1).cuda()
+    eager = GreedyDecoder(m, KVBitsCache(m, preset, **kw), graphs=False).generate(ids, 120)
+    dec = GreedyDecoder(m, KVBitsCache(m, preset, **kw), graphs=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = dec.generate(ids, 120)
+    assert dec.captures == 2, [str(w.message)[:300] for w in caught]
+    assert got.shape == eager.shape and torch.equal(got[:, :16], eager[:, :16])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["kivi-2", "kivi-4", "uniform-int4"])
 def test_gpu_captured_tma_ring_matches_eager(preset, monkeypatch, one_fp16_route):
     """At head_dim 128 the captured steps attend through the TMA ring (``decode_gluon_tma``,

@@ -917,6 +917,9 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     split0 = splits if gluon else 0
     # Captured with a Gluon body, the FP16 splits run on a side stream beside the body (a fork
     # and a join in the graph): in stream order they would start only when the body ends.
+    # Built here, not only when the Triton kernel launches: an eager call that attends its FP16
+    # part in the finish kernel must still build it, or a later capture would (a host copy).
+    rope_table = _rope_table(inv_freq, GPT * G) if inv_freq is not None else q
     side = bool(gluon and fp_splits and capturing and SIDE_STREAM)
     if gluon and SIDE_STREAM and not capturing:
         _side_stream(dev)  # made in an eager call (the warm-up), not inside a capture
@@ -929,8 +932,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
             kv.k_codes, kv.k_scale, k_zero, kv.v_codes, kv.v_scale, v_zero,
             arg(kcb, torch.float32), arg(vcb, torch.float32), arg(koi), arg(kov), arg(voi),
             arg(vov), arg(inv_freq, torch.float32),
-            _rope_table(inv_freq, GPT * G) if inv_freq is not None else q,
-            starts, lengths, lens_dev if lens_dev is not None else q,
+            rope_table, starts, lengths, lens_dev if lens_dev is not None else q,
             scale * LOG2E, int(window) if window is not None else 0,
             float(softcap) if softcap is not None else 1.0,
             kv.sink_len, kv.body_len, kv.res_len,
