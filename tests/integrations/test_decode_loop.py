@@ -200,7 +200,7 @@ def test_gpu_captured_runs_match_eager(gpu_model, preset, kw, one_fp16_route):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset,kw", [("kivi-2", {}), ("kvquant-3", dict(calibration="uniform"))])
+@pytest.mark.parametrize("preset,kw", [("kivi-2", {}), ("kvquant-3", {"calibration": "uniform"})])
 def test_gpu_captures_on_the_default_fp16_routes(gpu_model, preset, kw):
     """With the default routes (eager steps attend the FP16 part in the finish kernel, captured
     ones as splits, beside the body), both step graphs capture: everything a captured call
