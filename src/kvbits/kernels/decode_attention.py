@@ -921,7 +921,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     # part in the finish kernel must still build it, or a later capture would (a host copy).
     rope_table = _rope_table(inv_freq, GPT * G) if inv_freq is not None else q
     side = bool(gluon and fp_splits and capturing and SIDE_STREAM)
-    if gluon and SIDE_STREAM and not capturing:
+    if gluon and SIDE_STREAM and not capturing and dev.type == "cuda":
         _side_stream(dev)  # made in an eager call (the warm-up), not inside a capture
     pdl = PDL_ENABLED and not side and _pdl_ok(dev)
 
