@@ -751,8 +751,9 @@ DEFAULT_WARPS = 4
 # H200, alternated in one process (benchmarks/results/finish_pdl_ab_s30.log, finish_eager_ab_s31.log):
 # eagerly, one launch fewer saves ~50 us of host time per call (kivi-2 Llama-3-8B batch 8 32k:
 # 188 -> 135 us) at -3% to +46% of device time (batch 1 128k: 160 -> 110 us); in graph replays,
-# where host time is gone, the splits run in parallel with the body's tail and the inline part
-# after it: 1-13% slower on 9 of 12 rows, so captured calls keep the splits.
+# where host time is gone, the inline part (one program per sequence, KV head and row tile) is
+# 1-13% slower on 9 of 12 rows than splits spread over more programs, so captured calls keep
+# the splits (and run them beside a Gluon body, SIDE_STREAM).
 # KVBITS_PDL=1: programmatic dependent launch of the finish kernel after the body (Hopper): its
 # FP16 part runs while the body's last programs finish. Off: -2.4% to +1.3% in graph time,
 # -2% to +3.7% eagerly, against the same variant without it (same logs).
@@ -915,11 +916,11 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
         t = t if dtype is None else t.to(dtype)
         return t.contiguous()
     split0 = splits if gluon else 0
-    # Captured with a Gluon body, the FP16 splits run on a side stream beside the body (a fork
-    # and a join in the graph): in stream order they would start only when the body ends.
     # Built here, not only when the Triton kernel launches: an eager call that attends its FP16
     # part in the finish kernel must still build it, or a later capture would (a host copy).
     rope_table = _rope_table(inv_freq, GPT * G) if inv_freq is not None else q
+    # Captured with a Gluon body, the FP16 splits run on a side stream beside the body (a fork
+    # and a join in the graph): in stream order they would start only when the body ends.
     side = bool(gluon and fp_splits and capturing and SIDE_STREAM)
     if gluon and SIDE_STREAM and not capturing and dev.type == "cuda":
         _side_stream(dev)  # made in an eager call (the warm-up), not inside a capture
