@@ -441,8 +441,10 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
 
     Greedy single-beam decoding on CUDA goes through
     :class:`~kvbits.integrations.decode_loop.GreedyDecoder` (each step replayed from a CUDA
-    graph; the same tokens as ``generate``, which is host-bound at small batch), stopping at the
-    first end-of-sequence token as ``generate`` does; ``cfg.graphs=False`` keeps ``generate``.
+    graph; the same tokens as ``generate``, which is host-bound at small batch, except where two
+    logits tie to the last bit: a captured step sums the FP16 window in another order),
+    stopping at the first end-of-sequence token as ``generate`` does; ``cfg.graphs=False``
+    keeps ``generate``.
     Several prompts (a list) decode as one left-padded batch through ``generate``: ``texts``
     holds each continuation (``text`` is the first)."""
     import torch
