@@ -47,14 +47,16 @@ DEVICE = "cuda" if CUDA else "cpu"
 #   random across D channels and many tokens; measured <= 8e-4 globally and 1.5e-3 on the worst
 #   row for fp16. bf16 cannot run under the interpreter; expect ~8x the fp16 error.
 # * float32: the body is still dequantized in float16 (as above), and on the GPU tl.dot rounds
-#   float32 operands to TF32 (10-bit mantissa), so the error is fp16's: typically <= 1e-3, but
-#   the random cases' tail is longer where an output's norm is small against its values' (few
-#   tokens, no residual): K3V2 G=64 D=96 body=192 reached 2.2e-3 in 400 seeds and 4.1e-3 in one
-#   hypothesis case (session 31; 3e-3 was the budget until then). fp16's budget.
+#   float32 operands to TF32 (10-bit mantissa); measured under the interpreter: <= 7.3e-4
+#   globally, 1.4e-3 on the worst row. Budget ~4x that. Known tail, open (session 31): a
+#   hypothesis case K3V2 G=64 D=96 body=192 with no FP16 part reached 4.1e-3 globally (400
+#   seeds of that shape: up to 2.2e-3), from the fp16 dequantization where an output's norm is
+#   small against its values'; the fix belongs in the kernel (float32 dequantization for
+#   float32 queries), not in this budget.
 TOLERANCES = {
     torch.float16: (1e-2, 2e-2),
     torch.bfloat16: (1e-2, 3e-2),
-    torch.float32: (1e-2, 2e-2),
+    torch.float32: (3e-3, 1e-2),
 }
 
 
