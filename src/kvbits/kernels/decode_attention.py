@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ..formats.layout import PackedKV, pre_rope_kernel_ok
 from . import decode_gluon
-from .launch import FastLaunch, keyword_maker
+from .launch import FastLaunch, device_index, keyword_maker
 
 LOG2E = 1.4426950408889634
 
@@ -782,7 +782,7 @@ _SM_COUNT: dict = {}
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 8
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = device_index(device)
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SM_COUNT[idx]
@@ -1033,7 +1033,7 @@ _SIDE_STREAMS: dict = {}
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream that runs a captured call's FP16 splits beside the Gluon body (one per device,
     made on first use)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = device_index(device)
     if idx not in _SIDE_STREAMS:
         _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
     return _SIDE_STREAMS[idx]
@@ -1047,7 +1047,7 @@ def _pdl_ok(device: torch.device) -> bool:
     under ``TRITON_INTERPRET``, and a Triton whose CUDA launcher takes ``launch_pdl``."""
     if not _use_prmt(device):  # (a CUDA device, outside the interpreter)
         return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = device_index(device)
     if idx not in _PDL_OK:
         try:
             from triton.backends.nvidia.compiler import CUDAOptions

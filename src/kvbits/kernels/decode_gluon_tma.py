@@ -33,6 +33,7 @@ import functools
 import os
 
 from . import decode_gluon as dg
+from .launch import device_index
 
 try:  # Hopper's TMA and mbarriers in Gluon (Triton >= 3.5)
     from triton.experimental import gluon
@@ -543,7 +544,7 @@ def serves(kv, k_tok: bool, device) -> bool:
 
     if not (MODE != "0" and device.type == "cuda" and eligible(kv, k_tok)):
         return False
-    if not _hopper(device.index if device.index is not None else torch.cuda.current_device()):
+    if not _hopper(device_index(device)):
         return False
     if MODE == "1":
         return True

@@ -37,6 +37,12 @@ _I64 = 2**63
 MAX_PLANS = 4096  # plans per kernel before the cache starts over
 
 
+def device_index(device: torch.device) -> int:
+    """A CUDA device's index (``cuda`` without one: the current device), the key of the kernels'
+    per-device caches (SM counts, side streams, capabilities)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def hooked(hook) -> bool:
     """Whether a Triton launch hook is set: None, or a ``HookChain`` without calls (Triton
     3.6+ keeps an empty chain), is not."""
