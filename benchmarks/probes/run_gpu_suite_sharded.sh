@@ -1,7 +1,9 @@
 # The whole GPU test suite in one device call: SHARDS pytest processes share the GPU, each
 # taking every SHARDS-th GPU test (tests/conftest.py, KVBITS_TEST_SHARD); the tests' time is
 # mostly Triton/Gluon compiles, which then run on the host's cores side by side. One log per
-# shard in $OUT, and a summary line per shard.
+# shard in $OUT, and a summary line per shard; with DETAILS=FILE the shards' summary and failure
+# lines go to $OUT/FILE instead of whole logs (the count of files a device call returns is
+# limited).
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 N=${SHARDS:-8}
 for i in $(seq 0 $((N - 1))); do
@@ -13,3 +15,9 @@ for i in $(seq 0 $((N - 1))); do
   echo "shard $i: $(grep -E 'passed|failed|error' "$OUT/gpu_suite_shard$i.log" | tail -n 1)"
 done
 grep -h -E "^(FAILED|ERROR)" "$OUT"/gpu_suite_shard*.log | head -n 40
+if [ -n "${DETAILS:-}" ]; then
+  for i in $(seq 0 $((N - 1))); do
+    grep -E "FAILED|ERROR|Error|assert|passed|failed" "$OUT/gpu_suite_shard$i.log" | head -n 30
+  done > "$OUT/$DETAILS"
+  rm -f "$OUT"/gpu_suite_shard*.log
+fi

@@ -5,10 +5,9 @@
 # FP16 flash SDPA in the same run, as a table of their own.
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
-SHARDS=8 TEST_S=${TEST_S:-300} bash benchmarks/probes/run_gpu_suite_sharded.sh > "$OUT/gpu_suite_s32.log" 2>&1
+SHARDS=8 TEST_S=${TEST_S:-300} DETAILS=gpu_suite_s32_details.log \
+  bash benchmarks/probes/run_gpu_suite_sharded.sh > "$OUT/gpu_suite_s32.log" 2>&1
 cat "$OUT/gpu_suite_s32.log"
-for f in "$OUT"/gpu_suite_shard*.log; do grep -E "FAILED|ERROR|Error|assert|passed|failed" "$f" | head -n 30; done > "$OUT/gpu_suite_s32_details.log"
-rm -f "$OUT"/gpu_suite_shard*.log
 timeout -s INT ${BENCH_S:-250} python3 benchmarks/decode_attention.py --out "$OUT" \
   --skip-quantize-pack --no-baselines --presets kivi-2,kivi-4,uniform-int4,kivi-3,kvquant-3 \
   --models llama-3-8b,llama-2-7b --batches 8 --contexts 32768,131072 \
