@@ -169,9 +169,10 @@ def _cb_word(cb_ptr, j0: tl.constexpr, B: tl.constexpr, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _lookup(c, cb_ptr, NC: tl.constexpr, USE_PRMT: tl.constexpr):
+def _lookup(c, cb_ptr, NC: tl.constexpr, USE_PRMT: tl.constexpr, F32: tl.constexpr = False):
     """int8 codes ``c`` (0 .. NC - 1) -> float16 codebook entries ``cb_ptr[code]`` (KVQuant's
-    non-uniform levels in code units, float32 in memory, rounded to float16 here).
+    non-uniform levels in code units, float32 in memory, rounded to float16 here; ``F32``:
+    kept in float32, for float32 queries, without ``USE_PRMT``).
 
     ``USE_PRMT`` (PTX, GPU only): the table lives in registers and a byte permute indexes it,
     four codes (one int32 of packed int8 codes) per asm instance:
@@ -255,10 +256,11 @@ def _lookup(c, cb_ptr, NC: tl.constexpr, USE_PRMT: tl.constexpr):
                 "=r,=r,r" + ",r" * 32, [c, l0, l1, l2, l3, h0, h1, h2, h3], dtype=tl.float16,
                 is_pure=True, pack=4)
     else:
+        DT: tl.constexpr = tl.float32 if F32 else tl.float16
         ci = c.to(tl.int32) & 0xFF
-        val = tl.zeros(c.shape, dtype=tl.float16) + tl.load(cb_ptr).to(tl.float16)
+        val = tl.zeros(c.shape, dtype=DT) + tl.load(cb_ptr).to(DT)
         for j in tl.static_range(1, NC):
-            val = tl.where(ci == j, tl.load(cb_ptr + j).to(tl.float16), val)
+            val = tl.where(ci == j, tl.load(cb_ptr + j).to(DT), val)
     return val
 
 
@@ -343,7 +345,8 @@ def _rope_keys(ka, kb, table_ptr, N: tl.constexpr, HALF: tl.constexpr):
     """``R(j) k`` of the halves ``ka, kb [N, D/2]`` (float16) of a key tile, row ``j`` rotated
     by the angles ``j * inv_freq``: the fixed ``cos/sin`` table ``[2, N, D/2]`` (float16,
     L1-resident; the same for every tile, see ``_rope_query``). Float16 arithmetic: two
-    roundings of 2**-11 on the order of the dequantization's one."""
+    roundings of 2**-11 on the order of the dequantization's one (float32 keys and table for
+    float32 queries)."""
     tj = (tl.arange(0, N) * HALF)[:, None] + tl.arange(0, HALF)[None, :]
     cj = tl.load(table_ptr + tj)
     sj = tl.load(table_ptr + N * HALF + tj)
@@ -386,6 +389,16 @@ def _score_outliers(sc, qa, qb, idx_base, val_base, offs_t, t_end, table_ptr,
 
 
 @triton.jit
+def _dot(a, b, acc=None):
+    """``tl.dot``, in full float32 for float32 operands: the tensor cores' default would round
+    them to TF32 (float16's 10-bit mantissa), the error float32 dequantization avoids."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _codes_to_f16(c, USE_PRMT: tl.constexpr):
     """int8 codes (0..255 read as unsigned) -> float16, exactly: ``(code | 0x6400)`` read as
     float16 is ``1024 + code``, so an OR (or one byte permute per pair, ``USE_PRMT``: PTX,
@@ -412,13 +425,13 @@ def _attend_fp16(q, k_base, v_base, lo, hi, pos0, pos, start, length, window, m_
         i_ok = offs_i < hi
         kT = tl.load(k_base + offs_i[None, :] * D + offs_d[:, None],
                      mask=d_ok[:, None] & i_ok[None, :], other=0.0)
-        sc = tl.dot(q, kT.to(q.dtype))  # [M, BLOCK_FP]
+        sc = _dot(q, kT.to(q.dtype))  # [M, BLOCK_FP]
         vis = _visible(pos0 + offs_i, pos, start, length, window, HAS_WINDOW)
         sc = tl.where(vis & i_ok[None, :], sc, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, softcap, SOFTCAP)
         v = tl.load(v_base + offs_i[:, None] * D + offs_d[None, :],
                     mask=i_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype))
     return m_i, l_i, acc
 
 
@@ -444,17 +457,25 @@ def _attend_sink_residual(q, SinkK, SinkV, ResK, ResV, bh64, i_lo, i_hi, sink_le
 def _body_tile(c_base, s_base, z_base, cb_ptr, oi_base, ov_base, g0, g_hi, offs_t, offs_d, d_ok,
                PER_TOKEN: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, GPT: tl.constexpr,
                D: tl.constexpr, GS: tl.constexpr, EVEN_D: tl.constexpr, USE_PRMT: tl.constexpr,
-               CB: tl.constexpr, NOUT: tl.constexpr, D0: tl.constexpr = 0):
+               CB: tl.constexpr, NOUT: tl.constexpr, D0: tl.constexpr = 0,
+               F32: tl.constexpr = False):
     """Dequantized float16 body tile ``[GPT * G, BLOCK_D]`` of keys or values: ``code * scale +
     zero`` (with ``CB``, the head's codebook entry in place of the code), plus ``NOUT`` outlier
-    corrections per token. ``D0``: the first channel of ``offs_d`` (see ``_scale_tile``)."""
+    corrections per token. ``D0``: the first channel of ``offs_d`` (see ``_scale_tile``).
+    ``F32`` (float32 queries): the tile in float32 arithmetic, as the reference computes it;
+    float16's rounding of ``code * scale + zero`` cancels badly where an output's norm is small
+    against its values'."""
     sc, ze = _scale_tile(s_base, z_base, g0, g_hi, offs_t, offs_d, d_ok, PER_TOKEN, G, GPT, D, GS,
                          EVEN_D, D0)
     codes = _group_codes(c_base, g0, g_hi, offs_d, d_ok, BITS, G, GPT, D, EVEN_D)
     if CB:  # KVQuant: codes index the head's codebook (in code units)
-        x = _lookup(codes, cb_ptr, 1 << BITS, USE_PRMT) * sc + ze
+        e = _lookup(codes, cb_ptr, 1 << BITS, USE_PRMT, F32)
     else:
-        x = _codes_to_f16(codes, USE_PRMT) * sc + ze
+        e = _codes_to_f16(codes, USE_PRMT)
+    if F32:
+        x = e.to(tl.float32) * sc.to(tl.float32) + ze.to(tl.float32)
+    else:
+        x = e * sc + ze
     if NOUT > 0:
         x = _add_outliers(x, oi_base, ov_base, offs_t, g_hi * G, offs_d, NOUT, USE_PRMT)
     return x
@@ -546,6 +567,7 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    F32: tl.constexpr = Q.dtype.element_ty == tl.float32  # dequantize in float32 too
     if split < n_body_splits:
         N: tl.constexpr = GPT * G  # body tokens per loop step
         n_groups = body_len // G
@@ -578,18 +600,18 @@ def _decode_kernel(
             offs_t = g0 * G + tl.arange(0, N)  # body token index of each tile row
             if FP8:  # e4m3 body: one multiplier per (sequence, head), applied to the scores
                 k = _fp8_tile(kc_base, offs_t, g_hi, offs_d, d_ok, G, D, EVEN_D)
-                sc = tl.dot(q, tl.trans(k.to(Q.dtype.element_ty))) * k_mult
+                sc = _dot(q, tl.trans(k.to(Q.dtype.element_ty))) * k_mult
             elif PRE_ROPE:  # keys stored before RoPE, in halves: q takes R(pos0), keys R(j)
                 xa, xb = _rope_query(qa, qb, sink_len + g0 * G - start, inv_freq, USE_PRMT)
                 ka = _body_tile(kc_base, ks_base, kz_base, KCB + h * (1 << KBITS), KOI, KOV,
                                 g0, g_hi, offs_t, offs_h, d_ok, K_PER_TOKEN, KBITS, G, GPT, D,
-                                GK, EVEN_D, USE_PRMT, K_CB, 0, 0)
+                                GK, EVEN_D, USE_PRMT, K_CB, 0, 0, F32)
                 kb = _body_tile(kc_base, ks_base, kz_base, KCB + h * (1 << KBITS), KOI, KOV,
                                 g0, g_hi, offs_t, HALF + offs_h, d_ok, K_PER_TOKEN, KBITS, G, GPT,
-                                D, GK, EVEN_D, USE_PRMT, K_CB, 0, HALF)
+                                D, GK, EVEN_D, USE_PRMT, K_CB, 0, HALF, F32)
                 ka, kb = _rope_keys(ka, kb, RopeTable, N, HALF)
-                sc = tl.dot(xa.to(Q.dtype.element_ty), tl.trans(ka.to(Q.dtype.element_ty)))
-                sc = tl.dot(xb.to(Q.dtype.element_ty), tl.trans(kb.to(Q.dtype.element_ty)), sc)
+                sc = _dot(xa.to(Q.dtype.element_ty), tl.trans(ka.to(Q.dtype.element_ty)))
+                sc = _dot(xb.to(Q.dtype.element_ty), tl.trans(kb.to(Q.dtype.element_ty)), sc)
                 if K_OUT > 0:
                     sc = _score_outliers(sc, xa, xb, KOI + bh64 * kout_cap * K_OUT,
                                          KOV + bh64 * kout_cap * K_OUT, offs_t, g_hi * G,
@@ -597,8 +619,8 @@ def _decode_kernel(
             else:
                 k = _body_tile(kc_base, ks_base, kz_base, KCB + h * (1 << KBITS), KOI, KOV,
                                g0, g_hi, offs_t, offs_d, d_ok, K_PER_TOKEN, KBITS, G, GPT, D,
-                               GK, EVEN_D, USE_PRMT, K_CB, 0)
-                sc = tl.dot(q, tl.trans(k.to(Q.dtype.element_ty)))  # [M, N]
+                               GK, EVEN_D, USE_PRMT, K_CB, 0, 0, F32)
+                sc = _dot(q, tl.trans(k.to(Q.dtype.element_ty)))  # [M, N]
                 if K_OUT > 0:
                     sc = _score_outliers(sc, q, q, KOI + bh64 * kout_cap * K_OUT,
                                          KOV + bh64 * kout_cap * K_OUT, offs_t, g_hi * G,
@@ -620,8 +642,9 @@ def _decode_kernel(
                 v = _body_tile(vc_base, vs_base, vz_base, VCB + h * (1 << VBITS),
                                VOI + bh64 * vout_cap * V_OUT, VOV + bh64 * vout_cap * V_OUT,
                                g0, g_hi, offs_t, offs_d, d_ok, V_PER_TOKEN, VBITS, G, GPT, D,
-                               GV, EVEN_D, USE_PRMT, V_CB, V_OUT)
-            acc = acc * alpha[:, None] + tl.dot(p.to(Q.dtype.element_ty), v.to(Q.dtype.element_ty))
+                               GV, EVEN_D, USE_PRMT, V_CB, V_OUT, 0, F32)
+            acc = acc * alpha[:, None] + _dot(p.to(Q.dtype.element_ty),
+                                                v.to(Q.dtype.element_ty))
     else:
         # FP16 tokens (_attend_sink_residual)
         fs = split - n_body_splits
@@ -874,7 +897,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
         raise ValueError("decode_attention: lens_dev must be an int32 [3] tensor (sink, body, "
                          f"residual lengths) on {dev}")
     if gluon is None:  # where PTX runs, for layers and batches where it is the faster kernel
-        gluon = (use_prmt and GLUON_ENABLED and n_groups > 0
+        # (not for float32 queries: its operands are float16; the Triton kernel keeps float32)
+        gluon = (use_prmt and q.dtype != torch.float32 and GLUON_ENABLED and n_groups > 0
                  and decode_gluon.serves(kv, Lq, HG, B * Hkv))
     elif gluon:  # asked for explicitly (tests, benchmarks): any eligible layer
         gluon = n_groups > 0 and decode_gluon.eligible(kv, Lq, HG)
@@ -918,7 +942,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     split0 = splits if gluon else 0
     # Built here, not only when the Triton kernel launches: an eager call that attends its FP16
     # part in the finish kernel must still build it, or a later capture would (a host copy).
-    rope_table = _rope_table(inv_freq, GPT * G) if inv_freq is not None else q
+    rope_table = (_rope_table(inv_freq, GPT * G, torch.float32 if q.dtype == torch.float32
+                              else torch.float16) if inv_freq is not None else q)
     # Captured with a Gluon body, the FP16 splits run on a side stream beside the body (a fork
     # and a join in the graph): in stream order they would start only when the body ends.
     side = bool(gluon and fp_splits and capturing and SIDE_STREAM)
@@ -946,7 +971,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
             HG, D, BLOCK_D, BLOCK_M, kv.key_bits, kv.value_bits, G, GPT,
             D // kv.k_scale.shape[3] if k_tok else G,  # GK
             D // kv.v_scale.shape[3] if v_tok else G,  # GV
-            k_tok, v_tok, BLOCK_FP, window is not None, D == BLOCK_D, use_prmt, fp8, has_starts,
+            k_tok, v_tok, BLOCK_FP, window is not None, D == BLOCK_D,
+            use_prmt and q.dtype != torch.float32, fp8, has_starts,  # (_body_tile's F32)
             has_lens, kcb is not None, vcb is not None,
             koi.shape[3] if koi is not None else 0, voi.shape[3] if voi is not None else 0,
             inv_freq is not None, lens_dev is not None, softcap is not None, pdl,
@@ -990,28 +1016,31 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     return o
 
 
-def _rope_table(inv_freq: torch.Tensor, n: int) -> torch.Tensor:
-    """``[2, n, D/2]`` float16 ``cos/sin(j * inv_freq)`` for the offsets ``j`` of a body tile."""
-    return rope_cos_sin(inv_freq, range(n), key=n)
+def _rope_table(inv_freq: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[2, n, D/2]`` ``cos/sin(j * inv_freq)`` for the offsets ``j`` of a body tile (float16;
+    float32 for float32 queries, whose keys are dequantized in float32)."""
+    return rope_cos_sin(inv_freq, range(n), key=n, dtype=dtype)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, offsets, key=None) -> torch.Tensor:
-    """``[2, len(offsets), D/2]`` float16 ``cos/sin(j * inv_freq)`` for the given token offsets
-    (computed in float64), built once and kept on the frequency tensor itself (a layer's store
-    passes the same tensor every step), so it can never outlive or mismatch the frequencies it
-    was made from. ``key`` names the offsets (default: the offsets themselves); ``offsets`` may
-    then be a callable, called only when the table is built."""
+def rope_cos_sin(inv_freq: torch.Tensor, offsets, key=None,
+                 dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """``[2, len(offsets), D/2]`` ``cos/sin(j * inv_freq)`` in ``dtype`` for the given token
+    offsets (computed in float64), built once and kept on the frequency tensor itself (a layer's
+    store passes the same tensor every step), so it can never outlive or mismatch the
+    frequencies it was made from. ``key`` names the offsets (default: the offsets themselves);
+    ``offsets`` may then be a callable, called only when the table is built."""
     tables = getattr(inv_freq, "_kvbits_rope_tables", None)
     if tables is None:
         tables = {}
         inv_freq._kvbits_rope_tables = tables
     if key is None:
         key = tuple(offsets)
+    key = (key, dtype)
     if key not in tables:
         offsets = offsets() if callable(offsets) else offsets
         j = torch.tensor(list(offsets), device=inv_freq.device, dtype=torch.float64)
         ang = j[:, None] * inv_freq.double()[None, :]
-        tables[key] = torch.stack([ang.cos(), ang.sin()]).half().contiguous()
+        tables[key] = torch.stack([ang.cos(), ang.sin()]).to(dtype).contiguous()
     return tables[key]
 
 
