@@ -64,6 +64,7 @@ class GreedyDecoder:
         self.step_done = step_done
         self.captures = 0
         self._kw = cache_kwargs(model, cache)
+        self._stop = None  # stop token ids of the current decode (decode's stop_tokens)
 
     # ------------------------------------------------------------------ steps
     @torch.no_grad()
@@ -72,6 +73,8 @@ class GreedyDecoder:
         out = self.model(input_ids=self._ids, position_ids=self._pos, cache_position=self._cpos,
                          use_cache=True, logits_to_keep=1, **self._kw)
         nxt = next_token(out.logits[:, -1], self.sampling)
+        if self._stop is not None:  # sequences that produced a stop token are done
+            self._live &= ~(nxt[..., None] == self._stop).any(-1)
         self._ids.copy_(nxt)
         self.tokens.scatter_(1, self._count.expand(nxt.shape[0], 1), nxt)
         self._count.add_(1)
@@ -93,11 +96,12 @@ class GreedyDecoder:
         return graph
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int,
+                 stop_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Prefill ``input_ids [B, T]`` (no padding), then ``max_new_tokens`` greedy tokens. A
         cache that already holds the first tokens of ``input_ids`` (a loaded prefix,
         :meth:`~kvbits.integrations.hf.KVBitsCache.load`) gets only the rest, as ``generate``
-        does."""
+        does. ``stop_tokens``: see :meth:`decode`."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         held = self.cache.get_seq_length()
@@ -106,14 +110,24 @@ class GreedyDecoder:
                              f"{input_ids.shape[1]}: at least one input token must be new")
         out = self.model(input_ids[:, held:], use_cache=True, logits_to_keep=1, **self._kw)
         first = next_token(out.logits[:, -1], self.sampling)
-        return self.decode(first, input_ids.shape[1], max_new_tokens)
+        return self.decode(first, input_ids.shape[1], max_new_tokens, stop_tokens)
 
     @torch.no_grad()
-    def decode(self, first: torch.Tensor, position: int, n: int) -> torch.Tensor:
+    def decode(self, first: torch.Tensor, position: int, n: int,
+               stop_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, n]`` tokens: ``first [B, 1]`` (the token at ``position``, the cache holding the
-        ``position`` tokens before it), then ``n - 1`` greedy ones, one decode step each."""
+        ``position`` tokens before it), then ``n - 1`` greedy ones, one decode step each.
+
+        ``stop_tokens`` (token ids, e.g. the EOS ids): decoding ends early, after the step in
+        which the last sequence produced one (``[B, m]``, m <= n; a sequence's tokens after its
+        own stop token are whatever it decoded: the caller masks them). Whether every sequence
+        is done is read on the host before each step: one small synchronisation per step."""
         B = first.shape[0]
         dev = first.device
+        self._stop = None if stop_tokens is None else torch.as_tensor(
+            stop_tokens, device=dev).reshape(-1)
+        if self._stop is not None:
+            self._live = ~(first[..., None] == self._stop).any(-1)  # [B, 1]
         self.tokens = torch.zeros(B, n, dtype=torch.long, device=dev)
         self.tokens[:, :1] = first
         self._ids = first.clone()
@@ -138,6 +152,8 @@ class GreedyDecoder:
         try:
             with fused:
                 for done in range(2, n + 1):
+                    if self._stop is not None and not bool(self._live.any()):
+                        return self.tokens[:, :done - 1]  # (the cache ends as generate's does)
                     kind = kind_of_next()
                     graph = graphs.get(kind)
                     if graph is not None:

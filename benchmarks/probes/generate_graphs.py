@@ -1,0 +1,69 @@
+"""Probe (GPU): transformers' ``generate`` as users call it, eager against
+``custom_generate=graph_generate`` (kvbits' CUDA-graph loop), batch 1, random weights.
+
+Time per output token = (time of ``generate`` for N + 1 new tokens - time for 1) / N, medians
+of 3 runs each; FP16 SDPA restricted to the flash backend (torch's default, cuDNN, costs ~1 ms
+of host time per call on the H200 host). Rows: FP16 DynamicCache eager (the baseline), kivi-2
+eager, and through graph_generate: kivi-2, kivi-4, and kvbits' FP16 cache (the control: same
+loop and graphs, nothing quantized).
+
+    PYTHONPATH=src python3 benchmarks/probes/generate_graphs.py [MODEL] [CONTEXTS] [N]
+"""
+import statistics
+import sys
+import time
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import DynamicCache
+
+from kvbits.eval.speed import build_model, model_config
+from kvbits.integrations import KVBitsCache, graph_generate
+from kvbits.integrations.hf import cache_kwargs
+
+name = sys.argv[1] if len(sys.argv) > 1 else "llama-3-8b"
+contexts = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "4096,32768").split(",")]
+N = int(sys.argv[3]) if len(sys.argv) > 3 else 64
+model = build_model(model_config(name, max_positions=max(contexts) + N + 64))
+model.generation_config.eos_token_id = None  # random weights: never stop early (and no
+model.config.eos_token_id = None             # min_new_tokens, a processor graph_generate refuses)
+BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+VARIANTS = [("fp16 DynamicCache, eager", "dynamic", False), ("kivi-2, eager", "kivi-2", False),
+            ("fp16 (kvbits), graph_generate", "fp16", True),
+            ("kivi-2, graph_generate", "kivi-2", True), ("kivi-4, graph_generate", "kivi-4", True)]
+
+
+def run(ids, preset, graphs, new):
+    cache = DynamicCache() if preset == "dynamic" else KVBitsCache(model, preset)
+    kw = {"custom_generate": graph_generate} if graphs else {}
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad(), sdpa_kernel(BACKENDS):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                             do_sample=False, pad_token_id=0,
+                             **cache_kwargs(model, cache), **kw)
+    torch.cuda.synchronize()
+    assert out.shape[1] == ids.shape[1] + new
+    return time.perf_counter() - t0, out
+
+
+print(f"# {torch.cuda.get_device_name()}, {name}, random weights, batch 1, N = {N}; torch "
+      f"{torch.__version__}", flush=True)
+for T in contexts:
+    ids = torch.randint(100, 20000, (1, T), device="cuda")
+    base = None
+    toks = {}
+    for label, preset, graphs in VARIANTS:
+        run(ids, preset, graphs, 4)  # warm-up: compiles, captures
+        full = statistics.median(run(ids, preset, graphs, N + 1)[0] for _ in range(3))
+        one = statistics.median(run(ids, preset, graphs, 1)[0] for _ in range(3))
+        tpot = (full - one) / N * 1e3
+        base = base or tpot
+        toks[label] = run(ids, preset, graphs, 17)[1][0, T:]
+        same = ""
+        if graphs and preset != "fp16":
+            eager = toks.get(f"{preset}, eager")
+            if eager is not None:
+                same = f"; first 16 tokens as eager: {torch.equal(eager[:16], toks[label][:16])}"
+        print(f"T={T:6d} {label:32s} TPOT {tpot:7.2f} ms  {1e3 / tpot:6.1f} tok/s  "
+              f"{base / tpot:5.2f}x the FP16 eager row{same}", flush=True)

@@ -1,0 +1,112 @@
+"""``model.generate(..., custom_generate=graph_generate)``: transformers' ``generate`` with its
+decoding loop replaced by :class:`~kvbits.integrations.decode_loop.GreedyDecoder`, whose steps
+are replayed from CUDA graphs.
+
+Why: eager ``generate`` is bound by host time at small batch (tens of ms of Python and launches
+per step against a few ms of GPU work for a 7-8B model on an H200, ``benchmarks/results/e2e.md``),
+so no cache shows its GPU speed there. transformers (5.x) calls a callable ``custom_generate``
+in place of its own loop, after preparing the inputs, the generation config, the logits
+processors and the stopping criteria; so a user keeps ``generate``'s API and output: the prompt
+followed by the new tokens, stopped at max length or when every sequence has produced an EOS
+token, with the tokens after a sequence's own EOS replaced by the pad token (what ``generate``
+returns).
+
+Served here: a :class:`~kvbits.integrations.hf.KVBitsCache` or transformers' ``StaticCache``;
+greedy decoding, or sampling with temperature / top-k / top-p only (drawn inside the graph,
+:mod:`~kvbits.integrations.sampling`; a draw of its own, so sampled tokens do not repeat
+``generate``'s under the same seed); stopping on max length and EOS; prompts without padding.
+Anything else (another logits processor such as a repetition penalty, a streamer, scores or a
+dict as output, left padding, another cache) runs transformers' own loop, with a warning that
+names the reason. Beam search and assisted decoding are refused. On the CPU the same loop runs
+its steps eagerly.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .decode_loop import GreedyDecoder
+from .hf import KVBitsCache
+from .sampling import Sampling
+
+__all__ = ["graph_generate"]
+
+_OUTPUT_FLAGS = ("return_dict_in_generate", "output_scores", "output_logits",
+                 "output_attentions", "output_hidden_states")
+_STOPS = ("MaxLengthCriteria", "EosTokenCriteria")
+
+
+def graph_generate(model, input_ids: torch.Tensor, logits_processor, stopping_criteria,
+                   generation_config, synced_gpus: bool = False, streamer=None, *,
+                   fuse: str | None = None, **model_kwargs):
+    """The decoding loop ``generate`` calls (its ``_sample``'s signature). ``fuse``: passed to
+    :class:`~kvbits.integrations.decode_loop.GreedyDecoder` (bind it with
+    ``functools.partial(graph_generate, fuse="inductor")``)."""
+    if generation_config.num_beams != 1 or any(
+            k in model_kwargs for k in ("assistant_model", "candidate_generator")):
+        raise ValueError("graph_generate: decodes greedily or by sampling (num_beams=1, no "
+                         f"assistant model); got num_beams={generation_config.num_beams}")
+    cache = model_kwargs.get("past_key_values", model_kwargs.get("cache"))
+    sampling, reason = _plan(cache, logits_processor, stopping_criteria, generation_config,
+                             synced_gpus, streamer, model_kwargs.get("attention_mask"))
+    if reason is not None:
+        warnings.warn(f"graph_generate: {reason}; transformers' own decoding loop runs instead",
+                      stacklevel=2)
+        return type(model)._sample(model, input_ids, logits_processor=logits_processor,
+                                   stopping_criteria=stopping_criteria,
+                                   generation_config=generation_config, synced_gpus=synced_gpus,
+                                   streamer=streamer, **model_kwargs)
+    n = generation_config.max_length - input_ids.shape[1]
+    if n < 1:
+        return input_ids
+    eos = generation_config._eos_token_tensor
+    new = GreedyDecoder(model, cache, fuse=fuse, sampling=sampling).generate(
+        input_ids, n, stop_tokens=eos)
+    pad = generation_config._pad_token_tensor
+    if eos is not None and pad is not None:  # generate's padding after each sequence's EOS
+        is_eos = (new[..., None] == eos.to(new.device).reshape(-1)).any(-1)
+        new = new.masked_fill((is_eos.cumsum(1) - is_eos.long()) > 0, int(pad))
+    return torch.cat([input_ids, new.to(input_ids.device)], dim=1)
+
+
+def _plan(cache, processors, criteria, config, synced_gpus, streamer, attention_mask):
+    """``(sampling, None)`` where the loop serves the call (``sampling`` None: greedy), else
+    ``(None, reason)``."""
+    if not isinstance(cache, KVBitsCache) and type(cache).__name__ != "StaticCache":
+        return None, f"the cache is a {type(cache).__name__}, not a KVBitsCache or StaticCache"
+    if streamer is not None:
+        return None, "a streamer needs each token on the host as it is produced"
+    if synced_gpus:
+        return None, "synced_gpus is set"
+    flags = [f for f in _OUTPUT_FLAGS if getattr(config, f, False)]
+    if flags:
+        return None, f"{', '.join(flags)} asked for"
+    if attention_mask is not None and not bool(attention_mask.all()):
+        return None, "the attention mask pads the batch (the loop decodes unpadded prompts)"
+    other = [type(c).__name__ for c in criteria if type(c).__name__ not in _STOPS]
+    if other:
+        return None, f"stopping criteria {other} (served: max length and EOS)"
+    return _sampling(processors, config)
+
+
+def _sampling(processors, config):
+    """The :class:`~kvbits.integrations.sampling.Sampling` equal to ``generate``'s warpers
+    (temperature, then top-k, then top-p), None for greedy, or a reason why there is none."""
+    kw, other = {}, []
+    for p in processors:
+        name = type(p).__name__
+        if name == "TemperatureLogitsWarper":
+            kw["temperature"] = float(p.temperature)
+        elif name == "TopKLogitsWarper":
+            kw["top_k"] = int(p.top_k)
+        elif name == "TopPLogitsWarper" and getattr(p, "min_tokens_to_keep", 1) == 1:
+            kw["top_p"] = float(p.top_p)
+        else:
+            other.append(name)
+    if other:
+        return None, f"logits processors {other} (served: temperature, top-k, top-p)"
+    if not config.do_sample:
+        return None, None
+    return Sampling(**kw), None

@@ -1,0 +1,177 @@
+"""Tests for kvbits.integrations.graph_generate: transformers' ``generate`` with its decoding
+loop replaced (``custom_generate=graph_generate``) must return what ``generate`` returns with
+the same cache (greedy: the same tokens; EOS: the same stop and padding, the cache as long),
+fall back to transformers' loop with a warning where the loop cannot serve the call, and refuse
+beam search. On the CPU the loop's steps run eagerly; the capture is checked on a GPU."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from test_decode_loop import prompt, tiny_llama
+from transformers import DynamicCache, StaticCache
+
+from kvbits.integrations import graph_generate
+from kvbits.integrations.decode_loop import GreedyDecoder
+from kvbits.integrations.hf import KVBitsCache, cache_kwargs
+
+NEW = 60
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(0, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+
+
+def generate(model, ids, cache, ours: bool, **kw):
+    """``model.generate`` with ``cache``, through graph_generate or transformers' own loop; the
+    output and the graph_generate warnings it raised. Through graph_generate, checks that the
+    kvbits loop ran exactly when no warning says it did not."""
+    runs = []
+    real = GreedyDecoder.generate
+
+    def counted(self, *a, **k):
+        runs.append(1)
+        return real(self, *a, **k)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught, \
+            pytest.MonkeyPatch.context() as mp:
+        warnings.simplefilter("always")
+        mp.setattr(GreedyDecoder, "generate", counted)
+        out = model.generate(ids, max_new_tokens=kw.pop("max_new_tokens", NEW),
+                             pad_token_id=kw.pop("pad_token_id", 0),
+                             **({"custom_generate": graph_generate} if ours else {}),
+                             **cache_kwargs(model, cache), **kw)
+    warned = [str(w.message) for w in caught if "graph_generate" in str(w.message)]
+    assert len(runs) == (1 if ours and not warned else 0), (runs, warned)
+    return out, warned
+
+
+def kvbits_cache(model, preset="kivi-2"):
+    return KVBitsCache(model, preset, **({} if preset == "fp16" else {"residual_length": 4}))
+
+
+@pytest.mark.parametrize("preset", ["kivi-2", "kivi-4", "uniform-int4", "fp16"])
+def test_greedy_matches_generate(model, preset):
+    ids = prompt(37, 2)
+    want, _ = generate(model, ids, kvbits_cache(model, preset), ours=False, do_sample=False)
+    got, warned = generate(model, ids, kvbits_cache(model, preset), ours=True, do_sample=False)
+    assert not warned, warned
+    assert got.shape == (2, 37 + NEW) and torch.equal(got, want)
+
+
+def test_static_cache_matches_generate(model):
+    ids = prompt(29, 2)
+
+    def static():
+        return StaticCache(config=model.config, max_cache_len=29 + NEW + 8)
+    want, _ = generate(model, ids, static(), ours=False, do_sample=False)
+    got, warned = generate(model, ids, static(), ours=True, do_sample=False)
+    assert not warned, warned
+    assert torch.equal(got, want)
+
+
+def test_eos_stops_and_pads_like_generate(model):
+    """Two sequences, two EOS ids, each met at another step: both runs stop when the later one
+    is met, pad the earlier sequence after its EOS, and leave the cache as long."""
+    ids = prompt(41, 2)
+    free, _ = generate(model, ids, kvbits_cache(model), ours=False, do_sample=False)
+    new = free[:, 41:]
+    eos = [int(new[0, 5]), int(new[1, 30])]
+    caches = [kvbits_cache(model), kvbits_cache(model)]
+    want, _ = generate(model, ids, caches[0], ours=False, do_sample=False, eos_token_id=eos)
+    got, warned = generate(model, ids, caches[1], ours=True, do_sample=False, eos_token_id=eos)
+    assert not warned, warned
+    assert want.shape[1] < 41 + NEW, "no early stop: the test checks nothing"
+    assert (want[:, 41:] == 0).any(), "no padded sequence: the test checks nothing"
+    assert torch.equal(got, want)
+    assert caches[1].get_seq_length() == caches[0].get_seq_length()
+
+
+def test_top_k_one_samples_the_greedy_tokens(model):
+    """Sampling runs inside the loop (no fallback): with top-k 1 every draw is the argmax."""
+    ids = prompt(33, 2)
+    want, _ = generate(model, ids, kvbits_cache(model), ours=False, do_sample=False)
+    got, warned = generate(model, ids, kvbits_cache(model), ours=True, do_sample=True,
+                           temperature=0.7, top_k=1, top_p=0.9)
+    assert not warned, warned
+    assert torch.equal(got, want)
+
+
+def test_sampling_follows_the_seed(model):
+    ids = prompt(33, 2)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        out, warned = generate(model, ids, kvbits_cache(model), ours=True, do_sample=True,
+                               temperature=1.5, top_k=20)
+        assert not warned, warned
+        runs.append(out)
+    assert torch.equal(runs[0], runs[1])
+    greedy, _ = generate(model, ids, kvbits_cache(model), ours=True, do_sample=False)
+    assert not torch.equal(runs[0], greedy), "sampling at temperature 1.5 drew the argmax only"
+
+
+@pytest.mark.parametrize("case,reason", [
+    ("repetition_penalty", "RepetitionPenaltyLogitsProcessor"),
+    ("dynamic_cache", "DynamicCache"),
+    ("left_padding", "pads the batch"),
+    ("scores", "output_scores"),
+])
+def test_falls_back_with_the_reason(model, case, reason):
+    """What the loop does not serve runs transformers' own loop, with the same result."""
+    ids = prompt(30, 2)
+    kw = {"do_sample": False}
+    cache = kvbits_cache
+    if case == "repetition_penalty":
+        kw["repetition_penalty"] = 1.3
+    elif case == "dynamic_cache":
+        cache = lambda m: DynamicCache()
+    elif case == "left_padding":
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0
+        kw["attention_mask"] = mask
+    else:
+        kw.update(output_scores=True, return_dict_in_generate=True)
+    want, _ = generate(model, ids, cache(model), ours=False, **kw)
+    got, warned = generate(model, ids, cache(model), ours=True, **kw)
+    assert len(warned) == 1 and reason in warned[0], warned
+    if case == "scores":
+        assert torch.equal(got.sequences, want.sequences) and len(got.scores) == NEW
+    else:
+        assert torch.equal(got, want)
+
+
+def test_the_function_not_its_module():
+    """``custom_generate`` must get the function: a module there is silently ignored by
+    ``generate`` (neither a string nor a callable), which would make every test above vacuous."""
+    assert callable(graph_generate) and graph_generate.__name__ == "graph_generate"
+
+
+def test_refuses_beam_search(model):
+    with pytest.raises(ValueError, match="graph_generate: decodes greedily.*num_beams=2"):
+        generate(model, prompt(30, 1), kvbits_cache(model), ours=True, num_beams=2,
+                 do_sample=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["kivi-2", "fp16"])
+def test_gpu_generate_replays_graphs(preset, monkeypatch):
+    """On a GPU the steps are captured (a plain and a flushing step for kivi-2; FP16 layers
+    flush nothing: one) and the tokens equal GreedyDecoder's own captured run."""
+    m = tiny_llama(0, hidden_size=256, intermediate_size=256, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64, max_position_embeddings=1024
+                   ).half().cuda()
+    ids = prompt(300, 2).cuda()
+    want = GreedyDecoder(m, kvbits_cache(m, preset)).generate(ids, 150)
+    captures = []
+    real = GreedyDecoder._capture
+    monkeypatch.setattr(GreedyDecoder, "_capture", lambda self: captures.append(1) or real(self))
+    got, warned = generate(m, ids, kvbits_cache(m, preset), ours=True, do_sample=False,
+                           max_new_tokens=150)
+    assert not warned, warned
+    assert len(captures) == (2 if preset != "fp16" else 1), captures
+    assert torch.equal(got[:, 300:], want)
