@@ -1,14 +1,18 @@
 """Probe (GPU): transformers' ``generate`` as users call it, eager against
 ``custom_generate=graph_generate`` (kvbits' CUDA-graph loop), batch 1, random weights.
 
-Time per output token = (time of ``generate`` for N + 1 new tokens - time for 1) / N, medians
-of 3 runs each; FP16 SDPA restricted to the flash backend (torch's default, cuDNN, costs ~1 ms
+Each ``generate`` call of n new tokens takes a + n * t: the steady time per token t, from calls
+of N and 5 N tokens (medians of 3), and a = the prefill plus, through graph_generate, the eager
+warm-up steps and the captures (one graph per kind of step, every call: the graphs point at the
+call's own cache). The probe reports t and a - (the FP16 eager row's a), the
+per-call overhead. FP16 SDPA restricted to the flash backend (torch's default, cuDNN, costs ~1 ms
 of host time per call on the H200 host). Rows: FP16 DynamicCache eager (the baseline), kivi-2
 eager, and through graph_generate: kivi-2, kivi-4, and kvbits' FP16 cache (the control: same
 loop and graphs, nothing quantized).
 
     PYTHONPATH=src python3 benchmarks/probes/generate_graphs.py [MODEL] [CONTEXTS] [N]
 """
+import gc
 import statistics
 import sys
 import time
@@ -23,8 +27,8 @@ from kvbits.integrations.hf import cache_kwargs
 
 name = sys.argv[1] if len(sys.argv) > 1 else "llama-3-8b"
 contexts = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "4096,32768").split(",")]
-N = int(sys.argv[3]) if len(sys.argv) > 3 else 64
-model = build_model(model_config(name, max_positions=max(contexts) + N + 64))
+N = int(sys.argv[3]) if len(sys.argv) > 3 else 32
+model = build_model(model_config(name, max_positions=max(contexts) + 5 * N + 64))
 model.generation_config.eos_token_id = None  # random weights: never stop early (and no
 model.config.eos_token_id = None             # min_new_tokens, a processor graph_generate refuses)
 BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -34,6 +38,8 @@ VARIANTS = [("fp16 DynamicCache, eager", "dynamic", False), ("kivi-2, eager", "k
 
 
 def run(ids, preset, graphs, new):
+    gc.collect()
+    torch.cuda.empty_cache()
     cache = DynamicCache() if preset == "dynamic" else KVBitsCache(model, preset)
     kw = {"custom_generate": graph_generate} if graphs else {}
     torch.cuda.synchronize()
@@ -54,16 +60,18 @@ for T in contexts:
     base = None
     toks = {}
     for label, preset, graphs in VARIANTS:
-        run(ids, preset, graphs, 4)  # warm-up: compiles, captures
-        full = statistics.median(run(ids, preset, graphs, N + 1)[0] for _ in range(3))
-        one = statistics.median(run(ids, preset, graphs, 1)[0] for _ in range(3))
-        tpot = (full - one) / N * 1e3
-        base = base or tpot
+        run(ids, preset, graphs, 4)  # warm-up: compiles
+        short = statistics.median(run(ids, preset, graphs, N)[0] for _ in range(3))
+        long = statistics.median(run(ids, preset, graphs, 5 * N)[0] for _ in range(3))
+        tpot = (long - short) / (4 * N) * 1e3
+        fixed = short * 1e3 - N * tpot
+        base = base or (tpot, fixed)
         toks[label] = run(ids, preset, graphs, 17)[1][0, T:]
         same = ""
         if graphs and preset != "fp16":
             eager = toks.get(f"{preset}, eager")
             if eager is not None:
                 same = f"; first 16 tokens as eager: {torch.equal(eager[:16], toks[label][:16])}"
-        print(f"T={T:6d} {label:32s} TPOT {tpot:7.2f} ms  {1e3 / tpot:6.1f} tok/s  "
-              f"{base / tpot:5.2f}x the FP16 eager row{same}", flush=True)
+        print(f"T={T:6d} {label:32s} {tpot:7.2f} ms/token {1e3 / tpot:6.1f} tok/s "
+              f"{base[0] / tpot:5.2f}x the FP16 eager row; per call +{fixed - base[1]:6.0f} ms"
+              f"{same}", flush=True)

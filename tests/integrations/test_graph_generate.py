@@ -175,3 +175,28 @@ def test_gpu_generate_replays_graphs(preset, monkeypatch):
     assert not warned, warned
     assert len(captures) == (2 if preset != "fp16" else 1), captures
     assert torch.equal(got[:, 300:], want)
+
+
+@pytest.mark.parametrize("preset,kw", [("kivi-2", {"residual_length": 4}), ("fp16", {}),
+                                       ("kvquant-3", {"calibration": "uniform"}),
+                                       ("kivi-2-had", {"sink_tokens": 2}),
+                                       ("fp8-dynamic", {})])
+@pytest.mark.parametrize("how", ["generate", "graph_generate"])
+def test_a_used_cache_is_freed_without_the_cycle_collector(model, preset, kw, how):
+    """A cache and its buffers go when the last reference does: a reference cycle (each layer
+    held its cache) kept GPU memory until the cyclic garbage collector ran, and generate in a
+    loop with fresh caches at long contexts ran out of memory (session 32, the H200)."""
+    import gc
+    import weakref
+    cache = KVBitsCache(model, preset, **kw)
+    generate(model, prompt(37, 2), cache, ours=how == "graph_generate", do_sample=False,
+             max_new_tokens=40)
+    refs = [weakref.ref(cache), weakref.ref(cache.layers[0].store.res_k)]
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        del cache
+        assert [r() is None for r in refs] == [True, True]
+    finally:
+        if was:
+            gc.enable()

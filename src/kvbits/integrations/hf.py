@@ -59,6 +59,7 @@ Known limits
 from __future__ import annotations
 
 import math
+import weakref
 import os
 import warnings
 from dataclasses import dataclass
@@ -120,9 +121,16 @@ class KVBitsLayer(CacheLayerMixin):
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.store: LayerStore | None = None
-        self._cache = cache
+        # The owning KVBitsCache, weakly: a strong reference would put every cache in a
+        # reference cycle, whose GPU buffers only the cyclic garbage collector frees, late
+        # (generate in a loop with fresh caches then runs out of memory).
+        self._cache_ref = None if cache is None else weakref.ref(cache)
         # Set by the kvbits attention when it consumed this layer's last update.
         self._attended = False
+
+    @property
+    def _cache(self):
+        return None if self._cache_ref is None else self._cache_ref()
 
     def __repr__(self):
         n = 0 if self.store is None else self.store.total_len
