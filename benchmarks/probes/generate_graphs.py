@@ -10,7 +10,9 @@ of host time per call on the H200 host). Rows: FP16 DynamicCache eager (the base
 eager, and through graph_generate: kivi-2, kivi-4, and kvbits' FP16 cache (the control: same
 loop and graphs, nothing quantized).
 
-    PYTHONPATH=src python3 benchmarks/probes/generate_graphs.py [MODEL] [CONTEXTS] [N]
+    PYTHONPATH=src python3 benchmarks/probes/generate_graphs.py [MODEL] [CONTEXTS] [N] [ROWS]
+
+``ROWS``: indices into ``VARIANTS`` to run (default all; the first row, the baseline, always).
 """
 import gc
 import statistics
@@ -35,6 +37,8 @@ BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBacke
 VARIANTS = [("fp16 DynamicCache, eager", "dynamic", False), ("kivi-2, eager", "kivi-2", False),
             ("fp16 (kvbits), graph_generate", "fp16", True),
             ("kivi-2, graph_generate", "kivi-2", True), ("kivi-4, graph_generate", "kivi-4", True)]
+if len(sys.argv) > 4:
+    VARIANTS = [v for i, v in enumerate(VARIANTS) if i == 0 or str(i) in sys.argv[4].split(",")]
 
 
 def run(ids, preset, graphs, new):
