@@ -90,6 +90,24 @@ def test_eos_stops_and_pads_like_generate(model):
     assert caches[1].get_seq_length() == caches[0].get_seq_length()
 
 
+@pytest.mark.parametrize("at_least", [{"min_new_tokens": 20}, {"min_length": 41 + 15}])
+def test_min_length_bans_eos_like_generate(model, at_least):
+    """``min_new_tokens`` / ``min_length``: EOS cannot be chosen before, inside the loop too;
+    the EOS ids are tokens greedy decoding meets early, so the ban changes the tokens."""
+    ids = prompt(41, 2)
+    free, _ = generate(model, ids, kvbits_cache(model), ours=False, do_sample=False)
+    eos = [int(free[0, 41 + 3]), int(free[1, 41 + 6])]
+    want, _ = generate(model, ids, kvbits_cache(model), ours=False, do_sample=False,
+                       eos_token_id=eos, **at_least)
+    unbanned, _ = generate(model, ids, kvbits_cache(model), ours=False, do_sample=False,
+                           eos_token_id=eos)
+    assert not torch.equal(want[:, :unbanned.shape[1]], unbanned), "the ban changed nothing"
+    got, warned = generate(model, ids, kvbits_cache(model), ours=True, do_sample=False,
+                           eos_token_id=eos, **at_least)
+    assert not warned, warned
+    assert torch.equal(got, want)
+
+
 def test_top_k_one_samples_the_greedy_tokens(model):
     """Sampling runs inside the loop (no fallback): with top-k 1 every draw is the argmax."""
     ids = prompt(33, 2)

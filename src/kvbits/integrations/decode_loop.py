@@ -65,6 +65,7 @@ class GreedyDecoder:
         self.captures = 0
         self._kw = cache_kwargs(model, cache)
         self._stop = None  # stop token ids of the current decode (decode's stop_tokens)
+        self._min_new = 0  # ... not chosen before this many new tokens (min_new_tokens)
 
     # ------------------------------------------------------------------ steps
     @torch.no_grad()
@@ -72,7 +73,7 @@ class GreedyDecoder:
         """One token for every sequence, reading and writing only device buffers."""
         out = self.model(input_ids=self._ids, position_ids=self._pos, cache_position=self._cpos,
                          use_cache=True, logits_to_keep=1, **self._kw)
-        nxt = next_token(out.logits[:, -1], self.sampling)
+        nxt = next_token(self._banned(out.logits[:, -1], self._count), self.sampling)
         if self._stop is not None:  # sequences that produced a stop token are done
             self._live &= ~(nxt[..., None] == self._stop).any(-1)
         self._ids.copy_(nxt)
@@ -80,6 +81,17 @@ class GreedyDecoder:
         self._count.add_(1)
         self._pos.add_(1)
         self._cpos.add_(1)
+
+    def _banned(self, logits: torch.Tensor, produced) -> torch.Tensor:
+        """``logits`` with the stop tokens at -inf while fewer than ``min_new_tokens`` tokens
+        were produced before this one (``produced``: an int, or a ``[1, 1]`` device count
+        inside the captured step), as transformers' min-new-tokens processor does."""
+        if self._min_new <= 0 or self._stop is None:
+            return logits
+        banned = logits.index_fill(-1, self._stop, float("-inf"))
+        if isinstance(produced, int):
+            return banned if produced < self._min_new else logits
+        return torch.where(produced < self._min_new, banned, logits)
 
     def _capture(self):
         graph = torch.cuda.CUDAGraph()
@@ -97,11 +109,12 @@ class GreedyDecoder:
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int,
-                 stop_tokens: torch.Tensor | None = None) -> torch.Tensor:
+                 stop_tokens: torch.Tensor | None = None, min_new_tokens: int = 0
+                 ) -> torch.Tensor:
         """Prefill ``input_ids [B, T]`` (no padding), then ``max_new_tokens`` greedy tokens. A
         cache that already holds the first tokens of ``input_ids`` (a loaded prefix,
         :meth:`~kvbits.integrations.hf.KVBitsCache.load`) gets only the rest, as ``generate``
-        does. ``stop_tokens``: see :meth:`decode`."""
+        does. ``stop_tokens``, ``min_new_tokens``: see :meth:`decode`."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         held = self.cache.get_seq_length()
@@ -109,23 +122,34 @@ class GreedyDecoder:
             raise ValueError(f"GreedyDecoder.generate: the cache holds {held} tokens, the input "
                              f"{input_ids.shape[1]}: at least one input token must be new")
         out = self.model(input_ids[:, held:], use_cache=True, logits_to_keep=1, **self._kw)
-        first = next_token(out.logits[:, -1], self.sampling)
-        return self.decode(first, input_ids.shape[1], max_new_tokens, stop_tokens)
+        self._set_stops(stop_tokens, min_new_tokens, out.logits.device)
+        first = next_token(self._banned(out.logits[:, -1], 0), self.sampling)
+        return self.decode(first, input_ids.shape[1], max_new_tokens, stop_tokens,
+                           min_new_tokens)
+
+    def _set_stops(self, stop_tokens, min_new_tokens: int, dev) -> None:
+        if min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {min_new_tokens}")
+        self._stop = None if stop_tokens is None else torch.as_tensor(
+            stop_tokens, device=dev).reshape(-1)
+        self._min_new = min_new_tokens
 
     @torch.no_grad()
     def decode(self, first: torch.Tensor, position: int, n: int,
-               stop_tokens: torch.Tensor | None = None) -> torch.Tensor:
+               stop_tokens: torch.Tensor | None = None, min_new_tokens: int = 0,
+               ) -> torch.Tensor:
         """``[B, n]`` tokens: ``first [B, 1]`` (the token at ``position``, the cache holding the
         ``position`` tokens before it), then ``n - 1`` greedy ones, one decode step each.
 
         ``stop_tokens`` (token ids, e.g. the EOS ids): decoding ends early, after the step in
         which the last sequence produced one (``[B, m]``, m <= n; a sequence's tokens after its
         own stop token are whatever it decoded: the caller masks them). Whether every sequence
-        is done is read on the host before each step: one small synchronisation per step."""
+        is done is read on the host before each step: one small synchronisation per step.
+        ``min_new_tokens``: the stop tokens cannot be chosen before that many tokens (``first``
+        counting as one), as ``generate``'s ``min_new_tokens``."""
         B = first.shape[0]
         dev = first.device
-        self._stop = None if stop_tokens is None else torch.as_tensor(
-            stop_tokens, device=dev).reshape(-1)
+        self._set_stops(stop_tokens, min_new_tokens, dev)
         if self._stop is not None:
             self._live = ~(first[..., None] == self._stop).any(-1)  # [B, 1]
         self.tokens = torch.zeros(B, n, dtype=torch.long, device=dev)

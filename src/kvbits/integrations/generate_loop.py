@@ -12,9 +12,10 @@ token, with the tokens after a sequence's own EOS replaced by the pad token (wha
 returns).
 
 Served here: a :class:`~kvbits.integrations.hf.KVBitsCache` or transformers' ``StaticCache``;
-greedy decoding, or sampling with temperature / top-k / top-p only (drawn inside the graph,
+greedy decoding, or sampling with temperature / top-k / top-p (drawn inside the graph,
 :mod:`~kvbits.integrations.sampling`; a draw of its own, so sampled tokens do not repeat
-``generate``'s under the same seed); stopping on max length and EOS; prompts without padding.
+``generate``'s under the same seed); ``min_new_tokens`` / ``min_length`` (EOS banned until
+then, inside the graph); stopping on max length and EOS; prompts without padding.
 Anything else (another logits processor such as a repetition penalty, a streamer, scores or a
 dict as output, left padding, another cache) runs transformers' own loop, with a warning that
 names the reason. Beam search and assisted decoding are refused. On the CPU the same loop runs
@@ -49,8 +50,9 @@ def graph_generate(model, input_ids: torch.Tensor, logits_processor, stopping_cr
         raise ValueError("graph_generate: decodes greedily or by sampling (num_beams=1, no "
                          f"assistant model); got num_beams={generation_config.num_beams}")
     cache = model_kwargs.get("past_key_values", model_kwargs.get("cache"))
-    sampling, reason = _plan(cache, logits_processor, stopping_criteria, generation_config,
-                             synced_gpus, streamer, model_kwargs.get("attention_mask"))
+    sampling, min_new, reason = _plan(cache, logits_processor, stopping_criteria,
+                                      generation_config, synced_gpus, streamer,
+                                      model_kwargs.get("attention_mask"), input_ids.shape[1])
     if reason is not None:
         warnings.warn(f"graph_generate: {reason}; transformers' own decoding loop runs instead",
                       stacklevel=2)
@@ -63,7 +65,7 @@ def graph_generate(model, input_ids: torch.Tensor, logits_processor, stopping_cr
         return input_ids
     eos = generation_config._eos_token_tensor
     new = GreedyDecoder(model, cache, fuse=fuse, sampling=sampling).generate(
-        input_ids, n, stop_tokens=eos)
+        input_ids, n, stop_tokens=eos, min_new_tokens=min_new)
     pad = generation_config._pad_token_tensor
     if eos is not None and pad is not None:  # generate's padding after each sequence's EOS
         is_eos = (new[..., None] == eos.to(new.device).reshape(-1)).any(-1)
@@ -71,33 +73,42 @@ def graph_generate(model, input_ids: torch.Tensor, logits_processor, stopping_cr
     return torch.cat([input_ids, new.to(input_ids.device)], dim=1)
 
 
-def _plan(cache, processors, criteria, config, synced_gpus, streamer, attention_mask):
-    """``(sampling, None)`` where the loop serves the call (``sampling`` None: greedy), else
-    ``(None, reason)``."""
+def _plan(cache, processors, criteria, config, synced_gpus, streamer, attention_mask,
+          prompt_len: int):
+    """``(sampling, min_new_tokens, None)`` where the loop serves the call (``sampling`` None:
+    greedy), else ``(None, 0, reason)``."""
     if not isinstance(cache, KVBitsCache) and type(cache).__name__ != "StaticCache":
-        return None, f"the cache is a {type(cache).__name__}, not a KVBitsCache or StaticCache"
+        return None, 0, f"the cache is a {type(cache).__name__}, not a KVBitsCache or StaticCache"
     if streamer is not None:
-        return None, "a streamer needs each token on the host as it is produced"
+        return None, 0, "a streamer needs each token on the host as it is produced"
     if synced_gpus:
-        return None, "synced_gpus is set"
+        return None, 0, "synced_gpus is set"
     flags = [f for f in _OUTPUT_FLAGS if getattr(config, f, False)]
     if flags:
-        return None, f"{', '.join(flags)} asked for"
+        return None, 0, f"{', '.join(flags)} asked for"
     if attention_mask is not None and not bool(attention_mask.all()):
-        return None, "the attention mask pads the batch (the loop decodes unpadded prompts)"
+        return None, 0, "the attention mask pads the batch (the loop decodes unpadded prompts)"
     other = [type(c).__name__ for c in criteria if type(c).__name__ not in _STOPS]
     if other:
-        return None, f"stopping criteria {other} (served: max length and EOS)"
-    return _sampling(processors, config)
+        return None, 0, f"stopping criteria {other} (served: max length and EOS)"
+    return _sampling(processors, config, prompt_len)
 
 
-def _sampling(processors, config):
-    """The :class:`~kvbits.integrations.sampling.Sampling` equal to ``generate``'s warpers
-    (temperature, then top-k, then top-p), None for greedy, or a reason why there is none."""
-    kw, other = {}, []
+def _sampling(processors, config, prompt_len: int):
+    """``(Sampling or None, min_new_tokens, None)``: the
+    :class:`~kvbits.integrations.sampling.Sampling` equal to ``generate``'s warpers
+    (temperature, then top-k, then top-p; None: greedy) and the new tokens before which EOS is
+    banned (its min-length processors), or ``(None, 0, reason)`` where there are other
+    processors."""
+    kw, other, min_new = {}, [], 0
+    eos = config._eos_token_tensor
     for p in processors:
         name = type(p).__name__
-        if name == "TemperatureLogitsWarper":
+        if name in ("MinNewTokensLengthLogitsProcessor", "MinLengthLogitsProcessor") and \
+                eos is not None and _same_ids(p.eos_token_id, eos):
+            min_new = max(min_new, p.min_new_tokens if hasattr(p, "min_new_tokens")
+                          else p.min_length - prompt_len)
+        elif name == "TemperatureLogitsWarper":
             kw["temperature"] = float(p.temperature)
         elif name == "TopKLogitsWarper":
             kw["top_k"] = int(p.top_k)
@@ -106,7 +117,11 @@ def _sampling(processors, config):
         else:
             other.append(name)
     if other:
-        return None, f"logits processors {other} (served: temperature, top-k, top-p)"
-    if not config.do_sample:
-        return None, None
-    return Sampling(**kw), None
+        return None, 0, (f"logits processors {other} (served: temperature, top-k, top-p, "
+                         "min length)")
+    return (Sampling(**kw) if config.do_sample else None), min_new, None
+
+
+def _same_ids(a, b: torch.Tensor) -> bool:
+    a = torch.as_tensor(a).reshape(-1).cpu()
+    return sorted(a.tolist()) == sorted(b.reshape(-1).cpu().tolist())
