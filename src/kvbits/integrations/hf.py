@@ -59,9 +59,9 @@ Known limits
 from __future__ import annotations
 
 import math
-import weakref
 import os
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
