@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_decode_loop import prompt, tiny_llama
 from transformers import DynamicCache, StaticCache
+from transformers.generation.streamers import BaseStreamer
 
 from kvbits.integrations import graph_generate
 from kvbits.integrations.decode_loop import GreedyDecoder
@@ -132,11 +133,67 @@ def test_sampling_follows_the_seed(model):
     assert not torch.equal(runs[0], greedy), "sampling at temperature 1.5 drew the argmax only"
 
 
+class Collect(BaseStreamer):
+    """A transformers streamer that keeps what it is given."""
+
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        self.puts.append(value.clone())
+
+    def end(self):
+        self.ended += 1
+
+
+def test_streamer_gets_the_tokens_as_generate_gives_them(model):
+    """Batch 1 with a streamer runs in the loop: the prompt, then the new tokens up to EOS,
+    then one ``end``, as transformers' loop streams them (split into other chunks)."""
+    ids = prompt(35, 1)
+    free, _ = generate(model, ids, kvbits_cache(model), ours=False, do_sample=False)
+    eos = int(free[0, 35 + 25])
+    runs = []
+    for ours in (False, True):
+        st = Collect()
+        out, warned = generate(model, ids, kvbits_cache(model), ours=ours, do_sample=False,
+                               eos_token_id=eos, streamer=st)
+        assert not warned, warned
+        assert st.ended == 1 and torch.equal(st.puts[0].reshape(1, -1), ids)
+        streamed = torch.cat([p.reshape(-1) for p in st.puts[1:]])
+        assert torch.equal(streamed, out[0, 35:])
+        runs.append(out)
+    assert torch.equal(runs[0], runs[1]) and runs[1].shape[1] < 35 + NEW
+
+
+def test_fuse_given_to_generate_reaches_the_loop(model, monkeypatch):
+    seen = []
+    real = GreedyDecoder.__init__
+
+    def init(self, *a, fuse=None, **k):
+        seen.append(fuse)
+        real(self, *a, **k)  # (not compiled here: the CPU test checks the plumbing)
+    monkeypatch.setattr(GreedyDecoder, "__init__", init)
+    generate(model, prompt(30, 1), kvbits_cache(model), ours=True, do_sample=False,
+             max_new_tokens=5, fuse="inductor")
+    assert seen == ["inductor"]
+
+
+def test_dict_output_holds_sequences_and_cache(model):
+    ids = prompt(30, 2)
+    cache = kvbits_cache(model)
+    want, _ = generate(model, ids, kvbits_cache(model), ours=False, do_sample=False)
+    got, warned = generate(model, ids, cache, ours=True, do_sample=False,
+                           return_dict_in_generate=True)
+    assert not warned, warned
+    assert torch.equal(got.sequences, want) and got.past_key_values is cache
+
+
 @pytest.mark.parametrize("case,reason", [
     ("repetition_penalty", "RepetitionPenaltyLogitsProcessor"),
     ("dynamic_cache", "DynamicCache"),
     ("left_padding", "pads the batch"),
     ("scores", "output_scores"),
+    ("batched_streamer", "streamer with a batch"),
 ])
 def test_falls_back_with_the_reason(model, case, reason):
     """What the loop does not serve runs transformers' own loop, with the same result."""
@@ -151,6 +208,8 @@ def test_falls_back_with_the_reason(model, case, reason):
         mask = torch.ones_like(ids)
         mask[1, :3] = 0
         kw["attention_mask"] = mask
+    elif case == "batched_streamer":
+        kw["streamer"] = Collect()
     else:
         kw.update(output_scores=True, return_dict_in_generate=True)
     want, _ = generate(model, ids, cache(model), ours=False, **kw)

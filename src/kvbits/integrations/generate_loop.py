@@ -16,14 +16,17 @@ greedy decoding, or sampling with temperature / top-k / top-p (drawn inside the 
 :mod:`~kvbits.integrations.sampling`; a draw of its own, so sampled tokens do not repeat
 ``generate``'s under the same seed); ``min_new_tokens`` / ``min_length`` (EOS banned until
 then, inside the graph); stopping on max length and EOS; prompts without padding.
-Anything else (another logits processor such as a repetition penalty, a streamer, scores or a
-dict as output, left padding, another cache) runs transformers' own loop, with a warning that
-names the reason. Beam search and assisted decoding are refused. On the CPU the same loop runs
+A streamer (batch 1) gets each token as the step that made it ends (one synchronisation per
+step); ``return_dict_in_generate`` gives the sequences and the cache. Anything else (another
+logits processor such as a repetition penalty, scores, logits, attentions or hidden states as
+output, left padding, another cache) runs transformers' own loop, with a warning that names the
+reason. Beam search and assisted decoding are refused. On the CPU the same loop runs
 its steps eagerly.
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
@@ -34,8 +37,7 @@ from .sampling import Sampling
 
 __all__ = ["graph_generate"]
 
-_OUTPUT_FLAGS = ("return_dict_in_generate", "output_scores", "output_logits",
-                 "output_attentions", "output_hidden_states")
+_OUTPUT_FLAGS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 _STOPS = ("MaxLengthCriteria", "EosTokenCriteria")
 
 
@@ -43,8 +45,11 @@ def graph_generate(model, input_ids: torch.Tensor, logits_processor, stopping_cr
                    generation_config, synced_gpus: bool = False, streamer=None, *,
                    fuse: str | None = None, **model_kwargs):
     """The decoding loop ``generate`` calls (its ``_sample``'s signature). ``fuse``: passed to
-    :class:`~kvbits.integrations.decode_loop.GreedyDecoder` (bind it with
-    ``functools.partial(graph_generate, fuse="inductor")``)."""
+    :class:`~kvbits.integrations.decode_loop.GreedyDecoder`; give it to ``generate``
+    (``generate(..., custom_generate=graph_generate, fuse="inductor")``), which hands a
+    callable's own extra parameters on."""
+    if streamer is None:
+        streamer = _generate_streamer()
     if generation_config.num_beams != 1 or any(
             k in model_kwargs for k in ("assistant_model", "candidate_generator")):
         raise ValueError("graph_generate: decodes greedily or by sampling (num_beams=1, no "
@@ -52,7 +57,7 @@ def graph_generate(model, input_ids: torch.Tensor, logits_processor, stopping_cr
     cache = model_kwargs.get("past_key_values", model_kwargs.get("cache"))
     sampling, min_new, reason = _plan(cache, logits_processor, stopping_criteria,
                                       generation_config, synced_gpus, streamer,
-                                      model_kwargs.get("attention_mask"), input_ids.shape[1])
+                                      model_kwargs.get("attention_mask"), *input_ids.shape)
     if reason is not None:
         warnings.warn(f"graph_generate: {reason}; transformers' own decoding loop runs instead",
                       stacklevel=2)
@@ -61,26 +66,65 @@ def graph_generate(model, input_ids: torch.Tensor, logits_processor, stopping_cr
                                    generation_config=generation_config, synced_gpus=synced_gpus,
                                    streamer=streamer, **model_kwargs)
     n = generation_config.max_length - input_ids.shape[1]
-    if n < 1:
-        return input_ids
     eos = generation_config._eos_token_tensor
-    new = GreedyDecoder(model, cache, fuse=fuse, sampling=sampling).generate(
-        input_ids, n, stop_tokens=eos, min_new_tokens=min_new)
+    new = input_ids[:, :0]
+    if n >= 1:
+        decoder = GreedyDecoder(model, cache, fuse=fuse, sampling=sampling)
+        if streamer is not None:  # each step's token to the host as it comes (one sync a step)
+            decoder.step_done = _Stream(decoder, streamer)
+        new = decoder.generate(input_ids, n, stop_tokens=eos, min_new_tokens=min_new)
+        if streamer is not None:
+            decoder.step_done.put(new.shape[1])
     pad = generation_config._pad_token_tensor
     if eos is not None and pad is not None:  # generate's padding after each sequence's EOS
         is_eos = (new[..., None] == eos.to(new.device).reshape(-1)).any(-1)
         new = new.masked_fill((is_eos.cumsum(1) - is_eos.long()) > 0, int(pad))
-    return torch.cat([input_ids, new.to(input_ids.device)], dim=1)
+    if streamer is not None:
+        streamer.end()
+    sequences = torch.cat([input_ids, new.to(input_ids.device)], dim=1)
+    if generation_config.return_dict_in_generate:
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=cache)
+    return sequences
+
+
+def _generate_streamer():
+    """The ``streamer`` given to ``generate``, which transformers (5.17-5.24) does not pass on to
+    a callable ``custom_generate`` (only the callable's own extra parameters), though it has
+    already handed the prompt to it: without it here, the streamer would get no tokens and no
+    ``end`` (a ``TextIteratorStreamer``'s reader would wait forever). Read from ``generate``'s
+    frame, the caller of this loop; None where that is not the caller."""
+    frame = sys._getframe(2)  # graph_generate's caller
+    if frame.f_code.co_name != "generate":
+        return None
+    return frame.f_locals.get("streamer")
+
+
+class _Stream:
+    """``GreedyDecoder.step_done`` that hands the tokens decoded so far, not yet handed, to a
+    transformers streamer (``put``: the new tokens of the batch's one sequence)."""
+
+    def __init__(self, decoder: GreedyDecoder, streamer):
+        self.decoder, self.streamer, self.sent = decoder, streamer, 0
+
+    def __call__(self, done: int) -> None:
+        self.put(done)
+
+    def put(self, done: int) -> None:
+        if done > self.sent:
+            self.streamer.put(self.decoder.tokens[:, self.sent:done].cpu())
+            self.sent = done
 
 
 def _plan(cache, processors, criteria, config, synced_gpus, streamer, attention_mask,
-          prompt_len: int):
+          batch: int, prompt_len: int):
     """``(sampling, min_new_tokens, None)`` where the loop serves the call (``sampling`` None:
     greedy), else ``(None, 0, reason)``."""
     if not isinstance(cache, KVBitsCache) and type(cache).__name__ != "StaticCache":
         return None, 0, f"the cache is a {type(cache).__name__}, not a KVBitsCache or StaticCache"
-    if streamer is not None:
-        return None, 0, "a streamer needs each token on the host as it is produced"
+    if streamer is not None and batch > 1:
+        return None, 0, "a streamer with a batch of several sequences"
     if synced_gpus:
         return None, 0, "synced_gpus is set"
     flags = [f for f in _OUTPUT_FLAGS if getattr(config, f, False)]
