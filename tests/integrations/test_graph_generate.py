@@ -188,8 +188,31 @@ def test_dict_output_holds_sequences_and_cache(model):
     assert torch.equal(got.sequences, want) and got.past_key_values is cache
 
 
+@pytest.mark.parametrize("penalty", [1.3, 0.8])
+def test_repetition_penalty_matches_generate(model, penalty):
+    """The penalty (prompt tokens included) inside the loop: the same greedy tokens as
+    transformers' processor; it changes them (the tiny model repeats itself)."""
+    ids = prompt(33, 2)
+    free, _ = generate(model, ids, kvbits_cache(model), ours=False, do_sample=False)
+    want, _ = generate(model, ids, kvbits_cache(model), ours=False, do_sample=False,
+                       repetition_penalty=penalty)
+    assert not torch.equal(want, free), "the penalty changed nothing: the test checks nothing"
+    got, warned = generate(model, ids, kvbits_cache(model), ours=True, do_sample=False,
+                           repetition_penalty=penalty)
+    assert not warned, warned
+    assert torch.equal(got, want)
+
+
+def test_decode_refuses_a_penalty_without_the_prompt(model):
+    dec = GreedyDecoder(model, kvbits_cache(model), graphs=False, repetition_penalty=1.2)
+    with pytest.raises(ValueError, match="repetition_penalty needs the prompt"):
+        dec.decode(torch.ones(1, 1, dtype=torch.long), 10, 5)
+    with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
+        GreedyDecoder(model, kvbits_cache(model), repetition_penalty=0)
+
+
 @pytest.mark.parametrize("case,reason", [
-    ("repetition_penalty", "RepetitionPenaltyLogitsProcessor"),
+    ("no_repeat_ngram", "NoRepeatNGramLogitsProcessor"),
     ("dynamic_cache", "DynamicCache"),
     ("left_padding", "pads the batch"),
     ("scores", "output_scores"),
@@ -200,8 +223,8 @@ def test_falls_back_with_the_reason(model, case, reason):
     ids = prompt(30, 2)
     kw = {"do_sample": False}
     cache = kvbits_cache
-    if case == "repetition_penalty":
-        kw["repetition_penalty"] = 1.3
+    if case == "no_repeat_ngram":
+        kw["no_repeat_ngram_size"] = 3
     elif case == "dynamic_cache":
         cache = lambda m: DynamicCache()
     elif case == "left_padding":

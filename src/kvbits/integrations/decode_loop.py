@@ -54,9 +54,14 @@ class GreedyDecoder:
     (temperature, top-k, top-p; seed with ``torch.manual_seed``) instead of greedy choice."""
 
     def __init__(self, model, cache, *, graphs: bool = True, step_done=None,
-                 fuse: str | None = None, sampling: Sampling | None = None):
+                 fuse: str | None = None, sampling: Sampling | None = None,
+                 repetition_penalty: float = 1.0):
         if fuse is not None:
             check_backend(fuse, "GreedyDecoder: fuse (or None)")
+        if not repetition_penalty > 0:
+            raise ValueError(f"GreedyDecoder: repetition_penalty must be > 0 (1: none), got "
+                             f"{repetition_penalty}")
+        self.repetition_penalty = float(repetition_penalty)
         self.model, self.cache = model, cache
         self.graphs = graphs
         self.fuse = fuse
@@ -66,6 +71,7 @@ class GreedyDecoder:
         self._kw = cache_kwargs(model, cache)
         self._stop = None  # stop token ids of the current decode (decode's stop_tokens)
         self._min_new = 0  # ... not chosen before this many new tokens (min_new_tokens)
+        self._seen = None  # [B, V] tokens of the prompt and so far (repetition_penalty)
 
     # ------------------------------------------------------------------ steps
     @torch.no_grad()
@@ -73,19 +79,27 @@ class GreedyDecoder:
         """One token for every sequence, reading and writing only device buffers."""
         out = self.model(input_ids=self._ids, position_ids=self._pos, cache_position=self._cpos,
                          use_cache=True, logits_to_keep=1, **self._kw)
-        nxt = next_token(self._banned(out.logits[:, -1], self._count), self.sampling)
+        nxt = next_token(self._shaped(out.logits[:, -1], self._count), self.sampling)
         if self._stop is not None:  # sequences that produced a stop token are done
             self._live &= ~(nxt[..., None] == self._stop).any(-1)
+        if self._seen is not None:
+            self._seen.scatter_(1, nxt, True)
         self._ids.copy_(nxt)
         self.tokens.scatter_(1, self._count.expand(nxt.shape[0], 1), nxt)
         self._count.add_(1)
         self._pos.add_(1)
         self._cpos.add_(1)
 
-    def _banned(self, logits: torch.Tensor, produced) -> torch.Tensor:
-        """``logits`` with the stop tokens at -inf while fewer than ``min_new_tokens`` tokens
-        were produced before this one (``produced``: an int, or a ``[1, 1]`` device count
-        inside the captured step), as transformers' min-new-tokens processor does."""
+    def _shaped(self, logits: torch.Tensor, produced) -> torch.Tensor:
+        """``logits`` as transformers' processors leave them before the choice: tokens already
+        in the sequence (prompt included) divided by ``repetition_penalty`` where positive,
+        multiplied where negative; the stop tokens at -inf while fewer than ``min_new_tokens``
+        tokens were produced before this one (``produced``: an int, or a ``[1, 1]`` device count
+        inside the captured step)."""
+        if self._seen is not None:
+            p = self.repetition_penalty
+            logits = torch.where(self._seen[:, :-1],
+                                 torch.where(logits < 0, logits * p, logits / p), logits)
         if self._min_new <= 0 or self._stop is None:
             return logits
         banned = logits.index_fill(-1, self._stop, float("-inf"))
@@ -122,10 +136,17 @@ class GreedyDecoder:
             raise ValueError(f"GreedyDecoder.generate: the cache holds {held} tokens, the input "
                              f"{input_ids.shape[1]}: at least one input token must be new")
         out = self.model(input_ids[:, held:], use_cache=True, logits_to_keep=1, **self._kw)
-        self._set_stops(stop_tokens, min_new_tokens, out.logits.device)
-        first = next_token(self._banned(out.logits[:, -1], 0), self.sampling)
-        return self.decode(first, input_ids.shape[1], max_new_tokens, stop_tokens,
-                           min_new_tokens)
+        logits = out.logits[:, -1]
+        self._set_stops(stop_tokens, min_new_tokens, logits.device)
+        self._seen = None
+        if self.repetition_penalty != 1:  # one column more: prompt ids past the logits' vocab
+            B, V = logits.shape
+            self._seen = torch.zeros(B, V + 1, dtype=torch.bool, device=logits.device)
+            self._seen.scatter_(1, input_ids.to(logits.device).clamp(max=V), True)
+        first = next_token(self._shaped(logits, 0), self.sampling)
+        if self._seen is not None:
+            self._seen.scatter_(1, first, True)
+        return self._run(first, input_ids.shape[1], max_new_tokens)
 
     def _set_stops(self, stop_tokens, min_new_tokens: int, dev) -> None:
         if min_new_tokens < 0:
@@ -146,10 +167,19 @@ class GreedyDecoder:
         own stop token are whatever it decoded: the caller masks them). Whether every sequence
         is done is read on the host before each step: one small synchronisation per step.
         ``min_new_tokens``: the stop tokens cannot be chosen before that many tokens (``first``
-        counting as one), as ``generate``'s ``min_new_tokens``."""
+        counting as one), as ``generate``'s ``min_new_tokens``. (A ``repetition_penalty`` needs
+        the prompt: :meth:`generate`.)"""
+        if self.repetition_penalty != 1:
+            raise ValueError("GreedyDecoder.decode: repetition_penalty needs the prompt's "
+                             "tokens; use generate")
+        self._set_stops(stop_tokens, min_new_tokens, first.device)
+        self._seen = None
+        return self._run(first, position, n)
+
+    def _run(self, first: torch.Tensor, position: int, n: int) -> torch.Tensor:
+        """The loop of :meth:`decode`, its rules (stops, minimum, penalty) already set."""
         B = first.shape[0]
         dev = first.device
-        self._set_stops(stop_tokens, min_new_tokens, dev)
         if self._stop is not None:
             self._live = ~(first[..., None] == self._stop).any(-1)  # [B, 1]
         self.tokens = torch.zeros(B, n, dtype=torch.long, device=dev)

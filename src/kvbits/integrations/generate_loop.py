@@ -15,11 +15,12 @@ Served here: a :class:`~kvbits.integrations.hf.KVBitsCache` or transformers' ``S
 greedy decoding, or sampling with temperature / top-k / top-p (drawn inside the graph,
 :mod:`~kvbits.integrations.sampling`; a draw of its own, so sampled tokens do not repeat
 ``generate``'s under the same seed); ``min_new_tokens`` / ``min_length`` (EOS banned until
-then, inside the graph); stopping on max length and EOS; prompts without padding.
+then, inside the graph); ``repetition_penalty`` (the tokens seen, prompt included, kept as a
+device mask); stopping on max length and EOS; prompts without padding.
 A streamer (batch 1) gets each token as the step that made it ends (one synchronisation per
 step); ``return_dict_in_generate`` gives the sequences and the cache. Anything else (another
-logits processor such as a repetition penalty, scores, logits, attentions or hidden states as
-output, left padding, another cache) runs transformers' own loop, with a warning that names the
+logits processor such as ``no_repeat_ngram_size``, scores, logits, attentions or hidden states
+as output, left padding, another cache) runs transformers' own loop, with a warning that names the
 reason. Beam search and assisted decoding are refused. On the CPU the same loop runs
 its steps eagerly.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -55,9 +57,9 @@ def graph_generate(model, input_ids: torch.Tensor, logits_processor, stopping_cr
         raise ValueError("graph_generate: decodes greedily or by sampling (num_beams=1, no "
                          f"assistant model); got num_beams={generation_config.num_beams}")
     cache = model_kwargs.get("past_key_values", model_kwargs.get("cache"))
-    sampling, min_new, reason = _plan(cache, logits_processor, stopping_criteria,
-                                      generation_config, synced_gpus, streamer,
-                                      model_kwargs.get("attention_mask"), *input_ids.shape)
+    rules, reason = _plan(cache, logits_processor, stopping_criteria, generation_config,
+                          synced_gpus, streamer, model_kwargs.get("attention_mask"),
+                          *input_ids.shape)
     if reason is not None:
         warnings.warn(f"graph_generate: {reason}; transformers' own decoding loop runs instead",
                       stacklevel=2)
@@ -69,10 +71,11 @@ def graph_generate(model, input_ids: torch.Tensor, logits_processor, stopping_cr
     eos = generation_config._eos_token_tensor
     new = input_ids[:, :0]
     if n >= 1:
-        decoder = GreedyDecoder(model, cache, fuse=fuse, sampling=sampling)
+        decoder = GreedyDecoder(model, cache, fuse=fuse, sampling=rules.sampling,
+                                repetition_penalty=rules.repetition_penalty)
         if streamer is not None:  # each step's token to the host as it comes (one sync a step)
             decoder.step_done = _Stream(decoder, streamer)
-        new = decoder.generate(input_ids, n, stop_tokens=eos, min_new_tokens=min_new)
+        new = decoder.generate(input_ids, n, stop_tokens=eos, min_new_tokens=rules.min_new_tokens)
         if streamer is not None:
             decoder.step_done.put(new.shape[1])
     pad = generation_config._pad_token_tensor
@@ -119,32 +122,36 @@ class _Stream:
 
 def _plan(cache, processors, criteria, config, synced_gpus, streamer, attention_mask,
           batch: int, prompt_len: int):
-    """``(sampling, min_new_tokens, None)`` where the loop serves the call (``sampling`` None:
-    greedy), else ``(None, 0, reason)``."""
+    """``(rules, None)`` where the loop serves the call, else ``(None, reason)``."""
     if not isinstance(cache, KVBitsCache) and type(cache).__name__ != "StaticCache":
-        return None, 0, f"the cache is a {type(cache).__name__}, not a KVBitsCache or StaticCache"
+        return None, f"the cache is a {type(cache).__name__}, not a KVBitsCache or StaticCache"
     if streamer is not None and batch > 1:
-        return None, 0, "a streamer with a batch of several sequences"
+        return None, "a streamer with a batch of several sequences"
     if synced_gpus:
-        return None, 0, "synced_gpus is set"
+        return None, "synced_gpus is set"
     flags = [f for f in _OUTPUT_FLAGS if getattr(config, f, False)]
     if flags:
-        return None, 0, f"{', '.join(flags)} asked for"
+        return None, f"{', '.join(flags)} asked for"
     if attention_mask is not None and not bool(attention_mask.all()):
-        return None, 0, "the attention mask pads the batch (the loop decodes unpadded prompts)"
+        return None, "the attention mask pads the batch (the loop decodes unpadded prompts)"
     other = [type(c).__name__ for c in criteria if type(c).__name__ not in _STOPS]
     if other:
-        return None, 0, f"stopping criteria {other} (served: max length and EOS)"
+        return None, f"stopping criteria {other} (served: max length and EOS)"
     return _sampling(processors, config, prompt_len)
 
 
+class _Rules(NamedTuple):
+    """What ``generate``'s logits processors ask of the loop."""
+
+    sampling: Sampling | None  # temperature, then top-k, then top-p; None: greedy
+    min_new_tokens: int  # EOS banned before (the min-length processors)
+    repetition_penalty: float  # 1: none
+
+
 def _sampling(processors, config, prompt_len: int):
-    """``(Sampling or None, min_new_tokens, None)``: the
-    :class:`~kvbits.integrations.sampling.Sampling` equal to ``generate``'s warpers
-    (temperature, then top-k, then top-p; None: greedy) and the new tokens before which EOS is
-    banned (its min-length processors), or ``(None, 0, reason)`` where there are other
-    processors."""
-    kw, other, min_new = {}, [], 0
+    """``(_Rules, None)`` equal to ``generate``'s processors, or ``(None, reason)`` where there
+    are others."""
+    kw, other, min_new, penalty = {}, [], 0, 1.0
     eos = config._eos_token_tensor
     for p in processors:
         name = type(p).__name__
@@ -152,6 +159,9 @@ def _sampling(processors, config, prompt_len: int):
                 eos is not None and _same_ids(p.eos_token_id, eos):
             min_new = max(min_new, p.min_new_tokens if hasattr(p, "min_new_tokens")
                           else p.min_length - prompt_len)
+        elif name == "RepetitionPenaltyLogitsProcessor" and \
+                getattr(p, "prompt_ignore_length", None) is None:
+            penalty = float(p.penalty)
         elif name == "TemperatureLogitsWarper":
             kw["temperature"] = float(p.temperature)
         elif name == "TopKLogitsWarper":
@@ -161,9 +171,9 @@ def _sampling(processors, config, prompt_len: int):
         else:
             other.append(name)
     if other:
-        return None, 0, (f"logits processors {other} (served: temperature, top-k, top-p, "
-                         "min length)")
-    return (Sampling(**kw) if config.do_sample else None), min_new, None
+        return None, (f"logits processors {other} (served: repetition penalty, min length, "
+                      "temperature, top-k, top-p)")
+    return _Rules(Sampling(**kw) if config.do_sample else None, min_new, penalty), None
 
 
 def _same_ids(a, b: torch.Tensor) -> bool:
