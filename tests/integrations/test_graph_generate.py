@@ -300,3 +300,28 @@ def test_a_used_cache_is_freed_without_the_cycle_collector(model, preset, kw, ho
     finally:
         if was:
             gc.enable()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+def test_gpu_rules_inside_the_graph(monkeypatch):
+    """The repetition penalty, the EOS ban of min_new_tokens and the EOS stop run inside the
+    captured steps: the tokens equal the same loop's eager steps (both on the captured calls'
+    FP16 route, as the decode-loop tests pin it)."""
+    from kvbits.kernels import decode_attention as da
+    monkeypatch.setattr(da, "FINISH_FP_TOKENS", 0)
+    m = tiny_llama(0, hidden_size=256, intermediate_size=256, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64, max_position_embeddings=1024
+                   ).half().cuda()
+    ids = prompt(300, 1).cuda()
+    free = GreedyDecoder(m, kvbits_cache(m, "kivi-2")).generate(ids, 150)
+    eos = int(free[0, 5])  # met early: banned until 40 new tokens
+    want = GreedyDecoder(m, kvbits_cache(m, "kivi-2"), graphs=False,
+                         repetition_penalty=1.3).generate(ids, 150, stop_tokens=[eos],
+                                                          min_new_tokens=40)
+    got, warned = generate(m, ids, kvbits_cache(m, "kivi-2"), ours=True, do_sample=False,
+                           max_new_tokens=150, repetition_penalty=1.3, min_new_tokens=40,
+                           eos_token_id=eos)
+    assert not warned, warned
+    assert torch.equal(got[:, 300:], want)
+    assert eos not in want[0, :39].tolist()
