@@ -439,14 +439,14 @@ class GenerateConfig:
 def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
     """Generate with a :class:`KVBitsCache`; returns the text, token counts, cache bytes and time.
 
-    Greedy single-beam decoding on CUDA goes through
-    :class:`~kvbits.integrations.decode_loop.GreedyDecoder` (each step replayed from a CUDA
-    graph; the same tokens as ``generate``, which is host-bound at small batch, except where two
-    logits tie to the last bit: a captured step sums the FP16 window in another order),
-    stopping at the first end-of-sequence token as ``generate`` does; ``cfg.graphs=False``
-    keeps ``generate``.
-    Several prompts (a list) decode as one left-padded batch through ``generate``: ``texts``
-    holds each continuation (``text`` is the first)."""
+    Single-beam decoding on CUDA goes through ``generate`` with
+    :func:`~kvbits.integrations.generate_loop.graph_generate` as its loop (each step replayed
+    from a CUDA graph; the same tokens as ``generate``'s own loop, which is host-bound at small
+    batch, except where two logits tie to the last bit: a captured step sums the FP16 window in
+    another order; stopping at the end-of-sequence token as ``generate`` does);
+    ``cfg.graphs=False`` keeps ``generate``'s loop.
+    Several prompts (a list) decode as one left-padded batch: ``texts`` holds each
+    continuation (``text`` is the first)."""
     import torch
 
     from .eval.perplexity import cache_nbytes
@@ -490,34 +490,24 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
                              f"FP16 residual (residual_length={R}), where a rejected draft can be "
                              "cropped; draft at most that many tokens or raise --residual-length")
         opts["prompt_lookup_num_tokens"] = cfg.prompt_lookup
-    graphs = (one_beam and len(rows) == 1 and model.device.type == "cuda"
-              and not cfg.prompt_lookup) if cfg.graphs is None else cfg.graphs
+    graphs = (one_beam and model.device.type == "cuda" and not cfg.prompt_lookup
+              ) if cfg.graphs is None else cfg.graphs
     if graphs and not one_beam:
         raise ValueError("generate: graphs=True needs one beam (greedy or --sample), got "
                          f"num_beams={cfg.num_beams}")
-    if graphs and len(rows) > 1:
-        raise ValueError(f"generate: graphs=True decodes one prompt, got {len(rows)} (several "
-                         "prompts decode as a padded batch through generate: --no-graphs)")
     if cfg.fuse and not graphs:
         raise ValueError("generate: fuse=True (--fuse) needs the graph loop (graphs=True, one "
                          "beam)")
     t0 = time.perf_counter()
     with torch.no_grad():
         if graphs:
-            from .integrations.decode_loop import GreedyDecoder
-            from .integrations.sampling import Sampling
+            from .integrations.generate_loop import graph_generate
 
-            # generate()'s sampling: its temperature and top-p, and the model's top-k (50 unless
-            # the model's generation config says otherwise)
-            sampling = (Sampling(cfg.temperature, getattr(model.generation_config, "top_k", 0)
-                                 or 0, cfg.top_p) if cfg.sample else None)
-            new = GreedyDecoder(model, cache, fuse="inductor" if cfg.fuse else None,
-                                sampling=sampling).generate(ids, cfg.max_new_tokens)
-        else:
-            if reused and cfg.num_beams > 1:  # generate expands the inputs, not a filled cache
-                cache.batch_repeat_interleave(cfg.num_beams)
-            new = model.generate(ids, attention_mask=mask, pad_token_id=pad,
-                                 **opts, **cache_kwargs(model, cache))[:, width:]
+            opts.update(custom_generate=graph_generate, fuse="inductor" if cfg.fuse else None)
+        elif reused and cfg.num_beams > 1:  # generate expands the inputs, not a filled cache
+            cache.batch_repeat_interleave(cfg.num_beams)
+        new = model.generate(ids, attention_mask=mask, pad_token_id=pad,
+                             **opts, **cache_kwargs(model, cache))[:, width:]
     seconds = time.perf_counter() - t0
     eos = model.generation_config.eos_token_id
     new = [row[: _until_eos(row, eos)] for row in new]
@@ -840,9 +830,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--seed", type=int, default=0, help="random seed for --sample (default 0)")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="decode with each step replayed from a CUDA graph, greedy or --sample "
-                        "(default: on a GPU with one beam; --no-graphs uses transformers' "
-                        "generate)")
+                   help="decode with each step replayed from a CUDA graph, greedy or --sample, "
+                        "one prompt or a padded batch (default: on a GPU with one beam; "
+                        "--no-graphs uses transformers' own decoding loop)")
     p.add_argument("--fuse", action="store_true",
                    help="with the graph loop: compile the steps' norms, MLP activation and RoPE "
                         "with torch.compile (inductor; compiled on the first step, then ~20%% "

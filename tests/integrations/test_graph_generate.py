@@ -188,6 +188,28 @@ def test_dict_output_holds_sequences_and_cache(model):
     assert torch.equal(got.sequences, want) and got.past_key_values is cache
 
 
+@pytest.mark.parametrize("preset", ["kivi-2", "fp16", "kvquant-3"])
+def test_left_padded_batch_matches_generate(model, preset):
+    """Prompts of different lengths, left-padded: each sequence's positions start at its first
+    real token and its padding is masked by its start, as in generate."""
+    ids = prompt(40, 3)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    mask[2, :23] = 0
+
+    def cache():
+        kw = {"calibration": "uniform"} if preset == "kvquant-3" else {}
+        return (KVBitsCache(model, preset, residual_length=4, **kw) if preset != "fp16"
+                else KVBitsCache(model, preset))
+    want, _ = generate(model, ids, cache(), ours=False, do_sample=False, attention_mask=mask)
+    got, warned = generate(model, ids, cache(), ours=True, do_sample=False, attention_mask=mask)
+    assert not warned, warned
+    assert torch.equal(got, want)
+    if preset == "fp16":  # (quantized, the padding shifts the group boundaries: other codes)
+        unpadded, _ = generate(model, ids[2:, 23:], cache(), ours=True, do_sample=False)
+        assert torch.equal(got[2, 40:], unpadded[0, 17:]), "padding changed the sequence"
+
+
 @pytest.mark.parametrize("penalty", [1.3, 0.8])
 def test_repetition_penalty_matches_generate(model, penalty):
     """The penalty (prompt tokens included) inside the loop: the same greedy tokens as
@@ -227,10 +249,11 @@ def test_falls_back_with_the_reason(model, case, reason):
         kw["no_repeat_ngram_size"] = 3
     elif case == "dynamic_cache":
         cache = lambda m: DynamicCache()
-    elif case == "left_padding":
+    elif case == "left_padding":  # (served with a KVBitsCache)
         mask = torch.ones_like(ids)
         mask[1, :3] = 0
         kw["attention_mask"] = mask
+        cache = lambda m: StaticCache(config=m.config, max_cache_len=30 + NEW + 8)
     elif case == "batched_streamer":
         kw["streamer"] = Collect()
     else:

@@ -123,19 +123,31 @@ class GreedyDecoder:
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int,
-                 stop_tokens: torch.Tensor | None = None, min_new_tokens: int = 0
-                 ) -> torch.Tensor:
-        """Prefill ``input_ids [B, T]`` (no padding), then ``max_new_tokens`` greedy tokens. A
-        cache that already holds the first tokens of ``input_ids`` (a loaded prefix,
+                 stop_tokens: torch.Tensor | None = None, min_new_tokens: int = 0,
+                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Prefill ``input_ids [B, T]``, then ``max_new_tokens`` greedy tokens. A cache that
+        already holds the first tokens of ``input_ids`` (a loaded prefix,
         :meth:`~kvbits.integrations.hf.KVBitsCache.load`) gets only the rest, as ``generate``
-        does. ``stop_tokens``, ``min_new_tokens``: see :meth:`decode`."""
+        does. ``attention_mask [B, T]``: left padding (a ``KVBitsCache``, which masks it by
+        each sequence's start; positions count from a sequence's first real token, as
+        ``generate``'s do). ``stop_tokens``, ``min_new_tokens``: see :meth:`decode`."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         held = self.cache.get_seq_length()
         if held >= input_ids.shape[1]:
             raise ValueError(f"GreedyDecoder.generate: the cache holds {held} tokens, the input "
                              f"{input_ids.shape[1]}: at least one input token must be new")
-        out = self.model(input_ids[:, held:], use_cache=True, logits_to_keep=1, **self._kw)
+        pad, kw = None, {}
+        if attention_mask is not None and not bool(attention_mask.all()):
+            if not isinstance(self.cache, KVBitsCache) or held:
+                raise ValueError("GreedyDecoder.generate: a padded attention_mask needs an "
+                                 "empty KVBitsCache (it masks padding by each sequence's start)")
+            mask = attention_mask.to(input_ids.device).long()
+            kw = {"attention_mask": mask,
+                  "position_ids": (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)}
+            pad = (mask == 0).sum(-1, keepdim=True)  # [B, 1]: left padding per sequence
+        out = self.model(input_ids[:, held:], use_cache=True, logits_to_keep=1, **kw,
+                         **self._kw)
         logits = out.logits[:, -1]
         self._set_stops(stop_tokens, min_new_tokens, logits.device)
         self._seen = None
@@ -146,7 +158,7 @@ class GreedyDecoder:
         first = next_token(self._shaped(logits, 0), self.sampling)
         if self._seen is not None:
             self._seen.scatter_(1, first, True)
-        return self._run(first, input_ids.shape[1], max_new_tokens)
+        return self._run(first, input_ids.shape[1], max_new_tokens, pad)
 
     def _set_stops(self, stop_tokens, min_new_tokens: int, dev) -> None:
         if min_new_tokens < 0:
@@ -176,8 +188,10 @@ class GreedyDecoder:
         self._seen = None
         return self._run(first, position, n)
 
-    def _run(self, first: torch.Tensor, position: int, n: int) -> torch.Tensor:
-        """The loop of :meth:`decode`, its rules (stops, minimum, penalty) already set."""
+    def _run(self, first: torch.Tensor, position: int, n: int,
+             pad: torch.Tensor | None = None) -> torch.Tensor:
+        """The loop of :meth:`decode`, its rules (stops, minimum, penalty) already set.
+        ``pad [B, 1]``: each sequence's left padding (its positions start that much later)."""
         B = first.shape[0]
         dev = first.device
         if self._stop is not None:
@@ -186,6 +200,8 @@ class GreedyDecoder:
         self.tokens[:, :1] = first
         self._ids = first.clone()
         self._pos = torch.full((B, 1), position, dtype=torch.long, device=dev)
+        if pad is not None:
+            self._pos -= pad.to(dev)
         self._cpos = torch.full((1,), position, dtype=torch.long, device=dev)
         self._count = torch.ones(1, 1, dtype=torch.long, device=dev)
         cache = self.cache

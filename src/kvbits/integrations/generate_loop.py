@@ -16,13 +16,13 @@ greedy decoding, or sampling with temperature / top-k / top-p (drawn inside the 
 :mod:`~kvbits.integrations.sampling`; a draw of its own, so sampled tokens do not repeat
 ``generate``'s under the same seed); ``min_new_tokens`` / ``min_length`` (EOS banned until
 then, inside the graph); ``repetition_penalty`` (the tokens seen, prompt included, kept as a
-device mask); stopping on max length and EOS; prompts without padding.
+device mask); stopping on max length and EOS; left-padded batches with a KVBitsCache.
 A streamer (batch 1) gets each token as the step that made it ends (one synchronisation per
 step); ``return_dict_in_generate`` gives the sequences and the cache. Anything else (another
 logits processor such as ``no_repeat_ngram_size``, scores, logits, attentions or hidden states
-as output, left padding, another cache) runs transformers' own loop, with a warning that names the
-reason. Beam search and assisted decoding are refused. On the CPU the same loop runs
-its steps eagerly.
+as output, a padded StaticCache, another cache) runs transformers' own loop, with a warning
+that names the reason. Beam search and assisted decoding are refused. On the CPU the same loop
+runs its steps eagerly.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def graph_generate(model, input_ids: torch.Tensor, logits_processor, stopping_cr
                                 repetition_penalty=rules.repetition_penalty)
         if streamer is not None:  # each step's token to the host as it comes (one sync a step)
             decoder.step_done = _Stream(decoder, streamer)
-        new = decoder.generate(input_ids, n, stop_tokens=eos, min_new_tokens=rules.min_new_tokens)
+        new = decoder.generate(input_ids, n, stop_tokens=eos, min_new_tokens=rules.min_new_tokens,
+                               attention_mask=model_kwargs.get("attention_mask"))
         if streamer is not None:
             decoder.step_done.put(new.shape[1])
     pad = generation_config._pad_token_tensor
@@ -132,8 +133,9 @@ def _plan(cache, processors, criteria, config, synced_gpus, streamer, attention_
     flags = [f for f in _OUTPUT_FLAGS if getattr(config, f, False)]
     if flags:
         return None, f"{', '.join(flags)} asked for"
-    if attention_mask is not None and not bool(attention_mask.all()):
-        return None, "the attention mask pads the batch (the loop decodes unpadded prompts)"
+    if not isinstance(cache, KVBitsCache) and attention_mask is not None and \
+            not bool(attention_mask.all()):
+        return None, "the attention mask pads the batch (the loop pads only a KVBitsCache)"
     other = [type(c).__name__ for c in criteria if type(c).__name__ not in _STOPS]
     if other:
         return None, f"stopping criteria {other} (served: max length and EOS)"
