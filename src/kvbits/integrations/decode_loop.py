@@ -51,7 +51,11 @@ class GreedyDecoder:
     produced so far (timing hooks); ``captures`` counts the CUDA graphs captured. ``fuse``: a
     ``torch.compile`` backend for the decode steps' elementwise work (``"inductor"``), or None
     (the model as it is). ``sampling``: a :class:`~kvbits.integrations.sampling.Sampling`
-    (temperature, top-k, top-p; seed with ``torch.manual_seed``) instead of greedy choice."""
+    (temperature, top-k, top-p; seed with ``torch.manual_seed``) instead of greedy choice.
+    ``repetition_penalty``: transformers' (the tokens seen, prompt included, as a device mask
+    updated inside the step). Stop tokens, a minimum of new tokens and left padding are
+    arguments of :meth:`generate` (``model.generate(..., custom_generate=graph_generate)``,
+    :mod:`~kvbits.integrations.generate_loop`, maps ``generate``'s options onto them)."""
 
     def __init__(self, model, cache, *, graphs: bool = True, step_done=None,
                  fuse: str | None = None, sampling: Sampling | None = None,
