@@ -3,10 +3,14 @@ kind (matrix products, kvbits attention/cache, inductor-fused, other elementwise
 KVBitsCache and kivi-2, with and without ``GreedyDecoder(fuse="inductor")``.
 
     PYTHONPATH=src python3 benchmarks/probes/step_kernels.py [--model llama-2-7b] [--context 4096]
+        [--layers N] [--graphs] [--no-fuse]
 
 Steps run eagerly under ``torch.profiler``, from the third on (the decode loop's one-time setup
 copies the cache into buffers sized for the run; kernel durations, not the launch gaps a CUDA graph
 replay still has: those are ~1-2 us per kernel, so the kernel count matters as much).
+``--graphs``: the steps replayed from CUDA graphs instead (profiled from the sixth step, after
+both captures; the kernels of a replay are recorded one by one), whose attention takes the
+captured routes (the TMA ring, the FP16 splits on a side stream), not the eager ones.
 Random weights and random K/V (speed does not depend on them).
 """
 
@@ -40,12 +44,16 @@ def main() -> None:
     ap.add_argument("--model", default="llama-2-7b")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--graphs", action="store_true")
+    ap.add_argument("--no-fuse", action="store_true")
     args = ap.parse_args()
-    cfg = model_config(args.model, max_positions=args.context + 64)
+    cfg = model_config(args.model, layers=args.layers, max_positions=args.context + 64)
     model = build_model(cfg)
     D = cfg.hidden_size // cfg.num_attention_heads
+    first_profiled = 6 if args.graphs else 2
     for preset in ("fp16", "kivi-2"):
-        for fuse in (None, "inductor"):
+        for fuse in (None,) if args.no_fuse else (None, "inductor"):
             runs = []
             for _ in range(2):  # the first run compiles (fuse) and warms the kernels
                 cache = KVBitsCache(model, preset)
@@ -55,12 +63,12 @@ def main() -> None:
                 prof = profile(activities=[ProfilerActivity.CUDA])
 
                 def start(done, prof=prof):  # after step 2: not the one-time setup of
-                    if done == 2:            # begin_device_lengths (buffers sized for the run)
-                        torch.cuda.synchronize()
+                    if done == first_profiled:  # begin_device_lengths (buffers sized for the
+                        torch.cuda.synchronize()  # run); with graphs, after the captures
                         prof.start()
-                dec = GreedyDecoder(model, cache, graphs=False, fuse=fuse, step_done=start)
+                dec = GreedyDecoder(model, cache, graphs=args.graphs, fuse=fuse, step_done=start)
                 torch.cuda.synchronize()
-                dec.decode(first, args.context, args.steps + 2)
+                dec.decode(first, args.context, args.steps + first_profiled)
                 torch.cuda.synchronize()
                 prof.stop()
                 runs.append(prof)
@@ -74,7 +82,8 @@ def main() -> None:
                     top[ev.name[:60]] += ev.device_time
             s = args.steps
             total = sum(us.values()) / s
-            print(f"{args.model} ctx {args.context} {preset:6s} fuse={fuse}: "
+            print(f"{args.model} x {cfg.num_hidden_layers} layers ctx {args.context} "
+                  f"{preset:6s} fuse={fuse} graphs={args.graphs}: "
                   f"{sum(count.values()) / s:.0f} kernels/step, {total:.0f} us kernel time/step")
             for k in sorted(count):
                 print(f"    {k:18s} {count[k] / s:6.1f} kernels  {us[k] / s:8.1f} us")
