@@ -9,7 +9,8 @@ Steps run eagerly under ``torch.profiler``, from the third on (the decode loop's
 copies the cache into buffers sized for the run; kernel durations, not the launch gaps a CUDA graph
 replay still has: those are ~1-2 us per kernel, so the kernel count matters as much).
 ``--graphs``: the steps replayed from CUDA graphs instead (profiled from the sixth step, after
-both captures; the kernels of a replay are recorded one by one), whose attention takes the
+the plain step's capture; a flushing step met for the first time in the window runs eagerly;
+the kernels of a replay are recorded one by one), whose attention takes the
 captured routes (the TMA ring, the FP16 splits on a side stream), not the eager ones.
 Random weights and random K/V (speed does not depend on them).
 """
