@@ -354,9 +354,9 @@ def _gemma(n: int):
     """Gemma2 (softcapping, sliding and full layers) or Gemma3 (sliding and full layers, per
     layer-type RoPE), tiny."""
     import transformers as tf
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=24,
-                  pad_token_id=0)
+    common = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "sliding_window": 24, "pad_token_id": 0}
     if n == 2:
         return tf.Gemma2ForCausalLM(tf.Gemma2Config(
             layer_types=["sliding_attention", "full_attention"] * 2, query_pre_attn_scalar=16,
