@@ -4,7 +4,10 @@
 Each ``generate`` call of n new tokens takes a + n * t: the steady time per token t, from calls
 of N and 5 N tokens (medians of 3), and a = the prefill plus, through graph_generate, the eager
 warm-up steps and the captures (one graph per kind of step, every call: the graphs point at the
-call's own cache). The probe reports t and a - (the FP16 eager row's a), the
+call's own cache). A quantized cache's flushing step comes every G = 32 steps and is captured
+the first time it comes, so both calls must hold one (N >= 34, the default 40): with N = 24
+(session 32's first runs) the longer call alone paid that capture, ~0.5-1 ms per token of
+bias at 32 layers. The probe reports t and a - (the FP16 eager row's a), the
 per-call overhead. FP16 SDPA restricted to the flash backend (torch's default, cuDNN, costs ~1 ms
 of host time per call on the H200 host). Rows: FP16 DynamicCache eager (the baseline), kivi-2
 eager, and through graph_generate: kivi-2, kivi-4, and kvbits' FP16 cache (the control: same
@@ -29,7 +32,7 @@ from kvbits.integrations.hf import cache_kwargs
 
 name = sys.argv[1] if len(sys.argv) > 1 else "llama-3-8b"
 contexts = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "4096,32768").split(",")]
-N = int(sys.argv[3]) if len(sys.argv) > 3 else 32
+N = int(sys.argv[3]) if len(sys.argv) > 3 else 40
 model = build_model(model_config(name, max_positions=max(contexts) + 5 * N + 64))
 model.generation_config.eos_token_id = None  # random weights: never stop early (and no
 model.config.eos_token_id = None             # min_new_tokens, a processor graph_generate refuses)

@@ -1,7 +1,9 @@
 """Probe (GPU): does the captured side stream (FP16 splits beside the Gluon body, a fork and a
 join per layer) cost time in a whole model's graph at batch 1? kivi-2 through graph_generate
-with ``decode_attention.SIDE_STREAM`` on and off, alternated, steady time per token from calls
-of 24 and 120 new tokens; the kvbits FP16 cache as the control. Llama-3-8B shape, 8 layers.
+with ``decode_attention.SIDE_STREAM`` on and off, alternated, time per token from calls of 24
+and 120 new tokens; the kvbits FP16 cache as the control. Llama-3-8B shape, 8 layers. (Only
+the A/B is fair: for kivi-2 the longer call alone captures the flushing step's graph, so its
+row against the FP16 one is biased up; see generate_graphs.py.)
 
     PYTHONPATH=src python3 benchmarks/probes/side_stream_generate_ab.py [CONTEXT]
 """
