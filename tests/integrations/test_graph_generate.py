@@ -165,6 +165,21 @@ def test_streamer_gets_the_tokens_as_generate_gives_them(model):
     assert torch.equal(runs[0], runs[1]) and runs[1].shape[1] < 35 + NEW
 
 
+def test_streamer_found_through_a_wrapper(model):
+    """A Python wrapper around graph_generate (a frame between it and generate) still finds
+    the streamer, so it still gets the tokens and its end."""
+    def wrapped(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                synced_gpus=False, streamer=None, **kw):
+        return graph_generate(model, input_ids, logits_processor, stopping_criteria,
+                              generation_config, synced_gpus, streamer, **kw)
+    st = Collect()
+    with torch.no_grad():
+        out = model.generate(prompt(30, 1), max_new_tokens=10, do_sample=False, pad_token_id=0,
+                             custom_generate=wrapped, streamer=st,
+                             **cache_kwargs(model, kvbits_cache(model)))
+    assert st.ended == 1 and torch.equal(torch.cat([p.reshape(-1) for p in st.puts]), out[0])
+
+
 def test_fuse_given_to_generate_reaches_the_loop(model, monkeypatch):
     seen = []
     real = GreedyDecoder.__init__

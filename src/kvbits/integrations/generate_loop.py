@@ -51,7 +51,7 @@ def graph_generate(model, input_ids: torch.Tensor, logits_processor, stopping_cr
     (``generate(..., custom_generate=graph_generate, fuse="inductor")``), which hands a
     callable's own extra parameters on."""
     if streamer is None:
-        streamer = _generate_streamer()
+        streamer = _generate_streamer(model)
     if generation_config.num_beams != 1 or any(
             k in model_kwargs for k in ("assistant_model", "candidate_generator")):
         raise ValueError("graph_generate: decodes greedily or by sampling (num_beams=1, no "
@@ -93,16 +93,20 @@ def graph_generate(model, input_ids: torch.Tensor, logits_processor, stopping_cr
     return sequences
 
 
-def _generate_streamer():
+def _generate_streamer(model):
     """The ``streamer`` given to ``generate``, which transformers (5.17-5.24) does not pass on to
     a callable ``custom_generate`` (only the callable's own extra parameters), though it has
     already handed the prompt to it: without it here, the streamer would get no tokens and no
-    ``end`` (a ``TextIteratorStreamer``'s reader would wait forever). Read from ``generate``'s
-    frame, the caller of this loop; None where that is not the caller."""
+    ``end`` (a ``TextIteratorStreamer``'s reader would wait forever). Read from the frame of
+    ``model.generate`` among this loop's callers (wrappers in between allowed); None if none."""
     frame = sys._getframe(2)  # graph_generate's caller
-    if frame.f_code.co_name != "generate":
-        return None
-    return frame.f_locals.get("streamer")
+    for _ in range(8):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "generate" and frame.f_locals.get("self") is model:
+            return frame.f_locals.get("streamer")
+        frame = frame.f_back
+    return None
 
 
 class _Stream:
