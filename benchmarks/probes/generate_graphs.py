@@ -4,7 +4,9 @@
 Each ``generate`` call of n new tokens takes a + n * t: the steady time per token t, from calls
 of N and 5 N tokens (medians of 3), and a = the prefill plus, through graph_generate, the eager
 warm-up steps and the captures (one graph per kind of step, every call: the graphs point at the
-call's own cache). A quantized cache's flushing step comes every G = 32 steps and is captured
+call's own cache). Beside it, the median step of one 5 N-token call, each step timed with a
+synchronisation as ``kvbits bench`` times them (eager rows: the eager steps). A quantized
+cache's flushing step comes every G = 32 steps and is captured
 the first time it comes, so both calls must hold one (N >= 34, the default 40): with N = 24
 (session 32's first runs) the longer call alone paid that capture, ~0.5-1 ms per token of
 bias at 32 layers. The probe reports t and a - (the FP16 eager row's a), the
@@ -18,6 +20,7 @@ loop and graphs, nothing quantized).
 ``ROWS``: indices into ``VARIANTS`` to run (default all; the first row, the baseline, always).
 """
 import gc
+import itertools
 import statistics
 import sys
 import time
@@ -28,6 +31,7 @@ from transformers import DynamicCache
 
 from kvbits.eval.speed import build_model, model_config
 from kvbits.integrations import KVBitsCache, graph_generate
+from kvbits.integrations.decode_loop import GreedyDecoder
 from kvbits.integrations.hf import cache_kwargs
 
 name = sys.argv[1] if len(sys.argv) > 1 else "llama-3-8b"
@@ -44,7 +48,33 @@ if len(sys.argv) > 4:
     VARIANTS = [v for i, v in enumerate(VARIANTS) if i == 0 or str(i) in sys.argv[4].split(",")]
 
 
-def run(ids, preset, graphs, new):
+def median_step(ids, preset, graphs, new):
+    """Median ms between consecutive decode steps of one call, from its 40th step on (past the
+    captures); the loop's steps through GreedyDecoder's hook, generate's through a stopping
+    criterion that synchronises, as kvbits bench does."""
+    from transformers import StoppingCriteria
+
+    times = []
+
+    def mark():
+        torch.cuda.synchronize()
+        times.append(time.perf_counter())
+
+    class Mark(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kw):
+            mark()
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    real = GreedyDecoder._tick
+    GreedyDecoder._tick = lambda self, done: (mark(), real(self, done))[1]
+    try:
+        run(ids, preset, graphs, new, stopping_criteria=[Mark()] if not graphs else None)
+    finally:
+        GreedyDecoder._tick = real
+    steps = [b - a for a, b in itertools.pairwise(times[40:])]
+    return statistics.median(steps) * 1e3 if steps else float("nan")
+
+
+def run(ids, preset, graphs, new, stopping_criteria=None):
     gc.collect()
     torch.cuda.empty_cache()
     cache = DynamicCache() if preset == "dynamic" else KVBitsCache(model, preset)
@@ -54,6 +84,8 @@ def run(ids, preset, graphs, new):
     with torch.no_grad(), sdpa_kernel(BACKENDS):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                              do_sample=False, pad_token_id=0,
+                             **({"stopping_criteria": stopping_criteria}
+                                if stopping_criteria else {}),
                              **cache_kwargs(model, cache), **kw)
     torch.cuda.synchronize()
     assert out.shape[1] == ids.shape[1] + new
@@ -79,6 +111,7 @@ for T in contexts:
             eager = toks.get(f"{preset}, eager")
             if eager is not None:
                 same = f"; first 16 tokens as eager: {torch.equal(eager[:16], toks[label][:16])}"
+        step = median_step(ids, preset, graphs, 5 * N)
         print(f"T={T:6d} {label:32s} {tpot:7.2f} ms/token {1e3 / tpot:6.1f} tok/s "
-              f"{base[0] / tpot:5.2f}x the FP16 eager row; per call +{fixed - base[1]:6.0f} ms"
-              f"{same}", flush=True)
+              f"{base[0] / tpot:5.2f}x the FP16 eager row; per call +{fixed - base[1]:6.0f} ms; "
+              f"median step {step:6.2f} ms{same}", flush=True)
