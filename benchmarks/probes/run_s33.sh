@@ -4,13 +4,9 @@
 # rows by the flushing step's capture), then the kernels of replayed batch-1 steps (Llama-3-8B x
 # 8 layers, 4k and 32k).
 export PYTHONPATH=src PYTHONUNBUFFERED=1
-timeout -s INT ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider --tb=short -m gpu \
-  tests/integrations/test_graph_generate.py tests/integrations/test_decode_loop.py \
-  > "$OUT/gpu_tests_s33_full.log" 2>&1
-grep -E "FAILED|ERROR|Error|assert|passed|failed" "$OUT/gpu_tests_s33_full.log" | head -n 40 \
-  > "$OUT/gpu_tests_s33.log"
-rm -f "$OUT/gpu_tests_s33_full.log"
-cat "$OUT/gpu_tests_s33.log"
+SHARDS=1 TEST_S=${TEST_S:-200} DETAILS=gpu_tests_s33.log \
+  FILES="tests/integrations/test_graph_generate.py tests/integrations/test_decode_loop.py" \
+  bash benchmarks/probes/run_gpu_suite_sharded.sh
 timeout -s INT ${PROBE_S:-200} python3 benchmarks/probes/generate_graphs.py llama-3-8b 4096,32768 40 \
   2,3,4 2>&1 | grep -v -i warn | grep -v "^ " > "$OUT/generate_graphs_s33.log"
 cat "$OUT/generate_graphs_s33.log"
