@@ -44,6 +44,12 @@ def check_one_gpu(model) -> None:
                          "or load the model on one device")
 
 
+def is_stop(tokens: torch.Tensor, stop: torch.Tensor) -> torch.Tensor:
+    """Whether each of ``tokens`` is one of the ``stop`` ids (a 1-D tensor): a bool tensor of
+    ``tokens``' shape (fixed-shape device ops, so a captured step can hold it)."""
+    return (tokens[..., None] == stop).any(-1)
+
+
 class GreedyDecoder:
     """``GreedyDecoder(model, cache).generate(input_ids, n)`` -> ``[B, n]`` new token ids.
 
@@ -85,7 +91,7 @@ class GreedyDecoder:
                          use_cache=True, logits_to_keep=1, **self._kw)
         nxt = next_token(self._shaped(out.logits[:, -1], self._count), self.sampling)
         if self._stop is not None:  # sequences that produced a stop token are done
-            self._live &= ~(nxt[..., None] == self._stop).any(-1)
+            self._live &= ~is_stop(nxt, self._stop)
         if self._seen is not None:
             self._seen.scatter_(1, nxt, True)
         self._ids.copy_(nxt)
@@ -199,7 +205,7 @@ class GreedyDecoder:
         B = first.shape[0]
         dev = first.device
         if self._stop is not None:
-            self._live = ~(first[..., None] == self._stop).any(-1)  # [B, 1]
+            self._live = ~is_stop(first, self._stop)  # [B, 1]
         self.tokens = torch.zeros(B, n, dtype=torch.long, device=dev)
         self.tokens[:, :1] = first
         self._ids = first.clone()

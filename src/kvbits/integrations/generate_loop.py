@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from .decode_loop import GreedyDecoder
+from .decode_loop import GreedyDecoder, is_stop
 from .hf import KVBitsCache
 from .sampling import Sampling
 
@@ -81,7 +81,7 @@ def graph_generate(model, input_ids: torch.Tensor, logits_processor, stopping_cr
             decoder.step_done.put(new.shape[1])
     pad = generation_config._pad_token_tensor
     if eos is not None and pad is not None:  # generate's padding after each sequence's EOS
-        is_eos = (new[..., None] == eos.to(new.device).reshape(-1)).any(-1)
+        is_eos = is_stop(new, eos.to(new.device).reshape(-1))
         new = new.masked_fill((is_eos.cumsum(1) - is_eos.long()) > 0, int(pad))
     if streamer is not None:
         streamer.end()
