@@ -16,11 +16,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import random_packed_kv  # noqa: E402
-from decode_attention import bench_graph  # noqa: E402
+from common import random_packed_kv
+from decode_attention import bench_graph
 
-from kvbits.ops import decode_attention  # noqa: E402
-from kvbits.spec import resolve_spec  # noqa: E402
+from kvbits.ops import decode_attention
+from kvbits.spec import resolve_spec
 
 SHAPES = [tuple(int(x) if x.isdigit() else x for x in s.split(":"))
           for s in sys.argv[1].split(",")] if len(sys.argv) > 1 else [
@@ -31,7 +31,7 @@ for B, hq, hkv, T, preset in SHAPES:
     kv = random_packed_kv(B, hkv, T, 128, resolve_spec(preset))
     q = torch.randn(B, hq, 1, 128, dtype=torch.float16, device="cuda")
 
-    def call():
+    def call(q=q, kv=kv):
         return decode_attention(q, kv, scale=0.088)
     us = bench_graph(call)
     side = torch.cuda.Stream()

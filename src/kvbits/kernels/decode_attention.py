@@ -793,6 +793,15 @@ _SIDE_ENV = os.environ.get("KVBITS_SIDE_STREAM", "1")
 if _SIDE_ENV not in ("0", "1"):
     raise ValueError(f"KVBITS_SIDE_STREAM must be '0' or '1', got {_SIDE_ENV!r}")
 SIDE_STREAM = _SIDE_ENV == "1"
+# KVBITS_SIDE_AFTER: "1" (default) launches those FP16 splits after the body's launch in the
+# graph, "0" before it. H200, graph time (benchmarks/results/side_order_ab_s33.log): after is
+# 0.6-1.4% faster on every batch-8/32 row (Llama-3-8B batch 8 32k kivi-2 97.0 -> 95.8 us; the
+# body started ~3 us late behind the splits' kernel, graph_call_timeline_s33.log), equal at
+# batch 1; a high-priority side stream gained nothing (+0-1.7%); no side stream +0.4-3%.
+_SIDE_AFTER_ENV = os.environ.get("KVBITS_SIDE_AFTER", "1")
+if _SIDE_AFTER_ENV not in ("0", "1"):
+    raise ValueError(f"KVBITS_SIDE_AFTER must be '0' or '1', got {_SIDE_AFTER_ENV!r}")
+SIDE_AFTER_BODY = _SIDE_AFTER_ENV == "1"
 # Elements of the finish kernel's merge tile [rows, splits, head_dim] (64 fp32 per thread).
 FINISH_TILE = 8192
 # Offsets inside one (sequence, head) slice of a kv tensor are int32 (the slice bases are int64).
@@ -982,13 +991,17 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
         main = torch.cuda.current_stream(dev)
         stream = _side_stream(dev)
         stream.wait_stream(main)
-        with torch.cuda.stream(stream):
-            launch_triton()
+        if not SIDE_AFTER_BODY:
+            with torch.cuda.stream(stream):
+                launch_triton()
     if gluon:
         decode_gluon.attend_body(q, kv, out, lse, scale_log2=scale * LOG2E, starts=starts,
                                  lengths=lengths, has_starts=has_starts, has_lens=has_lens,
                                  n_out=n_total, splits=splits, lens_dev=lens_dev,
                                  window=window, softcap=softcap, pdl=pdl)
+    if side and SIDE_AFTER_BODY:
+        with torch.cuda.stream(stream):
+            launch_triton()
     if splits + fp_splits > split0 and not side:
         launch_triton()
     if side:

@@ -1,0 +1,71 @@
+"""Probe (GPU): how a captured ``decode_attention`` call with a Gluon body should launch its
+FP16 splits: on the side stream before the body's launch, after it (the default since this probe), either
+at high stream priority (the probe makes such a stream itself), or in stream order after the
+body (no side stream). Graph time: the
+best of 3 ``do_bench`` medians (L2 flushed) of each variant's replay, variants alternated; and
+the largest difference of each variant's output from the default's.
+
+    PYTHONPATH=src python3 benchmarks/probes/side_order_ab.py [B:Hq:Hkv:T:preset,...]
+"""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import parse_rows, random_packed_kv
+from triton.testing import do_bench
+
+from kvbits.kernels import decode_attention as da
+from kvbits.ops import decode_attention
+from kvbits.spec import resolve_spec
+
+ROWS = parse_rows(sys.argv[1] if len(sys.argv) > 1 else None, [
+    (8, 32, 8, 32768, "kivi-2"), (8, 32, 8, 32768, "uniform-int4"), (8, 32, 8, 32768, "kivi-4"),
+    (1, 32, 8, 32768, "kivi-2"), (8, 32, 32, 32768, "kivi-2"), (8, 32, 8, 131072, "kivi-2"),
+    (32, 32, 8, 32768, "kivi-2")])
+VARIANTS = {  # (SIDE_STREAM, SIDE_AFTER_BODY, stream priority)
+    "before": (True, False, 0), "after": (True, True, 0), "before+prio": (True, False, -1),
+    "after+prio": (True, True, -1), "serial": (False, False, 0)}
+
+print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; graph us (best of 3 "
+      "do_bench medians, variants alternated); diff = max |out - out(before)|")
+
+
+def captured(call):
+    """``call`` warmed eagerly on a side stream, then captured; the graph and its output."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph, out
+
+
+streams: dict = {}
+for B, hq, hkv, T, preset in ROWS:
+    kv = random_packed_kv(B, hkv, T, 128, resolve_spec(preset))
+    q = torch.randn(B, hq, 1, 128, dtype=torch.float16, device="cuda")
+    graphs, outs = {}, {}
+    for name, (side, after, prio) in VARIANTS.items():
+        da.SIDE_STREAM, da.SIDE_AFTER_BODY = side, after
+        da._SIDE_STREAMS[torch.cuda.current_device()] = streams.setdefault(
+            prio, torch.cuda.Stream(priority=prio))
+        graphs[name], out = captured(lambda kv=kv, q=q: decode_attention(q, kv, scale=0.088))
+        graphs[name].replay()
+        torch.cuda.synchronize()
+        outs[name] = out.float().clone()
+    times = {n: [] for n in graphs}
+    for _ in range(3):
+        for n, g in graphs.items():
+            times[n].append(do_bench(g.replay, warmup=25, rep=100, return_mode="median") * 1e3)
+    us = {n: min(t) for n, t in times.items()}
+    base = us["before"]
+    cells = "  ".join(f"{n} {t:7.1f} ({t / base - 1:+.1%}, diff "
+                      f"{(outs[n] - outs['before']).abs().max().item():.1e})"
+                      for n, t in us.items())
+    print(f"B={B} Hq={hq} Hkv={hkv} T={T} {preset}: {cells}", flush=True)
+    del graphs
