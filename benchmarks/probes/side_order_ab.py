@@ -1,7 +1,8 @@
 """Probe (GPU): how a captured ``decode_attention`` call with a Gluon body should launch its
 FP16 splits: on the side stream before the body's launch, after it (the default since this probe), either
 at high stream priority (the probe makes such a stream itself), or in stream order after the
-body (no side stream). Graph time: the
+body (no side stream). KVQuant layers (codebooks) always launch before since this probe's
+second run, so their "after" rows now time the "before" order. Graph time: the
 best of 3 ``do_bench`` medians (L2 flushed) of each variant's replay, variants alternated; and
 the largest difference of each variant's output from the default's.
 

@@ -794,10 +794,13 @@ if _SIDE_ENV not in ("0", "1"):
     raise ValueError(f"KVBITS_SIDE_STREAM must be '0' or '1', got {_SIDE_ENV!r}")
 SIDE_STREAM = _SIDE_ENV == "1"
 # KVBITS_SIDE_AFTER: "1" (default) launches those FP16 splits after the body's launch in the
-# graph, "0" before it. H200, graph time (benchmarks/results/side_order_ab_s33.log): after is
-# 0.6-1.4% faster on every batch-8/32 row (Llama-3-8B batch 8 32k kivi-2 97.0 -> 95.8 us; the
-# body started ~3 us late behind the splits' kernel, graph_call_timeline_s33.log), equal at
-# batch 1; a high-priority side stream gained nothing (+0-1.7%); no side stream +0.4-3%.
+# graph, "0" before it; KVQuant layers (codebooks) always before. H200, graph time
+# (benchmarks/results/side_order_ab_s33.log, side_order_ab_s33b.log): after is 0.6-4.1% faster
+# on every KIVI / uniform row (Llama-3-8B batch 8 32k kivi-2 97.0 -> 95.8 us, kivi-3 164 -> 157;
+# the body started ~3 us late behind the splits' kernel, graph_call_timeline_s33.log), equal
+# at batch 1 32k; but kvquant-3 4.5% / 15.8% slower (Llama-3-8B / Llama-2-7B batch 8 32k: its
+# sink-and-residual kernel then waits for the long body's programs to drain, as with no side
+# stream, +6.5% / +16.8%). A high-priority side stream gained nothing.
 _SIDE_AFTER_ENV = os.environ.get("KVBITS_SIDE_AFTER", "1")
 if _SIDE_AFTER_ENV not in ("0", "1"):
     raise ValueError(f"KVBITS_SIDE_AFTER must be '0' or '1', got {_SIDE_AFTER_ENV!r}")
@@ -956,6 +959,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     # Captured with a Gluon body, the FP16 splits run on a side stream beside the body (a fork
     # and a join in the graph): in stream order they would start only when the body ends.
     side = bool(gluon and fp_splits and capturing and SIDE_STREAM)
+    side_after = side and SIDE_AFTER_BODY and kcb is None and vcb is None
     if gluon and SIDE_STREAM and not capturing and dev.type == "cuda":
         _side_stream(dev)  # made in an eager call (the warm-up), not inside a capture
     pdl = PDL_ENABLED and not side and _pdl_ok(dev)
@@ -991,7 +995,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
         main = torch.cuda.current_stream(dev)
         stream = _side_stream(dev)
         stream.wait_stream(main)
-        if not SIDE_AFTER_BODY:
+        if not side_after:
             with torch.cuda.stream(stream):
                 launch_triton()
     if gluon:
@@ -999,7 +1003,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
                                  lengths=lengths, has_starts=has_starts, has_lens=has_lens,
                                  n_out=n_total, splits=splits, lens_dev=lens_dev,
                                  window=window, softcap=softcap, pdl=pdl)
-    if side and SIDE_AFTER_BODY:
+    if side_after:
         with torch.cuda.stream(stream):
             launch_triton()
     if splits + fp_splits > split0 and not side:
