@@ -840,3 +840,55 @@ def test_partial_rotary_refused_for_pre_rope_keys_at_construction():
                                                           calibration="uniform"),
                          max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 16)
+
+
+def _chunk_padded_batch(preset, chunk, pad=100, **kw):
+    """A tiny random Llama's left-padded batch (row 1: ``pad`` tokens of padding in 150),
+    generated with the prompt prefilled in chunks of ``chunk``: the scores and the cache."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config(vocab_size=256, hidden_size=64, head_dim=16)).eval()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    ids = torch.randint(3, 256, (2, 150))
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    cache = KVBitsCache(model, preset, **kw) if preset else DynamicCache()
+    extra = {"prefill_chunk_size": chunk} if chunk else {}
+    out = generate(model, ids, cache, attention_mask=mask, pad_token_id=0, output_scores=True,
+                   return_dict_in_generate=True, **extra)
+    return torch.stack(out.scores, 1), cache
+
+
+def test_chunked_prefill_with_padding_longer_than_a_chunk():
+    """Row 1 is all padding in the prompt's first three 32-token chunks: its padding must keep
+    growing past the prompt step (it attended to 68 padding tokens before the fix)."""
+    ref, _ = _chunk_padded_batch(None, 0)
+    scores, cache = _chunk_padded_batch("fp16", 32)
+    torch.testing.assert_close(scores, ref, atol=1e-4, rtol=0)
+    assert all(s.starts.tolist() == [0, 100] for s in cache.stores)
+    dense, _ = _chunk_padded_batch(None, 32)  # the check has teeth: DynamicCache, same chunks
+    torch.testing.assert_close(dense, ref, atol=1e-4, rtol=0)
+    # Quantized, with a sink: the padded row's sink holds its own first tokens (regathered
+    # when its padding grows: the chunk's append gathered it at the old padding), and no
+    # group's range holds padding (the all-padding groups of row 1 have scale = zero = 0). Its
+    # logits at the prompt's end are those of the unchunked run: its real tokens are all still
+    # FP16 there (R = 96 > 50).
+    for pad in (100, 96):  # 96: the padding ends where a chunk begins
+        ref, _ = _chunk_padded_batch(None, 0, pad)
+        scores, cache = _chunk_padded_batch("kivi-4", 32, pad, residual_length=96,
+                                            sink_tokens=2)
+        first, want = scores[1, 0], ref[1, 0]  # the prompt's last logits (then tokens differ)
+        seen = torch.isfinite(want)  # (min_new_tokens bans EOS with -inf)
+        assert torch.equal(torch.isfinite(first), seen)
+        torch.testing.assert_close(first[seen], want[seen], atol=1e-4, rtol=0)
+        for store in cache.stores:
+            assert store.starts.tolist() == [0, pad] and store.sink_len == 2 and store.body_len
+            assert not store.k_scale[1, :, 0].any() and not store.v_scale[1, :, :64].any()
+
+
+def test_chunked_padding_after_a_sink_flush_is_refused():
+    """With a sink, a row still all padding after the layer quantized tokens cannot regather
+    its sink: a clear error names the way out."""
+    with pytest.raises(ValueError, match="prefill_chunk_size"):
+        _chunk_padded_batch("kivi-4", 32, residual_length=0, sink_tokens=2)

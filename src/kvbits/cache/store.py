@@ -247,7 +247,8 @@ class LayerStore:
         Set it before the prompt's tokens are quantized (the HF integration sets it between
         ``append(..., flush=False)`` and :meth:`flush`). With a sink, each padded sequence's
         sink then holds its *own* first tokens (positions ``starts[b] + j``,
-        :meth:`_settle_sinks`)."""
+        :meth:`_settle_sinks`), regathered if the padding grew after an earlier call (a prompt
+        prefilled in chunks: the sink was gathered at the old ``starts``)."""
         starts = starts.to(device=self.device, dtype=torch.int32)
         # One host read here (at prefill) spares one per flush during decode.
         pad = int(starts.max()) if starts.numel() else 0
@@ -255,16 +256,20 @@ class LayerStore:
             raise ValueError("set_padding: this layer already holds quantized tokens; set the "
                              "padding before the prompt is flushed (append(..., flush=False), "
                              "set_padding, flush)")
+        fp = None
+        if pad > 0 and self.spec.sink_tokens:  # in position order by the old starts; reopened
+            fp, self._sink_closed = self._fp_in_order(), False
         self.starts, self._pad = starts, pad
-        self._settle_sinks()
+        self._settle_sinks(fp)
 
-    def _settle_sinks(self) -> None:
+    def _settle_sinks(self, fp=None) -> None:
         """In a left-padded batch whose sink is still open, (re)gather every sequence's first
         ``min(S, shortest sequence)`` real tokens into the sink from the FP16 tokens held (the
-        sink and the residual; nothing is quantized yet). The sink closes once it holds S, or
-        at the first flush. Keeps ``_pad_end`` (the host bound of hidden positions) in step."""
+        sink and the residual, ``fp`` if given, in position order; nothing is quantized yet).
+        The sink closes once it holds S, or at the first flush. Keeps ``_pad_end`` (the host
+        bound of hidden positions) in step."""
         if self._pad and self.spec.sink_tokens and not self._sink_closed:
-            k, v = self._fp_in_order()
+            k, v = fp if fp is not None else self._fp_in_order()
             n = k.shape[2]
             keep = max(0, min(self.spec.sink_tokens, n - self._pad))
             at = self.starts.long()[:, None] + torch.arange(keep, device=self.device)  # [B, keep]

@@ -547,6 +547,34 @@ def padding_starts(attention_mask: torch.Tensor | None, batch: int, kv_len: int,
     return starts.to(torch.int32)
 
 
+def _grow_padding(store, attention_mask: torch.Tensor | None, lq: int) -> None:
+    """Left padding that continues past the prompt step: a prompt prefilled in chunks
+    (``prefill_chunk_size``) whose first chunk held only padding for some sequences. At a
+    multi-row step, a key of the step that no row attends to is padding (a real token attends at
+    least to itself, in a sliding window too); a sequence that held only padding before the step
+    extends its padding by the step's leading padding keys, before anything of the step is
+    quantized (and a padded batch's sink is regathered, ``LayerStore.set_padding``). Padding
+    after a sequence's real tokens is refused, as at the prompt step."""
+    if attention_mask is None or lq < 2:
+        return
+    step = padding_starts(attention_mask, store.starts.shape[0], lq, store.device)
+    if not bool(step.any()):
+        return
+    all_pad = store.starts >= store.seq_len - lq  # held only padding before this step
+    if bool((step.bool() & ~all_pad).any()):
+        raise ValueError(
+            "kvbits supports left padding only: the attention mask hides tokens of this step "
+            "that come after real tokens of their sequence (right padding or holes).")
+    try:
+        store.set_padding(torch.where(all_pad, store.starts + step, store.starts))
+    except ValueError as err:  # a sink, and the layer already quantized tokens
+        raise ValueError(
+            "A sequence of this batch is still all padding after the prompt's first chunk, and "
+            "this layer (attention sink) has already quantized tokens: prefill the prompt in "
+            "chunks longer than its longest left padding (prefill_chunk_size), or in one step."
+        ) from err
+
+
 def kvbits_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                              value: torch.Tensor, attention_mask: torch.Tensor | None,
                              dropout: float = 0.0, scaling: float | None = None,
@@ -580,6 +608,7 @@ def kvbits_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     else:
         if store.inv_freq is not None:
             _check_positions(store, kwargs.get("position_ids"), query.shape[2])
+        _grow_padding(store, attention_mask, query.shape[2])
         out = _attend_as_generated(query, store, scale, window, softcap)
     return out.transpose(1, 2).contiguous(), None
 
