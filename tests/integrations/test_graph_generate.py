@@ -282,6 +282,25 @@ def test_falls_back_with_the_reason(model, case, reason):
         assert torch.equal(got, want)
 
 
+def test_continuing_a_padded_batch_falls_back(model):
+    """A padded batch continued on the cache that holds its start: transformers' loop serves
+    it (the graph loop masks padding only from an empty cache), with the same tokens."""
+    ids = prompt(30, 2)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    results = []
+    for ours in (False, True):
+        cache = kvbits_cache(model)
+        first, _ = generate(model, ids, cache, ours=False, do_sample=False, attention_mask=mask)
+        more = torch.cat([mask, torch.ones(2, first.shape[1] - ids.shape[1], dtype=mask.dtype)],
+                         1)
+        got, warned = generate(model, first, cache, ours=ours, do_sample=False,
+                               attention_mask=more)
+        results.append(got)
+    assert len(warned) == 1 and "already holds tokens" in warned[0], warned
+    assert torch.equal(results[0], results[1])
+
+
 def test_the_function_not_its_module():
     """``custom_generate`` must get the function: a module there is silently ignored by
     ``generate`` (neither a string nor a callable), which would make every test above vacuous."""

@@ -137,9 +137,12 @@ def _plan(cache, processors, criteria, config, synced_gpus, streamer, attention_
     flags = [f for f in _OUTPUT_FLAGS if getattr(config, f, False)]
     if flags:
         return None, f"{', '.join(flags)} asked for"
-    if not isinstance(cache, KVBitsCache) and attention_mask is not None and \
-            not bool(attention_mask.all()):
-        return None, "the attention mask pads the batch (the loop pads only a KVBitsCache)"
+    if attention_mask is not None and not bool(attention_mask.all()):
+        if not isinstance(cache, KVBitsCache):
+            return None, "the attention mask pads the batch (the loop pads only a KVBitsCache)"
+        if cache.get_seq_length():
+            return None, ("the attention mask pads a batch whose cache already holds tokens "
+                          "(the loop pads only an empty KVBitsCache)")
     other = [type(c).__name__ for c in criteria if type(c).__name__ not in _STOPS]
     if other:
         return None, f"stopping criteria {other} (served: max length and EOS)"
