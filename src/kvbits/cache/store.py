@@ -588,16 +588,38 @@ class LayerStore:
         return ops.quantize_values(x, bits, self.value_group, G, valid)
 
     def _flush_fp8(self, k: torch.Tensor, v: torch.Tensor, valid, n: int) -> None:
-        if not self._fp8_ready:  # dynamic: amax of the first quantized tokens (the prompt)
+        if not self._fp8_ready:  # dynamic: amax of the tokens held at the first flush
             gran = self.spec.fp8_granularity
-            self.k_scale = ref_quant.fp8_scale_from_amax(ref_quant.fp8_amax(k, valid, gran))
-            self.v_scale = ref_quant.fp8_scale_from_amax(ref_quant.fp8_amax(v, valid, gran))
+            kk, vv, ok = self._with_rest(k, v, valid, n)
+            self.k_scale = ref_quant.fp8_scale_from_amax(ref_quant.fp8_amax(kk, ok, gran))
+            self.v_scale = ref_quant.fp8_scale_from_amax(ref_quant.fp8_amax(vv, ok, gran))
             self._fp8_ready = True
         self.k_codes = _write(self.k_codes, self.body_len,
                               ref_quant.quantize_fp8(k, self.k_scale, valid))
         self.v_codes = _write(self.v_codes, self.body_len,
                               ref_quant.quantize_fp8(v, self.v_scale, valid))
         self._moved(n)
+
+    def _with_rest(self, k: torch.Tensor, v: torch.Tensor, valid, n: int):
+        """The ``n`` tokens being flushed (``k, v``, validity ``valid``) and behind them the rest
+        of the residual (the prompt's end), with their validity: dynamic FP8 scales come from
+        all of them, so that a sequence whose flushed tokens are all padding still gets its scale
+        from its own tokens (an amax of 0 would give it 1, fixed from then on)."""
+        rest = self.res_len - n
+        if rest <= 0:
+            return k, v, valid
+        first = self.sink_len + self.body_len + n
+        rk, rv = self.res_k[:, :, n:self.res_len], self.res_v[:, :, n:self.res_len]
+        if self.inv_freq is not None:  # pre-RoPE keys, as the flushed ones
+            rk = ref_rope.unrotate(rk, ref_rope.token_positions(self.starts, first, rest),
+                                   self.inv_freq)
+        ok = valid
+        if valid is not None or first < self._pad_end:
+            pos = first + torch.arange(rest, device=self.device)
+            later = pos[None, :] >= self._visible_from()
+            ok = torch.cat([valid if valid is not None else torch.ones_like(later[:, :1]).expand(
+                -1, n), later], 1)
+        return torch.cat([k, rk], 2), torch.cat([v, rv], 2), ok
 
     def _moved(self, n: int) -> None:
         """``n`` residual tokens went to the body: shift the residual."""
