@@ -155,6 +155,24 @@ def test_resolve_spec_by_name_and_overrides():
     assert PRESETS["kivi-4"].residual_length == 128, "override leaked into the preset"
 
 
+def test_resolve_spec_from_a_spec_string():
+    """``PRESET:FIELD=VALUE,...`` as the CLI takes it (and the README's preset table names
+    them), short names included; keyword overrides win over the string's."""
+    spec = resolve_spec("kivi-3:S=1,G=64")
+    assert spec == PRESETS["kivi-3"].replace(sink_tokens=1, group_size=64)
+    assert resolve_spec("kivi-2:bits=4,R=0", residual_length=32) == PRESETS["kivi-2"].replace(
+        key_bits=4, value_bits=4, residual_length=32)
+    assert resolve_spec("kvquant-3:pre_rope=0,outliers=0.02").outliers == 0.02
+    with pytest.raises(ValueError, match=r"group_size must be one of 32, 64, 128; got 7"):
+        resolve_spec("kivi-2:G=7")
+    with pytest.raises(ValueError, match=r"bad override 'X=1' in 'kivi-2:X=1'.*group_size"):
+        resolve_spec("kivi-2:X=1")
+    with pytest.raises(ValueError, match=r"group_size in 'kivi-2:G=big' must be an integer"):
+        resolve_spec("kivi-2:G=big")
+    with pytest.raises(ValueError, match="unknown preset 'kivi-5:G=64'"):
+        resolve_spec("kivi-5:G=64")
+
+
 def test_resolve_spec_none_override_means_keep():
     # CLI flags left unset arrive as None and must not override the preset.
     spec = resolve_spec("k4v2", residual_length=None, group_size=None)

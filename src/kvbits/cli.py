@@ -24,21 +24,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .spec import PRESETS, QuantSpec, resolve_spec
+from .spec import PRESETS, QuantSpec, parse_overrides, resolve_spec
 
 # ------------------------------------------------------------------------------- variant syntax
 # kvbits:  PRESET[:FIELD=VALUE[,FIELD=VALUE...]]      e.g. kivi-2:residual_length=0,G=64
 # HF:      BACKEND:intN[:FIELD=VALUE[,...]]             e.g. quanto:int2:axis_key=-1
 # In a comma-separated list an item FIELD=VALUE (no colon) continues the previous item.
-KVBITS_ALIASES = {"R": "residual_length", "G": "group_size", "S": "sink_tokens",
-                  "K": "key_bits", "V": "value_bits", "O": "outliers", "P": "pre_rope"}
-KVBITS_FIELDS = ("key_bits", "value_bits", "group_size", "residual_length", "sink_tokens", "bits",
-                 "pre_rope", "outliers", "codebook", "qnorm", "fisher", "hadamard",
-                 "hadamard_calibrated", "key_axis", "value_axis", "fp8_scale", "fp8_granularity",
-                 "nbits", "axis_key", "axis_value", "q_group_size")
-_BOOL_FIELDS = ("pre_rope", "qnorm", "fisher", "hadamard", "hadamard_calibrated")
-_FLOAT_FIELDS = ("outliers",)
-_STR_FIELDS = ("codebook", "key_axis", "value_axis", "fp8_scale", "fp8_granularity")
 HF_ALIASES = {"R": "residual_length", "G": "q_group_size"}
 HF_FIELDS = ("axis_key", "axis_value", "q_group_size", "residual_length")
 
@@ -68,32 +59,6 @@ def _split_items(text: str) -> list[str]:
     return items
 
 
-def _parse_fields(label: str, text: str, aliases: dict, allowed: tuple, option: str) -> dict:
-    out = {}
-    for pair in filter(None, text.split(",")):
-        name, eq, value = pair.partition("=")
-        name = aliases.get(name.strip(), name.strip())
-        if not eq or name not in allowed:
-            raise ValueError(f"{option}: bad override {pair!r} in {label!r}; use FIELD=VALUE with "
-                             f"FIELD one of {', '.join(allowed)} (or {', '.join(aliases)})")
-        value = value.strip()
-        if name in _BOOL_FIELDS:
-            if value.lower() not in ("0", "1", "true", "false"):
-                raise ValueError(f"{option}: {name} in {label!r} must be 0/1/true/false, "
-                                 f"got {value!r}")
-            out[name] = value.lower() in ("1", "true")
-            continue
-        if name in _STR_FIELDS:
-            out[name] = value
-            continue
-        try:
-            out[name] = float(value) if name in _FLOAT_FIELDS else int(value)
-        except ValueError:
-            kind = "a number" if name in _FLOAT_FIELDS else "an integer"
-            raise ValueError(f"{option}: {name} in {label!r} must be {kind}, got {value!r}") from None
-    return out
-
-
 def parse_presets(text: str, **defaults) -> list[Variant]:
     """``"fp16,kivi-4,kivi-2:R=0"`` -> kvbits variants. ``defaults`` (e.g. ``group_size=64``) apply
     to every quantized preset unless its own overrides set the field.
@@ -107,14 +72,10 @@ def parse_presets(text: str, **defaults) -> list[Variant]:
         if name not in PRESETS and not name.endswith(".json"):
             raise ValueError(f"--presets: unknown preset {name!r} in {item!r}; presets are: "
                              f"{', '.join(PRESETS)} (or a spec file, .json, from kvbits tune)")
-        fields = _parse_fields(item, rest, KVBITS_ALIASES, KVBITS_FIELDS, "--presets")
+        fields = parse_overrides(item, rest, option="--presets")
         if fields and name in PRESETS and not PRESETS[name].quantized:
             raise ValueError(f"--presets: {item!r}: preset {name!r} quantizes nothing and takes "
                              "no overrides (FIELD=VALUE applies to quantized presets)")
-        if "bits" in fields:
-            bits = fields.pop("bits")
-            fields.setdefault("key_bits", bits)
-            fields.setdefault("value_bits", bits)
         if name not in PRESETS or PRESETS[name].quantized:
             fields = {**{k: v for k, v in defaults.items() if v is not None}, **fields}
         try:
@@ -147,7 +108,7 @@ def parse_hf_variants(text: str) -> list[Variant]:
         if backend not in BACKENDS or not bits.startswith("int") or not bits[3:].isdigit():
             raise ValueError(f"--hf-quantized: bad item {item!r}; use BACKEND:intN[:FIELD=VALUE,...] "
                              f"with BACKEND one of {', '.join(BACKENDS)}, e.g. quanto:int2:axis_key=-1")
-        fields = _parse_fields(item, rest, HF_ALIASES, HF_FIELDS, "--hf-quantized")
+        fields = parse_overrides(item, rest, HF_ALIASES, HF_FIELDS, "--hf-quantized")
         try:
             spec = HFQuantSpec(backend=backend, nbits=int(bits[3:]), **fields)
         except ValueError as exc:

@@ -376,9 +376,61 @@ PRESETS["fp8-tensor"] = PRESETS["fp8"].replace(fp8_granularity="tensor")
 PRESETS["k4v2-edge8"] = PRESETS["k4v2"].replace(layer_bits=((0, 8, 8), (-1, 8, 8)))
 
 
+# Short names of the fields a spec string overrides (``"kivi-2:G=64,R=0"``), and the fields it may
+# override (``bits``: key_bits and value_bits; transformers' names too, see resolve_spec).
+SPEC_ALIASES = {"R": "residual_length", "G": "group_size", "S": "sink_tokens", "K": "key_bits",
+                "V": "value_bits", "O": "outliers", "P": "pre_rope"}
+SPEC_FIELDS = ("key_bits", "value_bits", "group_size", "residual_length", "sink_tokens", "bits",
+               "pre_rope", "outliers", "codebook", "qnorm", "fisher", "hadamard",
+               "hadamard_calibrated", "key_axis", "value_axis", "fp8_scale", "fp8_granularity",
+               "nbits", "axis_key", "axis_value", "q_group_size")
+_BOOL_FIELDS = ("pre_rope", "qnorm", "fisher", "hadamard", "hadamard_calibrated")
+_FLOAT_FIELDS = ("outliers",)
+_STR_FIELDS = ("codebook", "key_axis", "value_axis", "fp8_scale", "fp8_granularity")
+
+
+def parse_overrides(label: str, text: str, aliases: dict = SPEC_ALIASES,
+                    allowed: tuple = SPEC_FIELDS, option: str = "spec") -> dict:
+    """``"G=64,R=0"`` -> ``{"group_size": 64, "residual_length": 0}``, typed per field
+    (``bits`` -> key_bits and value_bits). ``label``/``option`` name the text in errors.
+
+    >>> parse_overrides("kivi-2:G=64,bits=3", "G=64,bits=3")
+    {'group_size': 64, 'key_bits': 3, 'value_bits': 3}
+    """
+    out = {}
+    for pair in filter(None, text.split(",")):
+        name, eq, value = pair.partition("=")
+        name = aliases.get(name.strip(), name.strip())
+        if not eq or name not in allowed:
+            raise ValueError(f"{option}: bad override {pair!r} in {label!r}; use FIELD=VALUE with "
+                             f"FIELD one of {', '.join(allowed)} (or {', '.join(aliases)})")
+        value = value.strip()
+        if name in _BOOL_FIELDS:
+            if value.lower() not in ("0", "1", "true", "false"):
+                raise ValueError(f"{option}: {name} in {label!r} must be 0/1/true/false, "
+                                 f"got {value!r}")
+            out[name] = value.lower() in ("1", "true")
+        elif name in _STR_FIELDS:
+            out[name] = value
+        else:
+            try:
+                out[name] = float(value) if name in _FLOAT_FIELDS else int(value)
+            except ValueError:
+                kind = "a number" if name in _FLOAT_FIELDS else "an integer"
+                raise ValueError(f"{option}: {name} in {label!r} must be {kind}, got "
+                                 f"{value!r}") from None
+    if "bits" in out:
+        bits = out.pop("bits")
+        out.setdefault("key_bits", bits)
+        out.setdefault("value_bits", bits)
+    return out
+
+
 def resolve_spec(spec, **overrides) -> QuantSpec:
-    """A QuantSpec from a preset name, a spec file (``.json``, e.g. from ``kvbits tune``) or a
-    spec, with optional field overrides.
+    """A QuantSpec from a preset name, a spec string (a preset or ``.json`` file and
+    ``:FIELD=VALUE,...`` overrides, as the CLI's ``--presets`` take them), a spec file
+    (``.json``, e.g. from ``kvbits tune``) or a spec, with optional field overrides (which win
+    over the string's).
 
     transformers' ``QuantizedCache`` names are accepted too: ``nbits`` (key_bits and
     value_bits), ``q_group_size`` (group_size), ``axis_key`` / ``axis_value`` (0: per-token,
@@ -386,11 +438,18 @@ def resolve_spec(spec, **overrides) -> QuantSpec:
 
     >>> resolve_spec("kivi-2", residual_length=0).residual_length
     0
+    >>> resolve_spec("kivi-3:S=1,G=64").describe()
+    'kivi K3V3 G=64 R=128 S=1'
     >>> resolve_spec("uniform", nbits=2, axis_key=-1).key_axis
     'channel'
     """
     import os
 
+    if isinstance(spec, str) and ":" in spec:
+        name, _, rest = spec.partition(":")
+        if name in PRESETS or name.endswith(".json"):
+            overrides = {**parse_overrides(spec, rest), **overrides}
+            spec = name
     if isinstance(spec, QuantSpec):
         base = spec
     elif isinstance(spec, str) and spec in PRESETS:
@@ -401,7 +460,7 @@ def resolve_spec(spec, **overrides) -> QuantSpec:
         base = QuantSpec.load(spec)
     else:
         raise ValueError(f"unknown preset {spec!r}; presets are: {', '.join(PRESETS)} "
-                         "(or a spec file, .json)")
+                         "(or a spec file, .json; either may take overrides: 'kivi-2:G=64,R=0')")
     overrides = _hf_names({k: v for k, v in overrides.items() if v is not None})
     _check_field_names(overrides, "override(s)", " (or transformers' nbits, q_group_size, "
                        "axis_key, axis_value)")
