@@ -63,6 +63,11 @@ def test_for_layer_and_average_bits():
     assert s.average_bits(4) == (16 + 32 + 4 + 6) / 8
     with pytest.raises(ValueError, match="layer -5 is out of range"):
         resolve_spec("kivi-2", skip_layers=(-5,)).for_layer(0, 4)
+    # a layer named twice (the last entry silently won): refused, -1 and 3 the same layer
+    for kw in ({"layer_bits": ((0, 8, 8), (-4, 2, 2))}, {"layer_bits": ((3, 8, 8),),
+                                                         "skip_layers": (-1,)}):
+        with pytest.raises(ValueError, match="is named twice"):
+            resolve_spec("kivi-2", **kw).for_layer(0, 4)
 
 
 def test_unknown_preset_mentions_spec_files():

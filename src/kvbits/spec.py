@@ -195,11 +195,21 @@ class QuantSpec:
         return self.replace(key_bits=kb, value_bits=vb, layer_bits=(), skip_layers=())
 
     def check_layers(self, n_layers: int) -> None:
-        for layer in [e[0] for e in self.layer_bits] + list(self.skip_layers):
+        """Every layer named is in range, and named once: in ``layer_bits`` or in
+        ``skip_layers`` (``-1`` and ``n_layers - 1`` are the same layer)."""
+        named = [e[0] for e in self.layer_bits] + list(self.skip_layers)
+        for layer in named:
             if not -n_layers <= layer < n_layers:
                 raise ValueError(f"QuantSpec.layer_bits / skip_layers: layer {layer} is out of "
                                  f"range for a model with {n_layers} layers (allowed "
                                  f"{-n_layers} .. {n_layers - 1})")
+        seen: dict = {}
+        for layer in named:
+            if layer % n_layers in seen:
+                raise ValueError(f"QuantSpec.layer_bits / skip_layers: layer {layer} is named "
+                                 f"twice (as {seen[layer % n_layers]} too) for a model with "
+                                 f"{n_layers} layers; name each layer once")
+            seen[layer % n_layers] = layer
 
     def average_bits(self, n_layers: int) -> float:
         """Mean code bits per K/V element over the layers (FP16 layers count 16)."""
