@@ -541,3 +541,18 @@ def test_value_group_that_does_not_divide_head_dim_is_announced():
         warnings.simplefilter("error")
         LayerStore(spec, 1, 2, 128, torch.float32, "cpu")  # divides: nothing to say
         LayerStore(resolve_spec("fp16"), 1, 2, 16, torch.float32, "cpu")  # nothing grouped
+
+
+def test_wrong_shapes_name_the_expected_one():
+    """A wrong input shape names the expected one; a batch that is a multiple of the cache's
+    (beams over a cache that already holds the prompt) also names the way out."""
+    store = _store(QuantSpec(), b=2)
+    store.append(*_kv(5, b=2))
+    with pytest.raises(ValueError, match=r"key_states must be \[batch=2, kv_heads=.*got \(4, "
+                                         r".*batch_repeat_interleave\(2\)"):
+        store.append(*_kv(1, b=4))
+    with pytest.raises(ValueError, match=r"head_dim=.*got \(2, .*\)$"):
+        store.append(*_kv(1, b=2, d=D // 2))
+    k, v = _kv(3, b=2)
+    with pytest.raises(ValueError, match="key_states has 3 tokens but value_states 2"):
+        store.append(k, v[:, :, :2])

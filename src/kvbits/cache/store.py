@@ -753,9 +753,15 @@ class LayerStore:
         want = (self.batch, self.kv_heads, self.head_dim)
         for name, x in (("key_states", k), ("value_states", v)):
             if x.dim() != 4 or (x.shape[0], x.shape[1], x.shape[3]) != want:
+                hint = ""
+                if x.dim() == 4 and x.shape[0] % want[0] == 0 and x.shape[0] > want[0]:
+                    hint = (f" (a batch {x.shape[0] // want[0]}x the cache's: beam search or "
+                            "num_return_sequences over a cache that already holds the prompt? "
+                            "Expand it first: cache.batch_repeat_interleave"
+                            f"({x.shape[0] // want[0]}))")
                 raise ValueError(
                     f"{name} must be [batch={want[0]}, kv_heads={want[1]}, tokens, "
-                    f"head_dim={want[2]}], got {tuple(x.shape)}")
+                    f"head_dim={want[2]}], got {tuple(x.shape)}{hint}")
         if k.shape[2] != v.shape[2]:
             raise ValueError(f"key_states has {k.shape[2]} tokens but value_states {v.shape[2]}")
 
