@@ -152,6 +152,30 @@ def test_needle_refuses_cuda_without_a_gpu(capsys):
     assert code == 2 and "--device cuda: torch sees no CUDA device" in err, err
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_bench_without_a_gpu_asks_for_the_cpu_smoke_test(capsys):
+    """It built a 7B model in float32 on the CPU and ran the machine out of memory."""
+    code, _, err = run(capsys, "bench", "--out", "/nonexistent")
+    assert code == 2 and "found no CUDA device" in err and "--device cpu" in err, err
+
+
+def test_bench_cpu_refuses_weights_that_do_not_fit(capsys, monkeypatch):
+    import os
+
+    from kvbits.evalcli import _check_cpu_weights
+
+    real = os.sysconf
+    monkeypatch.setattr(os, "sysconf", lambda name: {"SC_PAGE_SIZE": 4096,  # 4 GiB
+                                                     "SC_PHYS_PAGES": 1 << 20}.get(name) or real(name))
+    _check_cpu_weights("smollm2", None)  # ~0.6 GiB: fits
+    with pytest.raises(ValueError, match=r"llama-3-8b needs ~30 GiB of float32 weights.*4 GiB"):
+        _check_cpu_weights("llama-3-8b", None)
+    code, _, err = run(capsys, "bench", "--device", "cpu", "--model", "llama-3-8b")
+    assert code == 2 and "needs ~30 GiB" in err, err
+    code, _, err = run(capsys, "bench", "--device", "gpu")
+    assert code == 2 and "--device: must be cpu, cuda or cuda:N, got 'gpu'" in err, err
+
+
 def test_runs_where_no_token_reads_the_cache_are_refused():
     """With one chunk per window every token is scored by the full-precision prefill, so every
     preset would score exactly like FP16 (found by a CLI audit: kivi-2 "+0.00%" at --tokens 256

@@ -9,6 +9,7 @@ that ``cli.py`` only gains the registration call. Nothing heavy is imported unti
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
@@ -144,6 +145,37 @@ def register(sub) -> None:
 
 
 # -------------------------------------------------------------------------------------- bench
+def _check_cpu_weights(model: str, layers: int | None) -> None:
+    """A CPU smoke test builds float32 weights: refuse a model whose weights would take more
+    than half of this machine's memory (a 7B config needs ~27 GB) instead of running it out."""
+    from .eval.speed import model_config
+
+    cfg = model_config(model, layers=layers)
+    h, n = cfg.hidden_size, cfg.num_hidden_layers
+    heads = cfg.num_attention_heads
+    d = getattr(cfg, "head_dim", None) or h // heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    per_layer = h * d * (2 * heads + 2 * kv) + 3 * h * cfg.intermediate_size
+    tied = getattr(cfg, "tie_word_embeddings", False)
+    nbytes = 4 * (n * per_layer + (1 if tied else 2) * cfg.vocab_size * h)
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not on this platform: no check
+        return
+    if nbytes > ram / 2:
+        raise ValueError(f"--device cpu: --model {model} needs ~{nbytes / 2**30:.0f} GiB of "
+                         f"float32 weights, more than half of this machine's "
+                         f"{ram / 2**30:.0f} GiB; the CPU run is a smoke test: use a small "
+                         "--model (tiny, smollm2) or fewer --layers")
+
+
+def _device(text: str) -> str:
+    """``--device``: cpu, cuda or cuda:N."""
+    if text == "cpu" or text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+
+
 def _cmd_bench(args) -> int:
     import torch
 
@@ -152,11 +184,14 @@ def _cmd_bench(args) -> int:
 
     for v in args.presets:
         parse_variant(v)  # fail before building anything
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.device is None and device == "cpu":
-        _log("no CUDA device: a CPU smoke test, not GPU timings (--device cpu says so)")
+    if args.device is None and not torch.cuda.is_available():
+        raise ValueError("kvbits bench times GPU decoding and found no CUDA device; for a CPU "
+                         "smoke test pass --device cpu (with a small --model, e.g. tiny)")
+    device = args.device or "cuda"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here (use --device cpu for a smoke test)")
+    if device == "cpu":
+        _check_cpu_weights(args.model, args.layers)
     cfg = BenchConfig(model=args.model, layers=args.layers, variants=args.presets,
                       contexts=args.contexts, batches=args.batches, steps=args.steps,
                       warmup=args.warmup, fill=args.fill,
@@ -220,7 +255,8 @@ def _register_bench(sub) -> None:
                    help="kvbits stores: allocate the packed buffers for the final length before "
                    "the fill and shrink the FP16 residual buffer to R+G tokens after it, instead "
                    "of LayerStore's own growth policy (labelled in the output)")
-    p.add_argument("--device", help="cuda (default when available) or cpu (smoke test)")
+    p.add_argument("--device", type=_device,
+                   help="cuda (the default; needs a GPU), cuda:N, or cpu (a smoke test)")
     p.add_argument("--out", default="benchmarks/results", help="output folder")
     p.add_argument("--name", default="e2e", help="file stem (default e2e)")
     p.set_defaults(func=_cmd_bench)
