@@ -194,6 +194,17 @@ def test_runs_where_no_token_reads_the_cache_are_refused():
     with pytest.raises(ValueError, match="window 200"):
         _check_chunks(model, 1024, 256, 200, None)
     _check_chunks(model, 1024, 256, None, None)  # four chunks: three read the cache
+    # Chunks read the cache, but no scored token reads kivi-2's quantized groups: its first
+    # group is quantized once S + R + G = 160 tokens are held (kivi-2 "+0.00%" at --tokens 160
+    # --chunk 32, found by a CLI audit); R=0 or a longer text does.
+    from kvbits.cli import parse_presets
+
+    fp16, kivi, kivi_r0 = parse_presets("fp16,kivi-2,kivi-2:R=0")
+    with pytest.raises(ValueError, match=r"--presets kivi-2: no scored token .* S \+ R \+ G = "
+                                         r"160 .* at least 161 tokens; the longest here holds 160"):
+        _check_chunks(model, 160, 32, None, None, [fp16, kivi])
+    _check_chunks(model, 160, 32, None, None, [fp16, kivi_r0])
+    _check_chunks(model, 161, 32, None, None, [kivi])
 
 
 def test_output_folders_are_created(tmp_path):

@@ -180,10 +180,13 @@ def _load(model_name: str, text_name: str | None = None, tokens: int | None = No
     return model, tok, ids
 
 
-def _check_chunks(model, n_tokens: int, chunk: int, window: int | None, stride: int | None):
+def _check_chunks(model, n_tokens: int, chunk: int, window: int | None, stride: int | None,
+                  variants=()):
     """Refuse a run in which no token reads the quantized cache back (see
-    :func:`kvbits.eval.perplexity.reads_cache`)."""
-    from .eval.perplexity import default_window, reads_cache
+    :func:`kvbits.eval.perplexity.reads_cache`), or, for one of the kvbits ``variants``, no
+    scored token reads its quantized groups: the first group is quantized only once the
+    sequence holds S + R + G tokens, so shorter windows score every preset like FP16."""
+    from .eval.perplexity import default_window, plan_windows, reads_cache
 
     window = default_window(model) if window is None else window
     if not reads_cache(n_tokens, chunk, window, stride):
@@ -192,6 +195,21 @@ def _check_chunks(model, n_tokens: int, chunk: int, window: int | None, stride: 
             "window is one full-precision prefill, so no token attends to the quantized cache "
             "and every preset would score exactly like FP16; use a --chunk smaller than "
             "--tokens and --window (e.g. 128 or 256 for 1024 tokens)")
+    longest = max(end - start for start, end, _ in plan_windows(n_tokens, window, stride))
+    for v in variants:
+        spec = v.spec
+        if v.kind != "kvbits" or not spec.quantized:
+            continue
+        need = spec.sink_tokens + spec.residual_length + spec.group_size
+        # the token at index i of a window reads a quantized group if i >= max(chunk, need - 1),
+        # and is scored (predicts the next token) if i <= window length - 2
+        if longest < max(chunk, need - 1) + 2:
+            raise ValueError(
+                f"--presets {v.label}: no scored token would read its quantized groups: the "
+                f"first is quantized once a sequence holds S + R + G = {need} tokens, and only "
+                f"tokens after the first --chunk ({chunk}) read the cache back, so a window must "
+                f"hold at least {max(chunk, need - 1) + 2} tokens; the longest here holds "
+                f"{longest}: use more --tokens, a larger --window, or a smaller R")
 
 
 def _versions() -> dict:
@@ -247,7 +265,7 @@ def run_ppl(cfg: PplConfig, command: str) -> list[dict]:
 
     model, _, ids = _load(cfg.model, cfg.text, cfg.tokens)
     if any(v.kind == "hf" or v.spec.method != "fp16" for v in cfg.variants):
-        _check_chunks(model, ids.shape[1], cfg.chunk, cfg.window, cfg.stride)
+        _check_chunks(model, ids.shape[1], cfg.chunk, cfg.window, cfg.stride, cfg.variants)
     meta = {"command": command, "date": datetime.datetime.now().astimezone().isoformat(
         timespec="seconds"), "versions": _versions(), "model": cfg.model, "text": cfg.text,
         "tokens": int(ids.shape[1]), "chunk": cfg.chunk, "window": cfg.window, "stride": cfg.stride,
