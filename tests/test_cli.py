@@ -120,7 +120,11 @@ def test_parse_hf_variants_errors(text, match):
     (["needle", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     (["generate", "--prompt", "x", "--temperature", "0.5"], "--temperature apply to --sample"),
     (["generate", "--prompt", "x", "--sample", "--top-p", "1.5"], r"--top-p must be in \(0, 1\]"),
-    (["generate", "--prompt", "x", "--sample", "--temperature=0"], "--temperature must be > 0"),
+    (["generate", "--prompt", "x", "--sample", "--temperature=0"], "--temperature must be >= "),
+    (["generate", "--prompt", "x", "--sample", "--temperature", "1e-38"],
+     r"--temperature must be >= 0.0001 .*leave out --sample"),
+    (["generate", "--prompt", "x", "--temp", "0.5"], "--temperature apply to --sample"),
+    (["generate", "--prompt", "x", "--top", "0.5"], "--top-p apply to --sample"),
 ])
 def test_bad_arguments_name_the_parameter(capsys, argv, match):
     import re

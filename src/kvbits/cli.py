@@ -581,16 +581,25 @@ def _until_eos(tokens, eos) -> int:
     return hits[0] + 1 if hits else len(tokens)
 
 
+# Smallest --temperature: logits / T stays finite in float32 (transformers' warper divides the
+# raw logits; 1e-38 gave inf - inf = NaN in its softmax).
+MIN_TEMPERATURE = 1e-4
+
+
 def _cmd_generate(args) -> int:
-    if not args.temperature > 0:
-        raise ValueError(f"--temperature must be > 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
-    given = [o for o in ("--temperature", "--top-p")
-             if any(a == o or a.startswith(o + "=") for a in getattr(args, "argv", ()))]
+    given = [o for o, x in (("--temperature", args.temperature), ("--top-p", args.top_p))
+             if x is not None]  # (None unless given, under any abbreviation argparse accepts)
     if given and not args.sample:
         raise ValueError(f"{' and '.join(given)} apply to --sample only (greedy decoding "
                          "otherwise): add --sample")
+    args.temperature = 0.7 if args.temperature is None else args.temperature
+    args.top_p = 0.9 if args.top_p is None else args.top_p
+    if not args.temperature >= MIN_TEMPERATURE:
+        raise ValueError(f"--temperature must be >= {MIN_TEMPERATURE} (smaller ones overflow the "
+                         f"scaled logits; greedy decoding is their limit: leave out --sample), "
+                         f"got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     variant = parse_preset(args.preset, group_size=args.group_size,
                            residual_length=args.residual_length, sink_tokens=args.sink_tokens)
     prompt = args.prompt[0] if len(args.prompt) == 1 else args.prompt
@@ -803,8 +812,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "left-padded batch (each row keeps its own attention sink)")
     p.add_argument("--max-new-tokens", type=_positive, default=64, help="default 64")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=0.7, help="with --sample (default 0.7)")
-    p.add_argument("--top-p", type=float, default=0.9, help="with --sample (default 0.9)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help=f"with --sample (default 0.7; at least {MIN_TEMPERATURE})")
+    p.add_argument("--top-p", type=float, default=None, help="with --sample (default 0.9)")
     p.add_argument("--num-beams", type=_positive, default=1, help="beam search width (default 1)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--seed", type=int, default=0, help="random seed for --sample (default 0)")

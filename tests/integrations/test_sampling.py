@@ -57,6 +57,8 @@ def test_one_token_sets_are_the_argmax_and_bad_knobs_are_refused():
     assert torch.equal(next_token(x, Sampling(top_k=1)), arg)
     assert torch.equal(next_token(x, Sampling(top_p=1e-6)), arg)
     assert torch.equal(next_token(x.half(), Sampling(top_k=1)), arg)  # FP16 logits too
+    # a vanishing temperature is the argmax (logits / 1e-38 overflowed: inf - inf = NaN)
+    assert torch.equal(next_token(x * 100, Sampling(temperature=1e-38)), arg)
     for bad in (dict(temperature=0.0), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             Sampling(**bad)

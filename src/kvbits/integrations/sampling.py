@@ -40,7 +40,8 @@ def next_token(logits: torch.Tensor, sampling: Sampling | None) -> torch.Tensor:
     draw from the tempered, top-k / top-p filtered distribution."""
     if sampling is None:
         return logits.argmax(-1, keepdim=True)
-    x = logits.float() / sampling.temperature
+    x = logits.float()
+    x = (x - x.amax(-1, keepdim=True)) / sampling.temperature  # <= 0: no overflow at a tiny T
     if 0 < sampling.top_k < x.shape[-1]:
         kth = x.topk(sampling.top_k, dim=-1).values[:, -1:]
         x = x.masked_fill(x < kth, float("-inf"))
