@@ -434,6 +434,9 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
     prompts = [cfg.prompt] if isinstance(cfg.prompt, str) else list(cfg.prompt)
     if not prompts:
         raise ValueError("--prompt: give at least one prompt")
+    if cfg.chat and not getattr(tokenizer, "chat_template", None):
+        _log(f"--chat: {cfg.model}'s tokenizer has no chat template (a base model): the prompt "
+             "goes in as plain text")
     rows = [_prompt_ids(tokenizer, text, cfg.chat) for text in prompts]
     width = max(len(r) for r in rows)
     pad = _pad_id(model, tokenizer)
@@ -558,7 +561,7 @@ def _prompt_ids(tokenizer, text: str, chat: bool) -> list[int]:
         ids = tokenizer(text, return_tensors="pt")["input_ids"]
     if ids.shape[1] == 0:
         raise ValueError(f"--prompt: the prompt {text!r} has no tokens (give some text, or "
-                         "--chat for the model's chat template)")
+                         "--chat where the model has a chat template)")
     return ids[0].tolist()
 
 

@@ -81,6 +81,9 @@ def _cmd_needle(args) -> int:
     _log(f"loading model {cfg.model!r} and text {cfg.text!r}")
     model, tok = load_model(cfg.model, dtype=torch.float32, device=args.device, log=_log)
     text = load_text(cfg.text, log=_log)
+    if cfg.chat and not getattr(tok, "chat_template", None):
+        _log(f"{cfg.model}'s tokenizer has no chat template (a base model): the passkey prompt "
+             "goes in as plain text")
     meta = needle_meta(cfg, shlex.join(["kvbits", *args.argv]), _versions(),
                        device=str(args.device))
     meta["git"] = _git_commit()
