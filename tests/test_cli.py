@@ -436,6 +436,42 @@ def test_generate_calibrates_kvquant_presets_on_the_fly(monkeypatch):
     assert made == ["kvquant-3"] and out["new_tokens"] == 8
 
 
+def test_calibration_file_reaches_the_kvquant_caches(tmp_path, monkeypatch):
+    """``--calibration PATH`` (ppl, generate, needle): the kvquant presets take that file's
+    codebooks instead of calibrating, a file for another preset is refused before any work,
+    and the option is refused without a kvquant preset or a file."""
+    import torch
+
+    import kvbits.methods.kvquant as kvq
+    from kvbits.cli import (GenerateConfig, _check_calibration, generate_text,
+                            make_cache_factory, parse_presets)
+    from kvbits.spec import resolve_spec
+
+    model = _tiny_llama()
+    spec = resolve_spec("kvquant-3").replace(residual_length=4, group_size=32)
+    ids = torch.randint(0, 64, (1, 256))
+    path = tmp_path / "k3.safetensors"
+    kvq.calibrate(model, ids, spec, model_name="tiny", preset="kvquant-3", data="random",
+                  window=128).save(path)
+    monkeypatch.setattr(kvq, "auto_calibration", lambda *a, **k: pytest.fail("calibrated"))
+    (variant,) = parse_presets("kvquant-3:R=4")
+    cache = make_cache_factory(model, variant, calibration=str(path))()
+    want = kvq.Calibration.load(path)
+    assert torch.equal(cache.layers[0].codebooks.k_codebook, want.layers[0].k_codebook)
+    prompt = " ".join(str(i) for i in torch.randint(1, 64, (70,)).tolist())
+    out = generate_text(model, _StubTokenizer(), GenerateConfig(
+        spec=spec, prompt=prompt, max_new_tokens=4, graphs=False, label="kvquant-3",
+        calibration=str(path)))
+    assert out["new_tokens"] == 4
+    (other,) = parse_presets("kvquant-2:R=4")
+    with pytest.raises(ValueError, match="does not match the spec: key_bits=3 .spec has 2."):
+        make_cache_factory(model, other, calibration=str(path))
+    with pytest.raises(ValueError, match="applies to kvquant presets"):
+        _check_calibration(str(path), parse_presets("fp16,kivi-2"))
+    with pytest.raises(ValueError, match="no such file"):
+        _check_calibration(str(tmp_path / "none.safetensors"), [variant])
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_generate_text_prefix_cache(tmp_path, graphs, monkeypatch):
     """``--prefix-cache``: the first run saves the prompt's cache, a second loads it and feeds the

@@ -118,16 +118,21 @@ def parse_hf_variants(text: str) -> list[Variant]:
 
 
 def make_cache_factory(model, variant: Variant, calib_text: str = "sotu-pre-2000",
-                       calib_tokens: int = 4096):
+                       calib_tokens: int = 4096, calibration: str | None = None):
     """A ``make_cache`` callable for :func:`kvbits.eval.perplexity.perplexity`.
 
     kvquant variants are calibrated once (on ``calib_text``, cached under the kvbits cache
-    folder; a different text than the evaluation's)."""
+    folder; a different text than the evaluation's), or take the file ``calibration`` (from
+    ``kvbits calibrate -o``; ``KVBitsCache`` refuses one made for another model or preset)."""
     if variant.kind == "hf":
         from .eval.hf_baseline import hf_quantized_cache_factory
 
         return hf_quantized_cache_factory(model, variant.spec)
     from .integrations.hf import KVBitsCache
+
+    if calibration is not None and variant.spec.method == "kvquant":
+        KVBitsCache(model, variant.spec, calibration=calibration)  # checked before any work
+        return lambda: KVBitsCache(model, variant.spec, calibration=calibration)
 
     if variant.spec.method == "fp8" and variant.spec.calibrated:
         from .methods.fp8 import auto_fp8_scales
@@ -257,6 +262,7 @@ class PplConfig:
     progress: bool = True
     calib_text: str = "sotu-pre-2000"
     calib_tokens: int = 4096
+    calibration: str | None = None  # a kvbits calibrate file for the kvquant presets
 
 
 def run_ppl(cfg: PplConfig, command: str) -> list[dict]:
@@ -270,11 +276,13 @@ def run_ppl(cfg: PplConfig, command: str) -> list[dict]:
         timespec="seconds"), "versions": _versions(), "model": cfg.model, "text": cfg.text,
         "tokens": int(ids.shape[1]), "chunk": cfg.chunk, "window": cfg.window, "stride": cfg.stride,
         "threads": __import__("torch").get_num_threads(), "machine": platform.machine(),
-        "calib_text": cfg.calib_text, "calib_tokens": cfg.calib_tokens}
+        "calib_text": cfg.calib_text, "calib_tokens": cfg.calib_tokens,
+        "calibration": cfg.calibration}
     results: list[dict] = []
     for v in cfg.variants:
         _log(f"{v.label}: {v.describe()}")
-        factory = make_cache_factory(model, v, cfg.calib_text, cfg.calib_tokens)
+        factory = make_cache_factory(model, v, cfg.calib_text, cfg.calib_tokens,
+                                     cfg.calibration)
         r = perplexity(model, ids, factory, chunk_size=cfg.chunk,
                        window=cfg.window, stride=cfg.stride, progress=cfg.progress, desc=v.label)
         results.append({"label": v.label, "kind": v.kind, "spec": v.describe(),
@@ -308,14 +316,27 @@ def _write_ppl(cfg: PplConfig, meta: dict, results: list[dict]) -> None:
         Path(cfg.md_path).write_text("\n".join(md))
 
 
+def _check_calibration(path: str | None, variants) -> None:
+    """``--calibration``: an existing file, and at least one kvquant preset to use it."""
+    if path is None:
+        return
+    if not Path(path).is_file():
+        raise ValueError(f"--calibration {path}: no such file (make one with kvbits calibrate "
+                         "--model M --preset P -o PATH)")
+    if not any(v.kind == "kvbits" and v.spec.method == "kvquant" for v in variants):
+        raise ValueError("--calibration applies to kvquant presets (codebooks), and none is "
+                         "given")
+
+
 def _cmd_ppl(args) -> int:
     variants = parse_presets(args.presets, group_size=args.group_size,
                              residual_length=args.residual_length, sink_tokens=args.sink_tokens)
     if args.hf_quantized:
         variants += parse_hf_variants(args.hf_quantized)
+    _check_calibration(args.calibration, variants)
     cfg = PplConfig(args.model, args.text, variants, args.tokens, args.chunk, args.window,
                     args.stride, args.json, args.md, not args.no_progress, args.calib_text,
-                    args.calib_tokens)
+                    args.calib_tokens, args.calibration)
     run_ppl(cfg, shlex.join(["kvbits", *args.argv]))
     return 0
 
@@ -413,6 +434,7 @@ class GenerateConfig:
     fuse: bool = False  # graphs + torch.compile of norms / MLP activation / RoPE (fused_pointwise)
     prompt_lookup: int = 0  # > 0: prompt-lookup decoding, drafts of this many tokens (generate)
     prefix_cache: str | None = None  # a file: the prompt's cache saved there / loaded from there
+    calibration: str | None = None  # kvquant: a kvbits calibrate file (else calibrated, cached)
 
 
 def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
@@ -445,7 +467,8 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
                         device=model.device)
     def new_cache():
         if cfg.spec.calibrated or cfg.spec.hadamard_calibrated:  # calibrated once, then cached
-            return make_cache_factory(model, Variant(cfg.label or "custom", "kvbits", cfg.spec))()
+            return make_cache_factory(model, Variant(cfg.label or "custom", "kvbits", cfg.spec),
+                                      calibration=cfg.calibration)()
         return KVBitsCache(model, cfg.spec)
     reused, loaded = 0, False
     if cfg.prefix_cache:
@@ -609,7 +632,8 @@ def _cmd_generate(args) -> int:
     cfg = GenerateConfig(args.model, variant.spec, prompt, args.max_new_tokens, args.sample,
                          args.temperature, args.top_p, args.num_beams, args.chat, args.seed,
                          args.graphs, variant.label, args.fuse, args.prompt_lookup,
-                         args.prefix_cache)
+                         args.prefix_cache, args.calibration)
+    _check_calibration(args.calibration, [variant])
     model, tok, _ = _load(cfg.model, device=_device(args.device))
     r = generate_text(model, tok, cfg)
     if len(r["texts"]) == 1:
@@ -837,6 +861,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "N tokens copied from the prompt, verified in one step, the rejected "
                         "ones cropped from the FP16 residual (N <= residual_length; one prompt, "
                         "no graphs; default 0: off)")
+    p.add_argument("--calibration", metavar="PATH",
+                   help="kvquant presets: codebooks from this kvbits calibrate file (default: "
+                   "calibrated once on sotu-pre-2000 and cached)")
     p.add_argument("--prefix-cache", metavar="FILE",
                    help="reuse a prompt's KV cache across runs: when FILE does not exist, the "
                         "prompt (all but its last token) is prefilled and its packed cache saved "
@@ -872,6 +899,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "sotu-pre-2000: disjoint from the evaluation text)")
     p.add_argument("--calib-tokens", type=_positive, default=4096,
                    help="calibration tokens (default 4096)")
+    p.add_argument("--calibration", metavar="PATH",
+                   help="kvquant presets: codebooks from this kvbits calibrate file instead of "
+                   "calibrating on --calib-text")
     _spec_options(p)
     p.set_defaults(func=_cmd_ppl)
 

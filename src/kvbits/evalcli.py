@@ -65,11 +65,11 @@ def _non_negative(text: str) -> int:
 def _cmd_needle(args) -> int:
     import torch
 
-    from .cli import _versions, parse_presets
+    from .cli import _check_calibration, _versions, parse_presets
     from .data import load_model, load_text
     from .eval.needle import NeedleConfig, needle_meta, run_needle, write_needle
 
-    parse_presets(",".join(args.presets))  # fail before loading anything
+    _check_calibration(args.calibration, parse_presets(",".join(args.presets)))  # fail early
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: torch sees no CUDA device (use --device cpu)")
     if args.threads:
@@ -77,7 +77,8 @@ def _cmd_needle(args) -> int:
     cfg = NeedleConfig(model=args.model, text=args.text, lengths=args.lengths, depths=args.depths,
                        presets=args.presets, trials=args.trials,
                        max_new_tokens=args.max_new_tokens, seed=args.seed, chat=not args.no_chat,
-                       calib_text=args.calib_text, calib_tokens=args.calib_tokens)
+                       calib_text=args.calib_text, calib_tokens=args.calib_tokens,
+                       calibration=args.calibration)
     _log(f"loading model {cfg.model!r} and text {cfg.text!r}")
     model, tok = load_model(cfg.model, dtype=torch.float32, device=args.device, log=_log)
     text = load_text(cfg.text, log=_log)
@@ -139,6 +140,9 @@ def register(sub) -> None:
                    "sotu-pre-2000, disjoint from the haystack")
     p.add_argument("--calib-tokens", type=_positive, default=4096,
                    help="calibration tokens (default 4096)")
+    p.add_argument("--calibration", metavar="PATH",
+                   help="kvquant presets: codebooks from this kvbits calibrate file instead of "
+                   "calibrating on --calib-text")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu (default) or cuda")
     p.add_argument("--threads", type=_positive, help="torch CPU threads")

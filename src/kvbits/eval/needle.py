@@ -78,6 +78,7 @@ class NeedleConfig:
     chat: bool = True
     calib_text: str = "sotu-pre-2000"  # calibrated presets (kvquant, -hadc, fp8) only
     calib_tokens: int = 4096
+    calibration: str | None = None  # kvquant presets: a kvbits calibrate file instead
 
 
 @dataclass
@@ -179,7 +180,8 @@ def needle_caches(model, cfg: NeedleConfig) -> dict:
     from ..cli import make_cache_factory, parse_presets
 
     return {v.label: (v.spec, make_cache_factory(model, v, calib_text=cfg.calib_text,
-                                                 calib_tokens=cfg.calib_tokens)
+                                                 calib_tokens=cfg.calib_tokens,
+                                                 calibration=cfg.calibration)
                       if v.spec.quantized else None)
             for v in parse_presets(",".join(cfg.presets))}
 
