@@ -117,6 +117,11 @@ def test_parse_hf_variants_errors(text, match):
     (["bench", "--batch-cap", "0"], "argument --batch-cap: expected a positive integer"),
     (["bench", "--hf-max-tokens", "-1"], "argument --hf-max-tokens: expected an integer >= 0"),
     (["memory", "--gpu-memory", "0"], "gpu_memory must be a number of bytes > 0"),
+    (["memory", "--weights", "10GB"], "--weights is the part of --gpu-memory .* give --gpu-memory"),
+    (["memory", "--context", "12x"], r"--context: expected tokens \(4096, or 4k = 4096\)"),
+    (["generate", "--model", "", "--prompt", "x"], "model: give a name .* got an empty string"),
+    (["generate", "--model", "/nonexistent/m.gguf", "--prompt", "x"],
+     "model file '/nonexistent/m.gguf' does not exist"),
     (["needle", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     (["generate", "--prompt", "x", "--temperature", "0.5"], "--temperature apply to --sample"),
     (["generate", "--prompt", "x", "--sample", "--top-p", "1.5"], r"--top-p must be in \(0, 1\]"),
@@ -237,6 +242,12 @@ def test_memory_command(capsys, tmp_path):
     assert k2["fixed_fp16_tokens"] == 159 and k2["weights_bytes"] == 2 * 8_030_261_248
     assert k2["max_batch"] > fp["max_batch"] == 3
     assert k2["preset"] == "kivi-2"
+
+
+def test_memory_context_takes_k(capsys):
+    _, want, _ = run(capsys, "memory", "--preset", "kivi-2", "--context", "131072")
+    code, got, _ = run(capsys, "memory", "--preset", "kivi-2", "--context", "128k")
+    assert code == 0 and got == want and "131,072" in got
 
 
 def test_memory_command_takes_the_other_commands_spellings(capsys):

@@ -727,6 +727,9 @@ def _cmd_memory(args) -> int:
     variants = parse_presets(args.preset, group_size=args.group_size,
                              residual_length=args.residual_length, sink_tokens=args.sink_tokens)
     gpu = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+    if gpu is None and args.weights != "auto":
+        raise ValueError("--weights is the part of --gpu-memory the weights take: give "
+                         "--gpu-memory too (it sizes the max context / batch)")
     cfg = MemoryConfig(args.config, variants, args.context, args.batch, gpu, args.weights, args.json)
     run_memory(cfg)
     return 0
@@ -789,6 +792,20 @@ def _int_at_least(minimum: int, what: str):
 
 _positive = _int_at_least(1, "a positive integer")
 _non_negative = _int_at_least(0, "an integer >= 0")
+
+
+def _tokens(text: str) -> int:
+    """``--context``: tokens, ``4096`` or ``4k`` (x1024), as bench and needle take them."""
+    t = text.strip().lower()
+    k = t.endswith("k")
+    try:
+        value = int(t[:-1] if k else t) * (1024 if k else 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected tokens (4096, or 4k = 4096), got {text!r}") \
+            from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected tokens >= 0, got {text!r}")
+    return value
 
 
 def _spec_options(p: argparse.ArgumentParser) -> None:
@@ -950,7 +967,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "qwen2.5-0.5b, gemma3-270m, or a config.json / model folder (default llama-3-8b)")
     p.add_argument("--preset", "--presets", dest="preset", default="fp16,kivi-4,kivi-2",
                    help="comma-separated; each a " + PRESET_HELP + " (default fp16,kivi-4,kivi-2)")
-    p.add_argument("--context", type=_non_negative, default=4096, help="tokens per sequence")
+    p.add_argument("--context", type=_tokens, default=4096,
+                   help="tokens per sequence, e.g. 4096 or 128k (default 4096)")
     p.add_argument("--batch", type=_positive, default=1, help="sequences (default 1)")
     p.add_argument("--gpu-memory", metavar="SIZE",
                    help="GPU memory, e.g. 80GB (10^9) or 80GiB (2^30): adds max context / batch")

@@ -705,10 +705,19 @@ def load_model(
         model, tok = _load_folder(folder, dtype)
     else:
         path = Path(name_or_path).expanduser()
+        if not name_or_path.strip():
+            raise ValueError(f"model: give a name ({', '.join(sorted(MODELS))}), a model "
+                             "folder or a .gguf file, got an empty string")
         if path.is_file() and path.suffix.lower() == ".gguf":
             folder = _converted_model(path, None, log)
             model, tok = _load_folder(folder, dtype)
+        elif path.suffix.lower() == ".gguf":
+            raise ValueError(f"model file {name_or_path!r} does not exist")
         elif path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ValueError(f"model folder {name_or_path!r} has no config.json (a folder "
+                                 "saved with save_pretrained, or a .gguf file, or a name: "
+                                 f"{', '.join(sorted(MODELS))})")
             model, tok = _load_folder(path, dtype)
         elif path.exists():
             raise ValueError(
