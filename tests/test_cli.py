@@ -117,6 +117,8 @@ def test_parse_hf_variants_errors(text, match):
     (["bench", "--batch-cap", "0"], "argument --batch-cap: expected a positive integer"),
     (["bench", "--hf-max-tokens", "-1"], "argument --hf-max-tokens: expected an integer >= 0"),
     (["memory", "--gpu-memory", "0"], "gpu_memory must be a number of bytes > 0"),
+    (["ppl", "--presets", "fp16,kvquant-3", "--calib-text", "nosuch"],
+     "--calib-text 'nosuch': not a known text"),
     (["memory", "--weights", "10GB"], "--weights is the part of --gpu-memory .* give --gpu-memory"),
     (["memory", "--context", "12x"], r"--context: expected tokens \(4096, or 4k = 4096\)"),
     (["generate", "--model", "", "--prompt", "x"], "model: give a name .* got an empty string"),

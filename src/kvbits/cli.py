@@ -316,6 +316,14 @@ def _write_ppl(cfg: PplConfig, meta: dict, results: list[dict]) -> None:
         Path(cfg.md_path).write_text("\n".join(md))
 
 
+def _check_text(name: str, option: str) -> None:
+    """A text name or file that :func:`kvbits.data.load_text` will find."""
+    from .data import TEXTS
+
+    if name not in TEXTS and not Path(name).expanduser().is_file():
+        raise ValueError(f"{option} {name!r}: not a known text ({', '.join(TEXTS)}) or a file")
+
+
 def _check_calibration(path: str | None, variants) -> None:
     """``--calibration``: an existing file, and at least one kvquant preset to use it."""
     if path is None:
@@ -334,6 +342,9 @@ def _cmd_ppl(args) -> int:
     if args.hf_quantized:
         variants += parse_hf_variants(args.hf_quantized)
     _check_calibration(args.calibration, variants)
+    if any(v.kind == "kvbits" and (v.spec.calibrated or v.spec.hadamard_calibrated)
+           for v in variants) and args.calibration is None:
+        _check_text(args.calib_text, "--calib-text")  # before any variant runs
     cfg = PplConfig(args.model, args.text, variants, args.tokens, args.chunk, args.window,
                     args.stride, args.json, args.md, not args.no_progress, args.calib_text,
                     args.calib_tokens, args.calibration)
