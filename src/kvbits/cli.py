@@ -150,7 +150,8 @@ def make_cache_factory(model, variant: Variant, calib_text: str = "sotu-pre-2000
         from .methods.kvquant import auto_calibration
 
         cal = auto_calibration(model, variant.spec, preset=variant.label, text=calib_text,
-                               tokens=calib_tokens, log=_log)
+                               tokens=calib_tokens, log=_log,
+                               model_name=getattr(model.config, "_name_or_path", "") or "")
         return lambda: KVBitsCache(model, variant.spec, calibration=cal)
     return lambda: KVBitsCache(model, variant.spec)
 
@@ -508,6 +509,9 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
         opts["prompt_lookup_num_tokens"] = cfg.prompt_lookup
     graphs = (one_beam and model.device.type == "cuda" and not cfg.prompt_lookup
               ) if cfg.graphs is None else cfg.graphs
+    if graphs and model.device.type != "cuda":
+        _log("graphs: the model is not on a CUDA device, so the graph loop runs its steps "
+             "eagerly (same tokens, no replay)")
     if graphs and not one_beam:
         raise ValueError("generate: graphs=True needs one beam (greedy or --sample), got "
                          f"num_beams={cfg.num_beams}")
