@@ -639,7 +639,9 @@ def bench_markdown(speed: list[dict], budget_rows: list[dict], env: dict, cfg: B
                  f"{k} {env[k]}" for k in ("torch", "transformers", "triton", "kvbits", "python")
                  if k in env) + f"; {env.get('date')}",
              ("- **Random weights** (speed does not depend on them); model shape from the "
-             "published config. FP16 model and activations."),
+             "published config. " + ("FP16 model and activations." if str(cfg.device).startswith(
+                 "cuda") else "FP32 model and activations (a CPU smoke test: `+graphs` "
+                 "variants run their steps eagerly, nothing is captured).")),
              "- Cache filled with "
              + ("random K/V through each cache's own update path (kvbits: the real quantize+pack "
                 "append path); prefill attention not timed" if cfg.fill == "random" else
@@ -655,8 +657,9 @@ def bench_markdown(speed: list[dict], budget_rows: list[dict], env: dict, cfg: B
                  "quantized). `cache GiB` is what the tokens need, `alloc GiB` what the buffers "
                  "hold")),
              ("- `hf-int*`: transformers' `QuantizedLayer.update` (unchanged) over a PyTorch "
-             "re-implementation of quanto's int storage (**emulated**: optimum-quanto is not "
-             "installed on the GPU machine)."), ""]
+             "re-implementation of quanto's int storage (**emulated**, on every machine: "
+             "optimum-quanto is not installed on the GPU machine, so the rows compare alike)."),
+             ""]
     fp, hf = {}, {}  # the first FP16 / hf variant listed is the "vs" base
     for r in speed:
         if "tok_s" in r and r["kind"] in ("fp16", "hf"):
