@@ -456,8 +456,13 @@ def test_calibration_file_reaches_the_kvquant_caches(tmp_path, monkeypatch):
     import torch
 
     import kvbits.methods.kvquant as kvq
-    from kvbits.cli import (GenerateConfig, _check_calibration, generate_text,
-                            make_cache_factory, parse_presets)
+    from kvbits.cli import (
+        GenerateConfig,
+        _check_calibration,
+        generate_text,
+        make_cache_factory,
+        parse_presets,
+    )
     from kvbits.spec import resolve_spec
 
     model = _tiny_llama()
