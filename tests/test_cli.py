@@ -531,6 +531,9 @@ def test_generate_text_prefix_cache(tmp_path, graphs, monkeypatch):
         run(prompt, resolve_spec("kivi-4"))
     with pytest.raises(ValueError, match="do not start this prompt"):
         run("7 " + prompt)
+    with pytest.raises(ValueError, match="holds a cache of model 'smollm2', not 'qwen2.5-0.5b'"):
+        generate_text(model, _StubTokenizer(), GenerateConfig(  # (the file says smollm2)
+            model="qwen2.5-0.5b", spec=spec, prompt=prompt, graphs=graphs, prefix_cache=str(f)))
     with pytest.raises(ValueError, match="one prompt"):
         generate_text(model, _StubTokenizer(), GenerateConfig(
             spec=spec, prompt=[prompt, prompt], graphs=False, prefix_cache=str(f)))

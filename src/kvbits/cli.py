@@ -557,6 +557,10 @@ def prefix_cache(model, cfg: GenerateConfig, ids: list[int], new_cache) -> tuple
         if held is None:
             raise ValueError(f"--prefix-cache {path}: a kvbits cache, but not one written by "
                              "kvbits generate (it holds no prompt token ids)")
+        made_for = (doc.get("info") or {}).get("model")
+        if made_for and made_for != cfg.model:
+            raise ValueError(f"--prefix-cache {path} holds a cache of model {made_for!r}, not "
+                             f"{cfg.model!r}: use another file for another model")
         saved = QuantSpec.from_dict(doc["spec"])
         if saved.to_dict() != cfg.spec.to_dict():
             raise ValueError(f"--prefix-cache {path} holds a {saved.describe()} cache; the preset "

@@ -202,7 +202,8 @@ class QuantSpec:
             if not -n_layers <= layer < n_layers:
                 raise ValueError(f"QuantSpec.layer_bits / skip_layers: layer {layer} is out of "
                                  f"range for a model with {n_layers} layers (allowed "
-                                 f"{-n_layers} .. {n_layers - 1})")
+                                 f"{-n_layers} .. {n_layers - 1}); a spec tuned for another "
+                                 "model names that model's layers")
         seen: dict = {}
         for layer in named:
             if layer % n_layers in seen:
