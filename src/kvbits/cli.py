@@ -308,7 +308,9 @@ def _write_ppl(cfg: PplConfig, meta: dict, results: list[dict]) -> None:
               _ppl_table(results), "",
               ("KV MiB: cache size at the end of the first window as an FP16 model would hold it "
               "(codes and FP16 scales/zeros as stored, full-precision parts at 2 bytes); "
-              "KV vs FP16: an FP16 DynamicCache of the same tokens divided by that. "
+              "KV vs FP16: an FP16 DynamicCache of the same tokens divided by that (in "
+              "sliding-window layers a kvbits store evicts before appending a chunk, so it holds "
+              "up to a chunk more than DynamicCache, which can put its fp16 row below 1x). "
               "tok/s and s: wall time of each variant on this machine (indicative only on a "
               "shared machine). Each forward feeds one chunk; caches differ in whether a "
               "chunk's own keys are quantized before its queries read them (see "
