@@ -11,6 +11,7 @@ capacity filled with NaN (and garbage codes) that the kernel must never read.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import zlib
@@ -1828,3 +1829,64 @@ def test_softcap_checked():
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="softcap must be a positive finite number"):
             ops.decode_attention(q, kv, scale=1.0, softcap=bad)
+
+
+# ----------------------------------------------------------------------- the op's own checks
+def _op_case():
+    c = Case(kb=2, vb=2, G=32, body=64, res=16, HG=2)
+    return c, make_kv(c), _query_and_args(c)[0]
+
+
+@pytest.mark.parametrize("what,change,match", [
+    ("head_dim", lambda q, kv: (q[..., :32], kv), r"q \(1, 4, 1, 32\) does not fit the layer"),
+    ("batch", lambda q, kv: (q.repeat(2, 1, 1, 1), kv), "does not fit the layer .batch 1"),
+    ("heads", lambda q, kv: (q[:, :3], kv), "a multiple of the KV heads"),
+    ("rows", lambda q, kv: (q[:, :, :0], kv), ">= 1 rows"),
+    ("dtype", lambda q, kv: (q.to(torch.int32), kv), "float16, bfloat16 or float32"),
+    ("res_len", lambda q, kv: (q, dataclasses.replace(kv, res_len=kv.res_k.shape[2] + 1)),
+     r"kv.res_len = \d+ does not fit its buffer"),
+    ("body_len", lambda q, kv: (q, dataclasses.replace(kv, body_len=40)),
+     "whole number of groups of 32"),
+    ("bits", lambda q, kv: (q, dataclasses.replace(kv, key_bits=5)), "key_bits must be 2, 3, 4"),
+    ("codes", lambda q, kv: (q, dataclasses.replace(kv, k_codes=kv.k_codes.to(torch.uint8))),
+     "k_codes must be int32"),
+    ("rows of a buffer", lambda q, kv: (q, dataclasses.replace(kv, sink_k=kv.sink_k[:, :1])),
+     r"kv.sink_k is \(1, 1, .* not \[1, 2, ...\]"),
+])
+def test_bad_calls_name_what_is_wrong(what, change, match):
+    """Before any kernel or reference work: these read past a buffer, gave NaN or a finite
+    wrong answer, or failed deep inside (found by a QA pass)."""
+    _, kv, q = _op_case()
+    q, kv = change(q, kv)
+    with pytest.raises(ValueError, match=match):
+        ops.decode_attention(q, kv, scale=0.125)
+
+
+@pytest.mark.parametrize("kw,match", [({"scale": float("nan")}, "scale must be a positive"),
+                                      ({"scale": 0.125, "window": 2.5}, "window must be a positive"),
+                                      ({"scale": 0.125, "window": True}, "window must be")])
+def test_bad_scale_and_window(kw, match):
+    _, kv, q = _op_case()
+    with pytest.raises(ValueError, match=match):
+        ops.decode_attention(q, kv, **kw)
+
+
+def test_groups_the_kernel_cannot_read_go_to_the_reference():
+    """G = 48 (not a power of two) or 2-bit groups of 8 tokens (a quarter of a word): layouts
+    only a hand-built layer has; the kernel would crash, the reference serves them."""
+    _, kv, _ = _op_case()
+    assert ops.kernel_reads(kv)
+    for G, bits in ((48, 2), (8, 2), (16, 3)):
+        assert not ops.kernel_reads(dataclasses.replace(kv, group_size=G, key_bits=bits))
+
+
+def test_float16_queries_at_a_large_scale(monkeypatch):
+    """At scale * log2(e) > 1 the kernels would round the scaled float16 query to inf (|q| near
+    65504 at scale 1): such calls run with float32 queries and return float16."""
+    monkeypatch.setenv("KVBITS_KERNELS", "triton")
+    c, kv, q = _op_case()
+    q = (q.float() * 6e4 / q.float().abs().amax()).half()  # 6e4 * log2(e) > 65504
+    o = ops.decode_attention(q, kv, scale=1.0)
+    r = reference(q.float(), kv, scale=1.0).half()
+    assert o.dtype == torch.float16 and torch.isfinite(o).all()
+    compare(o, r, torch.float16, "fp16 q at scale 1")

@@ -67,10 +67,60 @@ def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: in
 
 
 def kernel_reads(kv: PackedKV) -> bool:
-    """Whether the fused decode kernel reads this layer (call only where kernels are used)."""
+    """Whether the fused decode kernel reads this layer (call only where kernels are used):
+    its key groups must fill whole int32 words (G a power of two, G x bits >= 32; 3-bit planes
+    a multiple of 32), as every QuantSpec's do; other layouts built by hand use the reference."""
     from ..kernels.decode_attention import reads
 
-    return reads(kv)
+    G = kv.group_size
+    bits = (kv.key_bits, kv.value_bits)
+    words_ok = G & (G - 1) == 0 and all(G * b >= 32 for b in bits) and (
+        3 not in bits or G % 32 == 0)
+    return words_ok and reads(kv)
+
+
+_Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_call(q: torch.Tensor, kv: PackedKV, scale: float, window) -> None:
+    """Shapes, dtypes and lengths of a decode_attention call, from metadata only (no host sync):
+    a mismatch would otherwise read past a buffer or attend to the wrong rows, silently."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype not in _Q_DTYPES:
+        raise ValueError("decode_attention: q must be a [batch, heads, rows, head_dim] float16, "
+                         f"bfloat16 or float32 tensor, got {getattr(q, 'dtype', type(q))} "
+                         f"{tuple(getattr(q, 'shape', ()))}")
+    B, Hq, Lq, D = q.shape
+    if (B, D) != (kv.batch, kv.head_dim) or Lq < 1 or Hq % kv.kv_heads:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit the layer (batch "
+                         f"{kv.batch}, {kv.kv_heads} KV heads, head_dim {kv.head_dim}): it must "
+                         "be [batch, a multiple of the KV heads, >= 1 rows, head_dim]")
+    for name in ("sink_k", "sink_v", "res_k", "res_v", "k_codes", "k_scale", "v_codes",
+                 "v_scale"):
+        t = getattr(kv, name)
+        if t is not None and tuple(t.shape[:2]) != (kv.batch, kv.kv_heads):
+            raise ValueError(f"decode_attention: kv.{name} is {tuple(t.shape)}, not "
+                             f"[{kv.batch}, {kv.kv_heads}, ...] like the residual")
+    for name, n, buf in (("sink_len", kv.sink_len, kv.sink_k), ("res_len", kv.res_len, kv.res_k)):
+        if not 0 <= n <= buf.shape[2]:
+            raise ValueError(f"decode_attention: kv.{name} = {n} does not fit its buffer of "
+                             f"{buf.shape[2]} tokens")
+    for name in ("key_bits", "value_bits"):
+        if getattr(kv, name) not in (2, 3, 4, 8):
+            raise ValueError(f"decode_attention: kv.{name} must be 2, 3, 4 or 8, got "
+                             f"{getattr(kv, name)!r}")
+    if kv.body_len < 0 or kv.body_len % kv.group_size:
+        raise ValueError(f"decode_attention: kv.body_len = {kv.body_len} must be a whole number "
+                         f"of groups of {kv.group_size} tokens")
+    if kv.body_len and not kv.fp8 and kv.k_codes.dtype != torch.int32:
+        raise ValueError(f"decode_attention: kv.k_codes must be int32 words, got "
+                         f"{kv.k_codes.dtype}")
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"decode_attention: scale must be a positive finite number, got "
+                         f"{scale!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ValueError(f"decode_attention: window must be a positive integer (tokens) or "
+                         f"None, got {window!r}")
 
 
 def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None, lengths=None,
@@ -90,10 +140,16 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"decode_attention: softcap must be a positive finite number or None, "
                          f"got {softcap!r}")
+    _check_call(q, kv, scale, window)
     if use_kernels(q) and kernel_reads(kv):
+        from ..kernels.decode_attention import LOG2E
         from ..kernels.decode_attention import decode_attention as kernel
+        # The kernels scale float16 queries by scale * log2(e) before rounding them to float16:
+        # above 1 that can overflow (|q| near 65504 at scale 1); float32 queries cannot.
+        wide = q.dtype == torch.float16 and scale * LOG2E > 1
         with on_device(q):
-            return kernel(q, kv, scale=scale, starts=starts, lengths=lengths, window=window,
-                          lens_dev=lens_dev, softcap=softcap)
+            out = kernel(q.float() if wide else q, kv, scale=scale, starts=starts,
+                         lengths=lengths, window=window, lens_dev=lens_dev, softcap=softcap)
+        return out.to(q.dtype) if wide else out
     return _ref_attention.decode_attention(q, kv, scale=scale, starts=starts, lengths=lengths,
                                            window=window, softcap=softcap)
