@@ -556,3 +556,47 @@ def test_wrong_shapes_name_the_expected_one():
     k, v = _kv(3, b=2)
     with pytest.raises(ValueError, match="key_states has 3 tokens but value_states 2"):
         store.append(k, v[:, :, :2])
+
+
+def test_edits_refused_while_lengths_live_on_the_device():
+    """A captured decode loop keeps the true lengths in ``lens_dev``: a crop, a reorder, a host
+    append or new padding left it stale (the attention still saw the cropped tokens)."""
+    store = _store(QuantSpec(residual_length=8), b=2)
+    store.append(*_kv(40, b=2))
+    store.begin_device_lengths(64)
+    for op, call in (("crop", lambda: store.crop(20)),
+                     ("reorder", lambda: store.reorder(torch.tensor([1, 0]))),
+                     ("append", lambda: store.append(*_kv(1, b=2))),
+                     ("set_padding", lambda: store.set_padding(torch.tensor([0, 1])))):
+        with pytest.raises(ValueError, match=rf"{op}: this layer keeps its lengths on the device"):
+            call()
+    store.end_device_lengths()
+    store.crop(36)
+    assert store.seq_len == 36
+
+
+def test_crop_takes_integers_only():
+    store = _store(QuantSpec(residual_length=8))
+    store.append(*_kv(40))
+    for bad in (20.5, None, "20"):
+        with pytest.raises(ValueError, match="crop: length must be an integer"):
+            store.crop(bad)
+    store.crop(torch.tensor(39))  # a 0-d integer tensor is an index
+    assert store.seq_len == 39 and isinstance(store.res_len, int)
+    with pytest.raises(ValueError, match=r"starts must hold one position per sequence \(2\)"):
+        store.set_padding(torch.tensor([0, 1, 2]))
+
+
+def test_fp8_dynamic_scales_reset_when_crop_empties_the_body():
+    """A dynamic scale belongs to the tokens that set it: after a crop to 0 the next tokens set
+    it again (it kept the old one, so 50x larger tokens saturated)."""
+    from kvbits.spec import resolve_spec
+
+    spec = resolve_spec("fp8-dynamic", residual_length=0)
+    k, v = _kv(64, dtype=torch.float32)
+    a, fresh = _store(spec, dtype=torch.float32), _store(spec, dtype=torch.float32)
+    a.append(k, v)
+    a.crop(0)
+    a.append(50 * k, 50 * v)
+    fresh.append(50 * k, 50 * v)
+    assert torch.equal(a.k_scale, fresh.k_scale) and torch.equal(a.v_scale, fresh.v_scale)

@@ -284,3 +284,15 @@ def test_bad_bits(bad):
 def test_empty_axis_rejected():
     with pytest.raises(ValueError, match="empty"):
         pack_bits(torch.zeros(3, 0, dtype=torch.uint8), 2, dim=1)
+
+
+def test_axis_out_of_range_is_refused():
+    """``dim=5`` on a 2-d tensor packed axis 1 silently; a 0-d tensor divided by zero."""
+    codes = torch.zeros(4, 8, dtype=torch.uint8)
+    for dim in (5, -3):
+        with pytest.raises(ValueError, match=r"pack_bits: dim must be in \[-2, 2\)"):
+            pack_bits(codes, 2, dim=dim)
+    with pytest.raises(ValueError, match="for a 0-d tensor"):
+        pack_bits(torch.tensor(1, dtype=torch.uint8), 2)
+    with pytest.raises(ValueError, match=r"unpack_bits: dim must be in \[-2, 2\)"):
+        unpack_bits(pack_bits(codes, 2), 2, 8, dim=2)

@@ -27,6 +27,7 @@ quantized tokens' amax, or given by a calibration); ``spec.hadamard`` keeps ever
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import torch
@@ -249,7 +250,11 @@ class LayerStore:
         sink then holds its *own* first tokens (positions ``starts[b] + j``,
         :meth:`_settle_sinks`), regathered if the padding grew after an earlier call (a prompt
         prefilled in chunks: the sink was gathered at the old ``starts``)."""
-        starts = starts.to(device=self.device, dtype=torch.int32)
+        self._host_lengths("set_padding")
+        starts = torch.as_tensor(starts).to(device=self.device, dtype=torch.int32)
+        if starts.shape != (self.batch,):
+            raise ValueError(f"set_padding: starts must hold one position per sequence "
+                             f"({self.batch}), got shape {tuple(starts.shape)}")
         # One host read here (at prefill) spares one per flush during decode.
         pad = int(starts.max()) if starts.numel() else 0
         if pad > 0 and self.spec.sink_tokens and (self.body_len or self.evicted):
@@ -307,6 +312,7 @@ class LayerStore:
         With ``flush=False`` the tokens wait in the residual until :meth:`flush` (the HF
         integration defers it until the prompt's padding is known).
         """
+        self._host_lengths("append")
         self._check_input(k, v)
         k, v = k.to(self.dtype), v.to(self.dtype)
         if self.hadamard is not None:
@@ -505,6 +511,13 @@ class LayerStore:
     def end_device_lengths(self) -> None:
         self.lens_dev = None
 
+    def _host_lengths(self, op: str) -> None:
+        """Refuse ``op`` while the lengths live on the device: it would change the host
+        lengths or the buffers that captured steps point at, and leave ``lens_dev`` stale."""
+        if self.lens_dev is not None:
+            raise ValueError(f"{op}: this layer keeps its lengths on the device (a captured "
+                             "decode loop, begin_device_lengths); call end_device_lengths first")
+
     def view_dev(self) -> PackedKV:
         """The layer for a step with device lengths: on the kernels, the lengths are bounds
         (the buffers' capacities) and ``lens_dev`` has the true ones; on the reference path
@@ -655,6 +668,7 @@ class LayerStore:
     # ------------------------------------------------------------------ edits
     def reorder(self, index: torch.Tensor) -> None:
         """Select sequences along the batch (beam search): every buffer follows ``index``."""
+        self._host_lengths("reorder")
         index = index.to(self.device)
         for name in _BUFFERS:
             buf = getattr(self, name)
@@ -677,10 +691,18 @@ class LayerStore:
             self.sink_len, self.body_len, self.res_len = length, 0, 0
         else:
             self.body_len, self.res_len = length - self.sink_len, 0
+        if self.fp8 and not self.body_len and self.spec.fp8_scale == "dynamic":
+            self._fp8_ready = False  # the next first flush sets the scales again
 
     def check_crop(self, length: int) -> int | None:
         """The length :meth:`crop` would keep (None: nothing to drop), or ValueError for a cut
         inside a quantized group; changes nothing (a multi-layer crop checks every layer first)."""
+        self._host_lengths("crop")
+        try:
+            length = operator.index(length)
+        except TypeError:
+            raise ValueError(f"crop: length must be an integer (tokens to keep, or a negative "
+                             f"number to drop), got {length!r}") from None
         if length < 0:
             length = max(0, self.seq_len + length)
         if length >= self.seq_len:
@@ -725,6 +747,7 @@ class LayerStore:
     def load_state(self, tensors: dict, scalars: dict) -> None:
         """Restore :meth:`state` into this new, empty store (same spec and shapes): growing
         buffers get a capacity of whole 16-row blocks, as :func:`_write` gives them."""
+        self._host_lengths("load_state")
         unknown = set(tensors) - {"starts", *_BUFFERS} | set(scalars) - {*_STATE_INTS,
                                                                           *_STATE_FLAGS}
         if unknown:

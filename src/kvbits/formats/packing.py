@@ -54,7 +54,7 @@ def pack_bits(codes: torch.Tensor, bits: int, dim: int = -1, check: bool = True)
     _check_bits(bits)
     if codes.is_floating_point() or codes.is_complex():
         raise TypeError(f"pack_bits: codes must be an integer tensor, got {codes.dtype}")
-    dim = dim % codes.dim()
+    dim = _axis("pack_bits", dim, codes.dim())
     n = codes.shape[dim]
     if n == 0:
         raise ValueError("pack_bits: the packed axis is empty")
@@ -76,12 +76,20 @@ def pack_bits(codes: torch.Tensor, bits: int, dim: int = -1, check: bool = True)
     return words.movedim(-1, dim).contiguous()
 
 
+def _axis(op: str, dim: int, ndim: int) -> int:
+    """``dim`` as a non-negative axis of an ``ndim``-d tensor (it wrapped silently before)."""
+    if ndim == 0 or not -ndim <= dim < ndim:
+        raise ValueError(f"{op}: dim must be in [{-ndim}, {ndim}) for a {ndim}-d tensor, got "
+                         f"{dim}")
+    return dim % ndim
+
+
 def unpack_bits(words: torch.Tensor, bits: int, n: int, dim: int = -1) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: int32 words -> uint8 codes, ``n`` of them along ``dim``."""
     _check_bits(bits)
     if words.dtype != torch.int32:
         raise TypeError(f"unpack_bits: words must be int32, got {words.dtype}")
-    dim = dim % words.dim()
+    dim = _axis("unpack_bits", dim, words.dim())
     if words.shape[dim] != packed_length(n, bits):
         raise ValueError(
             f"unpack_bits: axis {dim} has {words.shape[dim]} words, "
