@@ -72,10 +72,8 @@ def kernel_reads(kv: PackedKV) -> bool:
     a multiple of 32), as every QuantSpec's do; other layouts built by hand use the reference."""
     from ..kernels.decode_attention import reads
 
-    G = kv.group_size
-    bits = (kv.key_bits, kv.value_bits)
-    words_ok = G & (G - 1) == 0 and all(G * b >= 32 for b in bits) and (
-        3 not in bits or G % 32 == 0)
+    G, kb, vb = kv.group_size, kv.key_bits, kv.value_bits
+    words_ok = not G & (G - 1) and G * min(kb, vb) >= 32 and (G % 32 == 0 or 3 not in (kb, vb))
     return words_ok and reads(kv)
 
 
@@ -90,14 +88,15 @@ def _check_call(q: torch.Tensor, kv: PackedKV, scale: float, window) -> None:
                          f"bfloat16 or float32 tensor, got {getattr(q, 'dtype', type(q))} "
                          f"{tuple(getattr(q, 'shape', ()))}")
     B, Hq, Lq, D = q.shape
-    if (B, D) != (kv.batch, kv.head_dim) or Lq < 1 or Hq % kv.kv_heads:
+    rb, rh, _, rd = kv.res_k.shape
+    if B != rb or D != rd or Lq < 1 or Hq % rh:
         raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit the layer (batch "
                          f"{kv.batch}, {kv.kv_heads} KV heads, head_dim {kv.head_dim}): it must "
                          "be [batch, a multiple of the KV heads, >= 1 rows, head_dim]")
-    for name in ("sink_k", "sink_v", "res_k", "res_v", "k_codes", "k_scale", "v_codes",
-                 "v_scale"):
+    bh = kv.res_k.shape[:2]
+    for name in ("sink_k", "sink_v", "res_v", "k_codes", "k_scale", "v_codes", "v_scale"):
         t = getattr(kv, name)
-        if t is not None and tuple(t.shape[:2]) != (kv.batch, kv.kv_heads):
+        if t is not None and t.shape[:2] != bh:
             raise ValueError(f"decode_attention: kv.{name} is {tuple(t.shape)}, not "
                              f"[{kv.batch}, {kv.kv_heads}, ...] like the residual")
     for name, n, buf in (("sink_len", kv.sink_len, kv.sink_k), ("res_len", kv.res_len, kv.res_k)):
@@ -114,7 +113,7 @@ def _check_call(q: torch.Tensor, kv: PackedKV, scale: float, window) -> None:
     if kv.body_len and not kv.fp8 and kv.k_codes.dtype != torch.int32:
         raise ValueError(f"decode_attention: kv.k_codes must be int32 words, got "
                          f"{kv.k_codes.dtype}")
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+    if not (isinstance(scale, (int, float)) and 0 < scale < math.inf):
         raise ValueError(f"decode_attention: scale must be a positive finite number, got "
                          f"{scale!r}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
