@@ -71,17 +71,24 @@ def bench(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
 
 
-def bench_graph(fn) -> float:
-    """Median microseconds of ``fn`` captured in a CUDA graph and replayed (decode loops run that
-    way: no per-call host work), still with ``do_bench``'s L2 flush between replays."""
+def captured(fn):
+    """``fn`` run once eagerly on a side stream (compiles, warms up, makes what a capture may
+    not), then captured: the CUDA graph and what the captured call returned."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        fn()  # compile and warm up outside the capture
+        fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        out = fn()
+    return graph, out
+
+
+def bench_graph(fn) -> float:
+    """Median microseconds of ``fn`` captured in a CUDA graph and replayed (decode loops run that
+    way: no per-call host work), still with ``do_bench``'s L2 flush between replays."""
+    graph, _ = captured(fn)
     us = bench(graph.replay)
     del graph
     return us

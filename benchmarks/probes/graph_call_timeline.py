@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import random_packed_kv
-from decode_attention import bench_graph
+from decode_attention import bench_graph, captured
 
 from kvbits.ops import decode_attention
 from kvbits.spec import resolve_spec
@@ -34,14 +34,7 @@ for B, hq, hkv, T, preset in SHAPES:
     def call(q=q, kv=kv):
         return decode_attention(q, kv, scale=0.088)
     us = bench_graph(call)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph, _ = captured(call)
     for _ in range(10):
         graph.replay()
     torch.cuda.synchronize()

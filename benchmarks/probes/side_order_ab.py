@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import parse_rows, random_packed_kv
+from decode_attention import captured
 from triton.testing import do_bench
 
 from kvbits.kernels import decode_attention as da
@@ -31,19 +32,6 @@ VARIANTS = {  # (SIDE_STREAM, SIDE_AFTER_BODY, stream priority)
 
 print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; graph us (best of 3 "
       "do_bench medians, variants alternated); diff = max |out - out(before)|")
-
-
-def captured(call):
-    """``call`` warmed eagerly on a side stream, then captured; the graph and its output."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
-    return graph, out
 
 
 streams: dict = {}
