@@ -739,8 +739,13 @@ _FINISH_KEYWORDS_PDL = keyword_maker((*_FINISH_NAMES, "launch_pdl"))
 def reads(kv: PackedKV) -> bool:
     """Whether this kernel reads the layer: KIVI, uniform (either scale axis), FP8 and KVQuant
     (codebooks, outliers, pre-RoPE keys) layers; pre-RoPE keys only where
-    :func:`~kvbits.formats.layout.pre_rope_kernel_ok` (other head dims use the reference)."""
-    return getattr(kv, "rope_inv_freq", None) is None or pre_rope_kernel_ok(kv.res_k.shape[-1])
+    :func:`~kvbits.formats.layout.pre_rope_kernel_ok` (other head dims use the reference). Its
+    key groups must fill whole int32 words (G a power of two, G x bits >= 32; 3-bit planes a
+    multiple of 32), as every QuantSpec's do; layouts built by hand otherwise use the reference."""
+    G, kb, vb = kv.group_size, kv.key_bits, kv.value_bits
+    words_ok = not G & (G - 1) and G * min(kb, vb) >= 32 and (G % 32 == 0 or 3 not in (kb, vb))
+    return words_ok and (getattr(kv, "rope_inv_freq", None) is None
+                         or pre_rope_kernel_ok(kv.res_k.shape[-1]))
 
 
 def num_splits(batch_heads: int, work_units: int, sm_count: int, per_sm: int = 3) -> int:

@@ -67,14 +67,10 @@ def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: in
 
 
 def kernel_reads(kv: PackedKV) -> bool:
-    """Whether the fused decode kernel reads this layer (call only where kernels are used):
-    its key groups must fill whole int32 words (G a power of two, G x bits >= 32; 3-bit planes
-    a multiple of 32), as every QuantSpec's do; other layouts built by hand use the reference."""
+    """Whether the fused decode kernel reads this layer (call only where kernels are used)."""
     from ..kernels.decode_attention import reads
 
-    G, kb, vb = kv.group_size, kv.key_bits, kv.value_bits
-    words_ok = not G & (G - 1) and G * min(kb, vb) >= 32 and (G % 32 == 0 or 3 not in (kb, vb))
-    return words_ok and reads(kv)
+    return reads(kv)
 
 
 _Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
