@@ -176,7 +176,7 @@ def _check_cpu_weights(model: str, layers: int | None) -> None:
                          "--model (tiny, smollm2) or fewer --layers")
 
 
-def _device(text: str) -> str:
+def _device_arg(text: str) -> str:
     """``--device``: cpu, cuda or cuda:N."""
     if text == "cpu" or text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
         return text
@@ -262,7 +262,7 @@ def _register_bench(sub) -> None:
                    help="kvbits stores: allocate the packed buffers for the final length before "
                    "the fill and shrink the FP16 residual buffer to R+G tokens after it, instead "
                    "of LayerStore's own growth policy (labelled in the output)")
-    p.add_argument("--device", type=_device,
+    p.add_argument("--device", type=_device_arg,
                    help="cuda (the default; needs a GPU), cuda:N, or cpu (a smoke test)")
     p.add_argument("--out", default="benchmarks/results", help="output folder")
     p.add_argument("--name", default="e2e", help="file stem (default e2e)")
