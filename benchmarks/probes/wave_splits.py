@@ -9,7 +9,8 @@ programs of 32 steps, all starting together) drains little, merges fewer partial
 prologues, but leaves ~3% of the slots empty. This probe times whole captured
 ``decode_attention`` calls (the library's graph path: side-stream FP16 splits, body, finish)
 at split counts of 1-4 whole waves (``floor(w * r * SMs / pairs)`` for ``r`` resident programs
-per SM) against the library's rule, variants alternated, best of 3 ``do_bench`` medians; and
+per SM) against ``lib``, ``decode_gluon.body_splits``' rule (the library's for every grid until this probe; since then mid-sized grids served by the ring take ``1w/8`` where
+a program runs <= 64 steps, ``decode_gluon_tma.one_wave_splits``), variants alternated, best of 3 ``do_bench`` medians; and
 checks every variant's output against the rule's.
 
     PYTHONPATH=src python3 benchmarks/probes/wave_splits.py [B:Hq:Hkv:T:preset,...]

@@ -1561,6 +1561,14 @@ def test_gluon_dispatch_rules():
     assert decode_gluon.body_splits(64, 32768, 132) == 66
     assert decode_gluon.body_splits(20, 32768, 132) == 52  # 1040 programs: within one wave
     assert decode_gluon.body_splits(8, 640, 132) == 10
+    # the TMA ring's mid-sized grids: one wave of 8 per SM while a program runs <= 64 steps
+    from kvbits.kernels import decode_gluon_tma
+    assert decode_gluon_tma.one_wave_splits(64, 32768, 132) == 16  # 1024 programs of 32 steps
+    assert decode_gluon_tma.one_wave_splits(128, 32768, 132) == 8
+    assert decode_gluon_tma.one_wave_splits(64, 131072, 132) is None  # 128 steps: the rule's
+    assert decode_gluon_tma.one_wave_splits(64, 640, 132) == 10  # never more than the steps
+    assert decode_gluon_tma.one_wave_splits(32, 32768, 132) is None  # small grids: the rule's
+    assert decode_gluon_tma.one_wave_splits(256, 32768, 132) is None  # many pairs: 48 per SM
     for kb, vb, G, D in [(4, 2, 128, 128), (8, 8, 32, 128), (2, 2, 32, 80)]:
         other = make_kv(Case(kb=kb, vb=vb, G=G, D=D, B=1, Hkv=1, body=128, res=0), device="cpu")
         assert not decode_gluon.eligible(other, 1, 4), (kb, vb, G, D)

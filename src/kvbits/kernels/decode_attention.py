@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ..formats.layout import PackedKV, pre_rope_kernel_ok
-from . import decode_gluon
+from . import decode_gluon, decode_gluon_tma
 from .launch import FastLaunch, device_index, keyword_maker
 
 LOG2E = 1.4426950408889634
@@ -919,9 +919,13 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
                  and decode_gluon.serves(kv, Lq, HG, B * Hkv))
     elif gluon:  # asked for explicitly (tests, benchmarks): any eligible layer
         gluon = n_groups > 0 and decode_gluon.eligible(kv, Lq, HG)
+    k_tok = getattr(kv, "key_axis", "channel") == "token"
     if gluon:
-        splits = decode_gluon.split_count(
-            kv.body_len, req_splits or decode_gluon.body_splits(B * Hkv, kv.body_len, sms, D))
+        if not req_splits:  # the ring's mid-sized grids take one wave, if it serves the layer
+            req_splits = decode_gluon_tma.one_wave_splits(B * Hkv, kv.body_len, sms)
+            if not (req_splits and decode_gluon_tma.serves(kv, k_tok, dev)):
+                req_splits = decode_gluon.body_splits(B * Hkv, kv.body_len, sms, D)
+        splits = decode_gluon.split_count(kv.body_len, req_splits)
     BLOCK_FP = 64 if BLOCK_D <= 128 else 32
     n_fp = kv.sink_len + kv.res_len
     # A short FP16 part (a decode step's sink and residual) is attended by the finish kernel,
@@ -939,7 +943,6 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     lse = torch.empty(B * Hq * Lq, n_total, dtype=torch.float32, device=dev)
     # Scale/zero axes: "channel" = [groups, D] per (G-token group, channel); "token" = [tokens,
     # D // Gs] per (token, Gs channels). KIVI: keys by channel, values by token.
-    k_tok = getattr(kv, "key_axis", "channel") == "token"
     v_tok = getattr(kv, "value_axis", "token") == "token"
     k_zero = kv.k_scale if kv.k_zero is None else kv.k_zero  # never read without zeros
     v_zero = kv.v_scale if kv.v_zero is None else kv.v_zero

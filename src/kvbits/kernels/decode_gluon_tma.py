@@ -553,6 +553,28 @@ def serves(kv, k_tok: bool, device) -> bool:
     return pairs * kv.body_len >= EAGER_MIN_WORK or torch.cuda.is_current_stream_capturing()
 
 
+# One wave for mid-sized grids: the ring's programs hold 170-255 registers, so exactly two
+# one-warp programs fit a scheduler, RESIDENT_PER_SM per SM (shared memory allows ~10). From
+# dg.SMALL_GRID_PAIRS to dg.MANY_PAIRS pairs, splitting each pair into one wave of such programs
+# (all start together, none waits for a slot, fewer partials to merge) beat decode_gluon's 32 per
+# SM (~4 waves) wherever a program then runs at most ONE_WAVE_MAX_STEPS steps. H200, whole
+# captured calls, alternated (benchmarks/results/wave_splits_s34.log): Llama-3-8B batch 8 32k
+# kivi-2 95.7 -> 91.9 us, kivi-4 112.1 -> 108.5, uniform-int4 102.8 -> 100.1, batch 16 32k
+# kivi-2 170.3 -> 167.0; at 128k (128 steps per program) +1.5% / -0.4%, so not there.
+RESIDENT_PER_SM = 8
+ONE_WAVE_MAX_STEPS = 64
+
+
+def one_wave_splits(batch_heads: int, body_len: int, sm_count: int) -> int | None:
+    """Splits per (sequence, KV head) pair that make one wave of ring programs (see
+    ``RESIDENT_PER_SM``), or None where :func:`decode_gluon.body_splits`' rule stays."""
+    if not dg.SMALL_GRID_PAIRS <= batch_heads < dg.MANY_PAIRS:
+        return None
+    steps = -(-body_len // dg.STEP)
+    one_wave = max(1, RESIDENT_PER_SM * sm_count // batch_heads)
+    return min(one_wave, steps) if -(-steps // one_wave) <= ONE_WAVE_MAX_STEPS else None
+
+
 WORD_SWIZZLE = 128  # bytes: the word tiles' shared-memory swizzle (rows of 32 int32)
 
 
