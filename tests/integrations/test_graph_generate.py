@@ -301,6 +301,29 @@ def test_continuing_a_padded_batch_falls_back(model):
     assert torch.equal(results[0], results[1])
 
 
+def test_deep_copied_prefix_cache_decodes_like_generate(model):
+    """transformers' prefix-reuse recipe, ``copy.deepcopy(prompt_cache)`` and generate from
+    the copy: the copy's layers answer to the copy (a weak reference is copied as is, so they
+    read the original's step flags: the loop never flushed and ran past its buffers), and the
+    loop gives generate's tokens; the original keeps its prefix."""
+    import copy
+    ids = prompt(60, 1)
+
+    def prefix():
+        cache = kvbits_cache(model)
+        with torch.no_grad():
+            model(input_ids=ids[:, :40], use_cache=True, **cache_kwargs(model, cache))
+        return cache
+    want, _ = generate(model, ids, prefix(), ours=False, do_sample=False)
+    original = prefix()
+    copied = copy.deepcopy(original)
+    assert all(layer._cache is copied for layer in copied.layers)
+    got, warned = generate(model, ids, copied, ours=True, do_sample=False)
+    assert not warned, warned
+    assert torch.equal(got, want)
+    assert original.get_seq_length() == 40 and copied.get_seq_length() == 60 + NEW - 1
+
+
 def test_the_function_not_its_module():
     """``custom_generate`` must get the function: a module there is silently ignored by
     ``generate`` (neither a string nor a callable), which would make every test above vacuous."""

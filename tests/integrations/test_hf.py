@@ -145,6 +145,18 @@ def test_bad_overrides_and_calibrations_name_the_argument(tmp_path):
             KVBitsCache(tiny_config(), preset, calibration=3)
 
 
+def test_cache_of_a_shallower_model_is_refused_by_name():
+    """A cache built for a model with fewer layers, given to a deeper one: a ValueError that
+    says which layer and how many the cache has (was an IndexError from the layer list)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    deep = LlamaForCausalLM(tiny_config(num_hidden_layers=3)).eval()
+    cache = KVBitsCache(tiny_config(num_hidden_layers=2), "kivi-2")
+    with pytest.raises(ValueError, match="layer 2, .*KVBitsCache has 2 layers"):
+        forward(deep, torch.randint(0, 64, (1, 8)), cache)
+
+
 def test_layers_from_config_and_overrides():
     cache = KVBitsCache(tiny_config(num_hidden_layers=3), "kivi-4", residual_length=0)
     assert len(cache.layers) == 3

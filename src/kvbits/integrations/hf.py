@@ -58,6 +58,7 @@ Known limits
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import warnings
@@ -358,6 +359,22 @@ class KVBitsCache(Cache):
     def __repr__(self):
         return f"KVBitsCache({self.spec.describe()}, layers={len(self.layers)})"
 
+    def __deepcopy__(self, memo):
+        """A copy (transformers' prefix reuse: ``copy.deepcopy(prompt_cache)``) whose layers
+        point at the copy: ``deepcopy`` keeps a weak reference as it is, so they would read the
+        original's step flags (the decode loop's flushes and captures). The model's config is
+        shared, not copied: the copy follows the model's attention implementation."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        if self._model_config is not None:
+            memo[id(self._model_config)] = self._model_config
+        for name, value in self.__dict__.items():
+            setattr(new, name, copy.deepcopy(value, memo))
+        for layer in new.layers:
+            if isinstance(layer, KVBitsLayer):
+                layer._cache_ref = weakref.ref(new)
+        return new
+
     def save(self, path, **info):
         """Write this cache to ``path`` (safetensors: packed buffers, lengths, spec, the model's
         shape; ``info`` kept in the metadata), e.g. a prefilled document for later sessions
@@ -375,6 +392,17 @@ class KVBitsCache(Cache):
         from .persist import load_cache
 
         return load_cache(cls, path, model_or_config, device=device, dtype=dtype)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs):
+        """transformers' ``update``; a layer the cache was not built with (a cache made for a
+        shallower model) is refused by name, not with an ``IndexError``."""
+        if layer_idx >= len(self.layers):
+            raise ValueError(
+                f"KVBitsCache: the model updates layer {layer_idx}, but this KVBitsCache has "
+                f"{len(self.layers)} layers (built for another model?): build it from this "
+                "model or its config, KVBitsCache(model, spec)")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def crop(self, *args, **kwargs) -> None:
         """transformers' ``crop``, all layers or none: every layer's cut is checked
