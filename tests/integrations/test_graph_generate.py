@@ -407,6 +407,32 @@ def test_gpu_rules_inside_the_graph(monkeypatch):
     assert eos not in want[0, :39].tolist()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+def test_gpu_deep_copied_prefix_cache_replays_like_a_fresh_one():
+    """A copied prefix cache on the GPU, where the steps are captured (a flushing step among
+    them) and the layers read the capture flag from their cache: the copy's tokens are a fresh
+    cache's with the same prefix, and the original keeps its prefix."""
+    import copy
+    m = tiny_llama(0, hidden_size=256, intermediate_size=256, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64, max_position_embeddings=1024
+                   ).half().cuda()
+    ids = prompt(300, 1).cuda()
+
+    def prefix():
+        cache = kvbits_cache(m)
+        with torch.no_grad():
+            m(input_ids=ids[:, :200], use_cache=True, **cache_kwargs(m, cache))
+        return cache
+    want, _ = generate(m, ids, prefix(), ours=True, do_sample=False, max_new_tokens=150)
+    original = prefix()
+    got, warned = generate(m, ids, copy.deepcopy(original), ours=True, do_sample=False,
+                           max_new_tokens=150)
+    assert not warned, warned
+    assert torch.equal(got, want)
+    assert original.get_seq_length() == 200
+
+
 def _gemma(n: int):
     """Gemma2 (softcapping, sliding and full layers) or Gemma3 (sliding and full layers, per
     layer-type RoPE), tiny."""
