@@ -54,6 +54,9 @@ Known limits
   decoding (transformers crops the rejected drafts) work while a draft fits in the FP16 residual
   (``residual_length`` >= draft tokens: drafts are never quantized before they are verified);
   a quantized layer without a residual window is not croppable (``is_croppable``).
+* ``output_attentions=True`` returns no attention weights: the fused kernels never form
+  the probability matrix (transformers warns that its SDPA path has none; run a
+  ``DynamicCache`` with ``attn_implementation="eager"`` to inspect them).
 """
 
 from __future__ import annotations
