@@ -85,6 +85,24 @@ def captured(fn):
     return graph, out
 
 
+def captured_ab(fns: dict, rounds: int = 3) -> tuple[dict, dict]:
+    """Variants of one call, each :func:`captured` (a variant may set module switches before
+    its call: they hold while it is warmed up and captured), then replayed alternately: the
+    best of ``rounds`` :func:`bench` medians in µs per variant, and each variant's first
+    replayed output as float32."""
+    graphs, outs = {}, {}
+    for name, fn in fns.items():
+        graphs[name], out = captured(fn)
+        graphs[name].replay()
+        torch.cuda.synchronize()
+        outs[name] = out.float().clone()
+    times = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            times[name].append(bench(graph.replay))
+    return {name: min(t) for name, t in times.items()}, outs
+
+
 def bench_graph(fn) -> float:
     """Median microseconds of ``fn`` captured in a CUDA graph and replayed (decode loops run that
     way: no per-call host work), still with ``do_bench``'s L2 flush between replays."""

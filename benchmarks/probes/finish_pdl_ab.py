@@ -30,7 +30,6 @@ from common import batch_slice, best_graph_us, parse_rows, random_packed_kv
 
 from kvbits.kernels import decode_attention as da
 from kvbits.kernels import decode_gluon as dg
-from kvbits.kernels import decode_gluon_tma as dt
 from kvbits.reference.attention import decode_attention as reference
 from kvbits.spec import resolve_spec
 
@@ -57,10 +56,7 @@ def call(q, kv, fp_tokens, pdl, side=False):
 def body_only(q, kv):
     B, Hq, _, D = q.shape
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    one_wave = dt.one_wave_splits(B * kv.kv_heads, kv.body_len, sms)  # the library's rule
-    ring = one_wave and dt.serves(kv, getattr(kv, "key_axis", "channel") == "token", q.device)
-    splits = dg.split_count(kv.body_len, one_wave if ring else
-                            dg.body_splits(B * kv.kv_heads, kv.body_len, sms, D))
+    splits = dg.split_count(kv.body_len, da.gluon_splits(kv, sms, q.device))  # the library's
     out = torch.empty(B * Hq, splits, D, dtype=torch.float32, device="cuda")
     lse = torch.empty(B * Hq, splits, dtype=torch.float32, device="cuda")
 

@@ -15,8 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import parse_rows, random_packed_kv
-from decode_attention import captured
-from triton.testing import do_bench
+from decode_attention import captured_ab
 
 from kvbits.kernels import decode_attention as da
 from kvbits.ops import decode_attention
@@ -38,23 +37,18 @@ streams: dict = {}
 for B, hq, hkv, T, preset in ROWS:
     kv = random_packed_kv(B, hkv, T, 128, resolve_spec(preset))
     q = torch.randn(B, hq, 1, 128, dtype=torch.float16, device="cuda")
-    graphs, outs = {}, {}
-    for name, (side, after, prio) in VARIANTS.items():
-        da.SIDE_STREAM, da.SIDE_AFTER_BODY = side, after
-        da._SIDE_STREAMS[torch.cuda.current_device()] = streams.setdefault(
+    def variant(side, after, prio, kv=kv, q=q):  # streams made here, never inside a capture
+        stream = streams[prio] if prio in streams else streams.setdefault(
             prio, torch.cuda.Stream(priority=prio))
-        graphs[name], out = captured(lambda kv=kv, q=q: decode_attention(q, kv, scale=0.088))
-        graphs[name].replay()
-        torch.cuda.synchronize()
-        outs[name] = out.float().clone()
-    times = {n: [] for n in graphs}
-    for _ in range(3):
-        for n, g in graphs.items():
-            times[n].append(do_bench(g.replay, warmup=25, rep=100, return_mode="median") * 1e3)
-    us = {n: min(t) for n, t in times.items()}
+
+        def fn():
+            da.SIDE_STREAM, da.SIDE_AFTER_BODY = side, after
+            da._SIDE_STREAMS[torch.cuda.current_device()] = stream
+            return decode_attention(q, kv, scale=0.088)
+        return fn
+    us, outs = captured_ab({name: variant(*v) for name, v in VARIANTS.items()})
     base = us["before"]
     cells = "  ".join(f"{n} {t:7.1f} ({t / base - 1:+.1%}, diff "
                       f"{(outs[n] - outs['before']).abs().max().item():.1e})"
                       for n, t in us.items())
     print(f"B={B} Hq={hq} Hkv={hkv} T={T} {preset}: {cells}", flush=True)
-    del graphs

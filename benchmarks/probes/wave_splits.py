@@ -22,8 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import parse_rows, random_packed_kv
-from decode_attention import captured
-from triton.testing import do_bench
+from decode_attention import captured_ab
 
 from kvbits.kernels import decode_gluon as dg
 from kvbits.kernels.decode_attention import decode_attention
@@ -55,18 +54,9 @@ for B, hq, hkv, T, preset in ROWS:
         if n not in seen:
             seen.add(n)
             variants[name] = n
-    graphs, outs = {}, {}
-    for name, n in variants.items():
-        graphs[name], out = captured(
-            lambda n=n, kv=kv, q=q: decode_attention(q, kv, scale=0.088, splits=n))
-        graphs[name].replay()
-        torch.cuda.synchronize()
-        outs[name] = out.float().clone()
-    times = {n: [] for n in graphs}
-    for _ in range(3):
-        for n, g in graphs.items():
-            times[n].append(do_bench(g.replay, warmup=25, rep=100, return_mode="median") * 1e3)
-    us = {n: min(t) for n, t in times.items()}
+    us, outs = captured_ab({
+        name: lambda n=n, kv=kv, q=q: decode_attention(q, kv, scale=0.088, splits=n)
+        for name, n in variants.items()})
     base = us["lib"]
     cells = "  ".join(
         f"{n}={variants[n]}x{pairs}={variants[n] * pairs}: {t:7.1f} ({t / base - 1:+.1%}, diff "
@@ -74,5 +64,5 @@ for B, hq, hkv, T, preset in ROWS:
     best = min(us, key=us.get)
     print(f"B={B} Hq={hq} Hkv={hkv} T={T} {preset} ({kv.body_len // 64} steps): {cells}  "
           f"best {best}", flush=True)
-    del graphs, kv
+    del kv
     torch.cuda.empty_cache()

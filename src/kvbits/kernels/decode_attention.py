@@ -828,6 +828,18 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+def gluon_splits(kv: PackedKV, sm_count: int, device: torch.device) -> int:
+    """Splits per (sequence, KV head) for a layer the Gluon body serves: one wave where the
+    TMA ring serves a mid-sized grid (:func:`decode_gluon_tma.one_wave_splits`), else
+    :func:`decode_gluon.body_splits`' rule."""
+    pairs, D = kv.batch * kv.kv_heads, kv.head_dim
+    one_wave = decode_gluon_tma.one_wave_splits(pairs, kv.body_len, sm_count)
+    if one_wave and decode_gluon_tma.serves(
+            kv, getattr(kv, "key_axis", "channel") == "token", device):
+        return one_wave
+    return decode_gluon.body_splits(pairs, kv.body_len, sm_count, D)
+
+
 def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None, lengths=None,
                      window: int | None = None, splits: int | None = None,
                      num_warps: int | None = None, tile_tokens: int | None = None,
@@ -919,13 +931,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
                  and decode_gluon.serves(kv, Lq, HG, B * Hkv))
     elif gluon:  # asked for explicitly (tests, benchmarks): any eligible layer
         gluon = n_groups > 0 and decode_gluon.eligible(kv, Lq, HG)
-    k_tok = getattr(kv, "key_axis", "channel") == "token"
     if gluon:
-        if not req_splits:  # the ring's mid-sized grids take one wave, if it serves the layer
-            req_splits = decode_gluon_tma.one_wave_splits(B * Hkv, kv.body_len, sms)
-            if not (req_splits and decode_gluon_tma.serves(kv, k_tok, dev)):
-                req_splits = decode_gluon.body_splits(B * Hkv, kv.body_len, sms, D)
-        splits = decode_gluon.split_count(kv.body_len, req_splits)
+        splits = decode_gluon.split_count(kv.body_len, req_splits or gluon_splits(kv, sms, dev))
     BLOCK_FP = 64 if BLOCK_D <= 128 else 32
     n_fp = kv.sink_len + kv.res_len
     # A short FP16 part (a decode step's sink and residual) is attended by the finish kernel,
@@ -943,6 +950,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     lse = torch.empty(B * Hq * Lq, n_total, dtype=torch.float32, device=dev)
     # Scale/zero axes: "channel" = [groups, D] per (G-token group, channel); "token" = [tokens,
     # D // Gs] per (token, Gs channels). KIVI: keys by channel, values by token.
+    k_tok = getattr(kv, "key_axis", "channel") == "token"
     v_tok = getattr(kv, "value_axis", "token") == "token"
     k_zero = kv.k_scale if kv.k_zero is None else kv.k_zero  # never read without zeros
     v_zero = kv.v_scale if kv.v_zero is None else kv.v_zero
