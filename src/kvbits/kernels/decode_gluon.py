@@ -834,6 +834,20 @@ if gluon is not None:
             _prefetch(kz_base + (t0 // G) * D, KSB2, L1)
 
     @gluon.jit
+    def _prefetch_outliers(s, koi_base, kov_base, voi_base, vov_base, KOUT: gl.constexpr,
+                           VOUT: gl.constexpr, L1: gl.constexpr):
+        """Prefetch step ``s``'s dense-and-sparse outliers (KVQuant): each side's ``n`` uint8
+        indices and float16 corrections per token, 64 tokens a step. Their loads come late in
+        the step (the key corrections after the scores, the value ones after the softmax), where
+        a register body at 255 registers cannot hoist them."""
+        if KOUT > 0:
+            _prefetch(koi_base + s * (64 * KOUT), 64 * KOUT, L1)
+            _prefetch(kov_base + s * (64 * KOUT), 128 * KOUT, L1)
+        if VOUT > 0:
+            _prefetch(voi_base + s * (64 * VOUT), 64 * VOUT, L1)
+            _prefetch(vov_base + s * (64 * VOUT), 128 * VOUT, L1)
+
+    @gluon.jit
     def _program_bounds(Starts, Lens, LenTab, sink_len, body_len, res_len, Hkv, HG: gl.constexpr,
                         HAS_STARTS: gl.constexpr, HAS_LENS: gl.constexpr,
                         LENS_DEV: gl.constexpr):
@@ -1199,6 +1213,7 @@ if gluon is not None:
         HAS_LENS: gl.constexpr, GK: gl.constexpr, K_TOK: gl.constexpr,
         LENS_DEV: gl.constexpr, PF: gl.constexpr = 0, PF_L1: gl.constexpr = False,
         PF_AFTER: gl.constexpr = False, EARLY_V: gl.constexpr = False, CB: gl.constexpr = False,
+        PF_OUT: gl.constexpr = False,
         Q_RELOAD: gl.constexpr = False,
         KOUT: gl.constexpr = 0, VOUT: gl.constexpr = 0, ROPE: gl.constexpr = False,
         HAS_WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False, LQ: gl.constexpr = 1,
@@ -1252,13 +1267,13 @@ if gluon is not None:
             vlo0, vlo1, vhi0, vhi1 = 0, 0, 0, 0
         # KVQuant's dense-and-sparse outliers and pre-RoPE keys (3-bit codebooks, two chunks
         # that are the two rotate-half halves): eligible() admits them only there.
+        koi_base = KOI + bh64 * kout_cap * KOUT  # (never read without outliers)
+        kov_base = KOV + bh64 * kout_cap * KOUT
+        voi_base = VOI + bh64 * vout_cap * VOUT
+        vov_base = VOV + bh64 * vout_cap * VOUT
         if KOUT > 0:
-            koi_base = KOI + bh64 * kout_cap * KOUT
-            kov_base = KOV + bh64 * kout_cap * KOUT
             rows_a = _row_tokens(KBITS, W, G, gl.SliceLayout(1, a_l))
         if VOUT > 0:
-            voi_base = VOI + bh64 * vout_cap * VOUT
-            vov_base = VOV + bh64 * vout_cap * VOUT
             cols_a = _row_tokens(KBITS, W, G, gl.SliceLayout(0, a_l))
             rows_b = _row_tokens(KBITS, W, G, gl.SliceLayout(1, b_l))
         if ROPE:  # cos / sin(j theta) per A-operand element: the [2, 64, D/2] table of row j
@@ -1301,11 +1316,17 @@ if gluon is not None:
             for s in range(s_lo + 1, gl.minimum(s_lo + PF, s_hi)):
                 _prefetch_step(s, kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, D, RS,
                                RSV, G, SPAN, NGV, NGK, K_TOK, PF_L1)
+                if PF_OUT:
+                    _prefetch_outliers(s, koi_base, kov_base, voi_base, vov_base, KOUT, VOUT,
+                                       PF_L1)
         for s in range(s_lo, s_hi):
             if PF > 0 and not PF_AFTER:
                 if s + PF < s_hi:
                     _prefetch_step(s + PF, kc_base, ks_base, kz_base, vc_base, vs_base, vz_base,
                                    D, RS, RSV, G, SPAN, NGV, NGK, K_TOK, PF_L1)
+                    if PF_OUT:
+                        _prefetch_outliers(s + PF, koi_base, kov_base, voi_base, vov_base, KOUT,
+                                           VOUT, PF_L1)
             lo = (row0 // W) * G
             r_cur = row0
             t_cur = tok0
@@ -1334,6 +1355,9 @@ if gluon is not None:
                 if s + PF < s_hi:
                     _prefetch_step(s + PF, kc_base, ks_base, kz_base, vc_base, vs_base, vz_base,
                                    D, RS, RSV, G, SPAN, NGV, NGK, K_TOK, PF_L1)
+                    if PF_OUT:
+                        _prefetch_outliers(s + PF, koi_base, kov_base, voi_base, vov_base, KOUT,
+                                           VOUT, PF_L1)
             if KBITS == 3:
                 k = _key_operand3(kp0, kq0, kr0, ks0, kz0, klo0, klo1, khi0, khi1, DC, KW, a_l,
                                   CB)
@@ -1562,7 +1586,7 @@ _BODY = FastLaunch(_body_kernel) if gluon is not None else None  # (kernels.laun
 # Its keywords, built once per combination (launch.keyword_maker), in this order (+ maxnreg):
 _BODY_NAMES = ("HG", "HP", "D", "KBITS", "VBITS", "G", "GV", "HAS_STARTS", "HAS_LENS", "GK",
                "K_TOK", "LENS_DEV", "PF", "PF_L1", "PF_AFTER", "EARLY_V", "CB", "KOUT", "VOUT",
-               "ROPE", "Q_RELOAD", "HAS_WINDOW", "SOFTCAP", "LQ", "PDL", "num_warps")
+               "ROPE", "Q_RELOAD", "HAS_WINDOW", "SOFTCAP", "LQ", "PDL", "PF_OUT", "num_warps")
 _BODY_KEYWORDS = keyword_maker(_BODY_NAMES)
 _BODY_KEYWORDS_MAXNREG = keyword_maker(_BODY_NAMES + ("maxnreg",))
 
@@ -1715,6 +1739,9 @@ DEFAULT_MAXNREG = int(os.environ.get("KVBITS_GLUON_MAXNREG", "0"))
 DEFAULT_PREFETCH = int(os.environ.get("KVBITS_GLUON_PREFETCH", "1"))
 PREFETCH_L1 = os.environ.get("KVBITS_GLUON_PREFETCH_L1", "0") == "1"
 PREFETCH_AFTER_KEYS = os.environ.get("KVBITS_GLUON_PREFETCH_AFTER", "1") == "1"
+# KVQuant layers: prefetch the outliers of the step PF ahead too (indices and corrections, keys
+# and values: 6 lines of 128 bytes per 64-token step at two per token), with the step's codes.
+PREFETCH_OUTLIERS = os.environ.get("KVBITS_GLUON_PREFETCH_OUTLIERS", "0") == "1"
 # Issue a step's value loads with its key loads (one wait per step instead of two; ~250
 # registers): measured 0-6% faster with 4-bit keys, 4-50% slower for kivi-2, so off.
 EARLY_VALUES = os.environ.get("KVBITS_GLUON_EARLY_V", "0") == "1"
@@ -1798,7 +1825,8 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         inv_freq is not None,
         q_reload(D, kv.key_bits, kcb is not None, B * Hkv,
                  full=koi is not None or voi is not None or inv_freq is not None),
-        window is not None, softcap is not None, Lq, pdl, 1)
+        window is not None, softcap is not None, Lq, pdl,
+        PREFETCH_OUTLIERS and (koi is not None or voi is not None), 1)
     _BODY.launch((B * Hkv, splits), (
         q, out, lse, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero,
         starts, lengths, lens_dev if lens_dev is not None else starts,
