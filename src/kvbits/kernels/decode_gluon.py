@@ -1741,6 +1741,10 @@ PREFETCH_L1 = os.environ.get("KVBITS_GLUON_PREFETCH_L1", "0") == "1"
 PREFETCH_AFTER_KEYS = os.environ.get("KVBITS_GLUON_PREFETCH_AFTER", "1") == "1"
 # KVQuant layers: prefetch the outliers of the step PF ahead too (indices and corrections, keys
 # and values: 6 lines of 128 bytes per 64-token step at two per token), with the step's codes.
+# Off: H200, whole captured calls alternated (benchmarks/results/kvquant_ab_s35.log), 5-6%
+# slower at Llama-3-8B batch 8 (32k 422 -> 451 us, 128k 1647 -> 1734), 2% at Llama-2-7B batch
+# 8, 2% faster only at batch 1 128k; into L1, the same or worse. The layer's ~15 us per step and
+# program is its arithmetic and spills, not these loads' latency.
 PREFETCH_OUTLIERS = os.environ.get("KVBITS_GLUON_PREFETCH_OUTLIERS", "0") == "1"
 # Issue a step's value loads with its key loads (one wait per step instead of two; ~250
 # registers): measured 0-6% faster with 4-bit keys, 4-50% slower for kivi-2, so off.
