@@ -1118,6 +1118,37 @@ def test_gluon_tma_body_matches_reference(c, monkeypatch):
 
 @gpu
 @pytest.mark.gpu
+def test_gluon_tma_eager_calls_reuse_descriptors_and_plans(monkeypatch):
+    """Eager calls of the ring, one after another (a decode loop without graphs): the second
+    call on reuses the layer's descriptors (built once per store and buffers) and launches
+    through FastLaunch's plan; every output equals the JIT's launch bit for bit and the
+    reference, with fresh queries, a shorter view of the same buffers, and a layer whose
+    buffers were replaced (a store that grew), whose descriptors are rebuilt."""
+    from kvbits.kernels import decode_gluon, decode_gluon_tma, launch
+    class Store:  # stands for the layer's LayerStore, the owner its views name
+        pass
+    store = Store()
+    c = TMA_CASES[1]
+    kv = dataclasses.replace(make_kv(c, spare=8), owner=store)
+    monkeypatch.setattr(decode_gluon_tma, "MODE", "1")
+    serve_small(monkeypatch, decode_gluon)
+    built = count_calls(monkeypatch, decode_gluon_tma, "_build_descriptors")
+    short = dataclasses.replace(kv, body_len=kv.body_len - c.G)
+    grown = dataclasses.replace(kv, k_codes=kv.k_codes.clone(), v_codes=kv.v_codes.clone())
+    for i, layer in enumerate((kv, kv, short, kv, grown, grown)):
+        q, args = _query_and_args(c._replace(seed=c.seed + i))
+        got = kernel(q, layer, **args)
+        monkeypatch.setattr(launch, "ENABLED", False)
+        jit = kernel(q, layer, **args)
+        monkeypatch.setattr(launch, "ENABLED", True)
+        assert torch.equal(got, jit), i
+        compare(got, reference(q, layer, **args), c.dtype, f"call {i}")
+    assert len(built) == 2, "descriptors rebuilt for the same buffers"
+    assert decode_gluon_tma._TMA._plans, "the ring's launches never went through a plan"
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("fp_tokens", [0, 256])
 @pytest.mark.parametrize("body,tma", [("triton", "0"), ("gluon", "0"), ("gluon", "1")])
 def test_finish_kernel_as_programmatic_dependent(body, tma, fp_tokens, monkeypatch):

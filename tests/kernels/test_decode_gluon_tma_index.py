@@ -13,8 +13,11 @@ from their formulas). No GPU needed; numerics are tested on the GPU
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
+import torch
 
 from kvbits.kernels import decode_gluon_tma as dt
 
@@ -225,3 +228,46 @@ def test_key_scale_reads_read_each_group_row_once(bits, G, want):
     layout = getattr(layout, "value", layout)
     assert list(layout.shape) == [64 // G, J]
     assert _key_scale_conflicts(layout, 64 // G) == want
+
+
+def _ring_layer(B=1, H=2, T=256, owner=None):
+    """A KIVI 2-bit layer's six buffers as the ring reads them (CPU tensors; values unused)."""
+    from kvbits.formats.layout import PackedKV
+
+    z = lambda *s: torch.zeros(*s, dtype=torch.float16)  # noqa: E731
+    words = T // 32 * 2  # 2-bit groups of 32 tokens: 2 words per channel
+    return PackedKV(z(B, H, 0, D), z(B, H, 0, D), 0,
+                    torch.zeros(B, H, words, D, dtype=torch.int32), z(B, H, T // 32, D),
+                    z(B, H, T // 32, D), torch.zeros(B, H, words, D, dtype=torch.int32),
+                    z(B, H, T, D // GV), z(B, H, T, D // GV), T, z(B, H, 8, D), z(B, H, 8, D),
+                    0, 2, 2, 32, GV, owner=owner)
+
+
+def test_descriptors_are_built_once_per_owner_and_buffers():
+    """The ring's six descriptors are built once per owner of the buffers (a layer's store, or
+    the PackedKV itself) and reused while the buffers stay the same; new buffers (a store that
+    grew) rebuild them; the entry leaves with its owner."""
+    import gc
+
+    class Store:  # stands for cache.store.LayerStore, whose views name it as their owner
+        pass
+    store = Store()
+    kv = _ring_layer(owner=store)
+    first = dt._descriptors(kv)
+    assert len(first) == 6 and dt._descriptors(_ring_layer(owner=store)) is not first  # new buffers
+    kv2 = _ring_layer(owner=store)
+    again = dt._descriptors(kv2)
+    assert dt._descriptors(kv2) is again  # same owner, same buffers: the cached objects
+    view = dataclasses.replace(kv2, body_len=kv2.body_len - 32)  # the next step's view
+    assert dt._descriptors(view) is again  # lengths are not part of a descriptor
+    assert [d.base.data_ptr() for d in again[:1]] == [kv2.k_codes.data_ptr()]
+    bare = _ring_layer()  # no owner: the PackedKV is its own
+    mine = dt._descriptors(bare)
+    assert dt._descriptors(bare) is mine
+    n = len(dt._DESCRIPTORS)
+    del store, kv, kv2, view, again, first
+    gc.collect()
+    assert len(dt._DESCRIPTORS) == n - 1  # the store's entry left with it
+    del bare, mine
+    gc.collect()
+    assert len(dt._DESCRIPTORS) == n - 2

@@ -227,3 +227,35 @@ def test_repeated_decode_calls_match_the_reference(preset, monkeypatch):
             err = (got.float() - want).norm() / want.norm()
             assert err < 1e-2, (T, rep, float(err))
     assert da._FINISH._plans
+
+
+def test_descriptor_arguments_have_a_class():
+    """A TMA descriptor argument (the ring's kernel takes six) keys its plan by what the JIT
+    specializes it on (dtype, block shape, shared layout), not by its buffer, so a layer's
+    next step reuses the plan; another block shape or layout is another class, and a tensor
+    where the descriptor was sends the launch through the JIT."""
+    dt = pytest.importorskip("kvbits.kernels.decode_gluon_tma")
+    if dt.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    from kvbits.kernels.launch import _descriptor_class, _key_function
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    def desc(t, block, swizzle=128):
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32, rank=3)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    a = torch.zeros(64, 4, 32, dtype=torch.int32)
+    b = torch.zeros(128, 4, 32, dtype=torch.int32)  # another buffer and shape, the same class
+    launch = FastLaunch(_axpb_jit)
+    x = torch.zeros(64)
+    args = (x, desc(a, [4, 2, 32]), 16, 5, 1.0)
+    fast = _key_function(args, launch._specialized, launch._aligned)
+    assert fast(*args) == tuple(launch.classes(args))
+    again = (x, desc(b, [4, 2, 32]), 16, 5, 1.0)
+    assert fast(*again) == fast(*args)
+    assert fast(x, desc(a, [2, 2, 32]), 16, 5, 1.0) != fast(*args)  # block shape
+    assert fast(x, desc(a, [4, 2, 32], swizzle=0), 16, 5, 1.0) != fast(*args)  # layout
+    assert fast(x, x, 16, 5, 1.0) is None  # a tensor where the descriptor was
+    assert _descriptor_class(args[1])[:3] == ("d", torch.int32, (4, 2, 32))
+    assert FastLaunch.agrees(launch.classes(args), [("*fp32", "D"), ("tensordesc<...>", None),
+                                                    ("i32", "D"), ("i32", None), ("fp32", None)])

@@ -208,7 +208,7 @@ class LayerStore:
             k_out_idx=self.k_out_idx if n else None, k_out_val=self.k_out_val if n else None,
             v_out_idx=self.v_out_idx if n else None, v_out_val=self.v_out_val if n else None,
             rope_inv_freq=self.inv_freq,
-            key_axis=self.key_axis, value_axis=self.value_axis, fp8=self.fp8,
+            key_axis=self.key_axis, value_axis=self.value_axis, fp8=self.fp8, owner=self,
         )
 
     # ------------------------------------------------------------------ hadamard

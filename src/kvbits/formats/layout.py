@@ -65,7 +65,7 @@ tokens, which the cache keeps out of every group's min/max). Without padding thi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -109,6 +109,9 @@ class PackedKV:
     key_axis: str = "channel"
     value_axis: str = "token"
     fp8: bool = False
+    # The object that owns the buffers (the layer's store), for caches of what a kernel derives
+    # from the buffers alone (the TMA ring's descriptors), kept as long as the owner lives.
+    owner: object | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_plain(self) -> bool:

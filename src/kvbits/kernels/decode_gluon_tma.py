@@ -33,7 +33,7 @@ import functools
 import os
 
 from . import decode_gluon as dg
-from .launch import device_index
+from .launch import FastLaunch, device_index, keyword_maker
 
 try:  # Hopper's TMA and mbarriers in Gluon (Triton >= 3.5)
     from triton.experimental import gluon
@@ -646,9 +646,42 @@ def compile_sm90(constexprs: dict):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
 
 
+# A layer's descriptors, per owner of its buffers (``kv.owner``, the store; else the PackedKV):
+# id(owner) -> (weak reference to it, the buffers' key, the six descriptors). A descriptor holds
+# its buffer, so an entry leaves with its owner (weakref.finalize) and is replaced when the
+# owner's buffers change (a store that grows reallocates them). Building six descriptors costs
+# ~50 us of host time on a desktop CPU per eager call (views, validation), twice that on the
+# H200's host.
+_DESCRIPTORS: dict = {}
+
+
+def _buffers_key(kv) -> tuple:
+    """What the descriptors are built from: each buffer's address, shape and dtype, and the
+    layout fields that choose the boxes."""
+    ts = (kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero)
+    return (tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in ts), kv.key_bits,
+            kv.group_size, kv.value_group, getattr(kv, "key_axis", "channel"))
+
+
 def _descriptors(kv):
-    """TMA descriptors of the layer's six buffers (int32 views). Built per call and not cached:
-    a descriptor holds its buffer, and a cache of them would keep freed caches alive."""
+    """The TMA descriptors of the layer's six buffers, built once per owner and buffers
+    (``_DESCRIPTORS``)."""
+    import weakref
+
+    owner = getattr(kv, "owner", None) or kv
+    key = _buffers_key(kv)
+    hit = _DESCRIPTORS.get(id(owner))
+    if hit is not None and hit[0]() is owner and hit[1] == key:
+        return hit[2]
+    descs = _build_descriptors(kv)
+    if hit is None or hit[0]() is not owner:  # a new owner (or a dead one's id reused)
+        weakref.finalize(owner, _DESCRIPTORS.pop, id(owner), None)
+    _DESCRIPTORS[id(owner)] = (weakref.ref(owner), key, descs)
+    return descs
+
+
+def _build_descriptors(kv):
+    """TMA descriptors of the layer's six buffers (int32 views)."""
     import torch
 
     k_tok = getattr(kv, "key_axis", "channel") == "token"
@@ -671,11 +704,12 @@ def _descriptors(kv):
 
 def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_starts: bool,
                 has_lens: bool, n_out: int, splits: int, lens_dev=None, window=None,
-                softcap=None, maxnreg: int = 0, pdl: bool = False) -> None:
+                softcap=None, maxnreg: int = 0, pdl: bool = False, extra: dict | None = None):
     """``decode_gluon.attend_body`` for :func:`eligible` layers, through the TMA ring
     (``q [B, Hq, Lq, D]``: its rows as columns, as there). ``maxnreg``: a register cap (0: none;
     probes only, ``benchmarks/probes/tma_maxnreg_ab.py``). ``pdl``: let the next launch, a
-    programmatic dependent, start (as there)."""
+    programmatic dependent, start (as there). ``extra``: keyword arguments that replace or add
+    to the launch's (probes: a patched kernel's constexprs). Returns the launch's kernel."""
     q, HG, Lq = dg.query_rows_as_heads(q, kv.kv_heads)
     B, _, _, D = q.shape
     Hkv = kv.kv_heads
@@ -685,14 +719,26 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
     k_tok = getattr(kv, "key_axis", "channel") == "token"
     ks = kv.k_scale
     ks_rows = ks.shape[2] * ks.shape[3] // 8 if k_tok else ks.shape[2]  # rows per (b, h)
-    _body_tma_kernel[(B * Hkv, splits)](
+    args = (
         q, out, lse, kc_d, ks_d, kz_d, vc_d, vs_d, vz_d, starts, lengths,
         lens_dev if lens_dev is not None else starts, scale_log2,
         float(softcap) if softcap is not None else 1.0, kv.sink_len, kv.body_len, kv.res_len,
         int(window) if window is not None else 0, kv.k_codes.shape[2], ks_rows,
         kv.v_codes.shape[2], kv.v_scale.shape[2] * kv.v_scale.shape[3] // 8, Hkv, n_out,
-        -(-steps // splits),
-        HG=HG, HP=8 if HG <= 8 else 16, D=D, BITS=bits, G=kv.group_size, GV=kv.value_group,
-        HAS_STARTS=has_starts, HAS_LENS=has_lens, LENS_DEV=lens_dev is not None,
-        NS=STAGES[bits], HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, LQ=Lq,
-        K_TOK=k_tok, PDL=pdl, num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}))
+        -(-steps // splits))
+    keywords = _TMA_KEYWORDS(
+        HG, 8 if HG <= 8 else 16, D, bits, kv.group_size, kv.value_group, has_starts, has_lens,
+        lens_dev is not None, STAGES[bits], window is not None, softcap is not None, Lq, k_tok,
+        pdl, 1)
+    if maxnreg or extra:
+        return _TMA.run((B * Hkv, splits), args, {**keywords.kwargs, **(extra or {}),
+                                                  **({"maxnreg": maxnreg} if maxnreg else {})})
+    return _TMA.launch((B * Hkv, splits), args, keywords)
+
+
+# The launch through kernels.launch.FastLaunch (its descriptors cached per layer above): an eager
+# call then skips Triton's binder as the other kernels' launches do.
+_TMA = FastLaunch(_body_tma_kernel) if gluon is not None else None
+_TMA_KEYWORDS = keyword_maker(("HG", "HP", "D", "BITS", "G", "GV", "HAS_STARTS", "HAS_LENS",
+                               "LENS_DEV", "NS", "HAS_WINDOW", "SOFTCAP", "LQ", "K_TOK", "PDL",
+                               "num_warps"))

@@ -8,17 +8,19 @@ FP16 SDPA call. :class:`FastLaunch` wraps a ``@triton.jit`` / ``@gluon.jit`` ker
 launch of a specialization goes through the JIT (which compiles it), and later launches with the
 same key call the compiled kernel's launcher directly.
 
-The key is what the JIT's specialization reads, in the JIT's own classes: each tensor argument's
-dtype and 16-byte alignment, each specialized integer's class (equal to 1, divisible by 16, or
+The key is what the JIT's specialization reads, in the JIT's own classes: each tensor
+argument's dtype and 16-byte alignment, each TMA descriptor's dtype, block shape and shared
+layout (what its ``__mangle__`` holds; the launcher encodes the descriptor's buffer, shape and
+strides at every launch), each specialized integer's class (equal to 1, divisible by 16, or
 neither, and its 32/64-bit range), the range of the integers it does not specialize
 (``do_not_specialize``), the exact value of bools, the keyword arguments (constexprs and launch
 options) and the device. The first launch of a key checks those classes against the binder's
 own specialization and keeps no plan if they differ (a Triton with other rules), so a plan is
 only reused for arguments that satisfy every assumption its kernel was compiled under. An
-argument of any other type (a TMA descriptor, a tuple) sends the launch through the JIT, as do
-launch hooks (profilers), the interpreter, CPU tensors and a Triton older than 3.4 or with other
-JIT internals (no ``knobs``, no per-device binder, another launcher signature: the wrapper then
-stays on the JIT for good). Not re-checked on the fast path: Triton's guard against module
+argument of any other type (a tuple) sends the launch through the JIT, as do launch hooks
+(profilers), the interpreter, CPU tensors and a Triton older than 3.4 or with other JIT internals
+(no ``knobs``, no per-device binder, another launcher signature: the wrapper then stays on the
+JIT for good). Not re-checked on the fast path: Triton's guard against module
 globals changed after compilation (kvbits reads its switches once, at import) and its ``debug``
 knob.
 """
@@ -74,13 +76,26 @@ def _expected(part):
     return None if kind == "n" else ...
 
 
+def _is_descriptor(x) -> bool:
+    """A host TMA tensor descriptor (Triton's or Gluon's ``TensorDescriptor``)."""
+    return all(hasattr(x, a) for a in ("base", "block_shape", "layout"))
+
+
+def _descriptor_class(d) -> tuple:
+    """What the JIT specializes a descriptor on (its ``__mangle__``: the base's dtype, the block
+    shape, the shared layout) and the fields its launcher reads besides the buffer."""
+    return ("d", d.base.dtype, tuple(d.block_shape), d.layout, getattr(d, "padding", None),
+            getattr(d, "round_f32_to_tf32", False))
+
+
 def _key_function(args, specialized, aligned):
     """Code for :meth:`FastLaunch.classes` at the argument types of ``args`` (a tensor, int,
-    float, bool or None at each position; else None): one expression per argument, no loop, as
-    Triton's own binder is generated. Arguments of other types at a later launch make it return
+    float, bool, None or TMA descriptor at each position; else None): one expression per
+    argument, no loop, as Triton's own binder is generated. Arguments of other types at a later launch make it return
     None (or raise), and the launch goes through the JIT."""
     names = [f"a{i}" for i in range(len(args))]
     guards, parts = [], []
+    scope = {"T": torch.Tensor, "_descriptor_class": _descriptor_class}
     for n, a, spec, align in zip(names, args, specialized, aligned):
         if isinstance(a, torch.Tensor):
             guards.append(f"isinstance({n}, T)")
@@ -101,12 +116,15 @@ def _key_function(args, specialized, aligned):
         elif a is None:
             guards.append(f"{n} is None")
             parts.append("None")
+        elif _is_descriptor(a):  # the class of this launch's descriptor (Gluon's or Triton's)
+            scope[f"D{n}"] = type(a)
+            guards.append(f"type({n}) is D{n}")
+            parts.append(f"_descriptor_class({n})")
         else:
             return lambda *args: None
     src = (f"def key({', '.join(names)}):\n"
            f"    if not ({' and '.join(guards) or 'True'}):\n        return None\n"
            f"    return ({', '.join(parts)},)\n")
-    scope = {"T": torch.Tensor}
     exec(src, scope)  # noqa: S102 - code built above from the argument kinds only
     return scope["key"]
 
@@ -207,6 +225,8 @@ class FastLaunch:
                 parts.append(float)
             elif a is None:
                 parts.append(None)
+            elif _is_descriptor(a):
+                parts.append(_descriptor_class(a))
             else:
                 return None
         return parts
