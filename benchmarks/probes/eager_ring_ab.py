@@ -54,7 +54,7 @@ def main() -> None:
         kv = random_packed_kv(B, hkv, T, 128, resolve_spec(preset))
         q = torch.randn(B, hq, 1, 128, dtype=torch.float16, device="cuda")
 
-        def call():
+        def call(q=q, kv=kv):
             return decode_attention(q, kv, scale=128 ** -0.5)
         res, outs = {}, {}
         for _ in range(3):

@@ -14,7 +14,8 @@ If time falls from 8 to 16 programs per SM at fixed code, the half step is worth
 it is flat, the body is bound by something the residency does not change. The kernel is a
 source copy of ``decode_gluon_tma`` with the two constexprs added (the library is untouched).
 CUDA-graph time, best of three medians, alternated; residency read back from the compiled
-kernel (registers, shared memory).
+kernel (registers, shared memory). (Session 35 ran it before ``attend_body`` took ``extra``: it
+then patched the launch too, with the same keywords.)
 
     PYTHONPATH=src python3 benchmarks/probes/occupancy_ab.py [B:Hq:Hkv:T:preset,...]
 """
@@ -40,25 +41,18 @@ def variant_module():
     src = (ROOT / "src/kvbits/kernels/decode_gluon_tma.py").read_text()
     src = src.replace("from . import decode_gluon as dg",
                       "from kvbits.kernels import decode_gluon as dg")
-    src = src.replace("from .launch import device_index",
-                      "from kvbits.kernels.launch import device_index")
+    src = src.replace("from .launch import", "from kvbits.kernels.launch import")
     pad = ("        for i in gl.static_range(len(PAD)):  # live padding (powers of two)\n"
            "            pad = gl.allocate_shared_memory(gl.int32, [PAD[i]], gl.SwizzledSharedLayout("
            "1, 1, 1, [0]))\n"
            "            pad.slice(0, 32).store(gl.zeros([32], gl.int32, gl.BlockedLayout([1], [32],"
            " [1], [0])))\n")
     ring = "        fence_async_shared()\n        for i in gl.static_range(NS - 1):  # the ring's"
-    launch = "        K_TOK=k_tok, PDL=pdl, num_warps=1, **({\"maxnreg\": maxnreg} if maxnreg else {})"
     edits = [
         ("        PDL: gl.constexpr = False,\n    ):",
          ("        PDL: gl.constexpr = False, PAD: gl.constexpr = (),\n"
           "        KEYS_ONLY: gl.constexpr = False,\n    ):")),
         (ring, pad + ring),
-        (launch + ")", launch + ", **EXTRA)"),
-        ("    _body_tma_kernel[(B * Hkv, splits)](",
-         "    return _body_tma_kernel[(B * Hkv, splits)]("),
-        ("        NS=STAGES[bits], HAS_WINDOW",
-         "        NS=EXTRA_NS.get(bits, STAGES[bits]), HAS_WINDOW"),
     ]
     for old, new in edits:
         if old not in src:
@@ -71,7 +65,6 @@ def variant_module():
                     for line in src[a:b].splitlines(keepends=True))
     src = (src[:a] + "            if KEYS_ONLY:\n                acc0 = acc0 * alpha[None, :]\n"
            "                acc1 = acc1 * alpha[None, :]\n            else:\n" + block + src[b:])
-    src += "\nEXTRA = {}\nEXTRA_NS = {}\n"
     path = Path(tempfile.mkdtemp()) / "decode_gluon_tma_occupancy.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("decode_gluon_tma_occupancy", path)
@@ -95,14 +88,12 @@ def make(mod, q, kv, splits, keys_only, ns, pad):
     out = torch.zeros(B * hq, splits, 128, dtype=torch.float32, device="cuda")
     lse = torch.zeros(B * hq, splits, dtype=torch.float32, device="cuda")
 
+    extra = {"PAD": pad, "KEYS_ONLY": keys_only, **({"NS": ns} if ns else {})}
+
     def call():
-        mod.EXTRA.clear()
-        mod.EXTRA.update({"PAD": pad, "KEYS_ONLY": keys_only})
-        mod.EXTRA_NS.clear()
-        if ns:
-            mod.EXTRA_NS[kv.key_bits] = ns
         return mod.attend_body(q, kv, out, lse, scale_log2=0.127, starts=q, lengths=q,
-                               has_starts=False, has_lens=False, n_out=splits, splits=splits)
+                               has_starts=False, has_lens=False, n_out=splits, splits=splits,
+                               extra=extra)
     return call
 
 

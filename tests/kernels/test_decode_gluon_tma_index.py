@@ -234,7 +234,7 @@ def _ring_layer(B=1, H=2, T=256, owner=None):
     """A KIVI 2-bit layer's six buffers as the ring reads them (CPU tensors; values unused)."""
     from kvbits.formats.layout import PackedKV
 
-    z = lambda *s: torch.zeros(*s, dtype=torch.float16)  # noqa: E731
+    z = lambda *s: torch.zeros(*s, dtype=torch.float16)
     words = T // 32 * 2  # 2-bit groups of 32 tokens: 2 words per channel
     return PackedKV(z(B, H, 0, D), z(B, H, 0, D), 0,
                     torch.zeros(B, H, words, D, dtype=torch.int32), z(B, H, T // 32, D),

@@ -237,9 +237,10 @@ def test_descriptor_arguments_have_a_class():
     dt = pytest.importorskip("kvbits.kernels.decode_gluon_tma")
     if dt.gluon is None:
         pytest.skip("this Triton has no Gluon")
-    from kvbits.kernels.launch import _descriptor_class, _key_function
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from kvbits.kernels.launch import _descriptor_class, _key_function
 
     def desc(t, block, swizzle=128):
         layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32, rank=3)
