@@ -23,8 +23,10 @@ says which, :func:`serves` when (``KVBITS_GLUON_TMA``: ``auto`` by default, ``1`
 ``0`` never). H200, against the register body with the L2 prefetch: kivi-2 5-18% faster
 (``benchmarks/results/decode_gluon_tma.log``), kivi-4 8-11% faster in CUDA-graph time at every
 (sequence, KV head) pair count measured, 8 to 256 (``benchmarks/results/tma4_pairs.log``),
-uniform-int4 27-39% (``benchmarks/results/tma_uniform_ab_s29.log``). Eager calls pay ~100-200 us more host time for the ring's
-descriptors, so ``auto`` takes it outside graph capture only for large calls (``EAGER_MIN_WORK``).
+uniform-int4 27-39% (``benchmarks/results/tma_uniform_ab_s29.log``). Eager calls pay ~50 us
+more host time than the register body's (the launcher encodes six tensor maps per launch; the
+descriptors themselves are built once per layer, :func:`_descriptors`), so ``auto`` takes the
+ring outside graph capture only for large calls (``EAGER_MIN_WORK``).
 """
 
 from __future__ import annotations
@@ -51,11 +53,16 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 # layers; until session 21 4-bit layers only from 256 (sequence, KV head) pairs, after an eager
 # timing at 64 pairs that measured the descriptors' host time: in graph time the 4-bit ring is
 # 8-11% faster at 8 to 256 pairs, benchmarks/results/tma4_pairs.log); "1" always; "0" never.
-# An eager call of the ring costs ~100 us more host time than the register body (six tensor
-# descriptors built and encoded per launch), so "auto" takes it outside CUDA-graph capture
-# only for calls of at least EAGER_MIN_WORK body tokens x (sequence, KV head) pairs, where the
-# kernel outlasts that (H200: Llama-3-8B B=8 32k, 2^21, ran 117 us eager on the register body
-# and 204 us on the ring, which wins in graph time, 108 us).
+# An eager call of the ring costs more host time than the register body, so "auto" takes it
+# outside CUDA-graph capture only for calls of at least EAGER_MIN_WORK body tokens x (sequence,
+# KV head) pairs, where the kernel outlasts that (H200: Llama-3-8B B=8 32k, 2^21, ran 117 us
+# eager on the register body and 204 us on the ring, which wins in graph time, 108 us). Session
+# 35 cut the ring's extra host time from ~150 to ~50 us (descriptors built once per layer:
+# 114 -> 7 us; the launch through FastLaunch: 91 -> 45 us, of which 28 in the launcher, which
+# encodes the six tensor maps at every launch; benchmarks/results/ring_host_s35.log), and still
+# measured the register body faster eagerly below 2^23 (eager_ring_ab_s35.log: Llama-3-8B B=8
+# 32k kivi-2 166 against 225 us, kivi-4 153 against 225, both host-bound) and the ring faster
+# at 2^23 (B=8 128k kivi-4 374 against 474 us): the threshold stays.
 MODE = os.environ.get("KVBITS_GLUON_TMA", "auto")
 if MODE not in ("auto", "0", "1"):
     raise ValueError(f"KVBITS_GLUON_TMA must be 'auto', '0' or '1', got {MODE!r}")
