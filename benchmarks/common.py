@@ -199,10 +199,13 @@ def _fmt(x) -> str:
     return str(x)
 
 
-def host_us(fn, n: int = 200) -> float:
-    """Host microseconds per call to enqueue ``fn`` (no synchronisation inside the loop)."""
+def host_us(fn, n: int = 200, warmup: int = 0) -> float:
+    """Host microseconds per call to enqueue ``fn`` (no synchronisation inside the loop), after
+    ``warmup`` untimed calls."""
     import time
 
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(n):

@@ -9,14 +9,13 @@ per call for the same shape.
     PYTHONPATH=src python3 benchmarks/probes/decode_host_breakdown.py [B:Hq:Hkv:T:preset,...]
 """
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import random_packed_kv
+from common import host_us, random_packed_kv
 
 from kvbits.kernels import decode_attention as da
 from kvbits.kernels import decode_gluon as dg
@@ -33,15 +32,7 @@ FAST = {"triton": getattr(da, "_DECODE", None), "finish": getattr(da, "_FINISH",
 
 
 def per_call(fn, n=400):
-    for _ in range(30):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    dt_ = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return dt_
+    return host_us(fn, n, warmup=30)
 
 
 def launch_costs(name, a, kw):

@@ -12,14 +12,13 @@ sync), variants alternated, to place the new threshold.
     PYTHONPATH=src python3 benchmarks/probes/eager_ring_ab.py [B:Hq:Hkv:T:preset,...]
 """
 import sys
-import time
 from pathlib import Path
 
 import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import parse_rows, random_packed_kv
+from common import host_us, parse_rows, random_packed_kv
 
 from kvbits.kernels import decode_gluon_tma as dt
 from kvbits.kernels.decode_attention import decode_attention
@@ -31,19 +30,6 @@ ROWS = parse_rows(sys.argv[1] if len(sys.argv) > 1 else None, [
     (8, 32, 8, 32768, "kivi-2"), (8, 32, 8, 32768, "kivi-4"), (8, 32, 8, 32768, "uniform-int4"),
     (1, 32, 8, 32768, "kivi-4"), (1, 32, 32, 32768, "kivi-4"), (4, 32, 8, 32768, "kivi-4"),
     (8, 32, 8, 131072, "kivi-4")])
-
-
-def host_us(fn, n: int = 200) -> float:
-    """Host microseconds per call, calls enqueued back to back (the GPU may lag; no sync)."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return us
 
 
 def main() -> None:
@@ -62,7 +48,7 @@ def main() -> None:
                 dt.MODE = mode
                 outs[mode] = call()
                 us = do_bench(call, warmup=25, rep=200, return_mode="median") * 1e3
-                h = host_us(call)
+                h = host_us(call, warmup=10)
                 best = res.get(mode, (float("inf"), float("inf")))
                 res[mode] = (min(best[0], us), min(best[1], h))
         dt.MODE = "auto"
