@@ -675,7 +675,8 @@ def _descriptors(kv):
     (``_DESCRIPTORS``)."""
     import weakref
 
-    owner = getattr(kv, "owner", None) or kv
+    owner = getattr(kv, "owner", None)
+    owner = kv if owner is None else owner
     key = _buffers_key(kv)
     hit = _DESCRIPTORS.get(id(owner))
     if hit is not None and hit[0]() is owner and hit[1] == key:
