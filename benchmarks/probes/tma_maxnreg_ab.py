@@ -44,7 +44,7 @@ for B, hq, hkv, T, preset in shapes:
         def call(cap=cap, out=out, lse=lse, q=q, kv=kv, splits=splits):
             dt.attend_body(q, kv, out, lse, scale_log2=0.127, starts=q, lengths=q,
                            has_starts=False, has_lens=False, n_out=splits, splits=splits,
-                           maxnreg=cap)
+                           extra={"maxnreg": cap} if cap else None)
         call()
         torch.cuda.synchronize()
         calls[cap], outs[cap], times[cap] = call, (out.clone(), lse.clone()), []

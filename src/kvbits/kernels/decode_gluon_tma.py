@@ -712,12 +712,12 @@ def _build_descriptors(kv):
 
 def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_starts: bool,
                 has_lens: bool, n_out: int, splits: int, lens_dev=None, window=None,
-                softcap=None, maxnreg: int = 0, pdl: bool = False, extra: dict | None = None):
+                softcap=None, pdl: bool = False, extra: dict | None = None):
     """``decode_gluon.attend_body`` for :func:`eligible` layers, through the TMA ring
-    (``q [B, Hq, Lq, D]``: its rows as columns, as there). ``maxnreg``: a register cap (0: none;
-    probes only, ``benchmarks/probes/tma_maxnreg_ab.py``). ``pdl``: let the next launch, a
+    (``q [B, Hq, Lq, D]``: its rows as columns, as there). ``pdl``: let the next launch, a
     programmatic dependent, start (as there). ``extra``: keyword arguments that replace or add
-    to the launch's (probes: a patched kernel's constexprs). Returns the launch's kernel."""
+    to the launch's (probes only: a register cap ``maxnreg``, ``benchmarks/probes/
+    tma_maxnreg_ab.py``; a patched kernel's constexprs). Returns the launch's kernel."""
     q, HG, Lq = dg.query_rows_as_heads(q, kv.kv_heads)
     B, _, _, D = q.shape
     Hkv = kv.kv_heads
@@ -738,9 +738,8 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         HG, 8 if HG <= 8 else 16, D, bits, kv.group_size, kv.value_group, has_starts, has_lens,
         lens_dev is not None, STAGES[bits], window is not None, softcap is not None, Lq, k_tok,
         pdl, 1)
-    if maxnreg or extra:
-        return _TMA.run((B * Hkv, splits), args, {**keywords.kwargs, **(extra or {}),
-                                                  **({"maxnreg": maxnreg} if maxnreg else {})})
+    if extra:
+        return _TMA.run((B * Hkv, splits), args, {**keywords.kwargs, **extra})
     return _TMA.launch((B * Hkv, splits), args, keywords)
 
 
