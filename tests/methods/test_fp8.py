@@ -136,3 +136,27 @@ def test_dynamic_scale_of_a_sequence_whose_first_group_is_padding(gran):
     keys, _ = dequantize_layer(st.view(), starts=st.starts)
     kept = k[1, :, 32:st.body_len]
     assert ((keys[1, :, 32:st.body_len] - kept).abs() <= kept.abs() / 16 + 1e-3).all()
+
+
+def test_device_length_view_bounds_whole_groups_after_growth(monkeypatch):
+    """A captured loop over an fp8 layer whose buffers grew by 1/8 in eager decode steps (a
+    second ``generate`` on the same cache): the view's body bound must be whole groups of G
+    (the kernels' contract), not the raw capacity (8496 rows here, refused by decode_attention),
+    and still hold every stored token."""
+    from kvbits import ops
+
+    monkeypatch.setenv("KVBITS_KERNELS", "triton")  # view_dev's kernel bounds (no launch)
+    st = LayerStore(resolve_spec("fp8"), 1, 1, 64, torch.float16, "cpu",
+                    fp8_scales=(torch.ones(1), torch.ones(1)))
+    g = torch.Generator().manual_seed(0)
+    st.append(torch.randn(1, 1, 7571, 64, generator=g).half(),
+              torch.randn(1, 1, 7571, 64, generator=g).half())
+    for _ in range(40):
+        st.append(torch.randn(1, 1, 1, 64, generator=g).half(),
+                  torch.randn(1, 1, 1, 64, generator=g).half())
+    G = st.spec.group_size
+    assert st.k_codes.shape[2] % G  # the premise: a capacity between whole groups
+    st.begin_device_lengths(st.seq_len + 8)
+    kv = st.view_dev()
+    assert kv.body_len % G == 0 and st.body_len <= kv.body_len <= st.k_codes.shape[2]
+    ops._check_call(torch.zeros(1, 1, 1, 64, dtype=torch.float16), kv, 0.125, None)

@@ -525,8 +525,8 @@ class LayerStore:
         kv = self.view()
         if ops.use_kernels(self.res_k) and ops.kernel_reads(kv):
             rows = self.k_codes.shape[2]  # float8: one per token; else k_words per group
-            G = self.spec.group_size
-            kv.body_len = (rows if self.fp8 else rows // self.k_words * G) \
+            G = self.spec.group_size  # the bound in whole groups, as the kernels require
+            kv.body_len = (rows // G * G if self.fp8 else rows // self.k_words * G) \
                 if self.spec.quantized else 0
             kv.res_len = self.res_k.shape[2]
         return kv
