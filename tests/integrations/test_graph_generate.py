@@ -433,6 +433,31 @@ def test_gpu_deep_copied_prefix_cache_replays_like_a_fresh_one():
     assert original.get_seq_length() == 200
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+def test_gpu_fp8_prefix_grown_by_eager_steps_replays():
+    """An fp8 prefix cache whose buffers grew by 1/8 in eager decode steps (capacities between
+    whole groups: the captured view once bounded its body by the raw capacity, which
+    decode_attention refuses): the captured loop runs and gives transformers' own tokens."""
+    import copy
+    m = tiny_llama(0, hidden_size=256, intermediate_size=256, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64, max_position_embeddings=1024
+                   ).half().cuda()
+    ids = prompt(380, 1).cuda()
+    cache = KVBitsCache(m, "fp8-dynamic")
+    with torch.no_grad():
+        m(input_ids=ids[:, :270], use_cache=True, **cache_kwargs(m, cache))
+        for t in range(270, 330):  # one token at a time: the buffers grow by 1/8
+            m(input_ids=ids[:, t:t + 1], use_cache=True, **cache_kwargs(m, cache))
+    G = cache.spec.group_size
+    assert any(layer.store.k_codes.shape[2] % G for layer in cache.layers)  # the premise
+    want, _ = generate(m, ids, copy.deepcopy(cache), ours=False, do_sample=False,
+                       max_new_tokens=30)
+    got, warned = generate(m, ids, cache, ours=True, do_sample=False, max_new_tokens=30)
+    assert not warned, warned
+    assert torch.equal(got, want)
+
+
 def _gemma(n: int):
     """Gemma2 (softcapping, sliding and full layers) or Gemma3 (sliding and full layers, per
     layer-type RoPE), tiny."""
