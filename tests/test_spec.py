@@ -179,6 +179,16 @@ def test_resolve_spec_none_override_means_keep():
     assert spec == PRESETS["k4v2"]
 
 
+def test_resolve_spec_refuses_overrides_of_a_spec_that_quantizes_nothing():
+    # "fp16:K=2" once resolved to plain fp16: the user asked for 2-bit keys and got none.
+    for spec, kw in (("fp16:K=2", {}), ("fp16", {"key_bits": 2, "residual_length": 4}),
+                     (PRESETS["fp16"], {"sink_tokens": 1})):
+        with pytest.raises(ValueError, match=r"'fp16' quantizes nothing and takes no overrides "
+                                             r"\(got .*(key_bits|sink_tokens)"):
+            resolve_spec(spec, **kw)
+    assert resolve_spec("fp16", residual_length=None) is PRESETS["fp16"]  # unset CLI flags
+
+
 def test_resolve_spec_from_spec():
     base = QuantSpec(key_bits=8, value_bits=4, group_size=64)
     assert resolve_spec(base) is base

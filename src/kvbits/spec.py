@@ -475,7 +475,16 @@ def resolve_spec(spec, **overrides) -> QuantSpec:
     overrides = _hf_names({k: v for k, v in overrides.items() if v is not None})
     _check_field_names(overrides, "override(s)", " (or transformers' nbits, q_group_size, "
                        "axis_key, axis_value)")
+    if overrides and not base.quantized:  # they would be kept and silently do nothing
+        raise ValueError(f"spec {base.describe()!r} quantizes nothing and takes no overrides "
+                         f"(got {', '.join(overrides)}); start from a quantized preset, e.g. "
+                         "'kivi-2'")
     return base.replace(**overrides) if overrides else base
+
+
+# Where ``calibration=`` is taken (the error of a spec that takes none names them all).
+CALIBRATION_USES = ("calibration= applies to fp8_scale='calibrated' (preset 'fp8'), method "
+                    "'kvquant' (codebooks) and hadamard_calibrated=True (presets 'kivi-N-hadc')")
 
 
 def _hf_names(overrides: dict) -> dict:

@@ -100,6 +100,10 @@ def test_fp8_cache(model):
         KVBitsCache(model, "fp8")
     with pytest.raises(ValueError, match="calibration= applies to fp8_scale='calibrated'"):
         KVBitsCache(model, "fp8-dynamic", calibration=scales)
+    for spec in ("kivi-2", "kivi-2-had", "uniform-int4"):  # every taker named, kivi-N-hadc too
+        with pytest.raises(ValueError, match=r"'kvquant' \(codebooks\) and hadamard_calibrated"
+                                             r"=True \(presets 'kivi-N-hadc'\); the spec is"):
+            KVBitsCache(model, spec, calibration=scales)
 
 
 def test_hadamard_calibrated_cache(model, tmp_path):

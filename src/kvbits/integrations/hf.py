@@ -77,7 +77,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .. import ops
 from ..cache.store import LayerStore
 from ..reference.attention import dequantize_layer
-from ..spec import QuantSpec, resolve_spec
+from ..spec import CALIBRATION_USES, QuantSpec, resolve_spec
 
 __all__ = ["ATTN_IMPLEMENTATION", "KVBitsCache", "KVBitsLayer", "cache_kwargs",
            "kvbits_attention_forward", "layer_windows", "padding_starts", "register"]
@@ -486,8 +486,7 @@ def _layer_codebooks(model_or_config, spec: QuantSpec, calibration, preset: str,
     """Per layer: the kvquant codebooks (None for other methods or ``calibration="uniform"``)."""
     if spec.method != "kvquant":
         if calibration is not None:
-            raise ValueError(f"calibration= applies to method 'kvquant' only; the spec is "
-                             f"{spec.method!r}")
+            raise ValueError(f"{CALIBRATION_USES}; the spec is {spec.describe()!r}")
         return [None] * n
     from ..methods import kvquant as kvq
 

@@ -18,7 +18,7 @@ import torch
 
 from ..reference import hadamard as ref_hadamard
 from ..reference import quant as ref_quant
-from ..spec import QuantSpec
+from ..spec import CALIBRATION_USES, QuantSpec
 from . import calibration_ids, per_layer_calibration
 
 __all__ = ["auto_fp8_scales", "calibrate_fp8", "layer_scales", "load_fp8_scales",
@@ -98,8 +98,7 @@ def layer_scales(model_or_config, spec: QuantSpec, calibration, n_layers: int) -
     dynamic scales)."""
     if spec.fp8_scale == "dynamic":
         if calibration is not None:
-            raise ValueError("calibration= applies to fp8_scale='calibrated' (preset 'fp8') and "
-                             "kvquant; this spec has dynamic fp8 scales")
+            raise ValueError(f"{CALIBRATION_USES}; this spec has dynamic fp8 scales")
         return [None] * n_layers
     if calibration is None:
         raise ValueError("fp8_scale='calibrated' needs scales: KVBitsCache(model, 'fp8', "
