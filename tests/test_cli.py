@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -216,6 +217,57 @@ def test_runs_where_no_token_reads_the_cache_are_refused():
         _check_chunks(model, 160, 32, None, None, [fp16, kivi])
     _check_chunks(model, 160, 32, None, None, [fp16, kivi_r0])
     _check_chunks(model, 161, 32, None, None, [kivi])
+    # demo has no --window and names its presets plainly (its kivi rows read "+0.00%" at
+    # --tokens 150 before it passed them here; found by a CLI audit)
+    with pytest.raises(ValueError, match=r"^preset kivi-2: no scored token .* use more --tokens "
+                                         r"or a smaller --chunk$"):
+        _check_chunks(model, 160, 32, None, None, [fp16, kivi], option="preset",
+                      has_window=False)
+    with pytest.raises(ValueError, match=r"smaller than --tokens \(e\.g\."):
+        _check_chunks(model, 256, 256, None, None, has_window=False)
+
+
+def test_preset_errors_name_the_option_given(capsys):
+    """`tune --base kivi-9` and `calibrate/generate --preset kivi-5` blamed --presets."""
+    for argv, flag in ((("tune", "--base", "kivi-9"), "--base"),
+                       (("generate", "--prompt", "x", "--preset", "kivi-5"), "--preset"),
+                       (("memory", "--preset", "kivi-2,kivi-5"), "--preset")):
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and f"error: {flag}: unknown preset 'kivi-" in err, (argv, err)
+
+
+def test_output_paths_are_checked_before_any_work(capsys, tmp_path):
+    """A path that cannot be written was found only when the results were written, after the
+    work (a traceback, the measurement lost); now the option is named up front."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for argv, want in (
+            (("memory", "--json", str(tmp_path)), f"--json: '{tmp_path}' is a folder"),
+            (("calibrate", "--preset", "kvquant-3", "-o", str(tmp_path)), "--output: .* is a folder"),
+            (("ppl", "--presets", "fp16", "--md", str(afile / "x.md")),
+             "--md: cannot write under .*afile': a part of it is a file"),
+            (("needle", "--out", str(afile)), "--out: .*afile' is a file; give a folder"),
+            (("memory", "--json", "/proc/kvbits-test/m.json"), "--json: cannot write under")):
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and re.search(want, err), (argv, err)
+    code, _, _ = run(capsys, "memory", "--json", str(tmp_path / "a" / "b.json"))
+    assert code == 0 and (tmp_path / "a" / "b.json").exists()
+
+
+def test_memory_reads_the_config_file_named(capsys, tmp_path):
+    """`--config cfgs/x.json` read cfgs/config.json (transformers loads a folder), so a sibling
+    config's numbers came out under the named file's name."""
+    llama3 = {"model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "hidden_size": 4096, "head_dim": 128}
+    other = {"model_type": "llama", "num_hidden_layers": 30, "num_attention_heads": 9,
+             "num_key_value_heads": 3, "hidden_size": 576}
+    (tmp_path / "l3.json").write_text(json.dumps(llama3))
+    (tmp_path / "config.json").write_text(json.dumps(other))
+    for config, want in ((tmp_path / "l3.json", 131072), (tmp_path, 23040)):
+        path = tmp_path / "m.json"
+        code, _, _ = run(capsys, "memory", "--config", str(config), "--preset", "fp16",
+                         "--json", str(path))
+        assert code == 0 and json.loads(path.read_text())[0]["fp16_bytes_per_token"] == want
 
 
 def test_output_folders_are_created(tmp_path):

@@ -183,7 +183,8 @@ def test_resolve_spec_refuses_overrides_of_a_spec_that_quantizes_nothing():
     # "fp16:K=2" once resolved to plain fp16: the user asked for 2-bit keys and got none.
     for spec, kw in (("fp16:K=2", {}), ("fp16", {"key_bits": 2, "residual_length": 4}),
                      (PRESETS["fp16"], {"sink_tokens": 1})):
-        with pytest.raises(ValueError, match=r"'fp16' quantizes nothing and takes no overrides "
+        with pytest.raises(ValueError, match=r"(preset|spec) 'fp16' quantizes nothing and takes "
+                                             r"no overrides "
                                              r"\(got .*(key_bits|sink_tokens)"):
             resolve_spec(spec, **kw)
     assert resolve_spec("fp16", residual_length=None) is PRESETS["fp16"]  # unset CLI flags

@@ -47,12 +47,12 @@ def draw(rng: torch.Generator) -> dict:
     tokens = int(math.exp(float(torch.empty(1).uniform_(math.log(2), math.log(70000),
                                                          generator=rng))))
     tokens = max(1, min(tokens, 2_000_000 // (B * Hkv)))  # bounds the reference's float32 copy
-    return dict(preset=pick(PRESETS), D=D, Hkv=Hkv, HG=HG, B=B, tokens=tokens,
-                Lq=pick([1, 1, 1, 2, 4]), decode=pick([0, 1, 5, 40]),
-                dtype=pick([torch.float16, torch.float16, torch.bfloat16]),
-                ragged=bool(torch.rand(1, generator=rng) < 0.4),
-                window=pick([None, None, None, 700]), seed=int(torch.randint(1 << 30, (1,),
-                                                                             generator=rng)))
+    return {"preset": pick(PRESETS), "D": D, "Hkv": Hkv, "HG": HG, "B": B, "tokens": tokens,
+            "Lq": pick([1, 1, 1, 2, 4]), "decode": pick([0, 1, 5, 40]),
+            "dtype": pick([torch.float16, torch.float16, torch.bfloat16]),
+            "ragged": bool(torch.rand(1, generator=rng) < 0.4),
+            "window": pick([None, None, None, 700]),
+            "seed": int(torch.randint(1 << 30, (1,), generator=rng))}
 
 
 def codebooks(spec, H: int, g: torch.Generator, device) -> LayerCodebooks:
@@ -69,7 +69,7 @@ def codebooks(spec, H: int, g: torch.Generator, device) -> LayerCodebooks:
 def build(c: dict, device: str = "cuda"):
     spec = resolve_spec(c["preset"])
     g = torch.Generator().manual_seed(c["seed"])
-    B, H, D, T = c["B"], c["Hkv"], c["D"], c["tokens"]
+    B, H, D = c["B"], c["Hkv"], c["D"]
     kw = {}
     if spec.method == "kvquant":
         kw["codebooks"] = codebooks(spec, H, g, device)
@@ -114,7 +114,7 @@ def errors(o: torch.Tensor, r: torch.Tensor) -> tuple[float, float]:
 def one_layer(c: dict, device: str) -> dict:
     store, q, lengths, kv = build(c, device)
     scale = c["D"] ** -0.5
-    args = dict(scale=scale, starts=store.starts, lengths=lengths, window=c["window"])
+    args = {"scale": scale, "starts": store.starts, "lengths": lengths, "window": c["window"]}
     qr = store.rotate_query(q)
     kvw = store.view()
     out = ops.decode_attention(qr, kvw, **args)

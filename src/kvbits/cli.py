@@ -59,7 +59,7 @@ def _split_items(text: str) -> list[str]:
     return items
 
 
-def parse_presets(text: str, **defaults) -> list[Variant]:
+def parse_presets(text: str, option: str = "--presets", **defaults) -> list[Variant]:
     """``"fp16,kivi-4,kivi-2:R=0"`` -> kvbits variants. ``defaults`` (e.g. ``group_size=64``) apply
     to every quantized preset unless its own overrides set the field.
 
@@ -70,27 +70,24 @@ def parse_presets(text: str, **defaults) -> list[Variant]:
     for item in _split_items(text):
         name, _, rest = item.partition(":")
         if name not in PRESETS and not name.endswith(".json"):
-            raise ValueError(f"--presets: unknown preset {name!r} in {item!r}; presets are: "
+            raise ValueError(f"{option}: unknown preset {name!r} in {item!r}; presets are: "
                              f"{', '.join(PRESETS)} (or a spec file, .json, from kvbits tune)")
-        fields = parse_overrides(item, rest, option="--presets")
-        if fields and name in PRESETS and not PRESETS[name].quantized:
-            raise ValueError(f"--presets: {item!r}: preset {name!r} quantizes nothing and takes "
-                             "no overrides (FIELD=VALUE applies to quantized presets)")
+        fields = parse_overrides(item, rest, option=option)
         if name not in PRESETS or PRESETS[name].quantized:
             fields = {**{k: v for k, v in defaults.items() if v is not None}, **fields}
         try:
             spec = resolve_spec(name, **fields)
         except ValueError as exc:
-            raise ValueError(f"--presets: {item!r}: {exc}") from None
+            raise ValueError(f"{option}: {item!r}: {exc}") from None
         variants.append(Variant(item, "kvbits", spec))
     if not variants:
-        raise ValueError("--presets: give at least one preset, e.g. fp16,kivi-4,kivi-2")
+        raise ValueError(f"{option}: give at least one preset, e.g. fp16,kivi-4,kivi-2")
     return variants
 
 
 def parse_preset(text: str, option: str = "--preset", **defaults) -> Variant:
     """One preset (with overrides), for options that take exactly one (``--preset``, ``--base``)."""
-    variants = parse_presets(text, **defaults)
+    variants = parse_presets(text, option, **defaults)
     if len(variants) != 1:
         raise ValueError(f"{option} takes one preset, got {len(variants)}: "
                          f"{', '.join(v.label for v in variants)}")
@@ -187,11 +184,13 @@ def _load(model_name: str, text_name: str | None = None, tokens: int | None = No
 
 
 def _check_chunks(model, n_tokens: int, chunk: int, window: int | None, stride: int | None,
-                  variants=()):
+                  variants=(), option: str = "--presets", has_window: bool = True):
     """Refuse a run in which no token reads the quantized cache back (see
     :func:`kvbits.eval.perplexity.reads_cache`), or, for one of the kvbits ``variants``, no
     scored token reads its quantized groups: the first group is quantized only once the
-    sequence holds S + R + G tokens, so shorter windows score every preset like FP16."""
+    sequence holds S + R + G tokens, so shorter windows score every preset like FP16.
+    ``option`` names the presets and ``has_window`` whether the command has ``--window`` (the
+    way out is said in the command's own flags)."""
     from .eval.perplexity import default_window, plan_windows, reads_cache
 
     window = default_window(model) if window is None else window
@@ -200,7 +199,7 @@ def _check_chunks(model, n_tokens: int, chunk: int, window: int | None, stride: 
             f"--chunk {chunk} covers every window ({n_tokens} tokens, window {window}): each "
             "window is one full-precision prefill, so no token attends to the quantized cache "
             "and every preset would score exactly like FP16; use a --chunk smaller than "
-            "--tokens and --window (e.g. 128 or 256 for 1024 tokens)")
+            f"--tokens{' and --window' if has_window else ''} (e.g. 128 or 256 for 1024 tokens)")
     longest = max(end - start for start, end, _ in plan_windows(n_tokens, window, stride))
     for v in variants:
         spec = v.spec
@@ -211,11 +210,12 @@ def _check_chunks(model, n_tokens: int, chunk: int, window: int | None, stride: 
         # and is scored (predicts the next token) if i <= window length - 2
         if longest < max(chunk, need - 1) + 2:
             raise ValueError(
-                f"--presets {v.label}: no scored token would read its quantized groups: the "
+                f"{option} {v.label}: no scored token would read its quantized groups: the "
                 f"first is quantized once a sequence holds S + R + G = {need} tokens, and only "
                 f"tokens after the first --chunk ({chunk}) read the cache back, so a window must "
                 f"hold at least {max(chunk, need - 1) + 2} tokens; the longest here holds "
-                f"{longest}: use more --tokens, a larger --window, or a smaller R")
+                f"{longest}: " + ("use more --tokens, a larger --window, or a smaller R"
+                                  if has_window else "use more --tokens or a smaller --chunk"))
 
 
 def _versions() -> dict:
@@ -371,9 +371,9 @@ def run_calibrate(cfg: CalibrateConfig) -> Path:
     from .methods import kvquant as kvq
 
     spec = cfg.variant.spec
-    if not spec.calibrated:
-        raise ValueError(f"--preset: {cfg.variant.label!r} is method {spec.method!r}; only "
-                         "'kvquant' presets are calibrated (e.g. kvquant-3)")
+    if spec.method != "kvquant":  # fp8 scales and kivi-N-hadc channels: calibration='auto'
+        raise ValueError(f"--preset: {cfg.variant.label!r} is method {spec.method!r}; this "
+                         "command fits kvquant codebooks: a kvquant preset (e.g. kvquant-3)")
     model, _, ids = _load(cfg.model, cfg.text, cfg.tokens)
     t0 = time.perf_counter()
     cal = kvq.calibrate(model, ids, spec, model_name=cfg.model, preset=cfg.variant.label,
@@ -690,7 +690,8 @@ def run_demo(cfg: DemoConfig) -> list[dict]:
 
     t0 = time.perf_counter()
     model, tok, ids = _load(cfg.model, cfg.text, cfg.tokens)
-    _check_chunks(model, ids.shape[1], cfg.chunk, None, None)
+    _check_chunks(model, ids.shape[1], cfg.chunk, None, None,
+                  parse_presets(",".join(cfg.presets)), option="preset", has_window=False)
     prompt_tokens = min(cfg.prompt_tokens, ids.shape[1])
     prompt = _demo_prompt(tok, ids[0, :prompt_tokens])
     rows = []
@@ -745,7 +746,7 @@ class MemoryConfig:
 def _cmd_memory(args) -> int:
     from .eval.memory import parse_bytes
 
-    variants = parse_presets(args.preset, group_size=args.group_size,
+    variants = parse_presets(args.preset, "--preset", group_size=args.group_size,
                              residual_length=args.residual_length, sink_tokens=args.sink_tokens)
     gpu = parse_bytes(args.gpu_memory) if args.gpu_memory else None
     if gpu is None and args.weights != "auto":
@@ -792,9 +793,9 @@ def _load_config(path: str):
     if not Path(path).exists():
         raise ValueError(f"--config: {path!r} is neither a named config "
                          f"({', '.join(NAMED_CONFIGS)}) nor a config.json or model folder")
-    from transformers import AutoConfig
+    from .eval.speed import model_config
 
-    return AutoConfig.from_pretrained(str(Path(path).parent if path.endswith(".json") else path))
+    return model_config(path)  # the named file itself (a sibling config.json is not read)
 
 
 # -------------------------------------------------------------------------------------- parser
@@ -951,7 +952,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2", help=f"model: {model_help} (default smollm2)")
     p.add_argument("--text", default="sotu-pre-2000",
                    help="calibration text (default sotu-pre-2000; evaluate on another one)")
-    p.add_argument("--preset", default="kvquant-3", help="a kvquant " + PRESET_HELP)
+    p.add_argument("--preset", default="kvquant-3",
+                   help="a kvquant preset (" + ", ".join(k for k in PRESETS if
+                                                        k.startswith("kvquant")) +
+                   "), optionally with overrides PRESET:FIELD=VALUE,... as --presets of ppl "
+                   "take them, e.g. kvquant-3:O=0.02,G=64 (default kvquant-3)")
     p.add_argument("--tokens", type=_positive, default=4096, help="tokens (default 4096)")
     p.add_argument("--window", type=_positive, default=512,
                    help="tokens per forward/backward pass (default 512)")
@@ -1012,13 +1017,52 @@ def _version() -> str:
     return __version__
 
 
+# Output options (argparse dest -> flag), checked before any work: a path that cannot be written
+# would otherwise fail with a traceback after the measurement it was to hold.
+OUTPUT_FILES = {"json": "--json", "md": "--md", "output": "--output",
+                "prefix_cache": "--prefix-cache"}
+OUTPUT_FOLDERS = {"out": "--out"}
+
+
+def check_outputs(args) -> None:
+    """Refuse, naming the option, an output path that is the wrong kind (a folder given for a
+    file, or the reverse) or under a folder that cannot be created or written."""
+    import tempfile
+
+    wanted = [(Path(getattr(args, dest)), flag, False) for dest, flag in OUTPUT_FILES.items()
+              if getattr(args, dest, None)]
+    wanted += [(Path(getattr(args, dest)), flag, True) for dest, flag in OUTPUT_FOLDERS.items()
+               if getattr(args, dest, None)]
+    for path, flag, folder in wanted:
+        if folder and path.exists() and not path.is_dir():
+            raise ValueError(f"{flag}: {str(path)!r} is a file; give a folder")
+        if not folder and path.is_dir():
+            raise ValueError(f"{flag}: {str(path)!r} is a folder; give a file path")
+        if not folder and flag == "--prefix-cache" and path.exists():
+            continue  # read, not written
+        where = path if folder else path.parent
+        try:
+            where.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=where):
+                pass
+        except OSError as exc:
+            why = "a part of it is a file" if isinstance(exc, FileExistsError) else \
+                exc.strerror or exc
+            raise ValueError(f"{flag}: cannot write under {str(where)!r}: {why}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.argv = argv
     try:
+        check_outputs(args)
         return args.func(args)
+    except OSError as exc:  # a write that failed anyway (disk full, ...): no traceback
+        if os.environ.get("KVBITS_DEBUG"):
+            raise
+        parser.exit(1, f"kvbits {args.command}: error: {exc}\n")
     except (ValueError, ImportError) as exc:
         if os.environ.get("KVBITS_DEBUG"):
             raise

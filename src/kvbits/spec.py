@@ -476,7 +476,9 @@ def resolve_spec(spec, **overrides) -> QuantSpec:
     _check_field_names(overrides, "override(s)", " (or transformers' nbits, q_group_size, "
                        "axis_key, axis_value)")
     if overrides and not base.quantized:  # they would be kept and silently do nothing
-        raise ValueError(f"spec {base.describe()!r} quantizes nothing and takes no overrides "
+        what = f"preset {spec!r}" if isinstance(spec, str) and spec in PRESETS else \
+            f"spec {base.describe()!r}"
+        raise ValueError(f"{what} quantizes nothing and takes no overrides "
                          f"(got {', '.join(overrides)}); start from a quantized preset, e.g. "
                          "'kivi-2'")
     return base.replace(**overrides) if overrides else base

@@ -204,6 +204,16 @@ def test_calibration_shapes_and_round_trip(calibrated):
     loaded.check(model, spec)  # no error
 
 
+def test_failed_save_leaves_no_partial_file(calibrated, tmp_path):
+    """Saving onto a folder fails at the final rename; the temporary file went with it only
+    since a CLI audit found `.cal.tmp` left behind."""
+    _, _, cal, _ = calibrated
+    (tmp_path / "cal").mkdir()
+    with pytest.raises(OSError):
+        cal.save(tmp_path / "cal")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cal"]
+
+
 def test_calibration_refuses_other_spec_and_model(calibrated):
     from kvbits.integrations.hf import KVBitsCache
 

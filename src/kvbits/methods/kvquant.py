@@ -527,8 +527,11 @@ class Calibration:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
-        save_file(tensors, str(tmp), metadata=meta)
-        tmp.replace(path)
+        try:
+            save_file(tensors, str(tmp), metadata=meta)
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)  # a failed write leaves no partial file behind
         return path
 
     @classmethod
