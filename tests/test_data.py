@@ -96,6 +96,10 @@ def test_unknown_names_raise_value_error(tmp_path):
     other.write_bytes(b"\0" * 16)
     with pytest.raises(ValueError, match="gemma3-270m"):
         load_model(str(other))
+    # A path that does not exist is said to be one (it read "Repo id must be in the form ...").
+    for missing in (str(tmp_path / "no-folder"), "./no-folder", "a/b/c"):
+        with pytest.raises(ValueError, match=r"model folder or file .* does not exist"):
+            load_model(missing)
 
 
 def test_local_text_file(tmp_path):

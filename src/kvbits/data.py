@@ -724,6 +724,10 @@ def load_model(
                 f"{name_or_path!r} is neither a .gguf file nor a model folder; "
                 f"known model names: {', '.join(sorted(MODELS))}"
             )
+        elif path.is_absolute() or name_or_path.startswith(("./", "../", "~")) \
+                or name_or_path.count("/") > 1:  # a path, not an "org/name" hub id
+            raise ValueError(f"model folder or file {name_or_path!r} does not exist (known "
+                             f"model names: {', '.join(sorted(MODELS))})")
         else:
             model, tok = _load_hub_id(name_or_path, dtype)
     return _finish(model, tok, device)

@@ -111,6 +111,18 @@ def test_run_needle_presets_with_overrides_and_kv_bits():
     assert "## Effective KV bits" in needle_markdown(rows, {})
 
 
+def test_lengths_past_the_trained_positions_are_announced():
+    """`needle --lengths 9000` on SmolLM2 (8192 positions) ran silently and missed the key."""
+    from kvbits.eval.speed import build_model, model_config
+
+    model = build_model(model_config("tiny", max_positions=512), device="cpu")
+    model.config.max_position_embeddings = 300
+    cfg = NeedleConfig(lengths=(400,), depths=(0.5,), presets=("fp16",), trials=1,
+                       max_new_tokens=1, chat=False)
+    with pytest.warns(UserWarning, match="length 400 is past the 300 positions"):
+        run_needle(model, CharTokenizer(), TEXT, cfg, log=lambda m: None)
+
+
 def test_summary_accuracy_per_cell():
     rows = [{"preset": "a", "length": 1, "depth": 0.0, "correct": c, "trial": i}
             for i, c in enumerate([True, False, True, True])]

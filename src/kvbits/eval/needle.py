@@ -49,6 +49,7 @@ import math
 import random
 import re
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -207,6 +208,10 @@ def run_needle(model, tokenizer, text: str, cfg: NeedleConfig,
     from .cachefill import copy_dense_cache
 
     max_len = max(cfg.lengths)
+    trained = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if trained and max_len > trained:  # measured anyway: retrieval past it tests the model
+        warnings.warn(f"needle: length {max_len} is past the {trained} positions the model was "
+                      "trained for; FP16 itself may miss the key there", stacklevel=2)
     hay, ends = haystack_ids(tokenizer, text, 3 * max_len)
     rng = random.Random(cfg.seed)
     caches = needle_caches(model, cfg)
