@@ -75,6 +75,8 @@ class QuantSpec:
         layer_bits: per-layer ``(layer, key_bits, value_bits)`` overriding key_bits/value_bits
             for that layer (negative layer indices count from the end: -1 = last layer).
         skip_layers: layers kept in FP16 (negative indices count from the end).
+        model_layers: the depth ``layer_bits`` / ``skip_layers`` were chosen for (``kvbits
+            tune`` sets it); a model of another depth is refused. 0: any depth.
     """
 
     method: str = "kivi"
@@ -96,6 +98,7 @@ class QuantSpec:
     fp8_granularity: str = "head"
     layer_bits: tuple = ()
     skip_layers: tuple = ()
+    model_layers: int = 0
 
     def __post_init__(self) -> None:
         _check_choice("method", self.method, METHODS)
@@ -167,6 +170,9 @@ class QuantSpec:
                 if bits not in BITS:
                     raise ValueError(f"QuantSpec.layer_bits: {name} of layer {entry[0]} must be "
                                      f"one of {', '.join(map(repr, BITS))}; got {bits!r}")
+        if type(self.model_layers) is not int or self.model_layers < 0:
+            raise ValueError("QuantSpec.model_layers must be an integer >= 0 (0: any depth), got "
+                             f"{self.model_layers!r}")
         for layer in self.skip_layers:
             if type(layer) is not int:
                 raise ValueError(f"QuantSpec.skip_layers entries must be layer indices "
@@ -192,11 +198,18 @@ class QuantSpec:
         for layer, k, v in self.layer_bits:
             if layer % n_layers == index:
                 kb, vb = k, v
-        return self.replace(key_bits=kb, value_bits=vb, layer_bits=(), skip_layers=())
+        return self.replace(key_bits=kb, value_bits=vb, layer_bits=(), skip_layers=(),
+                            model_layers=0)
 
     def check_layers(self, n_layers: int) -> None:
         """Every layer named is in range, and named once: in ``layer_bits`` or in
-        ``skip_layers`` (``-1`` and ``n_layers - 1`` are the same layer)."""
+        ``skip_layers`` (``-1`` and ``n_layers - 1`` are the same layer), for a model of the
+        depth they were chosen for (``model_layers``)."""
+        if self.model_layers and n_layers != self.model_layers:
+            raise ValueError(f"QuantSpec: these per-layer bits were chosen for a model with "
+                             f"{self.model_layers} layers (model_layers), this one has {n_layers}: "
+                             "run kvbits tune for it (its other layers would silently keep the "
+                             "base bits)")
         named = [e[0] for e in self.layer_bits] + list(self.skip_layers)
         for layer in named:
             if not -n_layers <= layer < n_layers:
@@ -322,6 +335,8 @@ class QuantSpec:
             text += " layers=" + ";".join(f"{i}:K{k}V{v}" for i, k, v in self.layer_bits)
         if self.skip_layers:
             text += " fp16-layers=" + ",".join(map(str, self.skip_layers))
+        if self.model_layers:
+            text += f" ({self.model_layers}-layer model)"
         return text
 
 

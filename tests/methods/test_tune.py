@@ -46,6 +46,14 @@ def test_tune_tiny_model(model, tmp_path):
     r.spec.save(path, sensitivity=r.sensitivity)
     (v,) = parse_presets(str(path))
     assert v.spec == r.spec == resolve_spec(str(path))
+    # made for 3 layers: a deeper model is refused too (its extra layers silently kept the base
+    # bits, 2.4 average bits for a 2.0 tune on 5 layers; found by a QA audit), a shallower one
+    # always was
+    assert r.spec.model_layers == 3 and r.spec.average_bits(3) == r.avg_bits
+    for depth in (2, 5):
+        with pytest.raises(ValueError, match=rf"chosen for a model with 3 layers .* has {depth}"):
+            r.spec.average_bits(depth)
+    assert r.spec.for_layer(0, 3).model_layers == 0  # a layer's own spec names no depth
     with pytest.raises(ValueError, match="base spec must be method"):
         tune(model, ids, PRESETS["fp8-dynamic"], 3.0)
 

@@ -184,7 +184,7 @@ def tune(model, input_ids: torch.Tensor, base: QuantSpec, avg_bits: float,
              + [_table(*map(float, sens["v"][i])) for i in range(n)])
     bits = allocate(costs, int(math.floor(avg_bits * 2 * n + 1e-9)))
     layer_bits = tuple((i, bits[i], bits[n + i]) for i in range(n))
-    spec = base.replace(layer_bits=layer_bits, skip_layers=())
+    spec = base.replace(layer_bits=layer_bits, skip_layers=(), model_layers=n)
     predicted = sum(c[CHOICES.index(b)] for c, b in zip(costs, bits))
     table = {"k": [_table(*map(float, sens["k"][i])) for i in range(n)],
              "v": [_table(*map(float, sens["v"][i])) for i in range(n)]}
