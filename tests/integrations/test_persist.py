@@ -226,3 +226,40 @@ def test_file_is_the_packed_size_and_foreign_files_are_refused(tmp_path):
         KVBitsCache.load(other, model)
     with pytest.raises(ValueError, match="cannot read kvbits cache file"):
         KVBitsCache.load(tmp_path / "missing.safetensors", model)
+
+
+def test_damaged_files_are_refused(tmp_path):
+    """Lengths that the saved rows do not hold (a residual that claimed 5 more rows decoded
+    uninitialized memory: NaN logits), metadata that is not JSON and a version of another type
+    are refused by name, not met later as unrelated errors (found by a QA audit)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model = tiny()
+    ids, mask = prompt(batch=1, tokens=200, pad=0)
+    path = prefilled(model, "kivi-2", ids, mask, residual_length=16, sink_tokens=2).save(
+        tmp_path / "c.safetensors")
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        meta = f.metadata()
+
+    def damaged(edit, text=None):
+        doc = json.loads(meta["kvbits-cache"])
+        edit(doc)
+        out = tmp_path / "d.safetensors"
+        save_file(tensors, str(out), metadata={"kvbits-cache": text or json.dumps(doc)})
+        return out
+    for field, delta, want in (("res_len", 5, "saved res_k holds .* need"),
+                               ("body_len", 32, "saved k_codes holds .* need"),
+                               ("body_len", 7, "whole groups of 32"),
+                               ("sink_len", 1, "sink of 2 tokens")):
+        path2 = damaged(lambda d, f=field, x=delta: d["layers"][0].update({f: d["layers"][0][f] + x}))
+        with pytest.raises(ValueError, match=want):
+            KVBitsCache.load(path2, model)
+    with pytest.raises(ValueError, match="metadata is not JSON"):
+        KVBitsCache.load(damaged(lambda d: None, "{oops"), model)
+    with pytest.raises(ValueError, match="of version '1'; this kvbits reads version 1"):
+        KVBitsCache.load(damaged(lambda d: d.update(version="1")), model)
+    KVBitsCache.load(damaged(lambda d: None), model)  # the undamaged copy loads

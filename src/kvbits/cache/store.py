@@ -752,6 +752,7 @@ class LayerStore:
                                                                           *_STATE_FLAGS}
         if unknown:
             raise ValueError(f"unknown store state: {sorted(unknown)}")
+        self._check_state_rows(tensors, scalars)
         for name, t in tensors.items():
             if name == "starts":
                 self.starts = t.to(self.device, torch.int32)
@@ -770,6 +771,26 @@ class LayerStore:
         for name, value in scalars.items():
             setattr(self, name, value)
         self._dense = None
+
+    def _check_state_rows(self, tensors: dict, scalars: dict) -> None:
+        """The saved lengths must be the ones the saved rows hold (a damaged file otherwise
+        decodes uninitialized memory, or fails later with an unrelated error)."""
+        n = {name: scalars.get(name, getattr(self, name)) for name in _STATE_INTS}
+        G = self.spec.group_size
+        bad = [name for name, v in n.items() if type(v) is not int
+               or (v < 0 and name not in ("evicted",))]
+        if bad or n["body_len"] % G or n["sink_len"] > (
+                0 if self.sink_k is None else self.sink_k.shape[2]):
+            raise ValueError(f"saved lengths {n} do not fit this layer (sink of "
+                             f"{self.spec.sink_tokens} tokens, whole groups of {G} in the body)")
+        want = {name: n["body_len"] // G * rows for name, rows in self._rows_per_group().items()}
+        want.update(res_k=n["res_len"], res_v=n["res_len"])
+        for name, rows in want.items():
+            got = tensors[name].shape[2] if name in tensors else 0
+            if getattr(self, name) is not None and got != rows:
+                raise ValueError(f"saved {name} holds {got} rows, but the saved lengths (body "
+                                 f"{n['body_len']}, residual {n['res_len']} tokens) need {rows}: "
+                                 "the file is inconsistent")
 
     # ------------------------------------------------------------------ checks
     def _check_input(self, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -88,10 +88,14 @@ def read_cache_file(path, tensors: bool = True) -> tuple[dict, dict]:
         raise ValueError(f"cannot read kvbits cache file {str(path)!r}: {exc}") from None
     if FORMAT not in meta:
         raise ValueError(f"{str(path)!r} is not a kvbits cache file (no {FORMAT!r} metadata)")
-    doc = json.loads(meta[FORMAT])
-    if doc.get("version") != VERSION:
-        raise ValueError(f"{str(path)!r} is a kvbits cache file of version {doc.get('version')}; "
-                         f"this kvbits reads version {VERSION}")
+    try:
+        doc = json.loads(meta[FORMAT])
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{str(path)!r}: its {FORMAT!r} metadata is not JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("version") != VERSION:
+        version = doc.get("version") if isinstance(doc, dict) else None
+        raise ValueError(f"{str(path)!r} is a kvbits cache file of version {version!r}; "
+                         f"this kvbits reads version {VERSION!r}")
     return doc, data
 
 
