@@ -181,13 +181,15 @@ def test_resolve_spec_none_override_means_keep():
 
 def test_resolve_spec_refuses_overrides_of_a_spec_that_quantizes_nothing():
     # "fp16:K=2" once resolved to plain fp16: the user asked for 2-bit keys and got none.
-    for spec, kw in (("fp16:K=2", {}), ("fp16", {"key_bits": 2, "residual_length": 4}),
-                     (PRESETS["fp16"], {"sink_tokens": 1})):
+    for spec, kw, got in (("fp16:K=2", {}, "key_bits"),
+                          ("fp16", {"nbits": 2, "residual_length": 4}, "key_bits, value_bits"),
+                          (PRESETS["fp16"], {"hadamard": True}, "hadamard")):
         with pytest.raises(ValueError, match=r"(preset|spec) 'fp16' quantizes nothing and takes "
-                                             r"no overrides "
-                                             r"\(got .*(key_bits|sink_tokens)"):
+                                             rf"no overrides of how to quantize \(got {got}\)"):
             resolve_spec(spec, **kw)
     assert resolve_spec("fp16", residual_length=None) is PRESETS["fp16"]  # unset CLI flags
+    # the knobs a loop over presets passes to all, the FP16 baseline too, stay harmless
+    assert not resolve_spec("fp16", group_size=64, residual_length=8, sink_tokens=4).quantized
 
 
 def test_resolve_spec_from_spec():

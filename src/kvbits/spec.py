@@ -490,14 +490,19 @@ def resolve_spec(spec, **overrides) -> QuantSpec:
     overrides = _hf_names({k: v for k, v in overrides.items() if v is not None})
     _check_field_names(overrides, "override(s)", " (or transformers' nbits, q_group_size, "
                        "axis_key, axis_value)")
-    if overrides and not base.quantized:  # they would be kept and silently do nothing
+    asked = sorted(set(overrides) - set(FP16_IGNORES))
+    if asked and not base.quantized:  # they would be kept and silently do nothing
         what = f"preset {spec!r}" if isinstance(spec, str) and spec in PRESETS else \
             f"spec {base.describe()!r}"
-        raise ValueError(f"{what} quantizes nothing and takes no overrides "
-                         f"(got {', '.join(overrides)}); start from a quantized preset, e.g. "
+        raise ValueError(f"{what} quantizes nothing and takes no overrides of how to quantize "
+                         f"(got {', '.join(asked)}); start from a quantized preset, e.g. "
                          "'kivi-2'")
     return base.replace(**overrides) if overrides else base
 
+
+# Overrides an FP16 spec takes as harmless no-ops: the knobs a loop over presets (FP16 the
+# baseline among them) passes to all; any other field asks for quantization and is refused.
+FP16_IGNORES = ("group_size", "residual_length", "sink_tokens")
 
 # Where ``calibration=`` is taken (the error of a spec that takes none names them all).
 CALIBRATION_USES = ("calibration= applies to fp8_scale='calibrated' (preset 'fp8'), method "

@@ -415,9 +415,7 @@ NBYTES_CASES = [("kivi-2", 32, 128, 0, 16), ("kivi-3", 64, 96, 4, 0), ("k4v2", 1
 @pytest.mark.parametrize("preset,G,d,S,R", NBYTES_CASES, ids=[c[0] for c in NBYTES_CASES])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_nbytes_exact(preset, G, d, S, R, dtype):
-    # (fp16 takes no overrides: its case's G, R, S are the preset's own)
-    spec = resolve_spec(preset, **({} if preset == "fp16" else
-                                   {"group_size": G, "residual_length": R, "sink_tokens": S}))
+    spec = resolve_spec(preset, group_size=G, residual_length=R, sink_tokens=S)
     store = _store(spec, b=3, h=2, d=d, dtype=dtype)
     k, v = _kv(2 * G + S + R + 13, b=3, h=2, d=d)
     store.append(k, v)
