@@ -777,8 +777,7 @@ class LayerStore:
         decodes uninitialized memory, or fails later with an unrelated error)."""
         n = {name: scalars.get(name, getattr(self, name)) for name in _STATE_INTS}
         G = self.spec.group_size
-        bad = [name for name, v in n.items() if type(v) is not int
-               or (v < 0 and name not in ("evicted",))]
+        bad = [name for name, v in n.items() if type(v) is not int or v < 0]
         if bad or n["body_len"] % G or n["sink_len"] > (
                 0 if self.sink_k is None else self.sink_k.shape[2]):
             raise ValueError(f"saved lengths {n} do not fit this layer (sink of "
