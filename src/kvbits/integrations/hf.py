@@ -181,6 +181,8 @@ class KVBitsLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # The mask covers the whole history (the kvbits attention reads it only at the prompt
         # step, before any eviction; the slow path never evicts).
+        if isinstance(query_length, torch.Tensor):  # transformers < 5.4 pass cache_position
+            query_length = query_length.shape[0]
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
@@ -361,6 +363,12 @@ class KVBitsCache(Cache):
 
     def __repr__(self):
         return f"KVBitsCache({self.spec.describe()}, layers={len(self.layers)})"
+
+    @property
+    def is_croppable(self) -> bool:
+        """Every layer is (transformers' own ``Cache.is_croppable`` from 5.17; defined here for
+        the versions before it)."""
+        return all(layer.is_croppable for layer in self.layers)
 
     def __deepcopy__(self, memo):
         """A copy (transformers' prefix reuse: ``copy.deepcopy(prompt_cache)``) whose layers
