@@ -191,7 +191,7 @@ class KVBitsLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def get_max_cache_shape(self) -> int:  # transformers < 5.16 name of get_max_length
+    def get_max_cache_shape(self) -> int:  # get_max_length's older name (called up to 5.19)
         return -1
 
     def reset(self) -> None:
@@ -230,7 +230,7 @@ class KVBitsLayer(CacheLayerMixin):
     def crop_target(self, tokens_to_remove: int = 0, **kwargs) -> int | None:
         """The store length :meth:`crop` would keep (None: nothing to do), checked without
         changing anything: ValueError where the cut is impossible."""
-        if "max_length" in kwargs:  # transformers < 5.18 keyword
+        if "max_length" in kwargs:  # crop's keyword before transformers 5.15
             tokens_to_remove = kwargs.pop("max_length")
         if self.store is None or tokens_to_remove == 0:
             return None
