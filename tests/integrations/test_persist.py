@@ -228,6 +228,26 @@ def test_file_is_the_packed_size_and_foreign_files_are_refused(tmp_path):
         KVBitsCache.load(tmp_path / "missing.safetensors", model)
 
 
+def test_a_cache_of_other_weights_of_the_same_shape_is_refused(tmp_path):
+    """A file saved from one checkpoint loaded into another of the same shape (a base model and
+    its fine-tune) decoded garbage silently; a sample of the first key projection now travels
+    with it, compared up to float rounding (the same model in bfloat16 loads)."""
+    import copy
+
+    model = tiny()
+    ids, mask = prompt(batch=1, tokens=60, pad=0)
+    path = prefilled(model, "kivi-2", ids, mask, residual_length=16).save(tmp_path / "c.safetensors")
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in other.named_parameters():
+            if name.endswith("k_proj.weight"):
+                p.mul_(1.1)
+    with pytest.raises(ValueError, match="another model of this shape: its first key projection"):
+        KVBitsCache.load(path, other)
+    KVBitsCache.load(path, copy.deepcopy(model).to(torch.bfloat16))  # the same weights
+    KVBitsCache.load(path, model.config)  # no weights to compare: the shape check alone
+
+
 def test_damaged_files_are_refused(tmp_path):
     """Lengths that the saved rows do not hold (a residual that claimed 5 more rows decoded
     uninitialized memory: NaN logits), metadata that is not JSON and a version of another type

@@ -357,6 +357,9 @@ class KVBitsCache(Cache):
         self._warned_slow = False
         self._flush_now = False  # lengths on the device: this step flushes
         self._capturing = False  # a CUDA graph is being captured: no host bookkeeping
+        # the model, weakly: save() samples its weights so that a file made with other weights
+        # of the same shape is refused on load (persist)
+        self._model_ref = weakref.ref(model) if model is not None else None
         if model is not None:
             _use_kvbits_attention(model)
             self._model_config = model.config.get_text_config(decoder=True)

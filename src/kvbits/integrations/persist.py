@@ -6,8 +6,9 @@ disk (a kivi-2 file is ~5x smaller than the FP16 K/V it stands for). The file ho
 the used rows of the store's buffers (codes, scales, zeros, outliers, the FP16 sink and residual,
 left padding) with its lengths, and the inputs a layer was built from that a new cache could not
 recompute by itself: KVQuant codebooks, calibrated FP8 scales, Hadamard channel subsets. Its
-metadata holds the spec and the shape of the model (refused on load when they differ: codes of
-another model or spec would decode to garbage silently).
+metadata holds the spec, the shape of the model and a sample of its weights (refused on load when
+they differ: codes of another model or spec, or another checkpoint of the same shape, would
+decode to garbage silently).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from ..methods.kvquant import probes_match, weight_probe
 
 FORMAT = "kvbits-cache"
 VERSION = 1
@@ -63,9 +66,11 @@ def save_cache(cache, path, **info) -> Path:
             tensors[f"layers.{i}.store.{n}"] = t
         layers.append({"batch": store.batch, "kv_heads": store.kv_heads,
                        "head_dim": store.head_dim, **scalars})
+    model = cache._model_ref() if getattr(cache, "_model_ref", None) is not None else None
     doc = {"format": FORMAT, "version": VERSION, "kvbits": __version__,
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "spec": cache.spec.to_dict(),
            "model": model_shape(cache.config), "layers": layers, "hadamard_channels": channels,
+           "weights": None if model is None else weight_probe(model),
            **({"info": info} if info else {})}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -133,6 +138,10 @@ def load_cache(cls, path, model_or_config, device=None, dtype=None):
         raise ValueError(f"{str(path)!r} holds a cache of another model: "
                          + ", ".join(f"{k} {saved.get(k)!r} there, {here.get(k)!r} here"
                                      for k in differ))
+    probe = weight_probe(model) if model is not None and doc.get("weights") else None
+    if probe is not None and not probes_match(probe, doc["weights"]):
+        raise ValueError(f"{str(path)!r} holds a cache of another model of this shape: its first "
+                         "key projection's weights differ (another checkpoint or fine-tune)")
     spec = QuantSpec.from_dict(doc["spec"])
     n = len(doc["layers"])
 
