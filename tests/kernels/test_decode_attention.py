@@ -1929,3 +1929,24 @@ def test_float16_queries_at_a_large_scale(monkeypatch):
     r = reference(q.float(), kv, scale=1.0).half()
     assert o.dtype == torch.float16 and torch.isfinite(o).all()
     compare(o, r, torch.float16, "fp16 q at scale 1")
+
+
+@pytest.mark.parametrize("kb,vb", [(2, 2), (4, 4), (3, 2)])
+def test_groups_wider_than_float16s_range(kb, vb):
+    """A group whose range passes 65504 although every value fits float16 (values from -40000
+    to 40000): ``code * scale`` alone overflows, so the body's dequantization is one fused
+    multiply-add, on the GPU (where the compiler fused it anyway) and under the interpreter
+    (which rounded the product to inf first: found by a QA pass)."""
+    c = Case(kb=kb, vb=vb, G=32, body=64, res=16, HG=2)
+    kv = make_kv(c)
+    top_k, top_v = (1 << kb) - 1, (1 << vb) - 1
+    # every used group of keys and of values spans +-40000
+    kv.k_scale[:, :, : c.body // c.G] = 80000.0 / top_k
+    kv.k_zero[:, :, : c.body // c.G] = -40000.0
+    kv.v_scale[:, :, : c.body] = 80000.0 / top_v
+    kv.v_zero[:, :, : c.body] = -40000.0
+    q, args = _query_and_args(c)
+    q = q * 1e-4  # scores of order one over keys of order 4e4
+    o = kernel(q, kv, **args)
+    r = reference(q, kv, **args)
+    compare(o, r, torch.float16, f"K{kb}V{vb} groups spanning 80000")

@@ -474,8 +474,8 @@ def _body_tile(c_base, s_base, z_base, cb_ptr, oi_base, ov_base, g0, g_hi, offs_
         e = _codes_to_f16(codes, USE_PRMT)
     if F32:
         x = e.to(tl.float32) * sc.to(tl.float32) + ze.to(tl.float32)
-    else:
-        x = e * sc + ze
+    else:  # one rounding: a group may span past 65504 where no value does
+        x = tl.fma(e, sc, ze)
     if NOUT > 0:
         x = _add_outliers(x, oi_base, ov_base, offs_t, g_hi * G, offs_d, NOUT, USE_PRMT)
     return x
