@@ -1,6 +1,6 @@
-"""The 3-bit plane unpacking planned for a Gluon kivi-3 / KVQuant body (docs/DESIGN.md, "Where it
-goes next"), emulated on 32-bit integers and checked against ``kvbits.formats.packing`` on random
-codes, before any kernel is written. No GPU needed:
+"""The 3-bit plane unpacking planned for a Gluon kivi-3 / KVQuant body (docs/KERNEL_LOG.md, "A
+KVQuant Gluon body, planned on paper"), emulated on 32-bit integers and checked against
+``kvbits.formats.packing`` on random codes, before any kernel is written. No GPU needed:
 
     PYTHONPATH=src python3 benchmarks/probes/plane3_recipe.py
 

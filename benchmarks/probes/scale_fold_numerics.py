@@ -1,5 +1,5 @@
 """Probe (CPU): is the scale fold numerically safe? An emulation, in exact PyTorch arithmetic, of
-the Gluon body's decode step as it is and as the fold would compute it (docs/DESIGN.md, "Fewer
+the Gluon body's decode step as it is and as the fold would compute it (docs/KERNEL_LOG.md, "Fewer
 instructions per token"), on real queries, keys and values of SmolLM2 (SOTU text), quantized
 the KIVI way at 2 bits (keys per channel over 32 tokens, values per token over 32 channels).
 

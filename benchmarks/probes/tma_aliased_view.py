@@ -1,6 +1,6 @@
 """Probe (GPU, Hopper): does the driver take a TMA tensor map whose dims alias (two dims stepping
 over the same rows), and do its boxes land as the strides say? This is the plan for the TMA
-ring's remaining shared-memory bank conflicts (docs/DESIGN.md, "What bounds the TMA ring"):
+ring's remaining shared-memory bank conflicts (docs/KERNEL_LOG.md, "What bounds the TMA ring"):
 
 * value scales, ``[rows, 4]`` int32 (16-byte rows): the view ``[n - 16, 2, 4]`` with strides
   ``(4, 64, 1)`` and box ``[16, 2, 4]`` puts rows ``r`` and ``r + 16`` of a step side by side in
