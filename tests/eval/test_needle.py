@@ -162,3 +162,56 @@ def test_paired_p_equals_the_two_sided_binomial_test(seed):
     prob = [math.comb(d, i) / 2 ** d for i in range(d + 1)]
     assert p == pytest.approx(sum(x for x in prob if x <= prob[lost] * (1 + 1e-12)))
     assert "## Paired against fp16" in needle_markdown(_pairs(base, other), {})
+
+
+def _scripted(model, script: list[int]):
+    """Make ``model``'s greedy answer follow ``script``: a forward of several tokens (the
+    document, the question) puts the argmax of its last logit on ``script[0]``, each one-token
+    forward after it on the next token of the script."""
+    state = {"i": 0}
+
+    def hook(module, args, kwargs, out):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        state["i"] = 0 if ids.shape[1] > 1 else state["i"] + 1
+        out.logits[:, -1] = -1e4
+        out.logits[:, -1, script[min(state["i"], len(script) - 1)]] = 1e4
+        return out
+
+    return model.register_forward_hook(hook, with_kwargs=True)
+
+
+def test_the_answer_ends_at_the_end_of_turn_token():
+    """A model that answers without the key and ends its turn misses, whatever it would emit
+    after its end-of-turn token. SmolLM2's greedy answer went on past <|im_end|> into a made-up
+    next turn (' 60494.<|im_end|>\\n<|im_end|><|im_start|>system...'), which decode() with
+    skip_special_tokens glued onto the answer, so a key in that tail scored as retrieved."""
+    from kvbits.eval.speed import build_model, model_config
+
+    model = build_model(model_config("tiny"), device="cpu")
+    eos = 3
+    model.generation_config.eos_token_id = eos
+    cfg = NeedleConfig(lengths=(400,), depths=(0.5,), presets=("fp16", "kivi-2"), trials=1,
+                       max_new_tokens=12, chat=False)
+    key = str(random.Random(cfg.seed).randint(10000, 99999))  # the run's first (only) draw
+    handle = _scripted(model, [*b" no.", eos, *key.encode(), *b"."])
+    try:
+        rows = run_needle(model, CharTokenizer(), TEXT, cfg, log=lambda m: None)
+    finally:
+        handle.remove()
+    assert [r["key"] for r in rows] == [key, key]
+    assert [(r["answer"], r["correct"]) for r in rows] == [(" no.", False)] * 2
+
+
+def test_an_answer_without_end_of_turn_keeps_every_new_token():
+    from kvbits.eval.speed import build_model, model_config
+
+    model = build_model(model_config("tiny"), device="cpu")  # eos_token_id None
+    cfg = NeedleConfig(lengths=(400,), depths=(0.5,), presets=("fp16",), trials=1,
+                       max_new_tokens=7, chat=False)
+    key = str(random.Random(cfg.seed).randint(10000, 99999))
+    handle = _scripted(model, [*b" ", *key.encode(), *b". x"])
+    try:
+        rows = run_needle(model, CharTokenizer(), TEXT, cfg, log=lambda m: None)
+    finally:
+        handle.remove()
+    assert rows[0]["answer"] == f" {key}." and rows[0]["correct"]

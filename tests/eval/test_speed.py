@@ -244,3 +244,61 @@ def test_markdown_compares_each_loop_with_its_own_fp16_control():
     assert cells["kivi-2+graphs+fused"][6:8] == ["25.00x", "1.25x"]
     assert cells["kvbits-fp16+graphs+fused"][7] == "1.00x"
     assert cells["kivi-4+graphs"][6:8] == ["-", "-"]  # no FP16 row at 8192
+
+
+def _held_bytes(cache) -> int:
+    """Bytes of every tensor the layers of a (emulated) QuantizedCache hold, each counted once."""
+    total = 0
+    for layer in cache.layers:
+        for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
+            obj = getattr(layer, name, None)
+            parts = obj if isinstance(obj, tuple) else (obj,)
+            total += sum(t.numel() * t.element_size() for t in parts
+                         if isinstance(t, torch.Tensor))
+    return total
+
+
+def test_cache_bytes_of_the_emulated_quantized_cache_count_each_tensor_once(tiny):
+    """The hf-int rows' `cache GiB` was twice the quantized part (e2e.md: Llama-3-8B 4k hf-int2
+    cache 0.16 GiB against 0.08 GiB allocated): `cache_nbytes` already walks the emulated
+    layers' (codes, scale, min, shape, dtype) tuples, and `_cache_nbytes` added them again."""
+    from kvbits.eval.speed import _cache_nbytes
+
+    cache = emulated_quantized_cache(model_config("tiny"), nbits=2, q_group_size=64,
+                                     residual_length=16)
+    x = torch.randn(2, 2, 100, 32)
+    for i in range(2):
+        cache.update(x, x.clone(), i)
+        for _ in range(5):  # a few decode steps: an FP residual beside the codes
+            cache.update(x[:, :, :1], x[:, :, :1].clone(), i)
+    assert cache.layers[0].keys.shape[2] == 5
+    assert _cache_nbytes(cache) == _held_bytes(cache)
+    # through the bench: 2 layers x 2 sequences x 2 KV heads x 224 tokens, K and V each
+    # 32 channels of 2-bit codes (8 bytes) + an FP16 scale and minimum per 32 channels (4 bytes)
+    r = time_decode(tiny, parse_variant("hf-int2"), batch=2, context=224, steps=1, warmup=0)
+    assert r["cache_bytes"] == 2 * 2 * 2 * 224 * 2 * (8 + 4)
+
+
+def test_quantized_cache_gets_the_whole_context_in_one_prefill_update(tiny, monkeypatch):
+    """`generate` hands a QuantizedCache its prompt in one update (the prefill). The random fill
+    came in chunks of 8192, and in transformers 5.17 (the GPU machine's version; 5.24 changed
+    the rule) an update after the first appends to the full-precision residual whatever its
+    length (`if self.keys.dim() == 4 and ...`: empty after a quantization), so at 16k / 32k the
+    hf-int rows started decoding with 8192 FP16 tokens per layer (e2e.md, Llama-2-7B 32k hf-int2:
+    5.88 GiB allocated = 4 GiB FP16 + 1.88 GiB of codes) until their first step re-quantized."""
+    from kvbits.eval import speed
+
+    sizes = []
+    layer_cls = speed.emulated_layer_class()
+    real = layer_cls.update
+
+    def spy(self, k, v, *args, **kwargs):
+        sizes.append(k.shape[2])
+        return real(self, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(layer_cls, "update", spy)
+    context = 8192 + 40
+    time_decode(tiny, parse_variant("hf-int2"), batch=1, context=context, steps=1, warmup=0)
+    layers = tiny.config.num_hidden_layers
+    assert sizes[:layers] == [context] * layers  # the fill: one update per layer
+    assert set(sizes[layers:]) == {1}  # then one token per decode step

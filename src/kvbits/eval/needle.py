@@ -11,10 +11,12 @@ A five-digit pass key is hidden in real text (State of the Union addresses by de
     What is the pass key?
     <chat template: assistant>The pass key is
 
-and the model continues greedily for ``max_new_tokens`` tokens. A trial is correct when the first
-run of digits in the continuation is exactly the key. The needle goes at a sentence boundary
-of the haystack at the requested depth (0 = first thing after the instruction, 1 = right before
-the question), and the whole prompt is ``length`` tokens.
+and the model continues greedily for at most ``max_new_tokens`` tokens, stopping at its end of
+turn (an EOS id of the model's generation config or of the tokenizer: SmolLM2's ``<|im_end|>``),
+as ``generate`` would; what it would emit after that (a made-up next turn) is no part of the
+answer. A trial is correct when the first run of digits in the answer is exactly the key. The
+needle goes at a sentence boundary of the haystack at the requested depth (0 = first thing after
+the instruction, 1 = right before the question), and the whole prompt is ``length`` tokens.
 
 How the caches are compared
 ---------------------------
@@ -55,7 +57,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["NeedleConfig", "PasskeyPrompt", "build_passkey_prompt", "haystack_ids",
+__all__ = ["NeedleConfig", "PasskeyPrompt", "build_passkey_prompt", "eos_ids", "haystack_ids",
            "needle_caches", "needle_markdown", "needle_meta", "passkey_correct", "plot_needle",
            "run_needle", "summarize", "write_needle"]
 
@@ -159,18 +161,37 @@ def build_passkey_prompt(tokenizer, hay: list[int], ends: list[int], length: int
     return PasskeyPrompt(ids, len(tail), len(head) + pos, str(key))
 
 
+def eos_ids(model, tokenizer=None) -> set[int]:
+    """The token ids that end the answer: the model's ``generation_config.eos_token_id`` (an id
+    or a list) and the tokenizer's ``eos_token_id``."""
+    out: set[int] = set()
+    for src in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                getattr(tokenizer, "eos_token_id", None)):
+        if src is None:
+            continue
+        out.update(int(i) for i in (src if isinstance(src, (list, tuple, set)) else [src]))
+    return out
+
+
 @torch.no_grad()
-def _answer(model, cache, question: torch.Tensor, max_new_tokens: int) -> list[int]:
-    """Feed ``question [1, T]`` through ``cache`` as one chunk, then decode greedily."""
+def _answer(model, cache, question: torch.Tensor, max_new_tokens: int,
+            eos: set[int] | None = None) -> list[int]:
+    """Feed ``question [1, T]`` through ``cache`` as one chunk, then decode greedily until an
+    ``eos`` id (default :func:`eos_ids` of the model), which is not returned, or
+    ``max_new_tokens`` tokens."""
     from ..integrations.hf import cache_kwargs
 
+    eos = eos_ids(model) if eos is None else eos
     kw = cache_kwargs(model, cache)
     out = model(question, use_cache=True, logits_to_keep=1, **kw)
     new = []
-    for _ in range(max_new_tokens):
+    for i in range(max_new_tokens):
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        if int(nxt) in eos:
+            break
         new.append(int(nxt))
-        out = model(nxt, use_cache=True, logits_to_keep=1, **kw)
+        if i + 1 < max_new_tokens:
+            out = model(nxt, use_cache=True, logits_to_keep=1, **kw)
     return new
 
 
@@ -213,6 +234,7 @@ def run_needle(model, tokenizer, text: str, cfg: NeedleConfig,
         warnings.warn(f"needle: length {max_len} is past the {trained} positions the model was "
                       "trained for; FP16 itself may miss the key there", stacklevel=2)
     hay, ends = haystack_ids(tokenizer, text, 3 * max_len)
+    stop = eos_ids(model, tokenizer)
     rng = random.Random(cfg.seed)
     caches = needle_caches(model, cfg)
     specs = {p: spec for p, (spec, _) in caches.items()}
@@ -249,7 +271,7 @@ def run_needle(model, tokenizer, text: str, cfg: NeedleConfig,
                     else:
                         cache = dense  # FP16: the DynamicCache itself (used last)
                     kv_bits = _kv_bits(cache, model.config)
-                    new = _answer(model, cache, question, cfg.max_new_tokens)
+                    new = _answer(model, cache, question, cfg.max_new_tokens, stop)
                     answer = tokenizer.decode(new, skip_special_tokens=True)
                     ok = passkey_correct(answer, p.key)
                     trial_rows[preset] = ({"length": length, "depth": depth, "trial": trial,

@@ -21,10 +21,11 @@ How the cache is filled (``fill``)
 ----------------------------------
 ``"random"`` (default): every layer gets ``context`` random K/V tokens through the cache's own
 update path (:mod:`kvbits.eval.cachefill`): ``DynamicCache.update``, ``QuantizedLayer.update``
-(quantizes the whole prompt, as at prefill), and for kvbits ``KVBitsLayer.update`` + the store's
-``flush``, i.e. the real quantize+pack path, in chunks. The prefill's attention is not run: it is
-not part of decode. ``"model"``: one real prefill forward of random token ids (``logits_to_keep=1``),
-which costs prefill activations and time but is exactly what ``generate`` does.
+(the whole context in one call, which quantizes it, as at prefill), and for kvbits
+``KVBitsLayer.update`` + the store's ``flush``, i.e. the real quantize+pack path, in chunks.
+The prefill's attention is not run: it is not part of decode. ``"model"``: one real prefill
+forward of random token ids (``logits_to_keep=1``), which costs prefill activations and time but
+is exactly what ``generate`` does.
 
 Caches compared
 ---------------
@@ -356,15 +357,12 @@ def _step_timer(device):
 
 
 def _cache_nbytes(cache) -> int:
+    """Bytes the cache's tensors hold. :func:`~kvbits.eval.perplexity.cache_nbytes` already
+    walks the tuples the emulated quanto layers keep (codes, scale, minimum, shape, dtype), so
+    nothing is added here (adding them again counted the quantized part twice)."""
     from .perplexity import cache_nbytes
 
-    total = cache_nbytes(cache)
-    for layer in getattr(cache, "layers", []):  # emulated layers hold tuples
-        for name in ("_quantized_keys", "_quantized_values"):
-            q = getattr(layer, name, None)
-            if isinstance(q, tuple):
-                total += sum(t.numel() * t.element_size() for t in q if isinstance(t, torch.Tensor))
-    return total
+    return cache_nbytes(cache)
 
 
 @torch.no_grad()
@@ -394,7 +392,11 @@ def time_decode(model, variant: Variant, batch: int, context: int, steps: int = 
     gen = torch.Generator(device="cpu").manual_seed(seed)
     ids = torch.randint(1, cfg.vocab_size, (batch, context + 1), generator=gen).to(device)
     presize = presize and variant.kind == "kvbits"
-    fill_chunk = 8192
+    # kvbits and DynamicCache take the fill in chunks of 8192 (the same state as one prefill).
+    # transformers' QuantizedCache gets the whole context in one update, as generate's prefill
+    # gives it: in transformers 5.17 an update after the first appends to the full-precision
+    # residual whatever its length, so a second chunk stayed FP16 until the first decode step.
+    fill_chunk = max(1, context) if variant.kind == "hf" else 8192
     if presize:
         spec = variant.spec
         for layer in cache.layers:
