@@ -39,7 +39,9 @@ def body_bits(r: dict, head_dim: int) -> str:
     if not spec.quantized:
         return "16.00"
     b = body_bytes_per_token(head_dim, spec.key_bits, spec.value_bits, spec.group_size,
-                             spec.value_group(head_dim), spec.n_outliers(head_dim))
+                             spec.value_group(head_dim), spec.n_outliers(head_dim),
+                             key_axis=spec.key_axis, value_axis=spec.value_axis,
+                             fp8=spec.method == "fp8")
     return f"{8 * b / (2 * head_dim):.2f}"
 
 
