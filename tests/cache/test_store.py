@@ -378,33 +378,36 @@ def test_padding_kept_out_of_minmax(poison):
 
 
 def test_padded_sinks_settle_close_and_guard_edits():
-    """A left-padded batch's sink holds each sequence's own first tokens; while the shortest
-    sequence has fewer than S, the sink holds that many and grows with later tokens, until the
-    first flush closes it. Edits that would split a sequence's sink are refused."""
+    """A left-padded batch's sink holds each sequence's own first tokens, S slots as an
+    unpadded sequence has, even while the shortest sequence has fewer real tokens: its later
+    slots take its tokens as they come (a sink of the shortest's count, closed by the first
+    flush, quantized the longer sequences' tokens that their sinks hold alone). Edits that
+    would split a sequence's sink are refused."""
     S, R, G = 3, 0, 32
     spec = QuantSpec(key_bits=4, value_bits=4, group_size=G, residual_length=R, sink_tokens=S)
     k, v = _kv(100, b=2, seed=9)
     store = _store(spec, b=2)
     store.set_padding(torch.tensor([0, 39]))
     store.append(k[:, :, :40], v[:, :, :40], flush=False)  # sequence 1 holds one real token
-    assert store.sink_len == 1 and torch.equal(store.sink_k[1, :, 0], k[1, :, 39])
-    assert torch.equal(store.sink_k[0, :, 0], k[0, :, 0])
+    assert store.sink_len == 3 and torch.equal(store.sink_k[1, :, 0], k[1, :, 39])
+    assert torch.equal(store.sink_k[0, :, :3], k[0, :, :3])
     store.append(k[:, :, 40:41], v[:, :, 40:41], flush=False)  # ... now two
-    assert store.sink_len == 2 and torch.equal(store.sink_k[1, :, :2], k[1, :, 39:41])
-    assert store.res_len == 39 and torch.equal(store.res_k[:, :, :39], k[:, :, 2:41])
-    store.flush()  # the first flush closes the sink at 2
-    assert (store.sink_len, store.body_len, store.res_len) == (2, 32, 7)
+    assert store.sink_len == 3 and torch.equal(store.sink_k[1, :, :2], k[1, :, 39:41])
+    assert store.res_len == 38 and torch.equal(store.res_k[:, :, :38], k[:, :, 3:41])
+    store.flush()  # the first flush: sequence 0's first three tokens stay FP16
+    assert (store.sink_len, store.body_len, store.res_len) == (3, 32, 6)
     store.append(k[:, :, 41:], v[:, :, 41:])
-    assert store.sink_len == 2 and torch.equal(store.sink_k[1, :, :2], k[1, :, 39:41])
+    assert store.sink_len == 3 and torch.equal(store.sink_k[1, :, :3], k[1, :, 39:42])
+    assert torch.equal(store.sink_k[0, :, :3], k[0, :, :3])
     # The reference puts the sinks back at their positions: FP16 there, bit for bit.
     keys, _ = dequantize_layer(store.view(), torch.float16, starts=store.starts)
-    assert torch.equal(keys[1, :, 39:41], k[1, :, 39:41])
-    assert torch.equal(keys[0, :, :2], k[0, :, :2])
+    assert torch.equal(keys[1, :, 39:42], k[1, :, 39:42])
+    assert torch.equal(keys[0, :, :3], k[0, :, :3])
     with pytest.raises(ValueError, match="own sink"):
-        store.crop(40)  # sequence 1's sink reaches position 40
+        store.crop(41)  # sequence 1's sink reaches position 41
     with pytest.raises(ValueError, match="already holds quantized tokens"):
         store.set_padding(torch.tensor([0, 4]))
-    assert store.evict(40) == 0, "the sink went while a sequence could still see it"
+    assert store.evict(41) == 0, "the sink went while a sequence could still see it"
 
 
 # ----------------------------------------------------------------------------- nbytes

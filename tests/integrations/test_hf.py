@@ -314,6 +314,66 @@ def test_rejected_drafts_leave_no_trace(device, monkeypatch):
     assert not rows_seen or max(rows_seen) > 1, rows_seen  # gluon: the chunk's rows went there
 
 
+@pytest.mark.parametrize("preset,prompt", [("kivi-2", 69), ("fp8-dynamic", 37),
+                                           ("kivi-2-had", 37), ("uniform-int4", 69)])
+def test_a_flush_by_rejected_drafts_is_undone(preset, prompt):
+    """The last accepted token leaves the residual two short of R + G, the drafts bring it
+    there: a group is flushed during the verification that a run which never saw the drafts
+    flushes only two tokens later. The crop of the rejected drafts puts that group back (FP16),
+    so the stored state and every later logit are that run's (they were quantized two steps
+    early: 0.09 apart for kivi-2; fp8-dynamic: its first flush, the scales taken from the
+    drafts)."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 256, (1, 96), generator=g)
+    drafts = torch.randint(0, 256, (1, 3), generator=g)
+
+    def run(with_drafts: bool):
+        cache = KVBitsCache(model, preset, residual_length=8)  # flush at R + G = 40 (G = 32)
+        forward(model, x[:, :prompt], cache)
+        chunk = torch.cat([x[:, prompt:prompt + 1], drafts], 1) if with_drafts \
+            else x[:, prompt:prompt + 1]
+        rows = forward(model, chunk, cache).logits[:, :1]
+        store = cache.layers[0].store
+        if with_drafts:
+            assert store.body_len > (prompt - 8) // store.spec.group_size * store.spec.group_size
+            cache.crop(-3)
+        state = (store.body_len, store.res_len)
+        later = torch.cat([forward(model, x[:, t:t + 1], cache).logits
+                           for t in range(prompt + 1, 96)], 1)
+        return rows, state, later
+
+    rows_a, state_a, later_a = run(True)
+    rows_b, state_b, later_b = run(False)
+    assert state_a == state_b
+    torch.testing.assert_close(rows_a, rows_b, atol=1e-5, rtol=0)
+    torch.testing.assert_close(later_a, later_b, atol=1e-4, rtol=0)
+
+
+def test_fp8_dynamic_scales_in_chunks_are_those_of_generation():
+    """fp8-dynamic takes its scales from the tokens held at the first flush. Inside a chunk
+    that flush happens at the row generation would flush it, and must see only the tokens
+    there by then: the later rows of the chunk took part (the chunked logits were as far from
+    the one-at-a-time ones as FP8 is from FP16)."""
+    model = tiny_model("llama")
+    x = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(2))
+
+    def run(step, preset="fp8-dynamic"):
+        cache = KVBitsCache(model, preset, residual_length=8)
+        cuts = [0, 20, *range(20 + step, 150, step), 150]
+        return torch.cat([forward(model, x[:, a:b], cache).logits
+                          for a, b in itertools.pairwise(cuts)], 1), cache
+
+    one, cache_one = run(1)
+    quant_err = (one - run(1, "fp16")[0]).abs().mean()
+    for step in (19, 64):
+        chunked, cache_chunked = run(step)
+        assert (chunked - one).abs().mean() < 0.01 * quant_err, step
+        for a, b in zip(cache_one.stores, cache_chunked.stores):
+            torch.testing.assert_close(a.k_scale, b.k_scale, atol=0, rtol=1e-4)
+            torch.testing.assert_close(a.v_scale, b.v_scale, atol=0, rtol=1e-4)
+
+
 @pytest.mark.parametrize("mode", ["prompt_lookup", "assistant"])
 def test_speculative_generate_through_the_cache(mode):
     """transformers' prompt-lookup and assisted decoding with a KVBitsCache: FP16 gives
@@ -688,6 +748,44 @@ def test_left_padded_batch_equals_single_runs(lm, preset, kw):
         assert not store.v_scale[1, :, :32].any() and store.v_scale[1, :, 32:64].all()
 
 
+@pytest.mark.parametrize("short", [1, 2])
+def test_short_prompt_in_a_padded_batch_leaves_the_others_their_sink(short):
+    """sink_tokens=4 and a left-padded batch whose shortest prompt holds fewer real tokens
+    than the sink, the prompt step quantizing a group (R=0): every sequence decodes as it does
+    alone. The long prompt keeps its own first 4 tokens in FP16 (the sink used to close with
+    the shortest prompt's count of slots, so the long prompt's tokens ``short..3`` were
+    quantized: padding changed another sequence's logits), and the short one's sink slots
+    take its tokens as they come (padding of two groups: its groups line up with its solo
+    run's)."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(7)
+    long = torch.randint(0, 256, (1, 64 + short), generator=g)
+    brief = torch.randint(0, 256, (1, short), generator=g)
+    ids = torch.cat([long, torch.cat([torch.zeros(1, 64, dtype=torch.long), brief], 1)])
+    mask = torch.ones_like(ids)
+    mask[1, :64] = 0
+
+    def logits(x, m, cache):
+        out = generate(model, x, cache, attention_mask=m, pad_token_id=0, output_logits=True,
+                       return_dict_in_generate=True)
+        return out.sequences[:, x.shape[1]:], torch.stack(out.logits, 1)
+
+    def cache():
+        return KVBitsCache(model, "kivi-4", residual_length=0, sink_tokens=4)
+    padded = cache()
+    tokens, scores = logits(ids, mask, padded)
+    solo = []
+    for b, x in enumerate((long, brief)):
+        solo.append(cache())
+        want_tokens, want = logits(x, torch.ones_like(x), solo[-1])
+        assert tokens[b].tolist() == want_tokens[0].tolist(), b
+        torch.testing.assert_close(scores[b], want[0], atol=1e-4, rtol=0)
+    for store, *alone in zip(padded.stores, *(c.stores for c in solo)):
+        assert store.sink_len == 4 and store.body_len > 0 and store.starts.tolist() == [0, 64]
+        for b in (0, 1):  # each sequence's sink: its own first 4 keys, as alone
+            torch.testing.assert_close(store.sink_k[b], alone[b].sink_k[0], atol=1e-5, rtol=0)
+
+
 def test_padding_never_enters_min_max(lm):
     """10 tokens of padding share group 0 with 22 real tokens: its key range is theirs alone."""
     model, tok = lm
@@ -814,6 +912,38 @@ def test_sliding_layers_evict_what_no_query_sees(arch, preset, monkeypatch):
         else:
             assert layer.store.evicted == 0 and layer.store.seq_len == 140
     assert cache.nbytes() < full.nbytes()
+
+
+@pytest.mark.parametrize("preset", ["fp16", "kivi-4"])
+def test_crop_is_refused_below_a_sliding_window_s_reach(preset):
+    """A sliding layer (window 16) dropped the tokens no later query could see, as long as the
+    cache only grows. A crop further back than the window's reach would leave the next token
+    without part of its window (silently: it attended to what was left): it is refused, the
+    cache left whole, and the deepest crop allowed continues exactly as a run that never went
+    past it."""
+    model = tiny_model("gemma3")
+    x = torch.randint(0, 256, (1, 100), generator=torch.Generator().manual_seed(8))
+
+    def decode(cache, a, b):
+        return torch.cat([forward(model, x[:, t:t + 1], cache).logits for t in range(a, b)], 1)
+
+    def cache():
+        return KVBitsCache(model, preset, **({"residual_length": 16} if preset != "fp16" else {}))
+    long = cache()
+    forward(model, x[:, :40], long)
+    decode(long, 40, 90)
+    evicted = max(s.evicted for s in long.stores)
+    assert evicted > 0
+    lowest = evicted + 15  # the next token's window starts at the first token still held
+    with pytest.raises(ValueError, match="keep at least"):
+        long.crop(lowest - 1 - 90)
+    assert long.get_seq_length() == 90
+    long.crop(lowest - 90)
+    short = cache()
+    forward(model, x[:, :40], short)
+    decode(short, 40, lowest)
+    torch.testing.assert_close(decode(long, lowest, 100), decode(short, lowest, 100),
+                               atol=1e-5, rtol=0)
 
 
 def test_beam_search_with_eviction_equals_keep_everything(monkeypatch):

@@ -76,6 +76,9 @@ class LayerStore:
         self.lens_dev: torch.Tensor | None = None  # device lengths mode (begin_device_lengths)
         self._dev_valid = False  # that mode: flushes still need a padding mask
         self._dense = None  # reference path only: see _dense_body
+        # track_flushes: ([FP16 keys], [values]) of the newest groups flushed since, as they sat
+        # in the residual (the end of the body); until the next append or edit
+        self._undo = None
         self.sink_len = self.body_len = self.res_len = 0
         # Tokens dropped from the front by evict() (sliding-window layers): stored index i is
         # the sequence's token evicted + i. The sink goes with the first eviction, for good.
@@ -251,6 +254,7 @@ class LayerStore:
         :meth:`_settle_sinks`), regathered if the padding grew after an earlier call (a prompt
         prefilled in chunks: the sink was gathered at the old ``starts``)."""
         self._host_lengths("set_padding")
+        self._undo = None
         starts = torch.as_tensor(starts).to(device=self.device, dtype=torch.int32)
         if starts.shape != (self.batch,):
             raise ValueError(f"set_padding: starts must hold one position per sequence "
@@ -269,15 +273,21 @@ class LayerStore:
 
     def _settle_sinks(self, fp=None) -> None:
         """In a left-padded batch whose sink is still open, (re)gather every sequence's first
-        ``min(S, shortest sequence)`` real tokens into the sink from the FP16 tokens held (the
-        sink and the residual, ``fp`` if given, in position order; nothing is quantized yet).
-        The sink closes once it holds S, or at the first flush. Keeps ``_pad_end`` (the host
-        bound of hidden positions) in step."""
+        real tokens into the sink from the FP16 tokens held (the sink and the residual, ``fp``
+        if given, in position order; nothing is quantized yet): ``min(S, tokens held)`` slots,
+        as many as an unpadded sequence would hold. A shorter sequence's slots past its last
+        token wait for their tokens (:meth:`_fill_row_sinks` copies them there as they come;
+        until then no query sees those positions). The sink closes once it has S slots, or at
+        the first flush. Keeps ``_pad_end`` (the host bound of hidden positions) in step."""
         if self._pad and self.spec.sink_tokens and not self._sink_closed:
             k, v = fp if fp is not None else self._fp_in_order()
             n = k.shape[2]
-            keep = max(0, min(self.spec.sink_tokens, n - self._pad))
+            # Slots for S tokens whatever the shortest sequence holds: fewer (the shortest's
+            # count) would leave the first tokens of every longer sequence out of its sink,
+            # quantized at the first flush, so padding would change the other sequences.
+            keep = min(self.spec.sink_tokens, n)
             at = self.starts.long()[:, None] + torch.arange(keep, device=self.device)  # [B, keep]
+            at = at.clamp(max=max(n - 1, 0))  # a slot whose token has not come yet: any value
             at = at[:, None, :, None].expand(-1, self.kv_heads, -1, self.head_dim)
             self.sink_k[:, :, :keep] = torch.gather(k, 2, at)
             self.sink_v[:, :, :keep] = torch.gather(v, 2, at)
@@ -287,6 +297,23 @@ class LayerStore:
             self._row_sinks = True
             self._sink_closed = keep == self.spec.sink_tokens
         self._pad_end = self._pad + self.sink_len if self._pad else 0
+
+    def _fill_row_sinks(self, k: torch.Tensor, v: torch.Tensor, first: int) -> None:
+        """Tokens ``k, v [B, H, T, D]`` just stored at positions ``first ..``: copy those that
+        are a sequence's own sink tokens (position ``starts[b] + j``, ``j < sink_len``) into its
+        sink slot ``j`` (a sequence whose prompt held fewer real tokens than the sink's slots,
+        :meth:`_settle_sinks`). Their copies in the body / residual stay hidden there."""
+        T = k.shape[2]
+        idx = (self.starts.long()[:, None] - first
+               + torch.arange(self.sink_len, device=self.device))  # [B, S]: index in k
+        due = (idx >= 0) & (idx < T)
+        if not T or not bool(due.any()):
+            return
+        at = idx.clamp(0, T - 1)[:, None, :, None].expand(-1, self.kv_heads, -1, self.head_dim)
+        due = due[:, None, :, None]
+        S = self.sink_len
+        self.sink_k[:, :, :S] = torch.where(due, torch.gather(k, 2, at), self.sink_k[:, :, :S])
+        self.sink_v[:, :, :S] = torch.where(due, torch.gather(v, 2, at), self.sink_v[:, :, :S])
 
     def _fp_in_order(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The sink and residual (no body yet) as one ``[B, H, n, D]`` pair in position order:
@@ -313,6 +340,7 @@ class LayerStore:
         integration defers it until the prompt's padding is known).
         """
         self._host_lengths("append")
+        self._undo = None  # a new step: what the last one flushed stays flushed
         self._check_input(k, v)
         k, v = k.to(self.dtype), v.to(self.dtype)
         if self.hadamard is not None:
@@ -325,10 +353,13 @@ class LayerStore:
             self.sink_v[:, :, self.sink_len:self.sink_len + take] = v[:, :, :take]
             self.sink_len += take
             k, v = k[:, :, take:], v[:, :, take:]
+        first = self.seq_len  # position of the first new token
         if k.shape[2]:
             self.res_k = _write(self.res_k, self.res_len, k)
             self.res_v = _write(self.res_v, self.res_len, v)
             self.res_len += k.shape[2]
+        if self._row_sinks and self.sink_len and first < self._pad_end:
+            self._fill_row_sinks(k, v, first)
         if self._pad and not self._sink_closed:
             self._settle_sinks()
         if flush:
@@ -349,6 +380,8 @@ class LayerStore:
         s = self.spec
         if self.sink_len < s.sink_tokens and not (self.evicted or self._sink_closed):
             return False
+        if self._row_sinks and self.sink_len and self.seq_len < self._pad_end:
+            return False  # a sequence's sink slots still wait for its tokens (append fills them)
         if not s.quantized:
             return True
         D = self.head_dim
@@ -394,6 +427,7 @@ class LayerStore:
         the pre-RoPE re-rotation (at ``index - starts``) exact with no offset in the kernels."""
         if self.lens_dev is not None:
             return 0
+        self._undo = None
         if self.sink_len and self._pad_end > upto:  # a sequence still sees its own sink
             return 0
         if not self.spec.quantized:  # FP16 spec: every token is in the residual
@@ -429,6 +463,7 @@ class LayerStore:
             raise ValueError("begin_device_lengths: this layer cannot keep its lengths on the "
                              "device (see LayerStore.device_lengths_ok)")
         s = self.spec
+        self._undo = None
         fp_max = tokens if not s.quantized else s.residual_length + s.group_size
         self.reserve(tokens, max(fp_max, self.res_len))
         for buf in (self.res_k, self.res_v):
@@ -531,6 +566,49 @@ class LayerStore:
             kv.res_len = self.res_k.shape[2]
         return kv
 
+    def track_flushes(self) -> None:
+        """Remember, until the next :meth:`append` (or another edit), the FP16 tokens of the
+        groups flushed from now on (the newest :meth:`_undo_limit` of them), so that
+        :meth:`crop` can put back the groups that the tokens it keeps would not have flushed
+        yet. The HF integration calls it after a multi-row step's first row (speculative
+        verification: the rows after it are drafts): a draft that brought the residual to
+        R + G flushed a group that a run which never saw the rejected drafts flushes later,
+        and with the group put back the crop leaves no trace."""
+        self._undo = ([], []) if self.spec.quantized else None
+
+    def _undo_limit(self) -> int:
+        """Tokens of flushed groups :meth:`track_flushes` keeps at most: enough for a crop of
+        up to R tokens (``ceil(R / G)`` groups, and one more), so that a long chunk (a chunked
+        prefill) keeps no FP16 copy of all it flushed."""
+        G = self.spec.group_size
+        return (-(-self.spec.residual_length // G) + 1) * G
+
+    def _undone(self) -> int:
+        """Tokens at the end of the body that :meth:`crop` would put back (0: none)."""
+        return 0 if self._undo is None else sum(x.shape[2] for x in self._undo[0])
+
+    def _put_back_flushed(self) -> bool:
+        """Undo the flushes since :meth:`track_flushes` (their newest groups, up to
+        :meth:`_undo_limit` tokens): they go back, as FP16 tokens, to the front of the
+        residual (their codes are dropped). False if there were none."""
+        ks, vs = self._undo
+        self._undo = None
+        if not ks:
+            return False
+        k, v = torch.cat(ks, 2), torch.cat(vs, 2)
+        n, held = k.shape[2], self.res_len
+        body0 = self.body_len - n
+        cap = self._residual_keep(n + held)
+        for name, x in (("res_k", k), ("res_v", v)):
+            buf = getattr(self, name)
+            out = buf.new_empty(*buf.shape[:2], cap, *buf.shape[3:])
+            out.narrow(2, 0, n).copy_(x)
+            out.narrow(2, n, held).copy_(buf.narrow(2, 0, held))
+            setattr(self, name, out)
+        self.body_len, self.res_len = body0, n + held
+        self._dense = None
+        return True
+
     def flush(self, upto: int | None = None) -> None:
         """Quantize the oldest whole groups of the residual while it holds >= R + G tokens.
 
@@ -549,6 +627,19 @@ class LayerStore:
         if n_groups <= 0:
             return
         n = n_groups * G
+        if self._undo is not None:  # track_flushes: keep the newest FP16 tokens for crop
+            ks, vs = self._undo
+            m = min(n, self._undo_limit())
+            ks.append(self.res_k[:, :, n - m:n].clone())
+            vs.append(self.res_v[:, :, n - m:n].clone())
+            extra = sum(x.shape[2] for x in ks) - self._undo_limit()
+            while extra > 0:  # whole groups: every piece is
+                cut = min(extra, ks[0].shape[2])
+                ks[0], vs[0] = ks[0][:, :, cut:], vs[0][:, :, cut:]
+                if not ks[0].shape[2]:
+                    ks.pop(0)
+                    vs.pop(0)
+                extra -= cut
         self._close_sink()
         k, v = self.res_k[:, :, :n], self.res_v[:, :, :n]
         first = self.sink_len + self.body_len
@@ -560,7 +651,7 @@ class LayerStore:
             pos = ref_rope.token_positions(self.starts, first, n)
             k = ref_rope.unrotate(k, pos, self.inv_freq)
         if self.fp8:
-            self._flush_fp8(k, v, valid, n)
+            self._flush_fp8(k, v, valid, n, waiting)
             return
         (k_codes, k_scale, k_zero), (v_codes, v_scale, v_zero), outliers = \
             self._quantize_layer(k, v, valid)
@@ -600,10 +691,11 @@ class LayerStore:
             return ops.quantize_keys(x, bits, G, valid)
         return ops.quantize_values(x, bits, self.value_group, G, valid)
 
-    def _flush_fp8(self, k: torch.Tensor, v: torch.Tensor, valid, n: int) -> None:
+    def _flush_fp8(self, k: torch.Tensor, v: torch.Tensor, valid, n: int,
+                   held: int | None = None) -> None:
         if not self._fp8_ready:  # dynamic: amax of the tokens held at the first flush
             gran = self.spec.fp8_granularity
-            kk, vv, ok = self._with_rest(k, v, valid, n)
+            kk, vv, ok = self._with_rest(k, v, valid, n, held)
             self.k_scale = ref_quant.fp8_scale_from_amax(ref_quant.fp8_amax(kk, ok, gran))
             self.v_scale = ref_quant.fp8_scale_from_amax(ref_quant.fp8_amax(vv, ok, gran))
             self._fp8_ready = True
@@ -613,16 +705,20 @@ class LayerStore:
                               ref_quant.quantize_fp8(v, self.v_scale, valid))
         self._moved(n)
 
-    def _with_rest(self, k: torch.Tensor, v: torch.Tensor, valid, n: int):
+    def _with_rest(self, k: torch.Tensor, v: torch.Tensor, valid, n: int,
+                   held: int | None = None):
         """The ``n`` tokens being flushed (``k, v``, validity ``valid``) and behind them the rest
         of the residual (the prompt's end), with their validity: dynamic FP8 scales come from
         all of them, so that a sequence whose flushed tokens are all padding still gets its scale
-        from its own tokens (an amax of 0 would give it 1, fixed from then on)."""
-        rest = self.res_len - n
+        from its own tokens (an amax of 0 would give it 1, fixed from then on). ``held``: the
+        residual tokens the flush sees (``flush(upto=...)``: a chunk's rows attended as
+        generated; the later rows are not there yet when generation flushes); default all."""
+        held = self.res_len if held is None else min(held, self.res_len)
+        rest = held - n
         if rest <= 0:
             return k, v, valid
         first = self.sink_len + self.body_len + n
-        rk, rv = self.res_k[:, :, n:self.res_len], self.res_v[:, :, n:self.res_len]
+        rk, rv = self.res_k[:, :, n:held], self.res_v[:, :, n:held]
         if self.inv_freq is not None:  # pre-RoPE keys, as the flushed ones
             rk = ref_rope.unrotate(rk, ref_rope.token_positions(self.starts, first, rest),
                                    self.inv_freq)
@@ -669,6 +765,7 @@ class LayerStore:
     def reorder(self, index: torch.Tensor) -> None:
         """Select sequences along the batch (beam search): every buffer follows ``index``."""
         self._host_lengths("reorder")
+        self._undo = None
         index = index.to(self.device)
         for name in _BUFFERS:
             buf = getattr(self, name)
@@ -683,6 +780,10 @@ class LayerStore:
         length = self.check_crop(length)
         if length is None:
             return
+        # groups the cut tokens flushed (track_flushes) go back to the residual, and only
+        # what the kept tokens bring due is flushed again (the same codes: the same tokens)
+        refill = self._undo is not None and self._put_back_flushed()
+        self._undo = None
         self._dense = None
         body_end = self.sink_len + self.body_len
         if length >= body_end:
@@ -693,6 +794,10 @@ class LayerStore:
             self.body_len, self.res_len = length - self.sink_len, 0
         if self.fp8 and not self.body_len and self.spec.fp8_scale == "dynamic":
             self._fp8_ready = False  # the next first flush sets the scales again
+        if refill:  # one group at a time, as generation flushes them (dynamic FP8 scales)
+            due = self.spec.residual_length + self.spec.group_size
+            while self.res_len >= due:
+                self.flush(upto=self.sink_len + self.body_len + due)
 
     def check_crop(self, length: int) -> int | None:
         """The length :meth:`crop` would keep (None: nothing to drop), or ValueError for a cut
@@ -711,7 +816,9 @@ class LayerStore:
             raise ValueError(
                 f"crop: cannot cut at {length}: in this left-padded batch a sequence's own sink "
                 f"tokens reach position {self._pad_end - 1}; crop to >= {self._pad_end}")
-        body_end = self.sink_len + self.body_len
+        # groups flushed since track_flushes go back to the residual first (crop)
+        body_len = self.body_len - self._undone()
+        body_end = self.sink_len + body_len
         if self.sink_len < length < body_end and (length - self.sink_len) % self.spec.group_size:
             raise ValueError(
                 f"crop: cannot cut at {length}: tokens {self.sink_len}..{body_end} are quantized "
@@ -748,6 +855,7 @@ class LayerStore:
         """Restore :meth:`state` into this new, empty store (same spec and shapes): growing
         buffers get a capacity of whole 16-row blocks, as :func:`_write` gives them."""
         self._host_lengths("load_state")
+        self._undo = None
         unknown = set(tensors) - {"starts", *_BUFFERS} | set(scalars) - {*_STATE_INTS,
                                                                           *_STATE_FLAGS}
         if unknown:

@@ -53,7 +53,12 @@ Known limits
 * Crop can only cut quantized history at a group boundary. Assisted and prompt-lookup
   decoding (transformers crops the rejected drafts) work while a draft fits in the FP16 residual
   (``residual_length`` >= draft tokens: drafts are never quantized before they are verified);
-  a quantized layer without a residual window is not croppable (``is_croppable``).
+  a quantized layer without a residual window is not croppable (``is_croppable``). A group
+  that the drafts brought due during their verification goes back to FP16 with the crop
+  (:meth:`LayerStore.track_flushes`), so decoding goes on as if the rejected drafts had never
+  been seen; a crop reaching back past the last forward keeps what earlier steps flushed
+  quantized. A sliding-window layer that dropped tokens refuses a crop that would leave the
+  next token's window short (as ``DynamicCache`` does).
 * ``output_attentions=True`` returns no attention weights: the fused kernels never form
   the probability matrix (transformers warns that its SDPA path has none; run a
   ``DynamicCache`` with ``attn_implementation="eager"`` to inspect them).
@@ -238,9 +243,15 @@ class KVBitsLayer(CacheLayerMixin):
         if tokens_to_remove < -n:
             raise ValueError(f"crop: cannot remove {-tokens_to_remove} tokens: the cache holds {n}")
         keep = n + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
-        if keep < self.store.evicted:
-            raise ValueError(f"crop: cannot keep {keep} tokens: the first {self.store.evicted} "
-                             "left this sliding-window layer already")
+        evicted = self.store.evicted
+        if evicted and keep - self.sliding_window + 1 < evicted:
+            # the next token sees the window - 1 tokens before it, and some of those are gone
+            # (transformers' DynamicCache refuses such a crop too)
+            raise ValueError(
+                f"crop: cannot keep {keep} tokens: the first {evicted} left this sliding-window "
+                f"layer already, and the next token's window (the {self.sliding_window - 1} "
+                f"tokens before it) needs tokens from {keep - self.sliding_window + 1} on; keep "
+                f"at least {evicted + self.sliding_window - 1}")
         try:
             self.store.check_crop(keep - self.store.evicted)
         except ValueError as e:
@@ -749,6 +760,8 @@ def _attend_as_generated(query: torch.Tensor, store, scale: float, window,
     outs, i0 = [], 0
     while i0 < lq:
         store.flush(upto=first + i0 + 1)
+        if i0 == 0:  # what the later rows (drafts) flush, a crop of them puts back
+            store.track_flushes()
         next_flush = store.sink_len + store.body_len + spec.residual_length + spec.group_size
         i1 = min(lq, next_flush - first - 1)
         outs.append(ops.decode_attention(query[:, :, i0:i1], store.view(), scale=scale,
