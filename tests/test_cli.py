@@ -595,3 +595,65 @@ def test_generate_text_prefix_cache(tmp_path, graphs, monkeypatch):
     with pytest.raises(ValueError, match="one prompt"):
         generate_text(model, _StubTokenizer(), GenerateConfig(
             spec=spec, prompt=[prompt, prompt], graphs=False, prefix_cache=str(f)))
+
+
+def test_preset_own_transformers_group_size_beats_the_command_wide_default():
+    # --group-size 32 won over the preset's own q_group_size=64 (its transformers name), though
+    # the defaults yield to a preset's overrides: the run measured another group size.
+    u, = parse_presets("uniform:q_group_size=64", group_size=32)
+    assert u.spec.group_size == 64
+    u, k = parse_presets("uniform:nbits=2,kivi-2", group_size=128)
+    assert (u.spec.key_bits, u.spec.group_size, k.spec.group_size) == (2, 128, 128)
+    with pytest.raises(ValueError, match=r"--presets: 'uniform:axis_key=1': axis_key must be 0"):
+        parse_presets("uniform:axis_key=1")
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["tune", "--avg-bits", "1.5"], r"--avg-bits must be in \[2, 8\].*got 1.5"),
+    (["tune", "--avg-bits", "nan"], r"--avg-bits must be in \[2, 8\].*got nan"),
+    (["tune", "--base", "fp16"], "--base 'fp16' is method 'fp16'; tune allocates .*'uniform'"),
+    (["tune", "--base", "kvquant-3"], "--base 'kvquant-3' is method 'kvquant'"),
+    # its per-layer bits were silently replaced by tune's own
+    (["tune", "--base", "k4v2-edge8"], "--base 'k4v2-edge8' already sets per-layer bits"),
+    (["tune", "--text", "nosuch"], "--text 'nosuch': not a known text"),
+    (["calibrate", "--text", "nosuch"], "--text 'nosuch': not a known text"),
+    (["ppl", "--presets", "fp16", "--text", "nosuch"], "--text 'nosuch': not a known text"),
+    (["ppl", "--presets", "kivi-2:G=64,G=128"], "'kivi-2:G=64,G=128' sets group_size twice"),
+    (["ppl", "--hf-quantized", "quanto:int2:R=64,residual_length=32"],
+     "sets residual_length twice"),
+    # generate's option combinations (~17 s of model loading first)
+    (["generate", "--prompt", "x", "--prompt-lookup", "200"],
+     r"--prompt-lookup 200: the drafts must fit in the FP16 residual \(residual_length=128\)"),
+    (["generate", "--prompt", "x", "--preset", "kivi-2:R=0", "--prompt-lookup", "4"],
+     r"residual_length=0"),
+    (["generate", "--prompt", "x", "--prompt", "y", "--prompt-lookup", "4"],
+     "with one prompt and one beam"),
+    (["generate", "--prompt", "x", "--num-beams", "2", "--graphs"], "graphs=True needs one beam"),
+    (["generate", "--prompt", "x", "--fuse", "--no-graphs"], r"--fuse\) needs the graph loop"),
+    (["generate", "--prompt", "x", "--fuse", "--device", "cpu"], r"--fuse\) needs the graph loop"),
+    (["generate", "--prompt", "x", "--prefix-cache", "p.safetensors", "--prompt-lookup", "4"],
+     "--prefix-cache: one prompt, without --prompt-lookup"),
+])
+def test_bad_arguments_are_refused_before_the_model_loads(capsys, monkeypatch, argv, match):
+    """These were refused only after the model and text had loaded (tune: ~20 s on 2 cores),
+    or, for a misspelt --text, after the model had loaded; a field given twice was not refused."""
+    import kvbits.data
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(kvbits.data, "load_model", no_load)
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and re.search(match, err), err
+
+
+def test_missing_hf_backend_is_refused_before_the_model_loads(capsys, monkeypatch):
+    """`--hf-quantized hqq:int2` without hqq failed after every kvbits preset had run."""
+    import kvbits.data
+    import kvbits.eval.hf_baseline as hfb
+
+    monkeypatch.setattr(hfb, "available_backends", lambda: {"quanto": True, "hqq": False})
+    monkeypatch.setattr(kvbits.data, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    code, _, err = run(capsys, "ppl", "--presets", "kivi-2", "--hf-quantized", "hqq:int2")
+    assert code == 2 and "--hf-quantized 'hqq:int2': backend 'hqq' is not installed: " \
+                         "`pip install hqq`" in err, err

@@ -241,3 +241,73 @@ def test_spec_file_with_malformed_fields(tmp_path, doc, match):
     path.write_text(json.dumps({"kvbits_spec": 1, "spec": doc}))
     with pytest.raises(ValueError, match=match):
         resolve_spec(str(path))
+
+
+@pytest.mark.parametrize("text,field", [
+    ("kivi-2:G=64,G=128", "group_size"),
+    ("kivi-2:residual_length=64,R=32", "residual_length"),
+    ("uniform:G=64,q_group_size=128", "group_size"),
+    ("kivi-2:bits=4,nbits=2", "bits"),
+    ("uniform:axis_key=-1,key_axis=token", "key_axis"),
+    ("kivi-2:S=1,S=1", "sink_tokens"),
+])
+def test_spec_string_refuses_a_field_set_twice(text, field):
+    # The last value won (or, for transformers' names, the first), the other silently dropped.
+    with pytest.raises(ValueError, match=rf"{re.escape(repr(text))} sets {field} twice"):
+        resolve_spec(text)
+
+
+def test_spec_string_bits_may_be_refined_by_one_width():
+    # bits / nbits set both widths; K or V then changes one: not a conflict.
+    assert (resolve_spec("kivi-2:bits=4,K=8").key_bits, resolve_spec("kivi-2:bits=4,K=8")
+            .value_bits) == (8, 4)
+    assert resolve_spec("uniform:nbits=4,K=2").key_bits == 2
+
+
+def test_transformers_name_and_field_that_disagree_are_refused():
+    # KVBitsCache(model, "uniform", q_group_size=64, group_size=32) quietly used 32.
+    with pytest.raises(ValueError, match=r"q_group_size \(transformers' name of group_size\) "
+                                         r"and group_size disagree.*give one of them"):
+        resolve_spec("uniform", q_group_size=64, group_size=32)
+    with pytest.raises(ValueError, match="axis_key .*and key_axis disagree"):
+        resolve_spec("uniform", axis_key=-1, key_axis="token")
+    assert resolve_spec("uniform", q_group_size=64, group_size=64).group_size == 64
+    # keywords still win over the string, whichever name either uses
+    assert resolve_spec("uniform:q_group_size=128", group_size=32).group_size == 32
+    assert resolve_spec("uniform:G=128", q_group_size=32).group_size == 32
+    assert resolve_spec("uniform:axis_key=-1", key_axis="token").key_axis == "token"
+
+
+def _tuned_file(tmp_path, layer_bits, skip_layers=(), model_layers=4):
+    spec = PRESETS["kivi-3"].replace(layer_bits=tuple(layer_bits), skip_layers=tuple(skip_layers),
+                                     model_layers=model_layers)
+    path = tmp_path / "tuned.json"
+    spec.save(path)
+    return str(path)
+
+
+def test_bits_override_of_a_spec_that_sets_every_layer_is_refused(tmp_path):
+    # "smollm2-avg3.json:bits=4" resolved, described itself as K4V4 and changed no layer.
+    every = _tuned_file(tmp_path, [(i, 3, 2) for i in range(3)], skip_layers=(-1,))
+    for text, kw in ((every + ":bits=4", {}), (every, {"value_bits": 4}),
+                     (every + ":K=8", {})):
+        with pytest.raises(ValueError, match=r"sets the bits of each of its 4 layers .*would "
+                                             "change no layer"):
+            resolve_spec(text, **kw)
+    assert resolve_spec(every + ":G=64").group_size == 64  # other fields still apply
+    assert resolve_spec(every + ":K=3").key_bits == 3  # the file's own value: a no-op anyway
+    # a layer the spec leaves to the base bits, or a spec for any depth: the override applies
+    some = _tuned_file(tmp_path, [(0, 8, 8), (1, 2, 2)])
+    assert resolve_spec(some + ":bits=4").for_layer(3, 4).key_bits == 4
+    assert resolve_spec("k4v2-edge8:K=2").for_layer(1, 30).key_bits == 2
+
+
+@pytest.mark.parametrize("version", [2, 0, "1", None])
+def test_spec_file_of_another_format_version_is_refused(tmp_path, version):
+    # Any "kvbits_spec" was read as format 1.
+    path = tmp_path / "future.json"
+    path.write_text(json.dumps({"kvbits_spec": version, "spec": PRESETS["kivi-2"].to_dict()}))
+    with pytest.raises(ValueError, match=r"has format kvbits_spec=.*this kvbits reads format 1"):
+        resolve_spec(str(path))
+    path.write_text(json.dumps({"spec": PRESETS["kivi-2"].to_dict()}))  # no marker: as before
+    assert resolve_spec(str(path)) == PRESETS["kivi-2"]

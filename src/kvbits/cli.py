@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .spec import PRESETS, QuantSpec, parse_overrides, resolve_spec
+from .spec import PRESETS, QuantSpec, _hf_names, parse_overrides, resolve_spec
 
 # ------------------------------------------------------------------------------- variant syntax
 # kvbits:  PRESET[:FIELD=VALUE[,FIELD=VALUE...]]      e.g. kivi-2:residual_length=0,G=64
@@ -73,6 +73,10 @@ def parse_presets(text: str, option: str = "--presets", **defaults) -> list[Vari
             raise ValueError(f"{option}: unknown preset {name!r} in {item!r}; presets are: "
                              f"{', '.join(PRESETS)} (or a spec file, .json, from kvbits tune)")
         fields = parse_overrides(item, rest, option=option)
+        try:  # transformers' names as fields: the preset's q_group_size beats --group-size
+            fields = _hf_names(fields)
+        except ValueError as exc:
+            raise ValueError(f"{option}: {item!r}: {exc}") from None
         if name not in PRESETS or PRESETS[name].quantized:
             fields = {**{k: v for k, v in defaults.items() if v is not None}, **fields}
         try:
@@ -339,11 +343,26 @@ def _check_calibration(path: str | None, variants) -> None:
                          "given")
 
 
+def _check_hf_backends(variants) -> None:
+    """Every ``--hf-quantized`` backend imports here (checked before the model loads: the error
+    came after every kvbits preset had run)."""
+    from .eval.hf_baseline import BACKENDS, available_backends
+
+    have = available_backends()
+    for v in variants:
+        if v.kind == "hf" and not have[v.spec.backend]:
+            raise ValueError(f"--hf-quantized {v.label[3:]!r}: backend {v.spec.backend!r} is "
+                             f"not installed: `pip install {BACKENDS[v.spec.backend][0]}` (or "
+                             "`pip install \"kvbits[incumbents]\"`)")
+
+
 def _cmd_ppl(args) -> int:
     variants = parse_presets(args.presets, group_size=args.group_size,
                              residual_length=args.residual_length, sink_tokens=args.sink_tokens)
     if args.hf_quantized:
         variants += parse_hf_variants(args.hf_quantized)
+        _check_hf_backends(variants)
+    _check_text(args.text, "--text")  # before the model loads
     _check_calibration(args.calibration, variants)
     if any(v.kind == "kvbits" and (v.spec.calibrated or v.spec.hadamard_calibrated)
            for v in variants) and args.calibration is None:
@@ -387,6 +406,7 @@ def run_calibrate(cfg: CalibrateConfig) -> Path:
 
 def _cmd_calibrate(args) -> int:
     variant = parse_preset(args.preset)
+    _check_text(args.text, "--text")  # before the model loads
     run_calibrate(CalibrateConfig(args.model, args.text, variant, args.tokens, args.window,
                                   args.output))
     return 0
@@ -423,8 +443,31 @@ def run_tune(cfg: TuneConfig) -> Path:
     return out
 
 
+def _check_tune(base: Variant, avg_bits: float) -> None:
+    """``kvbits tune``'s arguments, before the model and text load (the library refuses them
+    too, but only after loading)."""
+    import math
+
+    from .methods.tune import CHOICES
+
+    if not (math.isfinite(avg_bits) and min(CHOICES) <= avg_bits <= max(CHOICES)):
+        raise ValueError(f"--avg-bits must be in [{min(CHOICES)}, {max(CHOICES)}] (code bits per "
+                         f"K/V element, averaged over the layers), got {avg_bits}")
+    spec = base.spec
+    if spec.method not in ("kivi", "uniform"):
+        raise ValueError(f"--base {base.label!r} is method {spec.method!r}; tune allocates the "
+                         "bits of method 'kivi' or 'uniform' (e.g. kivi-3, kivi-3-had, "
+                         "uniform-int4)")
+    if spec.per_layer:  # tune's allocation would replace them, silently
+        raise ValueError(f"--base {base.label!r} already sets per-layer bits or FP16 layers "
+                         "(layer_bits / skip_layers), which tune would replace with its own: "
+                         "give a preset with one width for all layers (e.g. kivi-3)")
+
+
 def _cmd_tune(args) -> int:
     base = parse_preset(args.base, "--base")
+    _check_tune(base, args.avg_bits)
+    _check_text(args.text, "--text")  # before the model loads
     run_tune(TuneConfig(args.model, args.text, args.avg_bits, base, args.tokens, args.window,
                         args.output))
     return 0
@@ -484,10 +527,9 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
             return make_cache_factory(model, Variant(cfg.label or "custom", "kvbits", cfg.spec),
                                       calibration=cfg.calibration)()
         return KVBitsCache(model, cfg.spec)
+    graphs = check_generate_config(cfg, model.device.type)
     reused, loaded = 0, False
     if cfg.prefix_cache:
-        if len(rows) > 1 or cfg.prompt_lookup:
-            raise ValueError("--prefix-cache: one prompt, without --prompt-lookup")
         loaded = Path(cfg.prefix_cache).exists()
         cache, reused = prefix_cache(model, cfg, rows[0], new_cache)
     else:
@@ -498,28 +540,11 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
         opts.update(temperature=cfg.temperature, top_p=cfg.top_p)
     else:
         opts.update(temperature=None, top_p=None, top_k=None)
-    one_beam = cfg.num_beams == 1
     if cfg.prompt_lookup:  # drafts verified in one chunk, the rejected ones cropped
-        if not one_beam or len(rows) > 1 or cfg.graphs:
-            raise ValueError("generate: prompt-lookup decoding (--prompt-lookup) runs through "
-                             "transformers' generate with one prompt and one beam (no --graphs)")
-        R = cfg.spec.residual_length
-        if cfg.spec.quantized and cfg.prompt_lookup > R:
-            raise ValueError(f"--prompt-lookup {cfg.prompt_lookup}: the drafts must fit in the "
-                             f"FP16 residual (residual_length={R}), where a rejected draft can be "
-                             "cropped; draft at most that many tokens or raise --residual-length")
         opts["prompt_lookup_num_tokens"] = cfg.prompt_lookup
-    graphs = (one_beam and model.device.type == "cuda" and not cfg.prompt_lookup
-              ) if cfg.graphs is None else cfg.graphs
     if graphs and model.device.type != "cuda":
         _log("graphs: the model is not on a CUDA device, so the graph loop runs its steps "
              "eagerly (same tokens, no replay)")
-    if graphs and not one_beam:
-        raise ValueError("generate: graphs=True needs one beam (greedy or --sample), got "
-                         f"num_beams={cfg.num_beams}")
-    if cfg.fuse and not graphs:
-        raise ValueError("generate: fuse=True (--fuse) needs the graph loop (graphs=True, one "
-                         "beam)")
     t0 = time.perf_counter()
     with torch.no_grad():
         if graphs:
@@ -539,6 +564,34 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
             "new_tokens": sum(int(row.numel()) for row in new), "seconds": seconds,
             "cache_bytes": cache_nbytes(cache), "cache_bytes_fp16": cache_nbytes(cache, fp16=True),
             "fp16_cache_bytes": cache.fp16_nbytes() * 2 // next(model.parameters()).element_size()}
+
+
+def check_generate_config(cfg: GenerateConfig, device_type: str) -> bool:
+    """Refuse option combinations that :func:`generate_text` cannot serve (from the config alone,
+    so ``kvbits generate`` checks them before the model loads); returns whether the CUDA-graph
+    loop decodes (``cfg.graphs``, or by default: on CUDA with one beam, no prompt lookup)."""
+    prompts = 1 if isinstance(cfg.prompt, str) else len(cfg.prompt)
+    one_beam = cfg.num_beams == 1
+    if cfg.prefix_cache and (prompts > 1 or cfg.prompt_lookup):
+        raise ValueError("--prefix-cache: one prompt, without --prompt-lookup")
+    if cfg.prompt_lookup:
+        if not one_beam or prompts > 1 or cfg.graphs:
+            raise ValueError("generate: prompt-lookup decoding (--prompt-lookup) runs through "
+                             "transformers' generate with one prompt and one beam (no --graphs)")
+        R = cfg.spec.residual_length
+        if cfg.spec.quantized and cfg.prompt_lookup > R:
+            raise ValueError(f"--prompt-lookup {cfg.prompt_lookup}: the drafts must fit in the "
+                             f"FP16 residual (residual_length={R}), where a rejected draft can be "
+                             "cropped; draft at most that many tokens or raise --residual-length")
+    graphs = (one_beam and device_type == "cuda" and not cfg.prompt_lookup
+              ) if cfg.graphs is None else cfg.graphs
+    if graphs and not one_beam:
+        raise ValueError("generate: graphs=True needs one beam (greedy or --sample), got "
+                         f"num_beams={cfg.num_beams}")
+    if cfg.fuse and not graphs:
+        raise ValueError("generate: fuse=True (--fuse) needs the graph loop (graphs=True, one "
+                         "beam)")
+    return graphs
 
 
 def prefix_cache(model, cfg: GenerateConfig, ids: list[int], new_cache) -> tuple:
@@ -655,7 +708,9 @@ def _cmd_generate(args) -> int:
                          args.graphs, variant.label, args.fuse, args.prompt_lookup,
                          args.prefix_cache, args.calibration)
     _check_calibration(args.calibration, [variant])
-    model, tok, _ = _load(cfg.model, device=_device(args.device))
+    device = _device(args.device)
+    check_generate_config(cfg, device)  # before the model loads
+    model, tok, _ = _load(cfg.model, device=device)
     r = generate_text(model, tok, cfg)
     if len(r["texts"]) == 1:
         print(r["text"])

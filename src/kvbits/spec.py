@@ -22,6 +22,7 @@ HF_AXES = {0: "token", -1: "channel"}
 PER_LAYER_METHODS = ("kivi", "uniform")
 BITS = (2, 3, 4, 8)
 GROUP_SIZES = (32, 64, 128)
+SPEC_FILE_VERSION = 1  # "kvbits_spec" of the files QuantSpec.save writes and load reads
 
 
 @dataclass(frozen=True)
@@ -267,7 +268,8 @@ class QuantSpec:
         import json
         from pathlib import Path
 
-        doc = {"kvbits_spec": 1, "spec": self.to_dict(), **({"info": info} if info else {})}
+        doc = {"kvbits_spec": SPEC_FILE_VERSION, "spec": self.to_dict(),
+               **({"info": info} if info else {})}
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
@@ -283,6 +285,12 @@ class QuantSpec:
             raise ValueError(f"cannot read spec file {str(path)!r}: {exc}") from None
         if not isinstance(doc, dict) or "spec" not in doc:
             raise ValueError(f"{str(path)!r} is not a kvbits spec file (no 'spec' key)")
+        version = doc.get("kvbits_spec", SPEC_FILE_VERSION)
+        if type(version) is not int or version != SPEC_FILE_VERSION:
+            # a later format would be read as this one, its new meaning silently lost
+            raise ValueError(f"spec file {str(path)!r} has format kvbits_spec={version!r}; this "
+                             f"kvbits reads format {SPEC_FILE_VERSION} (write it again with this "
+                             "version, e.g. kvbits tune)")
         return cls.from_dict(doc["spec"])
 
     @property
@@ -410,6 +418,9 @@ SPEC_FIELDS = ("key_bits", "value_bits", "group_size", "residual_length", "sink_
                "pre_rope", "outliers", "codebook", "qnorm", "fisher", "hadamard",
                "hadamard_calibrated", "key_axis", "value_axis", "fp8_scale", "fp8_granularity",
                "nbits", "axis_key", "axis_value", "q_group_size")
+# Names that set the same field: a spec string may give only one of each.
+_SYNONYMS = {"nbits": "bits", "q_group_size": "group_size", "axis_key": "key_axis",
+             "axis_value": "value_axis"}
 _BOOL_FIELDS = ("pre_rope", "qnorm", "fisher", "hadamard", "hadamard_calibrated")
 _FLOAT_FIELDS = ("outliers",)
 _STR_FIELDS = ("codebook", "key_axis", "value_axis", "fp8_scale", "fp8_granularity")
@@ -424,12 +435,20 @@ def parse_overrides(label: str, text: str, aliases: dict = SPEC_ALIASES,
     {'group_size': 64, 'key_bits': 3, 'value_bits': 3}
     """
     out = {}
+    given: dict = {}  # field (or its synonym group) -> the pair that set it
     for pair in filter(None, text.split(",")):
         name, eq, value = pair.partition("=")
         name = aliases.get(name.strip(), name.strip())
         if not eq or name not in allowed:
             raise ValueError(f"{option}: bad override {pair!r} in {label!r}; use FIELD=VALUE with "
                              f"FIELD one of {', '.join(allowed)} (or {', '.join(aliases)})")
+        # a field set twice (G=64,G=128; residual_length=64,R=32; bits=4,nbits=2) kept only
+        # one of the values, silently
+        key = _SYNONYMS.get(name, name)
+        if key in given:
+            raise ValueError(f"{option}: {label!r} sets {key} twice ({given[key]!r} and "
+                             f"{pair.strip()!r}); give each field once")
+        given[key] = pair.strip()
         value = value.strip()
         if name in _BOOL_FIELDS:
             if value.lower() not in ("0", "1", "true", "false"):
@@ -471,10 +490,13 @@ def resolve_spec(spec, **overrides) -> QuantSpec:
     """
     import os
 
+    # transformers' names become fields in each source first, so that a keyword wins over the
+    # string's field whichever name either used
+    overrides = _hf_names({k: v for k, v in overrides.items() if v is not None})
     if isinstance(spec, str) and ":" in spec:
         name, _, rest = spec.partition(":")
         if name in PRESETS or name.endswith(".json"):
-            overrides = {**parse_overrides(spec, rest), **overrides}
+            overrides = {**_hf_names(parse_overrides(spec, rest)), **overrides}
             spec = name
     if isinstance(spec, QuantSpec):
         base = spec
@@ -487,9 +509,9 @@ def resolve_spec(spec, **overrides) -> QuantSpec:
     else:
         raise ValueError(f"unknown preset {spec!r}; presets are: {', '.join(PRESETS)} "
                          "(or a spec file, .json; either may take overrides: 'kivi-2:G=64,R=0')")
-    overrides = _hf_names({k: v for k, v in overrides.items() if v is not None})
     _check_field_names(overrides, "override(s)", " (or transformers' nbits, q_group_size, "
                        "axis_key, axis_value)")
+    _check_bits_reach_a_layer(base, overrides)
     asked = sorted(set(overrides) - set(FP16_IGNORES))
     if asked and not base.quantized:  # they would be kept and silently do nothing
         what = f"preset {spec!r}" if isinstance(spec, str) and spec in PRESETS else \
@@ -510,20 +532,50 @@ CALIBRATION_USES = ("calibration= applies to fp8_scale='calibrated' (preset 'fp8
 
 
 def _hf_names(overrides: dict) -> dict:
-    """transformers' QuantizedCache keyword names -> QuantSpec fields."""
+    """transformers' QuantizedCache keyword names -> QuantSpec fields. ``nbits`` sets both widths
+    unless ``key_bits`` / ``value_bits`` refine one (as ``bits`` does); a transformers name and
+    the field it stands for given with different values are refused (one was silently lost)."""
     out = dict(overrides)
     if "nbits" in out:
         bits = out.pop("nbits")
         out.setdefault("key_bits", bits)
         out.setdefault("value_bits", bits)
-    if "q_group_size" in out:
-        out.setdefault("group_size", out.pop("q_group_size"))
-    for hf, field in (("axis_key", "key_axis"), ("axis_value", "value_axis")):
-        if hf in out:
-            axis = out.pop(hf)
-            if type(axis) is not int or axis not in HF_AXES:
+    pairs = [("q_group_size", "group_size", None)]
+    pairs += [(hf, field, HF_AXES) for hf, field in (("axis_key", "key_axis"),
+                                                      ("axis_value", "value_axis"))]
+    for hf, field, table in pairs:
+        if hf not in out:
+            continue
+        value = out.pop(hf)
+        if table is not None:
+            if type(value) is not int or value not in table:
                 raise ValueError(f"{hf} must be 0 (per-token: groups of channels of one token, "
                                  f"transformers' default) or -1 (per-channel: groups of tokens "
-                                 f"of one channel); got {axis!r}")
-            out.setdefault(field, HF_AXES[axis])
+                                 f"of one channel); got {value!r}")
+            value = table[value]
+        if field in out and out[field] != value:
+            raise ValueError(f"{hf} (transformers' name of {field}) and {field} disagree: "
+                             f"{hf} gives {value!r}, {field}={out[field]!r}; give one of them")
+        out[field] = value
     return out
+
+
+def _check_bits_reach_a_layer(base: QuantSpec, overrides: dict) -> None:
+    """Refuse key_bits / value_bits overrides of a per-layer spec that names every layer of the
+    model it was tuned for: each layer keeps its own bits (``layer_bits``) or FP16, so the
+    override would silently change nothing (e.g. ``smollm2-avg3.json:bits=4``)."""
+    asked = [f for f in ("key_bits", "value_bits")
+             if f in overrides and overrides[f] != getattr(base, f)]
+    # the per-layer fields as they will be (an override may replace them too)
+    n, layer_bits, skip = (overrides.get(f, getattr(base, f))
+                           for f in ("model_layers", "layer_bits", "skip_layers"))
+    if not asked or type(n) is not int or n <= 0:
+        return
+    try:
+        named = {e[0] % n for e in layer_bits} | {i % n for i in skip}
+    except (TypeError, IndexError):
+        return  # malformed: QuantSpec refuses it by name
+    if len(named) >= n:
+        raise ValueError(f"{', '.join(asked)}: this spec sets the bits of each of its {n} layers "
+                         "(layer_bits / skip_layers), so the override would change no layer; "
+                         "edit layer_bits, or run kvbits tune for another --avg-bits")
