@@ -1950,3 +1950,29 @@ def test_groups_wider_than_float16s_range(kb, vb):
     o = kernel(q, kv, **args)
     r = reference(q, kv, **args)
     compare(o, r, torch.float16, f"K{kb}V{vb} groups spanning 80000")
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda q, kv, a: (q, object(), a), "kv must be a PackedKV"),
+    (lambda q, kv, a: (q.to("meta"), kv, a), "they must share a device"),
+    (lambda q, kv, a: (q, kv, {**a, "starts": torch.tensor([0.5])}), "starts must be None"),
+    (lambda q, kv, a: (q, kv, {**a, "lengths": torch.tensor([70, 70, 70])}),
+     "lengths must be None, an int or 1 integers"),
+    (lambda q, kv, a: (q, kv, {**a, "lengths": [[70]]}), "lengths must be None"),
+    (lambda q, kv, a: (q, kv, {**a, "softcap": "50"}), "softcap must be a positive"),
+])
+def test_bad_arguments_name_what_is_wrong(change, match):
+    """Found by a QA pass: these failed deep inside torch or a kernel, or a float start was
+    truncated silently."""
+    _, kv, q = _op_case()
+    q, kv, args = change(q, kv, {"scale": 0.125})
+    with pytest.raises(ValueError, match=match):
+        ops.decode_attention(q, kv, **args)
+
+
+def test_good_position_arguments_pass_the_checks():
+    _, kv, q = _op_case()
+    r = ops.decode_attention(q, kv, scale=0.125)
+    for starts, lengths in ((0, 80), ([0], [80]), (torch.tensor([0]), torch.tensor(80))):
+        torch.testing.assert_close(
+            ops.decode_attention(q, kv, scale=0.125, starts=starts, lengths=lengths), r)

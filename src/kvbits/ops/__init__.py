@@ -76,14 +76,21 @@ def kernel_reads(kv: PackedKV) -> bool:
 _Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_call(q: torch.Tensor, kv: PackedKV, scale: float, window) -> None:
+def _check_call(q: torch.Tensor, kv: PackedKV, scale: float, window, starts=None,
+                lengths=None) -> None:
     """Shapes, dtypes and lengths of a decode_attention call, from metadata only (no host sync):
     a mismatch would otherwise read past a buffer or attend to the wrong rows, silently."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype not in _Q_DTYPES:
         raise ValueError("decode_attention: q must be a [batch, heads, rows, head_dim] float16, "
                          f"bfloat16 or float32 tensor, got {getattr(q, 'dtype', type(q))} "
                          f"{tuple(getattr(q, 'shape', ()))}")
+    if not isinstance(kv, PackedKV):
+        raise ValueError(f"decode_attention: kv must be a PackedKV (a layer's view), got "
+                         f"{type(kv).__name__}")
     B, Hq, Lq, D = q.shape
+    if q.device != kv.res_k.device:
+        raise ValueError(f"decode_attention: q is on {q.device}, the layer on "
+                         f"{kv.res_k.device}; they must share a device")
     rb, rh, _, rd = kv.res_k.shape
     if B != rb or D != rd or Lq < 1 or Hq % rh:
         raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit the layer (batch "
@@ -112,10 +119,31 @@ def _check_call(q: torch.Tensor, kv: PackedKV, scale: float, window) -> None:
     if not (isinstance(scale, (int, float)) and 0 < scale < math.inf):
         raise ValueError(f"decode_attention: scale must be a positive finite number, got "
                          f"{scale!r}")
+    for name, x in (("starts", starts), ("lengths", lengths)):
+        _check_positions(name, x, B)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or window < 1):
         raise ValueError(f"decode_attention: window must be a positive integer (tokens) or "
                          f"None, got {window!r}")
+
+
+def _check_positions(name: str, x, batch: int) -> None:
+    """``starts`` / ``lengths``: None, an int, or integers per sequence (``[batch]``, or one
+    for all); a float would be truncated and a wrong length broadcast or fail deep in a kernel.
+    Values are not read here (that would wait for the device)."""
+    if x is None or (isinstance(x, int) and not isinstance(x, bool)):
+        return
+    t = x if isinstance(x, torch.Tensor) else None
+    if t is None:
+        try:
+            t = torch.as_tensor(x)
+        except (TypeError, ValueError, RuntimeError):
+            t = None
+    if t is None or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool \
+            or t.dim() > 1 or (t.dim() == 1 and t.numel() not in (1, batch)):
+        what = (f"{t.dtype} {tuple(t.shape)}" if t is not None else type(x).__name__)
+        raise ValueError(f"decode_attention: {name} must be None, an int or {batch} integers "
+                         f"(one per sequence), got {what}")
 
 
 def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None, lengths=None,
@@ -132,10 +160,12 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     view's host lengths are the true ones). ``softcap``: attention-logit softcapping (Gemma2),
     a positive number or None.
     """
-    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+    if softcap is not None and not (isinstance(softcap, (int, float))
+                                    and not isinstance(softcap, bool)
+                                    and math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"decode_attention: softcap must be a positive finite number or None, "
                          f"got {softcap!r}")
-    _check_call(q, kv, scale, window)
+    _check_call(q, kv, scale, window, starts, lengths)
     if use_kernels(q) and kernel_reads(kv):
         from ..kernels.decode_attention import LOG2E
         from ..kernels.decode_attention import decode_attention as kernel
