@@ -85,7 +85,7 @@ def _check_call(q: torch.Tensor, kv: PackedKV, scale: float, window, starts=None
                          f"bfloat16 or float32 tensor, got {getattr(q, 'dtype', type(q))} "
                          f"{tuple(getattr(q, 'shape', ()))}")
     if not isinstance(kv, PackedKV):
-        raise ValueError(f"decode_attention: kv must be a PackedKV (a layer's view), got "
+        raise TypeError(f"decode_attention: kv must be a PackedKV (a layer's view), got "
                          f"{type(kv).__name__}")
     B, Hq, Lq, D = q.shape
     if q.device != kv.res_k.device:
