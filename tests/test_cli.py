@@ -657,3 +657,17 @@ def test_missing_hf_backend_is_refused_before_the_model_loads(capsys, monkeypatc
     code, _, err = run(capsys, "ppl", "--presets", "kivi-2", "--hf-quantized", "hqq:int2")
     assert code == 2 and "--hf-quantized 'hqq:int2': backend 'hqq' is not installed: " \
                          "`pip install hqq`" in err, err
+
+
+def test_needle_and_bench_write_outside_the_committed_results_by_default():
+    """Run from a checkout's root, the README's `kvbits needle --model smollm2` replaced the
+    committed benchmarks/results/needle.* files."""
+    parser = build_parser()
+    for argv in (["needle"], ["bench", "--model", "llama-2-7b"]):
+        assert parser.parse_args(argv).out == "kvbits-results"
+
+
+def test_needle_checks_its_texts_before_the_model_loads(capsys):
+    with pytest.raises(SystemExit):
+        main(["needle", "--text", "no-such-text", "--lengths", "1k"])
+    assert "--text 'no-such-text': not a known text" in capsys.readouterr().err

@@ -65,11 +65,13 @@ def _non_negative(text: str) -> int:
 def _cmd_needle(args) -> int:
     import torch
 
-    from .cli import _check_calibration, _versions, parse_presets
+    from .cli import _check_calibration, _check_text, _versions, parse_presets
     from .data import load_model, load_text
     from .eval.needle import NeedleConfig, needle_meta, run_needle, write_needle
 
     _check_calibration(args.calibration, parse_presets(",".join(args.presets)))  # fail early
+    _check_text(args.text, "--text")
+    _check_text(args.calib_text, "--calib-text")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: torch sees no CUDA device (use --device cpu)")
     if args.threads:
@@ -146,7 +148,9 @@ def register(sub) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu (default) or cuda")
     p.add_argument("--threads", type=_positive, help="torch CPU threads")
-    p.add_argument("--out", default="benchmarks/results", help="output folder")
+    p.add_argument("--out", default="kvbits-results",
+                   help="output folder (default ./kvbits-results; the committed tables of a "
+                   "checkout are in benchmarks/results and are not overwritten by default)")
     p.add_argument("--name", default="needle", help="file stem (default needle)")
     p.set_defaults(func=_cmd_needle)
 
@@ -264,6 +268,8 @@ def _register_bench(sub) -> None:
                    "of LayerStore's own growth policy (labelled in the output)")
     p.add_argument("--device", type=_device_arg,
                    help="cuda (the default; needs a GPU), cuda:N, or cpu (a smoke test)")
-    p.add_argument("--out", default="benchmarks/results", help="output folder")
+    p.add_argument("--out", default="kvbits-results",
+                   help="output folder (default ./kvbits-results; the committed tables of a "
+                   "checkout are in benchmarks/results and are not overwritten by default)")
     p.add_argument("--name", default="e2e", help="file stem (default e2e)")
     p.set_defaults(func=_cmd_bench)
