@@ -340,6 +340,8 @@ def test_value_token_count_not_multiple_of_group():
     (lambda: quantize_keys(torch.randn(1, 1, 32, 64), 2, 32, torch.ones(1, 16, dtype=torch.bool)),
      r"valid must be a bool \[B, T\] = \[1, 32\]"),
     (lambda: quantize_keys(torch.randn(1, 1, 32, 64), 5, 32), r"bits must be one of \(2, 3, 4, 8\)"),
+    (lambda: quantize_keys(torch.randn(1, 1, 32, 64), 2.0, 32),
+     r"bits must be one of \(2, 3, 4, 8\), got 2.0"),
     (lambda: quantize_values(torch.randn(1, 1, 32, 64), 2, 0, 32),
      "value_group must be a positive int"),
     (lambda: quantize_values(torch.randn(1, 1, 32, 64), 2, 32, 0),
@@ -349,7 +351,7 @@ def test_value_token_count_not_multiple_of_group():
     (lambda: dequantize_values(torch.zeros(1, 1, 2, 64, dtype=torch.int32),
                                torch.zeros(1, 1, 32, 2), torch.zeros(1, 1, 32, 2), 2, 0, 32),
      "value_group must be a positive int dividing head_dim 64"),
-], ids=["keys-G0", "keys-G-32", "keys-3d", "keys-valid-shape", "keys-bits5", "values-Gv0",
+], ids=["keys-G0", "keys-G-32", "keys-3d", "keys-valid-shape", "keys-bits5", "keys-bits-float", "values-Gv0",
         "values-G0", "dequant-keys-G0", "dequant-values-Gv0"])
 def test_bad_arguments_name_the_argument(call, match):
     with pytest.raises(ValueError, match=match):

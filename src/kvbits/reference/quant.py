@@ -20,7 +20,7 @@ from ..formats.packing import PACK_BITS, pack_bits, packed_length, unpack_bits
 def _check_args(op: str, name: str, x: torch.Tensor, bits: int, group_size: int,
                 valid: torch.Tensor | None = None) -> tuple[int, int, int, int]:
     """The kernels' argument checks (bits, ``[B, H, T, D]``, group size, mask): ``(B, H, T, D)``."""
-    if bits not in PACK_BITS:
+    if not isinstance(bits, int) or isinstance(bits, bool) or bits not in PACK_BITS:
         raise ValueError(f"{op}: bits must be one of {PACK_BITS}, got {bits!r}")
     if x.dim() != 4:
         raise ValueError(f"{op}: {name} must be [B, H, T, D], got shape {tuple(x.shape)}")
