@@ -254,12 +254,18 @@ def test_reorder_selects_along_batch():
     store.set_padding(torch.tensor([0, 3, 1]))
     store.flush()
     before = {n: t.clone() for n, t in _used(store).items()}
+    dense_before = store._dense_body()  # the CPU path's dequantized body (beam search reorders
+    # every step: rebuilding it dequantized all history each time)
     index = torch.tensor([2, 0, 0, 1])  # beams may repeat and change the batch size
     store.reorder(index)
     assert store.batch == 4
     for name, t in _used(store).items():
         assert torch.equal(t, before[name][index]), f"{name} does not follow the beam index"
     assert store.starts.tolist() == [1, 0, 0, 3]
+    assert dense_before is not None and store._dense is not None, "the dense body was rebuilt"
+    kept = store._dense
+    store._dense = None  # the reference path's dense body followed the index, exactly
+    assert all(torch.equal(a, b) for a, b in zip(kept, store._dense_body()))
     # Appending keeps working with the new batch, and equals a store built from reordered input.
     k2, v2 = _kv(40, b=4, seed=5)
     store.append(k2, v2)

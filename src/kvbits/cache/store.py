@@ -771,7 +771,8 @@ class LayerStore:
             buf = getattr(self, name)
             if buf is not None:
                 setattr(self, name, buf.index_select(0, index))
-        self._dense = None
+        if self._dense is not None:  # the dequantized body follows (the same codes per row)
+            self._dense = tuple(x.index_select(0, index) for x in self._dense)
         self.starts = self.starts.index_select(0, index)
         self.batch = int(index.numel())
 
