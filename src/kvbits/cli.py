@@ -443,30 +443,11 @@ def run_tune(cfg: TuneConfig) -> Path:
     return out
 
 
-def _check_tune(base: Variant, avg_bits: float) -> None:
-    """``kvbits tune``'s arguments, before the model and text load (the library refuses them
-    too, but only after loading)."""
-    import math
-
-    from .methods.tune import CHOICES
-
-    if not (math.isfinite(avg_bits) and min(CHOICES) <= avg_bits <= max(CHOICES)):
-        raise ValueError(f"--avg-bits must be in [{min(CHOICES)}, {max(CHOICES)}] (code bits per "
-                         f"K/V element, averaged over the layers), got {avg_bits}")
-    spec = base.spec
-    if spec.method not in ("kivi", "uniform"):
-        raise ValueError(f"--base {base.label!r} is method {spec.method!r}; tune allocates the "
-                         "bits of method 'kivi' or 'uniform' (e.g. kivi-3, kivi-3-had, "
-                         "uniform-int4)")
-    if spec.per_layer:  # tune's allocation would replace them, silently
-        raise ValueError(f"--base {base.label!r} already sets per-layer bits or FP16 layers "
-                         "(layer_bits / skip_layers), which tune would replace with its own: "
-                         "give a preset with one width for all layers (e.g. kivi-3)")
-
-
 def _cmd_tune(args) -> int:
+    from .methods.tune import check_tune_args
+
     base = parse_preset(args.base, "--base")
-    _check_tune(base, args.avg_bits)
+    check_tune_args(base.spec, args.avg_bits, f"--base {base.label!r}", "--avg-bits")
     _check_text(args.text, "--text")  # before the model loads
     run_tune(TuneConfig(args.model, args.text, args.avg_bits, base, args.tokens, args.window,
                         args.output))

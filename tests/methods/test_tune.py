@@ -54,7 +54,8 @@ def test_tune_tiny_model(model, tmp_path):
         with pytest.raises(ValueError, match=rf"chosen for a model with 3 layers .* has {depth}"):
             r.spec.average_bits(depth)
     assert r.spec.for_layer(0, 3).model_layers == 0  # a layer's own spec names no depth
-    with pytest.raises(ValueError, match="base spec must be method"):
+    with pytest.raises(ValueError, match="the base spec is method 'fp8'; tune allocates the bits "
+                       "of method 'kivi' or 'uniform'"):
         tune(model, ids, PRESETS["fp8-dynamic"], 3.0)
 
 

@@ -31,7 +31,7 @@ import torch
 
 from ..spec import QuantSpec
 
-__all__ = ["TuneResult", "allocate", "layer_sensitivity", "tune"]
+__all__ = ["TuneResult", "allocate", "check_tune_args", "layer_sensitivity", "tune"]
 
 CHOICES = (2, 3, 4, 8)
 _ATTN = "kvbits_tune"
@@ -167,17 +167,27 @@ def allocate(costs: list[list[float]], budget_bits: int, choices=CHOICES) -> lis
     return out[::-1]
 
 
+def check_tune_args(base: QuantSpec, avg_bits: float, base_name: str, avg_name: str) -> None:
+    """What :func:`tune` can allocate, checked before any model work (``kvbits tune`` calls it
+    before loading; the names say which argument or option is wrong)."""
+    if not (math.isfinite(avg_bits) and min(CHOICES) <= avg_bits <= max(CHOICES)):
+        raise ValueError(f"{avg_name} must be in [{min(CHOICES)}, {max(CHOICES)}] (code bits per "
+                         f"K/V element, averaged over the layers), got {avg_bits}")
+    if base.method not in ("kivi", "uniform"):
+        raise ValueError(f"{base_name} is method {base.method!r}; tune allocates the bits of "
+                         "method 'kivi' or 'uniform' (e.g. kivi-3, kivi-3-had, uniform-int4)")
+    if base.per_layer:  # the allocation would replace them, silently
+        raise ValueError(f"{base_name} already sets per-layer bits or FP16 layers (layer_bits / "
+                         "skip_layers), which tune would replace with its own: give a preset "
+                         "with one width for all layers (e.g. kivi-3)")
+
+
 def tune(model, input_ids: torch.Tensor, base: QuantSpec, avg_bits: float,
          window: int = 512, log=None, calibration="auto") -> TuneResult:
     """Sensitivities on ``input_ids`` and the allocation for ``avg_bits`` (per element, over
     every layer's K and V); ``base`` gives the method and grouping (e.g. kivi-3, or kivi-3-hadc
     with its ``calibration``, see :func:`layer_sensitivity`)."""
-    if base.method not in ("kivi", "uniform"):
-        raise ValueError(f"tune: the base spec must be method 'kivi' or 'uniform', got "
-                         f"{base.method!r}")
-    if not min(CHOICES) <= avg_bits <= max(CHOICES):
-        raise ValueError(f"tune: avg_bits must be in [{min(CHOICES)}, {max(CHOICES)}], "
-                         f"got {avg_bits}")
+    check_tune_args(base, avg_bits, "tune: the base spec", "tune: avg_bits")
     sens = layer_sensitivity(model, input_ids, base, (2, 4), window, log, calibration)
     n = sens["k"].shape[0]
     costs = ([_table(*map(float, sens["k"][i])) for i in range(n)]
