@@ -76,7 +76,7 @@ class LayerStore:
         self.lens_dev: torch.Tensor | None = None  # device lengths mode (begin_device_lengths)
         self._dev_valid = False  # that mode: flushes still need a padding mask
         self._dense = None  # reference path only: see _dense_body
-        # track_flushes: ([FP16 keys], [values]) of the newest groups flushed since, as they sat
+        # track_flushes: FP16 (keys, values) of the newest groups flushed since, as they sat
         # in the residual (the end of the body); until the next append or edit
         self._undo = None
         self.sink_len = self.body_len = self.res_len = 0
@@ -574,7 +574,8 @@ class LayerStore:
         verification: the rows after it are drafts): a draft that brought the residual to
         R + G flushed a group that a run which never saw the rejected drafts flushes later,
         and with the group put back the crop leaves no trace."""
-        self._undo = ([], []) if self.spec.quantized else None
+        self._undo = ((self.res_k[:, :, :0].clone(), self.res_v[:, :, :0].clone())
+                      if self.spec.quantized else None)
 
     def _undo_limit(self) -> int:
         """Tokens of flushed groups :meth:`track_flushes` keeps at most: enough for a crop of
@@ -585,17 +586,16 @@ class LayerStore:
 
     def _undone(self) -> int:
         """Tokens at the end of the body that :meth:`crop` would put back (0: none)."""
-        return 0 if self._undo is None else sum(x.shape[2] for x in self._undo[0])
+        return 0 if self._undo is None else self._undo[0].shape[2]
 
     def _put_back_flushed(self) -> bool:
         """Undo the flushes since :meth:`track_flushes` (their newest groups, up to
         :meth:`_undo_limit` tokens): they go back, as FP16 tokens, to the front of the
         residual (their codes are dropped). False if there were none."""
-        ks, vs = self._undo
+        k, v = self._undo
         self._undo = None
-        if not ks:
+        if not k.shape[2]:
             return False
-        k, v = torch.cat(ks, 2), torch.cat(vs, 2)
         n, held = k.shape[2], self.res_len
         body0 = self.body_len - n
         cap = self._residual_keep(n + held)
@@ -628,18 +628,9 @@ class LayerStore:
             return
         n = n_groups * G
         if self._undo is not None:  # track_flushes: keep the newest FP16 tokens for crop
-            ks, vs = self._undo
-            m = min(n, self._undo_limit())
-            ks.append(self.res_k[:, :, n - m:n].clone())
-            vs.append(self.res_v[:, :, n - m:n].clone())
-            extra = sum(x.shape[2] for x in ks) - self._undo_limit()
-            while extra > 0:  # whole groups: every piece is
-                cut = min(extra, ks[0].shape[2])
-                ks[0], vs[0] = ks[0][:, :, cut:], vs[0][:, :, cut:]
-                if not ks[0].shape[2]:
-                    ks.pop(0)
-                    vs.pop(0)
-                extra -= cut
+            lim = self._undo_limit()  # whole groups: so are n and every cut
+            self._undo = tuple(torch.cat([u, r[:, :, max(0, n - lim):n]], 2)[:, :, -lim:]
+                               for u, r in zip(self._undo, (self.res_k, self.res_v)))
         self._close_sink()
         k, v = self.res_k[:, :, :n], self.res_v[:, :, :n]
         first = self.sink_len + self.body_len
