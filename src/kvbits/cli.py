@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .spec import PRESETS, QuantSpec, _hf_names, parse_overrides, resolve_spec
+from .spec import PRESETS, QuantSpec, hf_field_names, parse_overrides, resolve_spec
 
 # ------------------------------------------------------------------------------- variant syntax
 # kvbits:  PRESET[:FIELD=VALUE[,FIELD=VALUE...]]      e.g. kivi-2:residual_length=0,G=64
@@ -74,7 +74,7 @@ def parse_presets(text: str, option: str = "--presets", **defaults) -> list[Vari
                              f"{', '.join(PRESETS)} (or a spec file, .json, from kvbits tune)")
         fields = parse_overrides(item, rest, option=option)
         try:  # transformers' names as fields: the preset's q_group_size beats --group-size
-            fields = _hf_names(fields)
+            fields = hf_field_names(fields)
         except ValueError as exc:
             raise ValueError(f"{option}: {item!r}: {exc}") from None
         if name not in PRESETS or PRESETS[name].quantized:

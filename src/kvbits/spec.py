@@ -492,11 +492,11 @@ def resolve_spec(spec, **overrides) -> QuantSpec:
 
     # transformers' names become fields in each source first, so that a keyword wins over the
     # string's field whichever name either used
-    overrides = _hf_names({k: v for k, v in overrides.items() if v is not None})
+    overrides = hf_field_names({k: v for k, v in overrides.items() if v is not None})
     if isinstance(spec, str) and ":" in spec:
         name, _, rest = spec.partition(":")
         if name in PRESETS or name.endswith(".json"):
-            overrides = {**_hf_names(parse_overrides(spec, rest)), **overrides}
+            overrides = {**hf_field_names(parse_overrides(spec, rest)), **overrides}
             spec = name
     if isinstance(spec, QuantSpec):
         base = spec
@@ -531,7 +531,7 @@ CALIBRATION_USES = ("calibration= applies to fp8_scale='calibrated' (preset 'fp8
                     "'kvquant' (codebooks) and hadamard_calibrated=True (presets 'kivi-N-hadc')")
 
 
-def _hf_names(overrides: dict) -> dict:
+def hf_field_names(overrides: dict) -> dict:
     """transformers' QuantizedCache keyword names -> QuantSpec fields. ``nbits`` sets both widths
     unless ``key_bits`` / ``value_bits`` refine one (as ``bits`` does); a transformers name and
     the field it stands for given with different values are refused (one was silently lost)."""
