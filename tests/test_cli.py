@@ -84,10 +84,27 @@ def test_parse_hf_variants():
     ("quanto:int2:G=0", "q_group_size must be an integer >= 1"),  # was accepted
     ("quanto:int2:axis_key=1", "axis_key for backend 'quanto' must be one of 0, -1"),
     ("hqq:int2:axis=1", "bad override 'axis=1'"),
+    ("quanto:int", r"bad item 'quanto:int'.*quanto: 2, 4; hqq: 1, 2, 3, 4, 8"),
+    ("quanto:int\u00b2", "bad item"),  # passed isdigit(), then int() failed without the option
+    # accepted, and failed at the variant's first re-quantization (after the model had loaded
+    # and the presets before it had run): hqq packs 8 // nbits codes per byte along a group
+    ("hqq:int2:G=6", (r"--hf-quantized: 'hqq:int2:G=6': q_group_size for backend 'hqq' int2 "
+                      r"with axis_key=0, axis_value=0 must be a multiple of 4.*got 6")),
+    ("hqq:int1:G=4,axis_key=1", "q_group_size .* int1 with axis_value=0 must be a multiple of 8"),
+    ("hqq:int4:G=3", "q_group_size .* int4 .* must be a multiple of 2"),
+    ("hqq:int3:axis_value=1", (r"'hqq:int3:axis_value=1': axis_value for backend 'hqq' int3 "
+                               r"must be 0 .*got 1")),  # accepted, and garbled the values
 ])
 def test_parse_hf_variants_errors(text, match):
     with pytest.raises(ValueError, match=match):
         parse_hf_variants(text)
+
+
+def test_parse_hf_variants_accepts_what_the_backends_use():
+    vs = parse_hf_variants("hqq:int2:G=6,axis_key=1,axis_value=1,hqq:int3:G=6,hqq:int8:G=3,"
+                           "hqq:int4:G=2,quanto:int2:G=3,R=0")
+    assert [v.spec.get("q_group_size") for v in vs] == [6, 6, 3, 2, 3]
+    assert vs[0].describe() == "HF QuantizedCache hqq int2 axis_key=1 axis_value=1 G=6 R=128"
 
 
 # --------------------------------------------------------------------------- bad arguments
@@ -621,6 +638,9 @@ def test_preset_own_transformers_group_size_beats_the_command_wide_default():
     (["ppl", "--presets", "kivi-2:G=64,G=128"], "'kivi-2:G=64,G=128' sets group_size twice"),
     (["ppl", "--hf-quantized", "quanto:int2:R=64,residual_length=32"],
      "sets residual_length twice"),
+    (["ppl", "--presets", "kivi-2", "--hf-quantized", "quanto:int2,hqq:int2:G=6"],
+     "--hf-quantized: 'hqq:int2:G=6': q_group_size for backend 'hqq' int2 .* multiple of 4"),
+    (["ppl", "--hf-quantized", "hqq:int3:axis_key=1"], "axis_key for backend 'hqq' int3 must be 0"),
     # generate's option combinations (~17 s of model loading first)
     (["generate", "--prompt", "x", "--prompt-lookup", "200"],
      r"--prompt-lookup 200: the drafts must fit in the FP16 residual \(residual_length=128\)"),

@@ -106,9 +106,12 @@ def parse_hf_variants(text: str) -> list[Variant]:
     for item in _split_items(text):
         backend, _, rest = item.partition(":")
         bits, _, rest = rest.partition(":")
-        if backend not in BACKENDS or not bits.startswith("int") or not bits[3:].isdigit():
+        n = bits[3:]  # ASCII digits: "int²" passed isdigit() and failed in int()
+        if backend not in BACKENDS or not bits.startswith("int") or not (n.isascii() and n.isdigit()):
+            nbits = "; ".join(f"{b}: {', '.join(map(str, v[2]))}" for b, v in BACKENDS.items())
             raise ValueError(f"--hf-quantized: bad item {item!r}; use BACKEND:intN[:FIELD=VALUE,...] "
-                             f"with BACKEND one of {', '.join(BACKENDS)}, e.g. quanto:int2:axis_key=-1")
+                             f"with BACKEND one of {', '.join(BACKENDS)} and N (nbits) per backend "
+                             f"{nbits}, e.g. quanto:int2:axis_key=-1")
         fields = parse_overrides(item, rest, HF_ALIASES, HF_FIELDS, "--hf-quantized")
         try:
             spec = HFQuantSpec(backend=backend, nbits=int(bits[3:]), **fields)

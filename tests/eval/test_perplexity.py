@@ -133,7 +133,12 @@ def test_hf_quantized_cache_factory(tiny):
 @pytest.mark.parametrize("kwargs,match", [
     ({"backend": "nope"}, "backend"), ({"backend": "quanto", "nbits": 3}, "nbits"),
     ({"backend": "quanto", "axis_key": 1}, "axis_key"), ({"backend": "hqq", "axis_value": -1}, "axis_value"),
-    ({"backend": "hqq", "q_group_size": -2}, "q_group_size")])
+    ({"backend": "hqq", "q_group_size": -2}, "q_group_size"),
+    # passed `in` (True == 1, 2.0 == 2, False == 0) and reached the backend
+    ({"backend": "hqq", "nbits": True}, "nbits"), ({"backend": "quanto", "nbits": 2.0}, "nbits"),
+    ({"backend": "quanto", "axis_key": False}, "axis_key"),
+    ({"backend": "hqq", "nbits": 2, "q_group_size": 6}, "q_group_size .* multiple of 4"),
+    ({"backend": "hqq", "nbits": 3, "axis_key": 1}, "axis_key for backend 'hqq' int3 must be 0")])
 def test_hf_quant_spec_rejects_bad_arguments(kwargs, match):
     from kvbits.eval.hf_baseline import HFQuantSpec
 
