@@ -394,6 +394,7 @@ class LayerStore:
         """Allocate the packed-body buffers for ``tokens`` tokens (0: leave them) and the FP16
         residual for ``residual`` tokens now (buffers only grow; contents kept): a serving engine
         that knows the final length allocates once, and a captured step must never reallocate."""
+        self._host_lengths("reserve")
         groups = tokens // self.spec.group_size + 1
         caps = {name: groups * rows for name, rows in self._rows_per_group().items()} \
             if tokens else {}
@@ -543,6 +544,17 @@ class LayerStore:
             self.body_len += self.spec.group_size
             self.res_len -= self.spec.group_size
 
+    def device_room(self, flush: bool) -> bool:
+        """Whether the buffers sized by :meth:`begin_device_lengths` hold one more token and,
+        with ``flush``, one more quantized group (a captured step must never reallocate)."""
+        if self.res_len + 1 > self.res_k.shape[2]:
+            return False
+        if not flush:
+            return True
+        groups = min(getattr(self, name).shape[2] // rows  # every per-group buffer's room
+                     for name, rows in self._rows_per_group().items())
+        return self.body_len // self.spec.group_size + 1 <= groups
+
     def end_device_lengths(self) -> None:
         self.lens_dev = None
 
@@ -550,8 +562,10 @@ class LayerStore:
         """Refuse ``op`` while the lengths live on the device: it would change the host
         lengths or the buffers that captured steps point at, and leave ``lens_dev`` stale."""
         if self.lens_dev is not None:
-            raise ValueError(f"{op}: this layer keeps its lengths on the device (a captured "
-                             "decode loop, begin_device_lengths); call end_device_lengths first")
+            raise ValueError(f"{op}: this layer keeps its lengths on the device (captured "
+                             "decode steps: begin_device_lengths, or a KVBitsCache's step "
+                             "graphs); call end_device_lengths (KVBitsCache.end_step_graphs) "
+                             "first")
 
     def view_dev(self) -> PackedKV:
         """The layer for a step with device lengths: on the kernels, the lengths are bounds
@@ -616,6 +630,7 @@ class LayerStore:
         tokens (tokens past that wait in the residual). Chunked attention uses it so that every
         query row sees exactly the quantized/FP16 split it would see when decoded alone.
         """
+        self._host_lengths("flush")
         s = self.spec
         if not s.quantized:
             return
@@ -749,6 +764,7 @@ class LayerStore:
     def compact_residual(self) -> None:
         """Shrink the FP16 residual buffers to ``max(held, R + G)`` tokens of capacity when they
         are larger (e.g. after a caller pre-sized them for a long fill)."""
+        self._host_lengths("compact_residual")
         if self.res_k.shape[2] > self._residual_keep(self.res_len):
             self._set_residual(0, self.res_len)
 

@@ -216,6 +216,7 @@ class Variant:
     spec: object = None  # QuantSpec for kvbits; dict(nbits, q_group_size, residual_length) for hf
     graphs: bool = False  # decode steps captured in CUDA graphs (integrations.decode_loop)
     fused: bool = False  # and their norms, MLP activations, RoPE compiled (fused_pointwise)
+    step_graphs: bool = True  # kvbits eager: each layer's step replayed (integrations.step_graphs)
 
     @property
     def sdpa_backends(self):
@@ -234,6 +235,8 @@ class Variant:
                 base += ("; norms, MLP activation and RoPE fused by torch.compile (inductor), "
                          "attention and cache eager")
             return base
+        if self.kind == "kvbits" and not self.step_graphs:
+            return f"KVBitsCache {self.spec.describe()}, layer steps eager (no step graphs)"
         if self.kind == "fp16":
             return ("DynamicCache FP16, SDPA (flash / mem-efficient backends)"
                     if self.sdpa_backends else "DynamicCache FP16, SDPA (torch's default backend)")
@@ -258,8 +261,17 @@ def parse_variant(text: str) -> Variant:
     preset (``fp16+graphs``, ``kivi-2+graphs``): decode with each step replayed from a CUDA
     graph (:mod:`kvbits.integrations.decode_loop`; FP16 then uses transformers' ``StaticCache``
     and SDPA without cuDNN) instead of eager ``generate``; ``+graphs+fused``: the same with the
-    steps' elementwise work compiled (:mod:`kvbits.integrations.fused_pointwise`)."""
+    steps' elementwise work compiled (:mod:`kvbits.integrations.fused_pointwise`);
+    ``+eager-steps`` after a kvbits preset: eager ``generate`` with each layer's steps run
+    eagerly too, not replayed from per-layer CUDA graphs (:mod:`kvbits.integrations.
+    step_graphs`, the default)."""
     text = text.strip()
+    if text.endswith("+eager-steps"):
+        base = parse_variant(text[: -len("+eager-steps")])
+        if base.kind != "kvbits" or base.graphs:
+            raise ValueError(f"bad variant {text!r}: +eager-steps follows a kvbits preset "
+                             "decoded by generate (e.g. kivi-2+eager-steps)")
+        return Variant(text, base.kind, base.spec, step_graphs=False)
     if text.endswith("+fused"):
         base = parse_variant(text[: -len("+fused")])
         if not base.graphs:
@@ -321,7 +333,8 @@ def make_cache(model, variant: Variant, max_len: int | None = None):
     if variant.kind == "kvbits":
         from ..integrations.hf import KVBitsCache
 
-        return KVBitsCache(model, variant.spec)  # switches the model to "kvbits"
+        # switches the model to "kvbits"
+        return KVBitsCache(model, variant.spec, step_graphs=None if variant.step_graphs else False)
     if model.config._attn_implementation != "sdpa":
         model.set_attn_implementation("sdpa")
     if variant.kind == "fp16" and variant.graphs:

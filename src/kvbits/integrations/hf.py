@@ -42,7 +42,8 @@ Known limits
 ------------
 * Sliding-window layers (Gemma3, Mistral-style) drop the groups no later query can see
   (:meth:`LayerStore.evict`): they hold about 1.25 windows instead of the whole history,
-  except on the slow path and while lengths live on the device (CUDA-graph decoding).
+  except on the slow path and while lengths live on the device (CUDA-graph decoding; with
+  the per-layer step graphs, until a layer's reserved buffers fill, 1/8 more tokens or 512).
 * Attention-logit softcapping (Gemma2): the prompt step runs an eager attention with the cap
   (SDPA has none; it builds the ``[B, H, Lq, Lk]`` scores), decode caps the scores inside the
   kernels' online softmax.
@@ -83,6 +84,7 @@ from .. import ops
 from ..cache.store import LayerStore
 from ..reference.attention import dequantize_layer
 from ..spec import CALIBRATION_USES, QuantSpec, resolve_spec
+from . import step_graphs as steps_mod  # (KVBitsCache takes an argument step_graphs)
 
 __all__ = ["ATTN_IMPLEMENTATION", "KVBitsCache", "KVBitsLayer", "cache_kwargs",
            "kvbits_attention_forward", "layer_windows", "padding_starts", "register"]
@@ -100,6 +102,7 @@ class _Tag:
     layer: KVBitsLayer
     prefill: bool
     device: bool = False  # a step with the lengths on the device (begin_device_lengths)
+    step: bool = False  # a one-token step the attention runs as a replayed layer step
 
 
 # --------------------------------------------------------------------------------------- layer
@@ -136,6 +139,13 @@ class KVBitsLayer(CacheLayerMixin):
         self._cache_ref = None if cache is None else weakref.ref(cache)
         # Set by the kvbits attention when it consumed this layer's last update.
         self._attended = False
+        # Decode steps replayed from CUDA graphs (integrations.step_graphs): whether this layer
+        # may (None: not yet known), the graphs, whether the mode is on, and the (key, value)
+        # of an update whose attention runs them.
+        self._steps_ok: bool | None = None
+        self._steps: steps_mod.StepGraphs | None = None
+        self._steps_on = False
+        self._pending = None
 
     @property
     def _cache(self):
@@ -160,7 +170,10 @@ class KVBitsLayer(CacheLayerMixin):
         if self.store is None:
             self.lazy_initialization(key_states, value_states)
         store = self.store
-        if store.lens_dev is not None:  # lengths on the device: append, flush if due, attend
+        if self._pending is not None:  # the last update's attention never ran (not kvbits')
+            self._leave_steps()
+        if store.lens_dev is not None and not self._steps_on:  # a whole-model decode loop:
+            # lengths on the device; append, flush if due, attend
             host = self._cache is None or not self._cache._capturing
             store.append_dev(key_states, value_states, host=host)
             if self._cache is not None and self._cache._flush_now and store.spec.quantized:
@@ -169,10 +182,15 @@ class KVBitsLayer(CacheLayerMixin):
             return key_states, value_states
         prefill = store.seq_len == 0
         fast = prefill or (self._attended and self._impl_is_kvbits())
+        self._attended = False
+        if fast and not prefill and self._take_step(key_states):
+            self._pending = (key_states, value_states)  # the attention appends and attends
+            key_states._kvbits = _Tag(self, False, step=True)
+            return key_states, value_states
+        self._leave_steps()
         if fast and self.is_sliding:  # what no later query can see goes (LayerStore.evict)
             store.evict(store.seq_len - self.sliding_window + 1)
         store.append(key_states, value_states, flush=False)
-        self._attended = False
         if fast:
             key_states._kvbits = _Tag(self, prefill)
             return key_states, value_states
@@ -203,6 +221,7 @@ class KVBitsLayer(CacheLayerMixin):
         self.store = None
         self.is_initialized = False
         self._attended = False
+        self._steps_ok, self._steps, self._steps_on, self._pending = None, None, False, None
 
     def offload(self):  # offloading is not supported: the store stays where it is
         pass
@@ -212,15 +231,18 @@ class KVBitsLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.store is not None:
+            self._leave_steps()
             self.store.reorder(beam_idx.long())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.store is not None:
+            self._leave_steps()
             index = torch.arange(self.store.batch, device=self.store.device)
             self.store.reorder(index.repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.store is not None:
+            self._leave_steps()
             indices = torch.as_tensor(indices, device=self.store.device)
             if indices.dtype == torch.bool:
                 indices = indices.nonzero().flatten()
@@ -230,6 +252,7 @@ class KVBitsLayer(CacheLayerMixin):
         """Negative: drop that many tokens; positive (legacy): keep that many; 0: nothing."""
         keep = self.crop_target(tokens_to_remove, **kwargs)
         if keep is not None:
+            self._leave_steps()
             self.store.crop(keep)
 
     def crop_target(self, tokens_to_remove: int = 0, **kwargs) -> int | None:
@@ -263,6 +286,62 @@ class KVBitsLayer(CacheLayerMixin):
                 "verified; draft fewer tokens (num_assistant_tokens, prompt_lookup_num_tokens) "
                 "or raise residual_length") from None
         return keep - self.store.evicted
+
+    # ------------------------------------------------------------------ step graphs
+    def _take_step(self, key_states: torch.Tensor) -> bool:
+        """Whether this update is a one-token step that the attention runs as a replayed layer
+        step (:mod:`~kvbits.integrations.step_graphs`), entering that mode where it can: the
+        layer may (the cache's ``step_graphs``), its lengths can live on the device, and the
+        buffers hold the step (else it leaves the mode, grows them and enters again)."""
+        store = self.store
+        if key_states.shape[2] != 1 or (store.lens_dev is not None and not self._steps_on):
+            return False
+        if self._steps_ok is None:
+            cache = self._cache
+            setting = steps_mod.DEFAULT if cache is None else cache.step_graphs
+            self._steps_ok = steps_mod.usable(store, setting)
+        if not self._steps_ok:
+            return False
+        if self._steps_on:
+            if store.device_room(steps_mod.flushes(store)):
+                return True
+            self._leave_steps()
+            if self.is_sliding:  # held back while the buffers could not move
+                store.evict(store.seq_len - self.sliding_window + 1)
+        if not store.device_lengths_ok():
+            return False
+        store.begin_device_lengths(steps_mod.reserve_tokens(store))
+        if self._steps is None:
+            cache = self._cache
+            capture = store.device.type == "cuda"
+            # the cache weakly: a strong reference would be a cycle (cache -> layer -> graphs ->
+            # cache) that only the cyclic collector frees, late, and inside a capture
+            ref, dev = self._cache_ref, store.device
+            self._steps = steps_mod.StepGraphs(
+                capture, (lambda: steps_mod.pool_of(ref, dev)) if capture and ref is not None
+                else None)
+        self._steps_on = True
+        return True
+
+    def _run_step(self, query: torch.Tensor, scale: float, window, softcap) -> torch.Tensor:
+        """The attention's half of a step that :meth:`_take_step` took."""
+        if self._pending is None:
+            raise RuntimeError("kvbits: a layer step reached the attention without its update")
+        k, v = self._pending
+        self._pending = None
+        return self._steps.step(self.store, query, k, v, scale, window, softcap)
+
+    def _leave_steps(self) -> None:
+        """End the replayed-steps mode (the host lengths are in step) before anything else
+        touches the store; an update whose attention never ran is appended now."""
+        if self._steps_on:
+            self._steps_on = False
+            self.store.end_device_lengths()
+            self._steps.drop()
+        if self._pending is not None:
+            k, v = self._pending
+            self._pending = None
+            self.store.append(k, v, flush=False)
 
     # ------------------------------------------------------------------ helpers
     def _impl_is_kvbits(self) -> bool:
@@ -308,6 +387,11 @@ class KVBitsCache(Cache):
             per-layer ``(k_scale, v_scale)``. For ``hadamard_calibrated`` specs (``kivi-N-hadc``):
             ``"auto"`` (channel subsets chosen on SOTU 1900-1999, once per model), a file from
             :func:`kvbits.methods.hadamard.save_hadamard_channels` or the per-layer lists.
+        step_graphs: ``"auto"`` (default, or ``KVBITS_STEP_GRAPHS``): on CUDA, each layer's
+            one-token decode steps inside ``generate()`` are replayed from CUDA graphs
+            (:mod:`~kvbits.integrations.step_graphs`: about a tenth of the host time of
+            launching them); ``False``: launched eagerly; ``True``: the same bookkeeping
+            everywhere (on the CPU the steps then run eagerly in that mode).
         **overrides: :class:`QuantSpec` fields replacing the preset's (``residual_length=0``, ...),
             or transformers' QuantizedCache names: ``KVBitsCache(model, "uniform", nbits=4,
             axis_key=0, axis_value=0, q_group_size=64, residual_length=128)``.
@@ -321,8 +405,12 @@ class KVBitsCache(Cache):
     is_compileable = False
 
     def __init__(self, model_or_config, spec: str | QuantSpec = "kivi-2", calibration=None,
-                 **overrides):
+                 step_graphs=None, **overrides):
         self.spec = resolve_spec(spec, **overrides)
+        if step_graphs is None:
+            step_graphs = steps_mod.DEFAULT
+        steps_mod.check_setting(step_graphs)
+        self.step_graphs = step_graphs
         model = None
         if hasattr(model_or_config, "set_attn_implementation") and hasattr(model_or_config, "config"):
             model = model_or_config
@@ -389,6 +477,7 @@ class KVBitsCache(Cache):
         point at the copy: ``deepcopy`` keeps a weak reference as it is, so they would read the
         original's step flags (the decode loop's flushes and captures). The model's config is
         shared, not copied: the copy follows the model's attention implementation."""
+        self.end_step_graphs()  # graphs are not copied; the copy enters the mode itself
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         if self._model_config is not None:
@@ -398,6 +487,7 @@ class KVBitsCache(Cache):
         for layer in new.layers:
             if isinstance(layer, KVBitsLayer):
                 layer._cache_ref = weakref.ref(new)
+                layer._steps = None  # its own graphs, in its own pool, when it decodes
         return new
 
     def save(self, path, **info):
@@ -451,6 +541,7 @@ class KVBitsCache(Cache):
     def begin_device_lengths(self, tokens: int) -> None:
         """Size every buffer for ``tokens`` tokens in all and move the lengths to the device.
         Before each step call :meth:`prepare_device_step`, after it :meth:`device_step_done`."""
+        self.end_step_graphs()
         if not self.device_lengths_ok():
             raise ValueError("begin_device_lengths: some layer cannot keep its lengths on the "
                              "device (see KVBitsCache.device_lengths_ok)")
@@ -477,6 +568,26 @@ class KVBitsCache(Cache):
         for layer in self.layers:
             layer.store.end_device_lengths()
         self._flush_now = False
+
+    def end_step_graphs(self) -> None:
+        """Leave the replayed-steps mode in every layer (:mod:`~kvbits.integrations.
+        step_graphs`) and drop their graphs: before editing the stores by hand. Later one-token
+        steps enter it again."""
+        for layer in self.layers:
+            if isinstance(layer, KVBitsLayer):
+                layer._leave_steps()
+
+    def graph_pool(self, device: torch.device):
+        """The memory pool of a live layer-step graph of this cache on ``device``, for the next
+        capture to share (None: none is alive, and the capture starts a pool). A pool lives
+        only while a graph captured into it does (a kept handle would outlive it: torch then
+        fails an internal assertion), so it is taken from such a graph."""
+        for layer in self.layers:
+            steps = getattr(layer, "_steps", None)
+            for g in (steps.graphs.values() if steps is not None else ()):
+                if g.out.device == device:
+                    return g.graph.pool()
+        return None
 
     # generate() / masking only need what Cache implements on top of the layers; these are the
     # kvbits-specific extras.
@@ -653,7 +764,9 @@ def kvbits_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if window is None:
         window = layer.sliding_window
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    if tag.device:
+    if tag.step:
+        out = layer._run_step(query, scale, window, softcap)
+    elif tag.device:
         out = ops.decode_attention(store.rotate_query(query), store.view_dev(), scale=scale,
                                    starts=store.starts, window=window, lens_dev=store.lens_dev,
                                    softcap=softcap)

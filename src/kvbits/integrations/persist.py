@@ -47,6 +47,7 @@ def save_cache(cache, path, **info) -> Path:
 
     from .. import __version__
 
+    cache.end_step_graphs()  # the stores' lengths back on the host (step graphs)
     tensors, layers, channels = {}, [], []
     for i, layer in enumerate(cache.layers):
         if layer.codebooks is not None:
