@@ -9,6 +9,7 @@ operations that leave the mode (beam search, crop, save). The capture itself is 
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -167,8 +168,6 @@ def test_save_load_and_copy_in_the_mode(model, tmp_path, entries):
     cache = KVBitsCache(model, "kivi-2", step_graphs=True, **kw)
     generate(model, ids, cache, new=20)
     assert cache.layers[0]._steps_on
-    import copy
-
     twin = copy.deepcopy(cache)  # leaves the mode first: graphs are not copied
     path = cache.save(tmp_path / "c.safetensors")
     loaded = KVBitsCache.load(path, model)
@@ -181,6 +180,121 @@ def test_save_load_and_copy_in_the_mode(model, tmp_path, entries):
                               **cache_kwargs(model, c)).logits)
     torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
     torch.testing.assert_close(outs[2], outs[0], atol=0, rtol=0)
+
+
+def test_crop_after_generate_leaves_the_mode(model, entries):
+    """A crop of a cache that generate() left in the mode (rolling back its last tokens) leaves
+    it first, like reorder or save, and the rolled-back cache decodes as an ordinary one."""
+    ids = prompt(37, batch=1)
+    out = []
+    for steps in (True, False):
+        cache = KVBitsCache(model, "kivi-2", step_graphs=steps, residual_length=8, group_size=32)
+        first, _ = generate(model, ids, cache, new=30)
+        cache.crop(-3)
+        out.append((*generate(model, torch.cat([ids, first[:, :-3]], 1), cache, new=40), cache))
+    (got, s_got, c_got), (want, s_want, c_want) = out
+    assert entries
+    assert torch.equal(got, want)
+    torch.testing.assert_close(s_got, s_want, atol=1e-5, rtol=1e-5)
+    assert_same_stores(c_got, c_want)
+
+
+def test_seq_length_counts_a_step_before_its_attention(model):
+    """Between a step's update and its attention (an attention wrapper, a model that reads the
+    length there) the layer holds the step's token, as an ordinary step's layer does."""
+    cache = KVBitsCache(model.config, "kivi-2", step_graphs=True, residual_length=4)
+    layer = cache.layers[0]
+    k = torch.randn(1, 2, 40, 16)
+    cache.update(k, k, 0)
+    layer._attended = True  # as if the kvbits attention had consumed the prompt
+    layer.store.flush()
+    cache._model_config = None  # (no model: the layer takes its steps as kvbits' own)
+    one = torch.randn(1, 2, 1, 16)
+    cache.update(one, one, 0)
+    assert layer._pending is not None and layer._steps_on
+    assert cache.get_seq_length(0) == 41
+    assert layer.get_mask_sizes(1) == (42, 0)
+
+
+def test_later_uses_of_the_cache(model, entries, monkeypatch):
+    """After generate() in the mode: a copy, a chunk over the history, a continuation, the
+    batch expanded and cut down (num_return_sequences, finished rows): each leaves the mode
+    or enters it again, with the tokens and logits of ordinary steps."""
+    monkeypatch.setattr(step_graphs, "RESERVE_MIN", 8)
+    ids = prompt(37, batch=2)
+    chunk = prompt(20, batch=2)
+    out = []
+    for steps in (True, False):
+        cache = KVBitsCache(model, "kivi-2", step_graphs=steps, residual_length=8, group_size=32)
+        got = [*generate(model, ids, cache, new=30)]
+        seq = torch.cat([ids, got[0]], 1)
+        twin = copy.deepcopy(cache)
+        got += generate(model, seq, twin, new=40)
+        n = seq.shape[1]
+        with torch.no_grad():
+            got.append(model(chunk, position_ids=torch.arange(n, n + 20).expand(2, -1),
+                             use_cache=True, **cache_kwargs(model, cache)).logits)
+        seq = torch.cat([seq, chunk, torch.tensor([[7], [8]])], 1)
+        got += generate(model, seq, cache, new=40)
+        cache.batch_repeat_interleave(2)
+        seq = torch.cat([seq, got[-2]], 1).repeat_interleave(2, 0)
+        got += generate(model, seq, cache, new=40)
+        cache.batch_select_indices(torch.tensor([0, 3]))
+        got += generate(model, torch.cat([seq, got[-2]], 1)[[0, 3]], cache, new=40)
+        out.append((got, cache))
+    assert entries
+    for a, b in zip(out[0][0], out[1][0]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert_same_stores(out[0][1], out[1][1])
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_layers_with_their_own_bits(arch, entries, monkeypatch):
+    """Sliding and full layers (Gemma2: attention logits capped), one layer in FP16 and one
+    with other bits beside the spec's: each layer enters, re-reserves and evicts on its own."""
+    from test_hf import tiny_model
+
+    from kvbits.spec import resolve_spec
+
+    monkeypatch.setattr(step_graphs, "RESERVE_MIN", 8)
+    m = tiny_model(arch)
+    spec = resolve_spec("kivi-2", residual_length=4, group_size=32).replace(
+        layer_bits=((0, 4, 2),), skip_layers=(1,))
+    ids = torch.randint(0, 256, (2, 37), generator=torch.Generator().manual_seed(3))
+    (got, s_got, c_got), (want, s_want, _) = both(m, ids, spec, {}, new=70)
+    assert entries and any(s.evicted for s in c_got.stores)
+    assert not c_got.stores[1].spec.quantized and c_got.layers[1]._steps_on
+    assert torch.equal(got, want)
+    torch.testing.assert_close(s_got, s_want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("preset,kw", [
+    ("kivi-2", {"residual_length": 4, "group_size": 32, "sink_tokens": 3}),
+    ("kivi-2-had", {"residual_length": 8, "group_size": 32, "sink_tokens": 3}),
+    ("kvquant-3", {"residual_length": 4, "group_size": 32, "calibration": "uniform",
+                   "sink_tokens": 2}),
+    ("fp8-dynamic", {"residual_length": 16})])  # the first flush comes during decode
+def test_device_lengths_follow_the_host(model, preset, kw, monkeypatch):
+    """After every step in the mode the device lengths are the host's, with a sequence whose
+    few real tokens leave its sink slots waiting (the mode waits for them) and re-reservations."""
+    monkeypatch.setattr(step_graphs, "RESERVE_MIN", 8)
+    run = step_graphs.StepGraphs.step
+    steps = []
+
+    def checked(self, store, *args):
+        out = run(self, store, *args)
+        assert store.lens_dev.tolist() == [store.sink_len, store.body_len, store.res_len]
+        steps.append(store)
+        return out
+    monkeypatch.setattr(step_graphs.StepGraphs, "step", checked)
+    ids = prompt(23, batch=3)
+    mask = torch.ones_like(ids)
+    mask[1, :21] = 0  # two real tokens: fewer than the sink's slots
+    mask[2, :9] = 0
+    (got, s_got, _), (want, s_want, _) = both(model, ids, preset, kw, new=100, mask=mask)
+    assert steps
+    assert torch.equal(got, want)
+    torch.testing.assert_close(s_got, s_want, atol=1e-5, rtol=1e-5)
 
 
 def test_an_update_without_its_attention_is_kept(model):

@@ -533,6 +533,7 @@ class LayerStore:
         self.lens_dev[1:2].add_(G)
         self.lens_dev[2:3].sub_(G)
         if host:
+            self._close_sink()
             self.body_len += G
             self.res_len -= G
 
@@ -541,6 +542,7 @@ class LayerStore:
         flushed)."""
         self.res_len += 1
         if flushed:
+            self._close_sink()  # as flush does: the sink takes no more tokens
             self.body_len += self.spec.group_size
             self.res_len -= self.spec.group_size
 

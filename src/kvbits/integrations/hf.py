@@ -209,7 +209,10 @@ class KVBitsLayer(CacheLayerMixin):
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        return 0 if self.store is None else self.store.total_len
+        if self.store is None:
+            return 0
+        # a step taken for the step graphs is appended by its attention: it counts already
+        return self.store.total_len + (0 if self._pending is None else self._pending[0].shape[2])
 
     def get_max_length(self) -> int:
         return -1
@@ -262,6 +265,7 @@ class KVBitsLayer(CacheLayerMixin):
             tokens_to_remove = kwargs.pop("max_length")
         if self.store is None or tokens_to_remove == 0:
             return None
+        self._leave_steps()  # the checks read the host lengths (in step: leaving costs nothing)
         n = self.store.total_len
         if tokens_to_remove < -n:
             raise ValueError(f"crop: cannot remove {-tokens_to_remove} tokens: the cache holds {n}")
@@ -313,7 +317,9 @@ class KVBitsLayer(CacheLayerMixin):
         store.begin_device_lengths(steps_mod.reserve_tokens(store))
         if self._steps is None:
             cache = self._cache
-            capture = store.device.type == "cuda"
+            # (the reference path reads the host lengths: a graph would freeze them)
+            capture = (store.device.type == "cuda" and ops.use_kernels(store.res_k)
+                       and ops.kernel_reads(store.view_raw()))
             # the cache weakly: a strong reference would be a cycle (cache -> layer -> graphs ->
             # cache) that only the cyclic collector frees, late, and inside a capture
             ref, dev = self._cache_ref, store.device

@@ -91,8 +91,11 @@ class StepGraphs:
         self.captures = 0
 
     def drop(self) -> None:
-        """Forget the graphs: the buffers they point at are about to move."""
+        """Forget the graphs: the buffers they point at are about to move. A kind is captured
+        again only after it ran eagerly since: a layer that leaves the mode at every step (beam
+        search's reorder, speculative verification) would otherwise capture at every step."""
         self.graphs.clear()
+        self.warm.clear()
 
     def step(self, store, q, k, v, scale: float, window, softcap) -> torch.Tensor:
         flush = flushes(store)
@@ -172,12 +175,14 @@ def _capture_stream(device: torch.device) -> torch.cuda.Stream:
 def usable(store, setting) -> bool:
     """Whether a layer may ever run its decode steps in this mode (fixed for the layer):
     ``setting`` True, or "auto" with the layer on the CUDA kernels (a layout the decode kernel
-    reads: the reference path dequantizes on the host's lengths)."""
+    reads: the reference path dequantizes on the host's lengths) of the current device (a model
+    spread over GPUs keeps its other layers eager: not yet run on several GPUs)."""
     if setting is False:
         return False
     if setting is True:
         return True
     return (store.device.type == "cuda" and ops.use_kernels(store.res_k)
+            and store.device.index in (None, torch.cuda.current_device())
             and ops.kernel_reads(store.view_raw()))
 
 
