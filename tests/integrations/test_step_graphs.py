@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from test_decode_loop import PRESETS, prompt, tiny_llama
+from test_decode_loop import PRESETS, gpu_model, prompt, tiny_llama  # noqa: F401 (a fixture)
 
 from kvbits.cache.store import LayerStore
 from kvbits.integrations import step_graphs
@@ -68,6 +68,22 @@ def assert_same_stores(a: KVBitsCache, b: KVBitsCache) -> None:
         assert ta.keys() == tb.keys()
         for name in ta:
             assert torch.equal(ta[name], tb[name]), name
+
+
+def taken_step(model):
+    """A layer-0 store holding a 40-token prompt, then one token's update taken for the mode
+    (its attention not run yet): ``(cache, layer, token)``."""
+    cache = KVBitsCache(model.config, "kivi-2", step_graphs=True, residual_length=4)
+    layer = cache.layers[0]
+    k = torch.randn(1, 2, 40, 16)
+    cache.update(k, k, 0)
+    layer._attended = True  # as if the kvbits attention had consumed the prompt
+    layer.store.flush()
+    cache._model_config = None  # (no model: the layer takes its steps as kvbits' own)
+    one = torch.randn(1, 2, 1, 16)
+    cache.update(one, one, 0)
+    assert layer._pending is not None and layer._steps_on
+    return cache, layer, one
 
 
 @pytest.mark.parametrize("preset,kw", PRESETS)
@@ -203,16 +219,7 @@ def test_crop_after_generate_leaves_the_mode(model, entries):
 def test_seq_length_counts_a_step_before_its_attention(model):
     """Between a step's update and its attention (an attention wrapper, a model that reads the
     length there) the layer holds the step's token, as an ordinary step's layer does."""
-    cache = KVBitsCache(model.config, "kivi-2", step_graphs=True, residual_length=4)
-    layer = cache.layers[0]
-    k = torch.randn(1, 2, 40, 16)
-    cache.update(k, k, 0)
-    layer._attended = True  # as if the kvbits attention had consumed the prompt
-    layer.store.flush()
-    cache._model_config = None  # (no model: the layer takes its steps as kvbits' own)
-    one = torch.randn(1, 2, 1, 16)
-    cache.update(one, one, 0)
-    assert layer._pending is not None and layer._steps_on
+    cache, layer, _ = taken_step(model)
     assert cache.get_seq_length(0) == 41
     assert layer.get_mask_sizes(1) == (42, 0)
 
@@ -301,16 +308,7 @@ def test_device_lengths_follow_the_host(model, preset, kw, monkeypatch):
 def test_an_update_without_its_attention_is_kept(model):
     """A step whose attention never ran (another attention function read the tensors): the next
     update appends it, so no token is lost."""
-    cache = KVBitsCache(model.config, "kivi-2", step_graphs=True, residual_length=4)
-    layer = cache.layers[0]
-    k = torch.randn(1, 2, 40, 16)
-    cache.update(k, k, 0)
-    layer._attended = True  # as if the kvbits attention had consumed the prompt
-    layer.store.flush()
-    cache._model_config = None  # (no model: the layer takes its steps as kvbits' own)
-    one = torch.randn(1, 2, 1, 16)
-    cache.update(one, one, 0)
-    assert layer._pending is not None and layer._steps_on
+    cache, layer, one = taken_step(model)
     n = layer.store.seq_len
     with pytest.warns(UserWarning, match="slow path"):  # (nothing attended the last step)
         cache.update(one, one, 0)  # the first step's attention never ran
@@ -358,20 +356,14 @@ def test_setting_is_checked_and_auto_is_off_on_the_cpu(model):
 
 
 # ------------------------------------------------------------------------------------ GPU
-@pytest.fixture(scope="module")
-def gpu_model():
-    """head_dim 64: the kernels' pre-RoPE path needs >= 32."""
-    return tiny_llama(0, hidden_size=256, intermediate_size=256, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=64, max_position_embeddings=1024).half().cuda()
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset,kw", [("kivi-2", {}), ("kivi-4", {"sink_tokens": 2}),
                                        ("uniform-int4", {}), ("kivi-2-had", {}),
                                        ("fp8-dynamic", {"residual_length": 4}),
                                        ("kvquant-3", {"calibration": "uniform"}), ("fp16", {})])
-def test_gpu_replayed_steps_match_eager_steps(gpu_model, preset, kw, entries, monkeypatch):
+def test_gpu_replayed_steps_match_eager_steps(gpu_model, preset, kw, entries,  # noqa: F811
+                                              monkeypatch):
     """Captured per layer and kind, replayed, captured again after each re-reservation (a small
     reserve): the tokens of the same steps run eagerly in the same mode (the same launch
     geometry: bounds from the reserved buffers). Against the ordinary steps (launches sized

@@ -253,9 +253,8 @@ class KVBitsLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int = 0, **kwargs) -> None:
         """Negative: drop that many tokens; positive (legacy): keep that many; 0: nothing."""
-        keep = self.crop_target(tokens_to_remove, **kwargs)
+        keep = self.crop_target(tokens_to_remove, **kwargs)  # (leaves the step graphs' mode)
         if keep is not None:
-            self._leave_steps()
             self.store.crop(keep)
 
     def crop_target(self, tokens_to_remove: int = 0, **kwargs) -> int | None:
@@ -317,9 +316,9 @@ class KVBitsLayer(CacheLayerMixin):
         store.begin_device_lengths(steps_mod.reserve_tokens(store))
         if self._steps is None:
             cache = self._cache
-            # (the reference path reads the host lengths: a graph would freeze them)
-            capture = (store.device.type == "cuda" and ops.use_kernels(store.res_k)
-                       and ops.kernel_reads(store.view_raw()))
+            # only where "auto" would take the layer (the reference path reads the host
+            # lengths: a graph would freeze them)
+            capture = steps_mod.usable(store, "auto")
             # the cache weakly: a strong reference would be a cycle (cache -> layer -> graphs ->
             # cache) that only the cyclic collector frees, late, and inside a capture
             ref, dev = self._cache_ref, store.device

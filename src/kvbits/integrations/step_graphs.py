@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
+from ..kernels.launch import device_index
 
 # KVBITS_STEP_GRAPHS: "auto" (default; on where the layer runs the CUDA kernels), "0" (off),
 # "1" (on, also where it cannot capture: every step then runs eagerly in the same mode, as the
@@ -165,8 +166,9 @@ _STREAMS: dict = {}
 
 
 def _capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """A side stream per device to capture on (capture cannot use the default stream)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    """A side stream per device to capture on (capture cannot use the default stream; not
+    decode_attention's side stream, which a captured call forks its FP16 splits onto)."""
+    idx = device_index(device)
     if idx not in _STREAMS:
         _STREAMS[idx] = torch.cuda.Stream(device=idx)
     return _STREAMS[idx]
