@@ -45,16 +45,18 @@ CONFIGS = [
     {**BASE, "HG": 16, "HP": 16, "D": 64, "KBITS": 3, "VBITS": 3, "G": 64, "GV": 64,
      "HAS_STARTS": False, "GK": 64, "LENS_DEV": True},
     {**BASE, "KBITS": 3, "VBITS": 3, "CB": True},  # KVQuant 3-bit codebooks (prmt tables)
-    # KVQuant's full layer (KVQUANT_FULL): outliers as one-hot MMAs, pre-RoPE keys (MHA, D 128;
-    # 16 heads, D 64); outliers alone (GQA 8)
+    # KVQuant's full layer (KVQUANT_FULL): outliers as one-hot MMAs, pre-RoPE keys (MHA, D 128,
+    # turned in 16-row blocks (ROPE_M) and whole; 16 heads, D 64); outliers alone (GQA 8)
+    {**BASE, "HG": 1, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 2, "VOUT": 2, "ROPE": True,
+     "ROPE_M": True},
     {**BASE, "HG": 1, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 2, "VOUT": 2, "ROPE": True},
     {**BASE, "HG": 16, "HP": 16, "D": 64, "KBITS": 3, "VBITS": 3, "G": 64, "GV": 64, "GK": 64,
-     "CB": True, "KOUT": 1, "VOUT": 1, "ROPE": True},
+     "CB": True, "KOUT": 1, "VOUT": 1, "ROPE": True, "ROPE_M": True},
     {**BASE, "HG": 8, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 3, "VOUT": 3},
     # ... at head_dim 256 (KVQUANT_WIDE): chunk pairs (0, 2), (1, 3) turned, 3 outliers per
     # token on four chunks, later query chunks reloaded
     {**BASE, "HG": 2, "D": 256, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 3, "VOUT": 3,
-     "ROPE": True, "Q_RELOAD": True},
+     "ROPE": True, "Q_RELOAD": True, "ROPE_M": True},
     # more chunks (EXTRA_HEAD_DIMS): head_dim 256 as four of 64 (2 bits GQA 2; 4 bits G 64),
     # 96 as three of 32 (4 bits, 8 heads)
     {**BASE, "HG": 2, "D": 256},
@@ -77,7 +79,7 @@ CONFIGS = [
     # 2 heads x 4 rows
     {**BASE, "HG": 12, "HP": 16, "LQ": 3, "HAS_WINDOW": True},
     {**BASE, "HG": 8, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 2, "VOUT": 2, "ROPE": True,
-     "LQ": 4},
+     "LQ": 4, "ROPE_M": True},
     {**BASE, "KBITS": 4, "PF": 0, "PF_AFTER": False},  # K4V2 (mixed widths; last, no prefetch)
 ]
 

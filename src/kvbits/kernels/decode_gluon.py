@@ -284,6 +284,24 @@ if gluon is not None:
         return c0, c1, c2, c3
 
     @gluon.jit
+    def _rows4(x):
+        """A ``[64, C]`` tile -> its four 16-row blocks (rows ``16 m`` to ``16 m + 15``, ``m`` =
+        0 .. 3). In the MMA layouts the row bits 4 and 5 are register bits: no data moves."""
+        C: gl.constexpr = x.shape[1]
+        y = gl.permute(gl.reshape(x, [2, 2, 16, C]), (2, 3, 1, 0))  # [r, c, m0, m1]
+        y0, y1 = gl.split(y)
+        b0, b1 = gl.split(y0)
+        b2, b3 = gl.split(y1)
+        return b0, b1, b2, b3
+
+    @gluon.jit
+    def _join_rows4(b0, b1, b2, b3, layout: gl.constexpr):
+        """Inverse of :func:`_rows4`, in ``layout``."""
+        C: gl.constexpr = b0.shape[1]
+        y = gl.permute(gl.join(gl.join(b0, b1), gl.join(b2, b3)), (3, 2, 0, 1))
+        return gl.convert_layout(gl.reshape(y, [64, C]), layout)
+
+    @gluon.jit
     def _tok(R, slot, W: gl.constexpr, G: gl.constexpr):
         """Body-token offset (from the step's first token) of word row ``R``, slot ``slot``."""
         return (R // W) * G + R % W + W * slot
@@ -1097,6 +1115,53 @@ if gluon is not None:
         return (a * c + b * s).to(gl.float16), (b * c - a * s).to(gl.float16)
 
     @gluon.jit
+    def _rope_block(st, ka, kb, xa, xb, cs, H2: gl.constexpr, a_l: gl.constexpr,
+                    mma: gl.constexpr):
+        """One 16-row block of :func:`_rope_scores`."""
+        ka = gl.convert_layout(ka, a_l)
+        kb = gl.convert_layout(kb, a_l)
+        c = gl.load(cs)
+        s = gl.load(cs + 64 * H2)
+        st = mma_v2(ka * c - kb * s, xa, gl.convert_layout(st, mma))
+        return mma_v2(kb * c + ka * s, xb, st)
+
+    @gluon.jit
+    def _rope_scores_turned(st, ka, kb, qa, qb, xa, xb, p0, inv_f, cs, DT: gl.constexpr,
+                            H2: gl.constexpr, a_l: gl.constexpr, mma: gl.constexpr):
+        """:func:`_rope_scores` with one ``[16, DC]`` table for all four blocks: block ``m``'s
+        tokens are block 0's plus ``m DT`` (:func:`token_order`), so its query halves are turned
+        by ``R(p0 + m DT)`` instead (``xa, xb``: block 0's; ``qa, qb``: the unturned halves)."""
+        a0, a1, a2, a3 = _rows4(ka)
+        b0, b1, b2, b3 = _rows4(kb)
+        s0, s1, s2, s3 = _rows4(st)
+        s0 = _rope_block(s0, a0, b0, xa, xb, cs, H2, a_l, mma)
+        ya, yb = _rope_query(qa, qb, p0 + DT, inv_f)
+        s1 = _rope_block(s1, a1, b1, ya, yb, cs, H2, a_l, mma)
+        ya, yb = _rope_query(qa, qb, p0 + 2 * DT, inv_f)
+        s2 = _rope_block(s2, a2, b2, ya, yb, cs, H2, a_l, mma)
+        ya, yb = _rope_query(qa, qb, p0 + 3 * DT, inv_f)
+        s3 = _rope_block(s3, a3, b3, ya, yb, cs, H2, a_l, mma)
+        return _join_rows4(s0, s1, s2, s3, mma)
+
+    @gluon.jit
+    def _rope_scores(st, ka, kb, xa, xb, cs, H2: gl.constexpr, a_l: gl.constexpr,
+                     mma: gl.constexpr):
+        """``st + (R(j) k) . (xa, xb)`` for pre-RoPE keys held as their rotate-half halves
+        ``ka, kb`` ``[64, DC]`` (A operands) against the query halves turned by the step's
+        ``R(p0)`` (:func:`_rope_query`), in four 16-row blocks: each block's ``cos / sin(j
+        theta)`` rows (the step table, ``cs``: pointers to block 0's ``[16, DC]``) are loaded
+        just before its MMAs, so a quarter of the table is live at a time instead of all of it
+        beside both key halves (``ROPE_BLOCKS``)."""
+        a0, a1, a2, a3 = _rows4(ka)
+        b0, b1, b2, b3 = _rows4(kb)
+        s0, s1, s2, s3 = _rows4(st)
+        s0 = _rope_block(s0, a0, b0, xa, xb, cs, H2, a_l, mma)
+        s1 = _rope_block(s1, a1, b1, xa, xb, cs + 16 * H2, H2, a_l, mma)
+        s2 = _rope_block(s2, a2, b2, xa, xb, cs + 32 * H2, H2, a_l, mma)
+        s3 = _rope_block(s3, a3, b3, xa, xb, cs + 48 * H2, H2, a_l, mma)
+        return _join_rows4(s0, s1, s2, s3, mma)
+
+    @gluon.jit
     def _key_outliers(st, oi_base, ov_base, t_cur, body_len, rows_a, rows_c, x0, x1, x2, x3,
                       cs_ptr, NOUT: gl.constexpr, NCH: gl.constexpr, DC: gl.constexpr,
                       ROPE: gl.constexpr, a_l: gl.constexpr, mma: gl.constexpr):
@@ -1217,7 +1282,7 @@ if gluon is not None:
         Q_RELOAD: gl.constexpr = False,
         KOUT: gl.constexpr = 0, VOUT: gl.constexpr = 0, ROPE: gl.constexpr = False,
         HAS_WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False, LQ: gl.constexpr = 1,
-        PDL: gl.constexpr = False,
+        PDL: gl.constexpr = False, ROPE_M: gl.constexpr = 0,
     ):
         if PDL:  # the finish kernel may be scheduled now (it waits for this one to merge)
             _launch_dependents()
@@ -1282,6 +1347,8 @@ if gluon is not None:
                 inv_f1 = gl.load(InvFreq + DC + gl.arange(0, DC, layout=gl.SliceLayout(1, b_l)))
             cs_off = (gl.arange(0, 64, layout=gl.SliceLayout(1, a_l))[:, None] * H2
                       + gl.arange(0, DC, layout=gl.SliceLayout(0, a_l))[None, :])
+            cs_off16 = (gl.arange(0, 16, layout=gl.SliceLayout(1, a_l))[:, None] * H2
+                        + gl.arange(0, DC, layout=gl.SliceLayout(0, a_l))[None, :])
 
         n_groups = body_len // G
         n_rows = n_groups * W
@@ -1372,10 +1439,19 @@ if gluon is not None:
                     xa, xb = _rope_query(q0, q2, sink_len + t_cur - start, inv_f)
                 else:
                     xa, xb = _rope_query(q0, q1, sink_len + t_cur - start, inv_f)
-                cj = gl.load(RopeCS + cs_off)
-                sj = gl.load(RopeCS + 64 * H2 + cs_off)
-                st = mma_v2(k * cj - k1 * sj, xa, gl.zeros([64, HP], gl.float32, layout=mma))
-                st = mma_v2(k1 * cj + k * sj, xb, st)
+                if ROPE_M == 2 and NCH == 2:
+                    st = _rope_scores_turned(gl.zeros([64, HP], gl.float32, layout=mma), k, k1,
+                                             q0, q1, xa, xb, sink_len + t_cur - start, inv_f,
+                                             RopeCS + cs_off16, 4 * (G // 32), H2, a_l, mma)
+                elif ROPE_M:
+                    st = _rope_scores(gl.zeros([64, HP], gl.float32, layout=mma), k, k1, xa, xb,
+                                      RopeCS + cs_off16, H2, a_l, mma)
+                else:
+                    cj = gl.load(RopeCS + cs_off)
+                    sj = gl.load(RopeCS + 64 * H2 + cs_off)
+                    st = mma_v2(k * cj - k1 * sj, xa,
+                                gl.zeros([64, HP], gl.float32, layout=mma))
+                    st = mma_v2(k1 * cj + k * sj, xb, st)
                 if NCH == 4:  # the second pair's words only now (registers)
                     kp, kq, kr, ksc, kzr = _key_loads3(kc_base, ks_base, kz_base, s, n_groups,
                                                        DC, G, D, DC, KW)
@@ -1388,10 +1464,14 @@ if gluon is not None:
                     if Q_RELOAD:
                         q3 = _query_operand(Q, q_row0, qk_scale, 3, HG, HP, D, DC, b_l)
                     xa1, xb1 = _rope_query(q1, q3, sink_len + t_cur - start, inv_f1)
-                    cj = gl.load(RopeCS + DC + cs_off)
-                    sj = gl.load(RopeCS + 64 * H2 + DC + cs_off)
-                    st = mma_v2(k * cj - k1 * sj, xa1, st)
-                    st = mma_v2(k1 * cj + k * sj, xb1, st)
+                    if ROPE_M:
+                        st = _rope_scores(st, k, k1, xa1, xb1, RopeCS + DC + cs_off16, H2, a_l,
+                                          mma)
+                    else:
+                        cj = gl.load(RopeCS + DC + cs_off)
+                        sj = gl.load(RopeCS + 64 * H2 + DC + cs_off)
+                        st = mma_v2(k * cj - k1 * sj, xa1, st)
+                        st = mma_v2(k1 * cj + k * sj, xb1, st)
             else:
                 st = mma_v2(k, q0, gl.zeros([64, HP], gl.float32, layout=mma))
                 if KBITS == 3:
@@ -1582,11 +1662,23 @@ if _KVQUANT_WIDE_ENV not in ("0", "1"):
                      f"{_KVQUANT_WIDE_ENV!r}")
 KVQUANT_WIDE = _KVQUANT_WIDE_ENV == "1"
 MAX_OUTLIERS = 4  # per token, keys or values (one pair of MMAs each)
+# Pre-RoPE keys turned in four 16-row blocks, each with its quarter of the cos/sin table loaded
+# just before its MMAs (_rope_scores), instead of the whole [64, D/2] table beside both key halves
+# (255 registers and 320 bytes of stack at head_dim 128 with outliers; 104 in blocks: sm_90
+# compile, session 39). KVBITS_GLUON_ROPE_BLOCKS=1 turns it on; 2: the four blocks share one
+# [16, D/2] table and the query is turned per block instead (more instructions: 5066 per step
+# against 4517, 176 bytes of stack). Off until measured on the GPU.
+_ROPE_BLOCKS_ENV = os.environ.get("KVBITS_GLUON_ROPE_BLOCKS", "0")
+if _ROPE_BLOCKS_ENV not in ("0", "1", "2"):
+    raise ValueError("KVBITS_GLUON_ROPE_BLOCKS must be '0', '1' or '2', got "
+                     f"{_ROPE_BLOCKS_ENV!r}")
+ROPE_BLOCKS = int(_ROPE_BLOCKS_ENV)
 _BODY = FastLaunch(_body_kernel) if gluon is not None else None  # (kernels.launch)
 # Its keywords, built once per combination (launch.keyword_maker), in this order (+ maxnreg):
 _BODY_NAMES = ("HG", "HP", "D", "KBITS", "VBITS", "G", "GV", "HAS_STARTS", "HAS_LENS", "GK",
                "K_TOK", "LENS_DEV", "PF", "PF_L1", "PF_AFTER", "EARLY_V", "CB", "KOUT", "VOUT",
-               "ROPE", "Q_RELOAD", "HAS_WINDOW", "SOFTCAP", "LQ", "PDL", "PF_OUT", "num_warps")
+               "ROPE", "Q_RELOAD", "HAS_WINDOW", "SOFTCAP", "LQ", "PDL", "PF_OUT", "ROPE_M",
+               "num_warps")
 _BODY_KEYWORDS = keyword_maker(_BODY_NAMES)
 _BODY_KEYWORDS_MAXNREG = keyword_maker(_BODY_NAMES + ("maxnreg",))
 
@@ -1830,7 +1922,8 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         q_reload(D, kv.key_bits, kcb is not None, B * Hkv,
                  full=koi is not None or voi is not None or inv_freq is not None),
         window is not None, softcap is not None, Lq, pdl,
-        PREFETCH_OUTLIERS and (koi is not None or voi is not None), 1)
+        PREFETCH_OUTLIERS and (koi is not None or voi is not None),
+        ROPE_BLOCKS if inv_freq is not None else 0, 1)
     _BODY.launch((B * Hkv, splits), (
         q, out, lse, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero,
         starts, lengths, lens_dev if lens_dev is not None else starts,
