@@ -15,3 +15,8 @@ ROPE_AB=1 timeout -s KILL 150 python3 benchmarks/probes/kvquant_ab.py \
   8:32:8:32768:kvquant-3,8:32:8:131072:kvquant-3,8:32:32:32768:kvquant-3,1:32:8:131072:kvquant-3,32:32:8:32768:kvquant-3 \
   > $OUT/kvquant_rope_ab_s39.log 2>&1
 echo "rope ab rc=$?"; cat $OUT/kvquant_rope_ab_s39.log
+KVBITS_GLUON_ROPE_BLOCKS=1 timeout -s KILL 150 python3 benchmarks/decode_attention.py --out $OUT \
+  --skip-quantize-pack --no-baselines --presets kvquant-3,kivi-3 --models llama-3-8b,llama-2-7b \
+  --batches 8 --contexts 32768,131072 --name decode_attention_kvquant_blocks_s39 \
+  > $OUT/decode_attention_kvquant_blocks_s39.log 2>&1
+echo "table rc=$?"; grep -E "kvquant-3|kivi-3|flash" $OUT/decode_attention_kvquant_blocks_s39.md | cut -c1-200
