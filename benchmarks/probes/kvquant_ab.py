@@ -15,9 +15,10 @@ takes ~15 us per step and program, ~3x what its issue alone needs: its loads wai
 ``lib``, ``no-rope`` (keys read as post-RoPE), ``no-outliers``, ``codebooks`` (neither), which
 says what each part of the full layer costs on the GPU.
 
-``ROPE_AB=1``: the pre-RoPE turn three ways (``decode_gluon.ROPE_BLOCKS``): ``blocks`` (1, four
-16-row blocks, each with its rows of the cos/sin table), ``whole`` (0, the whole table beside
-both key halves, before session 39), ``turned`` (2, one table, the query turned per block).
+``ROPE_AB=1``: the pre-RoPE turn two ways (``decode_gluon.ROPE_BLOCKS``): ``blocks`` (four
+16-row blocks, each with its rows of the cos/sin table), ``whole`` (the whole table beside both
+key halves, before session 39). Session 39's run also had ``turned`` (one table for the four
+blocks, the query turned per block; since removed): ``kvquant_rope_ab_s39.log``.
 
 Variants alternated, best of 3 ``do_bench`` medians (CUDA-graph replays, L2 flushed), each
 output compared with ``lib``'s.
@@ -77,7 +78,7 @@ def main() -> None:
         pairs = B * hkv
         if os.environ.get("ROPE_AB") == "1":
             fns = {name: variant(q, kv, rope_blocks=mode)
-                   for name, mode in (("blocks", 1), ("whole", 0), ("turned", 2))}
+                   for name, mode in (("blocks", True), ("whole", False))}
         elif os.environ.get("ABLATE") == "1":
             fns = {name: variant(q, without(kv, drop)) for name, drop in ABLATIONS.items()}
         else:

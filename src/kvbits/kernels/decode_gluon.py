@@ -1126,24 +1126,6 @@ if gluon is not None:
         return mma_v2(kb * c + ka * s, xb, st)
 
     @gluon.jit
-    def _rope_scores_turned(st, ka, kb, qa, qb, xa, xb, p0, inv_f, cs, DT: gl.constexpr,
-                            H2: gl.constexpr, a_l: gl.constexpr, mma: gl.constexpr):
-        """:func:`_rope_scores` with one ``[16, DC]`` table for all four blocks: block ``m``'s
-        tokens are block 0's plus ``m DT`` (:func:`token_order`), so its query halves are turned
-        by ``R(p0 + m DT)`` instead (``xa, xb``: block 0's; ``qa, qb``: the unturned halves)."""
-        a0, a1, a2, a3 = _rows4(ka)
-        b0, b1, b2, b3 = _rows4(kb)
-        s0, s1, s2, s3 = _rows4(st)
-        s0 = _rope_block(s0, a0, b0, xa, xb, cs, H2, a_l, mma)
-        ya, yb = _rope_query(qa, qb, p0 + DT, inv_f)
-        s1 = _rope_block(s1, a1, b1, ya, yb, cs, H2, a_l, mma)
-        ya, yb = _rope_query(qa, qb, p0 + 2 * DT, inv_f)
-        s2 = _rope_block(s2, a2, b2, ya, yb, cs, H2, a_l, mma)
-        ya, yb = _rope_query(qa, qb, p0 + 3 * DT, inv_f)
-        s3 = _rope_block(s3, a3, b3, ya, yb, cs, H2, a_l, mma)
-        return _join_rows4(s0, s1, s2, s3, mma)
-
-    @gluon.jit
     def _rope_scores(st, ka, kb, xa, xb, cs, H2: gl.constexpr, a_l: gl.constexpr,
                      mma: gl.constexpr):
         """``st + (R(j) k) . (xa, xb)`` for pre-RoPE keys held as their rotate-half halves
@@ -1282,7 +1264,7 @@ if gluon is not None:
         Q_RELOAD: gl.constexpr = False,
         KOUT: gl.constexpr = 0, VOUT: gl.constexpr = 0, ROPE: gl.constexpr = False,
         HAS_WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False, LQ: gl.constexpr = 1,
-        PDL: gl.constexpr = False, ROPE_M: gl.constexpr = 0,
+        PDL: gl.constexpr = False, ROPE_M: gl.constexpr = False,
     ):
         if PDL:  # the finish kernel may be scheduled now (it waits for this one to merge)
             _launch_dependents()
@@ -1439,11 +1421,7 @@ if gluon is not None:
                     xa, xb = _rope_query(q0, q2, sink_len + t_cur - start, inv_f)
                 else:
                     xa, xb = _rope_query(q0, q1, sink_len + t_cur - start, inv_f)
-                if ROPE_M == 2 and NCH == 2:
-                    st = _rope_scores_turned(gl.zeros([64, HP], gl.float32, layout=mma), k, k1,
-                                             q0, q1, xa, xb, sink_len + t_cur - start, inv_f,
-                                             RopeCS + cs_off16, 4 * (G // 32), H2, a_l, mma)
-                elif ROPE_M:
+                if ROPE_M:
                     st = _rope_scores(gl.zeros([64, HP], gl.float32, layout=mma), k, k1, xa, xb,
                                       RopeCS + cs_off16, H2, a_l, mma)
                 else:
@@ -1663,16 +1641,19 @@ if _KVQUANT_WIDE_ENV not in ("0", "1"):
 KVQUANT_WIDE = _KVQUANT_WIDE_ENV == "1"
 MAX_OUTLIERS = 4  # per token, keys or values (one pair of MMAs each)
 # Pre-RoPE keys turned in four 16-row blocks, each with its quarter of the cos/sin table loaded
-# just before its MMAs (_rope_scores), instead of the whole [64, D/2] table beside both key halves
-# (255 registers and 320 bytes of stack at head_dim 128 with outliers; 104 in blocks: sm_90
-# compile, session 39). KVBITS_GLUON_ROPE_BLOCKS=1 turns it on; 2: the four blocks share one
-# [16, D/2] table and the query is turned per block instead (more instructions: 5066 per step
-# against 4517, 176 bytes of stack). Off until measured on the GPU.
-_ROPE_BLOCKS_ENV = os.environ.get("KVBITS_GLUON_ROPE_BLOCKS", "0")
-if _ROPE_BLOCKS_ENV not in ("0", "1", "2"):
-    raise ValueError("KVBITS_GLUON_ROPE_BLOCKS must be '0', '1' or '2', got "
-                     f"{_ROPE_BLOCKS_ENV!r}")
-ROPE_BLOCKS = int(_ROPE_BLOCKS_ENV)
+# just before its MMAs (_rope_scores), instead of the whole [64, D/2] table beside both key halves.
+# sm_90 compile at head_dim 128 with two outliers per token: 104 bytes of stack instead of 320,
+# 4517 instructions per step instead of 4658. H200, whole captured calls alternated (session 39,
+# benchmarks/results/kvquant_rope_ab_s39.log): 0.7-4.0% faster on four of five kvquant-3 rows
+# (Llama-3-8B batch 1 128k 270.7 -> 259.8 us, batch 32 32k 1583 -> 1538), 1.8% slower on one
+# (Llama-3-8B batch 8 128k 1629 -> 1659). The same blocks sharing one [16, D/2] table with the
+# query turned per block instead (its blocks' tokens are block 0's shifted by 4 G / 32) measured
+# 1.8-7.3% slower than these (more instructions: 5066 per step, 176 bytes of stack) and was
+# dropped. KVBITS_GLUON_ROPE_BLOCKS=0 turns the whole-table turn back on.
+_ROPE_BLOCKS_ENV = os.environ.get("KVBITS_GLUON_ROPE_BLOCKS", "1")
+if _ROPE_BLOCKS_ENV not in ("0", "1"):
+    raise ValueError(f"KVBITS_GLUON_ROPE_BLOCKS must be '0' or '1', got {_ROPE_BLOCKS_ENV!r}")
+ROPE_BLOCKS = _ROPE_BLOCKS_ENV == "1"
 _BODY = FastLaunch(_body_kernel) if gluon is not None else None  # (kernels.launch)
 # Its keywords, built once per combination (launch.keyword_maker), in this order (+ maxnreg):
 _BODY_NAMES = ("HG", "HP", "D", "KBITS", "VBITS", "G", "GV", "HAS_STARTS", "HAS_LENS", "GK",
@@ -1923,7 +1904,7 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
                  full=koi is not None or voi is not None or inv_freq is not None),
         window is not None, softcap is not None, Lq, pdl,
         PREFETCH_OUTLIERS and (koi is not None or voi is not None),
-        ROPE_BLOCKS if inv_freq is not None else 0, 1)
+        ROPE_BLOCKS and inv_freq is not None, 1)
     _BODY.launch((B * Hkv, splits), (
         q, out, lse, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero,
         starts, lengths, lens_dev if lens_dev is not None else starts,
