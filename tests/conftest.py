@@ -52,20 +52,27 @@ def smollm2():
 @pytest.fixture
 def compile_sm90():
     """``run(child_source, configs) -> list``: run a script that compiles kernels for sm_90 (it
-    gets ``json.dumps(configs)`` as argv[1] and prints one JSON list last) in a child process
-    outside Triton's interpreter mode, which this process may be in. Skips where the Triton
-    build has no ptxas."""
+    gets ``json.dumps(configs)`` as argv[1] and prints one JSON list last) in child processes
+    outside Triton's interpreter mode, which this process may be in; the configs are dealt to
+    one child per CPU (at most 4), which run at once: compiling is single-threaded and these
+    tests are the suite's longest. Skips where the Triton build has no ptxas."""
     import json
     import subprocess
     import sys
 
     def run(child: str, configs) -> list:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        res = subprocess.run([sys.executable, "-c", child, json.dumps(configs)], check=False,
-                             env=env, capture_output=True, text=True, timeout=600)
-        if res.returncode and "ptxas" in res.stderr.lower() and "not found" in res.stderr.lower():
-            pytest.skip("this Triton build has no ptxas")
-        assert res.returncode == 0, res.stderr[-3000:]
-        return json.loads(res.stdout.strip().splitlines()[-1])
+        n = max(1, min(len(configs), os.cpu_count() or 1, 4))
+        procs = [subprocess.Popen([sys.executable, "-c", child, json.dumps(configs[i::n])],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for i in range(n)]
+        parts = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=600)
+            if proc.returncode and "ptxas" in err.lower() and "not found" in err.lower():
+                pytest.skip("this Triton build has no ptxas")
+            assert proc.returncode == 0, err[-3000:]
+            parts.append(json.loads(out.strip().splitlines()[-1]))
+        return [parts[i % n][i // n] for i in range(len(configs))]
     return run
 
