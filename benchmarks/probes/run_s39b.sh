@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 39, second call:  OUT=... bash benchmarks/probes/run_s39b.sh
 # Pre-RoPE keys turned in 16-row blocks (decode_gluon.ROPE_BLOCKS): the Gluon KVQuant GPU tests
-# in blocks (1) and at mode 2, then the three modes alternated in captured calls.
+# in blocks (1) and at mode 2, then the three modes alternated in captured calls. (As run in
+# session 39; mode 2, one shared table with the query turned per block, was removed after it.)
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 K="gluon_kvquant or realistic_sizes_other_layouts or gluon_variants or gluon_body_matches_reference"
 KVBITS_GLUON_ROPE_BLOCKS=1 timeout -s KILL 200 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short -W ignore \
