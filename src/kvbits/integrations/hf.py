@@ -772,9 +772,7 @@ def kvbits_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if tag.step:
         out = layer._run_step(query, scale, window, softcap)
     elif tag.device:
-        out = ops.decode_attention(store.rotate_query(query), store.view_dev(), scale=scale,
-                                   starts=store.starts, window=window, lens_dev=store.lens_dev,
-                                   softcap=softcap)
+        out = steps_mod.attend_dev(store, query, scale, window, softcap)
     else:
         if store.inv_freq is not None:
             _check_positions(store, kwargs.get("position_ids"), query.shape[2])

@@ -69,6 +69,12 @@ def layer_step(store, q, k, v, flush: bool, host: bool, scale: float, window, so
     store.append_dev(k, v, host=host)
     if flush:
         store.flush_dev(host=host)
+    return attend_dev(store, q, scale, window, softcap)
+
+
+def attend_dev(store, q, scale: float, window, softcap) -> torch.Tensor:
+    """Attention of ``q`` over a layer whose lengths live on the device (here and in a
+    whole-model decode loop): the kernels read the true lengths from ``lens_dev``."""
     return ops.decode_attention(store.rotate_query(q), store.view_dev(), scale=scale,
                                 starts=store.starts, window=window, lens_dev=store.lens_dev,
                                 softcap=softcap)
