@@ -167,9 +167,12 @@ def one_fp16_route(monkeypatch):
     as Triton-kernel splits). By default an eager call attends them in the finish kernel
     (``decode_attention.FINISH_FP_TOKENS``), which sums them in another order: the tokens of the
     two runs could then differ where two logits tie to the last bit, and these tests check the
-    capture machinery, which must change nothing."""
+    capture machinery, which must change nothing. Likewise the merge: an eager call the Triton
+    kernel serves alone merges in that kernel (``MERGE_IN_SPLITS``), a captured one in the
+    finish kernel; pinned to the finish kernel."""
     from kvbits.kernels import decode_attention as da
     monkeypatch.setattr(da, "FINISH_FP_TOKENS", 0)
+    monkeypatch.setattr(da, "MERGE_IN_SPLITS", "0")
 
 
 @pytest.fixture(scope="module")

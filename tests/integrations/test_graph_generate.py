@@ -390,6 +390,7 @@ def test_gpu_rules_inside_the_graph(monkeypatch):
     FP16 route, as the decode-loop tests pin it)."""
     from kvbits.kernels import decode_attention as da
     monkeypatch.setattr(da, "FINISH_FP_TOKENS", 0)
+    monkeypatch.setattr(da, "MERGE_IN_SPLITS", "0")  # and merge in the finish kernel
     m = tiny_llama(0, hidden_size=256, intermediate_size=256, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=64, max_position_embeddings=1024
                    ).half().cuda()

@@ -369,10 +369,11 @@ def test_gpu_replayed_steps_match_eager_steps(gpu_model, preset, kw, entries,  #
     geometry: bounds from the reserved buffers). Against the ordinary steps (launches sized
     by the true lengths, so other float orders) the scores agree while the tokens do. The
     captured steps attend the FP16 part in splits, the eager ones in the finish kernel, so
-    both take the splits here (``FINISH_FP_TOKENS = 0``)."""
+    both take the splits here (``FINISH_FP_TOKENS = 0``), merged in the finish kernel."""
     from kvbits.kernels import decode_attention as da
 
     monkeypatch.setattr(da, "FINISH_FP_TOKENS", 0)
+    monkeypatch.setattr(da, "MERGE_IN_SPLITS", "0")  # and merge in the finish kernel
     monkeypatch.setattr(step_graphs, "RESERVE_MIN", 8)
     m = gpu_model
     ids = prompt(300, 2).cuda()

@@ -368,12 +368,13 @@ def test_random_cases_fp16_in_the_finish_kernel(c, tile):
     up to 64 sink + residual tokens (longer ones as splits: both routes occur), and merge tiles
     of one to many rows."""
     from kvbits.kernels import decode_attention as da
-    old = da.FINISH_FP_TOKENS, da.FINISH_TILE
-    da.FINISH_FP_TOKENS, da.FINISH_TILE = 64, tile  # cases() holds up to 84 FP16 tokens
+    old = da.FINISH_FP_TOKENS, da.FINISH_TILE, da.MERGE_IN_SPLITS
+    # cases() holds up to 84 FP16 tokens; the finish kernel merges (MERGE_IN_SPLITS off)
+    da.FINISH_FP_TOKENS, da.FINISH_TILE, da.MERGE_IN_SPLITS = 64, tile, "0"
     try:
         run_case(c)
     finally:
-        da.FINISH_FP_TOKENS, da.FINISH_TILE = old
+        da.FINISH_FP_TOKENS, da.FINISH_TILE, da.MERGE_IN_SPLITS = old
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -426,6 +427,7 @@ FINISH_CASES = {
 @pytest.mark.parametrize("name", list(FINISH_CASES))
 def test_finish_kernel_matches_reference(name, inline, tile, monkeypatch):
     from kvbits.kernels import decode_attention as da
+    monkeypatch.setattr(da, "MERGE_IN_SPLITS", "0")
     monkeypatch.setattr(da, "FINISH_FP_TOKENS", 256 if inline else 0)
     monkeypatch.setattr(da, "FINISH_TILE", tile)
     run_case(FINISH_CASES[name])
@@ -445,10 +447,94 @@ def test_finish_fp_tokens_policy(setting, inline, monkeypatch):
     """``FINISH_FP_TOKENS``: "auto" (None) lets an eager call's finish kernel attend the FP16
     part itself (no Triton launch for a body-less call); an integer is the limit everywhere."""
     from kvbits.kernels import decode_attention as da
+    monkeypatch.setattr(da, "MERGE_IN_SPLITS", "0")
     monkeypatch.setattr(da, "FINISH_FP_TOKENS", setting)
     grids = _count_triton_launches(monkeypatch, da)
     run_case(Case(HG=2, S=1, body=0, res=40))  # 41 FP16 tokens, no body
     assert (len(grids) == 0) == inline, grids
+
+
+@pytest.mark.parametrize("c", [
+    Case(HG=2, S=1, body=0, res=40),  # FP16 tokens only
+    Case(B=2, HG=4, Lq=3, body=256, res=20, splits=3, lengths=(290, 200)),  # 3 + 1 columns
+    Case(HG=16, Lq=5, body=64, res=16, splits=2),  # 80 query rows: two m-tiles, two tickets
+], ids=str)
+@pytest.mark.parametrize("setting", ["auto", "1"])
+def test_stage1_merges_without_a_finish_launch(c, setting, monkeypatch):
+    """``MERGE_IN_SPLITS``: a call the Triton kernel serves alone is one launch, whose last
+    program per m-tile merges every column; the tickets are back at zero after each call."""
+    from kvbits.kernels import decode_attention as da
+    monkeypatch.setattr(da, "MERGE_IN_SPLITS", setting)
+    finishes = []
+    finish = da._FINISH.launch
+    monkeypatch.setattr(da._FINISH, "launch",
+                        lambda grid, *a: finishes.append(grid) or finish(grid, *a))
+    grids = _count_triton_launches(monkeypatch, da)
+    for seed in range(2):  # the second call starts from the tickets the first put back
+        run_case(c._replace(seed=seed))
+        assert not da._merge_counts(1, torch.device(DEVICE)).any(), "tickets left behind"
+    assert len(grids) == 2 and not finishes, (grids, finishes)
+    monkeypatch.setattr(da, "MERGE_IN_SPLITS", "0")
+    run_case(c)
+    assert len(finishes) == 1, "MERGE_IN_SPLITS=0 should merge in the finish kernel"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (realistic sizes)")
+def test_stage1_merge_races(monkeypatch):
+    """Many programs finishing at once (a long ragged Triton-kernel call, hundreds of tickets
+    per launch): every run bit for bit equal, matching the reference, tickets back at zero."""
+    from kvbits.kernels import decode_attention as da
+    monkeypatch.setattr(da, "MERGE_IN_SPLITS", "1")
+    c = Case(kb=4, vb=2, G=32, D=128, B=8, Hkv=8, HG=4, S=2, body=32 * 200, res=90,
+             lengths=tuple(6000 + 37 * i for i in range(8)), seed=5)
+    kv = make_kv(c, "cuda")
+    q, args = _query_and_args(c, "cuda")
+    first = kernel(q, kv, gluon=False, **args)
+    compare(first, reference(q, kv, **args), c.dtype, str(c))
+    for _ in range(30):
+        assert torch.equal(kernel(q, kv, gluon=False, **args), first)
+    assert not da._merge_counts(1, torch.device("cuda")).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (realistic sizes)")
+@pytest.mark.parametrize("tma", ["0", "1"])
+def test_stage1_merge_after_the_gluon_body_in_a_graph(tma, monkeypatch):
+    """Captured with a Gluon body and ``MERGE_IN_SPLITS`` "1", the FP16 splits run after it in
+    the call's stream and merge (no side stream, no finish kernel); replays with new queries and device lengths that grow
+    match the reference, as in a captured decode loop."""
+    import dataclasses
+
+    from kvbits.kernels import decode_attention as da
+    from kvbits.kernels import decode_gluon, decode_gluon_tma
+    monkeypatch.setattr(da, "MERGE_IN_SPLITS", "1")
+    monkeypatch.setattr(decode_gluon_tma, "MODE", tma)
+    serve_small(monkeypatch, decode_gluon)
+    c = Case(kb=2, vb=2, G=32, D=128, B=2, Hkv=2, HG=4, S=1, body=32 * 64, res=100, seed=3)
+    kv = make_kv(c, "cuda")
+    q, args = _query_and_args(c, "cuda")
+    lens_dev = torch.tensor([1, 32 * 60, 60], dtype=torch.int32, device="cuda")
+    streams, finishes = [], []
+    launch, finish = da._DECODE.launch, da._FINISH.launch
+    monkeypatch.setattr(da._DECODE, "launch", lambda grid, *a: streams.append(
+        torch.cuda.current_stream()) or launch(grid, *a))
+    monkeypatch.setattr(da._FINISH, "launch",
+                        lambda grid, *a: finishes.append(grid) or finish(grid, *a))
+    kernel(q, kv, gluon=True, lens_dev=lens_dev, **args)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        main = torch.cuda.current_stream()
+        out = kernel(q, kv, gluon=True, lens_dev=lens_dev, **args)
+    assert streams[-1] == main and not finishes, (streams, finishes)
+    for step in range(6):
+        body, res = 32 * (60 + step % 3), 60 + 7 * step
+        lens_dev.copy_(torch.tensor([1, body, res]))
+        q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(step)))
+        graph.replay()
+        ref = reference(q, dataclasses.replace(kv, body_len=body, res_len=res), **args)
+        compare(out, ref, c.dtype, f"{c} tma={tma} replay {step}")
+    assert not da._merge_counts(1, torch.device("cuda")).any()
 
 
 @pytest.mark.gpu
@@ -458,6 +544,7 @@ def test_finish_fp16_part_splits_under_graph_capture(monkeypatch):
     replays), and its eager twin attends the part in the finish kernel; both match the
     reference."""
     from kvbits.kernels import decode_attention as da
+    monkeypatch.setattr(da, "MERGE_IN_SPLITS", "0")
     monkeypatch.setattr(da, "FINISH_FP_TOKENS", None)
     c = Case(B=2, HG=4, S=1, body=0, res=100, lengths=(101, 77))
     kv = make_kv(c, "cuda")
@@ -483,6 +570,7 @@ def test_fp16_splits_beside_the_gluon_body_in_a_graph(side, monkeypatch):
     from and joined to the call's stream; replays match the reference with new queries, as do
     the same splits kept in the call's stream."""
     from kvbits.kernels import decode_attention as da
+    monkeypatch.setattr(da, "MERGE_IN_SPLITS", "0")
     monkeypatch.setattr(da, "FINISH_FP_TOKENS", None)
     monkeypatch.setattr(da, "SIDE_STREAM", side)
     c = Case(kb=2, vb=2, G=32, D=128, B=2, Hkv=2, HG=4, S=1, body=2048, res=100,
@@ -1161,6 +1249,7 @@ def test_finish_kernel_as_programmatic_dependent(body, tma, fp_tokens, monkeypat
     if not da._pdl_ok(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs sm_90 and a Triton with launch_pdl")
     monkeypatch.setattr(decode_gluon_tma, "MODE", tma)
+    monkeypatch.setattr(da, "MERGE_IN_SPLITS", "0")
     monkeypatch.setattr(da, "FINISH_FP_TOKENS", fp_tokens)  # FP16 part: splits, or inline
     serve_small(monkeypatch, decode_gluon)
     c = body_case(2, 32, 128, 4, 7)._replace(B=4, Hkv=8, lengths=None, starts=None, S=1,
@@ -1337,13 +1426,15 @@ LENS_DEV_CASES = [
 ]
 
 
-@pytest.mark.parametrize("fp_tokens", [0, 256])  # the FP16 part as splits, or in the finish
+# the FP16 part as splits, or in the finish kernel (both merged there); or merged by stage 1
+@pytest.mark.parametrize("route", ["splits", "finish", "merge"])
 @pytest.mark.parametrize("gluon", [False, pytest.param(True, marks=[gpu, pytest.mark.gpu])])
 @pytest.mark.parametrize("c", LENS_DEV_CASES, ids=str)
-def test_device_lengths_inside_bounds(c, gluon, fp_tokens, monkeypatch):
+def test_device_lengths_inside_bounds(c, gluon, route, monkeypatch):
     from kvbits.kernels import decode_attention as da
     from kvbits.kernels import decode_gluon
-    monkeypatch.setattr(da, "FINISH_FP_TOKENS", fp_tokens)
+    monkeypatch.setattr(da, "MERGE_IN_SPLITS", "1" if route == "merge" else "0")
+    monkeypatch.setattr(da, "FINISH_FP_TOKENS", 256 if route == "finish" else 0)
     serve_small(monkeypatch, decode_gluon)
     bound = make_kv(c)
     assert not gluon or decode_gluon.eligible(bound, 1, c.HG)

@@ -14,7 +14,8 @@ Stage 2, the finish kernel, merges the splits with the usual log-sum-exp weights
 it also attends a short FP16 part itself (``FINISH_FP_TOKENS``), so that stage 1 needs no FP16
 splits (one launch fewer); captured calls keep the splits, on a side stream beside a Gluon body
 (``SIDE_STREAM``). On Hopper it can start as a programmatic dependent of the body kernel
-(``PDL_ENABLED``, off).
+(``PDL_ENABLED``, off). An eager call that stage 1 serves alone skips stage 2: the last of its
+programs to finish an m-tile merges it (``MERGE_IN_SPLITS``, a ticket per m-tile).
 
 The history is never written back to memory in full precision: the only HBM traffic is the
 packed codes, the scales and zeros, the FP16 windows, Q, and the small per-split partials.
@@ -522,6 +523,39 @@ def _store_partial(Out, Lse, o_row, acc, m_i, l_i, offs_d, m_ok, d_ok, D: tl.con
     tl.store(Lse + o_row, lse, mask=m_ok)
 
 
+@triton.jit
+def _merge_rows(Out, Lse, O, bh64, mt, first, step, n_out, offs_d, d_ok, HG: tl.constexpr, Lq,
+                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+                ROWS: tl.constexpr):
+    """Merge the ``n_out`` partial columns of one m-tile's query rows into ``O``, ``ROWS`` rows
+    at a time (their rows of Out are contiguous per (sequence, KV head)), starting at the
+    ``first``-th group of rows and taking every ``step``-th: weights ``exp2(lse_s - max)``.
+    The loads bypass L1 (``.cg``): in the stage-1 kernel's merge (``MERGE``) other SMs wrote
+    the columns while this program ran."""
+    n_rows = tl.minimum(HG * Lq - mt * BLOCK_M, BLOCK_M)
+    row0 = bh64 * (HG * Lq) + mt * BLOCK_M
+    offs_r = tl.arange(0, ROWS)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < n_out
+    for r0 in range(first * ROWS, n_rows, ROWS * step):
+        r_ok = r0 + offs_r < n_rows
+        row = row0 + r0 + offs_r
+        lse = tl.load(Lse + row[:, None] * n_out + offs_s[None, :],
+                      mask=r_ok[:, None] & s_ok[None, :], other=float("-inf"),
+                      cache_modifier=".cg")
+        mx = tl.max(lse, axis=1)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        w = tl.exp2(lse - mx[:, None])  # [ROWS, BLOCK_S]
+        o = tl.load(Out + (row[:, None, None] * n_out + offs_s[None, :, None]) * D
+                    + offs_d[None, None, :],
+                    mask=(r_ok[:, None] & s_ok[None, :])[:, :, None] & d_ok[None, None, :],
+                    other=0.0, cache_modifier=".cg")
+        total = tl.sum(w, axis=1)
+        res = tl.sum(o * w[:, :, None], axis=1) / tl.where(total == 0.0, 1.0, total)[:, None]
+        tl.store(O + row[:, None] * D + offs_d[None, :], res.to(O.dtype.element_ty),
+                 mask=r_ok[:, None] & d_ok[None, :])
+
+
 # Integers that change from one decode step to the next (lengths, split geometry) are not
 # specialized: Triton would compile a new variant (~1 s) whenever one crosses a divisibility
 # class (== 1, % 16), i.e. again and again during a generation. None of them is a stride; the
@@ -532,7 +566,7 @@ _STEP_VARYING = ("sink_len", "res_len", "n_body_splits", "groups_per_split", "fp
 
 @triton.jit(do_not_specialize=_STEP_VARYING)
 def _decode_kernel(
-    Q, Out, Lse,
+    Q, Out, Lse, O, Counts,
     SinkK, SinkV, ResK, ResV,
     KC, KS, KZ, VC, VS, VZ,
     KCB, VCB, KOI, KOV, VOI, VOV, InvFreq, RopeTable,
@@ -548,8 +582,14 @@ def _decode_kernel(
     USE_PRMT: tl.constexpr, FP8: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_LENS: tl.constexpr,
     K_CB: tl.constexpr, V_CB: tl.constexpr, K_OUT: tl.constexpr, V_OUT: tl.constexpr,
     PRE_ROPE: tl.constexpr, LENS_DEV: tl.constexpr, SOFTCAP: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
+    ROWS: tl.constexpr = 1,
 ):
+    """Stage 1 (module docstring). With ``MERGE`` the program that finishes its m-tile's
+    columns last (a ticket per m-tile in ``Counts``, taken after its partial is stored, with
+    release / acquire order at GPU scope) also merges every column into ``O`` and puts the
+    ticket back to zero: no finish launch. The columns written by another kernel (a Gluon
+    body, ``split0``) must be complete when this one starts (stream order)."""
     pid = tl.program_id(0)
     if LENS_DEV:  # (sink, body, residual) lengths on the device; the ints are only bounds
         sink_len = tl.load(LenTab)
@@ -557,7 +597,7 @@ def _decode_kernel(
         res_len = tl.load(LenTab + 2)
     split = tl.program_id(1) + split0  # columns [0, split0) are written by another kernel
     n_splits = n_out
-    _mt, h, bh64, start, length, _offs_m, m_ok, pos, offs_d, d_ok, q_row, q = _query_tile(
+    mt, h, bh64, start, length, _offs_m, m_ok, pos, offs_d, d_ok, q_row, q = _query_tile(
         Q, Starts, Lens, pid, m_tiles, Hkv, Lq, qk_scale, sink_len + body_len + res_len, HG,
         BLOCK_M, BLOCK_D, D, HAS_STARTS, HAS_LENS)
     if PDL:  # the finish kernel may start while this one runs (it waits before merging)
@@ -658,6 +698,13 @@ def _decode_kernel(
         if split < n_body_splits:
             acc = acc * tl.load(VS + bh64 * vs_slice)
     _store_partial(Out, Lse, o_row, acc, m_i, l_i, offs_d, m_ok, d_ok, D)
+    if MERGE:
+        tl.debug_barrier()  # every thread's part of the partial is written before the ticket
+        ticket = tl.atomic_add(Counts + pid, 1, sem="acq_rel", scope="gpu")
+        if ticket == tl.num_programs(1) - 1:
+            tl.store(Counts + pid, 0)  # ready for the next call (a replayed graph's too)
+            _merge_rows(Out, Lse, O, bh64, mt, 0, 1, n_out, offs_d, d_ok, HG, Lq, D, BLOCK_M,
+                        BLOCK_S, ROWS)
 
 
 @triton.jit(do_not_specialize=("sink_len", "res_len", "n_out"))
@@ -698,29 +745,9 @@ def _finish_kernel(
         tl.debug_barrier()  # the merge below reads that column back, from other threads
     if PDL:
         tl.extra.cuda.gdc_wait()
-    # Merge ROWS query rows at a time (their rows of Out are contiguous per (sequence, KV
-    # head)); without an FP16 part, programs along the grid's second axis share the rows.
-    n_rows = tl.minimum(HG * Lq - mt * BLOCK_M, BLOCK_M)
-    row0 = bh64 * (HG * Lq) + mt * BLOCK_M
-    offs_r = tl.arange(0, ROWS)
-    offs_s = tl.arange(0, BLOCK_S)
-    s_ok = offs_s < n_out
-    for r0 in range(tl.program_id(1) * ROWS, n_rows, ROWS * tl.num_programs(1)):
-        r_ok = r0 + offs_r < n_rows
-        row = row0 + r0 + offs_r
-        lse = tl.load(Lse + row[:, None] * n_out + offs_s[None, :],
-                      mask=r_ok[:, None] & s_ok[None, :], other=float("-inf"))
-        mx = tl.max(lse, axis=1)
-        mx = tl.where(mx == float("-inf"), 0.0, mx)
-        w = tl.exp2(lse - mx[:, None])  # [ROWS, BLOCK_S]
-        o = tl.load(Out + (row[:, None, None] * n_out + offs_s[None, :, None]) * D
-                    + offs_d[None, None, :],
-                    mask=(r_ok[:, None] & s_ok[None, :])[:, :, None] & d_ok[None, None, :],
-                    other=0.0)
-        total = tl.sum(w, axis=1)
-        res = tl.sum(o * w[:, :, None], axis=1) / tl.where(total == 0.0, 1.0, total)[:, None]
-        tl.store(O + row[:, None] * D + offs_d[None, :], res.to(O.dtype.element_ty),
-                 mask=r_ok[:, None] & d_ok[None, :])
+    # Without an FP16 part, programs along the grid's second axis share the rows.
+    _merge_rows(Out, Lse, O, bh64, mt, tl.program_id(1), tl.num_programs(1), n_out, offs_d,
+                d_ok, HG, Lq, D, BLOCK_M, BLOCK_S, ROWS)
 
 _DECODE = FastLaunch(_decode_kernel)
 _FINISH = FastLaunch(_finish_kernel)
@@ -729,7 +756,7 @@ _DECODE_KEYWORDS = keyword_maker((
     "HG", "D", "BLOCK_D", "BLOCK_M", "KBITS", "VBITS", "G", "GPT", "GK", "GV", "K_PER_TOKEN",
     "V_PER_TOKEN", "BLOCK_FP", "HAS_WINDOW", "EVEN_D", "USE_PRMT", "FP8", "HAS_STARTS",
     "HAS_LENS", "K_CB", "V_CB", "K_OUT", "V_OUT", "PRE_ROPE", "LENS_DEV", "SOFTCAP", "PDL",
-    "num_warps", "num_stages"))
+    "MERGE", "BLOCK_S", "ROWS", "num_warps", "num_stages"))
 _FINISH_NAMES = ("HG", "D", "BLOCK_D", "BLOCK_M", "BLOCK_FP", "BLOCK_S", "ROWS", "HAS_FP",
                  "HAS_WINDOW", "HAS_STARTS", "HAS_LENS", "LENS_DEV", "SOFTCAP", "PDL", "num_warps")
 _FINISH_KEYWORDS = keyword_maker(_FINISH_NAMES)
@@ -810,6 +837,19 @@ _SIDE_AFTER_ENV = os.environ.get("KVBITS_SIDE_AFTER", "1")
 if _SIDE_AFTER_ENV not in ("0", "1"):
     raise ValueError(f"KVBITS_SIDE_AFTER must be '0' or '1', got {_SIDE_AFTER_ENV!r}")
 SIDE_AFTER_BODY = _SIDE_AFTER_ENV == "1"
+# KVBITS_MERGE: where the partial columns are merged. "1": by the stage-1 (Triton) kernel's last
+# program of each m-tile (MERGE; after a Gluon body its FP16 splits then run in stream order),
+# so no finish launch and no side stream; "0": always the finish kernel; "auto" (default): the
+# stage-1 kernel in eager calls the Triton kernel serves alone (one launch instead of two),
+# else the finish kernel. H200, alternated in one process (benchmarks/results/merge_ab_s40.log):
+# eagerly, batch-1 4k calls without a Gluon body 14% faster (70.1 -> 61.5 us, host included);
+# in graph replays the merge lost 1-16% on 16 of 17 rows (the FP16 splits no longer beside the
+# body, and one program merging every column of an m-tile where the finish kernel spreads the
+# rows: Llama-3-8B batch 8 32k kivi-2 92.4 -> 94.9 us, batch 1 128k 55.1 -> 65.8).
+_MERGE_ENV = os.environ.get("KVBITS_MERGE", "auto")
+if _MERGE_ENV not in ("auto", "0", "1"):
+    raise ValueError(f"KVBITS_MERGE must be 'auto', '0' or '1', got {_MERGE_ENV!r}")
+MERGE_IN_SPLITS = _MERGE_ENV
 # Elements of the finish kernel's merge tile [rows, splits, head_dim] (64 fp32 per thread).
 FINISH_TILE = 8192
 # Offsets inside one (sequence, head) slice of a kv tensor are int32 (the slice bases are int64).
@@ -938,7 +978,11 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     # A short FP16 part (a decode step's sink and residual) is attended by the finish kernel,
     # which merges anyway; a long one (an FP16 cache, a prompt not yet quantized) gets splits.
     capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    fp_inline = 0 < n_fp <= _finish_fp_tokens(capturing)
+    # The stage-1 launch merges (MERGE_IN_SPLITS) when there is one (FP16 tokens, or a body the
+    # Triton kernel reads); the FP16 part then always takes splits.
+    merge = (MERGE_IN_SPLITS == "1"
+             or MERGE_IN_SPLITS == "auto" and not capturing and not gluon) and (n_fp or not gluon)
+    fp_inline = 0 < n_fp <= _finish_fp_tokens(capturing) and not merge
     fp_splits = num_splits(bhm, _cdiv(n_fp, BLOCK_FP), sms) if n_fp and not fp_inline else 0
     if not splits and not n_fp:
         return torch.zeros_like(q)
@@ -974,15 +1018,23 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
                               else torch.float16) if inv_freq is not None else q)
     # Captured with a Gluon body, the FP16 splits run on a side stream beside the body (a fork
     # and a join in the graph): in stream order they would start only when the body ends.
-    side = bool(gluon and fp_splits and capturing and SIDE_STREAM)
+    side = bool(gluon and fp_splits and capturing and SIDE_STREAM and not merge)
     side_after = side and SIDE_AFTER_BODY and kcb is None and vcb is None
-    if gluon and SIDE_STREAM and not capturing and dev.type == "cuda":
+    if gluon and SIDE_STREAM and not capturing and dev.type == "cuda" and not merge:
         _side_stream(dev)  # made in an eager call (the warm-up), not inside a capture
-    pdl = PDL_ENABLED and not side and _pdl_ok(dev)
+    pdl = PDL_ENABLED and not side and not merge and _pdl_ok(dev)
+    o = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=dev)
+    BLOCK_S = max(2, _next_pow2(n_total))
+    # The merge takes ``rows`` query rows at a time: with an FP16 part in the finish kernel or
+    # in the stage-1 kernel's last program, all of an m-tile's (one program); else one program
+    # per query row.
+    rows = (max(1, min(_next_pow2(min(M, BLOCK_M)), FINISH_TILE // (BLOCK_S * BLOCK_D)))
+            if fp_inline or merge else 1)
+    counts = _merge_counts(bhm, dev) if merge else q
 
     def launch_triton():  # every split, or (after a Gluon body) only the FP16 ones
         _DECODE.launch((bhm, splits + fp_splits - split0), (
-            q, out, lse,
+            q, out, lse, o, counts,
             kv.sink_k, kv.sink_v, kv.res_k, kv.res_v,
             kv.k_codes, kv.k_scale, k_zero, kv.v_codes, kv.v_scale, v_zero,
             arg(kcb, torch.float32), arg(vcb, torch.float32), arg(koi), arg(kov), arg(voi),
@@ -1004,8 +1056,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
             use_prmt and q.dtype != torch.float32, fp8, has_starts,  # (_body_tile's F32)
             has_lens, kcb is not None, vcb is not None,
             koi.shape[3] if koi is not None else 0, voi.shape[3] if voi is not None else 0,
-            inv_freq is not None, lens_dev is not None, softcap is not None, pdl,
-            num_warps or DEFAULT_WARPS, 2 if BLOCK_D <= 128 else 1))
+            inv_freq is not None, lens_dev is not None, softcap is not None, pdl, merge,
+            BLOCK_S, rows, num_warps or DEFAULT_WARPS, 2 if BLOCK_D <= 128 else 1))
 
     if side:
         main = torch.cuda.current_stream(dev)
@@ -1028,13 +1080,9 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
         main.wait_stream(stream)
     # A programmatic dependent only of a kernel launched just above (never of the kernel that
     # appended the residual it reads).
+    if merge:
+        return o
     pdl = pdl and splits + fp_splits > 0
-    o = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=dev)
-    BLOCK_S = max(2, _next_pow2(n_total))
-    # With an FP16 part, one program per m-tile (one tl.dot serves its rows) merges them
-    # ``rows`` at a time; a plain merge takes one program per query row.
-    rows = (max(1, min(_next_pow2(min(M, BLOCK_M)), FINISH_TILE // (BLOCK_S * BLOCK_D)))
-            if fp_inline else 1)
     _FINISH.launch((bhm, 1 if fp_inline else min(M, BLOCK_M)), (
         q, out, lse, o, kv.sink_k, kv.sink_v, kv.res_k, kv.res_v,
         starts, lengths, lens_dev if lens_dev is not None else q,
@@ -1090,6 +1138,23 @@ def _finish_fp_tokens(capturing: bool) -> int:
 
 
 _SIDE_STREAMS: dict = {}
+
+
+_MERGE_COUNTS: dict = {}
+
+
+def _merge_counts(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` int32 merge tickets on ``device``, zero between calls (each call's last program
+    puts its ticket back). One buffer per device and current stream, never freed: a captured
+    graph keeps its address, and calls on one stream never overlap. A larger request gets a new
+    buffer; the old one stays for the graphs that hold it."""
+    key = (device.type, device_index(device) if device.type == "cuda" else 0,
+           torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    bufs = _MERGE_COUNTS.setdefault(key, [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 2 * bufs[-1].numel() if bufs else 256),
+                                dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
