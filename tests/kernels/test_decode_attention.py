@@ -819,7 +819,7 @@ def test_fp8_body_matches_reference(name):
     run_case(c, kv=_fp8_kv(c))
 
 
-def test_kernel_reads_every_layout_but_odd_pre_rope():
+def test_kernel_reads_every_layout_but_odd_per_token_pre_rope():
     from kvbits.kernels.decode_attention import reads
 
     c = AXES_CASES["K2V2-G32-ragged"]
@@ -830,11 +830,15 @@ def test_kernel_reads_every_layout_but_odd_pre_rope():
     assert reads(kv)  # codebooks, pre-RoPE at head_dim 64
     odd = make_kv(AXES_CASES["K3V3-G32-D80"])
     odd.rope_inv_freq = torch.ones(40)
-    assert not reads(odd)  # pre-RoPE needs a power-of-two head_dim: the reference reads it
+    assert reads(odd)  # head_dim 80: the halves padded to 64 lanes
+    odd = _axes_kv(AXES_CASES["K3V3-G32-D80"], "token", "token")
+    odd.rope_inv_freq = torch.ones(40)
+    assert not reads(odd)  # per-token key groups would cross the padded halves: the reference
     from kvbits.formats.layout import pre_rope_kernel_ok
 
-    assert [d for d in (16, 32, 48, 64, 80, 96, 128, 256) if pre_rope_kernel_ok(d)] == \
-        [32, 64, 128, 256]  # halves of >= 16 channels: tl.dot's smallest inner dimension
+    dims = (16, 30, 32, 48, 64, 80, 96, 128, 256)  # halves of >= 16 lanes (tl.dot's least)
+    assert [d for d in dims if pre_rope_kernel_ok(d)] == [32, 48, 64, 80, 96, 128, 256]
+    assert [d for d in dims if pre_rope_kernel_ok(d, "token")] == [32, 64, 128, 256]
 
 
 # ----------------------------------------------------------------------------- KVQuant layers
@@ -881,6 +885,10 @@ KVQ_CASES = {
     # head_dim 256: 32-token steps with pre-RoPE keys (the library's tile there), 64 without
     "K3V3-G32-D256-MQA": Case(kb=3, vb=3, G=32, D=256, body=96, HG=4, B=1, Hkv=1,
                               lengths=(100,)),
+    # halves that are not a power of two (Phi-3's 96, 80): padded lanes in the Triton kernel
+    "K3V3-G32-D96-padded": Case(kb=3, vb=3, G=32, D=96, body=96, HG=2, B=2, S=1,
+                                starts=(0, 21), lengths=(130, 117)),
+    "K2V4-G64-D80-Lq2": Case(kb=2, vb=4, G=64, D=80, body=128, HG=3, Lq=2),
 }
 
 
@@ -889,6 +897,18 @@ KVQ_CASES = {
 def test_kvquant_layers_match_reference(name, n_out, pre_rope):
     c = KVQ_CASES[name]
     run_case(c, kv=_kvquant_kv(c, n_out, pre_rope))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [80, 96])
+def test_kvquant_pre_rope_padded_halves_on_the_gpu(D):
+    """Pre-RoPE keys at head dims whose halves are not a power of two (Phi-3's 96; 80) on the
+    GPU's code paths (prmt conversions, MUFU sin/cos, the padded lanes masked): a long ragged,
+    left-padded GQA layer with two outliers per token, through the Triton kernel."""
+    c = Case(kb=3, vb=3, G=32, D=D, body=32 * 120, B=2, Hkv=4, HG=3, S=1, res=70,
+             starts=(0, 40), lengths=(3900, 2600), seed=D)
+    run_case(c, device="cuda", kv=_kvquant_kv(c, 2, True, device="cuda"))
 
 
 # KVQuant codebook layers (no outliers, post-RoPE keys: the kvquant-3-dense-post preset) through

@@ -375,7 +375,7 @@ class LayerStore:
         """Whether this layer can run with its lengths on the device: a full sink, a residual
         that flushes one group at a time, FP8 scales already set (dynamic ones are fixed by the
         first flush), and, where the kernels run, a layout the decode kernel reads (it reads the
-        device lengths; the reference reads the host ones): pre-RoPE keys need a power-of-two
+        device lengths; the reference reads the host ones): pre-RoPE keys need an even
         head_dim >= 32 (:func:`~kvbits.formats.layout.pre_rope_kernel_ok`)."""
         s = self.spec
         if self.sink_len < s.sink_tokens and not (self.evicted or self._sink_closed):
@@ -387,7 +387,7 @@ class LayerStore:
         D = self.head_dim
         return (self.res_len < s.residual_length + s.group_size
                 and (not self.fp8 or self._fp8_ready)
-                and (self.inv_freq is None or pre_rope_kernel_ok(D)
+                and (self.inv_freq is None or pre_rope_kernel_ok(D, self.key_axis)
                      or not ops.use_kernels(self.res_k)))
 
     def reserve(self, tokens: int, residual: int = 0) -> None:

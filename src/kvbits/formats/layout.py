@@ -139,11 +139,15 @@ class PackedKV:
         return self.res_k.shape[1]
 
 
-def pre_rope_kernel_ok(head_dim: int) -> bool:
+def pre_rope_kernel_ok(head_dim: int, key_axis: str = "channel") -> bool:
     """Whether the fused decode kernel reads pre-RoPE keys of this head_dim: it rotates a key
-    tile as two halves (a power of two) and multiplies each with ``tl.dot``, whose inner
-    dimension must be >= 16 (so head_dim >= 32). Other head dims attend through the reference."""
-    return head_dim >= 32 and head_dim & (head_dim - 1) == 0
+    tile as two halves and multiplies each with ``tl.dot``, whose inner dimension must be >= 16
+    (so head_dim >= 32). Halves that are not a power of two (head_dim 80, 96) are padded lanes,
+    which per-channel key scales follow (KVQuant's) but per-token scale groups would cross
+    (those keys need a power-of-two head_dim). Other layers attend through the reference."""
+    if head_dim < 32 or head_dim % 2:
+        return False
+    return key_axis == "channel" or head_dim & (head_dim - 1) == 0
 
 
 def body_bytes_per_token(head_dim: int, key_bits: int, value_bits: int, group_size: int,

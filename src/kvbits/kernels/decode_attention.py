@@ -343,20 +343,27 @@ def _rope_query(qa, qb, pos0, inv_freq, USE_PTX: tl.constexpr):
 
 @triton.jit
 def _rope_keys(ka, kb, table_ptr, N: tl.constexpr, HALF: tl.constexpr):
-    """``R(j) k`` of the halves ``ka, kb [N, D/2]`` (float16) of a key tile, row ``j`` rotated
-    by the angles ``j * inv_freq``: the fixed ``cos/sin`` table ``[2, N, D/2]`` (float16,
-    L1-resident; the same for every tile, see ``_rope_query``). Float16 arithmetic: two
-    roundings of 2**-11 on the order of the dequantization's one (float32 keys and table for
-    float32 queries)."""
-    tj = (tl.arange(0, N) * HALF)[:, None] + tl.arange(0, HALF)[None, :]
-    cj = tl.load(table_ptr + tj)
-    sj = tl.load(table_ptr + N * HALF + tj)
+    """``R(j) k`` of the halves ``ka, kb [N, BLOCK_H]`` (float16; ``BLOCK_H`` the power of two
+    >= D/2, the lanes past D/2 zero) of a key tile, row ``j`` rotated by the angles ``j *
+    inv_freq``: the fixed ``cos/sin`` table ``[2, N, D/2]`` (float16, L1-resident; the same for
+    every tile, see ``_rope_query``). Float16 arithmetic: two roundings of 2**-11 on the order
+    of the dequantization's one (float32 keys and table for float32 queries)."""
+    BLOCK_H: tl.constexpr = ka.shape[1]
+    offs_h = tl.arange(0, BLOCK_H)
+    tj = (tl.arange(0, N) * HALF)[:, None] + offs_h[None, :]
+    if BLOCK_H == HALF:
+        cj = tl.load(table_ptr + tj)
+        sj = tl.load(table_ptr + N * HALF + tj)
+    else:  # head_dim 80, 96, ...: the padded lanes stay zero
+        h_ok = (offs_h < HALF)[None, :]
+        cj = tl.load(table_ptr + tj, mask=h_ok, other=0.0)
+        sj = tl.load(table_ptr + N * HALF + tj, mask=h_ok, other=0.0)
     return ka * cj - kb * sj, kb * cj + ka * sj
 
 
 @triton.jit
 def _score_outliers(sc, qa, qb, idx_base, val_base, offs_t, t_end, table_ptr,
-                    NOUT: tl.constexpr, ROPE: tl.constexpr):
+                    NOUT: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr = 0):
     """Key outliers applied on the score side: ``S[m, t] += val[t] * q'[m, idx[t]]`` for the
     ``NOUT`` FP16 corrections of each token, instead of adding them to the key tile (a compare
     per element of ``[N, D]``, ``[M, N]`` here: the query rows are few).
@@ -365,16 +372,16 @@ def _score_outliers(sc, qa, qb, idx_base, val_base, offs_t, t_end, table_ptr,
     ``qa, qb`` are the halves of ``R(pos0)^T q`` (``_rope_query``), and the key of row ``j`` is
     ``R(j) (k + val e_idx)``: ``R(j) e_idx`` has two non-zeros, so with ``i = idx mod D/2``,
     ``c, s = cos, sin(j * inv_freq[i])`` (the table of ``_rope_keys``):
-    ``q'[idx] = qa[i] c + qb[i] s`` for ``idx < D/2``, ``qb[i] c - qa[i] s`` above."""
+    ``q'[idx] = qa[i] c + qb[i] s`` for ``idx < D/2``, ``qb[i] c - qa[i] s`` above. ``HALF``:
+    D/2 (the halves' lanes may be padded to a power of two)."""
     M: tl.constexpr = sc.shape[0]
     N: tl.constexpr = sc.shape[1]
-    HALF: tl.constexpr = qa.shape[1]
     t_ok = offs_t < t_end
     for j in tl.static_range(NOUT):
         idx = tl.load(idx_base + offs_t * NOUT + j, mask=t_ok, other=0).to(tl.int32)
         val = tl.load(val_base + offs_t * NOUT + j, mask=t_ok, other=0.0).to(tl.float32)
         if ROPE:
-            i = idx & (HALF - 1)
+            i = tl.where(idx >= HALF, idx - HALF, idx)
             ib = tl.broadcast_to(i[None, :], [M, N])
             ga = tl.gather(qa, ib, axis=1)
             gb = tl.gather(qb, ib, axis=1)
@@ -631,11 +638,13 @@ def _decode_kernel(
             k_mult = tl.load(ks_base)
         if PRE_ROPE:  # the query in halves, float32, rotated per tile (_rope_query)
             HALF: tl.constexpr = D // 2
-            offs_h = tl.arange(0, HALF)
+            offs_h = tl.arange(0, BLOCK_D // 2)  # lanes past HALF (head_dim 80, 96) masked
+            h_ok = offs_h < HALF
             q_h = Q + q_row[:, None] * D + offs_h[None, :]
-            qa = tl.load(q_h, mask=m_ok[:, None], other=0.0).to(tl.float32) * qk_scale
-            qb = tl.load(q_h + HALF, mask=m_ok[:, None], other=0.0).to(tl.float32) * qk_scale
-            inv_freq = tl.load(InvFreq + offs_h)
+            mh = m_ok[:, None] & h_ok[None, :]
+            qa = tl.load(q_h, mask=mh, other=0.0).to(tl.float32) * qk_scale
+            qb = tl.load(q_h + HALF, mask=mh, other=0.0).to(tl.float32) * qk_scale
+            inv_freq = tl.load(InvFreq + offs_h, mask=h_ok, other=0.0)
         for g0 in range(g_lo, g_hi, GPT):
             offs_t = g0 * G + tl.arange(0, N)  # body token index of each tile row
             if FP8:  # e4m3 body: one multiplier per (sequence, head), applied to the scores
@@ -644,18 +653,18 @@ def _decode_kernel(
             elif PRE_ROPE:  # keys stored before RoPE, in halves: q takes R(pos0), keys R(j)
                 xa, xb = _rope_query(qa, qb, sink_len + g0 * G - start, inv_freq, USE_PRMT)
                 ka = _body_tile(kc_base, ks_base, kz_base, KCB + h * (1 << KBITS), KOI, KOV,
-                                g0, g_hi, offs_t, offs_h, d_ok, K_PER_TOKEN, KBITS, G, GPT, D,
+                                g0, g_hi, offs_t, offs_h, h_ok, K_PER_TOKEN, KBITS, G, GPT, D,
                                 GK, EVEN_D, USE_PRMT, K_CB, 0, 0, F32)
                 kb = _body_tile(kc_base, ks_base, kz_base, KCB + h * (1 << KBITS), KOI, KOV,
-                                g0, g_hi, offs_t, HALF + offs_h, d_ok, K_PER_TOKEN, KBITS, G, GPT,
-                                D, GK, EVEN_D, USE_PRMT, K_CB, 0, HALF, F32)
+                                g0, g_hi, offs_t, HALF + offs_h, h_ok, K_PER_TOKEN, KBITS, G,
+                                GPT, D, GK, EVEN_D, USE_PRMT, K_CB, 0, HALF, F32)
                 ka, kb = _rope_keys(ka, kb, RopeTable, N, HALF)
                 sc = _dot(xa.to(Q.dtype.element_ty), tl.trans(ka.to(Q.dtype.element_ty)))
                 sc = _dot(xb.to(Q.dtype.element_ty), tl.trans(kb.to(Q.dtype.element_ty)), sc)
                 if K_OUT > 0:
                     sc = _score_outliers(sc, xa, xb, KOI + bh64 * kout_cap * K_OUT,
                                          KOV + bh64 * kout_cap * K_OUT, offs_t, g_hi * G,
-                                         RopeTable, K_OUT, True)
+                                         RopeTable, K_OUT, True, HALF)
             else:
                 k = _body_tile(kc_base, ks_base, kz_base, KCB + h * (1 << KBITS), KOI, KOV,
                                g0, g_hi, offs_t, offs_d, d_ok, K_PER_TOKEN, KBITS, G, GPT, D,
@@ -772,7 +781,8 @@ def reads(kv: PackedKV) -> bool:
     G, kb, vb = kv.group_size, kv.key_bits, kv.value_bits
     words_ok = not G & (G - 1) and G * min(kb, vb) >= 32 and (G % 32 == 0 or 3 not in (kb, vb))
     return words_ok and (getattr(kv, "rope_inv_freq", None) is None
-                         or pre_rope_kernel_ok(kv.res_k.shape[-1]))
+                         or pre_rope_kernel_ok(kv.res_k.shape[-1],
+                                               getattr(kv, "key_axis", "channel")))
 
 
 def num_splits(batch_heads: int, work_units: int, sm_count: int, per_sm: int = 3) -> int:
@@ -1002,9 +1012,9 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     kcb, vcb = getattr(kv, "k_codebook", None), getattr(kv, "v_codebook", None)
     koi, kov = getattr(kv, "k_out_idx", None), getattr(kv, "k_out_val", None)
     voi, vov = getattr(kv, "v_out_idx", None), getattr(kv, "v_out_val", None)
-    if inv_freq is not None and not pre_rope_kernel_ok(D):
-        raise ValueError("decode_attention: pre-RoPE keys need a power-of-two head_dim >= 32, "
-                         f"got {D}")
+    if inv_freq is not None and not pre_rope_kernel_ok(D, "token" if k_tok else "channel"):
+        raise ValueError("decode_attention: pre-RoPE keys need an even head_dim >= 32 (a power "
+                         f"of two with per-token key scales), got {D}")
 
     def arg(t, dtype=None):
         if t is None:
