@@ -54,3 +54,37 @@ def test_decoding_through_the_cache_matches_the_model(arch):
         err = ((torch.cat(parts, 1) - full).abs().max() / scale).item()
         assert err < tol, (arch, preset, err)
         assert cache.layers[0].store.body_len > 0 or preset == "fp16"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("head_dim", [100, 40])
+def test_gpu_head_dims_not_multiples_of_16(head_dim, monkeypatch):
+    """Head dims that are not multiples of 16 (OpenLLaMA-3B's 100) through the GPU kernels
+    (quantize on append, the decode kernel's padded tiles, KVQuant's padded pre-RoPE halves):
+    logits of a prefill, a chunk and single steps equal the reference path's through the same
+    cache to float16 rounding."""
+    cfg = tf.LlamaConfig(**{**COMMON, "hidden_size": 2 * head_dim, "num_attention_heads": 2,
+                            "num_key_value_heads": 1, "head_dim": head_dim})
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(cfg).half().cuda().eval()
+    x = torch.randint(0, 128, (2, 150), generator=torch.Generator().manual_seed(2)).cuda()
+
+    def run(preset, kw):
+        cache = KVBitsCache(model, preset, **kw)
+        args = cache_kwargs(model, cache)
+        with torch.no_grad():
+            parts = [model(input_ids=x[:, :100], use_cache=True, **args).logits,
+                     model(input_ids=x[:, 100:110], use_cache=True, **args).logits]
+            parts += [model(input_ids=x[:, t:t + 1], use_cache=True, **args).logits
+                      for t in range(110, 150)]
+        return torch.cat(parts, 1).float(), cache
+    for preset, kw in (("kivi-2", {"residual_length": 8}),
+                       ("kvquant-3", {"residual_length": 8, "calibration": "uniform"})):
+        monkeypatch.setenv("KVBITS_KERNELS", "reference")
+        want, _ = run(preset, kw)
+        monkeypatch.setenv("KVBITS_KERNELS", "auto")
+        got, cache = run(preset, kw)
+        assert cache.layers[0].store.body_len > 0
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err < 2e-2, (head_dim, preset, err)

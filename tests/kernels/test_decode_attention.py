@@ -254,6 +254,10 @@ GRID = {
     "D96-K8V8-G64": Case(kb=8, vb=8, G=64, D=96, body=128),
     "D128": Case(kb=4, vb=4, G=64, D=128, body=128, HG=2),
     "D256": Case(kb=2, vb=2, G=128, D=256, body=128, res=16, Hkv=1, HG=2),
+    # not multiples of 16 (OpenLLaMA-3B's 100): padded lanes, value groups of 4 / 8 channels
+    "D100-ragged": Case(kb=3, vb=3, D=100, B=2, body=96, res=9, lengths=(100, 60)),
+    "D40": Case(kb=2, vb=4, D=40, body=96, HG=2),
+    "D24-G64": Case(kb=4, vb=4, G=64, D=24, body=128, res=3),
     # GQA group sizes and MQA
     "MHA": Case(B=2, Hkv=3, HG=1, body=64, res=20),
     "GQA3": Case(Hkv=2, HG=3, body=96),
@@ -346,7 +350,7 @@ def cases(draw):
     dtypes = [torch.float16, torch.float32] + ([torch.bfloat16] if CUDA else [])
     return Case(
         kb=draw(st.sampled_from([2, 3, 4, 8])), vb=draw(st.sampled_from([2, 3, 4, 8])), G=G,
-        D=draw(st.sampled_from([64, 80, 96, 128])), B=B, Hkv=draw(st.integers(1, 2)), HG=HG,
+        D=draw(st.sampled_from([64, 80, 96, 100, 128])), B=B, Hkv=draw(st.integers(1, 2)), HG=HG,
         Lq=Lq, S=S, body=body, res=res, dtype=draw(st.sampled_from(dtypes)),
         lengths=lengths, starts=starts,
         window=draw(st.one_of(st.none(), st.integers(1, total + 5))),
@@ -889,6 +893,7 @@ KVQ_CASES = {
     "K3V3-G32-D96-padded": Case(kb=3, vb=3, G=32, D=96, body=96, HG=2, B=2, S=1,
                                 starts=(0, 21), lengths=(130, 117)),
     "K2V4-G64-D80-Lq2": Case(kb=2, vb=4, G=64, D=80, body=128, HG=3, Lq=2),
+    "K3V3-G32-D100": Case(kb=3, vb=3, G=32, D=100, body=96, HG=2, S=1),
 }
 
 

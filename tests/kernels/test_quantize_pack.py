@@ -74,7 +74,7 @@ def check_values(v, bits, Gv, G, valid=None, what=""):
     return got
 
 
-@pytest.mark.parametrize("D", [64, 80, 128, 256])
+@pytest.mark.parametrize("D", [64, 80, 100, 128, 256])  # 100: value groups of 4 channels
 @pytest.mark.parametrize("G", [32, 64, 128])
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_bits_groups_head_dims(bits, G, D):
@@ -185,8 +185,8 @@ def cases(draw):
     """Random shapes, including groups that are not powers of two or smaller than a word."""
     bits = draw(st.sampled_from([2, 3, 4, 8]))
     G = draw(st.sampled_from([8, 16, 24, 32, 48, 64, 96, 128]))
-    D = draw(st.sampled_from([16, 32, 48, 64, 80, 96, 112, 128]))
-    Gv = draw(st.sampled_from([d for d in (8, 16, 24, 32, 48, 64, 128) if D % d == 0]))
+    D = draw(st.sampled_from([16, 32, 40, 48, 64, 80, 96, 100, 112, 128]))
+    Gv = draw(st.sampled_from([d for d in (4, 8, 16, 24, 32, 48, 64, 128) if D % d == 0]))
     B, H, NG = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 2))
     dtype = draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))
     pads = draw(st.none() | st.lists(st.integers(0, NG * G), min_size=B, max_size=B))

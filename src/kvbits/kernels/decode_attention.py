@@ -777,10 +777,11 @@ def reads(kv: PackedKV) -> bool:
     (codebooks, outliers, pre-RoPE keys) layers; pre-RoPE keys only where
     :func:`~kvbits.formats.layout.pre_rope_kernel_ok` (other head dims use the reference). Its
     key groups must fill whole int32 words (G a power of two, G x bits >= 32; 3-bit planes a
-    multiple of 32), as every QuantSpec's do; layouts built by hand otherwise use the reference."""
+    multiple of 32), as every QuantSpec's do, and head_dim a multiple of 4; layouts built by
+    hand otherwise use the reference."""
     G, kb, vb = kv.group_size, kv.key_bits, kv.value_bits
     words_ok = not G & (G - 1) and G * min(kb, vb) >= 32 and (G % 32 == 0 or 3 not in (kb, vb))
-    return words_ok and (getattr(kv, "rope_inv_freq", None) is None
+    return words_ok and kv.res_k.shape[-1] % 4 == 0 and (getattr(kv, "rope_inv_freq", None) is None
                          or pre_rope_kernel_ok(kv.res_k.shape[-1],
                                                getattr(kv, "key_axis", "channel")))
 
@@ -918,8 +919,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     Hkv = kv.kv_heads
     if Hq % Hkv:
         raise ValueError(f"query heads {Hq} must be a multiple of kv heads {Hkv}")
-    if D % 16:
-        raise ValueError(f"head_dim must be a multiple of 16, got {D}")
+    if D % 4:  # (tiles are padded to a power of two; rows of 8-byte multiples)
+        raise ValueError(f"decode_attention: head_dim must be a multiple of 4, got {D}")
     for name in ("sink_k", "sink_v", "res_k", "res_v", "k_codes", "k_scale", "k_zero",
                  "v_codes", "v_scale", "v_zero"):
         t = getattr(kv, name)
