@@ -66,8 +66,9 @@ def random_packed_kv(batch: int, kv_heads: int, context: int, head_dim: int, spe
         return (torch.rand(*shape, device=device) * 0.05 + lo).to(torch.float16)
 
     n_groups = body // G
-    k_rows, k_cols = (body, D // Gv) if spec.key_axis == "token" else (n_groups, D)
-    v_rows, v_cols = (n_groups, D) if spec.value_axis == "channel" else (body, D // Gv)
+    n_vg = spec.value_groups(D)  # per-token scale groups (the last may be shorter)
+    k_rows, k_cols = (body, n_vg) if spec.key_axis == "token" else (n_groups, D)
+    v_rows, v_cols = (n_groups, D) if spec.value_axis == "channel" else (body, n_vg)
     kv = PackedKV(
         sink_k=torch.empty(B, H, 0, D, dtype=dtype, device=device),
         sink_v=torch.empty(B, H, 0, D, dtype=dtype, device=device), sink_len=0,

@@ -193,9 +193,10 @@ def dequantize_all_torch(kv):
     G, ng, T = kv.group_size, kv.body_len // kv.group_size, kv.body_len
     k = _unpack_tokens_torch(kv.k_codes, kv.key_bits, ng, G).view(B, H, ng, G, D).half() \
         * kv.k_scale[:, :, :ng, None] + kv.k_zero[:, :, :ng, None]
-    ngv = D // kv.value_group
-    v = _unpack_tokens_torch(kv.v_codes, kv.value_bits, ng, G).view(B, H, T, ngv, -1).half() \
-        * kv.v_scale[:, :, :T, :, None] + kv.v_zero[:, :, :T, :, None]
+    Gv = kv.value_group  # (per-token groups; the last may be shorter)
+    v = _unpack_tokens_torch(kv.v_codes, kv.value_bits, ng, G).half() \
+        * kv.v_scale[:, :, :T].repeat_interleave(Gv, -1)[..., :D] \
+        + kv.v_zero[:, :, :T].repeat_interleave(Gv, -1)[..., :D]
     k = torch.cat([k.view(B, H, -1, D), kv.res_k[:, :, : kv.res_len]], dim=2)
     v = torch.cat([v.view(B, H, -1, D), kv.res_v[:, :, : kv.res_len]], dim=2)
     return k, v

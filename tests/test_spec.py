@@ -133,10 +133,15 @@ def test_every_valid_combination_accepted(kb, vb, g):
     assert (spec.key_bits, spec.value_bits, spec.group_size) == (kb, vb, g)
 
 
-@pytest.mark.parametrize("g,d,want", [(32, 128, 32), (128, 128, 128), (128, 64, 64),
-                                      (32, 80, 16), (64, 80, 16), (128, 96, 32), (64, 256, 64)])
-def test_value_group_is_gcd(g, d, want):
-    assert QuantSpec(group_size=g).value_group(d) == want
+# whole groups when gcd(G, D) >= min(G, D, 32); else G channels (or all of D) and a shorter
+# last group: (32, 80) is 32 + 32 + 16, not five groups of 16; (32, 100) 32 x 3 + 4, not 25 of 4
+@pytest.mark.parametrize("g,d,want,groups", [
+    (32, 128, 32, 4), (128, 128, 128, 1), (128, 64, 64, 1), (128, 96, 32, 3), (64, 256, 64, 4),
+    (64, 96, 32, 3), (128, 192, 64, 3), (32, 80, 32, 3), (64, 80, 64, 2),
+    (128, 80, 80, 1), (32, 100, 32, 4), (64, 100, 64, 2), (32, 40, 32, 2), (64, 24, 24, 1)])
+def test_value_group(g, d, want, groups):
+    spec = QuantSpec(group_size=g)
+    assert spec.value_group(d) == want and spec.value_groups(d) == groups
 
 
 def test_replace_revalidates():

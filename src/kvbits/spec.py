@@ -311,10 +311,20 @@ class QuantSpec:
         return self.method == "kvquant" or (self.method == "fp8" and self.fp8_scale == "calibrated")
 
     def value_group(self, head_dim: int) -> int:
-        """Channels per value group for this head dimension (a power of two dividing it)."""
+        """Channels per per-token scale group (values; keys with ``key_axis="token"``).
+
+        ``gcd(G, head_dim)`` when that divisor is at least ``min(G, head_dim, 32)`` (every
+        head_dim that is a multiple of 32 or of G: whole groups); otherwise ``min(G, head_dim)``
+        with a shorter last group (head_dim 100 at G = 32: groups of 32, 32, 32 and 4 channels,
+        where the divisor would be 4 channels and cost one FP16 scale and zero per 4 values)."""
         import math
 
-        return math.gcd(self.group_size, head_dim)
+        g = math.gcd(self.group_size, head_dim)
+        return g if g >= min(self.group_size, head_dim, 32) else min(self.group_size, head_dim)
+
+    def value_groups(self, head_dim: int) -> int:
+        """Per-token scale groups per vector: ``ceil(head_dim / value_group(head_dim))``."""
+        return -(-head_dim // self.value_group(head_dim))
 
     def replace(self, **changes) -> QuantSpec:
         """A copy with some fields changed (validated again)."""

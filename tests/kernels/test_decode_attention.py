@@ -78,7 +78,7 @@ class Case(NamedTuple):
     window: int | None = None
     splits: int | None = None
     seed: int = 0
-    Gv: int | None = None  # value group (channels); None: gcd(G, D)
+    Gv: int | None = None  # value group (channels); None: gcd(G, D); the last may be shorter
     softcap: float | None = None  # Gemma2's attention-logit softcapping
 
     def __str__(self) -> str:
@@ -127,7 +127,7 @@ def make_kv(c: Case, device=DEVICE, spare: int = 5) -> PackedKV:
     else:
         kc = vc = torch.zeros(B, H, 0, D, dtype=torch.int32, device=device)
         ks = kz = torch.zeros(B, H, 0, D, dtype=torch.float16, device=device)
-        vs = vz = torch.zeros(B, H, 0, D // Gv, dtype=torch.float16, device=device)
+        vs = vz = torch.zeros(B, H, 0, -(-D // Gv), dtype=torch.float16, device=device)
     return PackedKV(
         sink_k=fp_buffer(keys(c.S), c.S), sink_v=fp_buffer(values(c.S), c.S), sink_len=c.S,
         k_codes=code_buffer(kc, NG * Wk, spare * Wk),
@@ -258,6 +258,11 @@ GRID = {
     "D100-ragged": Case(kb=3, vb=3, D=100, B=2, body=96, res=9, lengths=(100, 60)),
     "D40": Case(kb=2, vb=4, D=40, body=96, HG=2),
     "D24-G64": Case(kb=4, vb=4, G=64, D=24, body=128, res=3),
+    # value groups with a shorter last one (QuantSpec.value_group): 32 x 3 + 4 at head_dim 100,
+    # 32 + 32 + 16 at 80; one group of all 80 channels (not a power of two) at G = 128
+    "D100-Gv32": Case(kb=2, vb=2, D=100, body=96, HG=2, B=2, lengths=(120, 77), Gv=32),
+    "D80-Gv32-K3V3": Case(kb=3, vb=3, D=80, body=64, Gv=32, S=2),
+    "D80-G128-Gv80": Case(kb=4, vb=2, G=128, D=80, body=128, Gv=80, Lq=3),
     # GQA group sizes and MQA
     "MHA": Case(B=2, Hkv=3, HG=1, body=64, res=20),
     "GQA3": Case(Hkv=2, HG=3, body=96),
@@ -348,9 +353,11 @@ def cases(draw):
         lengths = tuple(draw(st.integers(0, total)) for _ in range(B))
         starts = tuple(draw(st.integers(0, max(0, ln - 1))) for ln in lengths)
     dtypes = [torch.float16, torch.float32] + ([torch.bfloat16] if CUDA else [])
+    D = draw(st.sampled_from([64, 80, 96, 100, 128]))
     return Case(
         kb=draw(st.sampled_from([2, 3, 4, 8])), vb=draw(st.sampled_from([2, 3, 4, 8])), G=G,
-        D=draw(st.sampled_from([64, 80, 96, 100, 128])), B=B, Hkv=draw(st.integers(1, 2)), HG=HG,
+        D=D, B=B, Hkv=draw(st.integers(1, 2)), HG=HG,
+        Gv=draw(st.sampled_from([None, min(G, D)])),  # a divisor, or G with a shorter last group
         Lq=Lq, S=S, body=body, res=res, dtype=draw(st.sampled_from(dtypes)),
         lengths=lengths, starts=starts,
         window=draw(st.one_of(st.none(), st.integers(1, total + 5))),
@@ -767,8 +774,9 @@ def _axes_kv(c: Case, key_axis: str, value_axis: str, device=DEVICE, spare: int 
         pad = torch.full((B, H, spare, cols), float("nan"), dtype=torch.float16, device=device)
         return torch.cat([s, pad], 2), torch.cat([z, pad], 2)
 
-    ks, kz = params(c.body, D // Gq) if key_axis == "token" else params(NG, D)
-    vs, vz = params(NG, D) if value_axis == "channel" else params(c.body, D // Gq)
+    n_groups = -(-D // Gq)  # per-token groups (the last may be shorter)
+    ks, kz = params(c.body, n_groups) if key_axis == "token" else params(NG, D)
+    vs, vz = params(NG, D) if value_axis == "channel" else params(c.body, n_groups)
     kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero = ks, kz, vs, vz
     kv.key_axis, kv.value_axis = key_axis, value_axis
     return kv
@@ -799,6 +807,10 @@ AXES_CASES = {
     "K4V4-G64-D96": Case(kb=4, vb=4, G=64, D=96, body=128, HG=3),
     "K8V4-G32-sink-window": Case(kb=8, vb=4, G=32, body=96, S=4, Lq=4, window=60),
     "K3V3-G32-D80": Case(kb=3, vb=3, G=32, D=80, body=64, HG=2),
+    # per-token groups with a shorter last one (QuantSpec.value_group at head_dim 100 / 80)
+    "K4V4-G64-D100-Gv64": Case(kb=4, vb=4, G=64, D=100, body=128, HG=2, Gv=64),
+    "K2V2-G32-D80-Gv32-ragged": Case(kb=2, vb=2, G=32, D=80, body=96, B=2, Gv=32,
+                                     lengths=(110, 64), starts=(0, 5)),
 }
 
 
@@ -894,6 +906,8 @@ KVQ_CASES = {
                                 starts=(0, 21), lengths=(130, 117)),
     "K2V4-G64-D80-Lq2": Case(kb=2, vb=4, G=64, D=80, body=128, HG=3, Lq=2),
     "K3V3-G32-D100": Case(kb=3, vb=3, G=32, D=100, body=96, HG=2, S=1),
+    "K3V3-G32-D100-Gv32": Case(kb=3, vb=3, G=32, D=100, body=96, HG=2, Gv=32, B=2,
+                               lengths=(110, 97)),
 }
 
 

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from kvbits.formats.packing import packed_length, unpack_bits
 from kvbits.kernels import quantize_pack as qp
 from kvbits.reference import quant as ref
+from kvbits.spec import QuantSpec
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -74,13 +75,14 @@ def check_values(v, bits, Gv, G, valid=None, what=""):
     return got
 
 
-@pytest.mark.parametrize("D", [64, 80, 100, 128, 256])  # 100: value groups of 4 channels
+@pytest.mark.parametrize("D", [64, 80, 100, 128, 256])  # 80, 100: a shorter last value group
 @pytest.mark.parametrize("G", [32, 64, 128])
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_bits_groups_head_dims(bits, G, D):
     x = hostile((1, 1, G, D), seed=bits * G + D)
     check_keys(x, bits, G, what=f"bits={bits} G={G} D={D}")
-    check_values(x, bits, math.gcd(G, D), G, what=f"bits={bits} G={G} D={D}")
+    for Gv in {QuantSpec(group_size=G).value_group(D), math.gcd(G, D)}:  # the spec's, a divisor
+        check_values(x, bits, Gv, G, what=f"bits={bits} G={G} D={D} Gv={Gv}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
@@ -186,7 +188,8 @@ def cases(draw):
     bits = draw(st.sampled_from([2, 3, 4, 8]))
     G = draw(st.sampled_from([8, 16, 24, 32, 48, 64, 96, 128]))
     D = draw(st.sampled_from([16, 32, 40, 48, 64, 80, 96, 100, 112, 128]))
-    Gv = draw(st.sampled_from([d for d in (4, 8, 16, 24, 32, 48, 64, 128) if D % d == 0]))
+    # value groups that divide D or leave a shorter last group (25 of 40: 25 + 15)
+    Gv = draw(st.sampled_from([d for d in (4, 8, 16, 24, 25, 32, 48, 64, 128) if d <= D]))
     B, H, NG = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 2))
     dtype = draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))
     pads = draw(st.none() | st.lists(st.integers(0, NG * G), min_size=B, max_size=B))
@@ -219,8 +222,8 @@ def test_errors_name_the_parameter():
         qp.quantize_keys(x, 2, 48)
     with pytest.raises(ValueError, match="group_size"):
         qp.quantize_values(x, 2, 32, 0)
-    with pytest.raises(ValueError, match="value_group"):
-        qp.quantize_values(x, 2, 48, 32)
+    with pytest.raises(ValueError, match=r"value_group must be an int in \[1, head_dim=64\]"):
+        qp.quantize_values(x, 2, 65, 32)
     with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
         qp.quantize_keys(x.int(), 2, 32)
     with pytest.raises(ValueError, match=r"\[B, H, T, D\]"):

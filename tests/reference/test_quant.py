@@ -320,9 +320,27 @@ def test_key_token_count_not_multiple_of_group():
         quantize_keys(torch.randn(1, 1, 33, 64), 2, 32)
 
 
-def test_value_head_dim_not_multiple_of_group():
-    with pytest.raises(ValueError, match="not a multiple of value_group"):
-        quantize_values(torch.randn(1, 1, 32, 80), 2, 32, 32)
+@pytest.mark.parametrize("D,Gv", [(80, 32), (100, 32), (40, 32), (24, 16), (100, 64)])
+def test_values_with_a_shorter_last_group(D, Gv):
+    """Gv not dividing D (KIVI's 32-channel groups at head_dim 80 or 100): ceil(D / Gv) groups,
+    each, the short last one included, exactly what quantizing its channels alone gives (its
+    min / max never see the zero padding), padding tokens excluded as before."""
+    torch.manual_seed(D + Gv)
+    v = torch.randn(2, 2, 64, D) * torch.linspace(0.5, 4.0, D) + 20.0  # > 0: a padded 0 would
+    valid = torch.ones(2, 64, dtype=torch.bool)                        # set the last group's min
+    valid[1, :20] = False
+    codes, scale, zero = quantize_values(v, 4, Gv, 32, valid)
+    n = -(-D // Gv)
+    assert scale.shape == zero.shape == (2, 2, 64, n)
+    deq = dequantize_values(codes, scale, zero, 4, Gv, 32)
+    for j in range(n):
+        part = v[..., j * Gv:(j + 1) * Gv].contiguous()
+        c1, s1, z1 = quantize_values(part, 4, part.shape[-1], 32, valid)
+        assert torch.equal(scale[..., j], s1[..., 0]) and torch.equal(zero[..., j], z1[..., 0])
+        assert torch.equal(deq[..., j * Gv:(j + 1) * Gv],
+                           dequantize_values(c1, s1, z1, 4, part.shape[-1], 32))
+    err = (deq - v)[valid[:, None, :, None].expand_as(v)].abs().max()
+    assert err <= 0.6 * scale.float().max() + 1e-3  # half a step (+ FP16 rounding)
 
 
 def test_value_token_count_not_multiple_of_group():
@@ -343,16 +361,18 @@ def test_value_token_count_not_multiple_of_group():
     (lambda: quantize_keys(torch.randn(1, 1, 32, 64), 2.0, 32),
      r"bits must be one of \(2, 3, 4, 8\), got 2.0"),
     (lambda: quantize_values(torch.randn(1, 1, 32, 64), 2, 0, 32),
-     "value_group must be a positive int"),
+     r"value_group must be an int in \[1, head_dim=64\], got 0"),
+    (lambda: quantize_values(torch.randn(1, 1, 32, 64), 2, 65, 32),
+     r"value_group must be an int in \[1, head_dim=64\], got 65"),
     (lambda: quantize_values(torch.randn(1, 1, 32, 64), 2, 32, 0),
      "group_size must be a positive int"),
     (lambda: dequantize_keys(torch.zeros(1, 1, 2, 64, dtype=torch.int32), torch.zeros(1, 1, 1, 64),
                              torch.zeros(1, 1, 1, 64), 2, 0), "group_size must be a positive int"),
     (lambda: dequantize_values(torch.zeros(1, 1, 2, 64, dtype=torch.int32),
                                torch.zeros(1, 1, 32, 2), torch.zeros(1, 1, 32, 2), 2, 0, 32),
-     "value_group must be a positive int dividing head_dim 64"),
+     r"value_group must be an int in \[1, head_dim=64\]"),
 ], ids=["keys-G0", "keys-G-32", "keys-3d", "keys-valid-shape", "keys-bits5", "keys-bits-float", "values-Gv0",
-        "values-G0", "dequant-keys-G0", "dequant-values-Gv0"])
+        "values-Gv65", "values-G0", "dequant-keys-G0", "dequant-values-Gv0"])
 def test_bad_arguments_name_the_argument(call, match):
     with pytest.raises(ValueError, match=match):
         call()

@@ -66,6 +66,10 @@ class LayerStore:
             warnings.warn(f"group_size {spec.group_size} does not divide head_dim {head_dim}: "
                           f"values are quantized in groups of {self.value_group} channels "
                           "(spec.value_group)", stacklevel=2)
+        elif head_dim % self.value_group and spec.method in ("kivi", "uniform", "kvquant"):
+            warnings.warn(f"group_size {spec.group_size} does not divide head_dim {head_dim}: "
+                          f"the last value group holds {head_dim % self.value_group} channels "
+                          "(spec.value_group)", stacklevel=2)
         self.starts = torch.zeros(batch, dtype=torch.int32, device=self.device)
         # host-side bound: no sequence has hidden tokens (padding, or copies of its sink) in
         # the body or residual at positions >= this
@@ -91,7 +95,7 @@ class LayerStore:
         self.res_v = torch.empty(B, H, 0, D, **fp)
         self.k_words = packed_length(spec.group_size, spec.key_bits)
         self.v_words = packed_length(spec.group_size, spec.value_bits)
-        n_vgroups = D // self.value_group
+        n_vgroups = spec.value_groups(D)  # the last one shorter when value_group does not divide D
         i32 = dict(dtype=torch.int32, device=self.device)
         f16 = dict(dtype=torch.float16, device=self.device)
         self.fp8 = spec.method == "fp8"

@@ -10,8 +10,9 @@ Logical token order of a sequence: ``sink | body | residual``.
   contiguous block; ``k_scale``, ``k_zero``: ``[B, H, n_groups_cap, D] float16``.
 * Body values, per-token groups of Gv channels, but packed along *tokens* within each block of G
   tokens, exactly like the keys: ``v_codes [B, H, n_groups_cap * Wv, D] int32`` with
-  ``Wv = packed_length(G, value_bits)``; ``v_scale``, ``v_zero``: ``[B, H, T_cap, D // Gv]
-  float16``. Packing both along tokens lets the decode kernel unpack one K slot and the matching
+  ``Wv = packed_length(G, value_bits)``; ``v_scale``, ``v_zero``: ``[B, H, T_cap, ceil(D / Gv)]
+  float16`` (channel ``d`` in group ``d // Gv``; when Gv does not divide D, as at head_dim 100
+  with G = 32, the last group is shorter, see ``QuantSpec.value_group``). Packing both along tokens lets the decode kernel unpack one K slot and the matching
   V slot (the same tokens) with plain shifts, and apply the per-token value scales to the
   attention probabilities instead of to every element.
 * ``res_k``, ``res_v``: ``[B, H, R_cap, D]`` model dtype; the first ``res_len`` are used.
@@ -37,7 +38,7 @@ Method breadth (``QuantSpec.method`` "uniform" / "fp8", ``hadamard``; plain KIVI
 * ``key_axis`` / ``value_axis`` (str): which axis the scale/zero of keys / values run along.
   ``"channel"``: scale/zero per (G-token group, channel), ``[B, H, NG_cap, D] float16`` indexed by
   body group ``g = t // G`` (the KIVI key layout above). ``"token"``: scale/zero per (token,
-  channel group of ``Gq = value_group`` channels), ``[B, H, T_cap, D // Gq] float16`` indexed by
+  channel group of ``Gq = value_group`` channels), ``[B, H, T_cap, ceil(D / Gq)] float16`` indexed by
   body token (the KIVI value layout above). Whatever the axis, the *codes* keep the layout above:
   ``[B, H, NG_cap * W, D] int32`` packed along tokens within blocks of G (``W =
   packed_length(G, bits)``), so element ``(t, d)`` is unpacked exactly as today; only where its
@@ -156,7 +157,8 @@ def body_bytes_per_token(head_dim: int, key_bits: int, value_bits: int, group_si
     """Bytes one token of one KV head occupies in the packed body (K and V, codes + scale + zero).
 
     Keys: ``Wk * 4 * D / G`` bytes of codes (= bits * D / 8) plus an FP16 scale and zero per
-    channel per G tokens; values: the same code bytes plus an FP16 scale and zero per Gv channels.
+    channel per G tokens; values: the same code bytes plus an FP16 scale and zero per Gv channels
+    (``ceil(D / Gv)`` pairs: the last group may be shorter).
     ``outliers`` per vector (KVQuant) add an index (1 byte, 2 when D > 256) and an FP16 value
     each, for K and for V. Per-layer codebooks are a constant, not counted here.
     ``key_axis`` / ``value_axis`` "token" / "channel" swap the scale/zero cost of that tensor;
@@ -164,7 +166,8 @@ def body_bytes_per_token(head_dim: int, key_bits: int, value_bits: int, group_si
     """
     if fp8:
         return 2.0 * head_dim
-    meta = {"channel": 2 * 2 * head_dim / group_size, "token": 2 * 2 * head_dim / value_group}
+    meta = {"channel": 2 * 2 * head_dim / group_size,
+            "token": 2 * 2 * -(-head_dim // value_group)}  # a shorter last group costs a pair
     index_bytes = 1 if head_dim <= 256 else 2
     sparse = 2 * outliers * (index_bytes + 2)
     key_codes = packed_length(group_size, key_bits) * 4 * head_dim / group_size

@@ -107,15 +107,16 @@ def _scale_tile(s_base, z_base, g0, g_hi, offs_t, offs_d, d_ok, PER_TOKEN: tl.co
                 EVEN_D: tl.constexpr, D0: tl.constexpr = 0):
     """FP16 scale and zero of every element of a ``[GPT * G, BLOCK_D]`` body tile.
 
-    ``PER_TOKEN``: one pair per (token, ``GS`` channels), stored ``[tokens, D // GS]`` (KIVI
-    values, per-token keys); else one pair per (group of G tokens, channel), stored
+    ``PER_TOKEN``: one pair per (token, ``GS`` channels), stored ``[tokens, ceil(D / GS)]``
+    (KIVI values, per-token keys; ``GS`` a power of two or all of D, the last group shorter
+    when it does not divide D); else one pair per (group of G tokens, channel), stored
     ``[groups, D]`` (KIVI keys, per-channel values). Either way the pair is broadcast with a
     reshape that merges or splits dims, never gathered per element. ``D0``: the first channel
     of ``offs_d`` (``offs_d = D0 + arange``: half tiles of pre-RoPE keys)."""
     BLOCK_D: tl.constexpr = offs_d.shape[0]
     N: tl.constexpr = GPT * G
     if PER_TOKEN:
-        NGS: tl.constexpr = D // GS
+        NGS: tl.constexpr = (D + GS - 1) // GS
         NGS_PAD: tl.constexpr = BLOCK_D // GS if BLOCK_D >= GS else 1  # 1: a wider group
         offs_j = D0 // GS + tl.arange(0, NGS_PAD)
         mask = (offs_t < g_hi * G)[:, None]
@@ -777,13 +778,15 @@ def reads(kv: PackedKV) -> bool:
     (codebooks, outliers, pre-RoPE keys) layers; pre-RoPE keys only where
     :func:`~kvbits.formats.layout.pre_rope_kernel_ok` (other head dims use the reference). Its
     key groups must fill whole int32 words (G a power of two, G x bits >= 32; 3-bit planes a
-    multiple of 32), as every QuantSpec's do, and head_dim a multiple of 4; layouts built by
-    hand otherwise use the reference."""
-    G, kb, vb = kv.group_size, kv.key_bits, kv.value_bits
+    multiple of 32), as every QuantSpec's do, head_dim a multiple of 4, and per-token scale
+    groups of a power of two or all of head_dim; layouts built by hand otherwise use the
+    reference."""
+    G, kb, vb, D, GV = kv.group_size, kv.key_bits, kv.value_bits, kv.res_k.shape[-1], kv.value_group
     words_ok = not G & (G - 1) and G * min(kb, vb) >= 32 and (G % 32 == 0 or 3 not in (kb, vb))
-    return words_ok and kv.res_k.shape[-1] % 4 == 0 and (getattr(kv, "rope_inv_freq", None) is None
-                         or pre_rope_kernel_ok(kv.res_k.shape[-1],
-                                               getattr(kv, "key_axis", "channel")))
+    groups_ok = GV >= D or not GV & (GV - 1)  # (_scale_tile maps a group onto whole lanes)
+    return words_ok and D % 4 == 0 and groups_ok and (
+        getattr(kv, "rope_inv_freq", None) is None
+        or pre_rope_kernel_ok(D, getattr(kv, "key_axis", "channel")))
 
 
 def num_splits(batch_heads: int, work_units: int, sm_count: int, per_sm: int = 3) -> int:
@@ -1061,8 +1064,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
             Hkv, Lq, m_tiles, splits, groups_per_split, fp_per_split, split0, n_total,
         ), _DECODE_KEYWORDS(
             HG, D, BLOCK_D, BLOCK_M, kv.key_bits, kv.value_bits, G, GPT,
-            D // kv.k_scale.shape[3] if k_tok else G,  # GK
-            D // kv.v_scale.shape[3] if v_tok else G,  # GV
+            kv.value_group if k_tok else G,  # GK (per-token groups: the last may be shorter)
+            kv.value_group if v_tok else G,  # GV
             k_tok, v_tok, BLOCK_FP, window is not None, D == BLOCK_D,
             use_prmt and q.dtype != torch.float32, fp8, has_starts,  # (_body_tile's F32)
             has_lens, kcb is not None, vcb is not None,

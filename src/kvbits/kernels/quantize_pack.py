@@ -184,7 +184,7 @@ def _quantize_values_kernel(
     j = (pid % C_BLOCKS) * BLOCK_NG + tl.arange(0, BLOCK_NG)
     i = tl.arange(0, GV_PAD)
     c = j[:, None] * GV + i[None, :]  # [BLOCK_NG, GV_PAD]: channel
-    c_ok = (j[:, None] < NGV) & (i[None, :] < GV)
+    c_ok = (j[:, None] < NGV) & (i[None, :] < GV) & (c < D)  # the last group may be shorter
     m = ok[:, :, None, None] & c_ok[None, None]
     ptrs = v_ptr + b * stride_b + h * stride_h + t[:, :, None, None] * stride_t + c * stride_d
     x = tl.load(ptrs, mask=m, other=0.0).to(tl.float32)  # [SLOTS, BLOCK_W, BLOCK_NG, GV_PAD]
@@ -264,24 +264,26 @@ def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: in
     Same contract as :func:`kvbits.reference.quant.quantize_values`.
 
     Args:
-        v: ``[B, H, T, D]`` float16/bfloat16/float32, any strides, D a multiple of
-            ``value_group`` and T of ``group_size``.
+        v: ``[B, H, T, D]`` float16/bfloat16/float32, any strides, T a multiple of
+            ``group_size``.
         bits: 2, 3, 4 or 8.
-        value_group: Gv, channels per (scale, zero).
+        value_group: Gv, channels per (scale, zero); the last group is shorter when Gv does
+            not divide D.
         group_size: G, tokens per packed block.
         valid: optional ``[B, T]`` bool, False for padding tokens (codes, scale, zero all 0).
 
     Returns:
         ``codes [B, H, T // G * Wv, D] int32`` with ``Wv = packed_length(G, bits)``,
-        ``scale, zero [B, H, T, D // Gv] float16``; all contiguous.
+        ``scale, zero [B, H, T, ceil(D / Gv)] float16``; all contiguous.
 
     >>> codes, scale, zero = quantize_values(v, 2, 32, 32)  # v: [1, 8, 4096, 128] fp16 on CUDA
     """
     B, H, T, D = _check_input("quantize_values", "v", v, bits, group_size, valid)
-    if not isinstance(value_group, int) or value_group < 1 or D % value_group:
-        raise ValueError(f"quantize_values: value_group must be a positive int dividing head_dim "
-                         f"{D}, got {value_group!r}")
-    G, NG, NGV = group_size, T // group_size, D // value_group
+    if not isinstance(value_group, int) or isinstance(value_group, bool) \
+            or not 1 <= value_group <= D:
+        raise ValueError(f"quantize_values: value_group must be an int in [1, head_dim={D}], "
+                         f"got {value_group!r}")
+    G, NG, NGV = group_size, T // group_size, _cdiv(D, value_group)
     slots, W = slots_per_column(bits), -(-G // slots_per_column(bits))
     codes, scale, zero = _packed_outputs(v, bits, G, NG, (T, NGV))
     if codes.numel() == 0:

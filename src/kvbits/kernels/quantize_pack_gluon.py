@@ -205,8 +205,11 @@ if gluon is not None:
     @gluon.jit
     def _codes(x, zero, scale, inv, MAXQ: gl.constexpr):
         """int32 ``clamp(round_half_even((x - zero) / scale), 0, MAXQ)`` for float32 ``x`` and
-        broadcast float32 ``zero``/``scale``/``inv``; 0 where ``inv`` is 0 (scale 0)."""
-        a = x - zero
+        broadcast float32 ``zero``/``scale``/``inv``; 0 where ``inv`` is 0 (scale 0). ``x - zero``
+        is clamped to +-4 x 65504 (a group's range is at most 2 x 65504): an infinite element
+        then codes as the reference's (the end it clamps to), where the refinement's
+        ``inf - inf`` made NaN, which ``maximum`` turned into code 0 (H200, session 41)."""
+        a = gl.minimum(gl.maximum(x - zero, -262016.0), 262016.0)
         q = a * inv
         q = gl.fma(gl.fma(-q, scale, a), inv, q)
         q = gl.fma(gl.fma(-q, scale, a), inv, q)

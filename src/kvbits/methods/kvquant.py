@@ -67,7 +67,7 @@ from pathlib import Path
 import torch
 
 from ..formats.packing import pack_bits, packed_length, unpack_bits
-from ..reference.quant import FP16_MAX, minmax_qparams
+from ..reference.quant import FP16_MAX, channel_groups, minmax_qparams, ungroup
 from ..spec import QuantSpec
 from . import calibration_windows
 
@@ -271,20 +271,23 @@ def _split_keys(k: torch.Tensor, bits: int, group_size: int, n_out: int,
 
 def _split_values(v: torch.Tensor, bits: int, value_group: int, n_out: int,
                   valid: torch.Tensor | None):
-    """Values ``[B, H, T, D]`` -> ``vg [B,H,T,NGv,Gv]``, ``scale, zero [B,H,T,NGv,1]``, dense mask,
-    outlier indices ``[B,H,T,n]`` over the D channels (None when n == 0)."""
+    """Values ``[B, H, T, D]`` -> ``vg [B,H,T,NGv,Gv]`` (:func:`channel_groups`: the last group
+    zero-padded when Gv does not divide D), ``scale, zero [B,H,T,NGv,1]``, dense mask (False on
+    padding and outliers), outlier indices ``[B,H,T,n]`` over the D channels (None when n == 0)."""
     B, H, T, D = v.shape
-    Gv = value_group
-    if D % Gv:
-        raise ValueError(f"quantize_values: head_dim {D} is not a multiple of value_group {Gv}")
-    vg = v.float().reshape(B, H, T, D // Gv, Gv)
+    try:
+        vg, in_range = channel_groups(v.float(), value_group)
+    except ValueError as e:
+        raise ValueError(f"quantize_values: {e}") from None
     ok = None if valid is None else valid.reshape(B, 1, T, 1, 1).expand_as(vg)
+    if in_range is not None:
+        ok = in_range.expand_as(vg) if ok is None else ok & in_range
     idx = None
     dense = ok
     if n_out:
-        score = _robust_score(vg, 4, ok).reshape(B, H, T, D)
+        score = ungroup(_robust_score(vg, 4, ok), D)
         mask, idx = _top_mask(score, n_out)
-        mask = mask.reshape(vg.shape)
+        mask = channel_groups(mask, value_group)[0]
         dense = ~mask if ok is None else ok & ~mask
     scale, zero = minmax_qparams(vg, bits, dim=4, valid=dense)
     return vg, scale, zero, dense, idx
@@ -348,13 +351,13 @@ def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: in
     codes = _codes(_normalize(vg, scale, zero), thresholds.to(v.device))
     if valid is not None:
         codes = torch.where(valid.reshape(B, 1, T, 1, 1), codes, 0)
-    words = pack_bits(codes.reshape(B, H, T // G, G, D), bits, dim=3,
+    words = pack_bits(ungroup(codes, D).reshape(B, H, T // G, G, D), bits, dim=3,
                       check=False).reshape(B, H, -1, D)  # searchsorted: < 2**bits
     out_idx = out_val = None
     if n_out:
         deq = _lookup(codebook.to(v.device), codes) * scale.float() + zero.float()
         vt = None if valid is None else valid.reshape(B, 1, T, 1)
-        out_idx, out_val = _corrections(vg.reshape(B, H, T, D), deq.reshape(B, H, T, D), idx, vt, D)
+        out_idx, out_val = _corrections(ungroup(vg, D), ungroup(deq, D), idx, vt, D)
     return words, scale.squeeze(4), zero.squeeze(4), out_idx, out_val
 
 
@@ -386,9 +389,9 @@ def dequantize_values(codes, scale, zero, bits, value_group, group_size, codeboo
     NG = T // group_size
     Wv = packed_length(group_size, bits)
     q = unpack_bits(codes[:, :, : NG * Wv].reshape(B, H, NG, Wv, D), bits, group_size, dim=3)
-    q = q.reshape(B, H, T, D // value_group, value_group)
+    q = channel_groups(q.reshape(B, H, T, D), value_group)[0]
     x = _lookup(codebook.to(codes.device), q) * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
-    x = x.reshape(B, H, T, D)
+    x = ungroup(x, D)
     if out_idx is not None:
         x = _add_outliers(x, out_idx[:, :, :T], out_val[:, :, :T])
     return x.to(dtype)
@@ -682,7 +685,7 @@ def fit_layer(k, v, gk, gv, spec: QuantSpec) -> LayerCodebooks:
     kd = torch.ones_like(ku, dtype=torch.bool) if kd is None else kd[0]
     vg, vs, vz, vd, _ = _split_values(v[None, :, S:t1], vb, spec.value_group(D), n_out, None)
     vu = _normalize(vg, vs, vz)[0]
-    vw = None if gv is None else gv[:, S:t1].reshape(vu.shape)
+    vw = None if gv is None else channel_groups(gv[:, S:t1], spec.value_group(D))[0]
     vd = torch.ones_like(vu, dtype=torch.bool) if vd is None else vd[0]
     if not spec.fisher:
         kw = vw = None

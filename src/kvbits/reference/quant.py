@@ -118,34 +118,58 @@ def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     return x.reshape(B, H, NG * group_size, D)
 
 
+def channel_groups(x: torch.Tensor, group: int):
+    """``[..., D]`` -> ``([..., NGv, Gv], in_range)`` with ``NGv = ceil(D / Gv)``: per-token
+    groups of ``group`` channels, the last one shorter when ``group`` does not divide D (KIVI's
+    groups of G channels at head_dim 80 or 100). The short group is padded with zeros and
+    ``in_range`` (bool ``[NGv, Gv]``, None when nothing is padded) marks the real channels, which
+    alone set a group's min / max."""
+    D = x.shape[-1]
+    if not isinstance(group, int) or isinstance(group, bool) or not 1 <= group <= D:
+        raise ValueError(f"value_group must be an int in [1, head_dim={D}], got {group!r}")
+    pad = -D % group
+    if not pad:
+        return x.reshape(*x.shape[:-1], D // group, group), None
+    x = torch.cat([x, x.new_zeros(*x.shape[:-1], pad)], -1)
+    in_range = (torch.arange(D + pad, device=x.device) < D).view(-1, group)
+    return x.reshape(*x.shape[:-1], -1, group), in_range
+
+
+def ungroup(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Inverse of :func:`channel_groups`: ``[..., NGv, Gv]`` -> ``[..., D]`` (padding dropped)."""
+    return x.reshape(*x.shape[:-2], -1)[..., :head_dim]
+
+
 def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: int,
                     valid: torch.Tensor | None = None):
-    """Per-token value quantization over groups of ``value_group`` channels.
+    """Per-token value quantization over groups of ``value_group`` channels (the last group
+    shorter when it does not divide D, see :func:`channel_groups`).
 
     The codes are packed along *tokens*, within blocks of ``group_size`` tokens, exactly like the
     keys: a decode kernel then unpacks matching K and V tiles with the same shifts, and the
     per-token scales fold into the attention probabilities.
 
     Args:
-        v: ``[B, H, T, D]`` with D a multiple of ``value_group`` and T of ``group_size``.
+        v: ``[B, H, T, D]`` with T a multiple of ``group_size``.
         valid: optional ``[B, T]`` bool, False for padding tokens (codes, scale, zero all 0).
 
     Returns:
         ``codes [B, H, T // G * Wv, D] int32`` (``Wv = packed_length(G, bits)``),
-        ``scale, zero [B, H, T, D // Gv] float16``.
+        ``scale, zero [B, H, T, ceil(D / Gv)] float16``.
     """
     B, H, T, D = _check_args("quantize_values", "v", v, bits, group_size, valid)
-    Gv, G = value_group, group_size
-    if not isinstance(Gv, int) or isinstance(Gv, bool) or Gv < 1:
-        raise ValueError(f"quantize_values: value_group must be a positive int, got {Gv!r}")
-    if D % Gv:
-        raise ValueError(f"quantize_values: head_dim {D} is not a multiple of value_group {Gv}")
+    G = group_size
     if T % G:
         raise ValueError(f"quantize_values: token count {T} is not a multiple of group_size {G}")
-    vg = v.reshape(B, H, T, D // Gv, Gv)
+    try:
+        vg, in_range = channel_groups(v, value_group)
+    except ValueError as e:
+        raise ValueError(f"quantize_values: {e}") from None
     ok = None if valid is None else valid.reshape(B, 1, T, 1, 1)
+    if in_range is not None:
+        ok = in_range if ok is None else ok & in_range
     scale, zero = minmax_qparams(vg, bits, dim=4, valid=ok)  # [B, H, T, NGv, 1]
-    codes = quantize_with(vg, scale, zero, bits, ok).reshape(B, H, T // G, G, D)
+    codes = ungroup(quantize_with(vg, scale, zero, bits, ok), D).reshape(B, H, T // G, G, D)
     words = pack_bits(codes, bits, dim=3, check=False)  # [B, H, NG, Wv, D]; clamped codes
     return words.reshape(B, H, -1, D), scale.squeeze(4), zero.squeeze(4)
 
@@ -155,16 +179,16 @@ def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of :func:`quantize_values`: ``[B, H, NG * Wv, D]`` words -> ``[B, H, T, D]``."""
     B, H, _, D = _check_args("dequantize_values", "codes", codes, bits, group_size)
-    if not isinstance(value_group, int) or value_group < 1 or D % value_group:
-        raise ValueError(f"dequantize_values: value_group must be a positive int dividing "
-                         f"head_dim {D}, got {value_group!r}")
     T = scale.shape[2]
     NG = T // group_size
     Wv = packed_length(group_size, bits)
     words = codes[:, :, : NG * Wv].reshape(B, H, NG, Wv, D)
-    q = unpack_bits(words, bits, group_size, dim=3).reshape(B, H, T, D // value_group, value_group)
-    x = dequantize_with(q, scale.unsqueeze(-1), zero.unsqueeze(-1), dtype)
-    return x.reshape(B, H, T, D)
+    q = unpack_bits(words, bits, group_size, dim=3).reshape(B, H, T, D)
+    try:
+        qg, _ = channel_groups(q, value_group)
+    except ValueError as e:
+        raise ValueError(f"dequantize_values: {e}") from None
+    return ungroup(dequantize_with(qg, scale.unsqueeze(-1), zero.unsqueeze(-1), dtype), D)
 
 
 # ------------------------------------------------------------------------------------------ fp8
