@@ -274,7 +274,7 @@ def _split_values(v: torch.Tensor, bits: int, value_group: int, n_out: int,
     """Values ``[B, H, T, D]`` -> ``vg [B,H,T,NGv,Gv]`` (:func:`channel_groups`: the last group
     zero-padded when Gv does not divide D), ``scale, zero [B,H,T,NGv,1]``, dense mask (False on
     padding and outliers), outlier indices ``[B,H,T,n]`` over the D channels (None when n == 0)."""
-    B, H, T, D = v.shape
+    B, _, T, D = v.shape
     try:
         vg, in_range = channel_groups(v.float(), value_group)
     except ValueError as e:
