@@ -150,6 +150,13 @@ def test_parse_hf_variants_accepts_what_the_backends_use():
      r"--temperature must be >= 0.0001 .*leave out --sample"),
     (["generate", "--prompt", "x", "--temp", "0.5"], "--temperature apply to --sample"),
     (["generate", "--prompt", "x", "--top", "0.5"], "--top-p apply to --sample"),
+    # session 41 QA: "k8" read as 8 and "1kk" as 1024, a 20-digit context reached torch, NaN
+    # passed the depth range and failed after the model loaded
+    (["needle", "--lengths", "k8"], "--lengths: expected comma-separated integers"),
+    (["needle", "--lengths", "1kk"], "--lengths: expected comma-separated integers"),
+    (["bench", "--contexts", "99999999999999999999"],
+     r"--contexts: expected integers in 1\.\.2147483647"),
+    (["needle", "--depths", "nan"], "--depths: depths are percentages in 0..100"),
 ])
 def test_bad_arguments_name_the_parameter(capsys, argv, match):
     import re

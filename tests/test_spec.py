@@ -150,6 +150,8 @@ def test_replace_revalidates():
     assert spec.key_bits == 2, "replace must not modify the original"
     with pytest.raises(ValueError, match="key_bits"):
         spec.replace(key_bits=5)
+    with pytest.raises(ValueError, match=r"unknown field\(s\) resid; fields: method, key_bits"):
+        spec.replace(resid=3)  # was a bare TypeError
 
 
 def test_resolve_spec_by_name_and_overrides():

@@ -18,14 +18,22 @@ def _log(msg: str) -> None:
     print(f"[kvbits] {msg}", file=sys.stderr, flush=True)
 
 
+MAX_COUNT = 2**31 - 1  # token counts, batches, contexts: int32 in the kernels
+
+
+def _int_k(item: str) -> int:
+    """``"4k"`` -> 4096, ``"300"`` -> 300; one trailing ``k`` only (``"k8"``, ``"1kk"`` fail)."""
+    item = item.strip().lower()
+    return int(item[:-1]) * 1024 if item.endswith("k") else int(item)
+
+
 def _ints(text: str) -> tuple[int, ...]:
     try:
-        vals = tuple(int(x.lower().replace("k", "")) * (1024 if x.lower().endswith("k") else 1)
-                     for x in text.split(",") if x.strip())
+        vals = tuple(_int_k(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers (4k = 4096), got {text!r}") from None
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    if not vals or min(vals) < 1 or max(vals) > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"expected integers in 1..{MAX_COUNT}, got {text!r}")
     return vals
 
 
@@ -34,7 +42,7 @@ def _depths(text: str) -> tuple[float, ...]:
         vals = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated percentages, got {text!r}") from None
-    if not vals or min(vals) < 0 or max(vals) > 100:
+    if not vals or not all(0 <= v <= 100 for v in vals):  # (NaN compares false: refused)
         raise argparse.ArgumentTypeError(f"depths are percentages in 0..100, got {text!r}")
     return tuple(v / 100 for v in vals)
 

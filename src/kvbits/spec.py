@@ -327,7 +327,13 @@ class QuantSpec:
         return -(-head_dim // self.value_group(head_dim))
 
     def replace(self, **changes) -> QuantSpec:
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again); an unknown field is refused with
+        the list of fields (``dataclasses.replace`` gives a bare TypeError)."""
+        names = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(changes) - set(names))
+        if unknown:
+            raise ValueError(f"QuantSpec.replace: unknown field(s) {', '.join(unknown)}; "
+                             f"fields: {', '.join(names)}")
         return dataclasses.replace(self, **changes)
 
     def describe(self) -> str:

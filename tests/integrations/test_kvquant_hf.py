@@ -161,3 +161,25 @@ def test_smollm2_calibrated_kvquant_generates(smollm2, tmp_path):
         assert out.shape == ref.shape
     finally:
         model.set_attn_implementation(old)
+
+
+def test_pre_rope_chunked_prefill_past_a_long_left_padding():
+    """Session 41 QA: with a left padding longer than the first prefill chunk, the positions were
+    checked before the chunk's padding was known, so its padding counted as real tokens and a
+    false "position_ids are not token index minus left padding" error stopped generate."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=64, pad_token_id=0)).eval()
+    x = torch.randint(1, 128, (2, 150), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(x)
+    mask[1, :75], x[1, :75] = 0, 0
+    outs = []
+    for chunk in (None, 64):
+        cache = KVBitsCache(model, "kvquant-2:S=0", calibration="uniform", residual_length=8)
+        kw = {} if chunk is None else {"prefill_chunk_size": chunk}
+        outs.append(model.generate(input_ids=x, attention_mask=mask, max_new_tokens=4,
+                                   do_sample=False, pad_token_id=0, past_key_values=cache, **kw))
+    assert outs[0].shape == outs[1].shape == (2, 154)

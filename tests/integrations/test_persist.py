@@ -226,6 +226,9 @@ def test_file_is_the_packed_size_and_foreign_files_are_refused(tmp_path):
         KVBitsCache.load(other, model)
     with pytest.raises(ValueError, match="cannot read kvbits cache file"):
         KVBitsCache.load(tmp_path / "missing.safetensors", model)
+    for bad in (torch.int32, torch.bool, "float16"):  # were a zeroed residual, or a TypeError
+        with pytest.raises(ValueError, match=r"load: dtype must be torch.float16, torch.bfloat16"):
+            KVBitsCache.load(path, model, dtype=bad)
 
 
 def test_a_cache_of_other_weights_of_the_same_shape_is_refused(tmp_path):
@@ -282,4 +285,13 @@ def test_damaged_files_are_refused(tmp_path):
         KVBitsCache.load(damaged(lambda d: None, "{oops"), model)
     with pytest.raises(ValueError, match="of version '1'; this kvbits reads version 1"):
         KVBitsCache.load(damaged(lambda d: d.update(version="1")), model)
+    # session 41 QA: these were a KeyError / TypeError / "negative dimension" in the loader
+    for edit, want in ((lambda d: d.pop("model"), "'model' must be an object"),
+                       (lambda d: d.pop("spec"), "'spec' must be an object"),
+                       (lambda d: d.update(layers=5), "'layers' must be a list, got int"),
+                       (lambda d: d["layers"][0].pop("batch"), "layer 0 'batch' must be a positive"),
+                       (lambda d: d["layers"][1].update(head_dim=-1),
+                        "layer 1 'head_dim' must be a positive integer, got -1")):
+        with pytest.raises(ValueError, match="malformed kvbits cache metadata: " + want):
+            KVBitsCache.load(damaged(edit), model)
     KVBitsCache.load(damaged(lambda d: None), model)  # the undamaged copy loads

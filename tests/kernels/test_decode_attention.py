@@ -2090,6 +2090,11 @@ def test_groups_wider_than_float16s_range(kb, vb):
      "lengths must be None, an int or 1 integers"),
     (lambda q, kv, a: (q, kv, {**a, "lengths": [[70]]}), "lengths must be None"),
     (lambda q, kv, a: (q, kv, {**a, "softcap": "50"}), "softcap must be a positive"),
+    # session 41 QA: the kernels take int32 positions, so these wrapped (2**32 + 50 read as 50)
+    (lambda q, kv, a: (q, kv, {**a, "lengths": 2**32 + 50}), "lengths must fit an int32"),
+    (lambda q, kv, a: (q, kv, {**a, "starts": torch.tensor([2**40])}),
+     "starts must fit an int32, got values from 1099511627776"),
+    (lambda q, kv, a: (q, kv, {**a, "starts": -2**31 - 1}), "starts must fit an int32"),
 ])
 def test_bad_arguments_name_what_is_wrong(change, match):
     """Found by a QA pass: these failed deep inside torch or a kernel, or a float start was
@@ -2098,6 +2103,17 @@ def test_bad_arguments_name_what_is_wrong(change, match):
     q, kv, args = change(q, kv, {"scale": 0.125})
     with pytest.raises(TypeError if "PackedKV" in match else ValueError, match=match):
         ops.decode_attention(q, kv, **args)
+
+
+@pytest.mark.parametrize("change", [lambda q: q.repeat(3, 1, 1, 1), lambda q: q[..., :32],
+                                    lambda q: q[:, :, :0], lambda q: q[0]],
+                         ids=["batch", "head_dim", "no-rows", "rank-3"])
+def test_the_kernel_entry_point_refuses_a_query_that_does_not_fit(change):
+    """Session 41 QA: called directly (not through kvbits.ops), a larger query batch read past
+    the layer's buffers (NaN), a narrower head_dim gave garbage, no rows divided by zero."""
+    _, kv, q = _op_case()
+    with pytest.raises(ValueError, match=r"decode_attention: q "):
+        kernel(change(q), kv, scale=0.125)
 
 
 def test_good_position_arguments_pass_the_checks():

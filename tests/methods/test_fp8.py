@@ -37,6 +37,23 @@ def test_saturates_instead_of_nan():
     assert codes.float().tolist() == [[[[448.0, -448.0]]]]
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), 1e30])
+def test_an_infinite_element_does_not_make_the_head_nan(bad):
+    """Session 41 QA: the amax of a prompt holding inf made the dynamic scale inf and every
+    element of that head NaN (0 * inf); it saturates at FP16's range like the integer methods."""
+    k, v = _kv()
+    k[0, 0, 10, 3] = bad
+    st = LayerStore(resolve_spec("fp8-dynamic").replace(residual_length=0), B, H, D,
+                    torch.float32, "cpu")
+    st.append(k, v)
+    assert torch.isfinite(st.k_scale).all()
+    assert st.k_scale[0, 0].item() == pytest.approx(rq.FP16_MAX * rq.FP8_HEADROOM / 448)
+    keys, _ = dequantize_layer(st.view())
+    assert torch.isfinite(keys).all()
+    assert keys[0, 0, 10, 3].item() == pytest.approx(448 * st.k_scale[0, 0].item() * (
+        1 if bad > 0 else -1), rel=1e-6)
+
+
 def test_dynamic_store_layout_and_scale():
     k, v = _kv()
     st = LayerStore(resolve_spec("fp8-dynamic"), B, H, D, torch.float32, "cpu")
@@ -160,3 +177,19 @@ def test_device_length_view_bounds_whole_groups_after_growth(monkeypatch):
     kv = st.view_dev()
     assert kv.body_len % G == 0 and st.body_len <= kv.body_len <= st.k_codes.shape[2]
     ops._check_call(torch.zeros(1, 1, 1, 64, dtype=torch.float16), kv, 0.125, None)
+
+
+@pytest.mark.parametrize("pair,match", [
+    ((torch.full((2,), float("nan")), torch.ones(2)), "layer 0 k_scale must be finite and > 0"),
+    ((torch.ones(2), torch.full((2,), float("inf"))), "layer 0 v_scale must be finite and > 0"),
+    ((torch.zeros(2), torch.ones(2)), "k_scale must be finite and > 0"),
+    ((-torch.ones(2), torch.ones(2)), "k_scale must be finite and > 0"),
+    ((1.0, 1.0), r"layer 0 k_scale must be a float \[kv_heads\] tensor"),
+    (torch.ones(2), r"layer 0 must be a \(k_scale, v_scale\) pair"),
+])
+def test_calibrated_scales_are_checked_up_front(pair, match):
+    """Session 41 QA: NaN / inf scales gave NaN keys, 0 zeroed them, -1 flipped their sign, a
+    float failed with an AttributeError at the first forward."""
+    spec = resolve_spec("fp8")
+    with pytest.raises(ValueError, match=match):
+        fp8.layer_scales(None, spec, [pair, pair], 2)

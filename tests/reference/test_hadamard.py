@@ -150,6 +150,27 @@ def test_choose_channels_rotates_only_when_it_lowers_the_error():
             assert full < plain and set(range(4)) <= set(chans) and chosen < 0.5 * plain
 
 
+@pytest.mark.parametrize("D", [80, 100])
+def test_head_dims_without_one_whole_block(D):
+    """Session 41 QA: choose_channels costed the whole head as one Hadamard block and failed
+    at head_dim 80; the store built the whole-head matrix before the calibrated subsets and
+    refused head_dim 100. Subsets are powers of two, and a store takes them at either."""
+    from kvbits.methods.hadamard import choose_channels
+
+    q, k = _qk(False, D=D)
+    chans = choose_channels(q, k, 32)
+    assert chans and len(chans) & (len(chans) - 1) == 0 and set(range(4)) <= set(chans)
+    B, H, T = 1, 2, 64
+    g = torch.Generator().manual_seed(D)
+    kk, vv = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
+    spec = resolve_spec("kivi-2-hadc", residual_length=0)
+    st = LayerStore(spec, B, H, D, torch.float32, "cpu", hadamard_channels=[chans, []])
+    st.append(kk, vv)
+    keys, _ = dequantize_layer(st.view())
+    assert torch.allclose(st.model_keys(keys)[:, 1], keys[:, 1])  # head 1 rotates nothing
+    assert ((st.model_keys(keys) - kk).abs().max() < 1.5)  # 2-bit keys, back in model space
+
+
 def test_measured_key_score_error_follows_the_choice():
     """The quantized store's real score error agrees with the proxy: on anti-aligned data the
     full rotation is worse than plain KIVI, the calibrated subset is not."""

@@ -126,9 +126,12 @@ class LayerStore:
                     setattr(self, f"{name}_scale", sc.float().to(self.device).view(1, H, 1, 1)
                             .expand(B, H, 1, 1).contiguous())
                 self._fp8_ready = True
+        # (the calibrated subsets never need the whole-head matrix, which head dims without a
+        # power-of-two block of 8 channels cannot have: session 41 QA, head_dim 100)
         self.hadamard = (ref_hadamard.hadamard_matrix(D, self.device)
-                         if spec.hadamard and spec.quantized else None)
-        if self.hadamard is not None and spec.hadamard_calibrated:
+                         if spec.hadamard and spec.quantized and not spec.hadamard_calibrated
+                         else None)
+        if spec.hadamard and spec.quantized and spec.hadamard_calibrated:
             if hadamard_channels is None or len(hadamard_channels) != H:
                 raise ValueError("QuantSpec.hadamard_calibrated needs the channels of each of the "
                                  f"{H} KV heads (KVBitsCache(model, spec, calibration='auto'))")

@@ -774,9 +774,11 @@ def kvbits_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     elif tag.device:
         out = steps_mod.attend_dev(store, query, scale, window, softcap)
     else:
+        # the chunk's padding first: a left padding longer than the first prefill chunk is
+        # known only now, and the positions are checked against it (session 41 QA)
+        _grow_padding(store, attention_mask, query.shape[2])
         if store.inv_freq is not None:
             _check_positions(store, kwargs.get("position_ids"), query.shape[2])
-        _grow_padding(store, attention_mask, query.shape[2])
         out = _attend_as_generated(query, store, scale, window, softcap)
     return out.transpose(1, 2).contiguous(), None
 

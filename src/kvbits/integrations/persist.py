@@ -102,7 +102,31 @@ def read_cache_file(path, tensors: bool = True) -> tuple[dict, dict]:
         version = doc.get("version") if isinstance(doc, dict) else None
         raise ValueError(f"{str(path)!r} is a kvbits cache file of version {version!r}; "
                          f"this kvbits reads version {VERSION!r}")
+    problem = _doc_problem(doc)
+    if problem:
+        raise ValueError(f"{str(path)!r}: malformed kvbits cache metadata: {problem}")
     return doc, data
+
+
+def _doc_problem(doc: dict) -> str | None:
+    """What is missing or of the wrong type in a cache file's document (None when it is whole):
+    a damaged file was a KeyError or a TypeError deep in the loader (session 41 QA)."""
+    for key in ("model", "spec"):
+        if not isinstance(doc.get(key), dict):
+            return f"{key!r} must be an object, got {type(doc.get(key)).__name__}"
+    layers = doc.get("layers")
+    if not isinstance(layers, list):
+        return f"'layers' must be a list, got {type(layers).__name__}"
+    for i, meta in enumerate(layers):
+        if meta is None:
+            continue
+        if not isinstance(meta, dict):
+            return f"layer {i} must be an object or null, got {type(meta).__name__}"
+        for key in ("batch", "kv_heads", "head_dim"):
+            v = meta.get(key)
+            if type(v) is not int or v < 1:
+                return f"layer {i} {key!r} must be a positive integer, got {v!r}"
+    return None
 
 
 def layer_devices(model) -> dict:
@@ -127,6 +151,9 @@ def load_cache(cls, path, model_or_config, device=None, dtype=None):
     from ..methods.kvquant import LayerCodebooks
     from ..spec import QuantSpec
 
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"load: dtype must be torch.float16, torch.bfloat16, torch.float32 or "
+                         f"None (the model's), got {dtype!r}")
     doc, tensors = read_cache_file(path)
     model = model_or_config if hasattr(model_or_config, "parameters") else None
     config = model.config if model is not None else model_or_config

@@ -918,8 +918,15 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     ``softcap``: attention-logit softcapping (Gemma2; scores ``softcap * tanh(s / softcap)``),
     applied in both kernels' online softmax, as is the sliding ``window``.
     """
+    if q.dim() != 4:
+        raise ValueError(f"decode_attention: q must be [B, Hq, Lq, D], got {tuple(q.shape)}")
     B, Hq, Lq, D = q.shape
     Hkv = kv.kv_heads
+    # (cheap host checks; kvbits.ops.decode_attention checks the rest: this entry point read
+    # past the layer's buffers for a larger query batch, session 41 QA)
+    if (B, D) != (kv.batch, kv.head_dim) or Lq < 1:
+        raise ValueError(f"decode_attention: q is {tuple(q.shape)}; the layer needs batch "
+                         f"{kv.batch}, head_dim {kv.head_dim} and at least one query row")
     if Hq % Hkv:
         raise ValueError(f"query heads {Hq} must be a multiple of kv heads {Hkv}")
     if D % 4:  # (tiles are padded to a power of two; rows of 8-byte multiples)

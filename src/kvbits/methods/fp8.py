@@ -104,6 +104,19 @@ def layer_scales(model_or_config, spec: QuantSpec, calibration, n_layers: int) -
         raise ValueError("fp8_scale='calibrated' needs scales: KVBitsCache(model, 'fp8', "
                          "calibration='auto') (amax on SOTU 1900-1999), a file from "
                          "kvbits.methods.fp8.save_fp8_scales, or use preset 'fp8-dynamic'")
-    return per_layer_calibration(calibration, model_or_config,
-                                 lambda model: auto_fp8_scales(model, spec), load_fp8_scales,
-                                 "fp8 calibration", n_layers)
+    scales = per_layer_calibration(calibration, model_or_config,
+                                   lambda model: auto_fp8_scales(model, spec), load_fp8_scales,
+                                   "fp8 calibration", n_layers)
+    for i, pair in enumerate(scales):  # checked here, before any layer is built or attended
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise ValueError(f"fp8 calibration: layer {i} must be a (k_scale, v_scale) pair of "
+                             f"float [kv_heads] tensors, got {type(pair).__name__}")
+        for name, sc in zip(("k_scale", "v_scale"), pair):
+            if not (isinstance(sc, torch.Tensor) and sc.dim() == 1
+                    and sc.dtype.is_floating_point):
+                raise ValueError(f"fp8 calibration: layer {i} {name} must be a float [kv_heads] "
+                                 f"tensor, got {getattr(sc, 'shape', type(sc).__name__)}")
+            if not (torch.isfinite(sc).all() and (sc > 0).all()):
+                raise ValueError(f"fp8 calibration: layer {i} {name} must be finite and > 0 "
+                                 f"(dequant multipliers), got {sc.tolist()}")
+    return scales

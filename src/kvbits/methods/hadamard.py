@@ -71,7 +71,9 @@ def choose_channels(q: torch.Tensor, k: torch.Tensor, group_size: int = 32) -> l
     kg = k[:t].reshape(-1, group_size, D)
     s = (kg - kg.mean(1, keepdim=True)).pow(2).mean((0, 1))
     keep = torch.ones(D, dtype=torch.bool)
-    cands: list[list[int]] = [list(range(D))]
+    # the whole head is a candidate only where it is one Hadamard block (a power of two); the
+    # subsets below always are (session 41 QA: head_dim 80 failed here)
+    cands: list[list[int]] = [list(range(D))] if D & (D - 1) == 0 else []
     base = Q * s
     n = D
     while n > 8:  # smallest Hadamard block tried: 8 channels

@@ -130,8 +130,14 @@ def _check_call(q: torch.Tensor, kv: PackedKV, scale: float, window, starts=None
 def _check_positions(name: str, x, batch: int) -> None:
     """``starts`` / ``lengths``: None, an int, or integers per sequence (``[batch]``, or one
     for all); a float would be truncated and a wrong length broadcast or fail deep in a kernel.
-    Values are not read here (that would wait for the device)."""
-    if x is None or (isinstance(x, int) and not isinstance(x, bool)):
+    Values must fit an int32 (the kernels take int32: a larger one would wrap; a start may be
+    negative, after a sliding layer evicted), checked for Python ints and CPU tensors; values
+    on a GPU are not read here (that would wait for it)."""
+    if x is None:
+        return
+    if isinstance(x, int) and not isinstance(x, bool):
+        if not -2**31 <= x < 2**31:
+            raise ValueError(f"decode_attention: {name} must fit an int32, got {x}")
         return
     t = x if isinstance(x, torch.Tensor) else None
     if t is None:
@@ -144,6 +150,11 @@ def _check_positions(name: str, x, batch: int) -> None:
         what = (f"{t.dtype} {tuple(t.shape)}" if t is not None else type(x).__name__)
         raise ValueError(f"decode_attention: {name} must be None, an int or {batch} integers "
                          f"(one per sequence), got {what}")
+    if t.device.type == "cpu" and t.numel():
+        lo, hi = int(t.min()), int(t.max())  # (Python ints: 2**31 does not fit an int32)
+        if lo < -2**31 or hi >= 2**31:
+            raise ValueError(f"decode_attention: {name} must fit an int32, got values from "
+                             f"{lo} to {hi}")
 
 
 def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None, lengths=None,
@@ -152,8 +163,9 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     """Attention of ``q [B, Hq, Lq, D]`` over a packed layer; see the reference for the rules.
 
     The fused kernel reads KIVI, uniform (scales on either axis), FP8 and KVQuant layers
-    (codebooks, outliers, pre-RoPE keys); only pre-RoPE keys with a head_dim that is not a power
-    of two run the reference (see :func:`kvbits.kernels.decode_attention.reads`). Hadamard
+    (codebooks, outliers, pre-RoPE keys) at any head_dim that is a multiple of 4; pre-RoPE keys
+    at head dims below 32 (or per-token key scales with pre-RoPE keys at a head_dim that is not
+    a power of two) run the reference (see :func:`kvbits.kernels.decode_attention.reads`). Hadamard
     layers are plain: the caller passes rotated queries. ``lens_dev`` (kernels only): the true
     int32 (sink, body, residual) lengths on the device, ``kv``'s being bounds
     (:meth:`kvbits.cache.store.LayerStore.view_dev`); the reference path ignores it (there the

@@ -202,8 +202,9 @@ FP8_HEADROOM = 2.0
 
 def fp8_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """float32 dequant multiplier for an absolute maximum: ``amax * headroom / 448`` (1 when
-    the amax is 0)."""
-    amax = amax.float()
+    the amax is 0). The amax saturates at FP16's +-65504 as the integer methods' ranges do: an
+    infinite K/V element made the scale infinite and the whole head NaN (``0 * inf``)."""
+    amax = amax.float().clamp(max=FP16_MAX)
     return torch.where(amax > 0, amax * FP8_HEADROOM / FP8_MAX, torch.ones_like(amax))
 
 
