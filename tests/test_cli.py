@@ -145,9 +145,12 @@ def test_parse_hf_variants_accepts_what_the_backends_use():
     (["needle", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     (["generate", "--prompt", "x", "--temperature", "0.5"], "--temperature apply to --sample"),
     (["generate", "--prompt", "x", "--sample", "--top-p", "1.5"], r"--top-p must be in \(0, 1\]"),
-    (["generate", "--prompt", "x", "--sample", "--temperature=0"], "--temperature must be >= "),
+    (["generate", "--prompt", "x", "--sample", "--temperature=0"],
+     "--temperature must be finite and >= "),
     (["generate", "--prompt", "x", "--sample", "--temperature", "1e-38"],
-     r"--temperature must be >= 0.0001 .*leave out --sample"),
+     r"--temperature must be finite and >= 0.0001 .*leave out --sample"),
+    (["generate", "--prompt", "x", "--sample", "--temperature", "inf"],  # sampled uniformly
+     "--temperature must be finite"),
     (["generate", "--prompt", "x", "--temp", "0.5"], "--temperature apply to --sample"),
     (["generate", "--prompt", "x", "--top", "0.5"], "--top-p apply to --sample"),
     # session 41 QA: "k8" read as 8 and "1kk" as 1024, a 20-digit context reached torch, NaN

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import shlex
@@ -678,8 +679,8 @@ def _cmd_generate(args) -> int:
                          "otherwise): add --sample")
     args.temperature = 0.7 if args.temperature is None else args.temperature
     args.top_p = 0.9 if args.top_p is None else args.top_p
-    if not args.temperature >= MIN_TEMPERATURE:
-        raise ValueError(f"--temperature must be >= {MIN_TEMPERATURE} (smaller ones overflow the "
+    if not MIN_TEMPERATURE <= args.temperature < math.inf:  # (inf: uniform sampling)
+        raise ValueError(f"--temperature must be finite and >= {MIN_TEMPERATURE} (smaller ones overflow the "
                          f"scaled logits; greedy decoding is their limit: leave out --sample), "
                          f"got {args.temperature}")
     if not 0 < args.top_p <= 1:

@@ -218,6 +218,10 @@ def test_errors_name_the_parameter():
     x = torch.zeros(1, 2, 64, 64, dtype=torch.float16, device=DEVICE)
     with pytest.raises(ValueError, match="bits"):
         qp.quantize_keys(x, 5, 32)
+    with pytest.raises(ValueError, match=r"bits must be one of \(2, 3, 4, 8\), got 2.0"):
+        qp.quantize_keys(x, 2.0, 32)  # was a TypeError from torch.empty (session 41 QA)
+    with pytest.raises(ValueError, match="group_size must be a positive int"):
+        qp.quantize_keys(x, 2, True)  # was taken as 1
     with pytest.raises(ValueError, match="group_size"):
         qp.quantize_keys(x, 2, 48)
     with pytest.raises(ValueError, match="group_size"):

@@ -311,14 +311,14 @@ def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: in
 def _check_input(op: str, name: str, x: torch.Tensor, bits: int, group_size: int,
                  valid: torch.Tensor | None) -> tuple[int, int, int, int]:
     """Validate shapes and dtypes (metadata only: no host sync); return ``(B, H, T, D)``."""
-    if bits not in PACK_BITS:
+    if type(bits) is not int or bits not in PACK_BITS:  # (2.0 == 2 and True == 1 pass "in")
         raise ValueError(f"{op}: bits must be one of {PACK_BITS}, got {bits!r}")
     if x.dim() != 4:
         raise ValueError(f"{op}: {name} must be [B, H, T, D], got shape {tuple(x.shape)}")
     if x.dtype not in _DTYPES:
         raise ValueError(f"{op}: {name} must be float16, bfloat16 or float32, got {x.dtype}")
     B, H, T, D = x.shape
-    if not isinstance(group_size, int) or group_size < 1 or T % group_size:
+    if type(group_size) is not int or group_size < 1 or T % group_size:
         raise ValueError(f"{op}: group_size must be a positive int dividing the token count {T}, "
                          f"got {group_size!r}")
     if valid is not None:
