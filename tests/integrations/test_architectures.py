@@ -32,6 +32,18 @@ ARCHS = {
 }
 
 
+def decode_in_parts(model, x, cache, prefill: int, chunk: int) -> torch.Tensor:
+    """Logits of ``x`` through ``cache``: a prefill of ``prefill`` tokens, a chunk up to
+    ``chunk``, then single steps."""
+    kw = cache_kwargs(model, cache)
+    with torch.no_grad():
+        parts = [model(input_ids=x[:, :prefill], use_cache=True, **kw).logits,
+                 model(input_ids=x[:, prefill:chunk], use_cache=True, **kw).logits]
+        parts += [model(input_ids=x[:, t:t + 1], use_cache=True, **kw).logits
+                  for t in range(chunk, x.shape[1])]
+    return torch.cat(parts, 1)
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_decoding_through_the_cache_matches_the_model(arch):
     torch.manual_seed(0)
@@ -45,13 +57,7 @@ def test_decoding_through_the_cache_matches_the_model(arch):
     scale = full.abs().max()
     for preset, tol in (("fp16", 1e-5), ("kivi-4", 0.25)):  # random tiny models: loose
         cache = KVBitsCache(model, preset, residual_length=8)
-        kw = cache_kwargs(model, cache)
-        with torch.no_grad():
-            parts = [model(input_ids=x[:, :70], use_cache=True, **kw).logits,
-                     model(input_ids=x[:, 70:80], use_cache=True, **kw).logits]
-            parts += [model(input_ids=x[:, t:t + 1], use_cache=True, **kw).logits
-                      for t in range(80, 100)]
-        err = ((torch.cat(parts, 1) - full).abs().max() / scale).item()
+        err = ((decode_in_parts(model, x, cache, 70, 80) - full).abs().max() / scale).item()
         assert err < tol, (arch, preset, err)
         assert cache.layers[0].store.body_len > 0 or preset == "fp16"
 
@@ -72,13 +78,7 @@ def test_gpu_head_dims_not_multiples_of_16(head_dim, monkeypatch):
 
     def run(preset, kw):
         cache = KVBitsCache(model, preset, **kw)
-        args = cache_kwargs(model, cache)
-        with torch.no_grad():
-            parts = [model(input_ids=x[:, :100], use_cache=True, **args).logits,
-                     model(input_ids=x[:, 100:110], use_cache=True, **args).logits]
-            parts += [model(input_ids=x[:, t:t + 1], use_cache=True, **args).logits
-                      for t in range(110, 150)]
-        return torch.cat(parts, 1).float(), cache
+        return decode_in_parts(model, x, cache, 100, 110).float(), cache
     for preset, kw in (("kivi-2", {"residual_length": 8}),
                        ("kvquant-3", {"residual_length": 8, "calibration": "uniform"})):
         monkeypatch.setenv("KVBITS_KERNELS", "reference")
