@@ -638,7 +638,8 @@ def test_non_contiguous_layer_matches_or_raises():
 
 def test_bad_head_counts():
     kv = make_kv(Case(Hkv=2))
-    with pytest.raises(ValueError, match="multiple of kv heads"):
+    with pytest.raises(ValueError, match=r"q \(1, 3, 1, 64\) does not fit the layer .* a multiple "
+                                         "of the KV heads"):  # (layout.check_query, as in ops)
         kernel(torch.randn(1, 3, 1, 64).half().to(DEVICE), kv, scale=0.125)
 
 

@@ -62,14 +62,12 @@ class LayerStore:
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.value_group = spec.value_group(head_dim)
-        if self.value_group != spec.group_size and spec.method in ("kivi", "uniform", "kvquant"):
+        if head_dim % spec.group_size and spec.method in ("kivi", "uniform", "kvquant"):
+            how = (f"values are quantized in groups of {self.value_group} channels"
+                   if self.value_group != spec.group_size else
+                   f"the last value group holds {head_dim % self.value_group} channels")
             warnings.warn(f"group_size {spec.group_size} does not divide head_dim {head_dim}: "
-                          f"values are quantized in groups of {self.value_group} channels "
-                          "(spec.value_group)", stacklevel=2)
-        elif head_dim % self.value_group and spec.method in ("kivi", "uniform", "kvquant"):
-            warnings.warn(f"group_size {spec.group_size} does not divide head_dim {head_dim}: "
-                          f"the last value group holds {head_dim % self.value_group} channels "
-                          "(spec.value_group)", stacklevel=2)
+                          f"{how} (spec.value_group)", stacklevel=2)
         self.starts = torch.zeros(batch, dtype=torch.int32, device=self.device)
         # host-side bound: no sequence has hidden tokens (padding, or copies of its sink) in
         # the body or residual at positions >= this

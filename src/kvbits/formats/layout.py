@@ -140,6 +140,27 @@ class PackedKV:
         return self.res_k.shape[1]
 
 
+def check_value_group(op: str, group, head_dim: int) -> None:
+    """``value_group``: an int in ``[1, head_dim]``; the last group is shorter when it does not
+    divide head_dim (the reference and the kernels check alike; ``op`` names the caller)."""
+    if not isinstance(group, int) or isinstance(group, bool) or not 1 <= group <= head_dim:
+        raise ValueError(f"{op}: value_group must be an int in [1, head_dim={head_dim}], got "
+                         f"{group!r}")
+
+
+def check_query(q: torch.Tensor, kv: PackedKV) -> None:
+    """Refuse a query that does not fit the layer: ``q`` must be ``[batch, a multiple of the KV
+    heads, >= 1 rows, head_dim]`` (metadata only). Shared by :func:`kvbits.ops.decode_attention`
+    and the kernel's own entry point, which read past the buffers for a larger batch."""
+    if q.dim() == 4:
+        B, Hq, Lq, D = q.shape
+        if B == kv.batch and D == kv.head_dim and Lq >= 1 and Hq % kv.kv_heads == 0:
+            return
+    raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit the layer (batch "
+                     f"{kv.batch}, {kv.kv_heads} KV heads, head_dim {kv.head_dim}): it must "
+                     "be [batch, a multiple of the KV heads, >= 1 rows, head_dim]")
+
+
 def pre_rope_kernel_ok(head_dim: int, key_axis: str = "channel") -> bool:
     """Whether the fused decode kernel reads pre-RoPE keys of this head_dim: it rotates a key
     tile as two halves and multiplies each with ``tl.dot``, whose inner dimension must be >= 16

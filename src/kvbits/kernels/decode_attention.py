@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats.layout import PackedKV, pre_rope_kernel_ok
+from ..formats.layout import PackedKV, check_query, pre_rope_kernel_ok
 from . import decode_gluon, decode_gluon_tma
 from .launch import FastLaunch, device_index, keyword_maker
 
@@ -781,7 +781,7 @@ def reads(kv: PackedKV) -> bool:
     multiple of 32), as every QuantSpec's do, head_dim a multiple of 4, and per-token scale
     groups of a power of two or all of head_dim; layouts built by hand otherwise use the
     reference."""
-    G, kb, vb, D, GV = kv.group_size, kv.key_bits, kv.value_bits, kv.res_k.shape[-1], kv.value_group
+    G, kb, vb, D, GV = kv.group_size, kv.key_bits, kv.value_bits, kv.head_dim, kv.value_group
     words_ok = not G & (G - 1) and G * min(kb, vb) >= 32 and (G % 32 == 0 or 3 not in (kb, vb))
     groups_ok = GV >= D or not GV & (GV - 1)  # (_scale_tile maps a group onto whole lanes)
     return words_ok and D % 4 == 0 and groups_ok and (
@@ -918,17 +918,9 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     ``softcap``: attention-logit softcapping (Gemma2; scores ``softcap * tanh(s / softcap)``),
     applied in both kernels' online softmax, as is the sliding ``window``.
     """
-    if q.dim() != 4:
-        raise ValueError(f"decode_attention: q must be [B, Hq, Lq, D], got {tuple(q.shape)}")
+    check_query(q, kv)  # (kvbits.ops.decode_attention checks the rest)
     B, Hq, Lq, D = q.shape
     Hkv = kv.kv_heads
-    # (cheap host checks; kvbits.ops.decode_attention checks the rest: this entry point read
-    # past the layer's buffers for a larger query batch, session 41 QA)
-    if (B, D) != (kv.batch, kv.head_dim) or Lq < 1:
-        raise ValueError(f"decode_attention: q is {tuple(q.shape)}; the layer needs batch "
-                         f"{kv.batch}, head_dim {kv.head_dim} and at least one query row")
-    if Hq % Hkv:
-        raise ValueError(f"query heads {Hq} must be a multiple of kv heads {Hkv}")
     if D % 4:  # (tiles are padded to a power of two; rows of 8-byte multiples)
         raise ValueError(f"decode_attention: head_dim must be a multiple of 4, got {D}")
     for name in ("sink_k", "sink_v", "res_k", "res_v", "k_codes", "k_scale", "k_zero",

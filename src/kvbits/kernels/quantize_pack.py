@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats.layout import check_value_group
 from ..formats.packing import PACK_BITS, packed_length, slots_per_column
 from . import quantize_pack_gluon as _gluon
 
@@ -279,10 +280,7 @@ def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: in
     >>> codes, scale, zero = quantize_values(v, 2, 32, 32)  # v: [1, 8, 4096, 128] fp16 on CUDA
     """
     B, H, T, D = _check_input("quantize_values", "v", v, bits, group_size, valid)
-    if not isinstance(value_group, int) or isinstance(value_group, bool) \
-            or not 1 <= value_group <= D:
-        raise ValueError(f"quantize_values: value_group must be an int in [1, head_dim={D}], "
-                         f"got {value_group!r}")
+    check_value_group("quantize_values", value_group, D)
     G, NG, NGV = group_size, T // group_size, _cdiv(D, value_group)
     slots, W = slots_per_column(bits), -(-G // slots_per_column(bits))
     codes, scale, zero = _packed_outputs(v, bits, G, NG, (T, NGV))

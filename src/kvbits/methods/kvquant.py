@@ -275,10 +275,7 @@ def _split_values(v: torch.Tensor, bits: int, value_group: int, n_out: int,
     zero-padded when Gv does not divide D), ``scale, zero [B,H,T,NGv,1]``, dense mask (False on
     padding and outliers), outlier indices ``[B,H,T,n]`` over the D channels (None when n == 0)."""
     B, _, T, D = v.shape
-    try:
-        vg, in_range = channel_groups(v.float(), value_group)
-    except ValueError as e:
-        raise ValueError(f"quantize_values: {e}") from None
+    vg, in_range = channel_groups(v.float(), value_group, "quantize_values")
     ok = None if valid is None else valid.reshape(B, 1, T, 1, 1).expand_as(vg)
     if in_range is not None:
         ok = in_range.expand_as(vg) if ok is None else ok & in_range

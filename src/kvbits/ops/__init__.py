@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from ..formats.layout import PackedKV
+from ..formats.layout import PackedKV, check_query
 from ..reference import attention as _ref_attention
 from ..reference import quant as _ref_quant
 
@@ -87,15 +87,11 @@ def _check_call(q: torch.Tensor, kv: PackedKV, scale: float, window, starts=None
     if not isinstance(kv, PackedKV):
         raise TypeError(f"decode_attention: kv must be a PackedKV (a layer's view), got "
                          f"{type(kv).__name__}")
-    B, Hq, Lq, D = q.shape
+    B = q.shape[0]
     if q.device != kv.res_k.device:
         raise ValueError(f"decode_attention: q is on {q.device}, the layer on "
                          f"{kv.res_k.device}; they must share a device")
-    rb, rh, _, rd = kv.res_k.shape
-    if B != rb or D != rd or Lq < 1 or Hq % rh:
-        raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit the layer (batch "
-                         f"{kv.batch}, {kv.kv_heads} KV heads, head_dim {kv.head_dim}): it must "
-                         "be [batch, a multiple of the KV heads, >= 1 rows, head_dim]")
+    check_query(q, kv)
     bh = kv.res_k.shape[:2]
     for name in ("sink_k", "sink_v", "res_v", "k_codes", "k_scale", "v_codes", "v_scale"):
         t = getattr(kv, name)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..formats.layout import check_value_group
 from ..formats.packing import PACK_BITS, pack_bits, packed_length, unpack_bits
 
 
@@ -118,15 +119,14 @@ def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     return x.reshape(B, H, NG * group_size, D)
 
 
-def channel_groups(x: torch.Tensor, group: int):
+def channel_groups(x: torch.Tensor, group: int, op: str = "channel_groups"):
     """``[..., D]`` -> ``([..., NGv, Gv], in_range)`` with ``NGv = ceil(D / Gv)``: per-token
     groups of ``group`` channels, the last one shorter when ``group`` does not divide D (KIVI's
     groups of G channels at head_dim 80 or 100). The short group is padded with zeros and
     ``in_range`` (bool ``[NGv, Gv]``, None when nothing is padded) marks the real channels, which
-    alone set a group's min / max."""
+    alone set a group's min / max. ``op`` names the caller in a bad ``group``'s error."""
     D = x.shape[-1]
-    if not isinstance(group, int) or isinstance(group, bool) or not 1 <= group <= D:
-        raise ValueError(f"value_group must be an int in [1, head_dim={D}], got {group!r}")
+    check_value_group(op, group, D)
     pad = -D % group
     if not pad:
         return x.reshape(*x.shape[:-1], D // group, group), None
@@ -161,10 +161,7 @@ def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: in
     G = group_size
     if T % G:
         raise ValueError(f"quantize_values: token count {T} is not a multiple of group_size {G}")
-    try:
-        vg, in_range = channel_groups(v, value_group)
-    except ValueError as e:
-        raise ValueError(f"quantize_values: {e}") from None
+    vg, in_range = channel_groups(v, value_group, "quantize_values")
     ok = None if valid is None else valid.reshape(B, 1, T, 1, 1)
     if in_range is not None:
         ok = in_range if ok is None else ok & in_range
@@ -184,10 +181,7 @@ def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
     Wv = packed_length(group_size, bits)
     words = codes[:, :, : NG * Wv].reshape(B, H, NG, Wv, D)
     q = unpack_bits(words, bits, group_size, dim=3).reshape(B, H, T, D)
-    try:
-        qg, _ = channel_groups(q, value_group)
-    except ValueError as e:
-        raise ValueError(f"dequantize_values: {e}") from None
+    qg, _ = channel_groups(q, value_group, "dequantize_values")
     return ungroup(dequantize_with(qg, scale.unsqueeze(-1), zero.unsqueeze(-1), dtype), D)
 
 
