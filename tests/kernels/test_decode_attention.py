@@ -1147,6 +1147,17 @@ GLUON_CASES += [body_case(b, G, D, HG, b + G + HG + D)
 GLUON_CASES += [body_case(3, G, D, HG, 3 + G + HG + D)
                 for G, D, HG in ((32, 96, 3), (64, 256, 2), (32, 256, 8), (64, 192, 1))]
 
+# head dims 32 does not divide (decode_gluon.PADDED_HEAD_DIMS): 32-channel chunks, the last one
+# padded (zero query lanes, masked loads and stores); per-token value groups as
+# QuantSpec.value_group gives them there, the last one shorter (80: 32+32+16, 64+16 or the whole
+# head; 100: 32 x 3 + 4 or 64+36; 40: 32+8; 72: 64+8); 2, 3 and 4 bits, GQA 1-16
+GLUON_PADDED_CASES = [
+    body_case(b, G, D, HG, b + G + HG + D, Gv=Gv)
+    for b, G, D, HG, Gv in ((2, 32, 80, 4, 32), (4, 64, 80, 1, 64), (2, 128, 80, 8, 80),
+                            (3, 32, 80, 3, 32), (2, 32, 100, 2, 32), (4, 64, 100, 7, 64),
+                            (3, 64, 100, 4, 64), (4, 32, 40, 16, 32), (2, 64, 72, 5, 64))]
+GLUON_CASES += GLUON_PADDED_CASES
+
 
 # Sliding windows (Gemma2/3, Mistral-style layers) and Gemma2's softcapping in both Gluon bodies:
 # a window inside the body (programs whose whole range is hidden), one that hides the sink and
@@ -1580,6 +1591,7 @@ def test_gluon_tma_inside_cuda_graph(bits, monkeypatch):
     ("KVBITS_GLUON_3BIT", "decode_gluon", "'0' or '1'"),
     ("KVBITS_GLUON_EXTRA_DIMS", "decode_gluon", "'0' or '1'"),
     ("KVBITS_GLUON_TOKEN_KEYS_WIDE", "decode_gluon", "'0' or '1'"),
+    ("KVBITS_GLUON_PADDED_DIMS", "decode_gluon", "'0' or '1'"),
     ("KVBITS_GLUON_KVQUANT", "decode_gluon", "'0' or '1'"),
     ("KVBITS_FINISH_FP_TOKENS", "decode_attention", "'auto' or a non-negative integer")])
 def test_gluon_env_switches_are_checked(var, module, allowed):
@@ -1824,7 +1836,10 @@ GLUON_TOKEN_KEY_CASES = [
     for b, G, D, HG in [(4, 64, 128, 4), (2, 64, 128, 1), (2, 32, 64, 8), (4, 128, 128, 16),
                         # head dims 256 / 96: one key group per 64- / 32-channel chunk
                         # (decode_gluon.TOKEN_KEYS_WIDE)
-                        (4, 64, 256, 2), (2, 32, 96, 3)]
+                        (4, 64, 256, 2), (2, 32, 96, 3),
+                        # padded chunks (PADDED_HEAD_DIMS): uniform-int4's 64+16 at head_dim
+                        # 80, 64+36 at 100
+                        (4, 64, 80, 4), (2, 64, 100, 2)]
 ]
 
 
@@ -1841,6 +1856,45 @@ def test_gluon_body_token_keys(c, monkeypatch):
     kv = _axes_kv(c, "token", "token")
     assert decode_gluon.eligible(kv, 1, c.HG)
     run_case(c, kv=kv)
+
+
+def test_gluon_padded_head_dims_eligibility(monkeypatch):
+    """Which layers at head dims 32 does not divide the Gluon body takes (no GPU needed): the
+    presets' KIVI, kvquant-dense-post and uniform layers at 80 / 100 / 40 / 72, as the store
+    builds them; not groups that cross a 32-channel chunk, KVQuant's pre-RoPE keys or outliers,
+    8 bits, or anything with the switch off."""
+    import warnings
+
+    from kvbits.cache.store import LayerStore
+    from kvbits.kernels import decode_gluon
+    from kvbits.spec import PRESETS
+    if decode_gluon.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    monkeypatch.setattr(decode_gluon, "PADDED_HEAD_DIMS", True)
+    assert [d for d in range(4, 260, 4) if decode_gluon.padded_head(d)] == \
+        [d for d in range(36, 128, 4) if d not in (64, 96)]
+    for D in (80, 100, 40, 72):
+        for name in ("kivi-2", "kivi-3", "kivi-4", "k4v2", "kvquant-3-dense-post",
+                     "uniform-int4", "kivi-8", "kvquant-3-post"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (group size does not divide head_dim)
+                store = LayerStore(PRESETS[name], 1, 2, D, torch.float16, "cpu")
+            kv = torch.randn(1, 2, 200, D, dtype=torch.float16)
+            store.append(kv, kv)
+            want = name not in ("kivi-8", "kvquant-3-post")  # 8 bits; outliers: Triton
+            assert decode_gluon.eligible(store.view(), 1, 4) == want, (D, name)
+            assert decode_gluon.chunks_of(D) * 32 >= D > (decode_gluon.chunks_of(D) - 1) * 32
+    c = GLUON_PADDED_CASES[0]  # head_dim 80, 32-channel value groups
+    kv = make_kv(c._replace(body=c.G * 3), device="cpu")
+    assert decode_gluon.eligible(kv, 1, c.HG)
+    for Gv in (16, 48):  # groups of 16 (two per chunk, unpaired), 48 (crosses a chunk)
+        assert not decode_gluon.eligible(make_kv(c._replace(body=c.G * 3, Gv=Gv), "cpu"), 1,
+                                         c.HG), Gv
+    rope = make_kv(c._replace(body=c.G * 3), device="cpu")
+    rope.rope_inv_freq = torch.ones(c.D // 2)
+    assert not decode_gluon.eligible(rope, 1, c.HG)  # halves of 40: not whole chunks
+    monkeypatch.setattr(decode_gluon, "PADDED_HEAD_DIMS", False)
+    assert not decode_gluon.eligible(kv, 1, c.HG)
 
 
 def test_gluon_token_keys_need_the_flag(monkeypatch):

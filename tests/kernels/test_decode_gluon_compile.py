@@ -66,6 +66,14 @@ CONFIGS = [
     {**BASE, "HG": 2, "D": 256, "KBITS": 3, "VBITS": 3, "CB": True, "Q_RELOAD": True},
     {**BASE, "HG": 8, "D": 96, "KBITS": 4, "VBITS": 4},
     {**BASE, "HG": 3, "D": 96, "KBITS": 3, "VBITS": 3, "CB": True},  # planes in a third chunk
+    # head dims 32 does not divide (PADDED_HEAD_DIMS), the last 32-channel chunk padded: 80 as
+    # three (2 bits; 3-bit codebooks; keys per token over 64 channels), 100 as four (4 bits,
+    # G 64), 40 as two (MHA)
+    {**BASE, "D": 80},
+    {**BASE, "HG": 3, "D": 80, "KBITS": 3, "VBITS": 3, "CB": True},
+    {**BASE, "D": 80, "KBITS": 4, "VBITS": 4, "G": 64, "GV": 64, "GK": 64, "K_TOK": True},
+    {**BASE, "HG": 8, "D": 100, "KBITS": 4, "VBITS": 4, "G": 64, "GV": 64, "GK": 64},
+    {**BASE, "HG": 1, "D": 40},
     # keys per token at head_dim 256 (TOKEN_KEYS_WIDE): one 64-channel key group per chunk
     {**BASE, "HG": 2, "D": 256, "KBITS": 4, "VBITS": 4, "G": 64, "GV": 64, "GK": 64,
      "K_TOK": True},

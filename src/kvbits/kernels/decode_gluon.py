@@ -28,7 +28,8 @@ Only the KIVI layout family is served here (keys scaled per channel over G token
 token over GV channels, key/value bits of 2 or 4, up to 16 query heads x query rows per KV
 head as the MMA's columns (each row masked by its own causal end and window), head_dim 64 or 128
 as two channel chunks, with ``EXTRA_HEAD_DIMS`` also 96, 192 and 256 as three
-or four: ``head_chunks``, chunks past the second loaded only after the first two's MMAs);
+or four: ``head_chunks``, chunks past the second loaded only after the first two's MMAs; with
+``PADDED_HEAD_DIMS`` other multiples of 4 up to 124 in 32-channel chunks, the last one masked);
 :func:`eligible` says which layers, the Triton kernel does the rest.
 Different key and value widths (``MIXED_BITS``) permute P's rows between
 the two token orders, which differ only by a permutation of the row index's six bits. 3-bit
@@ -435,6 +436,8 @@ if gluon is not None:
         e = _ar(2, 2, KW)
         j = _ar(DC // 2, 3, KW) + DC0 // 2
         g, ok, row = _plane_row(a, s, n_groups, G)
+        if DC0 + DC > D:  # the padded last chunk (head_chunks)
+            ok = ok & (j < D2)
         wp = kc_base.to(gl.pointer_type(gl.int64), bitcast=True) + (row * D2 + j + e * 0)
         s_off = g * D2 + j + e * 0
         sp = ks_base.to(gl.pointer_type(gl.int32), bitcast=True) + s_off
@@ -468,10 +471,12 @@ if gluon is not None:
         CW: gl.constexpr = G // 32
         GVC: gl.constexpr = GV if GV < DC else DC  # noqa: FURB136
         NGC: gl.constexpr = DC // GVC
-        NGV: gl.constexpr = D // GV
+        NGV: gl.constexpr = (D + GV - 1) // GV
         gi = _ar(NGC, 0, VW)
         c = _ar(GVC, 1, VW)
         _, ok, row = _plane_row(_ar(4, 3, VW), s, n_groups, G)
+        if DC0 + DC > D:  # the padded last chunk (head_chunks)
+            ok = ok & (DC0 + gi * GVC + c < D)
         wp = vc_base + (row * D + DC0 + gi * GVC + c)
         NW: gl.constexpr = NGC // 2 if NGC >= 2 else 1  # scale loads per token (see VS)
         sg = _ar(NW, 0, VS)
@@ -523,8 +528,11 @@ if gluon is not None:
         row = row0 + R
         ra = row0 + (2 if BITS == 4 else 1) * a  # one key group per thread and step
         wp = kc_base.to(gl.pointer_type(gl.int64), bitcast=True) + (row * D2 + j + e * 0)
+        w_ok = row < n_rows
+        if DC0 + DC > D:  # the padded last chunk of a head (head_chunks): channel pairs past D
+            w_ok = w_ok & (j < D2)
         if K_TOK:
-            NGK: gl.constexpr = D // GK
+            NGK: gl.constexpr = (D + GK - 1) // GK
             if BITS == 2:
                 idx = _ar(2, 2, KT) + 2 * _ar(2, 3, KT) + 4 * _ar(2, 4, KT)
                 t = tok0 + _tok(_ar(4, 0, KT), idx + 8 * _ar(2, 1, KT), W, G)
@@ -536,10 +544,12 @@ if gluon is not None:
             zp = kz_base + (t * NGK + DC0 // GK)
         else:
             s_ok = ra < n_rows
+            if DC0 + DC > D:
+                s_ok = s_ok & (j < D2)
             s_off = (ra // W) * D2 + j + e * 0
             sp = ks_base.to(gl.pointer_type(gl.int32), bitcast=True) + s_off
             zp = kz_base.to(gl.pointer_type(gl.int32), bitcast=True) + s_off
-        return wp, sp, zp, row < n_rows, s_ok
+        return wp, sp, zp, w_ok, s_ok
 
     @gluon.jit
     def _key_loads(kc_base, ks_base, kz_base, row0, n_rows, tok0, body_len, DC0: gl.constexpr,
@@ -646,7 +656,7 @@ if gluon is not None:
         """Addresses of the packed values of one step, channels ``[DC0, DC0 + DC)``: words in
         the threads that unpack them, per-token scales/zeros (one vector per token), and their
         masks."""
-        NGV: gl.constexpr = D // GV  # scale groups per token
+        NGV: gl.constexpr = (D + GV - 1) // GV  # scale groups per token
         GVC: gl.constexpr = GV if GV < DC else DC  # noqa: FURB136 (channels per group, chunk)
         NGC: gl.constexpr = DC // GVC
         g = _ar(NGC, 0, VW)
@@ -657,6 +667,8 @@ if gluon is not None:
             R = _ar(2, 2, VW) + 2 * _ar(4, 3, VW)
         row = row0 + R
         w_ok = row < n_rows
+        if DC0 + DC > D:  # the padded last chunk (head_chunks): channels past D
+            w_ok = w_ok & (DC0 + g * GVC + c < D)
         wp = vc_base + (row * D + DC0 + g * GVC + c)
         NW: gl.constexpr = NGC // 2 if NGC >= 2 else 1  # scale loads per token (see VS)
         sg = _ar(NW, 0, VS)
@@ -896,7 +908,7 @@ if gluon is not None:
         qd = gl.arange(0, DC, layout=gl.SliceLayout(1, b_l))
         qj = gl.arange(0, HP, layout=gl.SliceLayout(0, b_l))
         q_ptr = Q + (q_row0 + qj[None, :]) * D + C * DC + qd[:, None]
-        q_ok = (qj[None, :] < HG) & (qd[:, None] < DC)
+        q_ok = (qj[None, :] < HG) & (C * DC + qd[:, None] < D)  # (zero past D: padded chunk)
         return (gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
 
     @gluon.jit
@@ -997,7 +1009,7 @@ if gluon is not None:
         oj = gl.arange(0, HP, layout=gl.SliceLayout(0, mma))
         o_row = (q_row0 + oj) * n_out + split
         o_ptr = Out + o_row[None, :] * D + C * DC + od[:, None]
-        o_ok = (oj[None, :] < HG) & (od[:, None] < DC)
+        o_ok = (oj[None, :] < HG) & (C * DC + od[:, None] < D)
         gl.store(o_ptr, acc / l_safe[None, :], mask=o_ok)
         return o_row, oj, l_safe
 
@@ -1232,14 +1244,24 @@ if gluon is not None:
     def head_chunks(D):
         """Channel chunks of a head (one MMA operand each): two at head_dim 64 and 128 (32 / 64
         channels), else 64-channel chunks where they divide it (192: 3, 256: 4), else 32-channel
-        ones (96: 3)."""
+        ones (96: 3), the last one padded where 32 does not divide it either (80: 3, 100: 4;
+        :func:`padded_head`)."""
         D = int(getattr(D, "value", D))
         if D in (64, 128):
             return 2
-        return D // 64 if D % 64 == 0 else D // 32
+        return D // 64 if D % 64 == 0 else -(-D // 32)
+
+    @gluon.constexpr_function
+    def chunk_width(D):
+        """Channels per chunk (:func:`head_chunks`): 32 or 64; the last chunk of a padded head
+        holds ``D % 32`` real channels, its other lanes masked (zero query, no loads, no
+        stores)."""
+        D = int(getattr(D, "value", D))
+        return 64 if D == 128 or D % 64 == 0 and D > 128 else 32
 
     # the same, called from the host: a constexpr_function call costs ~7 us there (every step)
     chunks_of = head_chunks.fn
+    chunk_width_of = chunk_width.fn
 
     @gluon.jit
     def _launch_dependents():
@@ -1273,8 +1295,8 @@ if gluon is not None:
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
         NCH: gl.constexpr = head_chunks(D)  # 2 to 4 chunks of 32 or 64 channels
-        gl.static_assert(NCH <= 4, "head_dim: 64, 96, 128, 192 or 256")
-        DC: gl.constexpr = D // NCH  # channels per chunk
+        gl.static_assert(NCH <= 4, "head_dim: 33 to 128 (multiples of 4), 192 or 256")
+        DC: gl.constexpr = chunk_width(D)  # channels per chunk (the last one may be padded)
         GVC: gl.constexpr = GV if GV < DC else DC  # noqa: FURB136 (value-scale group in a chunk)
         # 3-bit planes are merged into 4-bit fields after loading: the 4-bit layouts serve them
         KL: gl.constexpr = 4 if KBITS == 3 else KBITS
@@ -1359,8 +1381,8 @@ if gluon is not None:
             acc3 = gl.zeros([DC, HP], gl.float32, layout=mma)
         row0 = s_lo * RS
         tok0 = (row0 // W) * G + row0 % W
-        NGV: gl.constexpr = D // GV
-        NGK: gl.constexpr = D // GK
+        NGV: gl.constexpr = (D + GV - 1) // GV  # (a shorter last group: QuantSpec.value_group)
+        NGK: gl.constexpr = (D + GK - 1) // GK
         if PF > 0:  # the first steps' bytes on their way before the loop starts
             for s in range(s_lo + 1, gl.minimum(s_lo + PF, s_hi)):
                 _prefetch_step(s, kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, D, RS,
@@ -1460,7 +1482,9 @@ if gluon is not None:
                 st = mma_v2(k, q1, st)
             # chunks past the second: their words only now (at head_dim 256, 255 registers with
             # 8-18 spilled words per step this way, 54-98 with every load at the step's start)
-            if NCH == 4 and KBITS != 3:  # both chunks' words first (fewer spills at 4 bits)
+            # both chunks' words first at head_dim 256 (fewer spills at 4 bits); at 100 (four
+            # 32-channel chunks, the last padded) one at a time: 16 bytes of stack against 24
+            if NCH == 4 and KBITS != 3 and DC == 64:
                 kw2, ks2, kz2 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur,
                                            body_len, 2 * DC, KBITS, W, G, D, DC, GK, KW, KT,
                                            K_TOK)
@@ -1535,7 +1559,7 @@ if gluon is not None:
                 v = _value_operand(vw1, vs1, vz1, VBITS, DC, VW, a_l)
             acc1 = mma_v2(v, pb, acc1 * alpha[None, :])
             # chunks past the second: their words only now (as for the keys)
-            if NCH == 4 and VBITS != 3:
+            if NCH == 4 and VBITS != 3 and DC == 64:
                 vw2, vs2, vz2 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
                                              body_len, 2 * DC, VBITS, WV, G, D, DC, GV, VW, VS_L)
                 vw3, vs3, vz3 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
@@ -1617,6 +1641,17 @@ if _TOKEN_KEYS_WIDE_ENV not in ("0", "1"):
     raise ValueError("KVBITS_GLUON_TOKEN_KEYS_WIDE must be '0' or '1', got "
                      f"{_TOKEN_KEYS_WIDE_ENV!r}")
 TOKEN_KEYS_WIDE = _TOKEN_KEYS_WIDE_ENV == "1"
+# Head dims that 32 does not divide (multiples of 4 from 36 to 124: Phi-2's and StableLM-3B's 80,
+# OpenLLaMA-3B's 100) as 32-channel chunks with the last one padded: its query lanes past D are
+# zero and its loads and stores masked (padded_head). Value and key groups must not cross a chunk
+# (multiples of 32 channels, or the whole head), 2, 3 or 4 bits, no outliers or pre-RoPE keys
+# (their rotate-half halves are not whole chunks there). Before this the Triton kernel served
+# them at 7-28% of the copy bandwidth (decode_attention_hd100_s41b.md).
+# KVBITS_GLUON_PADDED_DIMS=0 sends those layers to the Triton kernel.
+_PADDED_DIMS_ENV = os.environ.get("KVBITS_GLUON_PADDED_DIMS", "1")
+if _PADDED_DIMS_ENV not in ("0", "1"):
+    raise ValueError(f"KVBITS_GLUON_PADDED_DIMS must be '0' or '1', got {_PADDED_DIMS_ENV!r}")
+PADDED_HEAD_DIMS = _PADDED_DIMS_ENV == "1"
 
 # KVQuant's full layer (3-bit codebooks with dense-and-sparse outliers and/or pre-RoPE keys,
 # head_dim 64 or 128) through this kernel: outliers as one-hot tiles on the tensor cores
@@ -1674,7 +1709,9 @@ def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
     with ``MIXED_BITS`` any pair at group size <= 64) or, with ``PLANES3``, both 3 at group
     size 32 or 64 with per-channel key scales, group
     size 16-128, head_dim 64 or 128 (or 96, 192, 256 with ``EXTRA_HEAD_DIMS``: per-channel
-    keys), value groups of 32 to 128 channels (smaller ones compile but
+    keys; or, with ``PADDED_HEAD_DIMS``, a multiple of 4 from 36 to 124 in 32-channel chunks,
+    per-token groups a multiple of 32 channels or the whole head, none of KVQuant's outliers
+    or pre-RoPE keys), value groups of 32 to 128 channels (smaller ones compile but
     are not tested on a GPU), at most 16 query heads x query rows per KV head (several rows:
     speculative verification, short chunks). Sliding windows, softcapping and each row's causal
     end are applied by the kernel."""
@@ -1711,12 +1748,26 @@ def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
     else:
         bits_ok = (kv.key_bits in (2, 4) and kv.value_bits in (2, 4)
                    and (kv.key_bits == kv.value_bits or (MIXED_BITS and G <= 64)))
-    dims_ok = D in (64, 128) or (D in (96, 192, 256) and EXTRA_HEAD_DIMS
-                                 and (key_axis == "channel" or TOKEN_KEYS_WIDE))
+    if padded_head(D):  # 32-channel chunks, the last one padded: groups may not cross one
+        groups = -(-D // GV)  # per-token groups: keys (uniform method) as values
+        dims_ok = (PADDED_HEAD_DIMS and kv.v_scale.shape[3] == groups
+                   and (key_axis == "channel"
+                        or TOKEN_KEYS_WIDE and kv.k_scale.shape[3] == groups))
+        groups_ok = GV >= D or GV % 32 == 0
+    else:
+        dims_ok = D in (64, 128) or (D in (96, 192, 256) and EXTRA_HEAD_DIMS
+                                     and (key_axis == "channel" or TOKEN_KEYS_WIDE))
+        groups_ok = GV in (32, 64, 128) and D % GV == 0
     return (keys_ok and bits_ok and getattr(kv, "value_axis", "token") == "token"
-            and G in (16, 32, 64, 128)
-            and dims_ok and GV in (32, 64, 128) and D % GV == 0
+            and G in (16, 32, 64, 128) and dims_ok and groups_ok
             and q_rows * heads_per_kv <= 16)
+
+
+def padded_head(D: int) -> bool:
+    """Head dims the body serves as 32-channel chunks with the last one padded
+    (:func:`head_chunks`): multiples of 4 from 36 to 124 other than 64 and 96 (OpenLLaMA-3B's
+    100, Phi-2's and StableLM-3B's 80)."""
+    return 32 < D < 128 and D % 4 == 0 and D % 32 != 0
 
 
 # Below this size the Triton kernel is the better choice: on the H200 in CUDA-graph time
@@ -1841,7 +1892,7 @@ def q_reload(D: int, key_bits: int, codebooks: bool, batch_heads: int,
     ``full``: KVQuant outliers or pre-RoPE keys, which hold more live registers: always, sm_90
     SASS of the 3-outlier pre-RoPE layer at GQA 2: 9749 -> 9546 instructions per step, spill
     stack 1360 -> 1016 bytes)."""
-    if chunks_of(D) != 4 or key_bits not in (3, 4) or _Q_RELOAD_ENV == "0":
+    if D != 256 or key_bits not in (3, 4) or _Q_RELOAD_ENV == "0":
         return False
     if _Q_RELOAD_ENV == "1":
         return True
@@ -1895,7 +1946,7 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         inv_freq = inv_freq.float().contiguous()
     keywords = (
         HG, 8 if HG <= 8 else 16, D, kv.key_bits, kv.value_bits, kv.group_size, kv.value_group,
-        has_starts, has_lens, D // kv.k_scale.shape[3] if k_tok else kv.group_size, k_tok,
+        has_starts, has_lens, kv.value_group if k_tok else kv.group_size, k_tok,
         lens_dev is not None, DEFAULT_PREFETCH if prefetch is None else prefetch, PREFETCH_L1,
         PREFETCH_AFTER_KEYS, EARLY_VALUES, kcb is not None,
         koi.shape[3] if koi is not None else 0, voi.shape[3] if voi is not None else 0,
