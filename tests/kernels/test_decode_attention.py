@@ -1832,14 +1832,15 @@ def test_gluon_store_built_layer(preset):
 
 GLUON_TOKEN_KEY_CASES = [
     Case(kb=b, vb=b, G=G, D=D, B=2, Hkv=2, HG=HG, S=1, body=G * 19, res=24,
-         lengths=(1 + G * 19 + 24, 1 + G * 19 - 5), starts=(0, 3), seed=b * G + HG)
-    for b, G, D, HG in [(4, 64, 128, 4), (2, 64, 128, 1), (2, 32, 64, 8), (4, 128, 128, 16),
-                        # head dims 256 / 96: one key group per 64- / 32-channel chunk
-                        # (decode_gluon.TOKEN_KEYS_WIDE)
-                        (4, 64, 256, 2), (2, 32, 96, 3),
-                        # padded chunks (PADDED_HEAD_DIMS): uniform-int4's 64+16 at head_dim
-                        # 80, 64+36 at 100
-                        (4, 64, 80, 4), (2, 64, 100, 2)]
+         lengths=(1 + G * 19 + 24, 1 + G * 19 - 5), starts=(0, 3), seed=b * G + HG, Gv=Gv)
+    for b, G, D, HG, Gv in [(4, 64, 128, 4, None), (2, 64, 128, 1, None), (2, 32, 64, 8, None),
+                            (4, 128, 128, 16, None),
+                            # head dims 256 / 96: one key group per 64- / 32-channel chunk
+                            # (decode_gluon.TOKEN_KEYS_WIDE)
+                            (4, 64, 256, 2, None), (2, 32, 96, 3, None),
+                            # padded chunks (PADDED_HEAD_DIMS): uniform-int4's groups of
+                            # 64 + 16 channels at head_dim 80, 64 + 36 at 100
+                            (4, 64, 80, 4, 64), (2, 64, 100, 2, 64)]
 ]
 
 
