@@ -64,12 +64,19 @@ def test_decoding_through_the_cache_matches_the_model(arch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("head_dim", [100, 40])
+@pytest.mark.parametrize("head_dim", [100, 80, 40])
 def test_gpu_head_dims_not_multiples_of_16(head_dim, monkeypatch):
-    """Head dims that are not multiples of 16 (OpenLLaMA-3B's 100) through the GPU kernels
-    (quantize on append, the decode kernel's padded tiles, KVQuant's padded pre-RoPE halves):
-    logits of a prefill, a chunk and single steps equal the reference path's through the same
-    cache to float16 rounding."""
+    """Head dims that are not multiples of 16 (OpenLLaMA-3B's 100, Phi-2's 80) through the GPU
+    kernels (quantize on append, the decode kernel's padded tiles, KVQuant's padded pre-RoPE
+    halves, the Gluon body's padded last chunk, made to serve these small steps): logits of a
+    prefill, a chunk and single steps equal the reference path's through the same cache to
+    float16 rounding."""
+    from kvbits.kernels import decode_gluon
+    for name in ("MIN_BODY_TOKENS", "MIN_BODY_TOKENS_PLANES", "MIN_BODY_TOKENS_WIDE"):
+        monkeypatch.setattr(decode_gluon, name, 1)
+    used, body = [], decode_gluon.attend_body
+    monkeypatch.setattr(decode_gluon, "attend_body",
+                        lambda *a, **k: used.append(1) or body(*a, **k))
     cfg = tf.LlamaConfig(**{**COMMON, "hidden_size": 2 * head_dim, "num_attention_heads": 2,
                             "num_key_value_heads": 1, "head_dim": head_dim})
     torch.manual_seed(0)
@@ -79,12 +86,16 @@ def test_gpu_head_dims_not_multiples_of_16(head_dim, monkeypatch):
     def run(preset, kw):
         cache = KVBitsCache(model, preset, **kw)
         return decode_in_parts(model, x, cache, 100, 110).float(), cache
-    for preset, kw in (("kivi-2", {"residual_length": 8}),
+    for preset, kw in (("kivi-2", {"residual_length": 8}), ("kivi-3", {"residual_length": 8}),
+                       ("uniform-int4", {"residual_length": 8}),
                        ("kvquant-3", {"residual_length": 8, "calibration": "uniform"})):
         monkeypatch.setenv("KVBITS_KERNELS", "reference")
         want, _ = run(preset, kw)
         monkeypatch.setenv("KVBITS_KERNELS", "auto")
+        used.clear()
         got, cache = run(preset, kw)
         assert cache.layers[0].store.body_len > 0
+        # the Gluon body takes the KIVI and uniform layers (KVQuant's pre-RoPE keys: Triton)
+        assert bool(used) == (preset != "kvquant-3" and decode_gluon.gluon is not None), preset
         err = ((got - want).abs().max() / want.abs().max()).item()
         assert err < 2e-2, (head_dim, preset, err)
