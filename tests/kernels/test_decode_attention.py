@@ -964,6 +964,13 @@ GLUON_KVQ_FULL_CASES = [(body_case(3, G, D, HG, 9 + G + HG + n_out), n_out, rope
                                                       (32, 64, 16, 2, True), (32, 128, 8, 3, False),
                                                       (32, 256, 2, 3, True), (64, 256, 1, 3, False),
                                                       (32, 256, 8, 0, True), (64, 256, 4, 2, True))]
+# ... and in the halves layout (KVQUANT_HALVES: each rotate-half half of D/2 channels in
+# 32-channel chunks of its own, padded): Phi-3's 96, Phi-2's 80, OpenLLaMA-3B's 100, 40; value
+# groups as QuantSpec.value_group gives them (32 at 96, 32+32+16 at 80, 64+36 at 100, 32+8)
+GLUON_KVQ_FULL_CASES += [(body_case(3, G, D, HG, 9 + G + HG + n_out + D, Gv=Gv), n_out, True)
+                         for G, D, HG, n_out, Gv in ((32, 96, 4, 2, None), (64, 96, 1, 3, None),
+                                                     (32, 80, 3, 2, 32), (64, 100, 2, 0, 64),
+                                                     (32, 40, 8, 1, 32), (32, 72, 16, 2, 32))]
 
 
 @gpu
@@ -994,6 +1001,38 @@ def test_gluon_kvquant_full_matches_reference(c, n_out, rope, monkeypatch):
         plain.rope_inv_freq = None
     off = ((reference(q, plain, **args).float() - r).norm() / r.norm()).item()
     assert off > 20 * glob, (off, glob)
+
+
+def test_gluon_halves_layout():
+    """The halves layout's chunks (pre-RoPE keys at head dims other than 64 / 128 / 256): each
+    rotate-half half in 32-channel chunks of its own, the lanes past the half masked, and the
+    frequencies padded with zeros to the chunks' width, once per frequency tensor."""
+    from kvbits.kernels import decode_gluon as dg
+    if dg.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    base, end = dg.key_base.fn, dg.key_end.fn
+    for D, want in ((96, [(0, 48), (32, 48), (48, 96), (80, 96)]),
+                    (80, [(0, 40), (32, 40), (40, 80), (72, 80)]),
+                    (100, [(0, 50), (32, 50), (50, 100), (82, 100)]),
+                    (40, [(0, 20), (20, 40)])):
+        n = dg.chunks_of(D, True)
+        assert dg.chunk_width_of(D, True) == 32 and n == len(want)
+        assert [(base(c, D, True), end(c, D, True)) for c in range(n)] == want
+        # every channel of the head in exactly one chunk's unmasked lanes
+        got = sorted(ch for c in range(n)
+                     for ch in range(base(c, D, True), min(base(c, D, True) + 32, end(c, D, True))))
+        assert got == list(range(D))
+        # the straight layout is unchanged by it
+        assert [base(c, D, False) for c in range(dg.chunks_of(D))] == \
+            [32 * c for c in range(dg.chunks_of(D))]
+        assert dg.halves_layout.fn(D, True) and not dg.halves_layout.fn(D, False)
+    assert not any(dg.halves_layout.fn(D, True) for D in (64, 128, 256))
+    inv = 1.0 / (10000 ** (torch.arange(0, 96, 2).float() / 96))
+    padded = dg.rope_freqs(inv, 96)
+    assert padded.shape == (64,) and torch.equal(padded[:48], inv) and not padded[48:].any()
+    assert dg.rope_freqs(inv, 96) is padded  # kept on the tensor: a captured call finds it
+    inv128 = torch.ones(64)
+    assert dg.rope_freqs(inv128, 128) is inv128
 
 
 @pytest.mark.parametrize("G", [32, 64])
@@ -1048,8 +1087,17 @@ def test_gluon_kvquant_dispatch(monkeypatch):
     buf = torch.empty(odd.k_out_idx.numel() + 1, dtype=torch.uint8)
     odd.k_out_idx = buf[1:].view(odd.k_out_idx.shape).copy_(odd.k_out_idx)
     assert not decode_gluon.eligible(odd, 1, 4)
-    wide = c._replace(D=96)  # three channel chunks: the rotate-half halves are not two chunks
-    assert not decode_gluon.eligible(_kvquant_kv(wide, 2, True, device="cpu"), 1, 4)
+    # head dims other than 64 / 128 / 256 with pre-RoPE keys: each half in chunks of its own
+    # (KVQUANT_HALVES); outliers without pre-RoPE keys there stay on the Triton kernel (three
+    # straight chunks at 96, which the one-hot tiles do not cut)
+    for D, Gv in ((96, None), (80, 32), (100, 64), (40, 32)):
+        odd_dim = c._replace(D=D, Gv=Gv)
+        assert all(decode_gluon.eligible(_kvquant_kv(odd_dim, n, True, device="cpu"), 1, 4)
+                   for n in (0, 2)), D
+        assert not decode_gluon.eligible(_kvquant_kv(odd_dim, 2, False, device="cpu"), 1, 4), D
+        monkeypatch.setattr(decode_gluon, "KVQUANT_HALVES", False)
+        assert not decode_gluon.eligible(_kvquant_kv(odd_dim, 2, True, device="cpu"), 1, 4), D
+        monkeypatch.setattr(decode_gluon, "KVQUANT_HALVES", True)
     wide = c._replace(D=256)  # four: the halves are chunks (0, 1) and (2, 3), with KVQUANT_WIDE
     assert all(decode_gluon.eligible(_kvquant_kv(wide, n, r, device="cpu"), 1, 4)
                for n, r in ((3, True), (3, False), (0, True)))
@@ -1592,6 +1640,7 @@ def test_gluon_tma_inside_cuda_graph(bits, monkeypatch):
     ("KVBITS_GLUON_EXTRA_DIMS", "decode_gluon", "'0' or '1'"),
     ("KVBITS_GLUON_TOKEN_KEYS_WIDE", "decode_gluon", "'0' or '1'"),
     ("KVBITS_GLUON_PADDED_DIMS", "decode_gluon", "'0' or '1'"),
+    ("KVBITS_GLUON_KVQUANT_HALVES", "decode_gluon", "'0' or '1'"),
     ("KVBITS_GLUON_KVQUANT", "decode_gluon", "'0' or '1'"),
     ("KVBITS_FINISH_FP_TOKENS", "decode_attention", "'auto' or a non-negative integer")])
 def test_gluon_env_switches_are_checked(var, module, allowed):

@@ -74,6 +74,16 @@ CONFIGS = [
     {**BASE, "D": 80, "KBITS": 4, "VBITS": 4, "G": 64, "GV": 64, "GK": 64, "K_TOK": True},
     {**BASE, "HG": 8, "D": 100, "KBITS": 4, "VBITS": 4, "G": 64, "GV": 64, "GK": 64},
     {**BASE, "HG": 1, "D": 40},
+    # KVQuant's pre-RoPE keys at other head dims (KVQUANT_HALVES): each half in 32-channel
+    # chunks of its own, padded: 96 and 80 with outliers (MHA, GQA 3), 100 without, 40 (two)
+    {**BASE, "HG": 1, "D": 96, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 2, "VOUT": 2,
+     "ROPE": True, "ROPE_M": True},
+    {**BASE, "HG": 3, "D": 80, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 3, "VOUT": 3,
+     "ROPE": True, "ROPE_M": True},
+    {**BASE, "HG": 2, "D": 100, "G": 64, "GV": 64, "GK": 64, "KBITS": 3, "VBITS": 3, "CB": True,
+     "ROPE": True},
+    {**BASE, "HG": 8, "D": 40, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 1, "VOUT": 1,
+     "ROPE": True, "ROPE_M": True},
     # keys per token at head_dim 256 (TOKEN_KEYS_WIDE): one 64-channel key group per chunk
     {**BASE, "HG": 2, "D": 256, "KBITS": 4, "VBITS": 4, "G": 64, "GV": 64, "GK": 64,
      "K_TOK": True},

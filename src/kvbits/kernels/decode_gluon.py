@@ -426,18 +426,19 @@ if gluon is not None:
 
     @gluon.jit
     def _key_loads3(kc_base, ks_base, kz_base, s, n_groups, DC0: gl.constexpr, G: gl.constexpr,
-                    D: gl.constexpr, DC: gl.constexpr, KW: gl.constexpr):
+                    D: gl.constexpr, DC: gl.constexpr, KW: gl.constexpr, END: gl.constexpr):
         """3-bit keys of step ``s``, channels ``[DC0, DC0 + DC)``: the three plane words (int64
         channel pairs) of the thread's column, ``[1, A, E, D/2]`` in the 4-bit ``KW``, and the
-        scale / zero pairs of the thread's group (:func:`_key_operand3` unpacks them)."""
+        scale / zero pairs of the thread's group (:func:`_key_operand3` unpacks them). Channels
+        from ``END`` on are masked (the padded last chunk of a head or of a half)."""
         D2: gl.constexpr = D // 2
         CW: gl.constexpr = G // 32
         a = _ar(4, 1, KW)
         e = _ar(2, 2, KW)
         j = _ar(DC // 2, 3, KW) + DC0 // 2
         g, ok, row = _plane_row(a, s, n_groups, G)
-        if DC0 + DC > D:  # the padded last chunk (head_chunks)
-            ok = ok & (j < D2)
+        if DC0 + DC > END:  # the padded last chunk (head_chunks)
+            ok = ok & (j < END // 2)
         wp = kc_base.to(gl.pointer_type(gl.int64), bitcast=True) + (row * D2 + j + e * 0)
         s_off = g * D2 + j + e * 0
         sp = ks_base.to(gl.pointer_type(gl.int32), bitcast=True) + s_off
@@ -902,21 +903,25 @@ if gluon is not None:
 
     @gluon.jit
     def _query_operand(Q, q_row0, qk_scale, C: gl.constexpr, HG: gl.constexpr, HP: gl.constexpr,
-                       D: gl.constexpr, DC: gl.constexpr, b_l: gl.constexpr):
-        """Q^T chunk ``C`` (``[DC, HP]``, channels ``[C DC, (C + 1) DC)``) of one GQA group as a
-        B operand, pre-scaled by ``scale * log2(e)``; heads past ``HG`` are zero."""
+                       D: gl.constexpr, DC: gl.constexpr, b_l: gl.constexpr,
+                       HALVES: gl.constexpr):
+        """Q^T chunk ``C`` (``[DC, HP]``, channels ``[C DC, (C + 1) DC)``, or in the halves
+        layout :func:`key_base`'s) of one GQA group as a B operand, pre-scaled by ``scale *
+        log2(e)``; heads past ``HG`` and channels past the chunk's end are zero."""
+        C0: gl.constexpr = key_base(C, D, HALVES)
         qd = gl.arange(0, DC, layout=gl.SliceLayout(1, b_l))
         qj = gl.arange(0, HP, layout=gl.SliceLayout(0, b_l))
-        q_ptr = Q + (q_row0 + qj[None, :]) * D + C * DC + qd[:, None]
-        q_ok = (qj[None, :] < HG) & (C * DC + qd[:, None] < D)  # (zero past D: padded chunk)
+        q_ptr = Q + (q_row0 + qj[None, :]) * D + C0 + qd[:, None]
+        q_ok = (qj[None, :] < HG) & (C0 + qd[:, None] < key_end(C, D, HALVES))
         return (gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
 
     @gluon.jit
     def _query_operands(Q, q_row0, qk_scale, C0: gl.constexpr, HG: gl.constexpr,
-                        HP: gl.constexpr, D: gl.constexpr, DC: gl.constexpr, b_l: gl.constexpr):
+                        HP: gl.constexpr, D: gl.constexpr, DC: gl.constexpr, b_l: gl.constexpr,
+                        HALVES: gl.constexpr):
         """Chunks ``C0`` and ``C0 + 1`` of :func:`_query_operand`."""
-        return (_query_operand(Q, q_row0, qk_scale, C0, HG, HP, D, DC, b_l),
-                _query_operand(Q, q_row0, qk_scale, C0 + 1, HG, HP, D, DC, b_l))
+        return (_query_operand(Q, q_row0, qk_scale, C0, HG, HP, D, DC, b_l, HALVES),
+                _query_operand(Q, q_row0, qk_scale, C0 + 1, HG, HP, D, DC, b_l, HALVES))
 
     @gluon.jit
     def _row_tokens(KBITS: gl.constexpr, W: gl.constexpr, G: gl.constexpr, rows: gl.constexpr):
@@ -1034,7 +1039,7 @@ if gluon is not None:
         loaded, dequantized and multiplied only now."""
         if KBITS == 3:
             kp, kq, kr, ks, kz = _key_loads3(kc_base, ks_base, kz_base, s, n_groups, C * DC, G,
-                                             D, DC, KW)
+                                             D, DC, KW, D)
             k = _key_operand3(kp, kq, kr, ks, kz, klo0, klo1, khi0, khi1, DC, KW, a_l, CB)
         else:
             kw, ks, kz = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur, body_len,
@@ -1158,7 +1163,8 @@ if gluon is not None:
     @gluon.jit
     def _key_outliers(st, oi_base, ov_base, t_cur, body_len, rows_a, rows_c, x0, x1, x2, x3,
                       cs_ptr, NOUT: gl.constexpr, NCH: gl.constexpr, DC: gl.constexpr,
-                      ROPE: gl.constexpr, a_l: gl.constexpr, mma: gl.constexpr):
+                      H2R: gl.constexpr, ROPE: gl.constexpr, a_l: gl.constexpr,
+                      mma: gl.constexpr):
         """Dense-and-sparse keys: the ``NOUT`` FP16 corrections ``val`` at channel ``idx`` of
         each token, added to the scores as ``val * q'[idx]``. A one-hot tile times the query
         operand picks ``q'[idx]`` for every head on the tensor cores (one ``set.eq.f16x2`` per
@@ -1170,8 +1176,9 @@ if gluon is not None:
         the step table ``cs_ptr``, rows in MMA-row order), so both rotated query halves are
         picked at ``i`` and combined; ``(x0, x1)`` are the rotated halves' chunk-0 pair and, at
         four chunks, ``(x2, x3)`` the chunk-1 pair (a half is then two chunks: the one-hot over
-        ``i`` is cut in two)."""
-        H2: gl.constexpr = DC * NCH // 2  # channels per rotate-half half
+        ``i`` is cut in two). ``H2R``: the head's half, ``D / 2``; ``H2``, the table's row (the
+        half padded to whole chunks in the halves layout, :func:`head_chunks`)."""
+        H2: gl.constexpr = DC * NCH // 2  # channels per rotate-half half, as the table has them
         ta = t_cur + rows_a
         tc = t_cur + rows_c
         ch = gl.arange(0, DC, layout=gl.SliceLayout(0, a_l))
@@ -1183,7 +1190,10 @@ if gluon is not None:
             ic, val = _outlier(oi_base, ov_base, tc, tc < body_len, wc, vc, j, NOUT)
             val = val.to(gl.float32)
             if ROPE:
-                m = _magic(idx & (H2 - 1))
+                if H2R == H2:  # a power of two
+                    m = _magic(idx & (H2 - 1))
+                else:  # (channel i of half B is head channel H2R + i)
+                    m = _magic(gl.where(idx >= H2R, idx - H2R, idx))
                 oh = _one_hot(m, _magic(ch))
                 ga = mma_v2(oh, x0, zero)
                 gb = mma_v2(oh, x1, zero)
@@ -1191,11 +1201,14 @@ if gluon is not None:
                     oh = _one_hot(m, _magic(ch + DC))
                     ga = mma_v2(oh, x2, ga)
                     gb = mma_v2(oh, x3, gb)
-                i_c = (ic & (H2 - 1)).to(gl.int32)
+                if H2R == H2:
+                    i_c = (ic & (H2 - 1)).to(gl.int32)
+                else:
+                    i_c = gl.where(ic >= H2R, ic - H2R, ic).to(gl.int32)
                 cs = cs_ptr + gl.arange(0, 64, layout=gl.SliceLayout(1, mma)) * H2 + i_c
                 c = gl.load(cs).to(gl.float32) * val
                 s = gl.load(cs + 64 * H2).to(gl.float32) * val
-                hi = ic >= H2  # the partner is i (below) instead of i + D/2: -s and c
+                hi = ic >= H2R  # the partner is i (below) instead of i + D/2: -s and c
                 st = st + gl.where(hi, -s, c)[:, None] * ga + gl.where(hi, c, s)[:, None] * gb
             else:
                 m = _magic(idx)
@@ -1241,23 +1254,55 @@ if gluon is not None:
             else 1
 
     @gluon.constexpr_function
-    def head_chunks(D):
+    def head_chunks(D, HALVES=False):
         """Channel chunks of a head (one MMA operand each): two at head_dim 64 and 128 (32 / 64
         channels), else 64-channel chunks where they divide it (192: 3, 256: 4), else 32-channel
         ones (96: 3), the last one padded where 32 does not divide it either (80: 3, 100: 4;
-        :func:`padded_head`)."""
+        :func:`padded_head`). ``HALVES`` (pre-RoPE keys at other head dims than 64 / 128 / 256,
+        :func:`halves_layout`): each rotate-half half of ``D / 2`` channels in 32-channel
+        chunks of its own, padded (96: 48 + 16 padding per half, four chunks; 40: two)."""
         D = int(getattr(D, "value", D))
+        if bool(getattr(HALVES, "value", HALVES)):
+            return 2 * -(-(D // 2) // 32)
         if D in (64, 128):
             return 2
         return D // 64 if D % 64 == 0 else -(-D // 32)
 
     @gluon.constexpr_function
-    def chunk_width(D):
+    def chunk_width(D, HALVES=False):
         """Channels per chunk (:func:`head_chunks`): 32 or 64; the last chunk of a padded head
-        holds ``D % 32`` real channels, its other lanes masked (zero query, no loads, no
-        stores)."""
+        (of a padded half) holds fewer real channels, its other lanes masked (zero query, no
+        loads, no stores)."""
         D = int(getattr(D, "value", D))
+        if bool(getattr(HALVES, "value", HALVES)):
+            return 32
         return 64 if D == 128 or D % 64 == 0 and D > 128 else 32
+
+    @gluon.constexpr_function
+    def halves_layout(D, ROPE):
+        """Whether pre-RoPE keys (``ROPE``) at this head dim take the halves layout: every
+        head dim but 64, 128 and 256, whose chunks already are whole rotate-half halves."""
+        D = int(getattr(D, "value", D))
+        return bool(getattr(ROPE, "value", ROPE)) and D not in (64, 128, 256)
+
+    @gluon.constexpr_function
+    def key_base(C, D, HALVES):
+        """First channel of key / query chunk ``C``: ``C * DC``, or in the halves layout the
+        chunk's place in its half (chunks ``[0, NCH/2)`` hold half A, the rest half B)."""
+        C, D = (int(getattr(x, "value", x)) for x in (C, D))
+        if not bool(getattr(HALVES, "value", HALVES)):  # (chunk_width; no calls in here: the
+            return C * (64 if D == 128 or D % 64 == 0 and D > 128 else 32)  # JIT refuses them)
+        per = -(-(D // 2) // 32)  # chunks per half
+        return (C // per) * (D // 2) + (C % per) * 32
+
+    @gluon.constexpr_function
+    def key_end(C, D, HALVES):
+        """End (exclusive) of the channels chunk ``C`` may hold: ``D``, or the end of its
+        half in the halves layout (the lanes past it are masked)."""
+        C, D = (int(getattr(x, "value", x)) for x in (C, D))
+        if not bool(getattr(HALVES, "value", HALVES)):
+            return D
+        return (C // -(-(D // 2) // 32) + 1) * (D // 2)
 
     # the same, called from the host: a constexpr_function call costs ~7 us there (every step)
     chunks_of = head_chunks.fn
@@ -1294,9 +1339,11 @@ if gluon is not None:
                                                       instr_shape=[16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        NCH: gl.constexpr = head_chunks(D)  # 2 to 4 chunks of 32 or 64 channels
+        # pre-RoPE keys at head dims other than 64 / 128 / 256: each half in chunks of its own
+        HALVES: gl.constexpr = halves_layout(D, ROPE)
+        NCH: gl.constexpr = head_chunks(D, HALVES)  # 2 to 4 chunks of 32 or 64 channels
         gl.static_assert(NCH <= 4, "head_dim: 33 to 128 (multiples of 4), 192 or 256")
-        DC: gl.constexpr = chunk_width(D)  # channels per chunk (the last one may be padded)
+        DC: gl.constexpr = chunk_width(D, HALVES)  # channels per chunk (the last may be padded)
         GVC: gl.constexpr = GV if GV < DC else DC  # noqa: FURB136 (value-scale group in a chunk)
         # 3-bit planes are merged into 4-bit fields after loading: the 4-bit layouts serve them
         KL: gl.constexpr = 4 if KBITS == 3 else KBITS
@@ -1315,18 +1362,23 @@ if gluon is not None:
             LENS_DEV)
         bh64 = bh.to(gl.int64)
         gl.static_assert(not (ROPE or KOUT > 0 or VOUT > 0)
-                         or (KBITS == 3 and CB and (NCH == 2 or (NCH == 4 and DC == 64))),
-                         "outliers / pre-RoPE keys: 3-bit codebooks at head_dim 64, 128 or 256")
-        H2: gl.constexpr = D // 2  # channels per rotate-half half (pre-RoPE keys)
+                         or (KBITS == 3 and CB and (NCH == 2 or (NCH == 4 and DC == 64)
+                                                    or (ROPE and HALVES))),
+                         "outliers / pre-RoPE keys: 3-bit codebooks at head_dim 64, 128 or 256"
+                         " (or, with pre-RoPE keys, the halves layout)")
+        # channels per rotate-half half as the cos / sin table and InvFreq hold them (in the
+        # halves layout padded to whole chunks by the host, attend_body), and as the head does
+        H2: gl.constexpr = DC * NCH // 2
+        H2R: gl.constexpr = D // 2
         # the chunk loaded with chunk 0 at the step's start: its rotate-half partner (chunk 2 of
         # four) with pre-RoPE keys at head_dim 256, else chunk 1
         K1: gl.constexpr = _partner_chunk(NCH, ROPE)
 
-        q0, q1 = _query_operands(Q, q_row0, qk_scale, 0, HG, HP, D, DC, b_l)
+        q0, q1 = _query_operands(Q, q_row0, qk_scale, 0, HG, HP, D, DC, b_l, HALVES)
         if NCH >= 3 and not Q_RELOAD:
-            q2 = _query_operand(Q, q_row0, qk_scale, 2, HG, HP, D, DC, b_l)
+            q2 = _query_operand(Q, q_row0, qk_scale, 2, HG, HP, D, DC, b_l, HALVES)
         if NCH == 4 and not Q_RELOAD:
-            q3 = _query_operand(Q, q_row0, qk_scale, 3, HG, HP, D, DC, b_l)
+            q3 = _query_operand(Q, q_row0, qk_scale, 3, HG, HP, D, DC, b_l, HALVES)
         dn = _row_tokens(KBITS, W, G, gl.SliceLayout(1, mma))
         if CB:  # KVQuant (3 bits): the KV head's codebooks as prmt tables, [Hkv, 8] float32
             klo0, klo1, khi0, khi1 = _cb_tables(KCB + (bh % Hkv) * 8)
@@ -1405,9 +1457,10 @@ if gluon is not None:
             tok0 = (row0 // W) * G + row0 % W
             if KBITS == 3:
                 kp0, kq0, kr0, ks0, kz0 = _key_loads3(kc_base, ks_base, kz_base, s, n_groups, 0,
-                                                      G, D, DC, KW)
+                                                      G, D, DC, KW, key_end(0, D, HALVES))
                 kp1, kq1, kr1, ks1, kz1 = _key_loads3(kc_base, ks_base, kz_base, s, n_groups,
-                                                      K1 * DC, G, D, DC, KW)
+                                                      key_base(K1, D, HALVES), G, D, DC, KW,
+                                                      key_end(K1, D, HALVES))
             else:
                 kw0, ks0, kz0 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur,
                                            body_len, 0, KBITS, W, G, D, DC, GK, KW, KT, K_TOK)
@@ -1439,7 +1492,7 @@ if gluon is not None:
                                    CB)
                 if NCH == 4:  # chunk pairs (0, 2) and (1, 3) are the rotate-half partners
                     if Q_RELOAD:
-                        q2 = _query_operand(Q, q_row0, qk_scale, 2, HG, HP, D, DC, b_l)
+                        q2 = _query_operand(Q, q_row0, qk_scale, 2, HG, HP, D, DC, b_l, HALVES)
                     xa, xb = _rope_query(q0, q2, sink_len + t_cur - start, inv_f)
                 else:
                     xa, xb = _rope_query(q0, q1, sink_len + t_cur - start, inv_f)
@@ -1454,15 +1507,17 @@ if gluon is not None:
                     st = mma_v2(k1 * cj + k * sj, xb, st)
                 if NCH == 4:  # the second pair's words only now (registers)
                     kp, kq, kr, ksc, kzr = _key_loads3(kc_base, ks_base, kz_base, s, n_groups,
-                                                       DC, G, D, DC, KW)
+                                                       key_base(1, D, HALVES), G, D, DC, KW,
+                                                       key_end(1, D, HALVES))
                     k = _key_operand3(kp, kq, kr, ksc, kzr, klo0, klo1, khi0, khi1, DC, KW, a_l,
                                       CB)
                     kp, kq, kr, ksc, kzr = _key_loads3(kc_base, ks_base, kz_base, s, n_groups,
-                                                       3 * DC, G, D, DC, KW)
+                                                       key_base(3, D, HALVES), G, D, DC, KW,
+                                                       key_end(3, D, HALVES))
                     k1 = _key_operand3(kp, kq, kr, ksc, kzr, klo0, klo1, khi0, khi1, DC, KW,
                                        a_l, CB)
                     if Q_RELOAD:
-                        q3 = _query_operand(Q, q_row0, qk_scale, 3, HG, HP, D, DC, b_l)
+                        q3 = _query_operand(Q, q_row0, qk_scale, 3, HG, HP, D, DC, b_l, HALVES)
                     xa1, xb1 = _rope_query(q1, q3, sink_len + t_cur - start, inv_f1)
                     if ROPE_M:
                         st = _rope_scores(st, k, k1, xa1, xb1, RopeCS + DC + cs_off16, H2, a_l,
@@ -1492,38 +1547,38 @@ if gluon is not None:
                                            body_len, 3 * DC, KBITS, W, G, D, DC, GK, KW, KT,
                                            K_TOK)
                 if Q_RELOAD:
-                    q2 = _query_operand(Q, q_row0, qk_scale, 2, HG, HP, D, DC, b_l)
+                    q2 = _query_operand(Q, q_row0, qk_scale, 2, HG, HP, D, DC, b_l, HALVES)
                 k = _key_operand(kw2, ks2, kz2, KBITS, DC, KW, a_l, K_TOK)
                 st = mma_v2(k, q2, st)
                 if Q_RELOAD:
-                    q3 = _query_operand(Q, q_row0, qk_scale, 3, HG, HP, D, DC, b_l)
+                    q3 = _query_operand(Q, q_row0, qk_scale, 3, HG, HP, D, DC, b_l, HALVES)
                 k = _key_operand(kw3, ks3, kz3, KBITS, DC, KW, a_l, K_TOK)
                 st = mma_v2(k, q3, st)
             elif NCH >= 3 and not ROPE:  # (pre-RoPE keys: all four chunks above)
                 if Q_RELOAD:  # from L1 each step: 8-16 fewer live registers through the loop
-                    q2 = _query_operand(Q, q_row0, qk_scale, 2, HG, HP, D, DC, b_l)
+                    q2 = _query_operand(Q, q_row0, qk_scale, 2, HG, HP, D, DC, b_l, HALVES)
                 st = _later_key_chunk(st, q2, 2, kc_base, ks_base, kz_base, s, n_groups, r_cur,
                                       n_rows, t_cur, body_len, klo0, klo1, khi0, khi1, KBITS, W,
                                       G, D, DC, GK, KW, KT, K_TOK, a_l, CB)
                 if NCH == 4:
                     if Q_RELOAD:
-                        q3 = _query_operand(Q, q_row0, qk_scale, 3, HG, HP, D, DC, b_l)
+                        q3 = _query_operand(Q, q_row0, qk_scale, 3, HG, HP, D, DC, b_l, HALVES)
                     st = _later_key_chunk(st, q3, 3, kc_base, ks_base, kz_base, s, n_groups,
                                           r_cur, n_rows, t_cur, body_len, klo0, klo1, khi0, khi1,
                                           KBITS, W, G, D, DC, GK, KW, KT, K_TOK, a_l, CB)
             if KOUT > 0:  # after every chunk's scores (at four chunks the later query chunks)
                 if ROPE and NCH == 4:
                     st = _key_outliers(st, koi_base, kov_base, t_cur, body_len, rows_a, dn, xa,
-                                       xb, xa1, xb1, RopeCS, KOUT, NCH, DC, True, a_l, mma)
+                                       xb, xa1, xb1, RopeCS, KOUT, NCH, DC, H2R, True, a_l, mma)
                 elif ROPE:
                     st = _key_outliers(st, koi_base, kov_base, t_cur, body_len, rows_a, dn, xa,
-                                       xb, xa, xb, RopeCS, KOUT, NCH, DC, True, a_l, mma)
+                                       xb, xa, xb, RopeCS, KOUT, NCH, DC, H2R, True, a_l, mma)
                 elif NCH == 4:
                     st = _key_outliers(st, koi_base, kov_base, t_cur, body_len, rows_a, dn, q0,
-                                       q1, q2, q3, RopeCS, KOUT, NCH, DC, False, a_l, mma)
+                                       q1, q2, q3, RopeCS, KOUT, NCH, DC, H2R, False, a_l, mma)
                 else:
                     st = _key_outliers(st, koi_base, kov_base, t_cur, body_len, rows_a, dn, q0,
-                                       q1, q0, q1, RopeCS, KOUT, NCH, DC, False, a_l, mma)
+                                       q1, q0, q1, RopeCS, KOUT, NCH, DC, H2R, False, a_l, mma)
             if SOFTCAP:  # before the mask: masked rows may hold anything
                 st = _cap_scores(st, softcap)
             if (lo < first_all) | (lo + SPAN > end_all):
@@ -1569,10 +1624,11 @@ if gluon is not None:
                 v = _value_operand(vw3, vs3, vz3, VBITS, DC, VW, a_l)
                 acc3 = mma_v2(v, pb, acc3 * alpha[None, :])
             elif NCH >= 3:
+                # (in the halves layout the last value chunk may lie wholly past D: skipped)
                 acc2 = _later_value_chunk(acc2, pb, alpha, 2, vc_base, vs_base, vz_base, s,
                                           n_groups, rv, nv_rows, t_cur, body_len, vlo0, vlo1,
                                           vhi0, vhi1, VBITS, WV, G, D, DC, GV, VW, VS_L, a_l, CB)
-                if NCH == 4:
+                if NCH == 4 and 3 * DC < D:
                     acc3 = _later_value_chunk(acc3, pb, alpha, 3, vc_base, vs_base, vz_base, s,
                                               n_groups, rv, nv_rows, t_cur, body_len, vlo0,
                                               vlo1, vhi0, vhi1, VBITS, WV, G, D, DC, GV, VW,
@@ -1674,6 +1730,17 @@ if _KVQUANT_WIDE_ENV not in ("0", "1"):
     raise ValueError("KVBITS_GLUON_KVQUANT_WIDE must be '0' or '1', got "
                      f"{_KVQUANT_WIDE_ENV!r}")
 KVQUANT_WIDE = _KVQUANT_WIDE_ENV == "1"
+# ... and, with pre-RoPE keys, at the other head dims from 36 to 124 (Phi-3's 96, Phi-2's 80,
+# OpenLLaMA-3B's 100; session 42): each rotate-half half of D/2 channels in 32-channel chunks of
+# its own, padded (halves_layout; 96: four chunks, 48 + 16 padding per half), turned in chunk
+# pairs as at 256; the value chunks stay whole 32-channel runs of the head. Before this those
+# layers went to the Triton kernel at 0.3-0.4x flash SDPA (decode_attention_s42b.md, Phi-2).
+# KVBITS_GLUON_KVQUANT_HALVES=0 sends them back there.
+_KVQUANT_HALVES_ENV = os.environ.get("KVBITS_GLUON_KVQUANT_HALVES", "1")
+if _KVQUANT_HALVES_ENV not in ("0", "1"):
+    raise ValueError("KVBITS_GLUON_KVQUANT_HALVES must be '0' or '1', got "
+                     f"{_KVQUANT_HALVES_ENV!r}")
+KVQUANT_HALVES = _KVQUANT_HALVES_ENV == "1"
 MAX_OUTLIERS = 4  # per token, keys or values (one pair of MMAs each)
 # Pre-RoPE keys turned in four 16-row blocks, each with its quarter of the cos/sin table loaded
 # just before its MMAs (_rope_scores), instead of the whole [64, D/2] table beside both key halves.
@@ -1731,7 +1798,10 @@ def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
                                                          ("k_out_val", 4), ("v_out_val", 4))
                       if (t := getattr(kv, n, None)) is not None)
         wide = D == 256 and KVQUANT_WIDE and EXTRA_HEAD_DIMS  # chunk pairs (0, 2), (1, 3)
-        if not (KVQUANT_FULL and codebooks and (D in (64, 128) or wide) and aligned
+        # pre-RoPE keys at other head dims: each half in 32-channel chunks of its own
+        halves = (KVQUANT_HALVES and getattr(kv, "rope_inv_freq", None) is not None
+                  and 32 < D < 128 and D % 4 == 0 and D != 64)
+        if not (KVQUANT_FULL and codebooks and (D in (64, 128) or wide or halves) and aligned
                 and all(n <= MAX_OUTLIERS for n in outs)):
             return False
     if codebooks != (getattr(kv, "v_codebook", None) is not None) or (
@@ -1943,7 +2013,7 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
     voi, vov = getattr(kv, "v_out_idx", None), getattr(kv, "v_out_val", None)
     inv_freq = getattr(kv, "rope_inv_freq", None)
     if inv_freq is not None:
-        inv_freq = inv_freq.float().contiguous()
+        inv_freq = rope_freqs(inv_freq.float().contiguous(), D)
     keywords = (
         HG, 8 if HG <= 8 else 16, D, kv.key_bits, kv.value_bits, kv.group_size, kv.value_group,
         has_starts, has_lens, kv.value_group if k_tok else kv.group_size, k_tok,
@@ -1962,8 +2032,7 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         kcb if kcb is not None else starts, vcb if vcb is not None else starts,
         *(t.contiguous() if t is not None else starts for t in (koi, kov, voi, vov)),
         inv_freq if inv_freq is not None else starts,
-        rope_rows(kv.rope_inv_freq, kv.key_bits, kv.group_size) if inv_freq is not None
-        else starts,
+        rope_rows(inv_freq, kv.key_bits, kv.group_size) if inv_freq is not None else starts,
         scale_log2, float(softcap) if softcap is not None else 1.0, kv.sink_len, kv.body_len,
         kv.res_len, int(window) if window is not None else 0, kv.k_codes.shape[2],
         kv.k_scale.shape[2] * kv.k_scale.shape[3], kv.v_codes.shape[2],
@@ -2012,6 +2081,22 @@ def compile_sm90(constexprs: dict, **options):
                                         constexprs=cx, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 1, **options})
+
+
+def rope_freqs(inv_freq, D: int):
+    """A layer's RoPE frequencies as the kernel reads them: as they are at head dims 64 / 128 /
+    256; in the halves layout (:func:`halves_layout`) padded with zeros to whole 32-channel
+    chunks (48 -> 64 at head_dim 96), kept on the frequency tensor like its tables, so a
+    captured call finds the one its eager calls built."""
+    width = chunk_width_of(D, True) * chunks_of(D, True) // 2
+    if D in (64, 128, 256) or inv_freq.numel() == width:
+        return inv_freq
+    padded = getattr(inv_freq, "_kvbits_padded", None)
+    if padded is None:
+        padded = inv_freq.new_zeros(width)
+        padded[:inv_freq.numel()] = inv_freq
+        inv_freq._kvbits_padded = padded
+    return padded
 
 
 def rope_rows(inv_freq, bits: int, G: int):

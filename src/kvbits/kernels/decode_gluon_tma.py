@@ -425,7 +425,7 @@ if gluon is not None:
             Starts, Lens, LenTab, sink_len, body_len, res_len, Hkv, HG, HAS_STARTS, HAS_LENS,
             LENS_DEV)
 
-        q0, q1 = dg._query_operands(Q, q_row0, qk_scale, 0, HG, HP, D, DC, b_l)
+        q0, q1 = dg._query_operands(Q, q_row0, qk_scale, 0, HG, HP, D, DC, b_l, False)
         dn = dg._row_tokens(BITS, W, G, gl.SliceLayout(1, mma))
 
         n_steps = (body_len + 63) // 64
