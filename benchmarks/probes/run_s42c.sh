@@ -7,18 +7,10 @@
 # kvquant-3 at Phi-3-mini's (96), Phi-2's (80) and OpenLLaMA-3B's (100) shapes, Gluon beside the
 # Triton kernel and FP16 SDPA in the same run.
 export PYTHONPATH=src PYTHONUNBUFFERED=1
-N=8
-for i in $(seq 0 $((N - 1))); do
-  KVBITS_TEST_SHARD=$i/$N timeout -s INT ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider \
-    --tb=short -W ignore -m gpu tests/kernels/test_decode_attention.py \
-    tests/integrations/test_architectures.py > "$OUT/shard$i.log" 2>&1 &
-done
-wait
-for i in $(seq 0 $((N - 1))); do
-  echo "shard $i: $(tail -n 1 $OUT/shard$i.log)"
-done > $OUT/gpu_tests_s42c.log
-grep -h -E "^(FAILED|ERROR)|Error|assert" $OUT/shard*.log | head -n 60 >> $OUT/gpu_tests_s42c.log
-rm -f $OUT/shard*.log
+# (the sharded runner: eight pytest processes on the one GPU, each every eighth test)
+FILES="tests/kernels/test_decode_attention.py tests/integrations/test_architectures.py" EXTRA= \
+  TEST_S=${TEST_S:-240} DETAILS=gpu_tests_s42c_details.log \
+  bash benchmarks/probes/run_gpu_suite_sharded.sh > $OUT/gpu_tests_s42c.log 2>&1
 cat $OUT/gpu_tests_s42c.log
 timeout -s INT ${BENCH_S:-240} python3 benchmarks/decode_attention.py \
   --models phi-3-mini,phi-2=32/32/80,openllama-3b=32/32/100 --batches 8,1 --contexts 32768 \

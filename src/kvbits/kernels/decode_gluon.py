@@ -38,7 +38,8 @@ in which three plane words merge into 4-bit fields, and from there the 4-bit pat
 3-bit codebooks ride on it (``CB``), with their dense-and-sparse outliers as one-hot tiles on the
 tensor cores and their pre-RoPE keys turned per element between the two channel chunks, which
 are the rotate-half partners (``KVQUANT_FULL``; at head_dim 256 chunk pairs (0, 2) and (1, 3),
-``KVQUANT_WIDE``). Keys scaled per token over at least half the
+``KVQUANT_WIDE``; at other head dims each half in 32-channel chunks of its own, padded, turned
+in the same pairs, ``KVQUANT_HALVES``). Keys scaled per token over at least half the
 head (the uniform method, ``TOKEN_KEYS``) are served too. Each step's key words are loaded at
 its start and its value words after the softmax; right after its key loads a step asks, with
 ``prefetch.global.L2`` (no registers, no shared memory), for every byte of the next step, so the
@@ -1770,7 +1771,8 @@ def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
     """Whether :func:`attend_body` serves this layer and call: Gluon importable, integer codes
     (KVQuant codebooks at 3 bits with ``PLANES3``; their outliers, at most ``MAX_OUTLIERS`` per
     token, and pre-RoPE keys with ``KVQUANT_FULL`` at head_dim 64 / 128, and 256 with
-    ``KVQUANT_WIDE``),
+    ``KVQUANT_WIDE``; pre-RoPE layers, with or without outliers, at the multiples of 4 from 36
+    to 124 with ``KVQUANT_HALVES``),
     per-channel key scales (or, with ``TOKEN_KEYS``, per-token key scales
     over at least half the head), per-token value scales, key/value bits of 2 or 4 (equal, or
     with ``MIXED_BITS`` any pair at group size <= 64) or, with ``PLANES3``, both 3 at group
