@@ -971,6 +971,11 @@ GLUON_KVQ_FULL_CASES += [(body_case(3, G, D, HG, 9 + G + HG + n_out + D, Gv=Gv),
                          for G, D, HG, n_out, Gv in ((32, 96, 4, 2, None), (64, 96, 1, 3, None),
                                                      (32, 80, 3, 2, 32), (64, 100, 2, 0, 64),
                                                      (32, 40, 8, 1, 32), (32, 72, 16, 2, 32))]
+# ... and outliers without pre-RoPE keys there (the kvquant-*-post presets): one-hot tiles over
+# the straight chunks, three at 96 and 80 (the last padded), four at 100, two at 40
+GLUON_KVQ_FULL_CASES += [(body_case(3, G, D, HG, 7 + G + HG + n_out + D, Gv=Gv), n_out, False)
+                         for G, D, HG, n_out, Gv in ((32, 96, 2, 2, None), (64, 80, 4, 3, 64),
+                                                     (32, 100, 1, 2, 32), (32, 40, 7, 1, 32))]
 
 
 @gpu
@@ -1087,16 +1092,15 @@ def test_gluon_kvquant_dispatch(monkeypatch):
     buf = torch.empty(odd.k_out_idx.numel() + 1, dtype=torch.uint8)
     odd.k_out_idx = buf[1:].view(odd.k_out_idx.shape).copy_(odd.k_out_idx)
     assert not decode_gluon.eligible(odd, 1, 4)
-    # head dims other than 64 / 128 / 256 with pre-RoPE keys: each half in chunks of its own
-    # (KVQUANT_HALVES); outliers without pre-RoPE keys there stay on the Triton kernel (three
-    # straight chunks at 96, which the one-hot tiles do not cut)
+    # head dims other than 64 / 128 / 256 (KVQUANT_HALVES): pre-RoPE keys with each half in
+    # chunks of its own, outliers alone in the straight chunks (three at 96 and 80)
     for D, Gv in ((96, None), (80, 32), (100, 64), (40, 32)):
         odd_dim = c._replace(D=D, Gv=Gv)
-        assert all(decode_gluon.eligible(_kvquant_kv(odd_dim, n, True, device="cpu"), 1, 4)
-                   for n in (0, 2)), D
-        assert not decode_gluon.eligible(_kvquant_kv(odd_dim, 2, False, device="cpu"), 1, 4), D
+        assert all(decode_gluon.eligible(_kvquant_kv(odd_dim, n, r, device="cpu"), 1, 4)
+                   for n, r in ((0, True), (2, True), (2, False))), D
         monkeypatch.setattr(decode_gluon, "KVQUANT_HALVES", False)
-        assert not decode_gluon.eligible(_kvquant_kv(odd_dim, 2, True, device="cpu"), 1, 4), D
+        assert not any(decode_gluon.eligible(_kvquant_kv(odd_dim, 2, r, device="cpu"), 1, 4)
+                       for r in (True, False)), D
         monkeypatch.setattr(decode_gluon, "KVQUANT_HALVES", True)
     wide = c._replace(D=256)  # four: the halves are chunks (0, 1) and (2, 3), with KVQUANT_WIDE
     assert all(decode_gluon.eligible(_kvquant_kv(wide, n, r, device="cpu"), 1, 4)
@@ -1910,9 +1914,9 @@ def test_gluon_body_token_keys(c, monkeypatch):
 
 def test_gluon_padded_head_dims_eligibility(monkeypatch):
     """Which layers at head dims 32 does not divide the Gluon body takes (no GPU needed): the
-    presets' KIVI, kvquant-dense-post and uniform layers at 80 / 100 / 40 / 72, as the store
-    builds them; not groups that cross a 32-channel chunk, KVQuant's pre-RoPE keys or outliers,
-    8 bits, or anything with the switch off."""
+    presets' KIVI, KVQuant (codebooks, post-RoPE outliers) and uniform layers at 80 / 100 / 40 /
+    72, as the store builds them; not groups that cross a 32-channel chunk, pre-RoPE keys
+    without the halves layout, 8 bits, or anything with the switch off."""
     import warnings
 
     from kvbits.cache.store import LayerStore
@@ -1931,7 +1935,7 @@ def test_gluon_padded_head_dims_eligibility(monkeypatch):
                 store = LayerStore(PRESETS[name], 1, 2, D, torch.float16, "cpu")
             kv = torch.randn(1, 2, 200, D, dtype=torch.float16)
             store.append(kv, kv)
-            want = name not in ("kivi-8", "kvquant-3-post")  # 8 bits; outliers: Triton
+            want = name != "kivi-8"  # 8 bits: Triton (outliers: KVQUANT_HALVES)
             assert decode_gluon.eligible(store.view(), 1, 4) == want, (D, name)
             assert decode_gluon.chunks_of(D) * 32 >= D > (decode_gluon.chunks_of(D) - 1) * 32
     c = GLUON_PADDED_CASES[0]  # head_dim 80, 32-channel value groups
@@ -1942,7 +1946,7 @@ def test_gluon_padded_head_dims_eligibility(monkeypatch):
                                          c.HG), Gv
     rope = make_kv(c._replace(body=c.G * 3), device="cpu")
     rope.rope_inv_freq = torch.ones(c.D // 2)
-    assert not decode_gluon.eligible(rope, 1, c.HG)  # halves of 40: not whole chunks
+    assert not decode_gluon.eligible(rope, 1, c.HG)  # halves of 40, no codebooks: Triton
     monkeypatch.setattr(decode_gluon, "PADDED_HEAD_DIMS", False)
     assert not decode_gluon.eligible(kv, 1, c.HG)
 

@@ -84,6 +84,11 @@ CONFIGS = [
      "ROPE": True},
     {**BASE, "HG": 8, "D": 40, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 1, "VOUT": 1,
      "ROPE": True, "ROPE_M": True},
+    # ... and outliers alone there, over the straight chunks: three at 96 and 80, four at 100
+    {**BASE, "HG": 2, "D": 96, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 2, "VOUT": 2},
+    {**BASE, "D": 80, "G": 64, "GV": 64, "GK": 64, "KBITS": 3, "VBITS": 3, "CB": True,
+     "KOUT": 3, "VOUT": 3},
+    {**BASE, "HG": 1, "D": 100, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 2, "VOUT": 2},
     # keys per token at head_dim 256 (TOKEN_KEYS_WIDE): one 64-channel key group per chunk
     {**BASE, "HG": 2, "D": 256, "KBITS": 4, "VBITS": 4, "G": 64, "GV": 64, "GK": 64,
      "K_TOK": True},

@@ -1171,7 +1171,7 @@ if gluon is not None:
         operand picks ``q'[idx]`` for every head on the tensor cores (one ``set.eq.f16x2`` per
         element pair; the compare-and-add into the key tile costs three). ``rows_a`` /
         ``rows_c``: token offsets of the rows in the A operand / ``S^T`` layouts. Post-RoPE:
-        ``q'`` is the query, ``x0 .. x3`` its channel chunks (``NCH`` of them, 2 or 4).
+        ``q'`` is the query, ``x0 .. x3`` its channel chunks (``NCH`` of them, 2 to 4).
         Pre-RoPE (``ROPE``): the correction turns with its key, ``R(j) e_idx`` having two
         non-zeros (channels ``i = idx mod D/2`` and ``i + D/2``, at ``cos/sin(j theta_i)`` from
         the step table ``cs_ptr``, rows in MMA-row order), so both rotated query halves are
@@ -1215,8 +1215,9 @@ if gluon is not None:
                 m = _magic(idx)
                 g = mma_v2(_one_hot(m, _magic(ch)), x0, zero)
                 g = mma_v2(_one_hot(m, _magic(ch + DC)), x1, g)
-                if NCH == 4:
+                if NCH >= 3:
                     g = mma_v2(_one_hot(m, _magic(ch + 2 * DC)), x2, g)
+                if NCH == 4:
                     g = mma_v2(_one_hot(m, _magic(ch + 3 * DC)), x3, g)
                 st = st + val[:, None] * g
         return st
@@ -1227,8 +1228,8 @@ if gluon is not None:
                         a_l: gl.constexpr):
         """Dense-and-sparse values: ``O^T[idx, h] += val * P[t, h]`` for the ``NOUT`` FP16
         corrections of each token, as ``OneHot^T (P * val)`` on the tensor cores (the one-hot
-        ``[DC, 64]`` per channel chunk, ``NCH`` of them, 2 or 4; ``acc2, acc3`` pass through at
-        two; ``cols_a`` / ``rows_b``: token offsets of P's rows in the A operand's columns / the
+        ``[DC, 64]`` per channel chunk, ``NCH`` of them, 2 to 4; the accumulators past ``NCH``
+        pass through; ``cols_a`` / ``rows_b``: token offsets of P's rows in the A operand's columns / the
         B operand's rows). P already carries the online softmax's scale, so the correction
         rescales with the accumulators (add it after this step's rescale)."""
         ta = t_cur + cols_a
@@ -1243,8 +1244,9 @@ if gluon is not None:
             m = _magic(idx)
             acc0 = mma_v2(_one_hot(_magic(ch), m), w, acc0)
             acc1 = mma_v2(_one_hot(_magic(ch + DC), m), w, acc1)
-            if NCH == 4:
+            if NCH >= 3:
                 acc2 = mma_v2(_one_hot(_magic(ch + 2 * DC), m), w, acc2)
+            if NCH == 4:
                 acc3 = mma_v2(_one_hot(_magic(ch + 3 * DC), m), w, acc3)
         return acc0, acc1, acc2, acc3
 
@@ -1364,9 +1366,9 @@ if gluon is not None:
         bh64 = bh.to(gl.int64)
         gl.static_assert(not (ROPE or KOUT > 0 or VOUT > 0)
                          or (KBITS == 3 and CB and (NCH == 2 or (NCH == 4 and DC == 64)
-                                                    or (ROPE and HALVES))),
-                         "outliers / pre-RoPE keys: 3-bit codebooks at head_dim 64, 128 or 256"
-                         " (or, with pre-RoPE keys, the halves layout)")
+                                                    or HALVES or not ROPE)),
+                         "outliers / pre-RoPE keys: 3-bit codebooks; pre-RoPE keys in chunks "
+                         "that are whole halves (head_dim 64, 128, 256) or the halves layout")
         # channels per rotate-half half as the cos / sin table and InvFreq hold them (in the
         # halves layout padded to whole chunks by the host, attend_body), and as the head does
         H2: gl.constexpr = DC * NCH // 2
@@ -1577,6 +1579,9 @@ if gluon is not None:
                 elif NCH == 4:
                     st = _key_outliers(st, koi_base, kov_base, t_cur, body_len, rows_a, dn, q0,
                                        q1, q2, q3, RopeCS, KOUT, NCH, DC, H2R, False, a_l, mma)
+                elif NCH == 3:
+                    st = _key_outliers(st, koi_base, kov_base, t_cur, body_len, rows_a, dn, q0,
+                                       q1, q2, q2, RopeCS, KOUT, NCH, DC, H2R, False, a_l, mma)
                 else:
                     st = _key_outliers(st, koi_base, kov_base, t_cur, body_len, rows_a, dn, q0,
                                        q1, q0, q1, RopeCS, KOUT, NCH, DC, H2R, False, a_l, mma)
@@ -1638,6 +1643,10 @@ if gluon is not None:
                 if NCH == 4:
                     acc0, acc1, acc2, acc3 = _value_outliers(
                         acc0, acc1, acc2, acc3, pb, voi_base, vov_base, t_cur, body_len, cols_a,
+                        rows_b, VOUT, NCH, DC, a_l)
+                elif NCH == 3:
+                    acc0, acc1, acc2, _a3 = _value_outliers(
+                        acc0, acc1, acc2, acc2, pb, voi_base, vov_base, t_cur, body_len, cols_a,
                         rows_b, VOUT, NCH, DC, a_l)
                 else:
                     acc0, acc1, _a2, _a3 = _value_outliers(
@@ -1736,7 +1745,8 @@ KVQUANT_WIDE = _KVQUANT_WIDE_ENV == "1"
 # its own, padded (halves_layout; 96: four chunks, 48 + 16 padding per half), turned in chunk
 # pairs as at 256; the value chunks stay whole 32-channel runs of the head. Before this those
 # layers went to the Triton kernel at 0.3-0.4x flash SDPA (decode_attention_s42b.md, Phi-2).
-# KVBITS_GLUON_KVQUANT_HALVES=0 sends them back there.
+# Outliers without pre-RoPE keys there (the kvquant-*-post presets) take the straight chunks
+# (three at 96 and 80, four at 100). KVBITS_GLUON_KVQUANT_HALVES=0 sends them back there.
 _KVQUANT_HALVES_ENV = os.environ.get("KVBITS_GLUON_KVQUANT_HALVES", "1")
 if _KVQUANT_HALVES_ENV not in ("0", "1"):
     raise ValueError("KVBITS_GLUON_KVQUANT_HALVES must be '0' or '1', got "
@@ -1771,8 +1781,7 @@ def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
     """Whether :func:`attend_body` serves this layer and call: Gluon importable, integer codes
     (KVQuant codebooks at 3 bits with ``PLANES3``; their outliers, at most ``MAX_OUTLIERS`` per
     token, and pre-RoPE keys with ``KVQUANT_FULL`` at head_dim 64 / 128, and 256 with
-    ``KVQUANT_WIDE``; pre-RoPE layers, with or without outliers, at the multiples of 4 from 36
-    to 124 with ``KVQUANT_HALVES``),
+    ``KVQUANT_WIDE``; at the other multiples of 4 from 36 to 124 with ``KVQUANT_HALVES``),
     per-channel key scales (or, with ``TOKEN_KEYS``, per-token key scales
     over at least half the head), per-token value scales, key/value bits of 2 or 4 (equal, or
     with ``MIXED_BITS`` any pair at group size <= 64) or, with ``PLANES3``, both 3 at group
@@ -1800,10 +1809,10 @@ def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
                                                          ("k_out_val", 4), ("v_out_val", 4))
                       if (t := getattr(kv, n, None)) is not None)
         wide = D == 256 and KVQUANT_WIDE and EXTRA_HEAD_DIMS  # chunk pairs (0, 2), (1, 3)
-        # pre-RoPE keys at other head dims: each half in 32-channel chunks of its own
-        halves = (KVQUANT_HALVES and getattr(kv, "rope_inv_freq", None) is not None
-                  and 32 < D < 128 and D % 4 == 0 and D != 64)
-        if not (KVQUANT_FULL and codebooks and (D in (64, 128) or wide or halves) and aligned
+        # other head dims (KVQUANT_HALVES): pre-RoPE keys with each half in 32-channel chunks
+        # of its own; outliers alone in the straight chunks (96: three, 80: three, 100: four)
+        odd = KVQUANT_HALVES and 32 < D < 128 and D % 4 == 0 and D != 64
+        if not (KVQUANT_FULL and codebooks and (D in (64, 128) or wide or odd) and aligned
                 and all(n <= MAX_OUTLIERS for n in outs)):
             return False
     if codebooks != (getattr(kv, "v_codebook", None) is not None) or (
