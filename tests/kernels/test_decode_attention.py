@@ -986,6 +986,7 @@ def test_gluon_kvquant_full_matches_reference(c, n_out, rope, monkeypatch):
     from kvbits.kernels import decode_gluon
     monkeypatch.setattr(decode_gluon, "PLANES3", True)
     monkeypatch.setattr(decode_gluon, "KVQUANT_FULL", True)
+    monkeypatch.setattr(decode_gluon, "KVQUANT_STRAIGHT_OUTLIERS", True)
     serve_small(monkeypatch, decode_gluon)
     kv = _kvquant_kv(c, n_out, rope)
     assert decode_gluon.eligible(kv, 1, c.HG), str(c)
@@ -1093,11 +1094,17 @@ def test_gluon_kvquant_dispatch(monkeypatch):
     odd.k_out_idx = buf[1:].view(odd.k_out_idx.shape).copy_(odd.k_out_idx)
     assert not decode_gluon.eligible(odd, 1, 4)
     # head dims other than 64 / 128 / 256 (KVQUANT_HALVES): pre-RoPE keys with each half in
-    # chunks of its own, outliers alone in the straight chunks (three at 96 and 80)
+    # chunks of its own; outliers alone in the straight chunks (three at 96 and 80) only with
+    # KVQUANT_STRAIGHT_OUTLIERS (off until its GPU tests have run)
     for D, Gv in ((96, None), (80, 32), (100, 64), (40, 32)):
         odd_dim = c._replace(D=D, Gv=Gv)
-        assert all(decode_gluon.eligible(_kvquant_kv(odd_dim, n, r, device="cpu"), 1, 4)
-                   for n, r in ((0, True), (2, True), (2, False))), D
+        assert all(decode_gluon.eligible(_kvquant_kv(odd_dim, n, True, device="cpu"), 1, 4)
+                   for n in (0, 2)), D
+        post = _kvquant_kv(odd_dim, 2, False, device="cpu")
+        monkeypatch.setattr(decode_gluon, "KVQUANT_STRAIGHT_OUTLIERS", False)
+        assert not decode_gluon.eligible(post, 1, 4), D
+        monkeypatch.setattr(decode_gluon, "KVQUANT_STRAIGHT_OUTLIERS", True)
+        assert decode_gluon.eligible(post, 1, 4), D
         monkeypatch.setattr(decode_gluon, "KVQUANT_HALVES", False)
         assert not any(decode_gluon.eligible(_kvquant_kv(odd_dim, 2, r, device="cpu"), 1, 4)
                        for r in (True, False)), D
@@ -1645,6 +1652,7 @@ def test_gluon_tma_inside_cuda_graph(bits, monkeypatch):
     ("KVBITS_GLUON_TOKEN_KEYS_WIDE", "decode_gluon", "'0' or '1'"),
     ("KVBITS_GLUON_PADDED_DIMS", "decode_gluon", "'0' or '1'"),
     ("KVBITS_GLUON_KVQUANT_HALVES", "decode_gluon", "'0' or '1'"),
+    ("KVBITS_GLUON_KVQUANT_ODD_OUTLIERS", "decode_gluon", "'0' or '1'"),
     ("KVBITS_GLUON_KVQUANT", "decode_gluon", "'0' or '1'"),
     ("KVBITS_FINISH_FP_TOKENS", "decode_attention", "'auto' or a non-negative integer")])
 def test_gluon_env_switches_are_checked(var, module, allowed):
@@ -1914,8 +1922,8 @@ def test_gluon_body_token_keys(c, monkeypatch):
 
 def test_gluon_padded_head_dims_eligibility(monkeypatch):
     """Which layers at head dims 32 does not divide the Gluon body takes (no GPU needed): the
-    presets' KIVI, KVQuant (codebooks, post-RoPE outliers) and uniform layers at 80 / 100 / 40 /
-    72, as the store builds them; not groups that cross a 32-channel chunk, pre-RoPE keys
+    presets' KIVI, KVQuant (codebooks; post-RoPE outliers with their switch) and uniform layers
+    at 80 / 100 / 40 / 72, as the store builds them; not groups that cross a 32-channel chunk, pre-RoPE keys
     without the halves layout, 8 bits, or anything with the switch off."""
     import warnings
 
@@ -1935,7 +1943,9 @@ def test_gluon_padded_head_dims_eligibility(monkeypatch):
                 store = LayerStore(PRESETS[name], 1, 2, D, torch.float16, "cpu")
             kv = torch.randn(1, 2, 200, D, dtype=torch.float16)
             store.append(kv, kv)
-            want = name != "kivi-8"  # 8 bits: Triton (outliers: KVQUANT_HALVES)
+            # 8 bits: Triton; outliers alone: with KVQUANT_STRAIGHT_OUTLIERS (off by default)
+            want = name != "kivi-8" and (name != "kvquant-3-post"
+                                         or decode_gluon.KVQUANT_STRAIGHT_OUTLIERS)
             assert decode_gluon.eligible(store.view(), 1, 4) == want, (D, name)
             assert decode_gluon.chunks_of(D) * 32 >= D > (decode_gluon.chunks_of(D) - 1) * 32
     c = GLUON_PADDED_CASES[0]  # head_dim 80, 32-channel value groups

@@ -1745,13 +1745,21 @@ KVQUANT_WIDE = _KVQUANT_WIDE_ENV == "1"
 # its own, padded (halves_layout; 96: four chunks, 48 + 16 padding per half), turned in chunk
 # pairs as at 256; the value chunks stay whole 32-channel runs of the head. Before this those
 # layers went to the Triton kernel at 0.3-0.4x flash SDPA (decode_attention_s42b.md, Phi-2).
-# Outliers without pre-RoPE keys there (the kvquant-*-post presets) take the straight chunks
-# (three at 96 and 80, four at 100). KVBITS_GLUON_KVQUANT_HALVES=0 sends them back there.
+# KVBITS_GLUON_KVQUANT_HALVES=0 sends them back there.
 _KVQUANT_HALVES_ENV = os.environ.get("KVBITS_GLUON_KVQUANT_HALVES", "1")
 if _KVQUANT_HALVES_ENV not in ("0", "1"):
     raise ValueError("KVBITS_GLUON_KVQUANT_HALVES must be '0' or '1', got "
                      f"{_KVQUANT_HALVES_ENV!r}")
 KVQUANT_HALVES = _KVQUANT_HALVES_ENV == "1"
+# ... and there outliers without pre-RoPE keys (the kvquant-*-post presets) over the straight
+# chunks (three at 96 and 80, four at 100: the one-hot tiles take a third chunk too). Written
+# and compiled for sm_90 in session 42, but no device time was left to run its GPU tests
+# (run_s42d.sh), so off by default: KVBITS_GLUON_KVQUANT_ODD_OUTLIERS=1 turns it on.
+_ODD_OUTLIERS_ENV = os.environ.get("KVBITS_GLUON_KVQUANT_ODD_OUTLIERS", "0")
+if _ODD_OUTLIERS_ENV not in ("0", "1"):
+    raise ValueError("KVBITS_GLUON_KVQUANT_ODD_OUTLIERS must be '0' or '1', got "
+                     f"{_ODD_OUTLIERS_ENV!r}")
+KVQUANT_STRAIGHT_OUTLIERS = _ODD_OUTLIERS_ENV == "1"
 MAX_OUTLIERS = 4  # per token, keys or values (one pair of MMAs each)
 # Pre-RoPE keys turned in four 16-row blocks, each with its quarter of the cos/sin table loaded
 # just before its MMAs (_rope_scores), instead of the whole [64, D/2] table beside both key halves.
@@ -1781,7 +1789,8 @@ def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
     """Whether :func:`attend_body` serves this layer and call: Gluon importable, integer codes
     (KVQuant codebooks at 3 bits with ``PLANES3``; their outliers, at most ``MAX_OUTLIERS`` per
     token, and pre-RoPE keys with ``KVQUANT_FULL`` at head_dim 64 / 128, and 256 with
-    ``KVQUANT_WIDE``; at the other multiples of 4 from 36 to 124 with ``KVQUANT_HALVES``),
+    ``KVQUANT_WIDE``; pre-RoPE layers at the other multiples of 4 from 36 to 124 with
+    ``KVQUANT_HALVES``, outliers alone there with ``KVQUANT_STRAIGHT_OUTLIERS``),
     per-channel key scales (or, with ``TOKEN_KEYS``, per-token key scales
     over at least half the head), per-token value scales, key/value bits of 2 or 4 (equal, or
     with ``MIXED_BITS`` any pair at group size <= 64) or, with ``PLANES3``, both 3 at group
@@ -1811,7 +1820,8 @@ def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
         wide = D == 256 and KVQUANT_WIDE and EXTRA_HEAD_DIMS  # chunk pairs (0, 2), (1, 3)
         # other head dims (KVQUANT_HALVES): pre-RoPE keys with each half in 32-channel chunks
         # of its own; outliers alone in the straight chunks (96: three, 80: three, 100: four)
-        odd = KVQUANT_HALVES and 32 < D < 128 and D % 4 == 0 and D != 64
+        odd = KVQUANT_HALVES and 32 < D < 128 and D % 4 == 0 and D != 64 and (
+            getattr(kv, "rope_inv_freq", None) is not None or KVQUANT_STRAIGHT_OUTLIERS)
         if not (KVQUANT_FULL and codebooks and (D in (64, 128) or wide or odd) and aligned
                 and all(n <= MAX_OUTLIERS for n in outs)):
             return False
