@@ -1230,8 +1230,8 @@ if gluon is not None:
         corrections of each token, as ``OneHot^T (P * val)`` on the tensor cores (the one-hot
         ``[DC, 64]`` per channel chunk, ``NCH`` of them, 2 to 4; the accumulators past ``NCH``
         pass through; ``cols_a`` / ``rows_b``: token offsets of P's rows in the A operand's
-        columns / the B operand's rows). P already carries the online softmax's scale, so the correction
-        rescales with the accumulators (add it after this step's rescale)."""
+        columns / the B operand's rows). P already carries the online softmax's scale, so the
+        correction rescales with the accumulators (add it after this step's rescale)."""
         ta = t_cur + cols_a
         tb = t_cur + rows_b
         ch = gl.arange(0, DC, layout=gl.SliceLayout(1, a_l))
