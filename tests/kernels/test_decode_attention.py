@@ -1989,6 +1989,13 @@ GLUON_MIXED_CASES = [
                                     (4, 2, 64, 64, 16, 2, 19), (2, 4, 32, 128, 1, 0, 75),
                                     (4, 2, 32, 64, 3, 1, 70)]
 ]
+# ... at head dims 32 does not divide (PADDED_HEAD_DIMS; k4v2 at Phi-2's 80, k2v4 at 100), with
+# the value groups QuantSpec.value_group gives there (32 + 32 + 16; 32 x 3 + 4)
+GLUON_MIXED_CASES += [
+    Case(kb=kb, vb=vb, G=32, D=D, B=2, Hkv=2, HG=HG, S=1, body=32 * ng, res=24, Gv=32,
+         lengths=(1 + 32 * ng + 24, 1 + 32 * ng - 9), starts=(0, 4), seed=kb * 10 + D + HG)
+    for kb, vb, D, HG, ng in [(4, 2, 80, 4, 43), (2, 4, 100, 2, 39)]
+]
 
 
 @gpu
