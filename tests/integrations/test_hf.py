@@ -973,10 +973,11 @@ def test_beam_search_with_eviction_equals_keep_everything(monkeypatch):
     assert torch.equal(got, want)
 
 
-def test_partial_rotary_refused_for_pre_rope_keys_at_construction():
-    """Pre-RoPE keys need the whole head rotated; a model with partial rotary embeddings (Phi-3
-    with partial_rotary_factor 0.5) is refused when the cache is built, before any calibration,
-    naming the way out; its -post preset works."""
+def test_partial_rotary_pre_rope_keys_generate():
+    """A model with partial rotary embeddings (Phi-3 with partial_rotary_factor 0.5) takes
+    pre-RoPE keys, which the store keeps in its own channel order
+    (reference.rope.partial_rotary_layout), as well as the post-RoPE preset: greedy generate
+    runs with both (test_kvquant_hf holds the exact checks of the pre-RoPE keys)."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
     torch.manual_seed(0)
@@ -984,13 +985,12 @@ def test_partial_rotary_refused_for_pre_rope_keys_at_construction():
                                        num_hidden_layers=2, num_attention_heads=2,
                                        num_key_value_heads=2, partial_rotary_factor=0.5,
                                        pad_token_id=0)).eval()
-    with pytest.raises(ValueError, match="rotates 16 of its 32 key channels.*-post"):
-        KVBitsCache(model, "kvquant-3", calibration="uniform")
     ids = torch.randint(1, 64, (1, 12))
-    out = model.generate(ids, past_key_values=KVBitsCache(model, "kvquant-3-post",
-                                                          calibration="uniform"),
-                         max_new_tokens=4, do_sample=False)
-    assert out.shape == (1, 16)
+    for preset in ("kvquant-3", "kvquant-3-post"):
+        cache = KVBitsCache(model, preset, calibration="uniform")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        assert out.shape == (1, 16)
+        assert (cache.stores[0].key_order is not None) == (preset == "kvquant-3")
 
 
 def _chunk_padded_batch(preset, chunk, pad=100, **kw):

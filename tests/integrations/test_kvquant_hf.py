@@ -68,11 +68,36 @@ def llama_with_rope(variant: str):
         rope_parameters=ROPE_VARIANTS[variant])).eval()
 
 
-@pytest.mark.parametrize("arch", ["llama-default", "llama-llama3", "llama-linear", "gemma3"])
+PARTIAL_ROTARY = ("phi", "stablelm", "gpt-neox")
+
+
+def partial_rotary(arch: str):
+    """A tiny Phi (half of each head turned, a layer norm on q and k), StableLM or GPT-NeoX (a
+    quarter): partial rotary embeddings, which pre-RoPE keys take in another channel order."""
+    import transformers as tf
+
+    common = {"vocab_size": 256, "hidden_size": 128, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 512}
+    torch.manual_seed(0)
+    if arch == "gpt-neox":  # (multi-head, one fused q/k/v projection)
+        return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(rotary_pct=0.25, **common)).eval()
+    if arch == "phi":
+        return tf.PhiForCausalLM(tf.PhiConfig(partial_rotary_factor=0.5, qk_layernorm=True,
+                                              num_key_value_heads=2, **common)).eval()
+    return tf.StableLmForCausalLM(tf.StableLmConfig(partial_rotary_factor=0.25,
+                                                    num_key_value_heads=2, **common)).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama-default", "llama-llama3", "llama-linear", "gemma3",
+                                  *PARTIAL_ROTARY])
 def test_pre_rope_lossless_equals_model(arch, lossless):
     """Left-padded batch, prefill + chunk + single steps, R=0 so the body holds almost all: with
-    the codes made lossless the logits equal the model's own (FP32) to 1e-4."""
-    model = tiny_model("gemma3") if arch == "gemma3" else llama_with_rope(arch.split("-")[1])
+    the codes made lossless the logits equal the model's own (FP32) to 1e-4. Phi, StableLM and
+    GPT-NeoX turn only part of each head (their keys and queries are reordered in the store)."""
+    if arch in PARTIAL_ROTARY:
+        model = partial_rotary(arch)
+    else:
+        model = tiny_model("gemma3") if arch == "gemma3" else llama_with_rope(arch.split("-")[1])
     x, mask = padded_batch("cpu")
     with torch.no_grad():
         full = model(input_ids=x, attention_mask=mask,
@@ -81,8 +106,57 @@ def test_pre_rope_lossless_equals_model(arch, lossless):
                         group_size=32)
     got = stepwise_logits(model, x, mask, cache)
     assert cache.stores[0].body_len == 32 and cache.stores[0].inv_freq is not None
+    assert (cache.stores[0].key_order is not None) == (arch in PARTIAL_ROTARY)
     real = mask.bool()
     torch.testing.assert_close(got[real], full[real], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["phi", "stablelm"])
+def test_partial_rotary_keys_are_stored_pre_rope(arch, lossless):
+    """Un-rotation and re-rotation undo each other in any channel pairing, so the lossless test
+    above cannot tell a wrong one: here one token repeated at 40 positions must reach layer 0's
+    quantizer as one and the same key (the model's own pre-RoPE key, in the store's order),
+    which only the model's pairing of the turned channels gives."""
+    model = partial_rotary(arch)
+    x = torch.full((1, 40), 7)
+    captured = []
+    hook = model.model.layers[0].self_attn.k_proj.register_forward_hook(
+        lambda mod, inp, out: captured.append(out.detach()))
+    cache = KVBitsCache(model, "kvquant-2", calibration="uniform", residual_length=0,
+                        group_size=32)
+    forward(model, x, cache)
+    hook.remove()
+    store = cache.stores[0]
+    keys = torch.cat(store._exact_k, dim=2)[0, :, :32]  # [H, 32, D], pre-RoPE, store order
+    assert store.key_order is not None
+    torch.testing.assert_close(keys, keys[:, :1].expand_as(keys), atol=1e-5, rtol=1e-5)
+    attn = model.model.layers[0].self_attn
+    H, D = keys.shape[0], keys.shape[-1]
+    want = captured[0][0, 0].view(H, D)  # the token's projected key, before any rotation
+    if getattr(attn, "k_layernorm", None) is not None:  # Phi's qk_layernorm
+        want = attn.k_layernorm(want)
+    torch.testing.assert_close(keys[:, 0], want.index_select(-1, store.key_order),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", PARTIAL_ROTARY[:2])
+def test_partial_rotary_calibration(arch):
+    """Calibration collects the same pre-RoPE keys the store holds under a partial rotary
+    embedding (one token at every position: one key at layer 0), and its codebooks serve a
+    cache that generates."""
+    from kvbits.spec import PRESETS
+
+    model = partial_rotary(arch)
+    (k, _, gk, _), *_ = kvq.collect_kv(model, torch.full((1, 40), 7), window=64)
+    torch.testing.assert_close(k, k[:, :1].expand_as(k), atol=1e-5, rtol=1e-5)
+    assert gk is not None and gk.shape == k.shape
+    ids = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(3))
+    spec = PRESETS["kvquant-3"]
+    cache = KVBitsCache(model, spec, calibration=kvq.calibrate(model, ids, spec, window=64),
+                        residual_length=16, group_size=32)
+    out = generate(model, ids[:, :60], cache)
+    assert out.shape == (1, 60 + NEW) and cache.stores[0].body_len > 0
+    assert cache.stores[0].key_order is not None
 
 
 def test_pre_rope_8bit_close_and_positions_right():

@@ -89,17 +89,42 @@ def _tiny(arch: str):
     return build[arch]().eval()
 
 
-@pytest.mark.parametrize("arch,match", [("phi", "rotates 8 of its 16 key channels"),
-                                        ("stablelm", "rotates 4 of its 16 key channels"),
-                                        ("cohere", "pairs channels differently")])
-def test_other_rotary_layouts_refused(arch, match):
-    """Partial rotary embeddings (Phi, StableLM, GPT-NeoX, GLM) and neighbour-pair rotation
-    (Cohere, GLM, GPT-J) are not the whole-head rotate-half convention the cache re-rotates in:
-    pre-RoPE keys are refused with a pointer to ``pre_rope=False``, not crashed on or silently
-    stored in another frame."""
-    with pytest.raises(ValueError, match=match) as e:
-        rope.model_inv_freqs(_tiny(arch))
+def test_neighbour_pair_rotation_refused():
+    """Neighbour-pair rotation (Cohere, GLM, GPT-J) is not the rotate-half convention the cache
+    re-rotates in: pre-RoPE keys are refused with a pointer to ``pre_rope=False``, not crashed
+    on or silently stored in another frame."""
+    with pytest.raises(ValueError, match="pairs channels differently") as e:
+        rope.model_inv_freqs(_tiny("cohere"))
     assert "pre_rope=False" in str(e.value)
+
+
+@pytest.mark.parametrize("arch,turned", [("phi", 8), ("stablelm", 4)])
+def test_partial_rotary_frequencies(arch, turned):
+    """Partial rotary embeddings (Phi, StableLM, GPT-NeoX) give the frequencies of the channels
+    they turn (fewer than head_dim / 2); the store reorders the rest around them."""
+    inv = rope.model_inv_freqs(_tiny(arch))
+    assert all(f.numel() * 2 == turned for f in inv)
+
+
+@pytest.mark.parametrize("D,n", [(16, 4), (32, 8), (80, 16), (64, 24), (32, 16)])
+def test_partial_rotary_layout_is_the_models_rotation(D, n):
+    """The model's partial rotation (rotate-half over the first ``2n`` channels, the rest as
+    they are) is the whole-head rotation of the reordered channels with zero frequencies for
+    the passed-through pairs, and its un-rotation likewise."""
+    g = torch.Generator().manual_seed(D + n)
+    inv = 1.0 / (1e4 ** (torch.arange(0, 2 * n, 2).float() / (2 * n)))
+    x = torch.randn(2, 3, 5, D, generator=g)
+    pos = torch.randint(0, 300, (2, 5), generator=g)
+    want = torch.cat([rope.rotate(x[..., :2 * n], pos, inv), x[..., 2 * n:]], -1)
+    order, full = rope.partial_rotary_layout(inv, D)
+    if 2 * n == D:
+        assert order is None and full is inv
+        return
+    assert sorted(order.tolist()) == list(range(D)) and full.shape == (D // 2,)
+    torch.testing.assert_close(rope.rotate(x[..., order], pos, full), want[..., order])
+    torch.testing.assert_close(rope.unrotate(want[..., order], pos, full), x[..., order])
+    with pytest.raises(ValueError, match="head_dim / 2"):
+        rope.partial_rotary_layout(torch.ones(D // 2 + 1), D)
 
 
 def test_nope_layers_turn_by_zero():

@@ -15,7 +15,9 @@ tokens there are hidden, and kept out of every group's min/max).
 KVQuant (``spec.method == "kvquant"``): the store also holds the layer's codebooks and the
 per-token outliers of the body (see :mod:`kvbits.methods.kvquant`); with ``spec.pre_rope`` the
 keys are un-rotated (at position ``t - starts[b]``) right before they are quantized, and the
-dequantized body keys are rotated back. Both run through the PyTorch reference for now.
+dequantized body keys are rotated back; under a partial rotary embedding every key (and each
+query, :meth:`LayerStore.rotate_query`) is first put in the channel order that makes the
+rotation a whole-head one (``key_order``, :func:`kvbits.reference.rope.partial_rotary_layout`).
 
 Method breadth: "uniform" quantizes keys and values each per-channel or per-token
 (``spec.key_axis`` / ``value_axis``; the quantize_pack kernels serve both axes: per-token keys
@@ -154,15 +156,21 @@ class LayerStore:
         self.v_out_idx = torch.empty(B, H, 0, n, dtype=idx_dtype, device=self.device)
         self.v_out_val = torch.empty(B, H, 0, n, **f16)
         self.inv_freq = None
+        self.key_order = self._key_order_inv = None  # partial rotary: keys in that order
         if spec.pre_rope and spec.quantized:
             if inv_freq is None:
                 raise ValueError("QuantSpec.pre_rope=True needs the layer's RoPE inv_freq "
                                  "(KVBitsCache reads it from the model)")
-            if inv_freq.numel() * 2 != D:
-                raise NotImplementedError(
-                    f"pre_rope: inv_freq has {inv_freq.numel()} frequencies for head_dim {D} "
-                    "(partial rotary embeddings are not supported); use pre_rope=False")
-            self.inv_freq = inv_freq.float().to(self.device)
+            # a partial rotary embedding (fewer than D/2 frequencies): keys and queries in the
+            # channel order that makes it a whole-head one (reference.rope.partial_rotary_layout)
+            order, inv_freq = ref_rope.partial_rotary_layout(inv_freq.float().cpu(), D)
+            if order is not None:
+                if self.hadamard is not None:
+                    raise ValueError("pre_rope with a partial rotary embedding and hadamard keys "
+                                     "cannot be combined; use one of them")
+                self.key_order = order.to(self.device)
+                self._key_order_inv = torch.argsort(order).to(self.device)
+            self.inv_freq = inv_freq.to(self.device)
 
     # ------------------------------------------------------------------ state
     @property
@@ -219,19 +227,29 @@ class LayerStore:
             key_axis=self.key_axis, value_axis=self.value_axis, fp8=self.fp8, owner=self,
         )
 
-    # ------------------------------------------------------------------ hadamard
+    # ------------------------------------------------------------------ key space
+    def _store_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """The model's keys ``[B, H, T, D]`` in the key space of the store: rotated when
+        ``spec.hadamard``, reordered under a partial rotary embedding (``key_order``)."""
+        if self.hadamard is not None:
+            return ref_hadamard.rotate(k, self.hadamard)
+        return k if self.key_order is None else k.index_select(-1, self.key_order)
+
     def rotate_query(self, query: torch.Tensor) -> torch.Tensor:
         """``query [B, Hq, Lq, D]`` in the key space of the store: rotated like the keys when
-        ``spec.hadamard`` (scores unchanged), else returned as is."""
-        if self.hadamard is None:
-            return query
-        return ref_hadamard.rotate(query, ref_hadamard.query_matrices(self.hadamard,
-                                                                      query.shape[1]))
+        ``spec.hadamard``, reordered like them under a partial rotary embedding (scores
+        unchanged either way), else returned as is."""
+        if self.hadamard is not None:
+            return ref_hadamard.rotate(query, ref_hadamard.query_matrices(self.hadamard,
+                                                                          query.shape[1]))
+        return query if self.key_order is None else query.index_select(-1, self.key_order)
 
     def model_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """Keys read from the store (e.g. :func:`dequantize_layer`) back in the model's space
-        (undoes the Hadamard rotation; the matrix is its own inverse)."""
-        return keys if self.hadamard is None else ref_hadamard.rotate(keys, self.hadamard)
+        (undoes the Hadamard rotation, the matrix being its own inverse, or the reordering)."""
+        if self.hadamard is not None:
+            return ref_hadamard.rotate(keys, self.hadamard)
+        return keys if self.key_order is None else keys.index_select(-1, self._key_order_inv)
 
     def nbytes(self, fp_itemsize: int | None = None) -> int:
         """Exact bytes of the tokens held: codes + scales + zeros (+ outliers and the layer's
@@ -347,9 +365,7 @@ class LayerStore:
         self._host_lengths("append")
         self._undo = None  # a new step: what the last one flushed stays flushed
         self._check_input(k, v)
-        k, v = k.to(self.dtype), v.to(self.dtype)
-        if self.hadamard is not None:
-            k = ref_hadamard.rotate(k, self.hadamard)
+        k, v = self._store_keys(k.to(self.dtype)), v.to(self.dtype)
         # padded batch: the sink is gathered per sequence (_settle_sinks), not taken in order
         take = 0 if self.evicted or self._sink_closed or self._pad else \
             min(self.spec.sink_tokens - self.sink_len, k.shape[2])
@@ -487,9 +503,7 @@ class LayerStore:
         ``host``: count it on the host too (an eager step; not while a graph is captured, whose
         replays the host counts with :meth:`device_step_done`)."""
         self._check_input(k, v)
-        k, v = k.to(self.dtype), v.to(self.dtype)
-        if self.hadamard is not None:
-            k = ref_hadamard.rotate(k, self.hadamard)
+        k, v = self._store_keys(k.to(self.dtype)), v.to(self.dtype)
         index = self.lens_dev[2:3].long()
         self.res_k.index_copy_(2, index, k)
         self.res_v.index_copy_(2, index, v)

@@ -447,7 +447,8 @@ class KVBitsCache(Cache):
         if self.spec.pre_rope and self.spec.quantized:  # checked here, before any calibration
             from ..reference.rope import model_inv_freqs
 
-            # refuses partial and neighbour-pair rotary embeddings, with the way out
+            # refuses neighbour-pair rotary embeddings, with the way out (partial ones: the
+            # stores reorder their channels, reference.rope.partial_rotary_layout)
             inv_freqs = model_inv_freqs(model_or_config)
         codebooks = _layer_codebooks(model_or_config, self.spec, calibration,
                                      spec if isinstance(spec, str) else "", len(windows))

@@ -590,7 +590,7 @@ def collect_kv(model, input_ids: torch.Tensor, window: int = 512, fisher: bool =
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    from ..reference.rope import model_inv_freqs, unrotate
+    from ..reference.rope import model_inv_freqs, partial_rotary_layout, unrotate
 
     inv_freqs = model_inv_freqs(model) if pre_rope else None
     name = "kvbits_calibrate"
@@ -627,9 +627,14 @@ def collect_kv(model, input_ids: torch.Tensor, window: int = 512, fisher: bool =
                 if fisher:
                     gk, gv = k.grad[0].float().cpu(), v.grad[0].float().cpu() ** 2
                 if pre_rope:  # the rotation is orthogonal: dL/dk_pre = R^T dL/dk_post
-                    kk = unrotate(kk[None], pos, inv_freqs[i])[0]
+                    # (a partial rotary embedding: in the store's channel order, LayerStore)
+                    order, inv = partial_rotary_layout(inv_freqs[i], kk.shape[-1])
+                    if order is not None:
+                        kk = kk.index_select(-1, order)
+                        gk = gk.index_select(-1, order) if fisher else gk
+                    kk = unrotate(kk[None], pos, inv)[0]
                     if fisher:
-                        gk = unrotate(gk[None], pos, inv_freqs[i])[0]
+                        gk = unrotate(gk[None], pos, inv)[0]
                 if fisher:
                     gk = gk ** 2
                 out.setdefault(i, []).append((kk, vv, gk, gv))

@@ -10,6 +10,11 @@ is ``s * R(pos) k``. kvbits un-rotates with the *pure* rotation, so the stored p
 scaling never needs to be known. Only ``inv_freq`` (which carries the default / linear / llama3
 frequency scaling) matters; it is read from the model's own rotary module
 (:func:`model_inv_freqs`), per layer type for Gemma3.
+
+A partial rotary embedding (Phi, StableLM, GPT-NeoX: rotate-half over the first ``2n`` of ``D``
+channels, the rest passed through) is the whole-head convention in another channel order:
+:func:`partial_rotary_layout` gives that order and its frequencies (zero for the passed-through
+channels), so the cache and the kernels serve it unchanged.
 """
 
 from __future__ import annotations
@@ -99,15 +104,32 @@ def model_inv_freqs(model_or_config, layer_types: list[str] | None = None) -> li
             inv.zero_()
         out.append(inv)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    for i, inv in enumerate(out):
-        if 2 * inv.numel() != head_dim:
-            raise ValueError(
-                f"pre_rope: layer {i} rotates {2 * inv.numel()} of its {head_dim} key channels "
-                "(a partial rotary embedding); kvbits un-rotates and re-rotates whole heads: "
-                "use pre_rope=False (e.g. kvquant-3-post) for this model")
+    for i, inv in enumerate(out):  # (fewer: a partial rotary embedding, partial_rotary_layout)
+        if 2 * inv.numel() > head_dim:
+            raise ValueError(f"pre_rope: layer {i} has {inv.numel()} RoPE frequencies for its "
+                             f"{head_dim} key channels; at most head_dim / 2 can pair up")
     if hasattr(model_or_config, "modules"):
         _check_rotate_half(model_or_config)
     return out
+
+
+def partial_rotary_layout(inv_freq: torch.Tensor, head_dim: int):
+    """``(order, inv_full)`` for a head whose RoPE turns only its first ``2n`` channels
+    (``n = len(inv_freq)``; rotate-half pairs ``i`` with ``i + n``, the other ``D - 2n`` pass
+    through): ``x[..., order]`` puts those pairs at ``i`` and ``i + D/2`` and the passed-through
+    channels in pairs of their own, whose frequency in ``inv_full [D/2]`` is zero, so the
+    whole-head rotation of the reordered channels is the model's partial one. ``(None,
+    inv_freq)`` when the whole head turns."""
+    n, D = inv_freq.numel(), head_dim
+    if 2 * n == D:
+        return None, inv_freq
+    if 2 * n > D or D % 2:
+        raise ValueError(f"pre_rope: {n} RoPE frequencies cannot turn part of a head of {D} "
+                         "channels (at most head_dim / 2, and head_dim even)")
+    h = D // 2 - n  # passed-through channels per half
+    order = torch.cat([torch.arange(0, n), torch.arange(2 * n, 2 * n + h),
+                       torch.arange(n, 2 * n), torch.arange(2 * n + h, D)])
+    return order, torch.cat([inv_freq, inv_freq.new_zeros(h)])
 
 
 def _uses_rope(config, layer: int) -> bool:
