@@ -100,3 +100,36 @@ def test_gpu_head_dims_not_multiples_of_16(head_dim, monkeypatch):
         assert bool(used) == (decode_gluon.gluon is not None), preset
         err = ((got - want).abs().max() / want.abs().max()).item()
         assert err < 2e-2, (head_dim, preset, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_partial_rotary_pre_rope_keys(monkeypatch):
+    """Phi-2's head (80 channels, 32 of them turned) with KVQuant's pre-RoPE keys on the GPU:
+    the store's reordered keys and queries (reference.rope.partial_rotary_layout) through the
+    quantize kernels and the Gluon body's halves layout, logits against the reference path's
+    through the same cache to float16 rounding."""
+    from kvbits.kernels import decode_gluon
+    for name in ("MIN_BODY_TOKENS", "MIN_BODY_TOKENS_PLANES", "MIN_BODY_TOKENS_WIDE"):
+        monkeypatch.setattr(decode_gluon, name, 1)
+    used, body = [], decode_gluon.attend_body
+    monkeypatch.setattr(decode_gluon, "attend_body",
+                        lambda *a, **k: used.append(1) or body(*a, **k))
+    cfg = tf.PhiConfig(**{**COMMON, "hidden_size": 160, "num_attention_heads": 2,
+                          "num_key_value_heads": 1, "partial_rotary_factor": 0.4})
+    torch.manual_seed(0)
+    model = tf.PhiForCausalLM(cfg).half().cuda().eval()
+    x = torch.randint(0, 128, (2, 150), generator=torch.Generator().manual_seed(2)).cuda()
+
+    def run():
+        cache = KVBitsCache(model, "kvquant-3", residual_length=8, calibration="uniform")
+        return decode_in_parts(model, x, cache, 100, 110).float(), cache
+    monkeypatch.setenv("KVBITS_KERNELS", "reference")
+    want, _ = run()
+    monkeypatch.setenv("KVBITS_KERNELS", "auto")
+    got, cache = run()
+    store = cache.layers[0].store
+    assert store.key_order is not None and store.body_len > 0
+    assert bool(used) == (decode_gluon.gluon is not None)
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < 2e-2, err
