@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import LlamaConfig
 
 from kvbits.reference import rope
@@ -106,11 +108,19 @@ def test_partial_rotary_frequencies(arch, turned):
     assert all(f.numel() * 2 == turned for f in inv)
 
 
-@pytest.mark.parametrize("D,n", [(16, 4), (32, 8), (80, 16), (64, 24), (32, 16)])
-def test_partial_rotary_layout_is_the_models_rotation(D, n):
+@st.composite
+def _partial_heads(draw):
+    D = 2 * draw(st.integers(1, 128))
+    return D, draw(st.integers(1, D // 2))
+
+
+@settings(max_examples=40, deadline=None)
+@given(_partial_heads())
+def test_partial_rotary_layout_is_the_models_rotation(head):
     """The model's partial rotation (rotate-half over the first ``2n`` channels, the rest as
     they are) is the whole-head rotation of the reordered channels with zero frequencies for
-    the passed-through pairs, and its un-rotation likewise."""
+    the passed-through pairs, and its un-rotation likewise, at any even head dim."""
+    D, n = head
     g = torch.Generator().manual_seed(D + n)
     inv = 1.0 / (1e4 ** (torch.arange(0, 2 * n, 2).float() / (2 * n)))
     x = torch.randn(2, 3, 5, D, generator=g)
