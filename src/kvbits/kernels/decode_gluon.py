@@ -1709,8 +1709,9 @@ TOKEN_KEYS_WIDE = _switch("KVBITS_GLUON_TOKEN_KEYS_WIDE", "1")
 # Head dims that 32 does not divide (multiples of 4 from 36 to 124: Phi-2's and StableLM-3B's 80,
 # OpenLLaMA-3B's 100) as 32-channel chunks with the last one padded: its query lanes past D are
 # zero and its loads and stores masked (padded_head). Value and key groups must not cross a chunk
-# (multiples of 32 channels, or the whole head), 2, 3 or 4 bits, no outliers or pre-RoPE keys
-# (their rotate-half halves are not whole chunks there). Before this the Triton kernel served
+# (multiples of 32 channels, or the whole head), 2, 3 or 4 bits (KVQuant's pre-RoPE keys take the
+# halves layout instead, KVQUANT_HALVES; its outliers alone, KVQUANT_STRAIGHT_OUTLIERS). Before
+# this the Triton kernel served
 # them at 7-28% of the copy bandwidth (decode_attention_hd100_s41b.md).
 # KVBITS_GLUON_PADDED_DIMS=0 sends those layers to the Triton kernel.
 PADDED_HEAD_DIMS = _switch("KVBITS_GLUON_PADDED_DIMS", "1")
@@ -1775,8 +1776,7 @@ def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
     size 32 or 64 with per-channel key scales, group
     size 16-128, head_dim 64 or 128 (or 96, 192, 256 with ``EXTRA_HEAD_DIMS``: per-channel
     keys; or, with ``PADDED_HEAD_DIMS``, a multiple of 4 from 36 to 124 in 32-channel chunks,
-    per-token groups a multiple of 32 channels or the whole head, none of KVQuant's outliers
-    or pre-RoPE keys), value groups of 32 to 128 channels (smaller ones compile but
+    per-token groups a multiple of 32 channels or the whole head), value groups of 32 to 128 channels (smaller ones compile but
     are not tested on a GPU), at most 16 query heads x query rows per KV head (several rows:
     speculative verification, short chunks). Sliding windows, softcapping and each row's causal
     end are applied by the kernel."""
