@@ -1711,8 +1711,8 @@ TOKEN_KEYS_WIDE = _switch("KVBITS_GLUON_TOKEN_KEYS_WIDE", "1")
 # zero and its loads and stores masked (padded_head). Value and key groups must not cross a chunk
 # (multiples of 32 channels, or the whole head), 2, 3 or 4 bits (KVQuant's pre-RoPE keys take the
 # halves layout instead, KVQUANT_HALVES; its outliers alone, KVQUANT_STRAIGHT_OUTLIERS). Before
-# this the Triton kernel served
-# them at 7-28% of the copy bandwidth (decode_attention_hd100_s41b.md).
+# this the Triton kernel served them at 7-28% of the copy bandwidth
+# (decode_attention_hd100_s41b.md).
 # KVBITS_GLUON_PADDED_DIMS=0 sends those layers to the Triton kernel.
 PADDED_HEAD_DIMS = _switch("KVBITS_GLUON_PADDED_DIMS", "1")
 
