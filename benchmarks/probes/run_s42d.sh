@@ -15,3 +15,10 @@ SHARDS=4 FILES="$T::test_gluon_kvquant_full_matches_reference $T::test_gluon_bod
   TEST_S=${TEST_S:-150} DETAILS=gpu_tests_s42d_details.log \
   bash benchmarks/probes/run_gpu_suite_sharded.sh > $OUT/gpu_tests_s42d.log 2>&1
 cat $OUT/gpu_tests_s42d.log
+# then kvquant-3-post (outliers, post-RoPE keys) at Phi-3-mini's and Phi-2's shapes with the
+# straight-chunk outliers on: the Gluon rows beside the Triton kernel's and FP16 SDPA
+KVBITS_GLUON_KVQUANT_ODD_OUTLIERS=1 timeout -s INT ${BENCH_S:-200} python3 \
+  benchmarks/decode_attention.py --models phi-3-mini,phi-2 --batches 8,1 --contexts 32768 \
+  --presets kvquant-3-post --skip-quantize-pack --no-baselines --out $OUT \
+  --name decode_attention_kvquant_post_odd > $OUT/decode_attention_kvquant_post_odd.log 2>&1
+echo "bench rc=$?"; grep -E "kvbits|sdpa" $OUT/decode_attention_kvquant_post_odd.log | head -20
