@@ -1653,6 +1653,8 @@ def test_gluon_tma_inside_cuda_graph(bits, monkeypatch):
     ("KVBITS_GLUON_PADDED_DIMS", "decode_gluon", "'0' or '1'"),
     ("KVBITS_GLUON_KVQUANT_HALVES", "decode_gluon", "'0' or '1'"),
     ("KVBITS_GLUON_KVQUANT_ODD_OUTLIERS", "decode_gluon", "'0' or '1'"),
+    ("KVBITS_SIDE_STREAM", "decode_attention", "'0' or '1'"),
+    ("KVBITS_SIDE_AFTER", "decode_attention", "'0' or '1'"),
     ("KVBITS_GLUON_KVQUANT", "decode_gluon", "'0' or '1'"),
     ("KVBITS_FINISH_FP_TOKENS", "decode_attention", "'auto' or a non-negative integer")])
 def test_gluon_env_switches_are_checked(var, module, allowed):

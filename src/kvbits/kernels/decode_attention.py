@@ -32,6 +32,7 @@ import triton.language as tl
 from ..formats.layout import PackedKV, check_query, pre_rope_kernel_ok
 from . import decode_gluon, decode_gluon_tma
 from .launch import FastLaunch, device_index, keyword_maker
+from .switches import env_switch
 
 LOG2E = 1.4426950408889634
 
@@ -835,10 +836,7 @@ EAGER_FINISH_FP_TOKENS = 256
 PDL_ENABLED = os.environ.get("KVBITS_PDL", "0") == "1"
 # KVBITS_SIDE_STREAM: "1" (default) lets a captured call with a Gluon body run its FP16 splits on
 # a side stream, beside the body; "0" keeps them after it in the call's stream.
-_SIDE_ENV = os.environ.get("KVBITS_SIDE_STREAM", "1")
-if _SIDE_ENV not in ("0", "1"):
-    raise ValueError(f"KVBITS_SIDE_STREAM must be '0' or '1', got {_SIDE_ENV!r}")
-SIDE_STREAM = _SIDE_ENV == "1"
+SIDE_STREAM = env_switch("KVBITS_SIDE_STREAM", "1")
 # KVBITS_SIDE_AFTER: "1" (default) launches those FP16 splits after the body's launch in the
 # graph, "0" before it; KVQuant layers (codebooks) always before. H200, graph time
 # (benchmarks/results/side_order_ab_s33.log, side_order_ab_s33b.log): after is 0.6-4.1% faster
@@ -847,10 +845,7 @@ SIDE_STREAM = _SIDE_ENV == "1"
 # at batch 1 32k; but kvquant-3 4.5% / 15.8% slower (Llama-3-8B / Llama-2-7B batch 8 32k: its
 # sink-and-residual kernel then waits for the long body's programs to drain, as with no side
 # stream, +6.5% / +16.8%). A high-priority side stream gained nothing.
-_SIDE_AFTER_ENV = os.environ.get("KVBITS_SIDE_AFTER", "1")
-if _SIDE_AFTER_ENV not in ("0", "1"):
-    raise ValueError(f"KVBITS_SIDE_AFTER must be '0' or '1', got {_SIDE_AFTER_ENV!r}")
-SIDE_AFTER_BODY = _SIDE_AFTER_ENV == "1"
+SIDE_AFTER_BODY = env_switch("KVBITS_SIDE_AFTER", "1")
 # KVBITS_MERGE: where the partial columns are merged. "1": by the stage-1 (Triton) kernel's last
 # program of each m-tile (MERGE; after a Gluon body its FP16 splits then run in stream order),
 # so no finish launch and no side stream; "0": always the finish kernel; "auto" (default): the

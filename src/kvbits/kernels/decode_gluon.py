@@ -53,6 +53,7 @@ from __future__ import annotations
 import os
 
 from .launch import FastLaunch, keyword_maker
+from .switches import env_switch
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves everything.
     from triton.experimental import gluon
@@ -62,15 +63,6 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
 STEP = 64  # body tokens per loop step
-
-
-def _switch(var: str, default: str) -> bool:
-    """An on/off environment switch of this module, read once at import: ``'0'`` or ``'1'``,
-    anything else refused there, naming the variable."""
-    value = os.environ.get(var, default)
-    if value not in ("0", "1"):
-        raise ValueError(f"{var} must be '0' or '1', got {value!r}")
-    return value == "1"
 
 
 if gluon is not None:
@@ -1687,7 +1679,7 @@ MIXED_BITS = True
 # GPU tests against the reference) and faster there than the Triton kernel: Llama-3 B=32 32k
 # kivi-3 554 us against 1861 us, kvquant-3-dense-post 629 us against 2203 us, in graph time
 # (benchmarks/results/decode_planes3.log). KVBITS_GLUON_3BIT=0 sends them to the Triton kernel.
-PLANES3 = _switch("KVBITS_GLUON_3BIT", "1")
+PLANES3 = env_switch("KVBITS_GLUON_3BIT", "1")
 
 # Head dims past 64/128 as more channel chunks (head_chunks): 96 (Phi-3-style) as three of 32,
 # 192 as three of 64, 256 (Gemma-style) as four of 64, for KIVI layers with keys per channel
@@ -1698,14 +1690,14 @@ PLANES3 = _switch("KVBITS_GLUON_3BIT", "1")
 # 32k kivi-2 270 us against 522 us through the Triton kernel, Phi-3-mini B=8 32k 459 against 918,
 # B=1 32k 74 against 131 (decode_attention_extra_dims.md). KVBITS_GLUON_EXTRA_DIMS=0 sends
 # those layers to the Triton kernel.
-EXTRA_HEAD_DIMS = _switch("KVBITS_GLUON_EXTRA_DIMS", "1")
+EXTRA_HEAD_DIMS = env_switch("KVBITS_GLUON_EXTRA_DIMS", "1")
 # ... and there keys scaled per token (the uniform method: one scale group per chunk, e.g.
 # uniform-int4's 64 channels at head_dim 256), where the Triton kernel ran 0.89-0.96x flash SDPA.
 # Verified on the H200 in session 18 (its GPU tests against the reference) and faster there, in
 # graph time against flash SDPA (decode_attention_token_keys_wide.md): uniform-int4 Gemma-2-9B
 # batch 8 32k 1.34x (Triton kernel 0.89x), Phi-3-mini batch 8 2.48x (1.63x), batch 1 1.45x
 # (0.96x), Gemma-2-9B batch 1 1.08x (1.06x). KVBITS_GLUON_TOKEN_KEYS_WIDE=0 sends them to Triton.
-TOKEN_KEYS_WIDE = _switch("KVBITS_GLUON_TOKEN_KEYS_WIDE", "1")
+TOKEN_KEYS_WIDE = env_switch("KVBITS_GLUON_TOKEN_KEYS_WIDE", "1")
 # Head dims that 32 does not divide (multiples of 4 from 36 to 124: Phi-2's and StableLM-3B's 80,
 # OpenLLaMA-3B's 100) as 32-channel chunks with the last one padded: its query lanes past D are
 # zero and its loads and stores masked (padded_head). Value and key groups must not cross a chunk
@@ -1714,7 +1706,7 @@ TOKEN_KEYS_WIDE = _switch("KVBITS_GLUON_TOKEN_KEYS_WIDE", "1")
 # this the Triton kernel served them at 7-28% of the copy bandwidth
 # (decode_attention_hd100_s41b.md).
 # KVBITS_GLUON_PADDED_DIMS=0 sends those layers to the Triton kernel.
-PADDED_HEAD_DIMS = _switch("KVBITS_GLUON_PADDED_DIMS", "1")
+PADDED_HEAD_DIMS = env_switch("KVBITS_GLUON_PADDED_DIMS", "1")
 
 # KVQuant's full layer (3-bit codebooks with dense-and-sparse outliers and/or pre-RoPE keys,
 # head_dim 64 or 128) through this kernel: outliers as one-hot tiles on the tensor cores
@@ -1725,23 +1717,23 @@ PADDED_HEAD_DIMS = _switch("KVBITS_GLUON_PADDED_DIMS", "1")
 # B=8 32k 472 against 1077 us): 1.00-1.02x flash SDPA at Llama-2-7B B=32, 0.55-0.97x elsewhere;
 # ~4570 instructions per 64-token step against ~2570 without outliers and rotation, with spills.
 # KVBITS_GLUON_KVQUANT=0 sends those layers to the Triton kernel.
-KVQUANT_FULL = _switch("KVBITS_GLUON_KVQUANT", "1")
+KVQUANT_FULL = env_switch("KVBITS_GLUON_KVQUANT", "1")
 # ... and at head_dim 256 (Gemma-style), four 64-channel chunks: pre-RoPE keys turned per chunk
 # pair (0, 2) and (1, 3), the rotate-half partners, the outliers' one-hot tiles one per chunk
 # (session 21). KVBITS_GLUON_KVQUANT_WIDE=0 sends those layers to the Triton kernel.
-KVQUANT_WIDE = _switch("KVBITS_GLUON_KVQUANT_WIDE", "1")
+KVQUANT_WIDE = env_switch("KVBITS_GLUON_KVQUANT_WIDE", "1")
 # ... and, with pre-RoPE keys, at the other head dims from 36 to 124 (Phi-3's 96, Phi-2's 80,
 # OpenLLaMA-3B's 100; session 42): each rotate-half half of D/2 channels in 32-channel chunks of
 # its own, padded (halves_layout; 96: four chunks, 48 + 16 padding per half), turned in chunk
 # pairs as at 256; the value chunks stay whole 32-channel runs of the head. Before this those
 # layers went to the Triton kernel at 0.3-0.4x flash SDPA (decode_attention_s42b.md, Phi-2).
 # KVBITS_GLUON_KVQUANT_HALVES=0 sends them back there.
-KVQUANT_HALVES = _switch("KVBITS_GLUON_KVQUANT_HALVES", "1")
+KVQUANT_HALVES = env_switch("KVBITS_GLUON_KVQUANT_HALVES", "1")
 # ... and there outliers without pre-RoPE keys (the kvquant-*-post presets) over the straight
 # chunks (three at 96 and 80, four at 100: the one-hot tiles take a third chunk too). Written
 # and compiled for sm_90 in session 42, but no device time was left to run its GPU tests
 # (run_s42d.sh), so off by default: KVBITS_GLUON_KVQUANT_ODD_OUTLIERS=1 turns it on.
-KVQUANT_STRAIGHT_OUTLIERS = _switch("KVBITS_GLUON_KVQUANT_ODD_OUTLIERS", "0")
+KVQUANT_STRAIGHT_OUTLIERS = env_switch("KVBITS_GLUON_KVQUANT_ODD_OUTLIERS", "0")
 MAX_OUTLIERS = 4  # per token, keys or values (one pair of MMAs each)
 # Pre-RoPE keys turned in four 16-row blocks, each with its quarter of the cos/sin table loaded
 # just before its MMAs (_rope_scores), instead of the whole [64, D/2] table beside both key halves.
@@ -1753,7 +1745,7 @@ MAX_OUTLIERS = 4  # per token, keys or values (one pair of MMAs each)
 # query turned per block instead (its blocks' tokens are block 0's shifted by 4 G / 32) measured
 # 1.8-7.3% slower than these (more instructions: 5066 per step, 176 bytes of stack) and was
 # dropped. KVBITS_GLUON_ROPE_BLOCKS=0 turns the whole-table turn back on.
-ROPE_BLOCKS = _switch("KVBITS_GLUON_ROPE_BLOCKS", "1")
+ROPE_BLOCKS = env_switch("KVBITS_GLUON_ROPE_BLOCKS", "1")
 _BODY = FastLaunch(_body_kernel) if gluon is not None else None  # (kernels.launch)
 # Its keywords, built once per combination (launch.keyword_maker), in this order (+ maxnreg):
 _BODY_NAMES = ("HG", "HP", "D", "KBITS", "VBITS", "G", "GV", "HAS_STARTS", "HAS_LENS", "GK",
