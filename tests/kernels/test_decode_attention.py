@@ -1023,13 +1023,15 @@ def test_gluon_halves_layout():
                     (40, [(0, 20), (20, 40)])):
         n = dg.chunks_of(D, True)
         assert dg.chunk_width_of(D, True) == 32 and n == len(want)
-        assert [(base(c, D, True), end(c, D, True)) for c in range(n)] == want
+        assert [(base(c, D, 32, True), end(c, D, 32, True)) for c in range(n)] == want
         # every channel of the head in exactly one chunk's unmasked lanes
-        got = sorted(ch for c in range(n)
-                     for ch in range(base(c, D, True), min(base(c, D, True) + 32, end(c, D, True))))
+        got = sorted(ch for c in range(n) for ch in range(base(c, D, 32, True),
+                                                          min(base(c, D, 32, True) + 32,
+                                                              end(c, D, 32, True))))
         assert got == list(range(D))
         # the straight layout is unchanged by it
-        assert [base(c, D, False) for c in range(dg.chunks_of(D))] == \
+        width = dg.chunk_width_of(D)
+        assert [base(c, D, width, False) for c in range(dg.chunks_of(D))] == \
             [32 * c for c in range(dg.chunks_of(D))]
         assert dg.halves_layout.fn(D, True) and not dg.halves_layout.fn(D, False)
     assert not any(dg.halves_layout.fn(D, True) for D in (64, 128, 256))

@@ -910,11 +910,11 @@ if gluon is not None:
         """Q^T chunk ``C`` (``[DC, HP]``, channels ``[C DC, (C + 1) DC)``, or in the halves
         layout :func:`key_base`'s) of one GQA group as a B operand, pre-scaled by ``scale *
         log2(e)``; heads past ``HG`` and channels past the chunk's end are zero."""
-        C0: gl.constexpr = key_base(C, D, HALVES)
+        C0: gl.constexpr = key_base(C, D, DC, HALVES)
         qd = gl.arange(0, DC, layout=gl.SliceLayout(1, b_l))
         qj = gl.arange(0, HP, layout=gl.SliceLayout(0, b_l))
         q_ptr = Q + (q_row0 + qj[None, :]) * D + C0 + qd[:, None]
-        q_ok = (qj[None, :] < HG) & (C0 + qd[:, None] < key_end(C, D, HALVES))
+        q_ok = (qj[None, :] < HG) & (C0 + qd[:, None] < key_end(C, D, DC, HALVES))
         return (gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
 
     @gluon.jit
@@ -1290,23 +1290,24 @@ if gluon is not None:
         return bool(getattr(ROPE, "value", ROPE)) and D not in (64, 128, 256)
 
     @gluon.constexpr_function
-    def key_base(C, D, HALVES):
-        """First channel of key / query chunk ``C``: ``C * DC``, or in the halves layout the
-        chunk's place in its half (chunks ``[0, NCH/2)`` hold half A, the rest half B)."""
-        C, D = (int(getattr(x, "value", x)) for x in (C, D))
-        if not bool(getattr(HALVES, "value", HALVES)):  # (chunk_width; no calls in here: the
-            return C * (64 if D == 128 or D % 64 == 0 and D > 128 else 32)  # JIT refuses them)
-        per = -(-(D // 2) // 32)  # chunks per half
-        return (C // per) * (D // 2) + (C % per) * 32
+    def key_base(C, D, DC, HALVES):
+        """First channel of key / query chunk ``C`` (``DC`` channels wide): ``C * DC``, or in
+        the halves layout the chunk's place in its half (chunks ``[0, NCH/2)`` hold half A, the
+        rest half B)."""
+        C, D, DC = (int(getattr(x, "value", x)) for x in (C, D, DC))
+        if not bool(getattr(HALVES, "value", HALVES)):
+            return C * DC
+        per = -(-(D // 2) // DC)  # chunks per half
+        return (C // per) * (D // 2) + (C % per) * DC
 
     @gluon.constexpr_function
-    def key_end(C, D, HALVES):
+    def key_end(C, D, DC, HALVES):
         """End (exclusive) of the channels chunk ``C`` may hold: ``D``, or the end of its
         half in the halves layout (the lanes past it are masked)."""
-        C, D = (int(getattr(x, "value", x)) for x in (C, D))
+        C, D, DC = (int(getattr(x, "value", x)) for x in (C, D, DC))
         if not bool(getattr(HALVES, "value", HALVES)):
             return D
-        return (C // -(-(D // 2) // 32) + 1) * (D // 2)
+        return (C // -(-(D // 2) // DC) + 1) * (D // 2)
 
     # the same, called from the host: a constexpr_function call costs ~7 us there (every step)
     chunks_of = head_chunks.fn
@@ -1461,10 +1462,11 @@ if gluon is not None:
             tok0 = (row0 // W) * G + row0 % W
             if KBITS == 3:
                 kp0, kq0, kr0, ks0, kz0 = _key_loads3(kc_base, ks_base, kz_base, s, n_groups, 0,
-                                                      G, D, DC, KW, key_end(0, D, HALVES))
+                                                      G, D, DC, KW,
+                                                      key_end(0, D, DC, HALVES))
                 kp1, kq1, kr1, ks1, kz1 = _key_loads3(kc_base, ks_base, kz_base, s, n_groups,
-                                                      key_base(K1, D, HALVES), G, D, DC, KW,
-                                                      key_end(K1, D, HALVES))
+                                                      key_base(K1, D, DC, HALVES), G, D, DC,
+                                                      KW, key_end(K1, D, DC, HALVES))
             else:
                 kw0, ks0, kz0 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur,
                                            body_len, 0, KBITS, W, G, D, DC, GK, KW, KT, K_TOK)
@@ -1511,13 +1513,13 @@ if gluon is not None:
                     st = mma_v2(k1 * cj + k * sj, xb, st)
                 if NCH == 4:  # the second pair's words only now (registers)
                     kp, kq, kr, ksc, kzr = _key_loads3(kc_base, ks_base, kz_base, s, n_groups,
-                                                       key_base(1, D, HALVES), G, D, DC, KW,
-                                                       key_end(1, D, HALVES))
+                                                       key_base(1, D, DC, HALVES), G, D, DC,
+                                                       KW, key_end(1, D, DC, HALVES))
                     k = _key_operand3(kp, kq, kr, ksc, kzr, klo0, klo1, khi0, khi1, DC, KW, a_l,
                                       CB)
                     kp, kq, kr, ksc, kzr = _key_loads3(kc_base, ks_base, kz_base, s, n_groups,
-                                                       key_base(3, D, HALVES), G, D, DC, KW,
-                                                       key_end(3, D, HALVES))
+                                                       key_base(3, D, DC, HALVES), G, D, DC,
+                                                       KW, key_end(3, D, DC, HALVES))
                     k1 = _key_operand3(kp, kq, kr, ksc, kzr, klo0, klo1, khi0, khi1, DC, KW,
                                        a_l, CB)
                     if Q_RELOAD:
@@ -1790,7 +1792,7 @@ def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
         wide = D == 256 and KVQUANT_WIDE and EXTRA_HEAD_DIMS  # chunk pairs (0, 2), (1, 3)
         # other head dims (KVQUANT_HALVES): pre-RoPE keys with each half in 32-channel chunks
         # of its own; outliers alone in the straight chunks (96: three, 80: three, 100: four)
-        odd = KVQUANT_HALVES and 32 < D < 128 and D % 4 == 0 and D != 64 and (
+        odd = KVQUANT_HALVES and (padded_head(D) or D == 96) and (
             getattr(kv, "rope_inv_freq", None) is not None or KVQUANT_STRAIGHT_OUTLIERS)
         if not (KVQUANT_FULL and codebooks and (D in (64, 128) or wide or odd) and aligned
                 and all(n <= MAX_OUTLIERS for n in outs)):
@@ -2080,7 +2082,7 @@ def rope_freqs(inv_freq, D: int):
     chunks (48 -> 64 at head_dim 96), kept on the frequency tensor like its tables, so a
     captured call finds the one its eager calls built."""
     width = chunk_width_of(D, True) * chunks_of(D, True) // 2
-    if D in (64, 128, 256) or inv_freq.numel() == width:
+    if not halves_layout.fn(D, True) or inv_freq.numel() == width:
         return inv_freq
     padded = getattr(inv_freq, "_kvbits_padded", None)
     if padded is None:
