@@ -1097,7 +1097,7 @@ def test_gluon_kvquant_dispatch(monkeypatch):
     assert not decode_gluon.eligible(odd, 1, 4)
     # head dims other than 64 / 128 / 256 (KVQUANT_HALVES): pre-RoPE keys with each half in
     # chunks of its own; outliers alone in the straight chunks (three at 96 and 80) only with
-    # KVQUANT_STRAIGHT_OUTLIERS (off until its GPU tests have run)
+    # KVQUANT_STRAIGHT_OUTLIERS (on by default; the switch sends them to Triton)
     for D, Gv in ((96, None), (80, 32), (100, 64), (40, 32)):
         odd_dim = c._replace(D=D, Gv=Gv)
         assert all(decode_gluon.eligible(_kvquant_kv(odd_dim, n, True, device="cpu"), 1, 4)
@@ -1947,9 +1947,8 @@ def test_gluon_padded_head_dims_eligibility(monkeypatch):
                 store = LayerStore(PRESETS[name], 1, 2, D, torch.float16, "cpu")
             kv = torch.randn(1, 2, 200, D, dtype=torch.float16)
             store.append(kv, kv)
-            # 8 bits: Triton; outliers alone: with KVQUANT_STRAIGHT_OUTLIERS (off by default)
-            want = name != "kivi-8" and (name != "kvquant-3-post"
-                                         or decode_gluon.KVQUANT_STRAIGHT_OUTLIERS)
+            # 8 bits: Triton; the rest (outliers alone too: KVQUANT_STRAIGHT_OUTLIERS) Gluon
+            want = name != "kivi-8"
             assert decode_gluon.eligible(store.view(), 1, 4) == want, (D, name)
             assert decode_gluon.chunks_of(D) * 32 >= D > (decode_gluon.chunks_of(D) - 1) * 32
     c = GLUON_PADDED_CASES[0]  # head_dim 80, 32-channel value groups

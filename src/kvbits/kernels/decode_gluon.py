@@ -1732,10 +1732,12 @@ KVQUANT_WIDE = env_switch("KVBITS_GLUON_KVQUANT_WIDE", "1")
 # KVBITS_GLUON_KVQUANT_HALVES=0 sends them back there.
 KVQUANT_HALVES = env_switch("KVBITS_GLUON_KVQUANT_HALVES", "1")
 # ... and there outliers without pre-RoPE keys (the kvquant-*-post presets) over the straight
-# chunks (three at 96 and 80, four at 100: the one-hot tiles take a third chunk too). Written
-# and compiled for sm_90 in session 42, but no device time was left to run its GPU tests
-# (run_s42d.sh), so off by default: KVBITS_GLUON_KVQUANT_ODD_OUTLIERS=1 turns it on.
-KVQUANT_STRAIGHT_OUTLIERS = env_switch("KVBITS_GLUON_KVQUANT_ODD_OUTLIERS", "0")
+# chunks (three at 96 and 80, four at 100: the one-hot tiles take a third chunk too). Written in
+# session 42, GPU-verified in session 43 (gpu_tests_s42d.log, 33 cases). kvquant-3-post at 32k,
+# H200 graph time (decode_attention_kvquant_post_odd.md): Phi-3-mini batch 8 767 us against
+# 2827 for the Triton kernel (1.74x flash SDPA), Phi-2 batch 8 706 against 2904 (1.91x); batch 1
+# 1.01x / 0.88x flash. KVBITS_GLUON_KVQUANT_ODD_OUTLIERS=0 sends them to the Triton kernel.
+KVQUANT_STRAIGHT_OUTLIERS = env_switch("KVBITS_GLUON_KVQUANT_ODD_OUTLIERS", "1")
 MAX_OUTLIERS = 4  # per token, keys or values (one pair of MMAs each)
 # Pre-RoPE keys turned in four 16-row blocks, each with its quarter of the cos/sin table loaded
 # just before its MMAs (_rope_scores), instead of the whole [64, D/2] table beside both key halves.
