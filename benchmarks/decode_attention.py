@@ -37,11 +37,13 @@ from kvbits.spec import resolve_spec  # noqa: E402
 
 MODELS = {"llama-2-7b": (32, 32, 128), "llama-3-8b": (32, 8, 128)}  # q heads, kv heads, head_dim
 # Shapes the kernels were not tuned on (--models), from the published configs: GQA 7:1, head
-# dims 64, 80, 96, 100 and 256; Gemma-2 (run with --softcap 50, as its global layers are)
+# dims 64, 80, 96, 100 and 256; Gemma-2 (run with --softcap 50, as its global layers are);
+# multi-query groups of more than 16 heads (Falcon-7B 71:1, StarCoder-15B 48:1)
 OTHER_MODELS = {"qwen2.5-7b": (28, 4, 128), "gemma-2-9b": (16, 8, 256),
                 "gemma-2-27b": (32, 16, 128), "phi-3-mini": (32, 32, 96),
                 "smollm2-1.7b": (32, 32, 64), "phi-2": (32, 32, 80),
-                "openllama-3b": (32, 32, 100)}
+                "openllama-3b": (32, 32, 100), "falcon-7b": (71, 1, 64),
+                "starcoder": (48, 1, 128)}
 ALL_MODELS = MODELS | OTHER_MODELS
 
 

@@ -29,6 +29,10 @@ ARCHS = {
     "starcoder2": lambda: tf.Starcoder2ForCausalLM(tf.Starcoder2Config(**COMMON)),
     "smollm3-nope": lambda: tf.SmolLM3ForCausalLM(tf.SmolLM3Config(**COMMON)),
     "glm4": lambda: tf.Glm4ForCausalLM(tf.Glm4Config(head_dim=16, **COMMON)),
+    # StarCoder / SantaCoder: multi-query attention (one KV head), learned positions
+    "gpt-bigcode-mqa": lambda: tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(
+        vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=512, multi_query=True,
+        bos_token_id=None, eos_token_id=None)),
 }
 
 
@@ -133,3 +137,53 @@ def test_gpu_partial_rotary_pre_rope_keys(monkeypatch):
     assert bool(used) == (decode_gluon.gluon is not None)
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert err < 2e-2, err
+
+
+def _gpt_bigcode_mqa(heads: int, head_dim: int):
+    return tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(
+        vocab_size=128, n_embd=heads * head_dim, n_layer=2, n_head=heads, n_positions=512,
+        multi_query=True, bos_token_id=None, eos_token_id=None))
+
+
+def _llama_gqa(heads: int, kv_heads: int, head_dim: int):
+    return tf.LlamaForCausalLM(tf.LlamaConfig(**{
+        **COMMON, "hidden_size": heads * head_dim, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim}))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["gpt-bigcode-20x1", "llama-24x2"])
+def test_gpu_query_groups_past_16_columns(arch, monkeypatch):
+    """More than 16 query heads x rows per KV head (multi-query StarCoder-style models; a chunk
+    of 3 rows at GQA 12) through the Gluon body as blocks of 16 columns
+    (decode_gluon.column_blocks), made to serve these small steps: logits of a prefill, a
+    3-row chunk and single steps equal the reference path's through the same cache to float16
+    rounding."""
+    from kvbits.kernels import decode_gluon
+    for name in ("MIN_BODY_TOKENS", "MIN_BODY_TOKENS_PLANES", "MIN_BODY_TOKENS_WIDE"):
+        monkeypatch.setattr(decode_gluon, name, 1)
+    blocks, body = [], decode_gluon.attend_body
+    monkeypatch.setattr(decode_gluon, "attend_body", lambda q, kv, *a, **k: blocks.append(
+        decode_gluon.column_blocks(q.shape[1] // kv.kv_heads * q.shape[2])) or body(q, kv, *a, **k))
+    torch.manual_seed(0)
+    model = (_gpt_bigcode_mqa(20, 64) if arch.startswith("gpt") else _llama_gqa(24, 2, 128))
+    model = model.half().cuda().eval()
+    x = torch.randint(0, 128, (2, 150), generator=torch.Generator().manual_seed(3)).cuda()
+    presets = ["kivi-2", "kivi-3", "uniform-int4"]
+    presets.append("kvquant-3-post" if arch.startswith("gpt") else "kvquant-3")
+    for preset in presets:
+        kw = {"residual_length": 8}
+        if preset.startswith("kvquant"):
+            kw["calibration"] = "uniform"
+        monkeypatch.setenv("KVBITS_KERNELS", "reference")
+        want = decode_in_parts(model, x, KVBitsCache(model, preset, **kw), 100, 103).float()
+        monkeypatch.setenv("KVBITS_KERNELS", "auto")
+        blocks.clear()
+        cache = KVBitsCache(model, preset, **kw)
+        got = decode_in_parts(model, x, cache, 100, 103).float()
+        assert cache.layers[0].store.body_len > 0
+        if decode_gluon.gluon is not None:  # 20 x 1 steps: 2 blocks, chunks: 4 (24 x 2: 3)
+            assert blocks and max(blocks) >= 2, (preset, blocks)
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err < 2e-2, (arch, preset, err)

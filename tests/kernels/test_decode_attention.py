@@ -1465,6 +1465,18 @@ GLUON_ROWS_CASES = [
     ("tma", body_case(2, 32, 128, 1, 86, Gv=32, Lq=5)),
     ("tma", body_case(4, 32, 128, 2, 87, Gv=32, Lq=3, window=5, softcap=50.0)),
 ]
+# More than 16 columns per KV head (decode_gluon.column_blocks): blocks of 16, one program each,
+# the last one partly empty: multi-query groups (71 heads: five blocks, the last of 7; 20, 48),
+# rows of one head split across blocks (6 heads x 3 rows, a window), KVQuant's full layer at 8
+# heads x 3 rows, the TMA ring at 48 heads and at 4 heads x 5 rows.
+GLUON_ROWS_CASES += [
+    ("register", body_case(2, 32, 64, 71, 91)),
+    ("register", body_case(3, 32, 128, 20, 92)),
+    ("register", body_case(4, 64, 80, 6, 93, Gv=32, Lq=3, window=7)),
+    ("kvquant", body_case(3, 32, 128, 8, 94, Lq=3)),
+    ("tma", body_case(2, 32, 128, 48, 95, Gv=32)),
+    ("tma", body_case(4, 32, 128, 4, 96, Gv=32, Lq=5, window=9)),
+]
 
 
 def _rows_bite(c, kv):
@@ -1479,15 +1491,19 @@ def _rows_bite(c, kv):
     assert worst > 3 * TOLERANCES[c.dtype][1], worst
 
 
-def test_gluon_takes_query_rows_up_to_16_columns():
-    """Query heads x query rows per KV head are the MMA's columns (no GPU needed): up to 16 go
-    to the Gluon body (5 rows of one head, 4 of four heads, 16 of one), more to Triton."""
+def test_gluon_takes_query_columns_up_to_max_columns():
+    """Query heads x query rows per KV head are the MMA's columns (no GPU needed): up to 16 in
+    one program, up to MAX_COLUMNS (128) in blocks of 16 (5 rows at GQA 4: two; Falcon-7B's 71
+    heads: five), more to Triton."""
     from kvbits.kernels import decode_gluon
     if decode_gluon.gluon is None:
         pytest.skip("this Triton has no Gluon")
     kv = make_kv(Case(kb=2, vb=2, G=32, D=128, B=1, Hkv=2, body=128), "cpu")
-    assert all(decode_gluon.eligible(kv, rows, hg) for rows, hg in ((5, 1), (4, 4), (16, 1)))
-    assert not any(decode_gluon.eligible(kv, rows, hg) for rows, hg in ((5, 4), (17, 1), (3, 7)))
+    ok = ((5, 1), (4, 4), (16, 1), (5, 4), (17, 1), (3, 7), (1, 71), (2, 64))
+    assert all(decode_gluon.eligible(kv, rows, hg) for rows, hg in ok)
+    assert not any(decode_gluon.eligible(kv, rows, hg) for rows, hg in ((129, 1), (9, 16)))
+    assert [decode_gluon.column_blocks(n) for n in (1, 8, 16, 17, 32, 33, 71, 128)] == \
+        [1, 1, 1, 2, 2, 3, 5, 8]
     q = torch.arange(2 * 8 * 3 * 4.0).view(2, 8, 3, 4)
     heads, group, rows = decode_gluon.query_rows_as_heads(q, 2)
     assert (group, rows) == (12, 3) and heads.shape == (2, 24, 1, 4)
@@ -1514,8 +1530,8 @@ def test_gluon_variants_match_reference(kind, c, n_out, rope, monkeypatch):
     serve_small(monkeypatch, decode_gluon)
     kv = _kvquant_kv(c, n_out, rope) if kind == "kvquant" else make_kv(c, spare=8)
     assert decode_gluon.eligible(kv, c.Lq, c.HG), str(c)
-    if c.Lq > 1:
-        assert not decode_gluon.eligible(kv, 16 // c.HG + 1, c.HG)  # past 16 columns: Triton
+    if c.Lq > 1:  # past MAX_COLUMNS: Triton
+        assert not decode_gluon.eligible(kv, decode_gluon.MAX_COLUMNS // c.HG + 1, c.HG)
     assert kind != "tma" or decode_gluon_tma.eligible(kv, False)
     used = count_calls(monkeypatch, decode_gluon_tma if kind == "tma" else decode_gluon)
     run_case(c, kv=kv)
@@ -1776,8 +1792,10 @@ def test_gluon_dispatch_rules():
     kv = make_kv(Case(kb=2, vb=2, G=32, D=128, B=1, Hkv=1, body=64, res=0), device="cpu")
     assert decode_gluon.eligible(kv, 1, 4)
     assert decode_gluon.eligible(kv, 4, 4)  # several rows: rows x heads columns, up to 16
-    assert not decode_gluon.eligible(kv, 5, 4)  # 20 columns (a longer chunk): Triton
-    assert not decode_gluon.eligible(kv, 1, 17)  # > 16 query heads per KV head
+    assert decode_gluon.eligible(kv, 5, 4)  # 20 columns (a longer chunk): two blocks of 16
+    assert not decode_gluon.eligible(kv, 33, 4)  # 132 columns: past MAX_COLUMNS, Triton
+    assert decode_gluon.eligible(kv, 1, 17)  # > 16 query heads per KV head: two blocks
+    assert not decode_gluon.eligible(kv, 1, 129)  # > MAX_COLUMNS query heads per KV head
     assert not decode_gluon.serves(kv, 1, 4, 64)  # 64 x 64 tokens: too small a step
     kv.body_len = 32768
     assert decode_gluon.serves(kv, 1, 4, 8)  # Llama-3 batch 1 at 32k: 8 x 32k tokens

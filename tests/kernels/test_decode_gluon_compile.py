@@ -103,6 +103,13 @@ CONFIGS = [
     {**BASE, "HG": 12, "HP": 16, "LQ": 3, "HAS_WINDOW": True},
     {**BASE, "HG": 8, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 2, "VOUT": 2, "ROPE": True,
      "LQ": 4, "ROPE_M": True},
+    # more than 16 columns per KV head as blocks of 16, one program each (NQB, column_blocks):
+    # Falcon-7B's 71 heads on one KV head (five blocks, the last of 7), 4 heads x 5 rows with a
+    # window (rows of one head in two blocks), KVQuant's full layer at 8 heads x 3 rows
+    {**BASE, "HG": 71, "HP": 16, "D": 64, "NQB": 5},
+    {**BASE, "HG": 20, "HP": 16, "LQ": 5, "HAS_WINDOW": True, "NQB": 2},
+    {**BASE, "HG": 24, "HP": 16, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 2, "VOUT": 2,
+     "ROPE": True, "LQ": 3, "ROPE_M": True, "NQB": 2},
     {**BASE, "KBITS": 4, "PF": 0, "PF_AFTER": False},  # K4V2 (mixed widths; last, no prefetch)
 ]
 
@@ -155,6 +162,11 @@ TMA_CONFIGS = [  # 2 bits, 3 stages, GQA 4, device lengths; 4 bits, 2 stages, 16
     # the uniform method: keys and values scaled per token over 64 channels
     {"HG": 4, "HP": 8, "D": 128, "BITS": 4, "G": 64, "GV": 64, "HAS_STARTS": True,
      "HAS_LENS": True, "LENS_DEV": True, "NS": 2, "K_TOK": True, "PDL": True},
+    # StarCoder's 48 heads on one KV head (three blocks of 16); 4 heads x 5 rows (two blocks)
+    {"HG": 48, "HP": 16, "D": 128, "BITS": 2, "G": 32, "GV": 32, "HAS_STARTS": False,
+     "HAS_LENS": True, "LENS_DEV": False, "NS": 3, "NQB": 3},
+    {"HG": 20, "HP": 16, "D": 128, "BITS": 4, "G": 32, "GV": 32, "HAS_STARTS": True,
+     "HAS_LENS": True, "LENS_DEV": True, "NS": 2, "LQ": 5, "NQB": 2},
 ]
 
 

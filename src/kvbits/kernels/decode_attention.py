@@ -877,11 +877,13 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def gluon_splits(kv: PackedKV, sm_count: int, device: torch.device) -> int:
+def gluon_splits(kv: PackedKV, sm_count: int, device: torch.device, columns: int = 1) -> int:
     """Splits per (sequence, KV head) for a layer the Gluon body serves: one wave where the
     TMA ring serves a mid-sized grid (:func:`decode_gluon_tma.one_wave_splits`), else
-    :func:`decode_gluon.body_splits`' rule."""
-    pairs, D = kv.batch * kv.kv_heads, kv.head_dim
+    :func:`decode_gluon.body_splits`' rule. ``columns``: query heads x rows per KV head; past
+    16 each pair is :func:`decode_gluon.column_blocks` programs per split, counted as pairs."""
+    pairs = kv.batch * kv.kv_heads * decode_gluon.column_blocks(columns)
+    D = kv.head_dim
     one_wave = decode_gluon_tma.one_wave_splits(pairs, kv.body_len, sm_count)
     if one_wave and decode_gluon_tma.serves(
             kv, getattr(kv, "key_axis", "channel") == "token", device):
@@ -980,7 +982,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     elif gluon:  # asked for explicitly (tests, benchmarks): any eligible layer
         gluon = n_groups > 0 and decode_gluon.eligible(kv, Lq, HG)
     if gluon:
-        splits = decode_gluon.split_count(kv.body_len, req_splits or gluon_splits(kv, sms, dev))
+        splits = decode_gluon.split_count(kv.body_len,
+                                          req_splits or gluon_splits(kv, sms, dev, HG * Lq))
     BLOCK_FP = 64 if BLOCK_D <= 128 else 32
     n_fp = kv.sink_len + kv.res_len
     # A short FP16 part (a decode step's sink and residual) is attended by the finish kernel,

@@ -883,16 +883,25 @@ if gluon is not None:
     @gluon.jit
     def _program_bounds(Starts, Lens, LenTab, sink_len, body_len, res_len, Hkv, HG: gl.constexpr,
                         HAS_STARTS: gl.constexpr, HAS_LENS: gl.constexpr,
-                        LENS_DEV: gl.constexpr):
+                        LENS_DEV: gl.constexpr, HP: gl.constexpr = 16, NQB: gl.constexpr = 1):
         """What a body program works within: the layer's (sink, body, residual) lengths (from
         the device with ``LENS_DEV``; the ints are then only bounds), its (sequence, KV head)
-        and split, the sequence's first visible position and end, and the first query row of
-        its GQA group in ``[B*Hq, D]``."""
+        and split, the sequence's first visible position and end, the first query row of its
+        columns in ``[B*Hq, D]``, how many of its ``HP`` columns are real and the first one's
+        index in the GQA group. Groups of more than 16 columns (``NQB`` blocks of ``HP``, see
+        :func:`column_blocks`) take ``NQB`` programs side by side, one block each."""
         if LENS_DEV:
             sink_len = gl.load(LenTab)
             body_len = gl.load(LenTab + 1)
             res_len = gl.load(LenTab + 2)
-        bh = gl.program_id(0)
+        if NQB == 1:
+            bh = gl.program_id(0)
+            col0 = 0
+            cols = HG
+        else:  # the blocks of one (sequence, KV head) are neighbours: they share its tiles in L2
+            bh = gl.program_id(0) // NQB
+            col0 = (gl.program_id(0) % NQB) * HP
+            cols = HG - col0
         b = bh // Hkv
         start = 0
         length = sink_len + body_len + res_len
@@ -900,30 +909,31 @@ if gluon is not None:
             start = gl.load(Starts + b)
         if HAS_LENS:
             length = gl.load(Lens + b)
-        q_row0 = (b.to(gl.int64) * Hkv + bh % Hkv) * HG
-        return sink_len, body_len, res_len, bh, gl.program_id(1), start, length, q_row0
+        q_row0 = (b.to(gl.int64) * Hkv + bh % Hkv) * HG + col0
+        return (sink_len, body_len, res_len, bh, gl.program_id(1), start, length, q_row0, cols,
+                col0)
 
     @gluon.jit
-    def _query_operand(Q, q_row0, qk_scale, C: gl.constexpr, HG: gl.constexpr, HP: gl.constexpr,
+    def _query_operand(Q, q_row0, qk_scale, C: gl.constexpr, cols, HP: gl.constexpr,
                        D: gl.constexpr, DC: gl.constexpr, b_l: gl.constexpr,
                        HALVES: gl.constexpr):
         """Q^T chunk ``C`` (``[DC, HP]``, channels ``[C DC, (C + 1) DC)``, or in the halves
-        layout :func:`key_base`'s) of one GQA group as a B operand, pre-scaled by ``scale *
-        log2(e)``; heads past ``HG`` and channels past the chunk's end are zero."""
+        layout :func:`key_base`'s) of a program's columns as a B operand, pre-scaled by ``scale
+        * log2(e)``; columns past ``cols`` and channels past the chunk's end are zero."""
         C0: gl.constexpr = key_base(C, D, DC, HALVES)
         qd = gl.arange(0, DC, layout=gl.SliceLayout(1, b_l))
         qj = gl.arange(0, HP, layout=gl.SliceLayout(0, b_l))
         q_ptr = Q + (q_row0 + qj[None, :]) * D + C0 + qd[:, None]
-        q_ok = (qj[None, :] < HG) & (C0 + qd[:, None] < key_end(C, D, DC, HALVES))
+        q_ok = (qj[None, :] < cols) & (C0 + qd[:, None] < key_end(C, D, DC, HALVES))
         return (gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
 
     @gluon.jit
-    def _query_operands(Q, q_row0, qk_scale, C0: gl.constexpr, HG: gl.constexpr,
-                        HP: gl.constexpr, D: gl.constexpr, DC: gl.constexpr, b_l: gl.constexpr,
+    def _query_operands(Q, q_row0, qk_scale, C0: gl.constexpr, cols, HP: gl.constexpr,
+                        D: gl.constexpr, DC: gl.constexpr, b_l: gl.constexpr,
                         HALVES: gl.constexpr):
         """Chunks ``C0`` and ``C0 + 1`` of :func:`_query_operand`."""
-        return (_query_operand(Q, q_row0, qk_scale, C0, HG, HP, D, DC, b_l, HALVES),
-                _query_operand(Q, q_row0, qk_scale, C0 + 1, HG, HP, D, DC, b_l, HALVES))
+        return (_query_operand(Q, q_row0, qk_scale, C0, cols, HP, D, DC, b_l, HALVES),
+                _query_operand(Q, q_row0, qk_scale, C0 + 1, cols, HP, D, DC, b_l, HALVES))
 
     @gluon.jit
     def _row_tokens(KBITS: gl.constexpr, W: gl.constexpr, G: gl.constexpr, rows: gl.constexpr):
@@ -990,14 +1000,15 @@ if gluon is not None:
     @gluon.jit
     def _mask_scores(st, t, first, end, start, length, sink_len, body_len, window,
                      HAS_WINDOW: gl.constexpr, LQ: gl.constexpr, HP: gl.constexpr,
-                     mma: gl.constexpr):
+                     mma: gl.constexpr, col0=0):
         """``S^T [64, HP]`` with tokens (body indices ``t``) a column's row does not see at
         ``-inf``: before its first visible index or at / past its own position (causal among
         ``LQ`` rows: row ``r`` of ``LQ`` ends ``LQ - 1 - r`` tokens before ``length``). One row:
-        outside ``[first, end)`` (:func:`_body_bounds`' ``first_all``, ``end_any``)."""
+        outside ``[first, end)`` (:func:`_body_bounds`' ``first_all``, ``end_any``). ``col0``:
+        the program's first column in the GQA group (:func:`_program_bounds`)."""
         if LQ == 1:
             return gl.where(((t >= first) & (t < end))[:, None], st, float("-inf"))
-        back = (LQ - 1) - gl.arange(0, HP, layout=gl.SliceLayout(0, mma)) % LQ
+        back = (LQ - 1) - (col0 + gl.arange(0, HP, layout=gl.SliceLayout(0, mma))) % LQ
         row_len = length - back  # each column's own sequence end
         seen = t[:, None] < gl.minimum(row_len - sink_len, body_len)[None, :]
         if HAS_WINDOW:
@@ -1008,7 +1019,7 @@ if gluon is not None:
         return gl.where(seen, st, float("-inf"))
 
     @gluon.jit
-    def _store_chunk(Out, acc, l_i, q_row0, n_out, split, C: gl.constexpr, HG: gl.constexpr,
+    def _store_chunk(Out, acc, l_i, q_row0, n_out, split, C: gl.constexpr, cols,
                      HP: gl.constexpr, D: gl.constexpr, DC: gl.constexpr, mma: gl.constexpr):
         """Output chunk ``C`` of a split, normalized; the rows of ``Lse`` and the safe sums."""
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
@@ -1016,20 +1027,20 @@ if gluon is not None:
         oj = gl.arange(0, HP, layout=gl.SliceLayout(0, mma))
         o_row = (q_row0 + oj) * n_out + split
         o_ptr = Out + o_row[None, :] * D + C * DC + od[:, None]
-        o_ok = (oj[None, :] < HG) & (C * DC + od[:, None] < D)
+        o_ok = (oj[None, :] < cols) & (C * DC + od[:, None] < D)
         gl.store(o_ptr, acc / l_safe[None, :], mask=o_ok)
         return o_row, oj, l_safe
 
     @gluon.jit
-    def _store_partial(Out, Lse, acc0, acc1, m_i, l_i, q_row0, n_out, split, HG: gl.constexpr,
+    def _store_partial(Out, Lse, acc0, acc1, m_i, l_i, q_row0, n_out, split, cols,
                        HP: gl.constexpr, D: gl.constexpr, DC: gl.constexpr, mma: gl.constexpr):
         """A split's normalized partial output (its first two chunks) and base-2 log-sum-exp
-        (``-inf`` when it saw no token), for the merge kernel."""
-        _store_chunk(Out, acc0, l_i, q_row0, n_out, split, 0, HG, HP, D, DC, mma)
-        o_row, oj, l_safe = _store_chunk(Out, acc1, l_i, q_row0, n_out, split, 1, HG, HP, D, DC,
-                                         mma)
+        (``-inf`` when it saw no token) for its first ``cols`` columns, for the merge kernel."""
+        _store_chunk(Out, acc0, l_i, q_row0, n_out, split, 0, cols, HP, D, DC, mma)
+        o_row, oj, l_safe = _store_chunk(Out, acc1, l_i, q_row0, n_out, split, 1, cols, HP, D,
+                                         DC, mma)
         lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
-        gl.store(Lse + o_row, lse, mask=oj < HG)
+        gl.store(Lse + o_row, lse, mask=oj < cols)
 
     @gluon.jit
     def _later_key_chunk(st, qc, C: gl.constexpr, kc_base, ks_base, kz_base, s, n_groups, r_cur,
@@ -1336,7 +1347,7 @@ if gluon is not None:
         Q_RELOAD: gl.constexpr = False,
         KOUT: gl.constexpr = 0, VOUT: gl.constexpr = 0, ROPE: gl.constexpr = False,
         HAS_WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False, LQ: gl.constexpr = 1,
-        PDL: gl.constexpr = False, ROPE_M: gl.constexpr = False,
+        PDL: gl.constexpr = False, ROPE_M: gl.constexpr = False, NQB: gl.constexpr = 1,
     ):
         if PDL:  # the finish kernel may be scheduled now (it waits for this one to merge)
             _launch_dependents()
@@ -1362,9 +1373,9 @@ if gluon is not None:
         WV: gl.constexpr = G * VBITS // 32  # the same for the values
         RSV: gl.constexpr = 2 * VBITS
         SPAN: gl.constexpr = G if G > 64 else 64  # noqa: FURB136 (tokens a step's groups span)
-        sink_len, body_len, res_len, bh, split, start, length, q_row0 = _program_bounds(
-            Starts, Lens, LenTab, sink_len, body_len, res_len, Hkv, HG, HAS_STARTS, HAS_LENS,
-            LENS_DEV)
+        sink_len, body_len, res_len, bh, split, start, length, q_row0, cols, col0 = \
+            _program_bounds(Starts, Lens, LenTab, sink_len, body_len, res_len, Hkv, HG,
+                            HAS_STARTS, HAS_LENS, LENS_DEV, HP, NQB)
         bh64 = bh.to(gl.int64)
         gl.static_assert(not (ROPE or KOUT > 0 or VOUT > 0)
                          or (KBITS == 3 and CB and (NCH == 2 or (NCH == 4 and DC == 64)
@@ -1379,11 +1390,11 @@ if gluon is not None:
         # four) with pre-RoPE keys at head_dim 256, else chunk 1
         K1: gl.constexpr = _partner_chunk(NCH, ROPE)
 
-        q0, q1 = _query_operands(Q, q_row0, qk_scale, 0, HG, HP, D, DC, b_l, HALVES)
+        q0, q1 = _query_operands(Q, q_row0, qk_scale, 0, cols, HP, D, DC, b_l, HALVES)
         if NCH >= 3 and not Q_RELOAD:
-            q2 = _query_operand(Q, q_row0, qk_scale, 2, HG, HP, D, DC, b_l, HALVES)
+            q2 = _query_operand(Q, q_row0, qk_scale, 2, cols, HP, D, DC, b_l, HALVES)
         if NCH == 4 and not Q_RELOAD:
-            q3 = _query_operand(Q, q_row0, qk_scale, 3, HG, HP, D, DC, b_l, HALVES)
+            q3 = _query_operand(Q, q_row0, qk_scale, 3, cols, HP, D, DC, b_l, HALVES)
         dn = _row_tokens(KBITS, W, G, gl.SliceLayout(1, mma))
         if CB:  # KVQuant (3 bits): the KV head's codebooks as prmt tables, [Hkv, 8] float32
             klo0, klo1, khi0, khi1 = _cb_tables(KCB + (bh % Hkv) * 8)
@@ -1498,7 +1509,7 @@ if gluon is not None:
                                    CB)
                 if NCH == 4:  # chunk pairs (0, 2) and (1, 3) are the rotate-half partners
                     if Q_RELOAD:
-                        q2 = _query_operand(Q, q_row0, qk_scale, 2, HG, HP, D, DC, b_l, HALVES)
+                        q2 = _query_operand(Q, q_row0, qk_scale, 2, cols, HP, D, DC, b_l, HALVES)
                     xa, xb = _rope_query(q0, q2, sink_len + t_cur - start, inv_f)
                 else:
                     xa, xb = _rope_query(q0, q1, sink_len + t_cur - start, inv_f)
@@ -1523,7 +1534,7 @@ if gluon is not None:
                     k1 = _key_operand3(kp, kq, kr, ksc, kzr, klo0, klo1, khi0, khi1, DC, KW,
                                        a_l, CB)
                     if Q_RELOAD:
-                        q3 = _query_operand(Q, q_row0, qk_scale, 3, HG, HP, D, DC, b_l, HALVES)
+                        q3 = _query_operand(Q, q_row0, qk_scale, 3, cols, HP, D, DC, b_l, HALVES)
                     xa1, xb1 = _rope_query(q1, q3, sink_len + t_cur - start, inv_f1)
                     if ROPE_M:
                         st = _rope_scores(st, k, k1, xa1, xb1, RopeCS + DC + cs_off16, H2, a_l,
@@ -1553,22 +1564,22 @@ if gluon is not None:
                                            body_len, 3 * DC, KBITS, W, G, D, DC, GK, KW, KT,
                                            K_TOK)
                 if Q_RELOAD:
-                    q2 = _query_operand(Q, q_row0, qk_scale, 2, HG, HP, D, DC, b_l, HALVES)
+                    q2 = _query_operand(Q, q_row0, qk_scale, 2, cols, HP, D, DC, b_l, HALVES)
                 k = _key_operand(kw2, ks2, kz2, KBITS, DC, KW, a_l, K_TOK)
                 st = mma_v2(k, q2, st)
                 if Q_RELOAD:
-                    q3 = _query_operand(Q, q_row0, qk_scale, 3, HG, HP, D, DC, b_l, HALVES)
+                    q3 = _query_operand(Q, q_row0, qk_scale, 3, cols, HP, D, DC, b_l, HALVES)
                 k = _key_operand(kw3, ks3, kz3, KBITS, DC, KW, a_l, K_TOK)
                 st = mma_v2(k, q3, st)
             elif NCH >= 3 and not ROPE:  # (pre-RoPE keys: all four chunks above)
                 if Q_RELOAD:  # from L1 each step: 8-16 fewer live registers through the loop
-                    q2 = _query_operand(Q, q_row0, qk_scale, 2, HG, HP, D, DC, b_l, HALVES)
+                    q2 = _query_operand(Q, q_row0, qk_scale, 2, cols, HP, D, DC, b_l, HALVES)
                 st = _later_key_chunk(st, q2, 2, kc_base, ks_base, kz_base, s, n_groups, r_cur,
                                       n_rows, t_cur, body_len, klo0, klo1, khi0, khi1, KBITS, W,
                                       G, D, DC, GK, KW, KT, K_TOK, a_l, CB)
                 if NCH == 4:
                     if Q_RELOAD:
-                        q3 = _query_operand(Q, q_row0, qk_scale, 3, HG, HP, D, DC, b_l, HALVES)
+                        q3 = _query_operand(Q, q_row0, qk_scale, 3, cols, HP, D, DC, b_l, HALVES)
                     st = _later_key_chunk(st, q3, 3, kc_base, ks_base, kz_base, s, n_groups,
                                           r_cur, n_rows, t_cur, body_len, klo0, klo1, khi0, khi1,
                                           KBITS, W, G, D, DC, GK, KW, KT, K_TOK, a_l, CB)
@@ -1592,7 +1603,7 @@ if gluon is not None:
                 st = _cap_scores(st, softcap)
             if (lo < first_all) | (lo + SPAN > end_all):
                 st = _mask_scores(st, t_cur + dn, first_all, end_any, start, length, sink_len,
-                                  body_len, window, HAS_WINDOW, LQ, HP, mma)
+                                  body_len, window, HAS_WINDOW, LQ, HP, mma, col0)
             p, alpha, m_i, l_i = _online_softmax(st, m_i, l_i)
             p = p.to(gl.float16)
             if KBITS != VBITS:  # P's rows from the keys' token order to the values'
@@ -1656,11 +1667,12 @@ if gluon is not None:
                         acc0, acc1, acc0, acc1, pb, voi_base, vov_base, t_cur, body_len, cols_a,
                         rows_b, VOUT, NCH, DC, a_l)
 
-        _store_partial(Out, Lse, acc0, acc1, m_i, l_i, q_row0, n_out, split, HG, HP, D, DC, mma)
+        _store_partial(Out, Lse, acc0, acc1, m_i, l_i, q_row0, n_out, split, cols, HP, D, DC,
+                       mma)
         if NCH >= 3:
-            _store_chunk(Out, acc2, l_i, q_row0, n_out, split, 2, HG, HP, D, DC, mma)
+            _store_chunk(Out, acc2, l_i, q_row0, n_out, split, 2, cols, HP, D, DC, mma)
         if NCH == 4:
-            _store_chunk(Out, acc3, l_i, q_row0, n_out, split, 3, HG, HP, D, DC, mma)
+            _store_chunk(Out, acc3, l_i, q_row0, n_out, split, 3, cols, HP, D, DC, mma)
 
 
 # Keys scaled per token (the uniform method) through this kernel: uniform-int4 B=32 32k on the H200
@@ -1755,7 +1767,7 @@ _BODY = FastLaunch(_body_kernel) if gluon is not None else None  # (kernels.laun
 _BODY_NAMES = ("HG", "HP", "D", "KBITS", "VBITS", "G", "GV", "HAS_STARTS", "HAS_LENS", "GK",
                "K_TOK", "LENS_DEV", "PF", "PF_L1", "PF_AFTER", "EARLY_V", "CB", "KOUT", "VOUT",
                "ROPE", "Q_RELOAD", "HAS_WINDOW", "SOFTCAP", "LQ", "PDL", "PF_OUT", "ROPE_M",
-               "num_warps")
+               "NQB", "num_warps")
 _BODY_KEYWORDS = keyword_maker(_BODY_NAMES)
 _BODY_KEYWORDS_MAXNREG = keyword_maker(_BODY_NAMES + ("maxnreg",))
 
@@ -1773,8 +1785,9 @@ def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
     size 16-128, head_dim 64 or 128 (or 96, 192, 256 with ``EXTRA_HEAD_DIMS``: per-channel
     keys; or, with ``PADDED_HEAD_DIMS``, a multiple of 4 from 36 to 124 in 32-channel chunks,
     per-token groups a multiple of 32 channels or the whole head), value groups of 32 to 128 channels (smaller ones compile but
-    are not tested on a GPU), at most 16 query heads x query rows per KV head (several rows:
-    speculative verification, short chunks). Sliding windows, softcapping and each row's causal
+    are not tested on a GPU), at most ``MAX_COLUMNS`` query heads x query rows per KV head
+    (several rows: speculative verification, short chunks; past 16, :func:`column_blocks`
+    programs each). Sliding windows, softcapping and each row's causal
     end are applied by the kernel."""
     if gluon is None or kv.body_len == 0 or getattr(kv, "fp8", False):
         return False
@@ -1825,7 +1838,20 @@ def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
         groups_ok = GV in (32, 64, 128) and D % GV == 0
     return (keys_ok and bits_ok and getattr(kv, "value_axis", "token") == "token"
             and G in (16, 32, 64, 128) and dims_ok and groups_ok
-            and q_rows * heads_per_kv <= 16)
+            and q_rows * heads_per_kv <= MAX_COLUMNS)
+
+
+# Query columns (heads x rows) per KV head: up to 16 are one program's MMA columns; past that
+# (Falcon-7B's 71 heads on one KV head, StarCoder's 48, speculative verification of 5 rows at
+# GQA 4) column_blocks programs of 16 columns each walk the same KV tiles side by side (the
+# later ones find them in L2). Past MAX_COLUMNS the Triton kernel takes the layer.
+MAX_COLUMNS = 128
+
+
+def column_blocks(columns: int) -> int:
+    """Programs per (sequence, KV head, split): one for up to 16 query columns, else one per
+    16 (:func:`_program_bounds`)."""
+    return 1 if columns <= 16 else -(-columns // 16)
 
 
 def padded_head(D: int) -> bool:
@@ -1856,13 +1882,15 @@ MIN_BODY_TOKENS_WIDE = 1 << 16
 
 
 def serves(kv, q_rows: int, heads_per_kv: int, batch_heads: int) -> bool:
-    """:func:`eligible` and a step big enough for this kernel to be the faster one."""
+    """:func:`eligible` and a step big enough for this kernel to be the faster one (groups
+    of more than 16 columns count each block of 16 as a pair: :func:`column_blocks`)."""
     planes = kv.key_bits == 3 or kv.value_bits == 3
     if planes:
         min_tokens = MIN_BODY_TOKENS_PLANES
     else:
         min_tokens = MIN_BODY_TOKENS if kv.res_k.shape[-1] in (64, 128) else MIN_BODY_TOKENS_WIDE
-    return (batch_heads * kv.body_len >= min_tokens
+    blocks = column_blocks(q_rows * heads_per_kv)
+    return (batch_heads * blocks * kv.body_len >= min_tokens
             and eligible(kv, q_rows, heads_per_kv))
 
 
@@ -2020,8 +2048,8 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
                  full=koi is not None or voi is not None or inv_freq is not None),
         window is not None, softcap is not None, Lq, pdl,
         PREFETCH_OUTLIERS and (koi is not None or voi is not None),
-        ROPE_BLOCKS and inv_freq is not None, 1)
-    _BODY.launch((B * Hkv, splits), (
+        ROPE_BLOCKS and inv_freq is not None, column_blocks(HG), 1)
+    _BODY.launch((B * Hkv * column_blocks(HG), splits), (
         q, out, lse, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero,
         starts, lengths, lens_dev if lens_dev is not None else starts,
         kcb if kcb is not None else starts, vcb if vcb is not None else starts,

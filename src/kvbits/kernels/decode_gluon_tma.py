@@ -400,7 +400,7 @@ if gluon is not None:
         GV: gl.constexpr, HAS_STARTS: gl.constexpr, HAS_LENS: gl.constexpr,
         LENS_DEV: gl.constexpr, NS: gl.constexpr, HAS_WINDOW: gl.constexpr = False,
         SOFTCAP: gl.constexpr = False, LQ: gl.constexpr = 1, K_TOK: gl.constexpr = False,
-        PDL: gl.constexpr = False,
+        PDL: gl.constexpr = False, NQB: gl.constexpr = 1,
     ):
         if PDL:  # the finish kernel may be scheduled now (it waits for this one to merge)
             dg._launch_dependents()
@@ -421,11 +421,11 @@ if gluon is not None:
         VSS: gl.constexpr = _lay("VS1", BITS, D, G) if GV == 64 else _lay("VSS", BITS, D, G)
         W: gl.constexpr = G * BITS // 32
         RS: gl.constexpr = 2 * BITS
-        sink_len, body_len, res_len, bh, split, start, length, q_row0 = dg._program_bounds(
-            Starts, Lens, LenTab, sink_len, body_len, res_len, Hkv, HG, HAS_STARTS, HAS_LENS,
-            LENS_DEV)
+        sink_len, body_len, res_len, bh, split, start, length, q_row0, cols, col0 = \
+            dg._program_bounds(Starts, Lens, LenTab, sink_len, body_len, res_len, Hkv, HG,
+                               HAS_STARTS, HAS_LENS, LENS_DEV, HP, NQB)
 
-        q0, q1 = dg._query_operands(Q, q_row0, qk_scale, 0, HG, HP, D, DC, b_l, False)
+        q0, q1 = dg._query_operands(Q, q_row0, qk_scale, 0, cols, HP, D, DC, b_l, False)
         dn = dg._row_tokens(BITS, W, G, gl.SliceLayout(1, mma))
 
         n_steps = (body_len + 63) // 64
@@ -488,7 +488,8 @@ if gluon is not None:
             boundary = (tok0 < first_all) | (tok0 + 64 > end_all)
             if boundary:  # tokens a row does not see; rows past the body hold anything
                 st_ = dg._mask_scores(st_, tok0 + dn, first_all, end_any, start, length,
-                                      sink_len, body_len, window, HAS_WINDOW, LQ, HP, mma)
+                                      sink_len, body_len, window, HAS_WINDOW, LQ, HP, mma,
+                                      col0)
             p, alpha, m_i, l_i = dg._online_softmax(st_, m_i, l_i)
             pb = gl.convert_layout(p.to(gl.float16), b_l)
             vsw = vs_s.index(st).load(VSS)
@@ -513,7 +514,7 @@ if gluon is not None:
 
         for i in gl.static_range(NS):
             mbarrier.invalidate(bars.index(i))
-        dg._store_partial(Out, Lse, acc0, acc1, m_i, l_i, q_row0, n_out, split, HG, HP, D, DC,
+        dg._store_partial(Out, Lse, acc0, acc1, m_i, l_i, q_row0, n_out, split, cols, HP, D, DC,
                           mma)
 
 
@@ -737,10 +738,11 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
     keywords = _TMA_KEYWORDS(
         HG, 8 if HG <= 8 else 16, D, bits, kv.group_size, kv.value_group, has_starts, has_lens,
         lens_dev is not None, STAGES[bits], window is not None, softcap is not None, Lq, k_tok,
-        pdl, 1)
+        pdl, dg.column_blocks(HG), 1)
+    grid = (B * Hkv * dg.column_blocks(HG), splits)
     if extra:
-        return _TMA.run((B * Hkv, splits), args, {**keywords.kwargs, **extra})
-    return _TMA.launch((B * Hkv, splits), args, keywords)
+        return _TMA.run(grid, args, {**keywords.kwargs, **extra})
+    return _TMA.launch(grid, args, keywords)
 
 
 # The launch through kernels.launch.FastLaunch (its descriptors cached per layer above): an eager
@@ -748,4 +750,4 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
 _TMA = FastLaunch(_body_tma_kernel) if gluon is not None else None
 _TMA_KEYWORDS = keyword_maker(("HG", "HP", "D", "BITS", "G", "GV", "HAS_STARTS", "HAS_LENS",
                                "LENS_DEV", "NS", "HAS_WINDOW", "SOFTCAP", "LQ", "K_TOK", "PDL",
-                               "num_warps"))
+                               "NQB", "num_warps"))
