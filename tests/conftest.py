@@ -1,4 +1,5 @@
-"""Shared pytest fixtures (keep small: one fixture per real model, and the sm_90 compile runner)."""
+"""Shared pytest fixtures (keep small: one fixture per real model, the sm_90 compile runner, and
+the Gluon body's call recorder)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,20 @@ def compile_sm90():
         return [parts[i % n][i // n] for i in range(len(configs))]
     return run
 
+
+
+@pytest.fixture
+def gluon_calls(monkeypatch):
+    """Let the Gluon body kernel serve every layer it is eligible for (the size limits that send
+    small steps, and plain KIVI layers with many blocks of query columns, to the Triton kernel as
+    the faster one are lifted) and record its calls: returns a list that gets one
+    ``(q, kv, keywords)`` per call of ``decode_gluon.attend_body``."""
+    from kvbits.kernels import decode_gluon
+
+    for name in ("MIN_BODY_TOKENS", "MIN_BODY_TOKENS_PLANES", "MIN_BODY_TOKENS_WIDE"):
+        monkeypatch.setattr(decode_gluon, name, 1)
+    monkeypatch.setattr(decode_gluon, "MAX_PLAIN_BLOCKS", 1 << 10)
+    calls, real = [], decode_gluon.attend_body
+    monkeypatch.setattr(decode_gluon, "attend_body",
+                        lambda q, kv, *a, **k: calls.append((q, kv, k)) or real(q, kv, *a, **k))
+    return calls

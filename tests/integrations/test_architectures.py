@@ -69,7 +69,7 @@ def test_decoding_through_the_cache_matches_the_model(arch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("head_dim", [100, 80, 40])
-def test_gpu_head_dims_not_multiples_of_16(head_dim, monkeypatch):
+def test_gpu_head_dims_not_multiples_of_16(head_dim, monkeypatch, gluon_calls):
     """Head dims that are not multiples of 16 (OpenLLaMA-3B's 100, Phi-2's 80) through the GPU
     kernels (quantize on append, the decode kernel's padded tiles, KVQuant's padded pre-RoPE
     halves, the Gluon body's padded last chunk and its halves layout for KVQuant, made to serve
@@ -77,11 +77,7 @@ def test_gpu_head_dims_not_multiples_of_16(head_dim, monkeypatch):
     prefill, a chunk and single steps equal the reference path's through the same cache to
     float16 rounding."""
     from kvbits.kernels import decode_gluon
-    for name in ("MIN_BODY_TOKENS", "MIN_BODY_TOKENS_PLANES", "MIN_BODY_TOKENS_WIDE"):
-        monkeypatch.setattr(decode_gluon, name, 1)
-    used, body = [], decode_gluon.attend_body
-    monkeypatch.setattr(decode_gluon, "attend_body",
-                        lambda *a, **k: used.append(1) or body(*a, **k))
+    used = gluon_calls
     cfg = tf.LlamaConfig(**{**COMMON, "hidden_size": 2 * head_dim, "num_attention_heads": 2,
                             "num_key_value_heads": 1, "head_dim": head_dim})
     torch.manual_seed(0)
@@ -108,17 +104,13 @@ def test_gpu_head_dims_not_multiples_of_16(head_dim, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_partial_rotary_pre_rope_keys(monkeypatch):
+def test_gpu_partial_rotary_pre_rope_keys(monkeypatch, gluon_calls):
     """Phi-2's head (80 channels, 32 of them turned) with KVQuant's pre-RoPE keys on the GPU:
     the store's reordered keys and queries (reference.rope.partial_rotary_layout) through the
     quantize kernels and the Gluon body's halves layout, logits against the reference path's
     through the same cache to float16 rounding."""
     from kvbits.kernels import decode_gluon
-    for name in ("MIN_BODY_TOKENS", "MIN_BODY_TOKENS_PLANES", "MIN_BODY_TOKENS_WIDE"):
-        monkeypatch.setattr(decode_gluon, name, 1)
-    used, body = [], decode_gluon.attend_body
-    monkeypatch.setattr(decode_gluon, "attend_body",
-                        lambda *a, **k: used.append(1) or body(*a, **k))
+    used = gluon_calls
     cfg = tf.PhiConfig(**{**COMMON, "hidden_size": 160, "num_attention_heads": 2,
                           "num_key_value_heads": 1, "partial_rotary_factor": 0.4})
     torch.manual_seed(0)
@@ -154,18 +146,13 @@ def _llama_gqa(heads: int, kv_heads: int, head_dim: int):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("arch", ["gpt-bigcode-20x1", "llama-24x2"])
-def test_gpu_query_groups_past_16_columns(arch, monkeypatch):
+def test_gpu_query_groups_past_16_columns(arch, monkeypatch, gluon_calls):
     """More than 16 query heads x rows per KV head (multi-query StarCoder-style models; a chunk
     of 3 rows at GQA 12) through the Gluon body as blocks of 16 columns
     (decode_gluon.column_blocks), made to serve these small steps: logits of a prefill, a
     3-row chunk and single steps equal the reference path's through the same cache to float16
     rounding."""
     from kvbits.kernels import decode_gluon
-    for name in ("MIN_BODY_TOKENS", "MIN_BODY_TOKENS_PLANES", "MIN_BODY_TOKENS_WIDE"):
-        monkeypatch.setattr(decode_gluon, name, 1)
-    blocks, body = [], decode_gluon.attend_body
-    monkeypatch.setattr(decode_gluon, "attend_body", lambda q, kv, *a, **k: blocks.append(
-        decode_gluon.column_blocks(q.shape[1] // kv.kv_heads * q.shape[2])) or body(q, kv, *a, **k))
     torch.manual_seed(0)
     model = (_gpt_bigcode_mqa(20, 64) if arch.startswith("gpt") else _llama_gqa(24, 2, 128))
     model = model.half().cuda().eval()
@@ -179,10 +166,12 @@ def test_gpu_query_groups_past_16_columns(arch, monkeypatch):
         monkeypatch.setenv("KVBITS_KERNELS", "reference")
         want = decode_in_parts(model, x, KVBitsCache(model, preset, **kw), 100, 103).float()
         monkeypatch.setenv("KVBITS_KERNELS", "auto")
-        blocks.clear()
+        gluon_calls.clear()
         cache = KVBitsCache(model, preset, **kw)
         got = decode_in_parts(model, x, cache, 100, 103).float()
         assert cache.layers[0].store.body_len > 0
+        blocks = [decode_gluon.column_blocks(q.shape[1] // kv.kv_heads * q.shape[2])
+                  for q, kv, _ in gluon_calls]
         if decode_gluon.gluon is not None:  # 20 x 1 steps: 2 blocks, chunks: 4 (24 x 2: 3)
             assert blocks and max(blocks) >= 2, (preset, blocks)
         err = ((got - want).abs().max() / want.abs().max()).item()

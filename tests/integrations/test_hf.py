@@ -269,21 +269,16 @@ _CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA),
                                     pytest.param("cuda-gluon", marks=_CUDA)])
-def test_rejected_drafts_leave_no_trace(device, monkeypatch):
+def test_rejected_drafts_leave_no_trace(device, monkeypatch, request):
     """Speculative verification is one chunk (the last accepted token and the drafts), then
     transformers crops the rejected drafts. The drafts sit in the FP16 residual (R >= draft
     length), so the accepted rows' logits, the stored state and every later logit are those of
     a run that never saw the drafts; a group flush happens inside the chunk. On CUDA (FP16
     model) up to the FP16 GEMMs' rounding: through the Triton kernel's multi-row path, and
     ("cuda-gluon", size limits lifted) with the chunk's rows as columns of the Gluon body."""
-    rows_seen = []
+    calls = []
     if device == "cuda-gluon":
-        from kvbits.kernels import decode_gluon
-        for name in ("MIN_BODY_TOKENS", "MIN_BODY_TOKENS_PLANES", "MIN_BODY_TOKENS_WIDE"):
-            monkeypatch.setattr(decode_gluon, name, 1)
-        real = decode_gluon.attend_body
-        monkeypatch.setattr(decode_gluon, "attend_body",
-                            lambda q, *a, **k: rows_seen.append(q.shape[2]) or real(q, *a, **k))
+        calls = request.getfixturevalue("gluon_calls")
         device = "cuda"
     cuda = device == "cuda"
     model = tiny_model("llama", device, torch.float16 if cuda else torch.float32)
@@ -311,6 +306,7 @@ def test_rejected_drafts_leave_no_trace(device, monkeypatch):
     n = store_a.body_len // 32 * packed_length(32, 2)
     agree = (store_a.k_codes[:, :, :n] == store_b.k_codes[:, :, :n]).float().mean().item()
     assert agree > (0.99 if cuda else 0.999), agree  # the same tokens (up to rounding ties)
+    rows_seen = [q.shape[2] for q, _, _ in calls]
     assert not rows_seen or max(rows_seen) > 1, rows_seen  # gluon: the chunk's rows went there
 
 
@@ -577,21 +573,17 @@ def test_chunks_see_what_generation_sees(arch, chunk, monkeypatch):
                                               ("gemma2", 0, False), ("llama", 3, False),
                                               ("gemma3", 2, False), ("gemma2", 0, True),
                                               ("gemma3", 2, True)])
-def test_cuda_kernels_in_model_match_reference(arch, sinks, gluon, monkeypatch):
+def test_cuda_kernels_in_model_match_reference(arch, sinks, gluon, monkeypatch, request):
     """On CUDA the cache runs the Triton kernels: same logits as the PyTorch reference ops
     (with ``sinks``: each left-padded row's sink holds its own first tokens). ``gluon``: the
     single-row steps' bodies through the Gluon kernel at these small sizes, with Gemma2's
     softcapping and both Gemmas' sliding windows applied there."""
     from kvbits.kernels import decode_gluon
-    used = []
+    calls = []
     if gluon:
         if decode_gluon.gluon is None:
             pytest.skip("this Triton has no Gluon")
-        for name in ("MIN_BODY_TOKENS", "MIN_BODY_TOKENS_PLANES", "MIN_BODY_TOKENS_WIDE"):
-            monkeypatch.setattr(decode_gluon, name, 1)
-        attend = decode_gluon.attend_body
-        monkeypatch.setattr(decode_gluon, "attend_body",
-                            lambda *a, **k: used.append(k.get("window")) or attend(*a, **k))
+        calls = request.getfixturevalue("gluon_calls")
     model = tiny_model(arch, "cuda", torch.float16)
     x, mask = padded_batch("cuda", length=80)
     real = mask.bool()
@@ -604,6 +596,7 @@ def test_cuda_kernels_in_model_match_reference(arch, sinks, gluon, monkeypatch):
     kw = dict(residual_length=0, sink_tokens=sinks)
     kernel = stepwise_logits(model, x, mask, KVBitsCache(model, "kivi-4", **kw))
     if gluon:  # both kinds of layer went through it
+        used = [k.get("window") for _, _, k in calls]
         assert None in used and 16 in used, used
     monkeypatch.setenv("KVBITS_KERNELS", "reference")
     ref = stepwise_logits(model, x, mask, KVBitsCache(model, "kivi-4", **kw))

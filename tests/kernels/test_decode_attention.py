@@ -160,9 +160,10 @@ def count_calls(monkeypatch, module, name="attend_body") -> list:
 def serve_small(monkeypatch, decode_gluon):
     """Let the Gluon body serve the tests' small batches: lift :func:`decode_gluon.serves`'s
     size limits (body tokens x pairs, per kind of layer), which route small steps to the Triton
-    kernel as the faster one."""
+    kernel as the faster one, and its limit on blocks of columns for plain KIVI layers."""
     for name in ("MIN_BODY_TOKENS", "MIN_BODY_TOKENS_PLANES", "MIN_BODY_TOKENS_WIDE"):
         monkeypatch.setattr(decode_gluon, name, 1)
+    monkeypatch.setattr(decode_gluon, "MAX_PLAIN_BLOCKS", 1 << 10)
 
 
 def _seq(x, device=DEVICE):
@@ -1504,6 +1505,13 @@ def test_gluon_takes_query_columns_up_to_max_columns():
     assert not any(decode_gluon.eligible(kv, rows, hg) for rows, hg in ((129, 1), (9, 16)))
     assert [decode_gluon.column_blocks(n) for n in (1, 8, 16, 17, 32, 33, 71, 128)] == \
         [1, 1, 1, 2, 2, 3, 5, 8]
+    # the default dispatch (big steps): plain 2/4-bit KIVI past two blocks goes to Triton
+    # (Falcon-7B's 71 heads), verify rows at GQA 4 (two blocks) and 3-bit layers stay here
+    many = 1 << 20  # (sequence, KV head) pairs: far past every size limit
+    assert decode_gluon.serves(kv, 5, 4, many) and decode_gluon.serves(kv, 1, 32, many)
+    assert not decode_gluon.serves(kv, 1, 71, many) and not decode_gluon.serves(kv, 1, 48, many)
+    kv3 = make_kv(Case(kb=3, vb=3, G=32, D=128, B=1, Hkv=2, body=128), "cpu")
+    assert decode_gluon.serves(kv3, 1, 71, many) and decode_gluon.eligible(kv, 1, 71)
     q = torch.arange(2 * 8 * 3 * 4.0).view(2, 8, 3, 4)
     heads, group, rows = decode_gluon.query_rows_as_heads(q, 2)
     assert (group, rows) == (12, 3) and heads.shape == (2, 24, 1, 4)

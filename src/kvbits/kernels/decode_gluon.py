@@ -1848,6 +1848,26 @@ def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
 MAX_COLUMNS = 128
 
 
+# Each block of columns unpacks the whole KV tile again, and for plain KIVI layers (2 or 4 bits,
+# keys per channel, no codebooks) the Triton kernel, whose programs take 64 columns, then keeps
+# up. H200, graph time (decode_attention_mqa_s43.md, _rows5_s43.md): Falcon-7B's 71 heads on one
+# KV head (five blocks) batch 8 32k kivi-2 61.2 us here against 57.9, kivi-4 64.2 against 58.3,
+# batch 1 128k 46.9 / 48.8 against 35.4 / 35.7; StarCoder's 48 (three blocks) even (batch 8 32k
+# kivi-2 55.8 against 56.7, 128k kivi-4 161.9 against 160.6); Llama-3-8B with 5 query rows (20
+# columns, two blocks) batch 8 32k kivi-2 204 against 308 us. kivi-3, uniform-int4 and KVQuant
+# layers stay here at any count (Falcon-7B batch 8 32k 71.7 against 94.6, 62.0 against 81.0,
+# 140 against 353 us). Past MAX_PLAIN_BLOCKS blocks plain KIVI layers go to the Triton kernel.
+MAX_PLAIN_BLOCKS = 2
+
+
+def plain_kivi(kv) -> bool:
+    """KIVI's own layout at 2 or 4 bits (keys per channel, no codebooks, outliers or
+    pre-RoPE keys): what the Triton kernel reads fastest."""
+    return (kv.key_bits in (2, 4) and kv.value_bits in (2, 4)
+            and getattr(kv, "key_axis", "channel") == "channel"
+            and getattr(kv, "k_codebook", None) is None)
+
+
 def column_blocks(columns: int) -> int:
     """Programs per (sequence, KV head, split): one for up to 16 query columns, else one per
     16 (:func:`_program_bounds`)."""
@@ -1882,15 +1902,17 @@ MIN_BODY_TOKENS_WIDE = 1 << 16
 
 
 def serves(kv, q_rows: int, heads_per_kv: int, batch_heads: int) -> bool:
-    """:func:`eligible` and a step big enough for this kernel to be the faster one (groups
-    of more than 16 columns count each block of 16 as a pair: :func:`column_blocks`)."""
+    """:func:`eligible` and a step big enough for this kernel to be the faster one; for
+    groups of more than ``MAX_PLAIN_BLOCKS`` blocks of columns, a layer the Triton kernel
+    reads slowly (see there)."""
     planes = kv.key_bits == 3 or kv.value_bits == 3
     if planes:
         min_tokens = MIN_BODY_TOKENS_PLANES
     else:
         min_tokens = MIN_BODY_TOKENS if kv.res_k.shape[-1] in (64, 128) else MIN_BODY_TOKENS_WIDE
-    blocks = column_blocks(q_rows * heads_per_kv)
-    return (batch_heads * blocks * kv.body_len >= min_tokens
+    if column_blocks(q_rows * heads_per_kv) > MAX_PLAIN_BLOCKS and plain_kivi(kv):
+        return False
+    return (batch_heads * kv.body_len >= min_tokens
             and eligible(kv, q_rows, heads_per_kv))
 
 
