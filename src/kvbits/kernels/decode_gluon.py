@@ -26,7 +26,8 @@ fragment pair (tokens e = 0, 1 of one channel) is one mask of one word: both hal
 
 Only the KIVI layout family is served here (keys scaled per channel over G tokens, values per
 token over GV channels, key/value bits of 2 or 4, up to 16 query heads x query rows per KV
-head as the MMA's columns (each row masked by its own causal end and window), head_dim 64 or 128
+head as the MMA's columns (each row masked by its own causal end and window; up to 128 as
+blocks of 16, one program each: ``column_blocks``), head_dim 64 or 128
 as two channel chunks, with ``EXTRA_HEAD_DIMS`` also 96, 192 and 256 as three
 or four: ``head_chunks``, chunks past the second loaded only after the first two's MMAs; with
 ``PADDED_HEAD_DIMS`` other multiples of 4 up to 124 in 32-channel chunks, the last one masked);
