@@ -29,6 +29,14 @@ ARCHS = {
     "starcoder2": lambda: tf.Starcoder2ForCausalLM(tf.Starcoder2Config(**COMMON)),
     "smollm3-nope": lambda: tf.SmolLM3ForCausalLM(tf.SmolLM3Config(**COMMON)),
     "glm4": lambda: tf.Glm4ForCausalLM(tf.Glm4Config(head_dim=16, **COMMON)),
+    # learned positions, no RoPE (pre-RoPE keys are then the keys as they come)
+    "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(
+        vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=None,
+        eos_token_id=None)),
+    "opt": lambda: tf.OPTForCausalLM(tf.OPTConfig(
+        vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=512, word_embed_proj_dim=64, bos_token_id=None,
+        eos_token_id=None, pad_token_id=0)),
     # StarCoder / SantaCoder: multi-query attention (one KV head), learned positions
     "gpt-bigcode-mqa": lambda: tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(
         vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=512, multi_query=True,

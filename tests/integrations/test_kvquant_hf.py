@@ -111,6 +111,30 @@ def test_pre_rope_lossless_equals_model(arch, lossless):
     torch.testing.assert_close(got[real], full[real], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "gpt-bigcode"])
+def test_pre_rope_keys_of_a_model_without_rope_are_its_keys(arch):
+    """On a model with learned positions (GPT-2; GPT-BigCode, StarCoder's multi-query
+    architecture) the keys are position-free already: kvquant-3 stores them as they come, so
+    its logits are kvquant-3-post's exactly, not those of keys turned by made-up frequencies."""
+    import transformers as tf
+
+    common = {"vocab_size": 256, "n_embd": 128, "n_layer": 2, "n_head": 4, "n_positions": 512,
+              "bos_token_id": None, "eos_token_id": None}
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(**common)).eval()
+    else:
+        model = tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(multi_query=True, **common)).eval()
+    x, mask = padded_batch("cpu")
+    got = {}
+    for preset in ("kvquant-3", "kvquant-3-post"):
+        cache = KVBitsCache(model, preset, calibration="uniform", residual_length=0,
+                            group_size=32)
+        got[preset] = stepwise_logits(model, x, mask, cache)
+        assert cache.stores[0].inv_freq is None and cache.stores[0].body_len > 0
+    assert torch.equal(got["kvquant-3"], got["kvquant-3-post"])
+
+
 @pytest.mark.parametrize("arch", ["phi", "stablelm"])
 def test_partial_rotary_keys_are_stored_pre_rope(arch, lossless):
     """Un-rotation and re-rotation undo each other in any channel pairing, so the lossless test

@@ -87,17 +87,46 @@ def _tiny(arch: str):
                                                                      **common)),
         "cohere": lambda: tf.CohereForCausalLM(tf.CohereConfig(pad_token_id=0, **common)),
         "smollm3": lambda: tf.SmolLM3ForCausalLM(tf.SmolLM3Config(pad_token_id=0, **common)),
+        "gptj": lambda: tf.GPTJForCausalLM(tf.GPTJConfig(
+            vocab_size=64, n_embd=64, n_layer=2, n_head=4, n_positions=256, rotary_dim=8,
+            bos_token_id=None, eos_token_id=None)),
+        "codegen": lambda: tf.CodeGenForCausalLM(tf.CodeGenConfig(
+            vocab_size=64, n_embd=64, n_layer=2, n_head=4, n_positions=256, rotary_dim=8,
+            bos_token_id=None, eos_token_id=None)),
+        "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(
+            vocab_size=64, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=None,
+            eos_token_id=None)),
+        "opt": lambda: tf.OPTForCausalLM(tf.OPTConfig(
+            vocab_size=64, hidden_size=64, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=256, word_embed_proj_dim=64, bos_token_id=None,
+            eos_token_id=None, pad_token_id=0)),
+        "gpt-bigcode": lambda: tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(
+            vocab_size=64, n_embd=64, n_layer=2, n_head=4, n_positions=256, multi_query=True,
+            bos_token_id=None, eos_token_id=None)),
     }
     return build[arch]().eval()
 
 
-def test_neighbour_pair_rotation_refused():
-    """Neighbour-pair rotation (Cohere, GLM, GPT-J) is not the rotate-half convention the cache
-    re-rotates in: pre-RoPE keys are refused with a pointer to ``pre_rope=False``, not crashed
-    on or silently stored in another frame."""
-    with pytest.raises(ValueError, match="pairs channels differently") as e:
-        rope.model_inv_freqs(_tiny("cohere"))
+@pytest.mark.parametrize("arch,says", [("cohere", "pairs channels differently"),
+                                       ("gptj", "rotate_every_two"),
+                                       ("codegen", "rotate_every_two")])
+def test_neighbour_pair_rotation_refused(arch, says):
+    """Neighbour-pair rotation (Cohere, GLM, GPT-J, CodeGen) is not the rotate-half convention
+    the cache re-rotates in: pre-RoPE keys are refused with a pointer to ``pre_rope=False``, not
+    crashed on or silently stored in another frame (GPT-J and CodeGen define no
+    ``rotate_half`` to probe: their ``rotate_every_two`` is refused by name)."""
+    with pytest.raises(ValueError, match=says) as e:
+        rope.model_inv_freqs(_tiny(arch))
     assert "pre_rope=False" in str(e.value)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "opt", "gpt-bigcode"])
+def test_models_without_rope_have_no_frequencies(arch):
+    """Learned (GPT-2, GPT-BigCode, OPT) positions: no layer has RoPE frequencies (the keys are
+    position-free already), rather than the default formula's, which would turn keys that the
+    model never turned; a Llama config has them."""
+    assert rope.model_inv_freqs(_tiny(arch)) == [None, None]
+    assert all(f is not None for f in rope.model_inv_freqs(_tiny("phi")))
 
 
 @pytest.mark.parametrize("arch,turned", [("phi", 8), ("stablelm", 4)])

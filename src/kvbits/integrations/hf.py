@@ -450,6 +450,10 @@ class KVBitsCache(Cache):
             # refuses neighbour-pair rotary embeddings, with the way out (partial ones: the
             # stores reorder their channels, reference.rope.partial_rotary_layout)
             inv_freqs = model_inv_freqs(model_or_config)
+            # a model without RoPE (GPT-2, OPT, StarCoder): its keys are position-free already
+            # and are stored as they come, as pre_rope=False stores them
+            layer_specs = [ls.replace(pre_rope=False) if inv is None else ls
+                           for ls, inv in zip(layer_specs, inv_freqs)]
         codebooks = _layer_codebooks(model_or_config, self.spec, calibration,
                                      spec if isinstance(spec, str) else "", len(windows))
         layers = [KVBitsLayer(ls, window, cache=self, codebooks=cb, inv_freq=inv, fp8_scales=f8,

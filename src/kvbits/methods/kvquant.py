@@ -626,7 +626,8 @@ def collect_kv(model, input_ids: torch.Tensor, window: int = 512, fisher: bool =
                 gk = gv = None
                 if fisher:
                     gk, gv = k.grad[0].float().cpu(), v.grad[0].float().cpu() ** 2
-                if pre_rope:  # the rotation is orthogonal: dL/dk_pre = R^T dL/dk_post
+                if pre_rope and inv_freqs[i] is not None:  # (None: the model has no RoPE)
+                    # the rotation is orthogonal: dL/dk_pre = R^T dL/dk_post
                     # (a partial rotary embedding: in the store's channel order, LayerStore)
                     order, inv = partial_rotary_layout(inv_freqs[i], kk.shape[-1])
                     if order is not None:

@@ -15,6 +15,11 @@ A partial rotary embedding (Phi, StableLM, GPT-NeoX: rotate-half over the first 
 channels, the rest passed through) is the whole-head convention in another channel order:
 :func:`partial_rotary_layout` gives that order and its frequencies (zero for the passed-through
 channels), so the cache and the kernels serve it unchanged.
+
+A model without a rotary embedding (GPT-2, OPT, StarCoder: learned or no positions) has keys
+that are position-free already: :func:`model_inv_freqs` gives ``None`` for its layers, which
+then store keys as they come. Interleaved pairs (GPT-J, CodeGen's ``rotate_every_two``) are
+refused: their pre-RoPE keys are not this module's.
 """
 
 from __future__ import annotations
@@ -68,12 +73,15 @@ def token_positions(starts: torch.Tensor, first: int, n: int) -> torch.Tensor:
     return (t[None, :] - starts[:, None].long()).clamp_(min=0)
 
 
-def model_inv_freqs(model_or_config, layer_types: list[str] | None = None) -> list[torch.Tensor]:
+def model_inv_freqs(model_or_config,
+                    layer_types: list[str] | None = None) -> list[torch.Tensor | None]:
     """float32 ``inv_freq [D/2]`` of every decoder layer, from the model's rotary module.
 
     A model's ``rotary_emb`` module is read (``inv_freq``, or ``{layer_type}_inv_freq`` for models
     with one rotary embedding per layer type such as Gemma3); for a bare config the frequencies
-    come from transformers' ``ROPE_INIT_FUNCTIONS`` (or the default formula).
+    come from transformers' ``ROPE_INIT_FUNCTIONS`` (or the default formula). ``None`` for every
+    layer of a model without a rotary embedding (:func:`_has_rope`); neighbour-pair rotary
+    embeddings are refused (:func:`_check_rotate_half`).
     """
     config = model_or_config.config if hasattr(model_or_config, "config") else model_or_config
     config = config.get_text_config(decoder=True)
@@ -81,8 +89,11 @@ def model_inv_freqs(model_or_config, layer_types: list[str] | None = None) -> li
     types = layer_types or getattr(config, "layer_types", None) or ["full_attention"] * n
     module = None
     if hasattr(model_or_config, "modules"):
+        _check_rotate_half(model_or_config)
         module = next((m for name, m in model_or_config.named_modules()
                        if name.endswith("rotary_emb")), None)
+    if module is None and not _has_rope(model_or_config, config):
+        return [None] * n
     out = []
     for i in range(n):
         lt = types[i]
@@ -108,9 +119,24 @@ def model_inv_freqs(model_or_config, layer_types: list[str] | None = None) -> li
         if 2 * inv.numel() > head_dim:
             raise ValueError(f"pre_rope: layer {i} has {inv.numel()} RoPE frequencies for its "
                              f"{head_dim} key channels; at most head_dim / 2 can pair up")
-    if hasattr(model_or_config, "modules"):
-        _check_rotate_half(model_or_config)
     return out
+
+
+def _modeling_modules(model) -> list:
+    """The Python modules (modeling files) that define the model's submodules."""
+    return [sys.modules[n] for n in sorted({type(m).__module__ for m in model.modules()})
+            if n in sys.modules]
+
+
+def _has_rope(model_or_config, config) -> bool:
+    """Whether the model turns keys by position: its config names RoPE parameters, or (a
+    model) a modeling file of its defines ``apply_rotary_pos_emb``. GPT-2, OPT, Bloom and
+    GPT-BigCode have neither."""
+    if any(getattr(config, a, None) is not None for a in (
+            "rope_parameters", "rope_theta", "rotary_dim", "rotary_pct", "rotary_emb_base")):
+        return True
+    return hasattr(model_or_config, "modules") and any(
+        hasattr(mod, "apply_rotary_pos_emb") for mod in _modeling_modules(model_or_config))
 
 
 def partial_rotary_layout(inv_freq: torch.Tensor, head_dim: int):
@@ -141,12 +167,19 @@ def _uses_rope(config, layer: int) -> bool:
 
 def _check_rotate_half(model) -> None:
     """Refuse models whose RoPE pairs channels other than ``i`` with ``i + D/2`` (Cohere,
-    GLM, GPT-J pair neighbours): re-rotating their stored keys in this module's convention
-    would still give back the model's keys, but the stored keys would not be pre-RoPE ones.
-    The model's own ``rotate_half`` (in its modeling file) is probed on ``[1, 2, 3, 4]``."""
+    GLM, Helium, GPT-J and CodeGen pair neighbours): re-rotating their stored keys in this
+    module's convention would still give back the model's keys, but the stored keys would not
+    be pre-RoPE ones. The model's own ``rotate_half`` (in its modeling file) is probed on
+    ``[1, 2, 3, 4]``; a ``rotate_every_two`` (GPT-J, CodeGen) is refused by name."""
     probe = torch.arange(1.0, 5.0)
-    for name in {type(m).__module__ for m in model.modules()}:
-        fn = getattr(sys.modules.get(name), "rotate_half", None)
+    for mod in _modeling_modules(model):
+        name = mod.__name__
+        if callable(getattr(mod, "rotate_every_two", None)):
+            raise ValueError(
+                f"pre_rope: {name} turns neighbouring channels (rotate_every_two), not channel i "
+                "with i + D/2 as the Llama convention does; use pre_rope=False (e.g. "
+                "kvquant-3-post) for this model")
+        fn = getattr(mod, "rotate_half", None)
         if callable(fn):
             got = fn(probe)
             if not torch.equal(got, _rotate_half(probe)):
