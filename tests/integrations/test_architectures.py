@@ -74,6 +74,24 @@ def test_decoding_through_the_cache_matches_the_model(arch):
         assert cache.layers[0].store.body_len > 0 or preset == "fp16"
 
 
+def test_latent_attention_is_refused_with_its_reason():
+    """DeepSeek-V3's multi-head latent attention caches keys and values of different shapes:
+    refused at the first step with what the model cached and what to use instead."""
+    cfg = getattr(tf, "DeepseekV3Config", None)
+    if cfg is None:
+        pytest.skip("this transformers has no DeepSeek-V3")
+    torch.manual_seed(0)
+    model = tf.DeepseekV3ForCausalLM(cfg(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=32,
+        v_head_dim=32, max_position_embeddings=512, pad_token_id=0)).eval()
+    x = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="latent attention.*DynamicCache"):
+        decode_in_parts(model, x, KVBitsCache(model, "kivi-4"), 10, 15)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("head_dim", [100, 80, 40])

@@ -159,6 +159,12 @@ class KVBitsLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ CacheLayerMixin API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape
+        if value_states.shape[1::2] != key_states.shape[1::2]:
+            raise ValueError(
+                f"KVBitsCache: this model caches keys of {H} heads x {D} channels and values of "
+                f"{value_states.shape[1]} x {value_states.shape[-1]} (multi-head latent "
+                "attention, DeepSeek-V2/V3 style); kvbits stores keys and values of one shape "
+                "per layer: use transformers' DynamicCache for this model")
         self.store = LayerStore(self.spec, B, H, D, key_states.dtype, key_states.device,
                                 codebooks=self.codebooks, inv_freq=self.inv_freq,
                                 fp8_scales=self.fp8_scales,
