@@ -159,12 +159,6 @@ class KVBitsLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ CacheLayerMixin API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape
-        if value_states.shape[1::2] != key_states.shape[1::2]:
-            raise ValueError(
-                f"KVBitsCache: this model caches keys of {H} heads x {D} channels and values of "
-                f"{value_states.shape[1]} x {value_states.shape[-1]} (multi-head latent "
-                "attention, DeepSeek-V2/V3 style); kvbits stores keys and values of one shape "
-                "per layer: use transformers' DynamicCache for this model")
         self.store = LayerStore(self.spec, B, H, D, key_states.dtype, key_states.device,
                                 codebooks=self.codebooks, inv_freq=self.inv_freq,
                                 fp8_scales=self.fp8_scales,
@@ -174,6 +168,13 @@ class KVBitsLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.store is None:
+            if value_states.shape[1::2] != key_states.shape[1::2]:
+                raise ValueError(
+                    f"KVBitsCache: this model caches keys of {key_states.shape[1]} heads x "
+                    f"{key_states.shape[-1]} channels and values of {value_states.shape[1]} x "
+                    f"{value_states.shape[-1]} (multi-head latent attention, DeepSeek-V2/V3 "
+                    "style); kvbits stores keys and values of one shape per layer: use "
+                    "transformers' DynamicCache for this model")
             self.lazy_initialization(key_states, value_states)
         store = self.store
         if self._pending is not None:  # the last update's attention never ran (not kvbits')
