@@ -1512,6 +1512,14 @@ def test_gluon_takes_query_columns_up_to_max_columns():
     assert not decode_gluon.serves(kv, 1, 71, many) and not decode_gluon.serves(kv, 1, 48, many)
     kv3 = make_kv(Case(kb=3, vb=3, G=32, D=128, B=1, Hkv=2, body=128), "cpu")
     assert decode_gluon.serves(kv3, 1, 71, many) and decode_gluon.eligible(kv, 1, 71)
+    # splits count each block of columns as a (sequence, KV head) pair: 2 pairs x 5 blocks of
+    # Falcon-7B's 71 heads are split as 10 pairs are
+    from kvbits.kernels.decode_attention import gluon_splits
+    cpu = torch.device("cpu")
+    long = make_kv(Case(kb=2, vb=2, G=32, D=128, B=1, Hkv=2, body=32 * 1024), "cpu")
+    assert gluon_splits(long, 132, cpu, 71) == decode_gluon.body_splits(10, long.body_len, 132)
+    assert gluon_splits(long, 132, cpu, 16) == decode_gluon.body_splits(2, long.body_len, 132)
+    assert gluon_splits(long, 132, cpu, 71) < gluon_splits(long, 132, cpu, 16)
     q = torch.arange(2 * 8 * 3 * 4.0).view(2, 8, 3, 4)
     heads, group, rows = decode_gluon.query_rows_as_heads(q, 2)
     assert (group, rows) == (12, 3) and heads.shape == (2, 24, 1, 4)
