@@ -174,7 +174,8 @@ def _check_rotate_half(model) -> None:
     probe = torch.arange(1.0, 5.0)
     for mod in _modeling_modules(model):
         name = mod.__name__
-        if callable(getattr(mod, "rotate_every_two", None)):
+        neighbours = callable(getattr(mod, "rotate_every_two", None))
+        if neighbours:
             raise ValueError(
                 f"pre_rope: {name} turns neighbouring channels (rotate_every_two), not channel i "
                 "with i + D/2 as the Llama convention does; use pre_rope=False (e.g. "
