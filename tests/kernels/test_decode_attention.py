@@ -937,6 +937,9 @@ def test_kvquant_pre_rope_padded_halves_on_the_gpu(D):
 GLUON_KVQ_CASES = [body_case(3, G, D, HG, 5 + G + HG)
                    for G, D, HG in ((32, 128, 4), (64, 64, 7), (32, 64, 16), (32, 96, 3),
                                     (64, 256, 2))]
+# ... and at 4 bits (decode_gluon.KVQUANT4: the 4-bit body's words, 16-entry tables)
+GLUON_KVQ_CASES += [body_case(4, G, D, HG, 41 + G + HG)
+                    for G, D, HG in ((32, 128, 4), (64, 64, 7), (32, 128, 16))]
 
 
 @gpu
@@ -945,6 +948,7 @@ GLUON_KVQ_CASES = [body_case(3, G, D, HG, 5 + G + HG)
 def test_gluon_kvquant_codebooks_match_reference(c, monkeypatch):
     from kvbits.kernels import decode_gluon
     monkeypatch.setattr(decode_gluon, "PLANES3", True)
+    monkeypatch.setattr(decode_gluon, "KVQUANT4", True)
     serve_small(monkeypatch, decode_gluon)
     kv = _kvquant_kv(c, 0, False)
     assert decode_gluon.eligible(kv, 1, c.HG), str(c)
@@ -977,6 +981,12 @@ GLUON_KVQ_FULL_CASES += [(body_case(3, G, D, HG, 9 + G + HG + n_out + D, Gv=Gv),
 GLUON_KVQ_FULL_CASES += [(body_case(3, G, D, HG, 7 + G + HG + n_out + D, Gv=Gv), n_out, False)
                          for G, D, HG, n_out, Gv in ((32, 96, 2, 2, None), (64, 80, 4, 3, 64),
                                                      (32, 100, 1, 2, 32), (32, 40, 7, 1, 32))]
+# ... and at 4 bits (KVQUANT4, head dims 64 and 128): the full layer, outliers alone, pre-RoPE
+# keys alone
+GLUON_KVQ_FULL_CASES += [(body_case(4, G, D, HG, 51 + G + HG + n_out + D), n_out, rope)
+                         for G, D, HG, n_out, rope in ((32, 128, 4, 2, True), (64, 128, 1, 2, False),
+                                                       (32, 64, 8, 1, True), (64, 64, 16, 0, True),
+                                                       (32, 128, 2, 3, True))]
 
 
 @gpu
@@ -988,6 +998,7 @@ def test_gluon_kvquant_full_matches_reference(c, n_out, rope, monkeypatch):
     monkeypatch.setattr(decode_gluon, "PLANES3", True)
     monkeypatch.setattr(decode_gluon, "KVQUANT_FULL", True)
     monkeypatch.setattr(decode_gluon, "KVQUANT_STRAIGHT_OUTLIERS", True)
+    monkeypatch.setattr(decode_gluon, "KVQUANT4", True)
     serve_small(monkeypatch, decode_gluon)
     kv = _kvquant_kv(c, n_out, rope)
     assert decode_gluon.eligible(kv, 1, c.HG), str(c)
@@ -1096,6 +1107,19 @@ def test_gluon_kvquant_dispatch(monkeypatch):
     buf = torch.empty(odd.k_out_idx.numel() + 1, dtype=torch.uint8)
     odd.k_out_idx = buf[1:].view(odd.k_out_idx.shape).copy_(odd.k_out_idx)
     assert not decode_gluon.eligible(odd, 1, 4)
+    # 4-bit codebooks (KVQUANT4, off until its GPU tests have run): head dims 64 and 128, any
+    # mix of outliers and pre-RoPE keys; never the TMA ring (it has no codebook lookup)
+    from kvbits.kernels import decode_gluon_tma
+    for D in (128, 64, 96, 256):
+        c4 = Case(kb=4, vb=4, G=32, D=D, B=1, Hkv=2, body=128, res=0)
+        four = [_kvquant_kv(c4, n, r, device="cpu") for n, r in ((0, False), (2, True),
+                                                                   (1, False))]
+        monkeypatch.setattr(decode_gluon, "KVQUANT4", False)
+        assert not any(decode_gluon.eligible(kv, 1, 4) for kv in four), D
+        monkeypatch.setattr(decode_gluon, "KVQUANT4", True)
+        assert all(decode_gluon.eligible(kv, 1, 4) == (D in (64, 128)) for kv in four), D
+        assert not any(decode_gluon_tma.eligible(kv, False) for kv in four), D
+    monkeypatch.setattr(decode_gluon, "KVQUANT4", False)
     # head dims other than 64 / 128 / 256 (KVQUANT_HALVES): pre-RoPE keys with each half in
     # chunks of its own; outliers alone in the straight chunks (three at 96 and 80) only with
     # KVQUANT_STRAIGHT_OUTLIERS (on by default; the switch sends them to Triton)

@@ -103,6 +103,14 @@ CONFIGS = [
     {**BASE, "HG": 12, "HP": 16, "LQ": 3, "HAS_WINDOW": True},
     {**BASE, "HG": 8, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 2, "VOUT": 2, "ROPE": True,
      "LQ": 4, "ROPE_M": True},
+    # KVQuant at 4 bits (KVQUANT4): the 4-bit words looked up in 16-entry tables; codebooks
+    # alone (GQA 4), the full layer (outliers, pre-RoPE keys turned in 16-row blocks; MHA),
+    # outliers alone at head_dim 64 with 16 heads
+    {**BASE, "KBITS": 4, "VBITS": 4, "CB": True},
+    {**BASE, "HG": 1, "KBITS": 4, "VBITS": 4, "CB": True, "KOUT": 2, "VOUT": 2, "ROPE": True,
+     "ROPE_M": True},
+    {**BASE, "HG": 16, "HP": 16, "D": 64, "KBITS": 4, "VBITS": 4, "G": 64, "GV": 64, "GK": 64,
+     "CB": True, "KOUT": 1, "VOUT": 1},
     # more than 16 columns per KV head as blocks of 16, one program each (NQB, column_blocks):
     # Falcon-7B's 71 heads on one KV head (five blocks, the last of 7), 4 heads x 5 rows with a
     # window (rows of one head in two blocks), KVQuant's full layer at 8 heads x 3 rows

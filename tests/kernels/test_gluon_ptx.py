@@ -6,7 +6,8 @@ strings is checked only on a GPU.
 * ``_pair_asm``: the magic-number dequant of a code field (2 or 4 bits; 3-bit codes in the
   4-bit fields the plane merge produces), ``code * scale + zero`` with one rounding.
 * ``_cb_pair_asm``: the KVQuant codebook lookup of two fields of 3-bit codes in an 8-entry
-  float16 table held as low/high byte registers, then ``* scale + zero``.
+  float16 table held as low/high byte registers, then ``* scale + zero``; ``_cb16_pair_asm``
+  the same for 4-bit codes in a 16-entry table (two lookups, one picked by each code's bit 3).
 * the 3-bit body's operands (``_key_loads3`` / ``_key_operand3`` / ``_key_tile``, the value
   words of ``_value_loads3`` / ``_value_operand3``) mirrored op by op in NumPy, with that PTX,
   on codes packed by the reference quantizer: each MMA row must hold its token's dequantized
@@ -37,12 +38,16 @@ def _word(h: np.ndarray) -> int:
 
 
 def _prmt(a: int, b: int, sel: int) -> int:
+    """``prmt.b32`` in its default mode: selector nibble ``i`` picks byte ``n & 7`` of ``{b, a}``
+    for result byte ``i``; with bit 3 set, that byte's sign bit replicated (0x00 or 0xFF)."""
     pool = (a & M32) | ((b & M32) << 32)
     out = 0
     for i in range(4):
         n = (sel >> (4 * i)) & 0xF
-        assert n < 8, "sign-replicate mode is not used by these snippets"
-        out |= ((pool >> (8 * n)) & 0xFF) << (8 * i)
+        byte = (pool >> (8 * (n & 7))) & 0xFF
+        if n & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
     return out
 
 
@@ -62,6 +67,10 @@ def run_ptx(asm: str, outs: int, ins: list[int]) -> list[int]:
         a = [x.strip() for x in args.split(",")]
         if op == "mov.b32":
             regs[a[0]] = val(a[1])
+        elif op == "and.b32":
+            regs[a[0]] = val(a[1]) & val(a[2])
+        elif op == "shl.b32":
+            regs[a[0]] = (val(a[1]) << min(val(a[2]), 32)) & M32
         elif op == "lop3.b32":
             x, y, z, lut = (val(t) for t in a[1:])
             r = 0
@@ -106,11 +115,12 @@ def test_magic_dequant_ptx(bits, code_bits):
 
 
 def _tables(cb: np.ndarray) -> list[int]:
-    """An 8-entry float16 codebook as the four prmt table words of ``_cb_tables``."""
+    """An 8- or 16-entry float16 codebook as the prmt table words of ``_cb_tables`` /
+    ``_cb_tables16``: the low bytes of each four entries, then the high bytes."""
     b = cb.astype(np.float16).view(np.uint16).astype(np.int64)
     lo, hi = b & 0xFF, b >> 8
     return [int(sum(int(t[i + 4 * w]) << (8 * i) for i in range(4))) for t in (lo, hi)
-            for w in (0, 1)]
+            for w in range(len(cb) // 4)]
 
 
 @pytest.mark.parametrize("p0", [0, 2])
@@ -131,12 +141,39 @@ def test_codebook_lookup_ptx(p0):
             assert list(_h2(got[k])) == want, (p0, f, codes[:, f], cb)
 
 
+@pytest.mark.parametrize("p0", [0, 2])
+def test_codebook16_lookup_ptx(p0):
+    """4-bit codes (every value 0-15, bit 3 set in half of them) in a 16-entry table, entries of
+    both signs (the byte selection must carry each entry's high byte whole)."""
+    rng = np.random.default_rng(10 + p0)
+    for _ in range(300):
+        cb = np.sort(rng.uniform(-8.0, 16.0, 16)).astype(np.float16)
+        tables = _tables(cb)
+        codes = rng.integers(0, 16, size=(2, 4))  # [half, field]
+        u = sum(int(codes[hf, f]) << (16 * hf + 4 * f) for hf in range(2) for f in range(4))
+        s = rng.uniform(0.01, 2.0, (2, 2)).astype(np.float16)
+        z = rng.uniform(-3.0, 3.0, (2, 2)).astype(np.float16)
+        got = run_ptx(dg._cb16_pair_asm(p0), 2,
+                      [u, *tables, _word(s[0]), _word(z[0]), _word(s[1]), _word(z[1])])
+        for k in range(2):
+            f = p0 + k
+            want = [_fma16(cb[codes[hf, f]], s[k][hf], z[k][hf]) for hf in range(2)]
+            assert list(_h2(got[k])) == want, (p0, f, codes[:, f], cb)
+
+
+def test_prmt_sign_replication_emulated():
+    """The emulator's prmt against the PTX manual's rule for selector bit 3 (msb replicated)."""
+    assert _prmt(0x80_7F_00_FF, 0, 0xBA98) == 0xFF_00_00_FF
+    assert _prmt(0x80_7F_00_FF, 0, 0x3210) == 0x80_7F_00_FF
+
+
 def test_interpreter_knows_every_instruction():
     """The snippets use only what run_ptx emulates (a new instruction fails here, not silently)."""
     for asm in [dg._pair_asm(p, b) for b in (2, 4) for p in range(dg._in_place(b))] + \
-            [dg._cb_pair_asm(p) for p in (0, 2)]:
+            [dg._cb_pair_asm(p) for p in (0, 2)] + [dg._cb16_pair_asm(p) for p in (0, 2)]:
         ops = {m.group(1) for m in re.finditer(r"(?:^|;|\{)\s*([a-z][\w.]*)", asm)}
-        assert ops <= {"mov.b32", "lop3.b32", "prmt.b32", "fma.rn.f16x2"}, ops
+        assert ops <= {"mov.b32", "lop3.b32", "prmt.b32", "fma.rn.f16x2", "and.b32",
+                       "shl.b32"}, ops
 
 
 # ----------------------------------------------------------------------------- 3-bit operands

@@ -755,10 +755,40 @@ if gluon is not None:
                 "prmt.b32 t0, lo, hi, 0x6240; prmt.b32 t1, lo, hi, 0x7351; "
                 "fma.rn.f16x2 $0, t0, $7, $8; fma.rn.f16x2 $1, t1, $9, $10; }")
 
+    @gluon.constexpr_function
+    def _cb16_pair_asm(p0):
+        """PTX: :func:`_cb_pair_asm` for 4-bit codes and a 16-entry float16 table (kvquant-4):
+        low bytes ``$3 .. $6`` (entries 0-3, 4-7, 8-11, 12-15), high bytes ``$7 .. $10``, then
+        ``* scale + zero`` (``$11, $12`` for field ``p0``, ``$13, $14`` for ``p0 + 1``). A
+        ``prmt`` indexes 8 bytes and reads a selector's bit 3 as sign replication, so the codes'
+        low 3 bits look entries 0-7 and 8-15 up (four ``prmt``) and bit 3 picks one of the two
+        per byte: ``prmt`` of 0x80 bytes in that mode gives 0xFF or 0x80, its shift the bit 7
+        of the byte mask, one ``lop3`` the mask, two the selection: 13 per two pairs (7 at 3
+        bits), then the FMAs."""
+        gather = "0x4420" if int(getattr(p0, "value", p0)) == 0 else "0x4431"
+        return ("{ .reg .b32 g, s, m, b, la, lb, ha, hb, lo, hi, t0, t1, z, c, k; "
+                "mov.b32 z, 0; mov.b32 c, 0x80808080; mov.b32 k, 0x7F7F7F7F; "
+                f"prmt.b32 g, $2, z, {gather}; and.b32 s, g, 0x7777; "
+                "prmt.b32 la, $3, $4, s; prmt.b32 lb, $5, $6, s; "
+                "prmt.b32 ha, $7, $8, s; prmt.b32 hb, $9, $10, s; "
+                "prmt.b32 m, c, c, g; shl.b32 b, m, 1; lop3.b32 m, m, b, k, 0xE4; "
+                "lop3.b32 lo, la, lb, m, 0xD8; lop3.b32 hi, ha, hb, m, 0xD8; "
+                "prmt.b32 t0, lo, hi, 0x6240; prmt.b32 t1, lo, hi, 0x7351; "
+                "fma.rn.f16x2 $0, t0, $11, $12; fma.rn.f16x2 $1, t1, $13, $14; }")
+
     @gluon.jit
-    def _cb_pair(u, lo0, lo1, hi0, hi1, s0, z0, s1, z1, P0: gl.constexpr):
-        """:func:`_cb_pair_asm` over a tensor of words (tables and scales broadcast)."""
+    def _cb_pair(u, lo0, lo1, hi0, hi1, s0, z0, s1, z1, P0: gl.constexpr, lo2=0, lo3=0, hi2=0,
+                 hi3=0, N16: gl.constexpr = False):
+        """:func:`_cb_pair_asm` over a tensor of words (tables and scales broadcast); ``N16``:
+        :func:`_cb16_pair_asm`, 4-bit codes in a 16-entry table (``lo0 .. lo3``, ``hi0 ..
+        hi3``: :func:`_cb_tables16`)."""
         zero = u * 0  # the scalar tables as tensors of u's shape (folded to one register each)
+        if N16:
+            return gl.inline_asm_elementwise(
+                _cb16_pair_asm(P0), "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                [u, zero + lo0, zero + lo1, zero + lo2, zero + lo3, zero + hi0, zero + hi1,
+                 zero + hi2, zero + hi3, s0, z0, s1, z1],
+                dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
         return gl.inline_asm_elementwise(
             _cb_pair_asm(P0), "=r,=r,r,r,r,r,r,r,r,r,r",
             [u, zero + lo0, zero + lo1, zero + hi0, zero + hi1, s0, z0, s1, z1],
@@ -774,41 +804,51 @@ if gluon is not None:
         return (b & 0xFF) << (8 * (i % 4))
 
     @gluon.jit
+    def _cb_word(ptr, W: gl.constexpr, HI: gl.constexpr):
+        """Low (or high) bytes of entries ``4 W .. 4 W + 3`` as one ``prmt`` table word."""
+        return (_cb_byte(ptr, 4 * W, HI) | _cb_byte(ptr, 4 * W + 1, HI)
+                | _cb_byte(ptr, 4 * W + 2, HI) | _cb_byte(ptr, 4 * W + 3, HI))
+
+    @gluon.jit
     def _cb_tables(ptr):
         """A head's 8-entry codebook as ``prmt`` tables: low bytes of entries 0-3 and 4-7, high
         bytes of 0-3 and 4-7."""
-        lo0 = _cb_byte(ptr, 0, False) | _cb_byte(ptr, 1, False) | _cb_byte(ptr, 2, False) | \
-            _cb_byte(ptr, 3, False)
-        lo1 = _cb_byte(ptr, 4, False) | _cb_byte(ptr, 5, False) | _cb_byte(ptr, 6, False) | \
-            _cb_byte(ptr, 7, False)
-        hi0 = _cb_byte(ptr, 0, True) | _cb_byte(ptr, 1, True) | _cb_byte(ptr, 2, True) | \
-            _cb_byte(ptr, 3, True)
-        hi1 = _cb_byte(ptr, 4, True) | _cb_byte(ptr, 5, True) | _cb_byte(ptr, 6, True) | \
-            _cb_byte(ptr, 7, True)
-        return lo0, lo1, hi0, hi1
+        return (_cb_word(ptr, 0, False), _cb_word(ptr, 1, False), _cb_word(ptr, 0, True),
+                _cb_word(ptr, 1, True))
+
+    @gluon.jit
+    def _cb_tables16(ptr):
+        """A head's 16-entry codebook (4-bit codes) as ``prmt`` tables: low bytes of entries
+        0-3, 4-7, 8-11, 12-15, then their high bytes."""
+        return (_cb_word(ptr, 0, False), _cb_word(ptr, 1, False), _cb_word(ptr, 2, False),
+                _cb_word(ptr, 3, False), _cb_word(ptr, 0, True), _cb_word(ptr, 1, True),
+                _cb_word(ptr, 2, True), _cb_word(ptr, 3, True))
 
     @gluon.jit
     def _key_operand_cb(u, sc, ze, lo0, lo1, hi0, hi1, DC: gl.constexpr, KW: gl.constexpr,
-                        a_l: gl.constexpr):
-        """KVQuant keys (3-bit codes in 4-bit fields ``u``, layout ``KW`` of 4 bits): the head's
-        codebook entry of each code ``* scale + zero``, as the A operand."""
-        k0, k1 = _cb_pair(u, lo0, lo1, hi0, hi1, sc, ze, sc, ze, 0)
-        k2, k3 = _cb_pair(u, lo0, lo1, hi0, hi1, sc, ze, sc, ze, 2)
+                        a_l: gl.constexpr, lo2=0, lo3=0, hi2=0, hi3=0, N16: gl.constexpr = False):
+        """KVQuant keys (3-bit codes in 4-bit fields ``u``, layout ``KW`` of 4 bits; ``N16``:
+        4-bit codes, a 16-entry table): the head's codebook entry of each code ``* scale +
+        zero``, as the A operand."""
+        k0, k1 = _cb_pair(u, lo0, lo1, hi0, hi1, sc, ze, sc, ze, 0, lo2, lo3, hi2, hi3, N16)
+        k2, k3 = _cb_pair(u, lo0, lo1, hi0, hi1, sc, ze, sc, ze, 2, lo2, lo3, hi2, hi3, N16)
         return _key_tile(_join4(k0, k1, k2, k3), 4, DC, a_l)
 
     @gluon.jit
     def _value_operand_cb(w, sc, ze, lo0, lo1, hi0, hi1, DC: gl.constexpr, VW: gl.constexpr,
-                          a_l: gl.constexpr):
-        """KVQuant values (3-bit codes in 4-bit fields ``w``, layout ``VW`` of 4 bits): codebook
-        entries ``* scale + zero`` per token pair, as the A operand of ``O^T += V^T P^T``."""
+                          a_l: gl.constexpr, lo2=0, lo3=0, hi2=0, hi3=0,
+                          N16: gl.constexpr = False):
+        """KVQuant values (3-bit codes in 4-bit fields ``w``, layout ``VW`` of 4 bits; ``N16``:
+        4-bit codes, a 16-entry table): codebook entries ``* scale + zero`` per token pair, as
+        the A operand of ``O^T += V^T P^T``."""
         SL: gl.constexpr = gl.SliceLayout(1, VW)
         sc, ze = _value_scale_pairs(sc, ze)
         s0, s1, s2, s3 = _split4(sc)
         z0, z1, z2, z3 = _split4(ze)
         v0, v1 = _cb_pair(w, lo0, lo1, hi0, hi1, _bcast(s0, SL), _bcast(z0, SL), _bcast(s1, SL),
-                          _bcast(z1, SL), 0)
+                          _bcast(z1, SL), 0, lo2, lo3, hi2, hi3, N16)
         v2, v3 = _cb_pair(w, lo0, lo1, hi0, hi1, _bcast(s2, SL), _bcast(z2, SL), _bcast(s3, SL),
-                          _bcast(z3, SL), 2)
+                          _bcast(z3, SL), 2, lo2, lo3, hi2, hi3, N16)
         v = gl.reshape(gl.permute(_join4(v0, v1, v2, v3), (0, 1, 5, 4, 2, 3)), [DC, 32])
         return gl.convert_layout(_unpack_half2(v), a_l)
 
@@ -1380,9 +1420,15 @@ if gluon is not None:
         bh64 = bh.to(gl.int64)
         gl.static_assert(not (ROPE or KOUT > 0 or VOUT > 0)
                          or (KBITS == 3 and CB and (NCH == 2 or (NCH == 4 and DC == 64)
-                                                    or HALVES or not ROPE)),
-                         "outliers / pre-RoPE keys: 3-bit codebooks; pre-RoPE keys in chunks "
-                         "that are whole halves (head_dim 64, 128, 256) or the halves layout")
+                                                    or HALVES or not ROPE))
+                         or (KBITS == 4 and VBITS == 4 and CB and NCH == 2),
+                         "outliers / pre-RoPE keys: 3-bit codebooks (4-bit at head_dim 64 / "
+                         "128); pre-RoPE keys in chunks that are whole halves (head_dim 64, "
+                         "128, 256) or the halves layout")
+        # KVQuant at 4 bits (CB4): the 4-bit body's words, codes looked up in 16-entry tables
+        CB4: gl.constexpr = CB and KBITS == 4
+        gl.static_assert(not CB or KBITS == 3 or (CB4 and VBITS == 4 and NCH == 2),
+                         "codebooks: 3 bits, or 4 bits at head_dim 64 / 128")
         # channels per rotate-half half as the cos / sin table and InvFreq hold them (in the
         # halves layout padded to whole chunks by the host, attend_body), and as the head does
         H2: gl.constexpr = DC * NCH // 2
@@ -1397,7 +1443,12 @@ if gluon is not None:
         if NCH == 4 and not Q_RELOAD:
             q3 = _query_operand(Q, q_row0, qk_scale, 3, cols, HP, D, DC, b_l, HALVES)
         dn = _row_tokens(KBITS, W, G, gl.SliceLayout(1, mma))
-        if CB:  # KVQuant (3 bits): the KV head's codebooks as prmt tables, [Hkv, 8] float32
+        klo2, klo3, khi2, khi3 = 0, 0, 0, 0  # (entries 8-15: 4-bit codebooks only)
+        vlo2, vlo3, vhi2, vhi3 = 0, 0, 0, 0
+        if CB4:  # KVQuant (4 bits): the KV head's codebooks as prmt tables, [Hkv, 16] float32
+            klo0, klo1, klo2, klo3, khi0, khi1, khi2, khi3 = _cb_tables16(KCB + (bh % Hkv) * 16)
+            vlo0, vlo1, vlo2, vlo3, vhi0, vhi1, vhi2, vhi3 = _cb_tables16(VCB + (bh % Hkv) * 16)
+        elif CB:  # KVQuant (3 bits): the KV head's codebooks as prmt tables, [Hkv, 8] float32
             klo0, klo1, khi0, khi1 = _cb_tables(KCB + (bh % Hkv) * 8)
             vlo0, vlo1, vhi0, vhi1 = _cb_tables(VCB + (bh % Hkv) * 8)
         else:
@@ -1503,11 +1554,19 @@ if gluon is not None:
             if KBITS == 3:
                 k = _key_operand3(kp0, kq0, kr0, ks0, kz0, klo0, klo1, khi0, khi1, DC, KW, a_l,
                                   CB)
+            elif CB4:
+                k = _key_operand_cb(_key_halves(kw0, _half_selector(4, DC, KW)), ks0, kz0, klo0,
+                                    klo1, khi0, khi1, DC, KW, a_l, klo2, klo3, khi2, khi3, True)
             else:
                 k = _key_operand(kw0, ks0, kz0, KBITS, DC, KW, a_l, K_TOK)
             if ROPE:  # both halves first: R(j) k against R(p0)^T q (_rope_query)
-                k1 = _key_operand3(kp1, kq1, kr1, ks1, kz1, klo0, klo1, khi0, khi1, DC, KW, a_l,
-                                   CB)
+                if CB4:
+                    k1 = _key_operand_cb(_key_halves(kw1, _half_selector(4, DC, KW)), ks1, kz1,
+                                         klo0, klo1, khi0, khi1, DC, KW, a_l, klo2, klo3, khi2,
+                                         khi3, True)
+                else:
+                    k1 = _key_operand3(kp1, kq1, kr1, ks1, kz1, klo0, klo1, khi0, khi1, DC, KW,
+                                       a_l, CB)
                 if NCH == 4:  # chunk pairs (0, 2) and (1, 3) are the rotate-half partners
                     if Q_RELOAD:
                         q2 = _query_operand(Q, q_row0, qk_scale, 2, cols, HP, D, DC, b_l, HALVES)
@@ -1550,6 +1609,10 @@ if gluon is not None:
                 if KBITS == 3:
                     k = _key_operand3(kp1, kq1, kr1, ks1, kz1, klo0, klo1, khi0, khi1, DC, KW,
                                       a_l, CB)
+                elif CB4:
+                    k = _key_operand_cb(_key_halves(kw1, _half_selector(4, DC, KW)), ks1, kz1,
+                                        klo0, klo1, khi0, khi1, DC, KW, a_l, klo2, klo3, khi2,
+                                        khi3, True)
                 else:
                     k = _key_operand(kw1, ks1, kz1, KBITS, DC, KW, a_l, K_TOK)
                 st = mma_v2(k, q1, st)
@@ -1625,12 +1688,18 @@ if gluon is not None:
             if VBITS == 3:
                 v = _value_operand3(vp0, vq0, vr0, vs0, vz0, vlo0, vlo1, vhi0, vhi1, DC, VW,
                                     a_l, CB)
+            elif CB4:
+                v = _value_operand_cb(vw0, vs0, vz0, vlo0, vlo1, vhi0, vhi1, DC, VW, a_l, vlo2,
+                                      vlo3, vhi2, vhi3, True)
             else:
                 v = _value_operand(vw0, vs0, vz0, VBITS, DC, VW, a_l)
             acc0 = mma_v2(v, pb, acc0 * alpha[None, :])
             if VBITS == 3:
                 v = _value_operand3(vp1, vq1, vr1, vs1, vz1, vlo0, vlo1, vhi0, vhi1, DC, VW,
                                     a_l, CB)
+            elif CB4:
+                v = _value_operand_cb(vw1, vs1, vz1, vlo0, vlo1, vhi0, vhi1, DC, VW, a_l, vlo2,
+                                      vlo3, vhi2, vhi3, True)
             else:
                 v = _value_operand(vw1, vs1, vz1, VBITS, DC, VW, a_l)
             acc1 = mma_v2(v, pb, acc1 * alpha[None, :])
@@ -1751,6 +1820,14 @@ KVQUANT_HALVES = env_switch("KVBITS_GLUON_KVQUANT_HALVES", "1")
 # 2827 for the Triton kernel (1.74x flash SDPA), Phi-2 batch 8 706 against 2904 (1.91x); batch 1
 # 1.01x / 0.88x flash. KVBITS_GLUON_KVQUANT_ODD_OUTLIERS=0 sends them to the Triton kernel.
 KVQUANT_STRAIGHT_OUTLIERS = env_switch("KVBITS_GLUON_KVQUANT_ODD_OUTLIERS", "1")
+# KVQuant at 4 bits (kvquant-4 and its -dense / -post forms) at head dims 64 and 128: the 4-bit
+# body's words with each code looked up in the head's 16-entry table (_cb16_pair_asm: two 8-byte
+# prmt lookups picked by the code's bit 3; checked on the CPU by tests/kernels/test_gluon_ptx.py),
+# outliers and pre-RoPE keys as at 3 bits. Written and compiled for sm_90 in session 43, which
+# had no device time left to run its GPU tests, so off by default: the Triton kernel serves
+# these layers at 7-12% of the copy bandwidth, 0.31-0.60x flash SDPA
+# (decode_attention_8bit_s43.md). KVBITS_GLUON_KVQUANT4=1 turns it on.
+KVQUANT4 = env_switch("KVBITS_GLUON_KVQUANT4", "0")
 MAX_OUTLIERS = 4  # per token, keys or values (one pair of MMAs each)
 # Pre-RoPE keys turned in four 16-row blocks, each with its quarter of the cos/sin table loaded
 # just before its MMAs (_rope_scores), instead of the whole [64, D/2] table beside both key halves.
@@ -1775,7 +1852,8 @@ _BODY_KEYWORDS_MAXNREG = keyword_maker(_BODY_NAMES + ("maxnreg",))
 
 def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
     """Whether :func:`attend_body` serves this layer and call: Gluon importable, integer codes
-    (KVQuant codebooks at 3 bits with ``PLANES3``; their outliers, at most ``MAX_OUTLIERS`` per
+    (KVQuant codebooks at 3 bits with ``PLANES3``, at 4 bits and head_dim 64 / 128 with
+    ``KVQUANT4``; their outliers, at most ``MAX_OUTLIERS`` per
     token, and pre-RoPE keys with ``KVQUANT_FULL`` at head_dim 64 / 128, and 256 with
     ``KVQUANT_WIDE``; pre-RoPE layers at the other multiples of 4 from 36 to 124 with
     ``KVQUANT_HALVES``, outliers alone there with ``KVQUANT_STRAIGHT_OUTLIERS``),
@@ -1811,11 +1889,14 @@ def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
         odd = KVQUANT_HALVES and (padded_head(D) or D == 96) and (
             getattr(kv, "rope_inv_freq", None) is not None or KVQUANT_STRAIGHT_OUTLIERS)
         if not (KVQUANT_FULL and codebooks and (D in (64, 128) or wide or odd) and aligned
-                and all(n <= MAX_OUTLIERS for n in outs)):
+                and all(n <= MAX_OUTLIERS for n in outs)
+                and (kv.key_bits == 3 or D in (64, 128))):
             return False
     if codebooks != (getattr(kv, "v_codebook", None) is not None) or (
-            codebooks and (kv.key_bits != 3 or kv.value_bits != 3)):
-        return False  # KVQuant codebooks: 3-bit planes only (PLANES3, below)
+            codebooks and kv.key_bits != kv.value_bits):
+        return False
+    if codebooks and kv.key_bits != 3 and not (kv.key_bits == 4 and KVQUANT4 and D in (64, 128)):
+        return False  # KVQuant codebooks: 3-bit planes (PLANES3, below), 4 bits with KVQUANT4
     G, GV = kv.group_size, kv.value_group
     key_axis = getattr(kv, "key_axis", "channel")
     # keys per token: at most one scale group per channel chunk (the chunk broadcasts it)
@@ -1906,7 +1987,9 @@ def serves(kv, q_rows: int, heads_per_kv: int, batch_heads: int) -> bool:
     """:func:`eligible` and a step big enough for this kernel to be the faster one; for
     groups of more than ``MAX_PLAIN_BLOCKS`` blocks of columns, a layer the Triton kernel
     reads slowly (see there)."""
-    planes = kv.key_bits == 3 or kv.value_bits == 3
+    # 3-bit planes and codebooks: the Triton kernel reads them slowly, this one takes over early
+    planes = (kv.key_bits == 3 or kv.value_bits == 3
+              or getattr(kv, "k_codebook", None) is not None)
     if planes:
         min_tokens = MIN_BODY_TOKENS_PLANES
     else:
@@ -2052,9 +2135,9 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
     per = -(-steps // splits)  # steps per split
     maxnreg = maxnreg or DEFAULT_MAXNREG or None
     kcb, vcb = getattr(kv, "k_codebook", None), getattr(kv, "v_codebook", None)
-    if kcb is not None:  # [Hkv, 8] float32, one row per KV head (the kernel reads row bh % Hkv)
-        kcb = kcb.float().expand(Hkv, 8).contiguous()
-        vcb = vcb.float().expand(Hkv, 8).contiguous()
+    if kcb is not None:  # [Hkv, 2^bits] float32, a row per KV head (the kernel reads bh % Hkv)
+        kcb = kcb.float().expand(Hkv, 1 << kv.key_bits).contiguous()
+        vcb = vcb.float().expand(Hkv, 1 << kv.value_bits).contiguous()
     koi, kov = getattr(kv, "k_out_idx", None), getattr(kv, "k_out_val", None)
     voi, vov = getattr(kv, "v_out_idx", None), getattr(kv, "v_out_val", None)
     inv_freq = getattr(kv, "rope_inv_freq", None)

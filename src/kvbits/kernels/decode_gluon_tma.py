@@ -525,7 +525,8 @@ def eligible(kv, k_tok: bool) -> bool:
     token over 32 or 64 channels, head_dim 128, and buffers TMA can address (contiguous,
     16-byte rows; per-token scales' per-head rows a whole number of 16-byte rows)."""
     if (gluon is None or kv.key_bits != kv.value_bits or kv.key_bits not in STAGES
-            or kv.group_size not in (16, 32, 64)):
+            or kv.group_size not in (16, 32, 64)
+            or getattr(kv, "k_codebook", None) is not None):  # (codebooks: the register body)
         return False
     D = kv.res_k.shape[-1]
     if D != 128 or kv.value_group not in (32, 64) or kv.v_scale.shape[3] != D // kv.value_group:
