@@ -10,7 +10,8 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 T=tests/kernels/test_decode_attention.py
 SHARDS=4 FILES="$T::test_gluon_kvquant_codebooks_match_reference
   $T::test_gluon_kvquant_full_matches_reference $T::test_gluon_variants_match_reference
-  $T::test_gluon_kvquant_dispatch $T::test_gluon_kvquant_full_device_lengths" EXTRA= \
+  $T::test_gluon_kvquant_dispatch $T::test_gluon_kvquant_full_device_lengths
+  tests/integrations/test_architectures.py::test_gpu_kvquant4_through_the_gluon_body" EXTRA= \
   TEST_S=${TEST_S:-240} DETAILS=gpu_tests_s44_details.log \
   bash benchmarks/probes/run_gpu_suite_sharded.sh > $OUT/gpu_tests_s44.log 2>&1
 cat $OUT/gpu_tests_s44.log

@@ -202,3 +202,28 @@ def test_gpu_query_groups_past_16_columns(arch, monkeypatch, gluon_calls):
             assert blocks and max(blocks) >= 2, (preset, blocks)
         err = ((got - want).abs().max() / want.abs().max()).item()
         assert err < 2e-2, (arch, preset, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_gpu_kvquant4_through_the_gluon_body(head_dim, monkeypatch, gluon_calls):
+    """kvquant-4 (4-bit codebooks, outliers, pre-RoPE keys) and its codebook-only form through
+    the Gluon body's 16-entry tables (decode_gluon.KVQUANT4, switched on here): logits of a
+    prefill, a chunk and single steps equal the reference path's through the same cache to
+    float16 rounding."""
+    from kvbits.kernels import decode_gluon
+    monkeypatch.setattr(decode_gluon, "KVQUANT4", True)
+    torch.manual_seed(0)
+    model = _llama_gqa(8, 2, head_dim).half().cuda().eval()
+    x = torch.randint(0, 128, (2, 150), generator=torch.Generator().manual_seed(4)).cuda()
+    for preset in ("kvquant-4", "kvquant-4-dense-post"):
+        kw = {"residual_length": 8, "calibration": "uniform"}
+        monkeypatch.setenv("KVBITS_KERNELS", "reference")
+        want = decode_in_parts(model, x, KVBitsCache(model, preset, **kw), 100, 110).float()
+        monkeypatch.setenv("KVBITS_KERNELS", "auto")
+        gluon_calls.clear()
+        got = decode_in_parts(model, x, KVBitsCache(model, preset, **kw), 100, 110).float()
+        assert bool(gluon_calls) == (decode_gluon.gluon is not None), preset
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err < 2e-2, (head_dim, preset, err)
