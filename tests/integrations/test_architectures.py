@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
+from tiny_decoders import gpt2_family
 
 from kvbits.integrations.hf import KVBitsCache, cache_kwargs
 
@@ -29,18 +30,11 @@ ARCHS = {
     "starcoder2": lambda: tf.Starcoder2ForCausalLM(tf.Starcoder2Config(**COMMON)),
     "smollm3-nope": lambda: tf.SmolLM3ForCausalLM(tf.SmolLM3Config(**COMMON)),
     "glm4": lambda: tf.Glm4ForCausalLM(tf.Glm4Config(head_dim=16, **COMMON)),
-    # learned positions, no RoPE (pre-RoPE keys are then the keys as they come)
-    "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(
-        vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=None,
-        eos_token_id=None)),
-    "opt": lambda: tf.OPTForCausalLM(tf.OPTConfig(
-        vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=512, word_embed_proj_dim=64, bos_token_id=None,
-        eos_token_id=None, pad_token_id=0)),
-    # StarCoder / SantaCoder: multi-query attention (one KV head), learned positions
-    "gpt-bigcode-mqa": lambda: tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(
-        vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=512, multi_query=True,
-        bos_token_id=None, eos_token_id=None)),
+    # learned positions, no RoPE (pre-RoPE keys are then the keys as they come); GPT-BigCode:
+    # StarCoder / SantaCoder's multi-query attention (one KV head)
+    "gpt2": lambda: gpt2_family("gpt2"),
+    "opt": lambda: gpt2_family("opt"),
+    "gpt-bigcode-mqa": lambda: gpt2_family("gpt-bigcode"),
 }
 
 
@@ -157,12 +151,6 @@ def test_gpu_partial_rotary_pre_rope_keys(monkeypatch, gluon_calls):
     assert err < 2e-2, err
 
 
-def _gpt_bigcode_mqa(heads: int, head_dim: int):
-    return tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(
-        vocab_size=128, n_embd=heads * head_dim, n_layer=2, n_head=heads, n_positions=512,
-        multi_query=True, bos_token_id=None, eos_token_id=None))
-
-
 def _llama_gqa(heads: int, kv_heads: int, head_dim: int):
     return tf.LlamaForCausalLM(tf.LlamaConfig(**{
         **COMMON, "hidden_size": heads * head_dim, "num_attention_heads": heads,
@@ -180,7 +168,8 @@ def test_gpu_query_groups_past_16_columns(arch, monkeypatch, gluon_calls):
     rounding."""
     from kvbits.kernels import decode_gluon
     torch.manual_seed(0)
-    model = (_gpt_bigcode_mqa(20, 64) if arch.startswith("gpt") else _llama_gqa(24, 2, 128))
+    model = (gpt2_family("gpt-bigcode", heads=20, head_dim=64) if arch.startswith("gpt")
+             else _llama_gqa(24, 2, 128))
     model = model.half().cuda().eval()
     x = torch.randint(0, 128, (2, 150), generator=torch.Generator().manual_seed(3)).cuda()
     presets = ["kivi-2", "kivi-3", "uniform-int4"]

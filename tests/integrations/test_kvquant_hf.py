@@ -116,15 +116,9 @@ def test_pre_rope_keys_of_a_model_without_rope_are_its_keys(arch):
     """On a model with learned positions (GPT-2; GPT-BigCode, StarCoder's multi-query
     architecture) the keys are position-free already: kvquant-3 stores them as they come, so
     its logits are kvquant-3-post's exactly, not those of keys turned by made-up frequencies."""
-    import transformers as tf
+    from tiny_decoders import gpt2_family
 
-    common = {"vocab_size": 256, "n_embd": 128, "n_layer": 2, "n_head": 4, "n_positions": 512,
-              "bos_token_id": None, "eos_token_id": None}
-    torch.manual_seed(0)
-    if arch == "gpt2":
-        model = tf.GPT2LMHeadModel(tf.GPT2Config(**common)).eval()
-    else:
-        model = tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(multi_query=True, **common)).eval()
+    model = gpt2_family(arch, head_dim=32, vocab=256)
     x, mask = padded_batch("cpu")
     got = {}
     for preset in ("kvquant-3", "kvquant-3-post"):

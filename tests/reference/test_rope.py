@@ -87,23 +87,11 @@ def _tiny(arch: str):
                                                                      **common)),
         "cohere": lambda: tf.CohereForCausalLM(tf.CohereConfig(pad_token_id=0, **common)),
         "smollm3": lambda: tf.SmolLM3ForCausalLM(tf.SmolLM3Config(pad_token_id=0, **common)),
-        "gptj": lambda: tf.GPTJForCausalLM(tf.GPTJConfig(
-            vocab_size=64, n_embd=64, n_layer=2, n_head=4, n_positions=256, rotary_dim=8,
-            bos_token_id=None, eos_token_id=None)),
-        "codegen": lambda: tf.CodeGenForCausalLM(tf.CodeGenConfig(
-            vocab_size=64, n_embd=64, n_layer=2, n_head=4, n_positions=256, rotary_dim=8,
-            bos_token_id=None, eos_token_id=None)),
-        "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(
-            vocab_size=64, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=None,
-            eos_token_id=None)),
-        "opt": lambda: tf.OPTForCausalLM(tf.OPTConfig(
-            vocab_size=64, hidden_size=64, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
-            max_position_embeddings=256, word_embed_proj_dim=64, bos_token_id=None,
-            eos_token_id=None, pad_token_id=0)),
-        "gpt-bigcode": lambda: tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(
-            vocab_size=64, n_embd=64, n_layer=2, n_head=4, n_positions=256, multi_query=True,
-            bos_token_id=None, eos_token_id=None)),
     }
+    if arch not in build:  # GPT-J, CodeGen, GPT-2, OPT, GPT-BigCode
+        from tiny_decoders import gpt2_family
+
+        return gpt2_family(arch)
     return build[arch]().eval()
 
 

@@ -2130,6 +2130,7 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
                                      window=window, softcap=softcap, pdl=pdl)
         return
     q, HG, Lq = query_rows_as_heads(q, Hkv)
+    blocks = column_blocks(HG)  # programs per (sequence, KV head, split)
     B, _, _, D = q.shape
     steps = -(-kv.body_len // STEP)
     per = -(-steps // splits)  # steps per split
@@ -2154,8 +2155,8 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
                  full=koi is not None or voi is not None or inv_freq is not None),
         window is not None, softcap is not None, Lq, pdl,
         PREFETCH_OUTLIERS and (koi is not None or voi is not None),
-        ROPE_BLOCKS and inv_freq is not None, column_blocks(HG), 1)
-    _BODY.launch((B * Hkv * column_blocks(HG), splits), (
+        ROPE_BLOCKS and inv_freq is not None, blocks, 1)
+    _BODY.launch((B * Hkv * blocks, splits), (
         q, out, lse, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero,
         starts, lengths, lens_dev if lens_dev is not None else starts,
         kcb if kcb is not None else starts, vcb if vcb is not None else starts,

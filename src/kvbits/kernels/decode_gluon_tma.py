@@ -721,6 +721,7 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
     to the launch's (probes only: a register cap ``maxnreg``, ``benchmarks/probes/
     tma_maxnreg_ab.py``; a patched kernel's constexprs). Returns the launch's kernel."""
     q, HG, Lq = dg.query_rows_as_heads(q, kv.kv_heads)
+    blocks = dg.column_blocks(HG)  # programs per (sequence, KV head, split)
     B, _, _, D = q.shape
     Hkv = kv.kv_heads
     steps = -(-kv.body_len // dg.STEP)
@@ -739,8 +740,8 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
     keywords = _TMA_KEYWORDS(
         HG, 8 if HG <= 8 else 16, D, bits, kv.group_size, kv.value_group, has_starts, has_lens,
         lens_dev is not None, STAGES[bits], window is not None, softcap is not None, Lq, k_tok,
-        pdl, dg.column_blocks(HG), 1)
-    grid = (B * Hkv * dg.column_blocks(HG), splits)
+        pdl, blocks, 1)
+    grid = (B * Hkv * blocks, splits)
     if extra:
         return _TMA.run(grid, args, {**keywords.kwargs, **extra})
     return _TMA.launch(grid, args, keywords)
