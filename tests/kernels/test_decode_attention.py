@@ -1107,7 +1107,7 @@ def test_gluon_kvquant_dispatch(monkeypatch):
     buf = torch.empty(odd.k_out_idx.numel() + 1, dtype=torch.uint8)
     odd.k_out_idx = buf[1:].view(odd.k_out_idx.shape).copy_(odd.k_out_idx)
     assert not decode_gluon.eligible(odd, 1, 4)
-    # 4-bit codebooks (KVQUANT4, off until its GPU tests have run): head dims 64 and 128, any
+    # 4-bit codebooks (KVQUANT4, on by default since session 44): head dims 64 and 128, any
     # mix of outliers and pre-RoPE keys; never the TMA ring (it has no codebook lookup)
     from kvbits.kernels import decode_gluon_tma
     for D in (128, 64, 96, 256):

@@ -1823,11 +1823,12 @@ KVQUANT_STRAIGHT_OUTLIERS = env_switch("KVBITS_GLUON_KVQUANT_ODD_OUTLIERS", "1")
 # KVQuant at 4 bits (kvquant-4 and its -dense / -post forms) at head dims 64 and 128: the 4-bit
 # body's words with each code looked up in the head's 16-entry table (_cb16_pair_asm: two 8-byte
 # prmt lookups picked by the code's bit 3; checked on the CPU by tests/kernels/test_gluon_ptx.py),
-# outliers and pre-RoPE keys as at 3 bits. Written and compiled for sm_90 in session 43, which
-# had no device time left to run its GPU tests, so off by default: the Triton kernel serves
-# these layers at 7-12% of the copy bandwidth, 0.31-0.60x flash SDPA
-# (decode_attention_8bit_s43.md). KVBITS_GLUON_KVQUANT4=1 turns it on.
-KVQUANT4 = env_switch("KVBITS_GLUON_KVQUANT4", "0")
+# outliers and pre-RoPE keys as at 3 bits. Written in session 43, GPU-verified in session 44
+# (gpu_tests_s44.log, 55 cases). H200 graph time at 32k (decode_attention_kvquant4_s44.md):
+# kvquant-4 Llama-2-7B batch 8 1777 us against 3058 for the Triton kernel, Llama-3-8B batch 8
+# 507 against 845, batch 1 106 against 141 (0.5-0.96x flash SDPA: the turn and the outliers
+# bound it, as at 3 bits). KVBITS_GLUON_KVQUANT4=0 sends these layers to the Triton kernel.
+KVQUANT4 = env_switch("KVBITS_GLUON_KVQUANT4", "1")
 MAX_OUTLIERS = 4  # per token, keys or values (one pair of MMAs each)
 # Pre-RoPE keys turned in four 16-row blocks, each with its quarter of the cos/sin table loaded
 # just before its MMAs (_rope_scores), instead of the whole [64, D/2] table beside both key halves.
