@@ -10,6 +10,13 @@ Half the layers also run a step with the lengths on the device inside a captured
 if any layer is off its error budget or not finite.
 
     PYTHONPATH=src python3 benchmarks/probes/random_layers_gpu.py --layers 150 --seed 0
+
+``--gluon-all`` lifts the size limits that send small steps (and plain KIVI layers with many
+blocks of query columns) to the Triton kernel, as the tests' ``gluon_calls`` fixture does, so
+every layer a Gluon body is eligible for runs there (most random layers are too small for the
+library's own choice); ``--wide-groups`` also draws 12-32 query heads per KV head (column
+blocks). Each line then says which body served it (``body=gluon``: the register body or the
+TMA ring).
 """
 
 from __future__ import annotations
@@ -37,12 +44,16 @@ HEAD_DIMS = [64, 64, 128, 128, 128, 80, 96, 256]
 BUDGETS = {torch.float16: (1e-2, 2e-2), torch.bfloat16: (1e-2, 3e-2)}
 
 
-def draw(rng: torch.Generator) -> dict:
+GROUPS = [1, 2, 3, 4, 5, 7, 8]
+WIDE_GROUPS = GROUPS + [12, 16, 24, 32]  # --wide-groups: past 16 columns, column blocks
+
+
+def draw(rng: torch.Generator, groups: list[int] = GROUPS) -> dict:
     def pick(xs):
         return xs[int(torch.randint(len(xs), (1,), generator=rng))]
     D = pick(HEAD_DIMS)
     Hkv = pick([1, 2, 4, 8])
-    HG = pick([1, 2, 3, 4, 5, 7, 8])
+    HG = pick(groups)
     B = pick([1, 1, 2, 3, 5, 8])
     tokens = int(math.exp(float(torch.empty(1).uniform_(math.log(2), math.log(70000),
                                                          generator=rng))))
@@ -156,7 +167,19 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run (the reference twice)")
     ap.add_argument("--seconds", type=float, default=420.0, help="stop drawing after this")
+    ap.add_argument("--gluon-all", action="store_true",
+                    help="every layer a Gluon body is eligible for runs there (size limits lifted)")
+    ap.add_argument("--wide-groups", action="store_true",
+                    help="also draw 12-32 query heads per KV head")
     a = ap.parse_args()
+    served = []
+    if a.gluon_all:
+        from kvbits.kernels import decode_gluon  # (it hands TMA-ring layers on itself)
+        for name in ("MIN_BODY_TOKENS", "MIN_BODY_TOKENS_PLANES", "MIN_BODY_TOKENS_WIDE"):
+            setattr(decode_gluon, name, 1)
+        decode_gluon.MAX_PLAIN_BLOCKS = 1 << 10
+        real = decode_gluon.attend_body
+        decode_gluon.attend_body = lambda *x, **k: served.append(1) or real(*x, **k)
     warnings.filterwarnings("ignore", message="group_size .* does not divide head_dim")
     torch.manual_seed(a.seed)
     rng = torch.Generator().manual_seed(a.seed)
@@ -167,7 +190,8 @@ def main() -> int:
     for i in range(a.layers):
         if time.time() - t0 > a.seconds:
             break
-        c = draw(rng)
+        c = draw(rng, WIDE_GROUPS if a.wide_groups else GROUPS)
+        served.clear()
         label = (f"{i:3d} {c['preset']:<22} B={c['B']} Hkv={c['Hkv']} HG={c['HG']} D={c['D']} "
                  f"T={c['tokens']} Lq={c['Lq']} dec={c['decode']} "
                  f"{str(c['dtype']).replace('torch.', '')} ragged={c['ragged']} "
@@ -189,7 +213,8 @@ def main() -> int:
                 worst[key] = max(worst.get(key, 0.0), glob)
                 if not ok:
                     bad.append(label + " " + key)
-        print(f"{label}: kernel={r['kernel']} " + "; ".join(parts), flush=True)
+        body = (" body=gluon" if served else " body=triton") if a.gluon_all else ""
+        print(f"{label}: kernel={r['kernel']}{body} " + "; ".join(parts), flush=True)
     print(f"# {done} layers in {time.time() - t0:.0f} s; worst global error {worst}; "
           f"{len(bad)} off budget or failed", flush=True)
     for b in bad:
