@@ -13,6 +13,8 @@ EXTRA=${EXTRA-tests/kernels/test_quantize_pack.py}
 for i in $(seq 0 $((N - 1))); do
   (KVBITS_TEST_SHARD=$i/$N timeout -s INT ${TEST_S:-420} python3 -m pytest -q -p no:cacheprovider \
      --tb=short -m gpu --durations=3 ${FILES:-tests}
+   rc=$?  # 124: stopped at TEST_S (session 44: a shard cut off there printed no summary line)
+   [ $rc -eq 0 ] || echo "pytest exit $rc$([ $rc -eq 124 ] && echo ": timed out after ${TEST_S:-420} s")"
    if [ -n "$EXTRA" ]; then
      KVBITS_TEST_SHARD=$i/$N timeout -s INT ${EXTRA_S:-120} python3 -m pytest -q \
        -p no:cacheprovider --tb=short $EXTRA
@@ -20,12 +22,12 @@ for i in $(seq 0 $((N - 1))); do
 done
 wait
 for i in $(seq 0 $((N - 1))); do
-  echo "shard $i: $(grep -E 'passed|failed|error' "$OUT/gpu_suite_shard$i.log" | tail -n 2 | tr '\n' ' ')"
+  echo "shard $i: $(grep -E 'passed|failed|error|pytest exit' "$OUT/gpu_suite_shard$i.log" | tail -n 3 | tr '\n' ' ')"
 done
 grep -h -E "^(FAILED|ERROR)" "$OUT"/gpu_suite_shard*.log | head -n 40
 if [ -n "${DETAILS:-}" ]; then
   for i in $(seq 0 $((N - 1))); do
-    grep -E "FAILED|ERROR|Error|assert|passed|failed" "$OUT/gpu_suite_shard$i.log" | head -n 30
+    grep -E "FAILED|ERROR|Error|assert|passed|failed|pytest exit" "$OUT/gpu_suite_shard$i.log" | head -n 30
   done > "$OUT/$DETAILS"
   rm -f "$OUT"/gpu_suite_shard*.log
 fi
