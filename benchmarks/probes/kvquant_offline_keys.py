@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -55,17 +54,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
-from kvbits import cli  # noqa: E402
-from kvbits.data import load_text, tokenize_text  # noqa: E402
-from kvbits.eval import frontier  # noqa: E402
-import importlib  # noqa: E402
+import importlib
+
+from kvbits import cli
+from kvbits.data import load_text, tokenize_text
+from kvbits.eval import frontier
 
 ppl_mod = importlib.import_module("kvbits.eval.perplexity")
-from kvbits.formats.packing import pack_bits  # noqa: E402
-from kvbits.integrations.hf import KVBitsCache  # noqa: E402
-from kvbits.methods import kvquant as kvq  # noqa: E402
+from kvbits.formats.packing import pack_bits
+from kvbits.integrations.hf import KVBitsCache
+from kvbits.methods import kvquant as kvq
 
-OUT = Path("/tmp/kvq_offline")
+OUT = Path("kvbits-results/kvquant_offline_keys")  # --out
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 _LOGF = None
 
@@ -202,7 +202,7 @@ def keep_mask(T: int, window: int = 512) -> torch.Tensor:
 
 def offline_scales(k: torch.Tensor, bits: int, variant: str, q: float):
     """``k [H, T, D]`` (kept tokens) -> FP16 ``scale, zero [H, D]``."""
-    H, T, D = k.shape
+    H, D = k.shape[0], k.shape[2]
     top = (1 << bits) - 1
     if variant == "a":
         lo = torch.quantile(k, q / 2, dim=1)
@@ -235,7 +235,7 @@ def offline_scales(k: torch.Tensor, bits: int, variant: str, q: float):
 
 def fit_offline_keys(k, gk, bits, variant, q, n_out, fisher=True):
     """Offline scale/zero and a layer codebook fitted on keys normalized by them."""
-    H, T, D = k.shape
+    T = k.shape[1]
     m = keep_mask(T)
     k, gk = k[:, m], (None if gk is None else gk[:, m])
     scale, zero = offline_scales(k, bits, variant, q)
@@ -267,7 +267,7 @@ def parse_row(row: str):
     for part in filter(None, rest.split(",")):
         key, _, val = part.partition("=")
         key = {"R": "residual_length", "S": "sink_tokens", "G": "group_size"}.get(key, key)
-        fields[key] = int(val) if val.lstrip("-").isdigit() else val
+        fields[key] = int(val) if val.lstrip("-").isdigit() else float(val)
     if name.startswith("off-"):
         bits_sel = name.split("-")
         variant, bits = bits_sel[1], int(bits_sel[2])
@@ -277,8 +277,9 @@ def parse_row(row: str):
 
 
 def main() -> int:
-    global _LOGF
+    global _LOGF, OUT
     ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=OUT, help="results, logs and the K/V cache")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--text", default="lee-news")
     ap.add_argument("--tokens", type=int, default=4096)
@@ -289,12 +290,21 @@ def main() -> int:
     ap.add_argument("--name", default=None, help="result stem under /tmp/kvq_offline")
     ap.add_argument("--front", default="ppl_lee_news+ppl_group64_lee_news",
                     help="committed tables giving KIVI's front (A+B as ppl_frontier.py)")
+    ap.add_argument("--with", dest="with_", default="",
+                    help="other result stems under --out (comma-separated) whose fp16 "
+                    "and kivi rows join this table and KIVI's front (e.g. the q sweeps)")
+    ap.add_argument("--report-only", action="store_true", help="no runs, only the table")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    OUT = args.out
     OUT.mkdir(parents=True, exist_ok=True)
     name = args.name or f"{args.text}_{args.tokens}"
-    _LOGF = open(OUT / f"{name}.log", "a")
+    _LOGF = open(OUT / f"{name}.log", "a")  # noqa: SIM115 - open for the whole run
     log("argv: " + " ".join(sys.argv))
+    if args.report_only:
+        results = json.loads((OUT / f"{name}.json").read_text())["results"]
+        report(results, args.front, name, args.with_)
+        return 0
 
     model, tok, ids = cli._load(args.model, args.text, args.tokens)
     kv = calib_kv(model, tok, args.calib_tokens)
@@ -329,9 +339,9 @@ def main() -> int:
             spec = v.spec
             if spec.method == "kvquant":
                 cal = std_calibration(spec)
-                factory = lambda s=spec, c=cal: KVBitsCache(model, s, calibration=c)  # noqa: E731
+                factory = lambda s=spec, c=cal: KVBitsCache(model, s, calibration=c)
             else:
-                factory = lambda s=spec: KVBitsCache(model, s)  # noqa: E731
+                factory = lambda s=spec: KVBitsCache(model, s)
             method = spec.method
         else:
             spec = cli.parse_presets(f"kvquant-{bits}")[0].spec.replace(**fields)
@@ -355,7 +365,7 @@ def main() -> int:
                 f"layer0 cb {infos[0]['codebook']}")
             cal = kvq.Calibration(layers, kvq.spec_fields(spec), fp, args.model, "", "", "", {},
                                   probe)
-            factory = lambda s=spec, c=cal: KVBitsCache(model, s, calibration=c)  # noqa: E731
+            factory = lambda s=spec, c=cal: KVBitsCache(model, s, calibration=c)
             method = "kvquant-offline"
             extra["calib_layer_info"] = infos
         log(f"{row}: {spec.describe()}")
@@ -397,11 +407,24 @@ def main() -> int:
         results.append(res)
         results_path.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
 
-    report(results, args.front, name)
+    report(results, args.front, name, args.with_)
     return 0
 
 
-def report(results, front_names, name):
+def report(results, front_names, name, with_=""):
+    main_q = json.loads((OUT / f"{name}.json").read_text())["args"]["q"]
+    results = [{**r, "label": f"{r['label']} q={main_q}"}
+               if r["spec_fields"].get("method") == "kvquant-offline" else r for r in results]
+    have = {r["label"] for r in results}
+    for stem in filter(None, with_.split(",")):
+        doc = json.loads((OUT / f"{stem}.json").read_text())
+        for r in doc["results"]:
+            if r["spec_fields"].get("method") in ("fp16", "kivi"):
+                if r["label"] not in have:
+                    results.append(r)
+                    have.add(r["label"])
+            elif r["spec_fields"].get("method") == "kvquant-offline":
+                results.append({**r, "label": f"{r['label']} q={doc['args']['q']}"})
     fp16 = next((r["ppl"] for r in results if r["label"] == "fp16"), None)
     ref = []
     for tname in filter(None, front_names.split("+")):
@@ -420,7 +443,7 @@ def report(results, front_names, name):
            if r["spec_fields"].get("method") in ("kvquant", "kvquant-offline")]
     cmp = frontier.compare_at_equal_bits(pts, ref)
     front = frontier.pareto_front(ref)
-    lines = [f"KIVI front: " + ", ".join(f"{p.label} ({p.bits:.2f} b, {p.ppl:.3f})" for p in front),
+    lines = ["KIVI front: " + ", ".join(f"{p.label} ({p.bits:.2f} b, {p.ppl:.3f})" for p in front),
              "", "| row | bits/elem | PPL | vs fp16 | KIVI front at these bits | gap | verdict |",
              "|---|---|---|---|---|---|---|"]
     by = {c["label"]: c for c in cmp}

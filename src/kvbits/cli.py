@@ -235,7 +235,19 @@ def _versions() -> dict:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             pass
+    # The CPU kernels torch picks (AVX2, AVX512, ...): their rounding moves the last digits of
+    # low-bit rows between machines (borderline codes flip), so tables say where they ran.
+    out["cpu_capability"] = _cpu_capability()
     return out
+
+
+def _cpu_capability() -> str:
+    import torch
+
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):  # older torch
+        return platform.machine()
 
 
 def _ppl_row(label: str, spec: str, r: dict, base: dict | None) -> list[str]:
@@ -312,7 +324,7 @@ def _write_ppl(cfg: PplConfig, meta: dict, results: list[dict]) -> None:
               "```", meta["command"], "```", "",
               (f"{meta['tokens']} tokens, chunks of {meta['chunk']}, {meta['date']}, "
               f"torch {v.get('torch')}, transformers {v.get('transformers')}, "
-              f"{meta['threads']} CPU threads."), "",
+              f"{meta['threads']} CPU threads ({v.get('cpu_capability', '?')})."), "",
               _ppl_table(results), "",
               ("KV MiB: cache size at the end of the first window as an FP16 model would hold it "
               "(codes and FP16 scales/zeros as stored, full-precision parts at 2 bytes); "
