@@ -391,6 +391,9 @@ def test_ppl_command_writes_json_and_markdown(smollm2, capsys, tmp_path):
     fp, q = data["results"]
     assert fp["tokens_scored"] == q["tokens_scored"] == 159
     assert q["cache_bytes_fp16"] < fp["cache_bytes_fp16"] == fp["fp16_cache_bytes"]
+    # the CPU kernels the rows ran on (low-bit rows' last digits depend on them)
+    cpu = data["versions"]["cpu_capability"]
+    assert cpu and f"CPU threads ({cpu})." in md.read_text()
     assert "| fp16" in md.read_text()
 
 
