@@ -7,7 +7,9 @@ per table, each kvquant row against KIVI's Pareto front interpolated at its bits
 (``kvbits.eval.frontier``), and a plot of perplexity against bits per element. ``A+B`` reads
 table A with the rows of its companion B (same model, text and tokens) added.
 
-    python benchmarks/ppl_frontier.py [NAME ...]
+    python benchmarks/ppl_frontier.py [--out STEM] [NAME ...]
+
+``--out``: write ``STEM.{md,json,png}`` instead of ``ppl_frontier.*`` (a table of its own).
 """
 
 from __future__ import annotations
@@ -64,10 +66,11 @@ def analyse(name: str) -> dict:
             "kivi_front": [p.label for p in pareto_front(kivi)]}
 
 
-def markdown(tables: list[dict]) -> str:
+def markdown(tables: list[dict], out: str = "ppl_frontier") -> str:
+    flag = "" if out == "ppl_frontier" else f"--out {out} "
     lines = ["# KVQuant against KIVI at equal effective bits", "",
-             "```", "python benchmarks/ppl_frontier.py " + " ".join(t["name"] for t in tables),
-             "```", "",
+             "```", f"python benchmarks/ppl_frontier.py {flag}"
+             + " ".join(t["name"] for t in tables), "```", "",
              ("Perplexities are the measured rows of each table (command beside it); nothing is "
               "re-run. Bits per element count every byte the cache holds (codes, FP16 "
               "scales/zeros, outliers, codebooks, FP16 sink and residual). \"kivi at these "
@@ -124,13 +127,16 @@ def plot(tables: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    names = sys.argv[1:] or list(DEFAULT)
+    args, out = sys.argv[1:], "ppl_frontier"
+    if args[:1] == ["--out"]:
+        out, args = args[1], args[2:]
+    names = args or list(DEFAULT)
     tables = [analyse(n) for n in names
               if all((RESULTS / f"{part}.json").exists() for part in n.split("+"))]
-    (RESULTS / "ppl_frontier.json").write_text(json.dumps(tables, indent=1) + "\n")
-    (RESULTS / "ppl_frontier.md").write_text(markdown(tables))
-    plot(tables, RESULTS / "ppl_frontier.png")
-    print(markdown(tables))
+    (RESULTS / f"{out}.json").write_text(json.dumps(tables, indent=1) + "\n")
+    (RESULTS / f"{out}.md").write_text(markdown(tables, out))
+    plot(tables, RESULTS / f"{out}.png")
+    print(markdown(tables, out))
 
 
 if __name__ == "__main__":

@@ -896,8 +896,8 @@ def _spec_options(p: argparse.ArgumentParser) -> None:
 PRESET_HELP = ("preset name ({}) or a spec file (.json, from kvbits tune), optionally with "
                "overrides PRESET:FIELD=VALUE,... where FIELD is "
                "key_bits, value_bits, bits, group_size, residual_length, sink_tokens, pre_rope, "
-               "outliers, codebook, qnorm, fisher, hadamard, hadamard_calibrated, key_axis, "
-               "value_axis, fp8_scale, fp8_granularity or transformers' nbits, axis_key, "
+               "outliers, codebook, qnorm, fisher, key_scales, hadamard, hadamard_calibrated, "
+               "key_axis, value_axis, fp8_scale, fp8_granularity or transformers' nbits, axis_key, "
                "axis_value, q_group_size (or K, V, G, R, S, P, O), e.g. kivi-2:R=0, "
                "kvquant-3:O=0.02, uniform-int2:axis_key=-1").format(", ".join(PRESETS))
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 METHODS = ("fp16", "kivi", "kvquant", "uniform", "fp8")
 CODEBOOKS = ("layer", "head")
+KEY_SCALES = ("group", "calibrated")
 AXES = ("channel", "token")
 FP8_SCALES = ("dynamic", "calibrated")
 FP8_GRANULARITIES = ("head", "tensor")
@@ -55,6 +56,11 @@ class QuantSpec:
             calibration so it costs nothing at run time); kvquant only.
         fisher: weight the k-means of the codebooks by squared gradients of the loss w.r.t. K
             and V (Fisher information) when calibrating; False weights every element by 1.
+        key_scales: "group" (an FP16 scale and zero per channel per group of G tokens, from
+            the group's min/max, as KIVI) or "calibrated" (one FP16 scale and zero per layer,
+            KV head and channel, fitted offline on the calibration text, as the KVQuant paper:
+            no per-group key metadata, ~1 bit per key element less at G = 32; codes saturate at
+            the codebook's ends and the outliers take the largest errors); kvquant only.
         key_axis / value_axis: "channel" (scale/zero per channel over a group of G tokens) or
             "token" (scale/zero per token over a group of ``value_group(D)`` channels); kivi is
             keys "channel", values "token"; "uniform" takes either for each (transformers'
@@ -91,6 +97,7 @@ class QuantSpec:
     codebook: str = "layer"
     qnorm: bool = False
     fisher: bool = True
+    key_scales: str = "group"
     key_axis: str = "channel"
     value_axis: str = "token"
     hadamard: bool = False
@@ -120,8 +127,10 @@ class QuantSpec:
             raise ValueError(f"QuantSpec.outliers must be a fraction in [0, 0.25] of each token "
                              f"vector (e.g. 0.01 for 1%), got {out!r}")
         _check_choice("codebook", self.codebook, CODEBOOKS)
+        _check_choice("key_scales", self.key_scales, KEY_SCALES)
         if self.method != "kvquant":
-            for name, default in (("outliers", 0.0), ("codebook", "layer"), ("qnorm", False)):
+            for name, default in (("outliers", 0.0), ("codebook", "layer"), ("qnorm", False),
+                                  ("key_scales", "group")):
                 if getattr(self, name) != default:
                     raise ValueError(f"QuantSpec.{name} applies to method 'kvquant' only; "
                                      f"method is {self.method!r}")
@@ -348,6 +357,7 @@ class QuantSpec:
         if self.method == "kvquant":
             text += f" out={self.outliers:g} cb={self.codebook}"
             text += (" qnorm" if self.qnorm else "") + ("" if self.fisher else " no-fisher")
+            text += " keys=calibrated" if self.key_scales == "calibrated" else ""
         if self.method == "uniform":
             text += f" K:{self.key_axis} V:{self.value_axis}"
         if self.method == "fp8":
@@ -403,6 +413,9 @@ for _b in (2, 3, 4):
     # codebooks only (no outliers, post-RoPE keys): at 3 bits the layers the Gluon body serves
     PRESETS[f"kvquant-{_b}-dense-post"] = _KVQUANT.replace(key_bits=_b, value_bits=_b,
                                                            outliers=0.0, pre_rope=False)
+    # key scales fitted offline per channel (the paper's): ~1 bit per key element less at G=32
+    PRESETS[f"kvquant-{_b}-offline"] = _KVQUANT.replace(key_bits=_b, value_bits=_b,
+                                                        key_scales="calibrated")
 
 # Uniform: transformers' QuantizedCache knobs and defaults (quanto backend: nbits 4, axis_key 0,
 # axis_value 0 = per-token, q_group_size 64, residual_length 128); history quantized once.
@@ -431,7 +444,7 @@ PRESETS["k4v2-edge8"] = PRESETS["k4v2"].replace(layer_bits=((0, 8, 8), (-1, 8, 8
 SPEC_ALIASES = {"R": "residual_length", "G": "group_size", "S": "sink_tokens", "K": "key_bits",
                 "V": "value_bits", "O": "outliers", "P": "pre_rope"}
 SPEC_FIELDS = ("key_bits", "value_bits", "group_size", "residual_length", "sink_tokens", "bits",
-               "pre_rope", "outliers", "codebook", "qnorm", "fisher", "hadamard",
+               "pre_rope", "outliers", "codebook", "qnorm", "fisher", "key_scales", "hadamard",
                "hadamard_calibrated", "key_axis", "value_axis", "fp8_scale", "fp8_granularity",
                "nbits", "axis_key", "axis_value", "q_group_size")
 # Names that set the same field: a spec string may give only one of each.
@@ -439,7 +452,7 @@ _SYNONYMS = {"nbits": "bits", "q_group_size": "group_size", "axis_key": "key_axi
              "axis_value": "value_axis"}
 _BOOL_FIELDS = ("pre_rope", "qnorm", "fisher", "hadamard", "hadamard_calibrated")
 _FLOAT_FIELDS = ("outliers",)
-_STR_FIELDS = ("codebook", "key_axis", "value_axis", "fp8_scale", "fp8_granularity")
+_STR_FIELDS = ("codebook", "key_scales", "key_axis", "value_axis", "fp8_scale", "fp8_granularity")
 
 
 def parse_overrides(label: str, text: str, aliases: dict = SPEC_ALIASES,

@@ -609,3 +609,53 @@ def test_fp8_dynamic_scales_reset_when_crop_empties_the_body():
     a.append(50 * k, 50 * v)
     fresh.append(50 * k, 50 * v)
     assert torch.equal(a.k_scale, fresh.k_scale) and torch.equal(a.v_scale, fresh.v_scale)
+
+
+# ------------------------------------------------- KVQuant with offline key scales (fixed rows)
+def _offline_store(spec, seed=0):
+    from kvbits.methods import kvquant as kvq
+
+    cb = kvq.uniform_codebooks(H, spec.key_bits, spec.value_bits)
+    calib, _ = _kv(300, b=1, seed=seed + 7)  # calibration keys: another draw
+    cb.k_scale, cb.k_zero = kvq.offline_key_rows(calib[0].float(), spec.key_bits)
+    inv = 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D)
+    return LayerStore(spec, B, H, D, torch.float16, "cpu", codebooks=cb, inv_freq=inv)
+
+
+@settings(max_examples=10, deadline=None)
+@given(bits=st.sampled_from([2, 3, 4]), S=st.integers(0, 2), R=st.sampled_from([0, 16]),
+       before=st.integers(1, 150), after=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+       seed=st.integers(0, 99))
+def test_offline_key_scales_store(bits, S, R, before, after, seed):
+    """key_scales="calibrated": the key scale / zero stay one fixed [B, H, 1, D] row (never
+    grown, saved whole), the memory count drops the per-group pair, chunked appends equal
+    token-by-token ones, and a saved state continues like the store."""
+    spec = resolve_spec(f"kvquant-{bits}-offline", residual_length=R, sink_tokens=S)
+    k, v = _kv(before + sum(after), seed=seed)
+    a, b = _offline_store(spec, seed), _offline_store(spec, seed)
+    rows = a.k_scale.clone(), a.k_zero.clone()
+    a.append(k[:, :, :before], v[:, :, :before])
+    _append_by_token(b, k[:, :, :before], v[:, :, :before])
+    _assert_same_state(a, b, "chunked vs by token")
+    tensors, scalars = a.state()
+    c = _offline_store(spec, seed)
+    c.load_state({n: t.clone() for n, t in tensors.items()}, scalars)
+    at = before
+    for n in after:
+        for st_ in (a, c):
+            st_.append(k[:, :, at:at + n], v[:, :, at:at + n])
+        at += n
+    _assert_same_state(a, c, "saved and continued")
+    for st_ in (a, c):
+        assert st_.k_scale.shape == (B, H, 1, D)
+        assert torch.equal(st_.k_scale, rows[0]) and torch.equal(st_.k_zero, rows[1])
+    grouped = LayerStore(spec.replace(key_scales="group"), B, H, D, torch.float16, "cpu",
+                         inv_freq=a.inv_freq)
+    grouped.append(k[:, :, :at], v[:, :, :at])
+    if a.body_len:
+        saved = B * H * a.body_len * 2 * 2 * D // spec.group_size - B * H * 2 * 2 * D
+        assert grouped.nbytes(2) - a.nbytes(2) == saved
+        assert a.view().key_scales_fixed and not grouped.view().key_scales_fixed
+    # the reference reads the same keys from the view as dequantizing with the rows directly
+    keys, _ = dequantize_layer(a.view(), dtype=torch.float32)
+    assert torch.isfinite(keys).all() and keys.shape[2] == at

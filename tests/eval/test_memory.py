@@ -157,3 +157,14 @@ def test_sliding_window_layers_are_bounded():
                                               gpu_memory=10**9).max_context
     every = KVShape("all", 2, 2, 64, sliding_layers=2, window=512)
     assert kv_memory(every, "kivi-2", context=4096, gpu_memory=10**9).max_context == 1 << 40
+
+
+def test_offline_key_scales_drop_the_per_group_key_pair():
+    """kvquant with key_scales="calibrated": no FP16 key scale and zero per channel per group
+    (4 x D / G bytes per token and KV head), one fixed row (counted as one FP16 token)."""
+    grp = kv_memory("llama-3-8b", "kvquant-3", context=131072)
+    off = kv_memory("llama-3-8b", resolve_spec("kvquant-3-offline"), context=131072)
+    D, G, layers, heads = 128, 32, 32, 8
+    assert grp.body_bytes_per_token - off.body_bytes_per_token == layers * heads * 4 * D / G
+    assert off.fixed_fp16_tokens == grp.fixed_fp16_tokens + 1
+    assert off.total_bytes < grp.total_bytes

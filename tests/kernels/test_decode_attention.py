@@ -863,7 +863,11 @@ def test_kernel_reads_every_layout_but_odd_per_token_pre_rope():
 # Codebook codes (sorted non-uniform levels in code units, per KV head), a fixed count of FP16
 # outlier corrections per token, and keys stored before RoPE (the kernel rotates them at
 # position ``t - starts[b]``), built with the KVQuant quantizer on random data.
-def _kvquant_kv(c: Case, n_out: int, pre_rope: bool, device=DEVICE) -> PackedKV:
+def _kvquant_kv(c: Case, n_out: int, pre_rope: bool, device=DEVICE,
+                offline: bool = False) -> PackedKV:
+    """A KVQuant layer of ``c``'s shape: random codebooks, ``n_out`` outliers per token;
+    ``offline``: key scales as one offline ``[H, D]`` row for every group (key_scales=
+    "calibrated"), fitted on other keys of the same distribution, so some codes saturate."""
     from kvbits.methods import kvquant as kvq
 
     kv = make_kv(c, device)
@@ -883,7 +887,14 @@ def _kvquant_kv(c: Case, n_out: int, pre_rope: bool, device=DEVICE) -> PackedKV:
     if c.starts is not None:
         valid = (torch.arange(T, device=device)[None, :] + c.S
                  >= torch.tensor(c.starts, device=device)[:, None])
-    kc, ks, kz, koi, kov = kvq.quantize_keys(k, c.kb, G, kcb, kvq.thresholds_of(kcb), n_out, valid)
+    rows = None
+    if offline:  # calibration keys: another draw (and a narrower one: codes saturate)
+        calib = torch.randn(H, 512, D, generator=g, device=device) * 0.8 * (
+            1 + 3 * (torch.arange(D, device=device) == 1))
+        rows = kvq.offline_key_rows(calib.cpu(), c.kb)
+        kv.key_scales_fixed = True
+    kc, ks, kz, koi, kov = kvq.quantize_keys(k, c.kb, G, kcb, kvq.thresholds_of(kcb), n_out, valid,
+                                             rows)
     vc, vs, vz, voi, vov = kvq.quantize_values(v, c.vb, kv.value_group, G, vcb,
                                                kvq.thresholds_of(vcb), n_out, valid)
     kv.k_codes, kv.k_scale, kv.k_zero = kc, ks, kz
@@ -918,6 +929,21 @@ KVQ_CASES = {
 def test_kvquant_layers_match_reference(name, n_out, pre_rope):
     c = KVQ_CASES[name]
     run_case(c, kv=_kvquant_kv(c, n_out, pre_rope))
+
+
+# KVQuant keys with offline scales (key_scales="calibrated"): one [B, H, 1, D] scale row for
+# every key group, read by the Triton kernel's _scale_tile (FIXED); the Gluon bodies refuse it
+@pytest.mark.parametrize("n_out,pre_rope", [(0, False), (1, True)])
+@pytest.mark.parametrize("name", ["K2V2-G32-MHA", "K3V3-G32-GQA-padded", "K4V4-G64-D128-Lq4",
+                                  "K3V3-G32-D96-padded"])
+def test_kvquant_offline_key_scales_match_reference(name, n_out, pre_rope):
+    from kvbits.kernels import decode_gluon
+
+    c = KVQ_CASES[name]
+    kv = _kvquant_kv(c, n_out, pre_rope, offline=True)
+    assert kv.k_scale.shape[2] == 1 and kv.key_scales_fixed
+    assert not decode_gluon.eligible(kv, c.Lq, c.HG)
+    run_case(c, kv=kv)
 
 
 @gpu

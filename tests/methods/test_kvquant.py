@@ -4,6 +4,7 @@ calibration files (round trip and refusal)."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -382,3 +383,79 @@ def test_calibration_uses_every_token():
     assert calibration_windows(100, 512) == [(0, 100)]
     with pytest.raises(ValueError, match="at least 2 tokens of text, got 0"):
         calibration_windows(0, 512)
+
+
+# --------------------------------------------------------- offline key scales (key_scales)
+def test_offline_key_rows_and_quantization():
+    """key_scales="calibrated": one FP16 scale / zero per (head, channel) from calibration
+    quantiles; keys outside saturate at the codebook's ends and the outliers take the largest
+    errors; a constant channel dequantizes to its value."""
+    g = torch.Generator().manual_seed(5)
+    H, D, bits = 2, 16, 3
+    calib = torch.randn(H, 2000, D, generator=g) * 2 + 1
+    calib[:, :, 3] = 0.75  # a constant channel
+    scale, zero = kvq.offline_key_rows(calib, bits, q=0.01)
+    assert scale.dtype == zero.dtype == torch.float16 and scale.shape == (H, D)
+    assert float(scale[0, 3]) == 0 and float(zero[0, 3]) == 0.75
+    lo = calib.sort(dim=1).values[:, 9]  # the 0.5% quantile of 2000 values: the 10th
+    assert torch.allclose(zero.float(), lo, atol=1e-2)
+    cb = kvq.uniform_codebooks(H, bits, bits).k_codebook
+    k = torch.randn(1, H, 64, D, generator=g) * 2 + 1
+    k[0, 0, 5, 7] = 40.0  # far past the offline range
+    for n_out in (0, 1):
+        words, s, z, oi, ov = kvq.quantize_keys(k, bits, 32, cb, kvq.thresholds_of(cb), n_out,
+                                                rows=(scale, zero))
+        assert s.shape == (1, H, 1, D) and torch.equal(s[0, :, 0], scale)
+        x = kvq.dequantize_keys(words, s, z, bits, 32, cb, oi, ov, groups=2)
+        top = zero.float() + scale.float() * (2**bits - 1)
+        inside = (k[0] >= zero.float()[:, None]) & (k[0] <= top[:, None])
+        step = scale.float()[:, None].expand_as(k[0])
+        assert bool(((x[0] - k[0]).abs() <= step / 2 + 1e-3)[inside].all())
+        if not n_out:  # (with one, channel 3's error is often the token's largest)
+            assert torch.equal(x[0, :, :, 3], torch.full_like(x[0, :, :, 3], 0.75))
+        # saturated: the last level, unless the token's outlier corrects it exactly
+        want = 40.0 if n_out else float(top[0, 7])
+        assert abs(float(x[0, 0, 5, 7]) - want) < 2e-2
+        if n_out:
+            assert int(oi[0, 0, 5, 0]) == 7
+
+
+def test_offline_key_scales_calibrate_save_and_refuse(tmp_path):
+    """calibrate() fits the rows (each window's first token left out) and the codebook on keys
+    normalized by them; the file carries them; a group-scale file is refused for the offline
+    spec and the other way; files written before the field existed still load."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from kvbits.integrations.hf import KVBitsCache
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(0))
+    spec = resolve_spec("kvquant-3-offline")
+    cal = kvq.calibrate(model, ids, spec, model_name="tiny", preset="kvquant-3-offline",
+                        window=128)
+    layer = cal.layers[0]
+    assert layer.k_scale.shape == layer.k_zero.shape == (2, 32)
+    assert layer.k_scale.dtype == torch.float16 and bool((layer.k_scale > 0).all())
+    path = cal.save(tmp_path / "off.safetensors")
+    loaded = kvq.Calibration.load(path)
+    assert torch.equal(loaded.layers[1].k_zero, cal.layers[1].k_zero)
+    cache = KVBitsCache(model, spec, calibration=path)
+    assert torch.equal(cache.layers[0].codebooks.k_scale, layer.k_scale)
+    with pytest.raises(ValueError, match="key_scales"):
+        KVBitsCache(model, resolve_spec("kvquant-3"), calibration=path)
+    with pytest.raises(ValueError, match="offline key scale and zero rows"):
+        KVBitsCache(model, spec, calibration="uniform").update(
+            torch.zeros(1, 2, 40, 32), torch.zeros(1, 2, 40, 32), 0)
+    # a file from before key_scales existed: no such metadata field, read as "group"
+    plain = kvq.calibrate(model, ids, resolve_spec("kvquant-3"), window=128)
+    p2 = plain.save(tmp_path / "old.safetensors")
+    with safe_open(str(p2), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in list(f.keys())}
+    spec_meta = json.loads(meta["spec"])
+    del spec_meta["key_scales"]
+    meta["spec"] = json.dumps(spec_meta)
+    save_file(tensors, str(p2), metadata=meta)
+    kvq.Calibration.load(p2).check(model, resolve_spec("kvquant-3"))  # no error
+    assert (kvq.calibration_path(model, resolve_spec("kvquant-3"), "t", 4)
+            != kvq.calibration_path(model, spec, "t", 4))

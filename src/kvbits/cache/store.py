@@ -149,6 +149,18 @@ class LayerStore:
                 raise ValueError(f"codebooks have shapes {got}, this layer needs {want} "
                                  "([kv_heads, 2**bits] for K and V)")
             self.codebooks = cb.to(self.device)
+        # key_scales="calibrated": the layer's offline [H, D] key scale / zero, one fixed
+        # [B, H, 1, D] row for every group (not grown, cut or evicted with the body)
+        self.fixed_key_scales = self.kvquant and spec.key_scales == "calibrated"
+        if self.fixed_key_scales:
+            rows = (self.codebooks.k_scale, self.codebooks.k_zero)
+            if any(r is None or tuple(r.shape) != (H, D) for r in rows):
+                raise ValueError("QuantSpec.key_scales='calibrated' needs the layer's offline "
+                                 f"key scale and zero rows [kv_heads={H}, head_dim={D}] from a "
+                                 "calibration (KVBitsCache(model, spec, calibration='auto' or a "
+                                 "file); 'uniform' has none)")
+            self.k_scale, self.k_zero = (r.to(self.device, torch.float16).view(1, H, 1, D)
+                                         .expand(B, H, 1, D).contiguous() for r in rows)
         idx_dtype = kvq.outlier_index_dtype(D)
         n = self.n_out
         self.k_out_idx = torch.empty(B, H, 0, n, dtype=idx_dtype, device=self.device)
@@ -224,7 +236,8 @@ class LayerStore:
             k_out_idx=self.k_out_idx if n else None, k_out_val=self.k_out_val if n else None,
             v_out_idx=self.v_out_idx if n else None, v_out_val=self.v_out_val if n else None,
             rope_inv_freq=self.inv_freq,
-            key_axis=self.key_axis, value_axis=self.value_axis, fp8=self.fp8, owner=self,
+            key_axis=self.key_axis, value_axis=self.value_axis, fp8=self.fp8,
+            key_scales_fixed=self.fixed_key_scales, owner=self,
         )
 
     # ------------------------------------------------------------------ key space
@@ -259,10 +272,13 @@ class LayerStore:
         fp = 2 * (self.sink_len + self.res_len) * self.head_dim * itemsize
         body = self.body_len * body_bytes_per_token(
             self.head_dim, self.spec.key_bits, self.spec.value_bits, self.spec.group_size,
-            self.value_group, self.n_out, self.key_axis, self.value_axis, self.fp8)
+            self.value_group, self.n_out, self.key_axis, self.value_axis, self.fp8,
+            self.fixed_key_scales)
         tables = 0
         if self.fp8 and self.body_len:  # a float32 K and V scale per sequence and head
             fp += 2 * 4
+        if self.fixed_key_scales and self.body_len:  # an FP16 key scale and zero per channel
+            fp += 2 * 2 * self.head_dim
         if self.kvquant and self.body_len:
             tables = 4 * (self.codebooks.k_codebook.numel() + self.codebooks.v_codebook.numel())
         return int(round(self.batch * self.kv_heads * (fp + body) + tables))
@@ -436,6 +452,8 @@ class LayerStore:
                "v_scale": rows[self.value_axis], "v_zero": rows[self.value_axis]}
         if self.n_out:
             out.update(dict.fromkeys(_OUTLIER_BUFFERS, G))
+        if self.fixed_key_scales:  # one row for every group
+            del out["k_scale"], out["k_zero"]
         return out
 
     def evict(self, upto: int) -> int:
@@ -545,7 +563,8 @@ class LayerStore:
                                  (self.k_zero, kz, self.key_axis),
                                  (self.v_scale, vs, self.value_axis),
                                  (self.v_zero, vz, self.value_axis)):
-                buf.index_copy_(2, rows[axis], x)
+                if not (self.fixed_key_scales and buf in (self.k_scale, self.k_zero)):
+                    buf.index_copy_(2, rows[axis], x)
         if R:
             for buf in (self.res_k, self.res_v):
                 buf.narrow(2, 0, R).copy_(buf.narrow(2, G, R).clone())
@@ -688,8 +707,9 @@ class LayerStore:
         g0 = self.body_len // G
         at = {"channel": g0, "token": self.body_len}
         self.k_codes = _write(self.k_codes, g0 * self.k_words, k_codes)
-        self.k_scale = _write(self.k_scale, at[self.key_axis], k_scale)
-        self.k_zero = _write(self.k_zero, at[self.key_axis], k_zero)
+        if not self.fixed_key_scales:  # (else one fixed row for every group)
+            self.k_scale = _write(self.k_scale, at[self.key_axis], k_scale)
+            self.k_zero = _write(self.k_zero, at[self.key_axis], k_zero)
         self.v_codes = _write(self.v_codes, g0 * self.v_words, v_codes)
         self.v_scale = _write(self.v_scale, at[self.value_axis], v_scale)
         self.v_zero = _write(self.v_zero, at[self.value_axis], v_zero)
@@ -703,8 +723,9 @@ class LayerStore:
             return (self._quantize(k, s.key_bits, self.key_axis, valid),
                     self._quantize(v, s.value_bits, self.value_axis, valid), None)
         cb = self.codebooks
-        kc, ks, kz, koi, kov = kvq.quantize_keys(k, s.key_bits, G, cb.k_codebook,
-                                                 cb.k_thresholds, self.n_out, valid)
+        kc, ks, kz, koi, kov = kvq.quantize_keys(
+            k, s.key_bits, G, cb.k_codebook, cb.k_thresholds, self.n_out, valid,
+            (cb.k_scale, cb.k_zero) if self.fixed_key_scales else None)
         vc, vs, vz, voi, vov = kvq.quantize_values(v, s.value_bits, self.value_group, G,
                                                    cb.v_codebook, cb.v_thresholds, self.n_out,
                                                    valid)
@@ -898,7 +919,8 @@ class LayerStore:
             if buf is None or t.shape[:2] != buf.shape[:2] or t.shape[3:] != buf.shape[3:]:
                 raise ValueError(f"saved {name} has shape {tuple(t.shape)}; this layer's buffer "
                                  f"is {None if buf is None else tuple(buf.shape)}")
-            if name.startswith("sink_") or (self.fp8 and name.endswith("_scale")):  # fixed
+            if name.startswith("sink_") or (self.fp8 and name.endswith("_scale")) or (
+                    self.fixed_key_scales and name in ("k_scale", "k_zero")):  # fixed
                 buf.copy_(t)
             else:
                 rows = t.shape[2]

@@ -147,7 +147,8 @@ class MemoryReport:
 def _body_bytes(spec: QuantSpec, head_dim: int) -> float:
     return body_bytes_per_token(head_dim, spec.key_bits, spec.value_bits, spec.group_size,
                                 spec.value_group(head_dim), spec.n_outliers(head_dim),
-                                spec.key_axis, spec.value_axis, spec.method == "fp8")
+                                spec.key_axis, spec.value_axis, spec.method == "fp8",
+                                spec.key_scales == "calibrated")
 
 
 def kv_memory(config, preset: str | QuantSpec = "kivi-2", context: int = 4096, batch: int = 1,
@@ -205,8 +206,11 @@ def kv_memory(config, preset: str | QuantSpec = "kivi-2", context: int = 4096, b
 
 
 def _fixed_fp16_tokens(spec: QuantSpec) -> int:
-    """The worst-case FP16 tokens of a quantized sequence: sink, residual and a group waiting."""
-    return spec.sink_tokens + spec.residual_length + spec.group_size - 1
+    """The worst-case FP16 tokens of a quantized sequence: sink, residual and a group waiting
+    (offline key scales, ``key_scales="calibrated"``: their FP16 scale and zero row per
+    channel, 4 x head_dim bytes, count as one more token)."""
+    return (spec.sink_tokens + spec.residual_length + spec.group_size - 1
+            + (spec.key_scales == "calibrated"))
 
 
 def sliding_hold(window: int, spec: QuantSpec) -> int:

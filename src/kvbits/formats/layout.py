@@ -50,6 +50,10 @@ Method breadth (``QuantSpec.method`` "uniform" / "fp8", ``hadamard``; plain KIVI
   and KV head; a per-tensor scale is the same value in every head); ``k_zero``, ``v_zero`` are
   ``None``. A body element is ``float(code) * scale``. ``group_size`` only sets how many tokens
   move from the residual at a time.
+* ``key_scales_fixed`` (bool, KVQuant with ``key_scales="calibrated"``): ``k_scale``,
+  ``k_zero [B, H, 1, D] float16`` are one row, the layer's offline per-channel key scale and
+  zero, that every key group shares (read at group index 0); nothing per group. The Triton
+  kernel reads it (``_scale_tile``'s ``FIXED``), the Gluon bodies do not.
 * Hadamard keys (``QuantSpec.hadamard``) need no field: the store keeps *every* key (sink, body,
   residual) rotated by a fixed orthonormal matrix and rotates the queries the same way before
   calling attention, so ``q . k`` is unchanged and a kernel reads the layer as a plain one.
@@ -110,6 +114,9 @@ class PackedKV:
     key_axis: str = "channel"
     value_axis: str = "token"
     fp8: bool = False
+    # KVQuant with key_scales="calibrated": k_scale / k_zero are one [B, H, 1, D] row that every
+    # key group shares (the offline per-channel scales), not one row per group.
+    key_scales_fixed: bool = False
     # The object that owns the buffers (the layer's store), for caches of what a kernel derives
     # from the buffers alone (the TMA ring's descriptors), kept as long as the owner lives.
     owner: object | None = field(default=None, compare=False, repr=False)
@@ -174,7 +181,8 @@ def pre_rope_kernel_ok(head_dim: int, key_axis: str = "channel") -> bool:
 
 def body_bytes_per_token(head_dim: int, key_bits: int, value_bits: int, group_size: int,
                          value_group: int, outliers: int = 0, key_axis: str = "channel",
-                         value_axis: str = "token", fp8: bool = False) -> float:
+                         value_axis: str = "token", fp8: bool = False,
+                         key_scales_fixed: bool = False) -> float:
     """Bytes one token of one KV head occupies in the packed body (K and V, codes + scale + zero).
 
     Keys: ``Wk * 4 * D / G`` bytes of codes (= bits * D / 8) plus an FP16 scale and zero per
@@ -184,6 +192,8 @@ def body_bytes_per_token(head_dim: int, key_bits: int, value_bits: int, group_si
     each, for K and for V. Per-layer codebooks are a constant, not counted here.
     ``key_axis`` / ``value_axis`` "token" / "channel" swap the scale/zero cost of that tensor;
     ``fp8``: one byte per element (the per-head scales are a constant).
+    ``key_scales_fixed``: keys carry no per-group scale/zero (one row per sequence and KV head,
+    a constant, as the per-layer codebooks are).
     """
     if fp8:
         return 2.0 * head_dim
@@ -192,7 +202,7 @@ def body_bytes_per_token(head_dim: int, key_bits: int, value_bits: int, group_si
     index_bytes = 1 if head_dim <= 256 else 2
     sparse = 2 * outliers * (index_bytes + 2)
     key_codes = packed_length(group_size, key_bits) * 4 * head_dim / group_size
-    key_meta = meta[key_axis]
+    key_meta = 0.0 if key_scales_fixed else meta[key_axis]
     value_codes = packed_length(group_size, value_bits) * 4 * head_dim / group_size
     value_meta = meta[value_axis]
     return key_codes + key_meta + value_codes + value_meta + sparse

@@ -105,7 +105,7 @@ def _group_codes(base, g0, g_end, offs_d, d_ok, BITS: tl.constexpr, G: tl.conste
 @triton.jit
 def _scale_tile(s_base, z_base, g0, g_hi, offs_t, offs_d, d_ok, PER_TOKEN: tl.constexpr,
                 G: tl.constexpr, GPT: tl.constexpr, D: tl.constexpr, GS: tl.constexpr,
-                EVEN_D: tl.constexpr, D0: tl.constexpr = 0):
+                EVEN_D: tl.constexpr, D0: tl.constexpr = 0, FIXED: tl.constexpr = False):
     """FP16 scale and zero of every element of a ``[GPT * G, BLOCK_D]`` body tile.
 
     ``PER_TOKEN``: one pair per (token, ``GS`` channels), stored ``[tokens, ceil(D / GS)]``
@@ -113,7 +113,8 @@ def _scale_tile(s_base, z_base, g0, g_hi, offs_t, offs_d, d_ok, PER_TOKEN: tl.co
     when it does not divide D); else one pair per (group of G tokens, channel), stored
     ``[groups, D]`` (KIVI keys, per-channel values). Either way the pair is broadcast with a
     reshape that merges or splits dims, never gathered per element. ``D0``: the first channel
-    of ``offs_d`` (``offs_d = D0 + arange``: half tiles of pre-RoPE keys)."""
+    of ``offs_d`` (``offs_d = D0 + arange``: half tiles of pre-RoPE keys). ``FIXED`` (per
+    channel only): one ``[1, D]`` row for every group (KVQuant's offline key scales)."""
     BLOCK_D: tl.constexpr = offs_d.shape[0]
     N: tl.constexpr = GPT * G
     if PER_TOKEN:
@@ -134,7 +135,7 @@ def _scale_tile(s_base, z_base, g0, g_hi, offs_t, offs_d, d_ok, PER_TOKEN: tl.co
         mask = (grp < g_hi)[:, None]
         if not EVEN_D:
             mask = mask & d_ok[None, :]
-        ptr = (grp * D)[:, None] + offs_d[None, :]
+        ptr = ((grp * 0 if FIXED else grp) * D)[:, None] + offs_d[None, :]
         sc = tl.load(s_base + ptr, mask=mask, other=0.0)
         ze = tl.load(z_base + ptr, mask=mask, other=0.0)
         sc = tl.reshape(tl.broadcast_to(sc[:, None, :], [GPT, G, BLOCK_D]), [N, BLOCK_D])
@@ -468,15 +469,15 @@ def _body_tile(c_base, s_base, z_base, cb_ptr, oi_base, ov_base, g0, g_hi, offs_
                PER_TOKEN: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, GPT: tl.constexpr,
                D: tl.constexpr, GS: tl.constexpr, EVEN_D: tl.constexpr, USE_PRMT: tl.constexpr,
                CB: tl.constexpr, NOUT: tl.constexpr, D0: tl.constexpr = 0,
-               F32: tl.constexpr = False):
+               F32: tl.constexpr = False, FIXED: tl.constexpr = False):
     """Dequantized float16 body tile ``[GPT * G, BLOCK_D]`` of keys or values: ``code * scale +
     zero`` (with ``CB``, the head's codebook entry in place of the code), plus ``NOUT`` outlier
     corrections per token. ``D0``: the first channel of ``offs_d`` (see ``_scale_tile``).
     ``F32`` (float32 queries): the tile in float32 arithmetic, as the reference computes it;
     float16's rounding of ``code * scale + zero`` cancels badly where an output's norm is small
-    against its values'."""
+    against its values'. ``FIXED``: one scale row for every group (see ``_scale_tile``)."""
     sc, ze = _scale_tile(s_base, z_base, g0, g_hi, offs_t, offs_d, d_ok, PER_TOKEN, G, GPT, D, GS,
-                         EVEN_D, D0)
+                         EVEN_D, D0, FIXED)
     codes = _group_codes(c_base, g0, g_hi, offs_d, d_ok, BITS, G, GPT, D, EVEN_D)
     if CB:  # KVQuant: codes index the head's codebook (in code units)
         e = _lookup(codes, cb_ptr, 1 << BITS, USE_PRMT, F32)
@@ -592,7 +593,7 @@ def _decode_kernel(
     K_CB: tl.constexpr, V_CB: tl.constexpr, K_OUT: tl.constexpr, V_OUT: tl.constexpr,
     PRE_ROPE: tl.constexpr, LENS_DEV: tl.constexpr, SOFTCAP: tl.constexpr = False,
     PDL: tl.constexpr = False, MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
-    ROWS: tl.constexpr = 1,
+    ROWS: tl.constexpr = 1, K_FIXED: tl.constexpr = False,
 ):
     """Stage 1 (module docstring). With ``MERGE`` the program that finishes its m-tile's
     columns last (a ticket per m-tile in ``Counts``, taken after its partial is stored, with
@@ -656,10 +657,10 @@ def _decode_kernel(
                 xa, xb = _rope_query(qa, qb, sink_len + g0 * G - start, inv_freq, USE_PRMT)
                 ka = _body_tile(kc_base, ks_base, kz_base, KCB + h * (1 << KBITS), KOI, KOV,
                                 g0, g_hi, offs_t, offs_h, h_ok, K_PER_TOKEN, KBITS, G, GPT, D,
-                                GK, EVEN_D, USE_PRMT, K_CB, 0, 0, F32)
+                                GK, EVEN_D, USE_PRMT, K_CB, 0, 0, F32, K_FIXED)
                 kb = _body_tile(kc_base, ks_base, kz_base, KCB + h * (1 << KBITS), KOI, KOV,
                                 g0, g_hi, offs_t, HALF + offs_h, h_ok, K_PER_TOKEN, KBITS, G,
-                                GPT, D, GK, EVEN_D, USE_PRMT, K_CB, 0, HALF, F32)
+                                GPT, D, GK, EVEN_D, USE_PRMT, K_CB, 0, HALF, F32, K_FIXED)
                 ka, kb = _rope_keys(ka, kb, RopeTable, N, HALF)
                 sc = _dot(xa.to(Q.dtype.element_ty), tl.trans(ka.to(Q.dtype.element_ty)))
                 sc = _dot(xb.to(Q.dtype.element_ty), tl.trans(kb.to(Q.dtype.element_ty)), sc)
@@ -670,7 +671,7 @@ def _decode_kernel(
             else:
                 k = _body_tile(kc_base, ks_base, kz_base, KCB + h * (1 << KBITS), KOI, KOV,
                                g0, g_hi, offs_t, offs_d, d_ok, K_PER_TOKEN, KBITS, G, GPT, D,
-                               GK, EVEN_D, USE_PRMT, K_CB, 0, 0, F32)
+                               GK, EVEN_D, USE_PRMT, K_CB, 0, 0, F32, K_FIXED)
                 sc = _dot(q, tl.trans(k.to(Q.dtype.element_ty)))  # [M, N]
                 if K_OUT > 0:
                     sc = _score_outliers(sc, q, q, KOI + bh64 * kout_cap * K_OUT,
@@ -767,7 +768,7 @@ _DECODE_KEYWORDS = keyword_maker((
     "HG", "D", "BLOCK_D", "BLOCK_M", "KBITS", "VBITS", "G", "GPT", "GK", "GV", "K_PER_TOKEN",
     "V_PER_TOKEN", "BLOCK_FP", "HAS_WINDOW", "EVEN_D", "USE_PRMT", "FP8", "HAS_STARTS",
     "HAS_LENS", "K_CB", "V_CB", "K_OUT", "V_OUT", "PRE_ROPE", "LENS_DEV", "SOFTCAP", "PDL",
-    "MERGE", "BLOCK_S", "ROWS", "num_warps", "num_stages"))
+    "MERGE", "BLOCK_S", "ROWS", "K_FIXED", "num_warps", "num_stages"))
 _FINISH_NAMES = ("HG", "D", "BLOCK_D", "BLOCK_M", "BLOCK_FP", "BLOCK_S", "ROWS", "HAS_FP",
                  "HAS_WINDOW", "HAS_STARTS", "HAS_LENS", "LENS_DEV", "SOFTCAP", "PDL", "num_warps")
 _FINISH_KEYWORDS = keyword_maker(_FINISH_NAMES)
@@ -1068,7 +1069,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
             has_lens, kcb is not None, vcb is not None,
             koi.shape[3] if koi is not None else 0, voi.shape[3] if voi is not None else 0,
             inv_freq is not None, lens_dev is not None, softcap is not None, pdl, merge,
-            BLOCK_S, rows, num_warps or DEFAULT_WARPS, 2 if BLOCK_D <= 128 else 1))
+            BLOCK_S, rows, getattr(kv, "key_scales_fixed", False),
+            num_warps or DEFAULT_WARPS, 2 if BLOCK_D <= 128 else 1))
 
     if side:
         main = torch.cuda.current_stream(dev)

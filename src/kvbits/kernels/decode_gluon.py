@@ -1871,6 +1871,8 @@ def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
     end are applied by the kernel."""
     if gluon is None or kv.body_len == 0 or getattr(kv, "fp8", False):
         return False
+    if getattr(kv, "key_scales_fixed", False):  # one offline key scale row: the Triton kernel
+        return False
     codebooks = getattr(kv, "k_codebook", None) is not None
     D = kv.res_k.shape[-1]
     if any(getattr(kv, n, None) is not None for n in ("k_out_idx", "v_out_idx",

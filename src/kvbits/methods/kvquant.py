@@ -77,7 +77,14 @@ __all__ = ["Calibration", "LayerCodebooks", "calibrate", "dequantize_keys", "deq
 
 # spec fields a calibration depends on (a file is refused when one differs)
 CALIBRATION_FIELDS = ("method", "key_bits", "value_bits", "group_size", "pre_rope", "outliers",
-                      "codebook", "qnorm", "fisher")
+                      "codebook", "qnorm", "fisher", "key_scales")
+# what a file written before a field existed was made with
+_FIELD_DEFAULTS = {"key_scales": "group"}
+# key_scales="calibrated": the fraction of calibration key values left outside each channel's
+# offline range (half on each side); the outliers and the codebook's ends take them. Session
+# 44's probe (benchmarks/results/kvquant_offline_keys_s44.md): 0.001-0.005 within noise of each
+# other on SmolLM2, 0.01-0.02 worse.
+OFFLINE_KEY_QUANTILE = 0.002
 FORMAT = "kvbits-kvquant-calibration-v1"
 
 
@@ -87,16 +94,21 @@ class LayerCodebooks:
     """One layer's tables, float32, sorted along the last axis.
 
     ``k_codebook [H, 2**key_bits]``, ``k_thresholds [H, 2**key_bits - 1]`` (same for values).
+    ``k_scale``, ``k_zero``: with ``key_scales="calibrated"``, the offline float16 ``[H, D]``
+    key scale and zero of every channel (None otherwise).
     """
 
     k_codebook: torch.Tensor
     k_thresholds: torch.Tensor
     v_codebook: torch.Tensor
     v_thresholds: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    k_zero: torch.Tensor | None = None
 
     def to(self, device) -> LayerCodebooks:
-        return LayerCodebooks(*(t.to(device) for t in (self.k_codebook, self.k_thresholds,
-                                                        self.v_codebook, self.v_thresholds)))
+        return LayerCodebooks(*(None if t is None else t.to(device) for t in (
+            self.k_codebook, self.k_thresholds, self.v_codebook, self.v_thresholds,
+            self.k_scale, self.k_zero)))
 
 
 def uniform_codebooks(heads: int, key_bits: int, value_bits: int) -> LayerCodebooks:
@@ -304,20 +316,26 @@ def _corrections(x: torch.Tensor, deq: torch.Tensor, idx: torch.Tensor, valid_to
 
 
 def quantize_keys(k: torch.Tensor, bits: int, group_size: int, codebook: torch.Tensor,
-                  thresholds: torch.Tensor, n_out: int = 0, valid: torch.Tensor | None = None):
+                  thresholds: torch.Tensor, n_out: int = 0, valid: torch.Tensor | None = None,
+                  rows: tuple[torch.Tensor, torch.Tensor] | None = None):
     """KVQuant keys: per-channel groups of G tokens, codebook codes, ``n_out`` outliers per token.
 
     Args:
         k: ``[B, H, T, D]`` (pre-RoPE when the spec says so), T a multiple of G.
         codebook, thresholds: ``[H, 2**bits]`` and ``[H, 2**bits - 1]`` (code units).
         valid: optional ``[B, T]`` bool, False for padding (codes, scale, zero, outliers all 0).
+        rows: ``key_scales="calibrated"``: the offline float16 ``(scale, zero) [H, D]`` used
+            for every group instead of its min/max; codes saturate at the codebook's ends and
+            each token's outliers are its ``n_out`` channels of largest error.
 
     Returns:
-        ``codes [B, H, T // G * Wk, D] int32``, ``scale, zero [B, H, T // G, D] float16``,
-        ``out_idx [B, H, T, n_out]`` (uint8 / int16) and ``out_val [B, H, T, n_out] float16``
-        (both None when ``n_out == 0``).
+        ``codes [B, H, T // G * Wk, D] int32``, ``scale, zero [B, H, T // G, D] float16``
+        (``[B, H, 1, D]``, the rows, with ``rows``), ``out_idx [B, H, T, n_out]`` (uint8 /
+        int16) and ``out_val [B, H, T, n_out] float16`` (both None when ``n_out == 0``).
     """
     B, H, T, D = k.shape
+    if rows is not None:
+        return _quantize_keys_rows(k, bits, group_size, codebook, thresholds, n_out, valid, rows)
     kg, scale, zero, dense, idx = _split_keys(k, bits, group_size, n_out, valid)
     codes = _codes(_normalize(kg, scale, zero), thresholds.to(k.device))
     if valid is not None:
@@ -330,6 +348,50 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int, codebook: torch.T
         out_idx, out_val = _corrections(kg.reshape(B, H, T, D), deq.reshape(B, H, T, D),
                                         idx.reshape(B, H, T, n_out), vt, D)
     return words, scale.squeeze(3), zero.squeeze(3), out_idx, out_val
+
+
+def _quantize_keys_rows(k, bits, group_size, codebook, thresholds, n_out, valid, rows):
+    """:func:`quantize_keys` with offline per-channel scale and zero rows."""
+    B, H, T, D = k.shape
+    G = group_size
+    if T % G:
+        raise ValueError(f"quantize_keys: token count {T} is not a multiple of group_size {G}")
+    scale, zero = (r.to(k.device, torch.float16).reshape(1, H, 1, D).expand(B, H, 1, D)
+                   for r in rows)
+    kf = k.float().reshape(B, H, T, D)
+    codes = _codes(_normalize(kf, scale, zero), thresholds.to(k.device))  # [B, H, T, D]
+    if valid is not None:
+        codes = torch.where(valid.reshape(B, 1, T, 1), codes, 0)
+    words = pack_bits(codes.reshape(B, H, T // G, G, D), bits, dim=3,
+                      check=False).reshape(B, H, -1, D)  # searchsorted: < 2**bits
+    out_idx = out_val = None
+    if n_out:
+        deq = _lookup(codebook.to(k.device), codes) * scale.float() + zero.float()
+        err = (kf - deq).abs()
+        vt = None if valid is None else valid.reshape(B, 1, T, 1)
+        if vt is not None:
+            err = torch.where(vt, err, 0.0)
+        idx = err.topk(n_out, dim=-1).indices
+        out_idx, out_val = _corrections(kf, deq, idx, vt, D)
+    return words, scale.contiguous(), zero.contiguous(), out_idx, out_val
+
+
+def offline_key_rows(k: torch.Tensor, bits: int, keep: torch.Tensor | None = None,
+                     q: float = OFFLINE_KEY_QUANTILE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Offline float16 ``(scale, zero) [H, D]`` of calibration keys ``[H, T, D]``: each
+    channel's range between its ``q / 2`` and ``1 - q / 2`` quantiles (``keep``: the tokens
+    counted). A constant channel gets scale 0 (its keys dequantize to the zero)."""
+    if keep is not None:
+        k = k[:, keep]
+    T = k.shape[1]
+    if T == 0:
+        raise ValueError("offline key scales need calibration tokens")
+    srt = k.float().sort(dim=1).values  # (torch.quantile refuses more than 2**24 elements)
+    lo = srt[:, int(q / 2 * (T - 1))].clamp(-FP16_MAX, FP16_MAX)
+    hi = srt[:, round((1 - q / 2) * (T - 1))].clamp(-FP16_MAX, FP16_MAX)
+    zero = lo.half()
+    scale = ((hi - zero.float()) / ((1 << bits) - 1)).clamp(0, FP16_MAX).half()
+    return scale, zero
 
 
 def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: int,
@@ -365,10 +427,12 @@ def _add_outliers(x: torch.Tensor, out_idx, out_val) -> torch.Tensor:
 
 
 def dequantize_keys(codes, scale, zero, bits, group_size, codebook, out_idx=None, out_val=None,
-                    dtype=torch.float32) -> torch.Tensor:
-    """Inverse of :func:`quantize_keys`: ``codebook[h, code] * scale + zero`` plus outliers."""
+                    dtype=torch.float32, groups: int | None = None) -> torch.Tensor:
+    """Inverse of :func:`quantize_keys`: ``codebook[h, code] * scale + zero`` plus outliers.
+    ``groups``: how many groups ``codes`` holds when ``scale``/``zero`` are the offline
+    ``[B, H, 1, D]`` rows that every group shares (else ``scale.shape[2]``)."""
     B, H, _, D = codes.shape
-    NG = scale.shape[2]
+    NG = scale.shape[2] if groups is None else groups
     Wk = packed_length(group_size, bits)
     q = unpack_bits(codes[:, :, : NG * Wk].reshape(B, H, NG, Wk, D), bits, group_size, dim=3)
     x = _lookup(codebook.to(codes.device), q) * scale.float().unsqueeze(3) + zero.float().unsqueeze(3)
@@ -465,6 +529,10 @@ def probes_match(a: list[float], b: list[float]) -> bool:
         ((x - y).abs() <= PROBE_RTOL * torch.maximum(x.abs(), y.abs()) + 1e-12).all())
 
 
+_LAYER_TENSORS = ("k_codebook", "k_thresholds", "v_codebook", "v_thresholds", "k_scale", "k_zero")
+_OFFLINE_ROWS = ("k_scale", "k_zero")
+
+
 def spec_fields(spec: QuantSpec) -> dict:
     return {f: getattr(spec, f) for f in CALIBRATION_FIELDS}
 
@@ -503,8 +571,9 @@ class Calibration:
                 f"for this model ({fp}); calibrate it: kvbits calibrate --model ... --preset "
                 f"{self.preset or '...'}")
         want = spec_fields(spec)
-        bad = [f"{k}={self.spec.get(k)!r} (spec has {want[k]!r})" for k in CALIBRATION_FIELDS
-               if self.spec.get(k) != want[k]]
+        have = {k: self.spec.get(k, _FIELD_DEFAULTS.get(k)) for k in CALIBRATION_FIELDS}
+        bad = [f"{k}={have[k]!r} (spec has {want[k]!r})" for k in CALIBRATION_FIELDS
+               if have[k] != want[k]]
         if bad:
             raise ValueError(f"calibration (preset {self.preset or '?'}) does not match the "
                              f"spec: {', '.join(bad)}; calibrate again with this preset")
@@ -517,8 +586,11 @@ class Calibration:
 
         tensors = {}
         for i, layer in enumerate(self.layers):
-            for name in ("k_codebook", "k_thresholds", "v_codebook", "v_thresholds"):
-                tensors[f"layers.{i}.{name}"] = getattr(layer, name).float().contiguous().cpu()
+            for name in _LAYER_TENSORS:
+                if getattr(layer, name) is not None:  # (offline key rows: float16 as used)
+                    t = getattr(layer, name)
+                    t = t if name in _OFFLINE_ROWS else t.float()
+                    tensors[f"layers.{i}.{name}"] = t.contiguous().cpu()
         meta = {"format": FORMAT, "model": self.model, "fingerprint": self.fingerprint,
                 "preset": self.preset, "data": self.data, "date": self.date,
                 "spec": json.dumps(self.spec), "extra": json.dumps(self.extra)}
@@ -551,8 +623,9 @@ class Calibration:
                                  f"(format {meta.get('format')!r}, expected {FORMAT!r})")
             names = set(f.keys())
             n = len({k.split(".")[1] for k in names})
-            layers = [LayerCodebooks(*(f.get_tensor(f"layers.{i}.{name}") for name in (
-                "k_codebook", "k_thresholds", "v_codebook", "v_thresholds"))) for i in range(n)]
+            layers = [LayerCodebooks(*(f.get_tensor(f"layers.{i}.{name}")
+                                       if f"layers.{i}.{name}" in names else None
+                                       for name in _LAYER_TENSORS)) for i in range(n)]
         return cls(layers, json.loads(meta["spec"]), meta["fingerprint"], meta.get("model", ""),
                    meta.get("preset", ""), meta.get("data", ""), meta.get("date", ""),
                    json.loads(meta.get("extra", "{}")),
@@ -672,8 +745,10 @@ def _fit_one(u: torch.Tensor, w: torch.Tensor | None, bits: int, qnorm: bool):
     return cb, th
 
 
-def fit_layer(k, v, gk, gv, spec: QuantSpec) -> LayerCodebooks:
-    """Codebooks of one layer from its calibration ``K, V [H, T, D]`` (and Fisher weights)."""
+def fit_layer(k, v, gk, gv, spec: QuantSpec, window: int | None = None) -> LayerCodebooks:
+    """Codebooks of one layer from its calibration ``K, V [H, T, D]`` (and Fisher weights).
+    ``window``: the calibration's window length (each window's first token, an attention sink
+    of the model, is left out of offline key ranges)."""
     H, T, D = k.shape
     G = spec.group_size
     n_out = spec.n_outliers(D)
@@ -701,14 +776,41 @@ def fit_layer(k, v, gk, gv, spec: QuantSpec) -> LayerCodebooks:
                                   spec.qnorm) for h in range(H)))
         return torch.stack(cbs), torch.stack(ths)
 
+    if spec.key_scales == "calibrated":
+        keep = torch.ones(T, dtype=torch.bool)
+        keep[::window or T] = False
+        k_scale, k_zero = offline_key_rows(k, kb, keep)
+        return LayerCodebooks(*_fit_offline_keys(k[:, keep], None if kw is None else gk[:, keep],
+                                                 k_scale, k_zero, n_out, fit, kb),
+                              *fit(vu, vw, vd, vb), k_scale, k_zero)
     return LayerCodebooks(*fit(ku, kw, kd, kb), *fit(vu, vw, vd, vb))
+
+
+def _fit_offline_keys(k, w, scale, zero, n_out: int, fit, bits: int):
+    """Key codebook of a layer with offline rows: fitted on the keys normalized by them, each
+    token's ``n_out`` largest-error channels left out (as the cache will make them outliers),
+    twice: with the uniform codebook's errors, then with the first fit's."""
+    H, _, D = k.shape
+    s, z = scale.float().view(H, 1, D), zero.float().view(H, 1, D)
+    u = _normalize(k, s, z)
+    cb = torch.arange(1 << bits, dtype=torch.float32).expand(H, -1).contiguous()
+    for _ in range(2):
+        codes = _codes(u[None], thresholds_of(cb))[0]
+        err = (k - (_lookup(cb, codes[None])[0] * s + z)).abs()
+        dense = torch.ones_like(u, dtype=torch.bool)
+        if n_out:
+            dense.scatter_(-1, err.topk(n_out, dim=-1).indices, False)
+        cb, th = fit(u, w, dense, bits)
+    return cb, th
 
 
 def calibration_path(model, spec: QuantSpec, text: str, tokens: int) -> Path:
     """Where :func:`auto_calibration` caches the calibration of ``model`` for ``spec``."""
     from ..data import cache_dir
 
-    key = json.dumps({**spec_fields(spec), "text": text, "tokens": tokens}, sort_keys=True)
+    fields = {k: v for k, v in spec_fields(spec).items()  # (the digests made before a field
+              if k not in _FIELD_DEFAULTS or v != _FIELD_DEFAULTS[k]}  # existed still hold)
+    key = json.dumps({**fields, "text": text, "tokens": tokens}, sort_keys=True)
     digest = hashlib.sha1(key.encode()).hexdigest()[:10]
     return cache_dir() / "calibrations" / f"{model_fingerprint(model)}-{digest}.safetensors"
 
@@ -749,7 +851,7 @@ def calibrate(model, input_ids: torch.Tensor, spec: QuantSpec, *, model_name: st
         raise ValueError(f"calibrate: QuantSpec.method must be 'kvquant', got {spec.method!r}")
     kv = collect_kv(model, input_ids, window=window, fisher=spec.fisher, pre_rope=spec.pre_rope,
                     log=log)
-    layers = [fit_layer(*layer, spec) for layer in kv]
+    layers = [fit_layer(*layer, spec, window=window) for layer in kv]
     probe = weight_probe(model)
     return Calibration(layers, spec_fields(spec), model_fingerprint(model, probe), model_name,
                        preset, data,

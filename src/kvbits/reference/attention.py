@@ -45,8 +45,12 @@ def dequantize_body(kv: PackedKV, t0: int, t1: int, starts: torch.Tensor | None 
     else:
         def sl(x):
             return None if x is None else x[:, :, t0:t1]
-        k = _kvq().dequantize_keys(kc, kv.k_scale[:, :, g0:g1], kv.k_zero[:, :, g0:g1],
-                                kv.key_bits, G, kv.k_codebook, sl(kv.k_out_idx), sl(kv.k_out_val))
+        if kv.key_scales_fixed:  # one offline row for every group
+            ks, kz, groups = kv.k_scale, kv.k_zero, g1 - g0
+        else:
+            ks, kz, groups = kv.k_scale[:, :, g0:g1], kv.k_zero[:, :, g0:g1], None
+        k = _kvq().dequantize_keys(kc, ks, kz, kv.key_bits, G, kv.k_codebook, sl(kv.k_out_idx),
+                                   sl(kv.k_out_val), groups=groups)
         v = _kvq().dequantize_values(vc, kv.v_scale[:, :, t0:t1], kv.v_zero[:, :, t0:t1],
                                   kv.value_bits, kv.value_group, G, kv.v_codebook,
                                   sl(kv.v_out_idx), sl(kv.v_out_val))
