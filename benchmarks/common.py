@@ -94,6 +94,9 @@ def random_packed_kv(batch: int, kv_heads: int, context: int, head_dim: int, spe
         kv.fp8 = True
     if spec.method == "kvquant":
         _add_kvquant_fields(kv, spec, body)
+    if spec.key_scales == "calibrated":  # one offline key scale row for every group
+        kv.k_scale, kv.k_zero = scales(B, H, 1, D, lo=0.01), scales(B, H, 1, D, lo=-1.0)
+        kv.key_scales_fixed = True
     return kv
 
 
@@ -129,7 +132,7 @@ def packed_nbytes(kv: PackedKV) -> int:
     if kv.fp8:
         body = [kv.k_codes[:, :, :T], kv.v_codes[:, :, :T], kv.k_scale, kv.v_scale]
     else:
-        k_rows = T if kv.key_axis == "token" else n_groups
+        k_rows = T if kv.key_axis == "token" else 1 if kv.key_scales_fixed else n_groups
         v_rows = n_groups if kv.value_axis == "channel" else T
         body = [kv.k_codes[:, :, : n_groups * packed_length(G, kv.key_bits)],
                 kv.k_scale[:, :, :k_rows], kv.k_zero[:, :, :k_rows],

@@ -330,6 +330,14 @@ def test_kvquant_presets_and_validation():
         QuantSpec(pre_rope=1)
     with pytest.raises(ValueError, match="'kvquant' only"):
         QuantSpec(method="kivi", outliers=0.01)
+    # offline key scales: the same preset otherwise; a choice of two; kvquant only
+    off = PRESETS["kvquant-3-offline"]
+    assert off.key_scales == "calibrated" and off.replace(key_scales="group") == s
+    assert "keys=calibrated" in off.describe() and PRESETS["kvquant-3"].key_scales == "group"
+    with pytest.raises(ValueError, match="key_scales must be one of 'group', 'calibrated'"):
+        QuantSpec(method="kvquant", key_scales="offline")
+    with pytest.raises(ValueError, match="key_scales applies to method 'kvquant' only"):
+        QuantSpec(key_scales="calibrated")
 
 
 def test_cli_parses_kvquant_overrides_and_refuses_kivi_calibration():
