@@ -659,3 +659,26 @@ def test_offline_key_scales_store(bits, S, R, before, after, seed):
     # the reference reads the same keys from the view as dequantizing with the rows directly
     keys, _ = dequantize_layer(a.view(), dtype=torch.float32)
     assert torch.isfinite(keys).all() and keys.shape[2] == at
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_offline_key_scales_with_device_lengths(bits):
+    """The captured decode path (lengths on the device, flush_dev) with offline key scales
+    writes what the host path writes and leaves the fixed row alone (flush_dev once tested
+    a buffer's membership in a tuple of tensors, which compares them elementwise)."""
+    spec = resolve_spec(f"kvquant-{bits}-offline", residual_length=16, sink_tokens=1)
+    host, dev = _offline_store(spec), _offline_store(spec)
+    k, v = _kv(200, seed=4)
+    for st_ in (host, dev):
+        st_.append(k[:, :, :100], v[:, :, :100])
+    rows = dev.k_scale.clone()
+    dev.begin_device_lengths(200)
+    for t in range(100, 170):
+        host.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        dev.append_dev(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        if dev.res_len == spec.residual_length + spec.group_size:
+            dev.flush_dev()
+    dev.end_device_lengths()
+    assert dev.body_len == host.body_len > 96
+    _assert_same_state(host, dev, "device lengths vs host")
+    assert torch.equal(dev.k_scale, rows)

@@ -559,12 +559,11 @@ class LayerStore:
             self.k_codes.index_copy_(2, words(self.k_words), kc)
             self.v_codes.index_copy_(2, words(self.v_words), vc)
             rows = {"channel": group, "token": tokens}
-            for buf, x, axis in ((self.k_scale, ks, self.key_axis),
-                                 (self.k_zero, kz, self.key_axis),
-                                 (self.v_scale, vs, self.value_axis),
-                                 (self.v_zero, vz, self.value_axis)):
-                if not (self.fixed_key_scales and buf in (self.k_scale, self.k_zero)):
-                    buf.index_copy_(2, rows[axis], x)
+            scales = [(self.v_scale, vs, self.value_axis), (self.v_zero, vz, self.value_axis)]
+            if not self.fixed_key_scales:  # (else one fixed row for every group)
+                scales += [(self.k_scale, ks, self.key_axis), (self.k_zero, kz, self.key_axis)]
+            for buf, x, axis in scales:
+                buf.index_copy_(2, rows[axis], x)
         if R:
             for buf in (self.res_k, self.res_v):
                 buf.narrow(2, 0, R).copy_(buf.narrow(2, G, R).clone())
