@@ -287,7 +287,7 @@ def main() -> int:
     ap.add_argument("--calib-tokens", type=int, default=2048)
     ap.add_argument("--q", type=float, default=0.01, help="fraction left outside the offline range")
     ap.add_argument("--rows", default="fp16,kivi-3,kivi-2,kvquant-3,off-a-3,off-b-3,off-a-2,off-b-2")
-    ap.add_argument("--name", default=None, help="result stem under /tmp/kvq_offline")
+    ap.add_argument("--name", default=None, help="result stem under --out")
     ap.add_argument("--front", default="ppl_lee_news+ppl_group64_lee_news",
                     help="committed tables giving KIVI's front (A+B as ppl_frontier.py)")
     ap.add_argument("--with", dest="with_", default="",

@@ -910,6 +910,7 @@ class LayerStore:
         if unknown:
             raise ValueError(f"unknown store state: {sorted(unknown)}")
         self._check_state_rows(tensors, scalars)
+        growing = {*self._rows_per_group(), "res_k", "res_v"}  # the rest is fixed (state())
         for name, t in tensors.items():
             if name == "starts":
                 self.starts = t.to(self.device, torch.int32)
@@ -918,8 +919,7 @@ class LayerStore:
             if buf is None or t.shape[:2] != buf.shape[:2] or t.shape[3:] != buf.shape[3:]:
                 raise ValueError(f"saved {name} has shape {tuple(t.shape)}; this layer's buffer "
                                  f"is {None if buf is None else tuple(buf.shape)}")
-            if name.startswith("sink_") or (self.fp8 and name.endswith("_scale")) or (
-                    self.fixed_key_scales and name in ("k_scale", "k_zero")):  # fixed
+            if name not in growing:  # the sink, FP8's scales, offline key scale rows
                 buf.copy_(t)
             else:
                 rows = t.shape[2]

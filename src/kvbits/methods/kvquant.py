@@ -757,16 +757,12 @@ def fit_layer(k, v, gk, gv, spec: QuantSpec, window: int | None = None) -> Layer
     if t1 <= S:
         raise ValueError(f"calibration needs at least {G} tokens per window")
     kb, vb = spec.key_bits, spec.value_bits
-    kg, ks, kz, kd, _ = _split_keys(k[None, :, S:t1], kb, G, n_out, None)
-    ku = _normalize(kg, ks, kz)[0]  # [H, NG, G, D]
-    kw = None if gk is None else gk[:, S:t1].reshape(ku.shape)
-    kd = torch.ones_like(ku, dtype=torch.bool) if kd is None else kd[0]
+    if not spec.fisher:
+        gk = gv = None
     vg, vs, vz, vd, _ = _split_values(v[None, :, S:t1], vb, spec.value_group(D), n_out, None)
     vu = _normalize(vg, vs, vz)[0]
     vw = None if gv is None else channel_groups(gv[:, S:t1], spec.value_group(D))[0]
     vd = torch.ones_like(vu, dtype=torch.bool) if vd is None else vd[0]
-    if not spec.fisher:
-        kw = vw = None
 
     def fit(u, w, dense, bits):
         if spec.codebook == "layer":
@@ -780,9 +776,13 @@ def fit_layer(k, v, gk, gv, spec: QuantSpec, window: int | None = None) -> Layer
         keep = torch.ones(T, dtype=torch.bool)
         keep[::window or T] = False
         k_scale, k_zero = offline_key_rows(k, kb, keep)
-        return LayerCodebooks(*_fit_offline_keys(k[:, keep], None if kw is None else gk[:, keep],
+        return LayerCodebooks(*_fit_offline_keys(k[:, keep], None if gk is None else gk[:, keep],
                                                  k_scale, k_zero, n_out, fit, kb),
                               *fit(vu, vw, vd, vb), k_scale, k_zero)
+    kg, ks, kz, kd, _ = _split_keys(k[None, :, S:t1], kb, G, n_out, None)
+    ku = _normalize(kg, ks, kz)[0]  # [H, NG, G, D]
+    kw = None if gk is None else gk[:, S:t1].reshape(ku.shape)
+    kd = torch.ones_like(ku, dtype=torch.bool) if kd is None else kd[0]
     return LayerCodebooks(*fit(ku, kw, kd, kb), *fit(vu, vw, vd, vb))
 
 
