@@ -367,11 +367,8 @@ def _quantize_keys_rows(k, bits, group_size, codebook, thresholds, n_out, valid,
     out_idx = out_val = None
     if n_out:
         deq = _lookup(codebook.to(k.device), codes) * scale.float() + zero.float()
-        err = (kf - deq).abs()
+        idx = (kf - deq).abs().topk(n_out, dim=-1).indices  # (padding: zeroed by _corrections)
         vt = None if valid is None else valid.reshape(B, 1, T, 1)
-        if vt is not None:
-            err = torch.where(vt, err, 0.0)
-        idx = err.topk(n_out, dim=-1).indices
         out_idx, out_val = _corrections(kf, deq, idx, vt, D)
     return words, scale.contiguous(), zero.contiguous(), out_idx, out_val
 
