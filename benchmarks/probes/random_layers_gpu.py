@@ -38,7 +38,8 @@ from kvbits.spec import resolve_spec
 PRESETS = ["kivi-2", "kivi-3", "kivi-4", "kivi-8", "k4v2", "k8v4", "kivi-2:G=64",
            "kivi-4:G=128", "kivi-2:S=4", "kivi-4:R=0", "uniform-int2", "uniform-int4",
            "uniform-int8", "fp8-dynamic", "fp8", "kivi-2-had", "kvquant-3", "kvquant-2",
-           "kvquant-4", "kvquant-3-dense-post", "kvquant-3:G=64", "fp16"]
+           "kvquant-4", "kvquant-3-dense-post", "kvquant-3:G=64", "kvquant-3-offline",
+           "kvquant-2-offline", "kvquant-4-offline", "fp16"]
 HEAD_DIMS = [64, 64, 128, 128, 128, 80, 96, 256]
 # relative error budget, global / worst row: the kernel tests' (tests/kernels/test_decode_attention.py)
 BUDGETS = {torch.float16: (1e-2, 2e-2), torch.bfloat16: (1e-2, 3e-2)}

@@ -932,7 +932,8 @@ def test_kvquant_layers_match_reference(name, n_out, pre_rope):
 
 
 # KVQuant keys with offline scales (key_scales="calibrated"): one [B, H, 1, D] scale row for
-# every key group, read by the Triton kernel's _scale_tile (FIXED); the Gluon bodies refuse it
+# every key group, read by the Triton kernel's _scale_tile (FIXED) and the Gluon body (KFIX,
+# which serves such a layer exactly where it serves its per-group twin)
 @pytest.mark.parametrize("n_out,pre_rope", [(0, False), (1, True)])
 @pytest.mark.parametrize("name", ["K2V2-G32-MHA", "K3V3-G32-GQA-padded", "K4V4-G64-D128-Lq4",
                                   "K3V3-G32-D96-padded"])
@@ -942,7 +943,8 @@ def test_kvquant_offline_key_scales_match_reference(name, n_out, pre_rope):
     c = KVQ_CASES[name]
     kv = _kvquant_kv(c, n_out, pre_rope, offline=True)
     assert kv.k_scale.shape[2] == 1 and kv.key_scales_fixed
-    assert not decode_gluon.eligible(kv, c.Lq, c.HG)
+    twin = _kvquant_kv(c, n_out, pre_rope)
+    assert decode_gluon.eligible(kv, c.Lq, c.HG) == decode_gluon.eligible(twin, c.Lq, c.HG)
     run_case(c, kv=kv)
 
 
@@ -1045,6 +1047,34 @@ def test_gluon_kvquant_full_matches_reference(c, n_out, rope, monkeypatch):
         plain.rope_inv_freq = None
     off = ((reference(q, plain, **args).float() - r).norm() / r.norm()).item()
     assert off > 20 * glob, (off, glob)
+
+
+# ... and with offline key scales (KFIX: one fixed key scale row for every group): 3-bit full
+# layers at head dims 128, 64, 256 and 96 (halves), codebooks alone, and 4 bits
+GLUON_KVQ_OFFLINE_CASES = [(body_case(b, G, D, HG, 61 + G + HG + n_out + D), n_out, rope)
+                           for b, G, D, HG, n_out, rope in (
+                               (3, 32, 128, 4, 2, True), (3, 64, 64, 7, 1, True),
+                               (3, 32, 256, 2, 3, True), (3, 32, 96, 4, 2, True),
+                               (3, 32, 128, 8, 0, False), (4, 32, 128, 4, 2, True),
+                               (4, 64, 64, 16, 0, False))]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("c,n_out,rope", GLUON_KVQ_OFFLINE_CASES,
+                         ids=[f"{c}-out{n}-rope{int(r)}" for c, n, r in GLUON_KVQ_OFFLINE_CASES])
+def test_gluon_kvquant_offline_keys_match_reference(c, n_out, rope, monkeypatch):
+    from kvbits.kernels import decode_gluon
+    for name in ("PLANES3", "KVQUANT_FULL", "KVQUANT4", "KVQUANT_WIDE", "EXTRA_HEAD_DIMS",
+                 "KVQUANT_HALVES"):
+        monkeypatch.setattr(decode_gluon, name, True)
+    serve_small(monkeypatch, decode_gluon)
+    kv = _kvquant_kv(c, n_out, rope, offline=True)
+    assert kv.key_scales_fixed and decode_gluon.eligible(kv, 1, c.HG), str(c)
+    used = count_calls(monkeypatch, decode_gluon)
+    run_case(c, kv=kv)
+    run_case(c._replace(splits=1), kv=kv)
+    assert len(used) == 2, "the Gluon kernel was not used"
 
 
 def test_gluon_halves_layout():

@@ -10,6 +10,8 @@ every kernel for the CPU.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvbits.kernels import decode_gluon
@@ -26,7 +28,8 @@ for cx in json.loads(sys.argv[1]):
     out.append({"mma": "mma" in ir, "local_alloc": ir.count("local_alloc"),
                 "shared": c.metadata.shared, "shfl": c.asm["ptx"].count("shfl.sync"),
                 "prefetch": c.asm["ptx"].count("prefetch.global.L2"),
-                "pdl": c.asm["ptx"].count("griddepcontrol.launch_dependents")})
+                "pdl": c.asm["ptx"].count("griddepcontrol.launch_dependents"),
+                "kfix": bool(cx.get("KFIX"))})
 print(json.dumps(out))
 '''
 
@@ -118,6 +121,11 @@ CONFIGS = [
     {**BASE, "HG": 20, "HP": 16, "LQ": 5, "HAS_WINDOW": True, "NQB": 2},
     {**BASE, "HG": 24, "HP": 16, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 2, "VOUT": 2,
      "ROPE": True, "LQ": 3, "ROPE_M": True, "NQB": 2},
+    # KVQuant with offline key scales (KFIX): one fixed scale / zero row read by every step, not
+    # prefetched; 3 bits' full layer (MHA) and 4 bits' codebooks alone (GQA 4)
+    {**BASE, "HG": 1, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 2, "VOUT": 2, "ROPE": True,
+     "ROPE_M": True, "KFIX": True},
+    {**BASE, "KBITS": 4, "VBITS": 4, "CB": True, "KFIX": True},
     {**BASE, "KBITS": 4, "PF": 0, "PF_AFTER": False},  # K4V2 (mixed widths; last, no prefetch)
 ]
 
@@ -131,7 +139,15 @@ def test_body_kernel_compiles_for_sm90_without_shared_memory_tiles(compile_sm90)
         # shuffles at 8 / 16 heads; a key layout off by one lane bit costs 100+)
         assert r["shfl"] <= 64, r
         # the next step's bytes are asked for (PF=1): key/value words and their scales/zeros
-        assert r["prefetch"] >= 6, r
+        # (but for an offline key row, KFIX)
+        assert r["prefetch"] >= (4 if r["kfix"] else 6), r
+    by_config = {json.dumps({k: v for k, v in cx.items() if k != "KFIX"}, sort_keys=True): r
+                 for cx, r in zip(CONFIGS, results, strict=True) if not cx.get("KFIX")}
+    for cx, r in zip(CONFIGS, results, strict=True):
+        if cx.get("KFIX"):  # the per-group twin prefetches the step's key scales and zeros too
+            twin = by_config[json.dumps({k: v for k, v in cx.items() if k != "KFIX"},
+                                        sort_keys=True)]
+            assert r["prefetch"] == twin["prefetch"] - 2, (r, twin)
     assert [r["pdl"] for r in results] == [int(cx.get("PDL", False)) for cx in CONFIGS]
     assert mixed["prefetch"] == 0, mixed  # PF=0: none
     # mixed widths: only P (64 tokens x 8 heads, fp16) crosses shared memory, to be permuted

@@ -429,11 +429,13 @@ if gluon is not None:
 
     @gluon.jit
     def _key_loads3(kc_base, ks_base, kz_base, s, n_groups, DC0: gl.constexpr, G: gl.constexpr,
-                    D: gl.constexpr, DC: gl.constexpr, KW: gl.constexpr, END: gl.constexpr):
+                    D: gl.constexpr, DC: gl.constexpr, KW: gl.constexpr, END: gl.constexpr,
+                    KFIX: gl.constexpr = False):
         """3-bit keys of step ``s``, channels ``[DC0, DC0 + DC)``: the three plane words (int64
         channel pairs) of the thread's column, ``[1, A, E, D/2]`` in the 4-bit ``KW``, and the
         scale / zero pairs of the thread's group (:func:`_key_operand3` unpacks them). Channels
-        from ``END`` on are masked (the padded last chunk of a head or of a half)."""
+        from ``END`` on are masked (the padded last chunk of a head or of a half). ``KFIX``: one
+        fixed scale / zero row for every group (offline key scales, ``key_scales_fixed``)."""
         D2: gl.constexpr = D // 2
         CW: gl.constexpr = G // 32
         a = _ar(4, 1, KW)
@@ -443,7 +445,7 @@ if gluon is not None:
         if DC0 + DC > END:  # the padded last chunk (head_chunks)
             ok = ok & (j < END // 2)
         wp = kc_base.to(gl.pointer_type(gl.int64), bitcast=True) + (row * D2 + j + e * 0)
-        s_off = g * D2 + j + e * 0
+        s_off = g * (0 if KFIX else D2) + j + e * 0
         sp = ks_base.to(gl.pointer_type(gl.int32), bitcast=True) + s_off
         zp = kz_base.to(gl.pointer_type(gl.int32), bitcast=True) + s_off
         return _plane_loads(wp, CW * D2, ok, sp, zp, ok)
@@ -510,12 +512,13 @@ if gluon is not None:
     def _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, tok0, body_len, DC0: gl.constexpr,
                   BITS: gl.constexpr, W: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
                   DC: gl.constexpr, GK: gl.constexpr, KW: gl.constexpr, KT: gl.constexpr,
-                  K_TOK: gl.constexpr):
+                  K_TOK: gl.constexpr, KFIX: gl.constexpr = False):
         """Addresses of the packed keys of one step, channels ``[DC0, DC0 + DC)``, in the
         threads that will unpack them: channel-pair words (int64) and scale/zero pairs (int32
         ``half2``), with the masks of rows past the body. ``K_TOK``: keys scaled per token
         over ``GK >= DC`` channels (the uniform method): fp16 scales ``[H?, A, E, I...]``, one
-        per token of the thread (:func:`_key_operand` broadcasts them over the channels)."""
+        per token of the thread (:func:`_key_operand` broadcasts them over the channels).
+        ``KFIX``: per-channel keys with one fixed scale / zero row (offline key scales)."""
         D2: gl.constexpr = D // 2
         j0: gl.constexpr = DC0 // 2
         if BITS == 2:
@@ -550,7 +553,7 @@ if gluon is not None:
             s_ok = ra < n_rows
             if DC0 + DC > D:
                 s_ok = s_ok & (j < D2)
-            s_off = (ra // W) * D2 + j + e * 0
+            s_off = (ra // W) * (0 if KFIX else D2) + j + e * 0
             sp = ks_base.to(gl.pointer_type(gl.int32), bitcast=True) + s_off
             zp = kz_base.to(gl.pointer_type(gl.int32), bitcast=True) + s_off
         return wp, sp, zp, w_ok, s_ok
@@ -559,10 +562,11 @@ if gluon is not None:
     def _key_loads(kc_base, ks_base, kz_base, row0, n_rows, tok0, body_len, DC0: gl.constexpr,
                    BITS: gl.constexpr, W: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
                    DC: gl.constexpr, GK: gl.constexpr, KW: gl.constexpr, KT: gl.constexpr,
-                   K_TOK: gl.constexpr):
+                   K_TOK: gl.constexpr, KFIX: gl.constexpr = False):
         """The packed keys of one step (see :func:`_key_ptrs`) loaded into registers."""
         wp, sp, zp, w_ok, s_ok = _key_ptrs(kc_base, ks_base, kz_base, row0, n_rows, tok0,
-                                           body_len, DC0, BITS, W, G, D, DC, GK, KW, KT, K_TOK)
+                                           body_len, DC0, BITS, W, G, D, DC, GK, KW, KT, K_TOK,
+                                           KFIX)
         return (gl.load(wp, mask=w_ok, other=0), gl.load(sp, mask=s_ok, other=0),
                 gl.load(zp, mask=s_ok, other=0))
 
@@ -886,9 +890,10 @@ if gluon is not None:
     def _prefetch_step(s, kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, D: gl.constexpr,
                        RS: gl.constexpr, RSV: gl.constexpr, G: gl.constexpr, SPAN: gl.constexpr,
                        NGV: gl.constexpr, NGK: gl.constexpr, K_TOK: gl.constexpr,
-                       L1: gl.constexpr):
+                       L1: gl.constexpr, KFIX: gl.constexpr = False):
         """Prefetch every byte step ``s`` will load: key and value words, key scales/zeros (per
-        channel over the step's groups, or per token), value scales/zeros of its tokens."""
+        channel over the step's groups, or per token; not ``KFIX``'s one fixed row, read by
+        every step), value scales/zeros of its tokens."""
         KWB: gl.constexpr = RS * D * 4
         VWB: gl.constexpr = RSV * D * 4
         _prefetch(kc_base + s * (RS * D), KWB, L1)
@@ -901,7 +906,7 @@ if gluon is not None:
             KSB: gl.constexpr = SPAN * NGK * 2
             _prefetch(ks_base + t0 * NGK, KSB, L1)
             _prefetch(kz_base + t0 * NGK, KSB, L1)
-        else:
+        elif not KFIX:
             SG: gl.constexpr = SPAN // G
             KSB2: gl.constexpr = SG * D * 2
             _prefetch(ks_base + (t0 // G) * D, KSB2, L1)
@@ -1088,16 +1093,17 @@ if gluon is not None:
                          n_rows, t_cur, body_len, klo0, klo1, khi0, khi1, KBITS: gl.constexpr,
                          W: gl.constexpr, G: gl.constexpr, D: gl.constexpr, DC: gl.constexpr,
                          GK: gl.constexpr, KW: gl.constexpr, KT: gl.constexpr,
-                         K_TOK: gl.constexpr, a_l: gl.constexpr, CB: gl.constexpr):
+                         K_TOK: gl.constexpr, a_l: gl.constexpr, CB: gl.constexpr,
+                         KFIX: gl.constexpr = False):
         """Scores of key chunk ``C >= 2`` (head dims 96 / 192 / 256) added to ``st``: its words
         loaded, dequantized and multiplied only now."""
         if KBITS == 3:
             kp, kq, kr, ks, kz = _key_loads3(kc_base, ks_base, kz_base, s, n_groups, C * DC, G,
-                                             D, DC, KW, D)
+                                             D, DC, KW, D, KFIX)
             k = _key_operand3(kp, kq, kr, ks, kz, klo0, klo1, khi0, khi1, DC, KW, a_l, CB)
         else:
             kw, ks, kz = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur, body_len,
-                                    C * DC, KBITS, W, G, D, DC, GK, KW, KT, K_TOK)
+                                    C * DC, KBITS, W, G, D, DC, GK, KW, KT, K_TOK, KFIX)
             k = _key_operand(kw, ks, kz, KBITS, DC, KW, a_l, K_TOK)
         return mma_v2(k, qc, st)
 
@@ -1389,6 +1395,7 @@ if gluon is not None:
         KOUT: gl.constexpr = 0, VOUT: gl.constexpr = 0, ROPE: gl.constexpr = False,
         HAS_WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False, LQ: gl.constexpr = 1,
         PDL: gl.constexpr = False, ROPE_M: gl.constexpr = False, NQB: gl.constexpr = 1,
+        KFIX: gl.constexpr = False,
     ):
         if PDL:  # the finish kernel may be scheduled now (it waits for this one to merge)
             _launch_dependents()
@@ -1506,7 +1513,7 @@ if gluon is not None:
         if PF > 0:  # the first steps' bytes on their way before the loop starts
             for s in range(s_lo + 1, gl.minimum(s_lo + PF, s_hi)):
                 _prefetch_step(s, kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, D, RS,
-                               RSV, G, SPAN, NGV, NGK, K_TOK, PF_L1)
+                               RSV, G, SPAN, NGV, NGK, K_TOK, PF_L1, KFIX)
                 if PF_OUT:
                     _prefetch_outliers(s, koi_base, kov_base, voi_base, vov_base, KOUT, VOUT,
                                        PF_L1)
@@ -1514,7 +1521,7 @@ if gluon is not None:
             if PF > 0 and not PF_AFTER:
                 if s + PF < s_hi:
                     _prefetch_step(s + PF, kc_base, ks_base, kz_base, vc_base, vs_base, vz_base,
-                                   D, RS, RSV, G, SPAN, NGV, NGK, K_TOK, PF_L1)
+                                   D, RS, RSV, G, SPAN, NGV, NGK, K_TOK, PF_L1, KFIX)
                     if PF_OUT:
                         _prefetch_outliers(s + PF, koi_base, kov_base, voi_base, vov_base, KOUT,
                                            VOUT, PF_L1)
@@ -1526,15 +1533,17 @@ if gluon is not None:
             if KBITS == 3:
                 kp0, kq0, kr0, ks0, kz0 = _key_loads3(kc_base, ks_base, kz_base, s, n_groups, 0,
                                                       G, D, DC, KW,
-                                                      key_end(0, D, DC, HALVES))
+                                                      key_end(0, D, DC, HALVES), KFIX)
                 kp1, kq1, kr1, ks1, kz1 = _key_loads3(kc_base, ks_base, kz_base, s, n_groups,
                                                       key_base(K1, D, DC, HALVES), G, D, DC,
-                                                      KW, key_end(K1, D, DC, HALVES))
+                                                      KW, key_end(K1, D, DC, HALVES), KFIX)
             else:
                 kw0, ks0, kz0 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur,
-                                           body_len, 0, KBITS, W, G, D, DC, GK, KW, KT, K_TOK)
+                                           body_len, 0, KBITS, W, G, D, DC, GK, KW, KT, K_TOK,
+                                           KFIX)
                 kw1, ks1, kz1 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur,
-                                           body_len, DC, KBITS, W, G, D, DC, GK, KW, KT, K_TOK)
+                                           body_len, DC, KBITS, W, G, D, DC, GK, KW, KT, K_TOK,
+                                           KFIX)
             if KBITS == VBITS:
                 rv = r_cur
             else:  # G <= 64 (eligible): a step is whole groups for either width
@@ -1547,7 +1556,7 @@ if gluon is not None:
             if PF > 0 and PF_AFTER:  # after this step's own loads are issued
                 if s + PF < s_hi:
                     _prefetch_step(s + PF, kc_base, ks_base, kz_base, vc_base, vs_base, vz_base,
-                                   D, RS, RSV, G, SPAN, NGV, NGK, K_TOK, PF_L1)
+                                   D, RS, RSV, G, SPAN, NGV, NGK, K_TOK, PF_L1, KFIX)
                     if PF_OUT:
                         _prefetch_outliers(s + PF, koi_base, kov_base, voi_base, vov_base, KOUT,
                                            VOUT, PF_L1)
@@ -1585,12 +1594,12 @@ if gluon is not None:
                 if NCH == 4:  # the second pair's words only now (registers)
                     kp, kq, kr, ksc, kzr = _key_loads3(kc_base, ks_base, kz_base, s, n_groups,
                                                        key_base(1, D, DC, HALVES), G, D, DC,
-                                                       KW, key_end(1, D, DC, HALVES))
+                                                       KW, key_end(1, D, DC, HALVES), KFIX)
                     k = _key_operand3(kp, kq, kr, ksc, kzr, klo0, klo1, khi0, khi1, DC, KW, a_l,
                                       CB)
                     kp, kq, kr, ksc, kzr = _key_loads3(kc_base, ks_base, kz_base, s, n_groups,
                                                        key_base(3, D, DC, HALVES), G, D, DC,
-                                                       KW, key_end(3, D, DC, HALVES))
+                                                       KW, key_end(3, D, DC, HALVES), KFIX)
                     k1 = _key_operand3(kp, kq, kr, ksc, kzr, klo0, klo1, khi0, khi1, DC, KW,
                                        a_l, CB)
                     if Q_RELOAD:
@@ -1623,10 +1632,10 @@ if gluon is not None:
             if NCH == 4 and KBITS != 3 and DC == 64:
                 kw2, ks2, kz2 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur,
                                            body_len, 2 * DC, KBITS, W, G, D, DC, GK, KW, KT,
-                                           K_TOK)
+                                           K_TOK, KFIX)
                 kw3, ks3, kz3 = _key_loads(kc_base, ks_base, kz_base, r_cur, n_rows, t_cur,
                                            body_len, 3 * DC, KBITS, W, G, D, DC, GK, KW, KT,
-                                           K_TOK)
+                                           K_TOK, KFIX)
                 if Q_RELOAD:
                     q2 = _query_operand(Q, q_row0, qk_scale, 2, cols, HP, D, DC, b_l, HALVES)
                 k = _key_operand(kw2, ks2, kz2, KBITS, DC, KW, a_l, K_TOK)
@@ -1640,13 +1649,14 @@ if gluon is not None:
                     q2 = _query_operand(Q, q_row0, qk_scale, 2, cols, HP, D, DC, b_l, HALVES)
                 st = _later_key_chunk(st, q2, 2, kc_base, ks_base, kz_base, s, n_groups, r_cur,
                                       n_rows, t_cur, body_len, klo0, klo1, khi0, khi1, KBITS, W,
-                                      G, D, DC, GK, KW, KT, K_TOK, a_l, CB)
+                                      G, D, DC, GK, KW, KT, K_TOK, a_l, CB, KFIX)
                 if NCH == 4:
                     if Q_RELOAD:
                         q3 = _query_operand(Q, q_row0, qk_scale, 3, cols, HP, D, DC, b_l, HALVES)
                     st = _later_key_chunk(st, q3, 3, kc_base, ks_base, kz_base, s, n_groups,
                                           r_cur, n_rows, t_cur, body_len, klo0, klo1, khi0, khi1,
-                                          KBITS, W, G, D, DC, GK, KW, KT, K_TOK, a_l, CB)
+                                          KBITS, W, G, D, DC, GK, KW, KT, K_TOK, a_l, CB,
+                                          KFIX)
             if KOUT > 0:  # after every chunk's scores (at four chunks the later query chunks)
                 if ROPE and NCH == 4:
                     st = _key_outliers(st, koi_base, kov_base, t_cur, body_len, rows_a, dn, xa,
@@ -1846,7 +1856,7 @@ _BODY = FastLaunch(_body_kernel) if gluon is not None else None  # (kernels.laun
 _BODY_NAMES = ("HG", "HP", "D", "KBITS", "VBITS", "G", "GV", "HAS_STARTS", "HAS_LENS", "GK",
                "K_TOK", "LENS_DEV", "PF", "PF_L1", "PF_AFTER", "EARLY_V", "CB", "KOUT", "VOUT",
                "ROPE", "Q_RELOAD", "HAS_WINDOW", "SOFTCAP", "LQ", "PDL", "PF_OUT", "ROPE_M",
-               "NQB", "num_warps")
+               "NQB", "KFIX", "num_warps")
 _BODY_KEYWORDS = keyword_maker(_BODY_NAMES)
 _BODY_KEYWORDS_MAXNREG = keyword_maker(_BODY_NAMES + ("maxnreg",))
 
@@ -1858,8 +1868,9 @@ def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
     token, and pre-RoPE keys with ``KVQUANT_FULL`` at head_dim 64 / 128, and 256 with
     ``KVQUANT_WIDE``; pre-RoPE layers at the other multiples of 4 from 36 to 124 with
     ``KVQUANT_HALVES``, outliers alone there with ``KVQUANT_STRAIGHT_OUTLIERS``),
-    per-channel key scales (or, with ``TOKEN_KEYS``, per-token key scales
-    over at least half the head), per-token value scales, key/value bits of 2 or 4 (equal, or
+    per-channel key scales per group or in one fixed offline row (``KFIX``), or, with
+    ``TOKEN_KEYS``, per-token key scales
+    over at least half the head; per-token value scales, key/value bits of 2 or 4 (equal, or
     with ``MIXED_BITS`` any pair at group size <= 64) or, with ``PLANES3``, both 3 at group
     size 32 or 64 with per-channel key scales, group
     size 16-128, head_dim 64 or 128 (or 96, 192, 256 with ``EXTRA_HEAD_DIMS``: per-channel
@@ -1871,8 +1882,8 @@ def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
     end are applied by the kernel."""
     if gluon is None or kv.body_len == 0 or getattr(kv, "fp8", False):
         return False
-    if getattr(kv, "key_scales_fixed", False):  # one offline key scale row: the Triton kernel
-        return False
+    if getattr(kv, "key_scales_fixed", False) and getattr(kv, "key_axis", "channel") != "channel":
+        return False  # one offline key scale row (KFIX) replaces per-channel groups only
     codebooks = getattr(kv, "k_codebook", None) is not None
     D = kv.res_k.shape[-1]
     if any(getattr(kv, n, None) is not None for n in ("k_out_idx", "v_out_idx",
@@ -2158,7 +2169,8 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
                  full=koi is not None or voi is not None or inv_freq is not None),
         window is not None, softcap is not None, Lq, pdl,
         PREFETCH_OUTLIERS and (koi is not None or voi is not None),
-        ROPE_BLOCKS and inv_freq is not None, blocks, 1)
+        ROPE_BLOCKS and inv_freq is not None, blocks, bool(getattr(kv, "key_scales_fixed", False)),
+        1)
     _BODY.launch((B * Hkv * blocks, splits), (
         q, out, lse, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero,
         starts, lengths, lens_dev if lens_dev is not None else starts,

@@ -526,7 +526,8 @@ def eligible(kv, k_tok: bool) -> bool:
     16-byte rows; per-token scales' per-head rows a whole number of 16-byte rows)."""
     if (gluon is None or kv.key_bits != kv.value_bits or kv.key_bits not in STAGES
             or kv.group_size not in (16, 32, 64)
-            or getattr(kv, "k_codebook", None) is not None):  # (codebooks: the register body)
+            or getattr(kv, "k_codebook", None) is not None  # (codebooks: the register body)
+            or getattr(kv, "key_scales_fixed", False)):  # (one offline key row: that body too)
         return False
     D = kv.res_k.shape[-1]
     if D != 128 or kv.value_group not in (32, 64) or kv.v_scale.shape[3] != D // kv.value_group:
