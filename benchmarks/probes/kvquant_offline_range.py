@@ -19,6 +19,7 @@ Rules (``k [H, T, D]``, the calibration keys of one layer after ``keep``):
   mse-out   the same, each token's n_out largest errors over channels left out of the MSE
             (they become FP16 outliers), two rounds
   mseq / mseq-out  as mse / mse-out with quantile ranges (QCAND) as the candidates
+  stdC      mean -/+ C standard deviations of the channel
   layers:A-B=RULE,...;default=RULE  per-layer mixture (layers by call order within one
             calibration; L = the model's layer count)
 """
@@ -132,6 +133,15 @@ def rule_mse(drop_outliers: bool, quantiles: bool = False):
     return f
 
 
+def rule_std(c):
+    """mean -/+ c standard deviations per channel (the shared codebook sees z-scored keys)."""
+    def f(k, bits, keep=None, **_):
+        x, _ = _sorted(k, keep)
+        mu, sd = x.mean(1), x.std(1)
+        return _rows(mu - c * sd, mu + c * sd, bits)
+    return f
+
+
 def parse_rule(name: str):
     if name.startswith("layers:"):
         return rule_layers(name[len("layers:"):])
@@ -141,6 +151,9 @@ def parse_rule(name: str):
     m = re.fullmatch(r"wide([0-9.]+)(?:@([0-9.]+))?", name)
     if m:
         return rule_wide(float(m.group(1)), float(m.group(2) or 0.002))
+    m = re.fullmatch(r"std([0-9.]+)", name)
+    if m:
+        return rule_std(float(m.group(1)))
     table = {"mse": rule_mse(False), "mse-out": rule_mse(True),
              "mseq": rule_mse(False, True), "mseq-out": rule_mse(True, True)}
     if name in table:

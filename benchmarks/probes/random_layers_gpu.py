@@ -22,6 +22,7 @@ TMA ring).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -85,6 +86,13 @@ def build(c: dict, device: str = "cuda"):
     kw = {}
     if spec.method == "kvquant":
         kw["codebooks"] = codebooks(spec, H, g, device)
+        if spec.key_scales == "calibrated":  # offline key rows: ranges of their own (the keys'
+            # channel magnitudes below differ, so some codes saturate), own generator
+            gr = torch.Generator().manual_seed(c["seed"] + 7)
+            mag = 3 * 10 ** (torch.rand(H, D, generator=gr) - 0.5)
+            kw["codebooks"] = dataclasses.replace(
+                kw["codebooks"], k_scale=(2 * mag / ((1 << spec.key_bits) - 1)).half().to(device),
+                k_zero=(0.5 - mag).half().to(device))
         if spec.pre_rope:
             kw["inv_freq"] = (1e4 ** (-torch.arange(0, D, 2, dtype=torch.float32) / D)).to(device)
     if spec.method == "fp8" and spec.fp8_scale == "calibrated":
