@@ -29,11 +29,16 @@ def deq(x, cb, th, s, z):
     return cb[c] * s + z, c
 
 
-def err(x, d, n_out):
+def err(x, d, n_out, w=None):
+    """Relative MSE over dense elements; with ``w`` (squared loss gradients, Fisher), the
+    weighted error sum(w e^2) over dense elements (an estimate of 2x the loss increase)."""
     e = (x - d) ** 2
+    dense = torch.ones_like(e, dtype=torch.bool)
     if n_out:
-        e = e.sort(dim=-1).values[..., : e.shape[-1] - n_out]
-    return (e.mean() / (x ** 2).mean()).item()
+        dense.scatter_(-1, e.topk(n_out, dim=-1).indices, False)
+    if w is not None:
+        return (w * e * dense).sum().item()
+    return ((e * dense).sum() / dense.sum() / (x ** 2).mean()).item()
 
 
 def main():
@@ -44,6 +49,8 @@ def main():
     ap.add_argument("--calib-text", default="sotu-pre-2000")
     ap.add_argument("--calib-tokens", type=int, default=2048)
     ap.add_argument("--name", required=True)
+    ap.add_argument("--fisher", action="store_true",
+                    help="also the Fisher-weighted error on the evaluation text (windows of 512)")
     ap.add_argument("files", nargs="+")
     a = ap.parse_args()
     model, tok = data.load_model(a.model, dtype=torch.float32)
@@ -52,6 +59,13 @@ def main():
     with torch.no_grad():
         ke = [l[0][:, 1:].float() for l in collect_kv(model, ev, window=ev.shape[1], fisher=False)]
         kc_all = [l[0].float() for l in collect_kv(model, ca, window=512, fisher=False)]
+    fe = None
+    if a.fisher:
+        fe = [(l[0][:, 1:].float(), l[2][:, 1:].float())
+              for l in collect_kv(model, ev, window=512, fisher=True)]
+        k0 = torch.ones(fe[0][0].shape[1], dtype=torch.bool)
+        k0[511::512] = False  # each later window's first token (positions 512, 1024, ... - 1)
+        fe = [(k[:, k0], g[:, k0]) for k, g in fe]
     keep = torch.ones(kc_all[0].shape[1], dtype=torch.bool)
     keep[::512] = False
     kc = [k[:, keep] for k in kc_all]
@@ -64,14 +78,17 @@ def main():
             H, _, D = ke[i].shape
             n_out = math.ceil(0.01 * D - 1e-9)
             r = {}
-            for name, x in (("eval", ke[i]), ("cal", kc[i])):
+            sets = [("eval", ke[i], None), ("cal", kc[i], None)]
+            if fe is not None:
+                sets.append(("fisher", *fe[i]))
+            for name, x, w in sets:
                 cb, th = L.k_codebook[0].float(), L.k_thresholds[0].float()
                 if L.k_scale is not None:
                     s = L.k_scale.float()[:, None]
                     z = L.k_zero.float()[:, None]
                     d, c = deq(x, cb, th, s, z)
                     r[f"{name}_end"] = ((c == 0) | (c == cb.numel() - 1)).float().mean().item()
-                    r[f"{name}_err"] = err(x, d, n_out)
+                    r[f"{name}_err"] = err(x, d, n_out, w)
                 else:
                     T = x.shape[1] // 32 * 32
                     g = x[:, :T].reshape(H, T // 32, 32, D)
@@ -79,13 +96,16 @@ def main():
                     s = (hi - lo) / (cb.numel() - 1)
                     d, c = deq(g, cb, th, s, lo)
                     r[f"{name}_end"] = ((c == 0) | (c == cb.numel() - 1)).float().mean().item()
-                    r[f"{name}_err"] = err(g.reshape(H, T, D), d.reshape(H, T, D), n_out)
+                    r[f"{name}_err"] = err(g.reshape(H, T, D), d.reshape(H, T, D), n_out,
+                                           None if w is None else w[:, :T])
             r["codebook"] = [round(v, 3) for v in L.k_codebook[0].tolist()]
             per.append(r)
         out["rows"][label] = per
         ev_mean = sum(r["eval_err"] for r in per) / len(per)
         cal_mean = sum(r["cal_err"] for r in per) / len(per)
-        print(f"{label:>24}: eval err {ev_mean:.4f}, cal err {cal_mean:.4f}, per layer eval "
+        fi = (f", fisher-weighted eval err sum {sum(r['fisher_err'] for r in per):.4g}"
+              if fe is not None else "")
+        print(f"{label:>24}: eval err {ev_mean:.4f}, cal err {cal_mean:.4f}{fi}, per layer eval "
               + " ".join(f"{r['eval_err']:.3f}" for r in per), flush=True)
     Path(f"benchmarks/results/kvquant_offline_range_cbdiag_{a.name}.json").write_text(
         json.dumps(out, indent=1) + "\n")

@@ -196,17 +196,18 @@ def test_gpu_query_groups_past_16_columns(arch, monkeypatch, gluon_calls):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("head_dim", [128, 64])
-def test_gpu_kvquant4_through_the_gluon_body(head_dim, monkeypatch, gluon_calls):
-    """kvquant-4 (4-bit codebooks, outliers, pre-RoPE keys) and its codebook-only form through
-    the Gluon body's 16-entry tables (decode_gluon.KVQUANT4, switched on here): logits of a
-    prefill, a chunk and single steps equal the reference path's through the same cache to
-    float16 rounding."""
+@pytest.mark.parametrize("bits", [4, 2])
+def test_gpu_kvquant_codebooks_through_the_gluon_body(bits, head_dim, monkeypatch, gluon_calls):
+    """kvquant-4 / kvquant-2 (codebooks, outliers, pre-RoPE keys) and their codebook-only forms
+    through the Gluon body's 16- / 4-entry tables (decode_gluon.KVQUANT4 / KVQUANT2, switched
+    on here): logits of a prefill, a chunk and single steps equal the reference path's through
+    the same cache to float16 rounding."""
     from kvbits.kernels import decode_gluon
-    monkeypatch.setattr(decode_gluon, "KVQUANT4", True)
+    monkeypatch.setattr(decode_gluon, f"KVQUANT{bits}", True)
     torch.manual_seed(0)
     model = _llama_gqa(8, 2, head_dim).half().cuda().eval()
     x = torch.randint(0, 128, (2, 150), generator=torch.Generator().manual_seed(4)).cuda()
-    for preset in ("kvquant-4", "kvquant-4-dense-post"):
+    for preset in (f"kvquant-{bits}", f"kvquant-{bits}-dense-post"):
         kw = {"residual_length": 8, "calibration": "uniform"}
         monkeypatch.setenv("KVBITS_KERNELS", "reference")
         want = decode_in_parts(model, x, KVBitsCache(model, preset, **kw), 100, 110).float()

@@ -968,6 +968,9 @@ GLUON_KVQ_CASES = [body_case(3, G, D, HG, 5 + G + HG)
 # ... and at 4 bits (decode_gluon.KVQUANT4: the 4-bit body's words, 16-entry tables)
 GLUON_KVQ_CASES += [body_case(4, G, D, HG, 41 + G + HG)
                     for G, D, HG in ((32, 128, 4), (64, 64, 7), (32, 128, 16))]
+# ... and at 2 bits (decode_gluon.KVQUANT2: the 2-bit body's words, 4-entry tables)
+GLUON_KVQ_CASES += [body_case(2, G, D, HG, 23 + G + HG)
+                    for G, D, HG in ((32, 128, 4), (64, 64, 7), (32, 128, 16), (128, 128, 2))]
 
 
 @gpu
@@ -977,6 +980,7 @@ def test_gluon_kvquant_codebooks_match_reference(c, monkeypatch):
     from kvbits.kernels import decode_gluon
     monkeypatch.setattr(decode_gluon, "PLANES3", True)
     monkeypatch.setattr(decode_gluon, "KVQUANT4", True)
+    monkeypatch.setattr(decode_gluon, "KVQUANT2", True)
     serve_small(monkeypatch, decode_gluon)
     kv = _kvquant_kv(c, 0, False)
     assert decode_gluon.eligible(kv, 1, c.HG), str(c)
@@ -1015,6 +1019,11 @@ GLUON_KVQ_FULL_CASES += [(body_case(4, G, D, HG, 51 + G + HG + n_out + D), n_out
                          for G, D, HG, n_out, rope in ((32, 128, 4, 2, True), (64, 128, 1, 2, False),
                                                        (32, 64, 8, 1, True), (64, 64, 16, 0, True),
                                                        (32, 128, 2, 3, True))]
+# ... and at 2 bits (KVQUANT2)
+GLUON_KVQ_FULL_CASES += [(body_case(2, G, D, HG, 33 + G + HG + n_out + D), n_out, rope)
+                         for G, D, HG, n_out, rope in ((32, 128, 4, 2, True), (64, 128, 1, 2, False),
+                                                       (32, 64, 8, 1, True), (64, 64, 16, 0, True),
+                                                       (32, 128, 1, 3, True), (128, 128, 4, 1, True))]
 
 
 @gpu
@@ -1027,6 +1036,7 @@ def test_gluon_kvquant_full_matches_reference(c, n_out, rope, monkeypatch):
     monkeypatch.setattr(decode_gluon, "KVQUANT_FULL", True)
     monkeypatch.setattr(decode_gluon, "KVQUANT_STRAIGHT_OUTLIERS", True)
     monkeypatch.setattr(decode_gluon, "KVQUANT4", True)
+    monkeypatch.setattr(decode_gluon, "KVQUANT2", True)
     serve_small(monkeypatch, decode_gluon)
     kv = _kvquant_kv(c, n_out, rope)
     assert decode_gluon.eligible(kv, 1, c.HG), str(c)
@@ -1056,7 +1066,8 @@ GLUON_KVQ_OFFLINE_CASES = [(body_case(b, G, D, HG, 61 + G + HG + n_out + D), n_o
                                (3, 32, 128, 4, 2, True), (3, 64, 64, 7, 1, True),
                                (3, 32, 256, 2, 3, True), (3, 32, 96, 4, 2, True),
                                (3, 32, 128, 8, 0, False), (4, 32, 128, 4, 2, True),
-                               (4, 64, 64, 16, 0, False))]
+                               (4, 64, 64, 16, 0, False), (2, 32, 128, 4, 2, True),
+                               (2, 64, 64, 8, 1, True), (2, 32, 128, 1, 0, False))]
 
 
 @gpu
@@ -1065,8 +1076,8 @@ GLUON_KVQ_OFFLINE_CASES = [(body_case(b, G, D, HG, 61 + G + HG + n_out + D), n_o
                          ids=[f"{c}-out{n}-rope{int(r)}" for c, n, r in GLUON_KVQ_OFFLINE_CASES])
 def test_gluon_kvquant_offline_keys_match_reference(c, n_out, rope, monkeypatch):
     from kvbits.kernels import decode_gluon
-    for name in ("PLANES3", "KVQUANT_FULL", "KVQUANT4", "KVQUANT_WIDE", "EXTRA_HEAD_DIMS",
-                 "KVQUANT_HALVES"):
+    for name in ("PLANES3", "KVQUANT_FULL", "KVQUANT4", "KVQUANT2", "KVQUANT_WIDE",
+                 "EXTRA_HEAD_DIMS", "KVQUANT_HALVES"):
         monkeypatch.setattr(decode_gluon, name, True)
     serve_small(monkeypatch, decode_gluon)
     kv = _kvquant_kv(c, n_out, rope, offline=True)
@@ -1163,19 +1174,21 @@ def test_gluon_kvquant_dispatch(monkeypatch):
     buf = torch.empty(odd.k_out_idx.numel() + 1, dtype=torch.uint8)
     odd.k_out_idx = buf[1:].view(odd.k_out_idx.shape).copy_(odd.k_out_idx)
     assert not decode_gluon.eligible(odd, 1, 4)
-    # 4-bit codebooks (KVQUANT4, on by default since session 44): head dims 64 and 128, any
-    # mix of outliers and pre-RoPE keys; never the TMA ring (it has no codebook lookup)
+    # 4- and 2-bit codebooks (KVQUANT4, on by default since session 44; KVQUANT2): head dims 64
+    # and 128, any mix of outliers and pre-RoPE keys; never the TMA ring (no codebook lookup)
     from kvbits.kernels import decode_gluon_tma
-    for D in (128, 64, 96, 256):
-        c4 = Case(kb=4, vb=4, G=32, D=D, B=1, Hkv=2, body=128, res=0)
-        four = [_kvquant_kv(c4, n, r, device="cpu") for n, r in ((0, False), (2, True),
-                                                                   (1, False))]
-        monkeypatch.setattr(decode_gluon, "KVQUANT4", False)
-        assert not any(decode_gluon.eligible(kv, 1, 4) for kv in four), D
-        monkeypatch.setattr(decode_gluon, "KVQUANT4", True)
-        assert all(decode_gluon.eligible(kv, 1, 4) == (D in (64, 128)) for kv in four), D
-        assert not any(decode_gluon_tma.eligible(kv, False) for kv in four), D
-    monkeypatch.setattr(decode_gluon, "KVQUANT4", False)
+    for bits in (4, 2):
+        for D in (128, 64, 96, 256):
+            cb = Case(kb=bits, vb=bits, G=32, D=D, B=1, Hkv=2, body=128, res=0)
+            layers = [_kvquant_kv(cb, n, r, device="cpu") for n, r in ((0, False), (2, True),
+                                                                         (1, False))]
+            monkeypatch.setattr(decode_gluon, f"KVQUANT{bits}", False)
+            assert not any(decode_gluon.eligible(kv, 1, 4) for kv in layers), (bits, D)
+            monkeypatch.setattr(decode_gluon, f"KVQUANT{bits}", True)
+            assert all(decode_gluon.eligible(kv, 1, 4) == (D in (64, 128)) for kv in layers), \
+                (bits, D)
+            assert not any(decode_gluon_tma.eligible(kv, False) for kv in layers), (bits, D)
+            monkeypatch.setattr(decode_gluon, f"KVQUANT{bits}", False)
     # head dims other than 64 / 128 / 256 (KVQUANT_HALVES): pre-RoPE keys with each half in
     # chunks of its own; outliers alone in the straight chunks (three at 96 and 80) only with
     # KVQUANT_STRAIGHT_OUTLIERS (on by default; the switch sends them to Triton)

@@ -121,11 +121,20 @@ CONFIGS = [
     {**BASE, "HG": 20, "HP": 16, "LQ": 5, "HAS_WINDOW": True, "NQB": 2},
     {**BASE, "HG": 24, "HP": 16, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 2, "VOUT": 2,
      "ROPE": True, "LQ": 3, "ROPE_M": True, "NQB": 2},
+    # KVQuant at 2 bits (KVQUANT2): the 2-bit words looked up in 4-entry tables; codebooks
+    # alone (GQA 4), the full layer (MHA, turned in 16-row blocks), outliers alone at head_dim
+    # 64 with 16 heads
+    {**BASE, "CB": True},
+    {**BASE, "HG": 1, "CB": True, "KOUT": 2, "VOUT": 2, "ROPE": True, "ROPE_M": True},
+    {**BASE, "HG": 16, "HP": 16, "D": 64, "G": 64, "GV": 64, "GK": 64, "CB": True, "KOUT": 1,
+     "VOUT": 1},
     # KVQuant with offline key scales (KFIX): one fixed scale / zero row read by every step, not
     # prefetched; 3 bits' full layer (MHA) and 4 bits' codebooks alone (GQA 4)
     {**BASE, "HG": 1, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 2, "VOUT": 2, "ROPE": True,
      "ROPE_M": True, "KFIX": True},
     {**BASE, "KBITS": 4, "VBITS": 4, "CB": True, "KFIX": True},
+    {**BASE, "HG": 1, "CB": True, "KOUT": 2, "VOUT": 2, "ROPE": True, "ROPE_M": True,
+     "KFIX": True},
     {**BASE, "KBITS": 4, "PF": 0, "PF_AFTER": False},  # K4V2 (mixed widths; last, no prefetch)
 ]
 

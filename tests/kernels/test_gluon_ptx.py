@@ -7,7 +7,8 @@ strings is checked only on a GPU.
   4-bit fields the plane merge produces), ``code * scale + zero`` with one rounding.
 * ``_cb_pair_asm``: the KVQuant codebook lookup of two fields of 3-bit codes in an 8-entry
   float16 table held as low/high byte registers, then ``* scale + zero``; ``_cb16_pair_asm``
-  the same for 4-bit codes in a 16-entry table (two lookups, one picked by each code's bit 3).
+  the same for 4-bit codes in a 16-entry table (two lookups, one picked by each code's bit 3),
+  ``_cb2_pair_asm`` for 2-bit codes (every slot of a word) in a 4-entry table.
 * the 3-bit body's operands (``_key_loads3`` / ``_key_operand3`` / ``_key_tile``, the value
   words of ``_value_loads3`` / ``_value_operand3``) mirrored op by op in NumPy, with that PTX,
   on codes packed by the reference quantizer: each MMA row must hold its token's dequantized
@@ -71,6 +72,10 @@ def run_ptx(asm: str, outs: int, ins: list[int]) -> list[int]:
             regs[a[0]] = val(a[1]) & val(a[2])
         elif op == "shl.b32":
             regs[a[0]] = (val(a[1]) << min(val(a[2]), 32)) & M32
+        elif op == "shr.b32":
+            regs[a[0]] = val(a[1]) >> min(val(a[2]), 32)
+        elif op == "mad.lo.u32":
+            regs[a[0]] = (val(a[1]) * val(a[2]) + val(a[3])) & M32
         elif op == "lop3.b32":
             x, y, z, lut = (val(t) for t in a[1:])
             r = 0
@@ -161,6 +166,23 @@ def test_codebook16_lookup_ptx(p0):
             assert list(_h2(got[k])) == want, (p0, f, codes[:, f], cb)
 
 
+def test_codebook2_lookup_ptx():
+    """2-bit codes at every slot of both 16-bit halves in a 4-entry table, entries of both signs;
+    the other slots' codes (random) must not leak into the selector."""
+    rng = np.random.default_rng(21)
+    for _ in range(300):
+        cb = np.sort(rng.uniform(-2.0, 5.0, 4)).astype(np.float16)
+        lo, hi = _tables(cb)
+        codes = rng.integers(0, 4, size=(2, 8))  # [half, slot]
+        u = sum(int(codes[hf, p]) << (16 * hf + 2 * p) for hf in range(2) for p in range(8))
+        s = rng.uniform(0.01, 2.0, 2).astype(np.float16)
+        z = rng.uniform(-3.0, 3.0, 2).astype(np.float16)
+        for p in range(8):
+            (got,) = run_ptx(dg._cb2_pair_asm(p), 1, [u, lo, hi, _word(s), _word(z)])
+            want = [_fma16(cb[codes[hf, p]], s[hf], z[hf]) for hf in range(2)]
+            assert list(_h2(got)) == want, (p, codes[:, p], cb)
+
+
 def test_prmt_sign_replication_emulated():
     """The emulator's prmt against the PTX manual's rule for selector bit 3 (msb replicated)."""
     assert _prmt(0x80_7F_00_FF, 0, 0xBA98) == 0xFF_00_00_FF
@@ -170,10 +192,11 @@ def test_prmt_sign_replication_emulated():
 def test_interpreter_knows_every_instruction():
     """The snippets use only what run_ptx emulates (a new instruction fails here, not silently)."""
     for asm in [dg._pair_asm(p, b) for b in (2, 4) for p in range(dg._in_place(b))] + \
-            [dg._cb_pair_asm(p) for p in (0, 2)] + [dg._cb16_pair_asm(p) for p in (0, 2)]:
+            [dg._cb_pair_asm(p) for p in (0, 2)] + [dg._cb16_pair_asm(p) for p in (0, 2)] + \
+            [dg._cb2_pair_asm(p) for p in range(8)]:
         ops = {m.group(1) for m in re.finditer(r"(?:^|;|\{)\s*([a-z][\w.]*)", asm)}
         assert ops <= {"mov.b32", "lop3.b32", "prmt.b32", "fma.rn.f16x2", "and.b32",
-                       "shl.b32"}, ops
+                       "shl.b32", "shr.b32", "mad.lo.u32"}, ops
 
 
 # ----------------------------------------------------------------------------- 3-bit operands

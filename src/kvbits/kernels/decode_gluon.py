@@ -572,11 +572,12 @@ if gluon is not None:
 
     @gluon.jit
     def _key_operand(w, sc, ze, BITS: gl.constexpr, DC: gl.constexpr, KW: gl.constexpr,
-                     a_l: gl.constexpr, K_TOK: gl.constexpr):
+                     a_l: gl.constexpr, K_TOK: gl.constexpr, CB2: gl.constexpr = False, tlo=0,
+                     thi=0):
         """Dequantized keys of one step (from :func:`_key_loads`) as the A operand
         ``[64, DC]`` of ``S^T = K Q^T``."""
         u = _key_halves(w, _half_selector(BITS, DC, KW))
-        return _key_operand_u(u, sc, ze, BITS, DC, KW, a_l, K_TOK)
+        return _key_operand_u(u, sc, ze, BITS, DC, KW, a_l, K_TOK, CB2, tlo, thi)
 
     @gluon.jit
     def _half_selector(BITS: gl.constexpr, DC: gl.constexpr, KW: gl.constexpr):
@@ -590,7 +591,8 @@ if gluon is not None:
 
     @gluon.jit
     def _key_operand_u(u, sc, ze, BITS: gl.constexpr, DC: gl.constexpr, KW: gl.constexpr,
-                       a_l: gl.constexpr, K_TOK: gl.constexpr):
+                       a_l: gl.constexpr, K_TOK: gl.constexpr, CB2: gl.constexpr = False,
+                       tlo=0, thi=0):
         """:func:`_key_operand` from the thread's halves ``u`` (layout ``KW``)."""
         if K_TOK:  # per-token scales: half2(s, s) per slot, broadcast over the channel pairs
             SK: gl.constexpr = gl.SliceLayout(len(KW.shape) - 1, KW)
@@ -608,11 +610,15 @@ if gluon is not None:
                 z0, z1, z2, z3 = _split4(ze)
                 k = _join4(_kpair(u, s0, z0, 0, 4, SK), _kpair(u, s1, z1, 1, 4, SK),
                            _kpair(u, s2, z2, 2, 4, SK), _kpair(u, s3, z3, 3, 4, SK))
-        elif BITS == 2:
-            k = _join8(_dequant(u, sc, ze, 0, 2), _dequant(u, sc, ze, 1, 2),
-                       _dequant(u, sc, ze, 2, 2), _dequant(u, sc, ze, 3, 2),
-                       _dequant(u, sc, ze, 4, 2), _dequant(u, sc, ze, 5, 2),
-                       _dequant(u, sc, ze, 6, 2), _dequant(u, sc, ze, 7, 2))
+        elif BITS == 2:  # (CB2: KVQuant's 4-entry codebook looked up first)
+            k = _join8(_dequant2(u, sc, ze, 0, CB2, tlo, thi),
+                       _dequant2(u, sc, ze, 1, CB2, tlo, thi),
+                       _dequant2(u, sc, ze, 2, CB2, tlo, thi),
+                       _dequant2(u, sc, ze, 3, CB2, tlo, thi),
+                       _dequant2(u, sc, ze, 4, CB2, tlo, thi),
+                       _dequant2(u, sc, ze, 5, CB2, tlo, thi),
+                       _dequant2(u, sc, ze, 6, CB2, tlo, thi),
+                       _dequant2(u, sc, ze, 7, CB2, tlo, thi))
         else:
             k = _join4(_dequant(u, sc, ze, 0, 4), _dequant(u, sc, ze, 1, 4),
                        _dequant(u, sc, ze, 2, 4), _dequant(u, sc, ze, 3, 4))
@@ -708,7 +714,7 @@ if gluon is not None:
 
     @gluon.jit
     def _value_operand(w, sc, ze, BITS: gl.constexpr, DC: gl.constexpr, VW: gl.constexpr,
-                       a_l: gl.constexpr):
+                       a_l: gl.constexpr, CB2: gl.constexpr = False, tlo=0, thi=0):
         """Dequantized values of one step (from :func:`_value_loads`) as the A operand
         ``[DC, 64]`` of ``O^T += V^T P^T``: the scale pair of tokens (e = 0, 1) of each slot is
         packed into one ``half2``, broadcast over its channel group."""
@@ -717,10 +723,14 @@ if gluon is not None:
         if BITS == 2:
             s0, s1, s2, s3, s4, s5, s6, s7 = _split8(sc)
             z0, z1, z2, z3, z4, z5, z6, z7 = _split8(ze)
-            v = _join8(_vpair(w, s0, z0, 0, SL), _vpair(w, s1, z1, 1, SL),
-                       _vpair(w, s2, z2, 2, SL), _vpair(w, s3, z3, 3, SL),
-                       _vpair(w, s4, z4, 4, SL), _vpair(w, s5, z5, 5, SL),
-                       _vpair(w, s6, z6, 6, SL), _vpair(w, s7, z7, 7, SL))
+            v = _join8(_vpair(w, s0, z0, 0, SL, CB2, tlo, thi),
+                       _vpair(w, s1, z1, 1, SL, CB2, tlo, thi),
+                       _vpair(w, s2, z2, 2, SL, CB2, tlo, thi),
+                       _vpair(w, s3, z3, 3, SL, CB2, tlo, thi),
+                       _vpair(w, s4, z4, 4, SL, CB2, tlo, thi),
+                       _vpair(w, s5, z5, 5, SL, CB2, tlo, thi),
+                       _vpair(w, s6, z6, 6, SL, CB2, tlo, thi),
+                       _vpair(w, s7, z7, 7, SL, CB2, tlo, thi))
             v = gl.reshape(gl.permute(v, (0, 1, 4, 3, 5, 2)), [DC, 32])
         else:
             s0, s1, s2, s3 = _split4(sc)
@@ -779,6 +789,33 @@ if gluon is not None:
                 "lop3.b32 lo, la, lb, m, 0xD8; lop3.b32 hi, ha, hb, m, 0xD8; "
                 "prmt.b32 t0, lo, hi, 0x6240; prmt.b32 t1, lo, hi, 0x7351; "
                 "fma.rn.f16x2 $0, t0, $11, $12; fma.rn.f16x2 $1, t1, $13, $14; }")
+
+    @gluon.constexpr_function
+    def _cb2_pair_asm(p):
+        """PTX: :func:`_pair_asm` for 2-bit KVQuant codes (kvquant-2): the codes at slot ``p`` of
+        both 16-bit halves of ``$1`` looked up in a 4-entry float16 table held as one word of
+        its low bytes (``$2``) and one of its high bytes (``$3``), then ``* scale + zero``
+        (``$4, $5``). A ``prmt`` gathers the two codes into bytes 0 and 1, a multiply-add makes
+        the lookup's selector (nibbles ``code, code + 4`` per half: the entry's low byte from
+        ``$2``, its high byte from ``$3``), one ``prmt`` looks both entries up: 5 per pair
+        (the shift, at slots past 0, and the FMA included; the uniform dequant takes 3)."""
+        sh = 2 * int(getattr(p, "value", p))
+        shift = f"shr.b32 t, $1, {sh}; " if sh else "mov.b32 t, $1; "
+        return ("{ .reg .b32 t, g, c, v, z; mov.b32 z, 0; " + shift
+                + "prmt.b32 g, t, z, 0x4420; and.b32 g, g, 0x0303; "
+                "mad.lo.u32 c, g, 0x11, 0x4040; prmt.b32 v, $2, $3, c; "
+                "fma.rn.f16x2 $0, v, $4, $5; }")
+
+    @gluon.jit
+    def _dequant2(u, sc, ze, P: gl.constexpr, CB2: gl.constexpr, tlo, thi):
+        """:func:`_dequant` of 2-bit codes, or with ``CB2`` their entries in the head's 4-entry
+        codebook (``tlo`` / ``thi``: :func:`_cb_word` 0 of its low / high bytes)."""
+        if CB2:
+            zero = u * 0  # the scalar tables as tensors of u's shape
+            return gl.inline_asm_elementwise(_cb2_pair_asm(P), "=r,r,r,r,r,r",
+                                             [u, zero + tlo, zero + thi, sc, ze],
+                                             dtype=gl.int32, is_pure=True, pack=1)
+        return _dequant(u, sc, ze, P, 2)
 
     @gluon.jit
     def _cb_pair(u, lo0, lo1, hi0, hi1, s0, z0, s1, z1, P0: gl.constexpr, lo2=0, lo3=0, hi2=0,
@@ -862,8 +899,11 @@ if gluon is not None:
         return gl.expand_dims(gl.convert_layout(x, SL), 1)
 
     @gluon.jit
-    def _vpair(w, s, z, P: gl.constexpr, SL: gl.constexpr):
+    def _vpair(w, s, z, P: gl.constexpr, SL: gl.constexpr, CB2: gl.constexpr = False, tlo=0,
+               thi=0):
         BITS: gl.constexpr = 2 if len(w.shape) == 3 else 4
+        if BITS == 2:
+            return _dequant2(w, _bcast(s, SL), _bcast(z, SL), P, CB2, tlo, thi)
         return _dequant(w, _bcast(s, SL), _bcast(z, SL), P, BITS)
 
     @gluon.constexpr_function
@@ -1428,14 +1468,16 @@ if gluon is not None:
         gl.static_assert(not (ROPE or KOUT > 0 or VOUT > 0)
                          or (KBITS == 3 and CB and (NCH == 2 or (NCH == 4 and DC == 64)
                                                     or HALVES or not ROPE))
-                         or (KBITS == 4 and VBITS == 4 and CB and NCH == 2),
-                         "outliers / pre-RoPE keys: 3-bit codebooks (4-bit at head_dim 64 / "
-                         "128); pre-RoPE keys in chunks that are whole halves (head_dim 64, "
+                         or (KBITS == VBITS and KBITS != 3 and CB and NCH == 2),
+                         "outliers / pre-RoPE keys: 3-bit codebooks (2- and 4-bit at head_dim "
+                         "64 / 128); pre-RoPE keys in chunks that are whole halves (head_dim 64, "
                          "128, 256) or the halves layout")
-        # KVQuant at 4 bits (CB4): the 4-bit body's words, codes looked up in 16-entry tables
+        # KVQuant at 4 bits (CB4): the 4-bit body's words, codes looked up in 16-entry tables;
+        # at 2 bits (CB2): the 2-bit body's words, codes looked up in 4-entry tables
         CB4: gl.constexpr = CB and KBITS == 4
-        gl.static_assert(not CB or KBITS == 3 or (CB4 and VBITS == 4 and NCH == 2),
-                         "codebooks: 3 bits, or 4 bits at head_dim 64 / 128")
+        CB2: gl.constexpr = CB and KBITS == 2
+        gl.static_assert(not CB or KBITS == 3 or ((CB4 or CB2) and VBITS == KBITS and NCH == 2),
+                         "codebooks: 3 bits, or 2 / 4 bits at head_dim 64 / 128")
         # channels per rotate-half half as the cos / sin table and InvFreq hold them (in the
         # halves layout padded to whole chunks by the host, attend_body), and as the head does
         H2: gl.constexpr = DC * NCH // 2
@@ -1455,6 +1497,12 @@ if gluon is not None:
         if CB4:  # KVQuant (4 bits): the KV head's codebooks as prmt tables, [Hkv, 16] float32
             klo0, klo1, klo2, klo3, khi0, khi1, khi2, khi3 = _cb_tables16(KCB + (bh % Hkv) * 16)
             vlo0, vlo1, vlo2, vlo3, vhi0, vhi1, vhi2, vhi3 = _cb_tables16(VCB + (bh % Hkv) * 16)
+        elif CB2:  # KVQuant (2 bits): [Hkv, 4] float32, one low-byte and one high-byte word
+            klo0, khi0 = _cb_word(KCB + (bh % Hkv) * 4, 0, False), _cb_word(KCB + (bh % Hkv) * 4,
+                                                                            0, True)
+            vlo0, vhi0 = _cb_word(VCB + (bh % Hkv) * 4, 0, False), _cb_word(VCB + (bh % Hkv) * 4,
+                                                                            0, True)
+            klo1, khi1, vlo1, vhi1 = 0, 0, 0, 0
         elif CB:  # KVQuant (3 bits): the KV head's codebooks as prmt tables, [Hkv, 8] float32
             klo0, klo1, khi0, khi1 = _cb_tables(KCB + (bh % Hkv) * 8)
             vlo0, vlo1, vhi0, vhi1 = _cb_tables(VCB + (bh % Hkv) * 8)
@@ -1567,12 +1615,14 @@ if gluon is not None:
                 k = _key_operand_cb(_key_halves(kw0, _half_selector(4, DC, KW)), ks0, kz0, klo0,
                                     klo1, khi0, khi1, DC, KW, a_l, klo2, klo3, khi2, khi3, True)
             else:
-                k = _key_operand(kw0, ks0, kz0, KBITS, DC, KW, a_l, K_TOK)
+                k = _key_operand(kw0, ks0, kz0, KBITS, DC, KW, a_l, K_TOK, CB2, klo0, khi0)
             if ROPE:  # both halves first: R(j) k against R(p0)^T q (_rope_query)
                 if CB4:
                     k1 = _key_operand_cb(_key_halves(kw1, _half_selector(4, DC, KW)), ks1, kz1,
                                          klo0, klo1, khi0, khi1, DC, KW, a_l, klo2, klo3, khi2,
                                          khi3, True)
+                elif CB2:
+                    k1 = _key_operand(kw1, ks1, kz1, KBITS, DC, KW, a_l, K_TOK, CB2, klo0, khi0)
                 else:
                     k1 = _key_operand3(kp1, kq1, kr1, ks1, kz1, klo0, klo1, khi0, khi1, DC, KW,
                                        a_l, CB)
@@ -1623,7 +1673,7 @@ if gluon is not None:
                                         klo0, klo1, khi0, khi1, DC, KW, a_l, klo2, klo3, khi2,
                                         khi3, True)
                 else:
-                    k = _key_operand(kw1, ks1, kz1, KBITS, DC, KW, a_l, K_TOK)
+                    k = _key_operand(kw1, ks1, kz1, KBITS, DC, KW, a_l, K_TOK, CB2, klo0, khi0)
                 st = mma_v2(k, q1, st)
             # chunks past the second: their words only now (at head_dim 256, 255 registers with
             # 8-18 spilled words per step this way, 54-98 with every load at the step's start)
@@ -1638,11 +1688,11 @@ if gluon is not None:
                                            K_TOK, KFIX)
                 if Q_RELOAD:
                     q2 = _query_operand(Q, q_row0, qk_scale, 2, cols, HP, D, DC, b_l, HALVES)
-                k = _key_operand(kw2, ks2, kz2, KBITS, DC, KW, a_l, K_TOK)
+                k = _key_operand(kw2, ks2, kz2, KBITS, DC, KW, a_l, K_TOK, CB2, klo0, khi0)
                 st = mma_v2(k, q2, st)
                 if Q_RELOAD:
                     q3 = _query_operand(Q, q_row0, qk_scale, 3, cols, HP, D, DC, b_l, HALVES)
-                k = _key_operand(kw3, ks3, kz3, KBITS, DC, KW, a_l, K_TOK)
+                k = _key_operand(kw3, ks3, kz3, KBITS, DC, KW, a_l, K_TOK, CB2, klo0, khi0)
                 st = mma_v2(k, q3, st)
             elif NCH >= 3 and not ROPE:  # (pre-RoPE keys: all four chunks above)
                 if Q_RELOAD:  # from L1 each step: 8-16 fewer live registers through the loop
@@ -1702,7 +1752,7 @@ if gluon is not None:
                 v = _value_operand_cb(vw0, vs0, vz0, vlo0, vlo1, vhi0, vhi1, DC, VW, a_l, vlo2,
                                       vlo3, vhi2, vhi3, True)
             else:
-                v = _value_operand(vw0, vs0, vz0, VBITS, DC, VW, a_l)
+                v = _value_operand(vw0, vs0, vz0, VBITS, DC, VW, a_l, CB2, vlo0, vhi0)
             acc0 = mma_v2(v, pb, acc0 * alpha[None, :])
             if VBITS == 3:
                 v = _value_operand3(vp1, vq1, vr1, vs1, vz1, vlo0, vlo1, vhi0, vhi1, DC, VW,
@@ -1711,7 +1761,7 @@ if gluon is not None:
                 v = _value_operand_cb(vw1, vs1, vz1, vlo0, vlo1, vhi0, vhi1, DC, VW, a_l, vlo2,
                                       vlo3, vhi2, vhi3, True)
             else:
-                v = _value_operand(vw1, vs1, vz1, VBITS, DC, VW, a_l)
+                v = _value_operand(vw1, vs1, vz1, VBITS, DC, VW, a_l, CB2, vlo0, vhi0)
             acc1 = mma_v2(v, pb, acc1 * alpha[None, :])
             # chunks past the second: their words only now (as for the keys)
             if NCH == 4 and VBITS != 3 and DC == 64:
@@ -1719,9 +1769,9 @@ if gluon is not None:
                                              body_len, 2 * DC, VBITS, WV, G, D, DC, GV, VW, VS_L)
                 vw3, vs3, vz3 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
                                              body_len, 3 * DC, VBITS, WV, G, D, DC, GV, VW, VS_L)
-                v = _value_operand(vw2, vs2, vz2, VBITS, DC, VW, a_l)
+                v = _value_operand(vw2, vs2, vz2, VBITS, DC, VW, a_l, CB2, vlo0, vhi0)
                 acc2 = mma_v2(v, pb, acc2 * alpha[None, :])
-                v = _value_operand(vw3, vs3, vz3, VBITS, DC, VW, a_l)
+                v = _value_operand(vw3, vs3, vz3, VBITS, DC, VW, a_l, CB2, vlo0, vhi0)
                 acc3 = mma_v2(v, pb, acc3 * alpha[None, :])
             elif NCH >= 3:
                 # (in the halves layout the last value chunk may lie wholly past D: skipped)
@@ -1839,6 +1889,13 @@ KVQUANT_STRAIGHT_OUTLIERS = env_switch("KVBITS_GLUON_KVQUANT_ODD_OUTLIERS", "1")
 # 507 against 845, batch 1 106 against 141 (0.5-0.96x flash SDPA: the turn and the outliers
 # bound it, as at 3 bits). KVBITS_GLUON_KVQUANT4=0 sends these layers to the Triton kernel.
 KVQUANT4 = env_switch("KVBITS_GLUON_KVQUANT4", "1")
+# KVQuant at 2 bits (kvquant-2, -offline, -dense, -post) at head dims 64 and 128: the 2-bit
+# body's words with each code looked up in the head's 4-entry table (_cb2_pair_asm: one prmt per
+# pair, checked on the CPU by tests/kernels/test_gluon_ptx.py), outliers and pre-RoPE keys as at
+# 3 and 4 bits. Written in session 45; off until its GPU cases pass (run_s45c.sh), the Triton
+# kernel serving these layers at 6-9% of the copy bandwidth (0.37x flash SDPA at Llama-3-8B
+# batch 8 32k, decode_attention_offline_gluon_s45.md). KVBITS_GLUON_KVQUANT2=1 turns it on.
+KVQUANT2 = env_switch("KVBITS_GLUON_KVQUANT2", "0")
 MAX_OUTLIERS = 4  # per token, keys or values (one pair of MMAs each)
 # Pre-RoPE keys turned in four 16-row blocks, each with its quarter of the cos/sin table loaded
 # just before its MMAs (_rope_scores), instead of the whole [64, D/2] table beside both key halves.
@@ -1863,8 +1920,8 @@ _BODY_KEYWORDS_MAXNREG = keyword_maker(_BODY_NAMES + ("maxnreg",))
 
 def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
     """Whether :func:`attend_body` serves this layer and call: Gluon importable, integer codes
-    (KVQuant codebooks at 3 bits with ``PLANES3``, at 4 bits and head_dim 64 / 128 with
-    ``KVQUANT4``; their outliers, at most ``MAX_OUTLIERS`` per
+    (KVQuant codebooks at 3 bits with ``PLANES3``, at 4 and 2 bits and head_dim 64 / 128 with
+    ``KVQUANT4`` and ``KVQUANT2``; their outliers, at most ``MAX_OUTLIERS`` per
     token, and pre-RoPE keys with ``KVQUANT_FULL`` at head_dim 64 / 128, and 256 with
     ``KVQUANT_WIDE``; pre-RoPE layers at the other multiples of 4 from 36 to 124 with
     ``KVQUANT_HALVES``, outliers alone there with ``KVQUANT_STRAIGHT_OUTLIERS``),
@@ -1909,8 +1966,9 @@ def eligible(kv, q_rows: int, heads_per_kv: int) -> bool:
     if codebooks != (getattr(kv, "v_codebook", None) is not None) or (
             codebooks and kv.key_bits != kv.value_bits):
         return False
-    if codebooks and kv.key_bits != 3 and not (kv.key_bits == 4 and KVQUANT4 and D in (64, 128)):
-        return False  # KVQuant codebooks: 3-bit planes (PLANES3, below), 4 bits with KVQUANT4
+    if codebooks and kv.key_bits != 3 and not (D in (64, 128) and (
+            kv.key_bits == 4 and KVQUANT4 or kv.key_bits == 2 and KVQUANT2)):
+        return False  # KVQuant codebooks: 3-bit planes (PLANES3, below), 4 / 2 bits (KVQUANT4 / 2)
     G, GV = kv.group_size, kv.value_group
     key_axis = getattr(kv, "key_axis", "channel")
     # keys per token: at most one scale group per channel chunk (the chunk broadcasts it)
