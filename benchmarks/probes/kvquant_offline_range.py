@@ -184,8 +184,12 @@ class rule_layers:
 
 
 def fresh_cache(base: Path, root: Path, tag: str) -> Path:
+    """A cache folder for one rule (reused when ``root`` already holds it: same rule, so the
+    calibrations there were made with it)."""
     d = root / re.sub(r"[^A-Za-z0-9_.@=-]+", "_", tag)[:80]
-    d.mkdir(parents=True, exist_ok=False)
+    if d.exists():
+        return d
+    d.mkdir(parents=True)
     for entry in base.iterdir():
         if entry.name != "calibrations":
             (d / entry.name).symlink_to(entry)
@@ -206,11 +210,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rules", default="q0.002", help="space-separated")
     ap.add_argument("--name", required=True)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--cache-root", default=None,
+                    help="folder of per-rule caches to reuse across runs (default: a new one)")
     a = ap.parse_args(argv)
 
     base = Path(os.environ.get("KVBITS_CACHE") or data.cache_dir())
     os.environ["KVBITS_CACHE"] = str(base)
-    root = Path(tempfile.mkdtemp(prefix="kvbits_offline_range_"))
+    root = (Path(a.cache_root) if a.cache_root
+            else Path(tempfile.mkdtemp(prefix="kvbits_offline_range_")))
     out_json = Path(a.out) / f"kvquant_offline_range_{a.name}.json"
     cmd = " ".join(["python", "benchmarks/probes/kvquant_offline_range.py", *(argv or sys.argv[1:])])
     record = {"command": cmd, "model": a.model, "text": a.text, "tokens": a.tokens,

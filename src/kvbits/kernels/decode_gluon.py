@@ -1892,10 +1892,11 @@ KVQUANT4 = env_switch("KVBITS_GLUON_KVQUANT4", "1")
 # KVQuant at 2 bits (kvquant-2, -offline, -dense, -post) at head dims 64 and 128: the 2-bit
 # body's words with each code looked up in the head's 4-entry table (_cb2_pair_asm: one prmt per
 # pair, checked on the CPU by tests/kernels/test_gluon_ptx.py), outliers and pre-RoPE keys as at
-# 3 and 4 bits. Written in session 45; off until its GPU cases pass (run_s45c.sh), the Triton
-# kernel serving these layers at 6-9% of the copy bandwidth (0.37x flash SDPA at Llama-3-8B
-# batch 8 32k, decode_attention_offline_gluon_s45.md). KVBITS_GLUON_KVQUANT2=1 turns it on.
-KVQUANT2 = env_switch("KVBITS_GLUON_KVQUANT2", "0")
+# 3 and 4 bits. Session 45: its 25 GPU cases passed (gpu_tests_s45c.log); H200 batch 8 32k graph
+# time (decode_attention_kvquant2_gluon_s45.md) kvquant-2 390 / 1400 us at Llama-3-8B /
+# Llama-2-7B shapes against 711 / 2502 for the Triton kernel (0.66x / 1.21x flash SDPA).
+# KVBITS_GLUON_KVQUANT2=0 sends these layers back to the Triton kernel.
+KVQUANT2 = env_switch("KVBITS_GLUON_KVQUANT2", "1")
 MAX_OUTLIERS = 4  # per token, keys or values (one pair of MMAs each)
 # Pre-RoPE keys turned in four 16-row blocks, each with its quarter of the cos/sin table loaded
 # just before its MMAs (_rope_scores), instead of the whole [64, D/2] table beside both key halves.
