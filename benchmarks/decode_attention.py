@@ -438,7 +438,9 @@ def main(argv=None) -> None:
              "kvquant-3-dense-post: the same codebooks without outliers or pre-RoPE keys; "
              "kivi-3 and both kvquant-3 presets through the Gluon body's 3-bit planes "
              "(decode_gluon.PLANES3; kvquant-3's outliers as one-hot MMAs and its keys turned "
-             "per element, decode_gluon.KVQUANT_FULL)",
+             "per element, decode_gluon.KVQUANT_FULL); kvquant-2 / kvquant-4 there too at head "
+             "dims 64 / 128 (4- / 16-entry table lookups); kvquant-N-offline: one calibrated "
+             "key scale/zero row per layer instead of per-group key scales",
              "speedup vs FP16: against SDPA restricted to the flash backend (the issue's baseline); "
              "vs best SDPA: against the faster of that and torch's default SDPA backend (cuDNN on "
              "the H200, near copy bandwidth for decode), measured in the same run",
