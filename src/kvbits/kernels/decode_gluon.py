@@ -797,8 +797,8 @@ if gluon is not None:
         its low bytes (``$2``) and one of its high bytes (``$3``), then ``* scale + zero``
         (``$4, $5``). A ``prmt`` gathers the two codes into bytes 0 and 1, a multiply-add makes
         the lookup's selector (nibbles ``code, code + 4`` per half: the entry's low byte from
-        ``$2``, its high byte from ``$3``), one ``prmt`` looks both entries up: 5 per pair
-        (the shift, at slots past 0, and the FMA included; the uniform dequant takes 3)."""
+        ``$2``, its high byte from ``$3``), one ``prmt`` looks both entries up: 6 per pair
+        with the shift and the FMA (5 at slot 0; the uniform dequant takes 3)."""
         sh = 2 * int(getattr(p, "value", p))
         shift = f"shr.b32 t, $1, {sh}; " if sh else "mov.b32 t, $1; "
         return ("{ .reg .b32 t, g, c, v, z; mov.b32 z, 0; " + shift
@@ -1498,10 +1498,10 @@ if gluon is not None:
             klo0, klo1, klo2, klo3, khi0, khi1, khi2, khi3 = _cb_tables16(KCB + (bh % Hkv) * 16)
             vlo0, vlo1, vlo2, vlo3, vhi0, vhi1, vhi2, vhi3 = _cb_tables16(VCB + (bh % Hkv) * 16)
         elif CB2:  # KVQuant (2 bits): [Hkv, 4] float32, one low-byte and one high-byte word
-            klo0, khi0 = _cb_word(KCB + (bh % Hkv) * 4, 0, False), _cb_word(KCB + (bh % Hkv) * 4,
-                                                                            0, True)
-            vlo0, vhi0 = _cb_word(VCB + (bh % Hkv) * 4, 0, False), _cb_word(VCB + (bh % Hkv) * 4,
-                                                                            0, True)
+            kcb2 = KCB + (bh % Hkv) * 4
+            vcb2 = VCB + (bh % Hkv) * 4
+            klo0, khi0 = _cb_word(kcb2, 0, False), _cb_word(kcb2, 0, True)
+            vlo0, vhi0 = _cb_word(vcb2, 0, False), _cb_word(vcb2, 0, True)
             klo1, khi1, vlo1, vhi1 = 0, 0, 0, 0
         elif CB:  # KVQuant (3 bits): the KV head's codebooks as prmt tables, [Hkv, 8] float32
             klo0, klo1, khi0, khi1 = _cb_tables(KCB + (bh % Hkv) * 8)
