@@ -30,6 +30,7 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 import tempfile
 import time
@@ -219,7 +220,8 @@ def main(argv=None) -> int:
     root = (Path(a.cache_root) if a.cache_root
             else Path(tempfile.mkdtemp(prefix="kvbits_offline_range_")))
     out_json = Path(a.out) / f"kvquant_offline_range_{a.name}.json"
-    cmd = " ".join(["python", "benchmarks/probes/kvquant_offline_range.py", *(argv or sys.argv[1:])])
+    cmd = shlex.join(["python", "benchmarks/probes/kvquant_offline_range.py",
+                      *(argv or sys.argv[1:])])
     record = {"command": cmd, "model": a.model, "text": a.text, "tokens": a.tokens,
               "chunk": a.chunk, "calib_text": a.calib_text, "calib_tokens": a.calib_tokens,
               "threads": torch.get_num_threads(), "rows": []}

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import kvquant_offline_range as P  # noqa: E402
+import kvquant_offline_range as P
 
-from kvbits import data  # noqa: E402
-from kvbits.methods.kvquant import collect_kv, offline_key_rows  # noqa: E402
+from kvbits import data
+from kvbits.methods.kvquant import collect_kv, offline_key_rows
 
 
 def rel_err(x, deq, n_out):
@@ -83,13 +83,13 @@ def main():
         n_out = math.ceil(0.01 * D - 1e-9)
         row = {"layer": i, "type": types[i][:7]}
         for bits in (3, 2):
-            s, z = offline_key_rows(c, bits, keep)
+            s, z = offline_key_rows(c, bits, keep, q=0.002)  # (the rule of session 44)
             lo, hi = z.float()[:, None], z.float()[:, None] + s.float()[:, None] * ((1 << bits) - 1)
             out_c = ((cf < lo) | (cf > hi))
             out_e = ((ef < lo) | (ef > hi))
             far_e = ((ef < lo - s.float()[:, None]) | (ef > hi + s.float()[:, None]))
-            row[f"sat_cal"] = out_c.float().mean().item()
-            row[f"sat_eval"] = out_e.float().mean().item()
+            row["sat_cal"] = out_c.float().mean().item()
+            row["sat_eval"] = out_e.float().mean().item()
             row[f"far_eval_b{bits}"] = far_e.float().mean().item()
             # token vectors with more saturated channels than outlier slots
             row["tok_over_nout_eval"] = (out_e.sum(-1) > n_out).float().mean().item()
@@ -98,14 +98,14 @@ def main():
             row[f"err_q0_b{bits}"] = rel_err(ef, deq_rows(ef, s0, z0, bits), n_out)
             sm, zm = P.rule_mse(True)(c, bits, keep)
             row[f"err_mse_b{bits}"] = rel_err(ef, deq_rows(ef, sm, zm, bits), n_out)
-            so, zo = offline_key_rows(e[:, 1:], bits)  # oracle: fitted on the evaluation keys
+            so, zo = offline_key_rows(e[:, 1:], bits, q=0.002)  # oracle: on the evaluation keys
             row[f"err_oracle_b{bits}"] = rel_err(ef, deq_rows(ef, so, zo, bits), n_out)
             xg, dg = deq_group(ef, bits)
             row[f"err_group_b{bits}"] = rel_err(xg, dg, n_out)
             row[f"err_off_cal_b{bits}"] = rel_err(cf, deq_rows(cf, s, z, bits), n_out)
         # range shift: per channel, evaluation q0.002 range / calibration q0.002 range
-        rc = (lambda t: t[0].float() * 7)(offline_key_rows(c, 3, keep))
-        re_ = (lambda t: t[0].float() * 7)(offline_key_rows(e[:, 1:], 3))
+        rc = offline_key_rows(c, 3, keep, q=0.002)[0].float() * 7
+        re_ = offline_key_rows(e[:, 1:], 3, q=0.002)[0].float() * 7
         ratio = (re_ / rc.clamp_min(1e-6)).flatten()
         row["range_ratio_med"] = ratio.median().item()
         row["range_ratio_max"] = ratio.max().item()

@@ -6,17 +6,32 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
 from pathlib import Path
 
 R = Path("benchmarks/results")
 GROUPS = [  # (title, run names in order)
     ("gemma3-270m on lee-news, 2048 tokens", ["gemma3_lee_news_repro", "gemma3_lee_news_rules",
-                                              "gemma3_lee_news_rules2"]),
+                                              "gemma3_lee_news_rules2",
+                                              "gemma3_lee_news_layers",
+                                              "gemma3_lee_news_layers2"]),
+    ("gemma3-270m on lee-news, 2048 tokens, 4 bits", ["gemma3_lee_news_repro",
+                                                     "gemma3_lee_news_4bit"]),
     ("gemma3-270m on sotu-2010-2016, 2048 tokens", ["gemma3_sotu"]),
     ("qwen2.5-0.5b on lee-news, 2048 tokens", ["qwen_lee_news", "qwen_lee_news_rules2"]),
     ("smollm2 on sotu-2010-2016, 1024 tokens", ["smollm2_sotu"]),
     ("smollm2 on lee-news, 4096 tokens", ["smollm2_lee_news"]),
+    ("smollm2 on lee-news, 4096 tokens, 4 bits", ["smollm2_lee_news", "smollm2_lee_news_4bit"]),
 ]
+
+
+def _quoted(cmd: str) -> str:
+    """Commands recorded before the probe used shlex.join: re-quote --rules and --once."""
+    if "'" in cmd:
+        return cmd
+    cmd = re.sub(r"--rules (.*?) --", lambda m: f"--rules {shlex.quote(m.group(1))} --", cmd)
+    return cmd.replace("--once  --", "--once '' --")
 
 
 def main():
@@ -31,17 +46,25 @@ def main():
         ref = {r["preset"]: r["ppl"] for r in rows if r["rule"] is None}
         rules = list(dict.fromkeys(r["rule"] for r in rows if r["rule"] is not None))
         by = {(r["rule"], r["preset"]): r["ppl"] for r in rows if r["rule"] is not None}
-        cur = {p: by.get(("q0.002", p)) for p in ("kvquant-3-offline", "kvquant-2-offline")}
-        md += [f"### {title}", "", "```"] + [run["command"] for run in runs] + ["```", ""]
+        presets = [p for p in ("kvquant-4-offline", "kvquant-3-offline", "kvquant-2-offline")
+                   if any(k[1] == p for k in by)]
+        if "4 bits" in title:
+            presets = ["kvquant-4-offline"]
+        elif "kvquant-4-offline" in presets:
+            presets.remove("kvquant-4-offline")
+        cur = {p: by.get(("q0.002", p)) for p in presets}
+        md += [f"### {title}", "", "```"] + [_quoted(run["command"]) for run in runs] + ["```", ""]
         md += [f"FP16 {fp16:.3f}" + "".join(f"; {p} {v:.3f} ({100 * (v / fp16 - 1):+.2f}%)"
                                             for p, v in ref.items() if p != "fp16") + ".", ""]
-        md += ["| rule | 3-bit PPL | vs fp16 | Δ vs q0.002 | 2-bit PPL | vs fp16 | Δ vs q0.002 |",
-               "|---|---|---|---|---|---|---|"]
+        md += ["| rule | " + " | ".join(f"{p[8]}-bit PPL | vs fp16 | Δ vs q0.002" for p in presets)
+               + " |", "|---|" + "---|---|---|" * len(presets)]
         table = []
         for rule in rules:
             cells = [rule]
             row = {"rule": rule}
-            for p in ("kvquant-3-offline", "kvquant-2-offline"):
+            if not any((rule, p) in by for p in presets):
+                continue
+            for p in presets:
                 v = by.get((rule, p))
                 if v is None:
                     cells += ["-", "-", "-"]
@@ -53,7 +76,7 @@ def main():
             md.append("| " + " | ".join(cells) + " |")
             table.append(row)
         md.append("")
-        out["tables"].append({"title": title, "runs": names, "commands": [r["command"] for r in runs],
+        out["tables"].append({"title": title, "runs": names, "commands": [_quoted(r["command"]) for r in runs],
                               "fp16": fp16, "reference": ref, "rules": table})
     (R / "kvquant_offline_range_tables.md").write_text("\n".join(md) + "\n")
     diag = {}

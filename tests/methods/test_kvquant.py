@@ -428,6 +428,39 @@ def test_offline_key_rows_and_quantization():
             assert int(oi[0, 0, 5, 0]) == 7
 
 
+def test_offline_key_rows_pick_the_least_error_range_at_3_bits_and_more():
+    """Without ``q``: at 2 bits the fixed OFFLINE_KEY_QUANTILE; at 3 and 4 bits, per channel,
+    the candidate quantile range of least squared error of uniform quantization with saturation
+    (never worse than the fixed one, narrower for a Gaussian channel); a constant channel
+    gets scale 0, no NaN; the rule names the automatic calibration's cache key."""
+    g = torch.Generator().manual_seed(7)
+    H, T, D = 2, 3000, 8
+    calib = torch.randn(H, T, D, generator=g)
+    calib[:, :, 1] = torch.distributions.StudentT(1.5).sample((H, T))  # heavy tails
+    calib[:, :, 2] = -0.5  # constant
+    assert all(torch.equal(a, b) for a, b in zip(
+        kvq.offline_key_rows(calib, 2), kvq.offline_key_rows(calib, 2, q=kvq.OFFLINE_KEY_QUANTILE),
+        strict=True))
+
+    def err(rows, bits):
+        s, z = (t.float()[:, None, :] for t in rows)
+        lv = (1 << bits) - 1
+        codes = ((calib - z) / torch.where(s > 0, s, 1.0)).round().clamp(0, lv)
+        return (calib - (z + codes * s)).square().mean(1)
+
+    for bits in (3, 4):
+        best, fixed = kvq.offline_key_rows(calib, bits), kvq.offline_key_rows(calib, bits, q=0.002)
+        assert not any(bool(t.isnan().any()) for t in best)
+        assert bool((err(best, bits) <= err(fixed, bits) * (1 + 1e-3) + 1e-6).all()), bits
+        # Gaussian channels: the least-error clip is inside the 0.2% quantiles (~3.1 sigma)
+        assert bool((best[0][:, 0] < fixed[0][:, 0]).all()), bits
+        assert float(best[0][0, 2]) == 0 and float(best[1][0, 2]) == -0.5
+    spec = resolve_spec("kvquant-3-offline")
+    model = tiny_llama()
+    assert kvq.calibration_path(model, spec, "t", 10) != kvq.calibration_path(
+        model, spec.replace(key_scales="group"), "t", 10)
+
+
 def test_offline_key_scales_calibrate_save_and_refuse(tmp_path):
     """calibrate() fits the rows (each window's first token left out) and the codebook on keys
     normalized by them; the file carries them; a group-scale file is refused for the offline

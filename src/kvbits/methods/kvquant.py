@@ -80,11 +80,22 @@ CALIBRATION_FIELDS = ("method", "key_bits", "value_bits", "group_size", "pre_rop
                       "codebook", "qnorm", "fisher", "key_scales")
 # what a file written before a field existed was made with
 _FIELD_DEFAULTS = {"key_scales": "group"}
-# key_scales="calibrated": the fraction of calibration key values left outside each channel's
-# offline range (half on each side); the outliers and the codebook's ends take them. Session
-# 44's probe (benchmarks/results/kvquant_offline_keys_s44.md): 0.001-0.005 within noise of each
-# other on SmolLM2, 0.01-0.02 worse.
+# key_scales="calibrated": at 2 bits, the fraction of calibration key values left outside each
+# channel's offline range (half on each side); the outliers and the codebook's ends take them.
+# Session 44's probe (benchmarks/results/kvquant_offline_keys_s44.md): 0.001-0.005 within noise
+# of each other on SmolLM2, 0.01-0.02 worse.
 OFFLINE_KEY_QUANTILE = 0.002
+# At 3 bits and more each channel takes, among the ranges leaving these fractions outside, the
+# one of least squared error of uniform quantization with saturation on its calibration keys.
+# Session 45 (benchmarks/results/kvquant_offline_range.md, kvquant-N-offline against the fixed
+# 0.2%): Gemma3-270M 3 bits +1.53% -> +0.36% over FP16 on news, +1.26% -> +0.84% on SOTU,
+# Qwen2.5-0.5B -0.35 points, SmolLM2 -0.03 / +0.08, 4 bits -0.12 to -0.26; at 2 bits it lost
+# 2.8 points on SmolLM2 news (narrower ranges throw away too much at 4 levels), so 2 bits keeps
+# the fixed fraction.
+OFFLINE_KEY_QUANTILES = (0.0, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
+# the rule above, named in the cache key of automatic calibrations (calibration_path): rows fitted
+# by an earlier rule are not reused
+OFFLINE_KEY_RULE = "q0.002@2,mse-quantiles@3+"
 FORMAT = "kvbits-kvquant-calibration-v1"
 
 
@@ -374,20 +385,43 @@ def _quantize_keys_rows(k, bits, group_size, codebook, thresholds, n_out, valid,
 
 
 def offline_key_rows(k: torch.Tensor, bits: int, keep: torch.Tensor | None = None,
-                     q: float = OFFLINE_KEY_QUANTILE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Offline float16 ``(scale, zero) [H, D]`` of calibration keys ``[H, T, D]``: each
-    channel's range between its ``q / 2`` and ``1 - q / 2`` quantiles (``keep``: the tokens
-    counted). A constant channel gets scale 0 (its keys dequantize to the zero)."""
+                     q: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Offline float16 ``(scale, zero) [H, D]`` of calibration keys ``[H, T, D]`` (``keep``: the
+    tokens counted): each channel's range between its ``c / 2`` and ``1 - c / 2`` quantiles,
+    with ``c = q`` if given, else ``OFFLINE_KEY_QUANTILE`` at 2 bits and, at 3 bits and more,
+    the ``c`` of ``OFFLINE_KEY_QUANTILES`` whose range gives the channel's keys the least squared
+    error of uniform ``2**bits``-level quantization with saturation. A constant channel gets
+    scale 0 (its keys dequantize to the zero)."""
     if keep is not None:
         k = k[:, keep]
     T = k.shape[1]
     if T == 0:
         raise ValueError("offline key scales need calibration tokens")
-    srt = k.float().sort(dim=1).values  # (torch.quantile refuses more than 2**24 elements)
-    lo = srt[:, int(q / 2 * (T - 1))].clamp(-FP16_MAX, FP16_MAX)
-    hi = srt[:, round((1 - q / 2) * (T - 1))].clamp(-FP16_MAX, FP16_MAX)
+    x = k.float()
+    srt = x.sort(dim=1).values  # (torch.quantile refuses more than 2**24 elements)
+
+    def quantile_range(c: float):
+        return srt[:, int(c / 2 * (T - 1))], srt[:, round((1 - c / 2) * (T - 1))]
+
+    levels = (1 << bits) - 1
+    if q is not None or bits < 3:
+        lo, hi = quantile_range(OFFLINE_KEY_QUANTILE if q is None else q)
+    else:
+        best = lo = hi = None
+        for c in OFFLINE_KEY_QUANTILES:
+            a, b = quantile_range(c)
+            step = ((b - a) / levels)[:, None]
+            codes = ((x - a[:, None]) / torch.where(step > 0, step, 1.0)).round().clamp(0, levels)
+            err = (x - (a[:, None] + codes * step)).square().mean(1)  # [H, D]
+            if best is None:
+                best, lo, hi = err, a, b
+            else:
+                better = err < best
+                best = torch.where(better, err, best)
+                lo, hi = torch.where(better, a, lo), torch.where(better, b, hi)
+    lo, hi = lo.clamp(-FP16_MAX, FP16_MAX), hi.clamp(-FP16_MAX, FP16_MAX)
     zero = lo.half()
-    scale = ((hi - zero.float()) / ((1 << bits) - 1)).clamp(0, FP16_MAX).half()
+    scale = ((hi - zero.float()) / levels).clamp(0, FP16_MAX).half()
     return scale, zero
 
 
@@ -807,6 +841,8 @@ def calibration_path(model, spec: QuantSpec, text: str, tokens: int) -> Path:
 
     fields = {k: v for k, v in spec_fields(spec).items()  # (the digests made before a field
               if k not in _FIELD_DEFAULTS or v != _FIELD_DEFAULTS[k]}  # existed still hold)
+    if spec.key_scales == "calibrated":
+        fields["offline_key_rule"] = OFFLINE_KEY_RULE
     key = json.dumps({**fields, "text": text, "tokens": tokens}, sort_keys=True)
     digest = hashlib.sha1(key.encode()).hexdigest()[:10]
     return cache_dir() / "calibrations" / f"{model_fingerprint(model)}-{digest}.safetensors"
