@@ -11,7 +11,6 @@ error over the rest divided by the mean squared key; a file with per-group key s
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -19,7 +18,9 @@ from pathlib import Path
 
 import torch
 
-from kvbits import data
+sys.path.insert(0, str(Path(__file__).parent))
+import kvquant_offline_range_diag as diag
+
 from kvbits.methods.kvquant import Calibration, collect_kv
 
 
@@ -42,20 +43,12 @@ def err(x, d, n_out, w=None):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="gemma3-270m")
-    ap.add_argument("--text", default="lee-news")
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--calib-text", default="sotu-pre-2000")
-    ap.add_argument("--calib-tokens", type=int, default=2048)
-    ap.add_argument("--name", required=True)
+    ap = diag.parser()
     ap.add_argument("--fisher", action="store_true",
                     help="also the Fisher-weighted error on the evaluation text (windows of 512)")
     ap.add_argument("files", nargs="+")
     a = ap.parse_args()
-    model, tok = data.load_model(a.model, dtype=torch.float32)
-    ev = data.tokenize_text(tok, data.load_text(a.text), a.tokens)
-    ca = data.tokenize_text(tok, data.load_text(a.calib_text), a.calib_tokens)
+    model, ca, ev = diag.model_and_texts(a)
     with torch.no_grad():
         ke = [l[0][:, 1:].float() for l in collect_kv(model, ev, window=ev.shape[1], fisher=False)]
         kc_all = [l[0].float() for l in collect_kv(model, ca, window=512, fisher=False)]

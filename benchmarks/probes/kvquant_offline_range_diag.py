@@ -57,7 +57,8 @@ def deq_group(x, bits, G=32):
     return x[:, :t], (lo + c * s).reshape(H, t, D)
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
+    """The model, evaluation text and calibration text options (shared with the cbdiag probe)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="gemma3-270m")
     ap.add_argument("--text", default="lee-news")
@@ -65,10 +66,20 @@ def main():
     ap.add_argument("--calib-text", default="sotu-pre-2000")
     ap.add_argument("--calib-tokens", type=int, default=2048)
     ap.add_argument("--name", required=True)
-    a = ap.parse_args()
+    return ap
+
+
+def model_and_texts(a):
+    """The float32 model and the token ids of the calibration and evaluation texts."""
     model, tok = data.load_model(a.model, dtype=torch.float32)
     cal_ids = data.tokenize_text(tok, data.load_text(a.calib_text), a.calib_tokens)
     ev_ids = data.tokenize_text(tok, data.load_text(a.text), a.tokens)
+    return model, cal_ids, ev_ids
+
+
+def main():
+    a = parser().parse_args()
+    model, cal_ids, ev_ids = model_and_texts(a)
     with torch.no_grad():
         kc = [l[0] for l in collect_kv(model, cal_ids, window=512, fisher=False)]
         ke = [l[0] for l in collect_kv(model, ev_ids, window=ev_ids.shape[1], fisher=False)]
