@@ -65,9 +65,10 @@ def add_model(text: str) -> str:
     return name
 # kivi-3, kvquant-3-dense-post (codebooks only) and kvquant-3 (with outliers and pre-RoPE keys,
 # decode_gluon.KVQUANT_FULL) go through the Gluon body's 3-bit planes (decode_gluon.PLANES3, on
-# unless KVBITS_GLUON_3BIT=0); kvquant-2 / kvquant-4 (--presets) through the Triton kernel
+# unless KVBITS_GLUON_3BIT=0); kvquant-2 / kvquant-4 through its 4- / 16-entry table lookups
+# (decode_gluon.KVQUANT2 / KVQUANT4), kvquant-3-offline with its one fixed key-scale row (KFIX)
 PRESETS = ("kivi-2", "kivi-4", "k4v2", "uniform-int4", "uniform-int2", "fp8-dynamic", "kvquant-3",
-           "kivi-3", "kvquant-3-dense-post")
+           "kivi-3", "kvquant-3-dense-post", "kvquant-2", "kvquant-4", "kvquant-3-offline")
 
 
 def bench(fn) -> float:

@@ -1,0 +1,183 @@
+"""The README's decode-attention summary, computed from ``decode_attention.json``.
+
+Reads a table written by ``benchmarks/decode_attention.py`` (no GPU needed) and prints Markdown:
+
+* the headline table: a few shapes x the main presets, CUDA-graph µs of the library's call and
+  its speedup over FP16 flash SDPA's own CUDA-graph time in the same run (and, in the FP16
+  column, torch's default SDPA backend, eager);
+* per preset, the range of graph speedups over the long rows (batch x context >= 256k tokens),
+  per model: the chooser's "attention speed" column;
+* the issues' speed targets checked against those rows (met / missed, with the numbers).
+
+    python benchmarks/decode_headline.py [benchmarks/results/decode_attention.json]
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LONG = 256 * 1024  # batch x context of the "long rows" the targets speak of
+HEADLINE_SHAPES = [("llama-2-7b", 32, 131072), ("llama-3-8b", 32, 32768),
+                   ("llama-2-7b", 8, 32768), ("llama-3-8b", 8, 32768),
+                   ("llama-3-8b", 8, 131072), ("llama-2-7b", 1, 32768),
+                   ("llama-3-8b", 1, 131072)]
+HEADLINE_PRESETS = ["kivi-2", "kivi-3", "kivi-4", "uniform-int4", "fp8-dynamic", "kvquant-3",
+                    "kvquant-3-dense-post"]
+# (issue, preset, least graph speedup over flash SDPA on every long row)
+TARGETS = [(3, "kivi-2", 4.5), (3, "kivi-4", 3.0), (4, "kvquant-3", 3.0),
+           (5, "uniform-int4", 3.0)]
+BASELINES = {"hf_quantized (emulated)": "QuantizedCache path (emulated)",
+             "seed_unfused": "seed design"}
+QC_TARGET = ("uniform-int4", 10.0, 32768)  # issue 5: >= 10x the QuantizedCache path at 32k
+MODEL_NAMES = {"llama-2-7b": "Llama-2-7B", "llama-3-8b": "Llama-3-8B"}
+
+
+def _ctx(t: int) -> str:
+    return f"{t // 1024}k"
+
+
+def library_rows(rows: list[dict]) -> dict:
+    """(model, batch, context, preset) -> the library's own row (the Gluon body where it serves,
+    not the Triton-only comparison row)."""
+    return {(r["model"], r["batch"], r["context"], r["preset"]): r for r in rows
+            if r["provider"].startswith("kvbits") and "triton v4" not in r["provider"]}
+
+
+def fp16_rows(rows: list[dict]) -> dict:
+    """(model, batch, context) -> (flash row, default-backend row)."""
+    out: dict = {}
+    for r in rows:
+        if r["preset"] == "fp16":
+            key = (r["model"], r["batch"], r["context"])
+            flash, default = out.get(key, (None, None))
+            if "default" in r["provider"]:
+                default = r
+            else:
+                flash = r
+            out[key] = (flash, default)
+    return out
+
+
+def baseline_rows(rows: list[dict]) -> dict:
+    """(model, batch, context, provider) -> the seed design's or the emulated QuantizedCache
+    path's row (eager; measured on kivi-2's cache)."""
+    return {(r["model"], r["batch"], r["context"], r["provider"]): r for r in rows
+            if r["provider"] in BASELINES}
+
+
+def headline(rows: list[dict]) -> str:
+    lib, fp, base = library_rows(rows), fp16_rows(rows), baseline_rows(rows)
+    head = (["shape (B, context)", "FP16 flash / default SDPA"] + HEADLINE_PRESETS
+            + [f"{label}, eager (kivi-2 faster by)" for label in BASELINES.values()])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m, b, t in HEADLINE_SHAPES:
+        flash, default = fp.get((m, b, t), (None, None))
+        if flash is None:
+            continue
+        cells = [f"{MODEL_NAMES.get(m, m)}, {b}, {_ctx(t)}",
+                 f"{flash['us_graph']:.0f} / {default['us']:.0f}" if default else
+                 f"{flash['us_graph']:.0f}"]
+        for p in HEADLINE_PRESETS:
+            r = lib.get((m, b, t, p))
+            cells.append("-" if r is None or r.get("us_graph") is None else
+                         f"{r['us_graph']:.0f} ({flash['us_graph'] / r['us_graph']:.2f}x)")
+        mine = lib.get((m, b, t, "kivi-2"))
+        for provider in BASELINES:
+            r = base.get((m, b, t, provider))
+            cells.append("-" if r is None or mine is None else
+                         f"{r['us']:.0f} ({r['us'] / mine['us']:.0f}x)")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def long_row_speedups(rows: list[dict]) -> dict:
+    """preset -> model -> [(batch, context, graph speedup, fraction of copy bandwidth)]."""
+    lib, fp = library_rows(rows), fp16_rows(rows)
+    out: dict = {}
+    for (m, b, t, p), r in sorted(lib.items()):
+        flash = fp.get((m, b, t), (None, None))[0]
+        if b * t < LONG or flash is None or r.get("us_graph") is None:
+            continue
+        out.setdefault(p, {}).setdefault(m, []).append(
+            (b, t, flash["us_graph"] / r["us_graph"], r.get("frac_bw")))
+    return out
+
+
+def ranges(rows: list[dict]) -> str:
+    sp = long_row_speedups(rows)
+    models = sorted({m for per in sp.values() for m in per})
+    lines = ["| preset | " + " | ".join(f"{MODEL_NAMES.get(m, m)}: graph speedup (of copy bw)"
+                                        for m in models) + " |",
+             "|---|" + "---|" * len(models)]
+    for p, per in sp.items():
+        cells = []
+        for m in models:
+            xs = per.get(m, [])
+            if not xs:
+                cells.append("-")
+                continue
+            s = [x[2] for x in xs]
+            f = [x[3] for x in xs if x[3] is not None]
+            bw = f" ({min(f) * 100:.0f}-{max(f) * 100:.0f}%)" if f else ""
+            cells.append(f"{min(s):.2f}-{max(s):.2f}x{bw}")
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def targets(rows: list[dict]) -> str:
+    sp = long_row_speedups(rows)
+    lines = []
+    for issue, p, need in TARGETS:
+        xs = [(m, b, t, s) for m, per in sp.get(p, {}).items() for b, t, s, _ in per]
+        if not xs:
+            lines.append(f"- issue {issue}, {p} >= {need}x on the long rows: not measured")
+            continue
+        short = [f"{MODEL_NAMES.get(m, m)} B{b} {_ctx(t)} {s:.2f}x" for m, b, t, s in xs
+                 if s < need]
+        lines.append(f"- issue {issue}, {p} >= {need}x on the long rows: "
+                     + ("met on all " + str(len(xs)) if not short else
+                        f"missed on {len(short)} of {len(xs)}: " + ", ".join(short)))
+    lib, fp, base = library_rows(rows), fp16_rows(rows), baseline_rows(rows)
+    p, need, ctx = QC_TARGET
+    qc = [(m, b, r["us"] / lib[(m, b, t, p)]["us"])
+          for (m, b, t, prov), r in sorted(base.items())
+          if prov.startswith("hf_quantized") and t == ctx and (m, b, t, p) in lib]
+    lines.append(f"- issue 5, {p} >= {need:.0f}x the QuantizedCache path (emulated) at "
+                 f"{_ctx(ctx)}, eager: " + (", ".join(f"{MODEL_NAMES.get(m, m)} B{b} {x:.0f}x"
+                                                      for m, b, x in qc) or "not measured")
+                 + ("" if not qc else " (met)" if min(x for *_, x in qc) >= need else
+                    " (missed)"))
+    slower = [(p, f"{p} {MODEL_NAMES.get(m, m)} B{b} {_ctx(t)} "
+                  f"{fp[(m, b, t)][0]['us_graph'] / r['us_graph']:.2f}x")
+              for (m, b, t, p), r in sorted(lib.items())
+              if t >= 4096 and (m, b, t) in fp and r.get("us_graph")
+              and fp[(m, b, t)][0]["us_graph"] < r["us_graph"]]
+    for issue, label, mine in ((3, "KIVI, uniform and FP8 presets", lambda p: "kvquant" not in p),
+                               (4, "KVQuant presets", lambda p: "kvquant" in p)):
+        own = [text for p, text in slower if mine(p)]
+        lines.append(f"- issue {issue}, no row at context >= 4k slower than FP16 flash SDPA "
+                     f"(graph time), {label}: "
+                     + ("met" if not own else f"{len(own)} rows slower: " + ", ".join(own)))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    path = Path(args[0]) if args else RESULTS / "decode_attention.json"
+    data = json.loads(path.read_text())
+    env = data["env"]
+    print(f"From `{path.name}` ({env.get('gpu')}, {env.get('date')}; "
+          f"`{env.get('command')}`). CUDA-graph µs (speedup over FP16 flash SDPA's graph "
+          "time):\n")
+    print(headline(data["rows"]))
+    print(f"\nLong rows (batch x context >= {LONG // 1024}k tokens), graph speedup over flash "
+          "SDPA, min-max (fraction of the copy bandwidth):\n")
+    print(ranges(data["rows"]))
+    print("\nTargets:\n")
+    print(targets(data["rows"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""``benchmarks/decode_headline.py``: the README's decode summary and the issues' speed targets,
+computed from a synthetic ``decode_attention.json`` (no GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("decode_headline",
+                                               ROOT / "benchmarks/decode_headline.py")
+headline = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(headline)
+
+
+def _rows(kivi2_us: float, kvquant_us: float) -> list[dict]:
+    base = dict(model="llama-3-8b", batch=8, context=32768, q_heads=32, kv_heads=8, head_dim=128)
+    return [dict(base, preset="fp16", provider="sdpa_fp16 (flash_attention)", us=260.0,
+                 us_graph=250.0, frac_bw=0.99),
+            dict(base, preset="fp16", provider="sdpa_fp16 (default backend)", us=240.0),
+            dict(base, preset="kivi-2", provider="kvbits (gluon)", us=kivi2_us + 5,
+                 us_graph=kivi2_us, frac_bw=0.6),
+            dict(base, preset="kivi-2", provider="kvbits (triton v4)", us=900.0,
+                 us_graph=900.0, frac_bw=0.1),  # the comparison row: never the library's
+            dict(base, preset="kvquant-3", provider="kvbits (gluon)", us=kvquant_us,
+                 us_graph=kvquant_us, frac_bw=0.15)]
+
+
+def test_targets_follow_the_rows():
+    fast = headline.targets(_rows(kivi2_us=50.0, kvquant_us=80.0))
+    assert "kivi-2 >= 4.5x on the long rows: met on all 1" in fast
+    assert "kvquant-3 >= 3.0x on the long rows: met on all 1" in fast
+    assert "KVQuant presets: met" in fast
+    slow = headline.targets(_rows(kivi2_us=100.0, kvquant_us=400.0))
+    assert "kivi-2 >= 4.5x on the long rows: missed on 1 of 1: Llama-3-8B B8 32k 2.50x" in slow
+    assert "KVQuant presets: 1 rows slower: kvquant-3 Llama-3-8B B8 32k 0.62x" in slow
+    assert "KIVI, uniform and FP8 presets: met" in slow  # the Triton-only row is not counted
+    assert "kivi-4 >= 3.0x on the long rows: not measured" in slow
+
+
+def test_headline_and_ranges_use_graph_time(tmp_path, capsys):
+    rows = _rows(kivi2_us=100.0, kvquant_us=400.0)
+    table = headline.headline(rows)
+    assert "| Llama-3-8B, 8, 32k | 250 / 240 | 100 (2.50x) |" in table
+    assert "| kivi-2 | 2.50-2.50x (60-60%) |" in headline.ranges(rows)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"env": {"gpu": "G", "date": "D", "command": "C"}, "rows": rows}))
+    headline.main([str(path)])
+    assert "Targets:" in capsys.readouterr().out
