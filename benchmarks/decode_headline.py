@@ -149,8 +149,8 @@ def targets(rows: list[dict]) -> str:
                                                       for m, b, x in qc) or "not measured")
                  + ("" if not qc else " (met)" if min(x for *_, x in qc) >= need else
                     " (missed)"))
-    slower = [(p, f"{p} {MODEL_NAMES.get(m, m)} B{b} {_ctx(t)} "
-                  f"{fp[(m, b, t)][0]['us_graph'] / r['us_graph']:.2f}x")
+    slower = [(p, (f"{p} {MODEL_NAMES.get(m, m)} B{b} {_ctx(t)} "
+                   f"{fp[(m, b, t)][0]['us_graph'] / r['us_graph']:.2f}x"))
               for (m, b, t, p), r in sorted(lib.items())
               if t >= 4096 and (m, b, t) in fp and r.get("us_graph")
               and fp[(m, b, t)][0]["us_graph"] < r["us_graph"]]

@@ -15,7 +15,8 @@ _spec.loader.exec_module(headline)
 
 
 def _rows(kivi2_us: float, kvquant_us: float) -> list[dict]:
-    base = dict(model="llama-3-8b", batch=8, context=32768, q_heads=32, kv_heads=8, head_dim=128)
+    base = {"model": "llama-3-8b", "batch": 8, "context": 32768, "q_heads": 32, "kv_heads": 8,
+            "head_dim": 128}
     return [dict(base, preset="fp16", provider="sdpa_fp16 (flash_attention)", us=260.0,
                  us_graph=250.0, frac_bw=0.99),
             dict(base, preset="fp16", provider="sdpa_fp16 (default backend)", us=240.0),
