@@ -9,7 +9,9 @@ Reads a table written by ``benchmarks/decode_attention.py`` (no GPU needed) and 
   per model: the chooser's "attention speed" column;
 * the issues' speed targets checked against those rows (met / missed, with the numbers).
 
-    python benchmarks/decode_headline.py [benchmarks/results/decode_attention.json]
+    python benchmarks/decode_headline.py [benchmarks/results/decode_attention.json] [--plot PNG]
+
+``--plot`` also draws the headline shapes' graph speedups per preset (a PNG for the README).
 """
 from __future__ import annotations
 
@@ -163,8 +165,48 @@ def targets(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Grouped bars: for each headline shape, each headline preset's graph speedup over flash
+    SDPA (log scale, a line at 1x: below it the preset is slower than FP16)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lib, fp = library_rows(rows), fp16_rows(rows)
+    shapes = [s for s in HEADLINE_SHAPES if fp.get(s, (None,))[0] is not None]
+    width = 0.8 / len(HEADLINE_PRESETS)
+    fig, ax = plt.subplots(figsize=(11, 4.2))
+    for i, p in enumerate(HEADLINE_PRESETS):
+        xs, ys = [], []
+        for j, (m, b, t) in enumerate(shapes):
+            r = lib.get((m, b, t, p))
+            if r is not None and r.get("us_graph"):
+                xs.append(j + (i - (len(HEADLINE_PRESETS) - 1) / 2) * width)
+                ys.append(fp[(m, b, t)][0]["us_graph"] / r["us_graph"])
+        ax.bar(xs, ys, width, label=p)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_yscale("log")
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_yticks([0.5, 1, 2, 3, 4, 5, 6], ["0.5", "1", "2", "3", "4", "5", "6"])
+    ax.set_xticks(range(len(shapes)),
+                  [f"{MODEL_NAMES.get(m, m)}\nB={b}, {_ctx(t)}" for m, b, t in shapes], fontsize=8)
+    ax.set_ylabel("speedup over FP16 flash SDPA (CUDA graphs)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, ncol=4)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> None:
-    args = sys.argv[1:] if argv is None else argv
+    args = list(sys.argv[1:] if argv is None else argv)
+    png = None
+    if "--plot" in args:
+        k = args.index("--plot")
+        png = Path(args[k + 1])
+        del args[k:k + 2]
     path = Path(args[0]) if args else RESULTS / "decode_attention.json"
     data = json.loads(path.read_text())
     env = data["env"]
@@ -177,6 +219,9 @@ def main(argv=None) -> None:
     print(ranges(data["rows"]))
     print("\nTargets:\n")
     print(targets(data["rows"]))
+    if png is not None:
+        plot(data["rows"], png, f"one decode step of attention, {env.get('gpu')} "
+                                f"({env.get('date', '')[:10]})")
 
 
 if __name__ == "__main__":

@@ -47,5 +47,6 @@ def test_headline_and_ranges_use_graph_time(tmp_path, capsys):
     assert "| kivi-2 | 2.50-2.50x (60-60%) |" in headline.ranges(rows)
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"env": {"gpu": "G", "date": "D", "command": "C"}, "rows": rows}))
-    headline.main([str(path)])
+    headline.main([str(path), "--plot", str(tmp_path / "speedup.png")])
     assert "Targets:" in capsys.readouterr().out
+    assert (tmp_path / "speedup.png").read_bytes()[:4] == b"\x89PNG"
