@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_check.sh [OUT_DIR]
 # 1. the GPU tests (kernels vs reference at full size, the 2^31-offset case, kernels inside
 #    generate) plus the decode kernel's scale-axis and FP8 cases and the quantize kernels at GPU
-#    speed (TESTS overrides the first pytest selection), 2. the decode-attention benchmark (BENCH_ARGS, e.g. --tune).
+#    speed (TESTS overrides the first pytest selection), 2. the decode-attention benchmark (BENCH_ARGS, e.g. --tune)
+#    and its summary with the speed targets (benchmarks/decode_headline.py).
 # Results land in OUT_DIR (default benchmarks/results); copy them into benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,4 +27,7 @@ if [ "${BENCH:-1}" != 0 ]; then
   # shellcheck disable=SC2086
   python3 benchmarks/decode_attention.py --out "$out" ${BENCH_ARGS:-} 2>&1 \
     | tee -a "$out/gpu_check.log" | grep -v "^skip"
+  # the README's summaries and the issues' speed targets, from the table just written
+  [ -f "$out/decode_attention.json" ] && python3 benchmarks/decode_headline.py \
+    "$out/decode_attention.json" 2>&1 | tee -a "$out/gpu_check.log" | tail -9
 fi
