@@ -28,6 +28,9 @@ if [ "${BENCH:-1}" != 0 ]; then
   python3 benchmarks/decode_attention.py --out "$out" ${BENCH_ARGS:-} 2>&1 \
     | tee -a "$out/gpu_check.log" | grep -v "^skip"
   # the README's summaries and the issues' speed targets, from the table just written
-  [ -f "$out/decode_attention.json" ] && python3 benchmarks/decode_headline.py \
-    "$out/decode_attention.json" 2>&1 | tee -a "$out/gpu_check.log" | tail -9
+  name=decode_attention
+  case " ${BENCH_ARGS:-} " in *" --quick "*) name=decode_attention_quick ;; esac
+  [[ " ${BENCH_ARGS:-} " =~ \ --name[=\ ]([^ ]+) ]] && name=${BASH_REMATCH[1]}
+  python3 benchmarks/decode_headline.py "$out/$name.json" 2>&1 | tee -a "$out/gpu_check.log" \
+    | tail -9
 fi
