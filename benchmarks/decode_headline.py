@@ -16,7 +16,6 @@ Reads a table written by ``benchmarks/decode_attention.py`` (no GPU needed) and 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -201,13 +200,17 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def main(argv=None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    png = None
-    if "--plot" in args:
-        k = args.index("--plot")
-        png = Path(args[k + 1])
-        del args[k:k + 2]
-    path = Path(args[0]) if args else RESULTS / "decode_attention.json"
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json", nargs="?", type=Path, default=RESULTS / "decode_attention.json",
+                    help="a table written by benchmarks/decode_attention.py")
+    ap.add_argument("--plot", type=Path, default=None, metavar="PNG",
+                    help="also draw the headline shapes' graph speedups into PNG")
+    args = ap.parse_args(argv)
+    if not args.json.is_file():
+        ap.error(f"json: {args.json} is not a file (run benchmarks/decode_attention.py first)")
+    path, png = args.json, args.plot
     data = json.loads(path.read_text())
     env = data["env"]
     print(f"From `{path.name}` ({env.get('gpu')}, {env.get('date')}; "
