@@ -40,6 +40,17 @@ def _ctx(t: int) -> str:
     return f"{t // 1024}k"
 
 
+def _graph_speedup(flash: dict, row: dict) -> float:
+    """FP16 flash SDPA's CUDA-graph time over the row's, both from the same run."""
+    return flash["us_graph"] / row["us_graph"]
+
+
+def _verdict(total: int, short: list[str]) -> str:
+    """"met on all N" or "missed on K of N: ..." for a target checked over ``total`` rows."""
+    return (f"met on all {total}" if not short else
+            f"missed on {len(short)} of {total}: " + ", ".join(short))
+
+
 def library_rows(rows: list[dict]) -> dict:
     """(model, batch, context, preset) -> the library's own row (the Gluon body where it serves,
     not the Triton-only comparison row)."""
@@ -84,7 +95,7 @@ def headline(rows: list[dict]) -> str:
         for p in HEADLINE_PRESETS:
             r = lib.get((m, b, t, p))
             cells.append("-" if r is None or r.get("us_graph") is None else
-                         f"{r['us_graph']:.0f} ({flash['us_graph'] / r['us_graph']:.2f}x)")
+                         f"{r['us_graph']:.0f} ({_graph_speedup(flash, r):.2f}x)")
         mine = lib.get((m, b, t, "kivi-2"))
         for provider in BASELINES:
             r = base.get((m, b, t, provider))
@@ -103,7 +114,7 @@ def long_row_speedups(rows: list[dict]) -> dict:
         if b * t < LONG or flash is None or r.get("us_graph") is None:
             continue
         out.setdefault(p, {}).setdefault(m, []).append(
-            (b, t, flash["us_graph"] / r["us_graph"], r.get("frac_bw")))
+            (b, t, _graph_speedup(flash, r), r.get("frac_bw")))
     return out
 
 
@@ -139,8 +150,7 @@ def targets(rows: list[dict]) -> str:
         short = [f"{MODEL_NAMES.get(m, m)} B{b} {_ctx(t)} {s:.2f}x" for m, b, t, s in xs
                  if s < need]
         lines.append(f"- issue {issue}, {p} >= {need}x on the long rows: "
-                     + ("met on all " + str(len(xs)) if not short else
-                        f"missed on {len(short)} of {len(xs)}: " + ", ".join(short)))
+                     + _verdict(len(xs), short))
     for p in BW_TARGET_PRESETS:
         fr = [(m, b, t, f) for m, per in sp.get(p, {}).items() for b, t, _, f in per
               if f is not None]
@@ -148,8 +158,7 @@ def targets(rows: list[dict]) -> str:
             low = [f"{MODEL_NAMES.get(m, m)} B{b} {_ctx(t)} {f * 100:.0f}%" for m, b, t, f in fr
                    if f < BW_TARGET]
             lines.append(f"- issue 3, {p} >= {BW_TARGET * 100:.0f}% of the copy bandwidth on the "
-                         "long rows: " + ("met on all " + str(len(fr)) if not low else
-                                          f"missed on {len(low)} of {len(fr)}: " + ", ".join(low)))
+                         "long rows: " + _verdict(len(fr), low))
     lib, fp, base = library_rows(rows), fp16_rows(rows), baseline_rows(rows)
     p, need, ctx = QC_TARGET
     qc = [(m, b, r["us"] / lib[(m, b, t, p)]["us"])
@@ -160,11 +169,11 @@ def targets(rows: list[dict]) -> str:
                                                       for m, b, x in qc) or "not measured")
                  + ("" if not qc else " (met)" if min(x for *_, x in qc) >= need else
                     " (missed)"))
-    slower = [(p, (f"{p} {MODEL_NAMES.get(m, m)} B{b} {_ctx(t)} "
-                   f"{fp[(m, b, t)][0]['us_graph'] / r['us_graph']:.2f}x"))
-              for (m, b, t, p), r in sorted(lib.items())
-              if t >= 4096 and (m, b, t) in fp and r.get("us_graph")
-              and fp[(m, b, t)][0]["us_graph"] < r["us_graph"]]
+    speedups = [(p, m, b, t, _graph_speedup(fp[(m, b, t)][0], r))
+                for (m, b, t, p), r in sorted(lib.items())
+                if t >= 4096 and (m, b, t) in fp and r.get("us_graph")]
+    slower = [(p, f"{p} {MODEL_NAMES.get(m, m)} B{b} {_ctx(t)} {x:.2f}x")
+              for p, m, b, t, x in speedups if x < 1.0]
     for issue, label, mine in ((3, "KIVI, uniform and FP8 presets", lambda p: "kvquant" not in p),
                                (4, "KVQuant presets", lambda p: "kvquant" in p)):
         own = [text for p, text in slower if mine(p)]
@@ -192,7 +201,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             r = lib.get((m, b, t, p))
             if r is not None and r.get("us_graph"):
                 xs.append(j + (i - (len(HEADLINE_PRESETS) - 1) / 2) * width)
-                ys.append(fp[(m, b, t)][0]["us_graph"] / r["us_graph"])
+                ys.append(_graph_speedup(fp[(m, b, t)][0], r))
         ax.bar(xs, ys, width, label=p)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_yscale("log")
