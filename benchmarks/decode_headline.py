@@ -51,6 +51,16 @@ def _verdict(total: int, short: list[str]) -> str:
             f"missed on {len(short)} of {total}: " + ", ".join(short))
 
 
+def _needs(need: float, speedup: float, frac_bw: float | None) -> str:
+    """What a speedup target asks of a row's bytes: the fraction of the copy bandwidth at which
+    the row would reach ``need`` (its time scaled to ``need``, its bytes unchanged), and the
+    speedup its bytes allow at the whole copy bandwidth; empty without a bandwidth figure."""
+    if not frac_bw:
+        return ""
+    return (f" (needs {frac_bw * need / speedup * 100:.0f}% of the copy bandwidth; "
+            f"{speedup / frac_bw:.2f}x at 100%)")
+
+
 def library_rows(rows: list[dict]) -> dict:
     """(model, batch, context, preset) -> the library's own row (the Gluon body where it serves,
     not the Triton-only comparison row)."""
@@ -143,12 +153,12 @@ def targets(rows: list[dict]) -> str:
     sp = long_row_speedups(rows)
     lines = []
     for issue, p, need in TARGETS:
-        xs = [(m, b, t, s) for m, per in sp.get(p, {}).items() for b, t, s, _ in per]
+        xs = [(m, b, t, s, f) for m, per in sp.get(p, {}).items() for b, t, s, f in per]
         if not xs:
             lines.append(f"- issue {issue}, {p} >= {need}x on the long rows: not measured")
             continue
-        short = [f"{MODEL_NAMES.get(m, m)} B{b} {_ctx(t)} {s:.2f}x" for m, b, t, s in xs
-                 if s < need]
+        short = [f"{MODEL_NAMES.get(m, m)} B{b} {_ctx(t)} {s:.2f}x{_needs(need, s, f)}"
+                 for m, b, t, s, f in xs if s < need]
         lines.append(f"- issue {issue}, {p} >= {need}x on the long rows: "
                      + _verdict(len(xs), short))
     for p in BW_TARGET_PRESETS:

@@ -34,7 +34,9 @@ def test_targets_follow_the_rows():
     assert "kvquant-3 >= 3.0x on the long rows: met on all 1" in fast
     assert "KVQuant presets: met" in fast
     slow = headline.targets(_rows(kivi2_us=100.0, kvquant_us=400.0))
-    assert "kivi-2 >= 4.5x on the long rows: missed on 1 of 1: Llama-3-8B B8 32k 2.50x" in slow
+    # 60% of the copy bandwidth at 2.50x: 4.5x would need 108% of it, 4.17x is the bytes' limit
+    assert ("kivi-2 >= 4.5x on the long rows: missed on 1 of 1: Llama-3-8B B8 32k 2.50x (needs "
+            "108% of the copy bandwidth; 4.17x at 100%)") in slow
     assert "KVQuant presets: 1 rows slower: kvquant-3 Llama-3-8B B8 32k 0.62x" in slow
     assert "KIVI, uniform and FP8 presets: met" in slow  # the Triton-only row is not counted
     assert "kivi-4 >= 3.0x on the long rows: not measured" in slow

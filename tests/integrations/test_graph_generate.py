@@ -14,7 +14,7 @@ from test_decode_loop import prompt, tiny_llama
 from transformers import DynamicCache, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
-from kvbits.integrations import graph_generate
+from kvbits.integrations import generate_loop, graph_generate
 from kvbits.integrations.decode_loop import GreedyDecoder
 from kvbits.integrations.hf import KVBitsCache, cache_kwargs
 
@@ -254,13 +254,16 @@ def test_decode_refuses_a_penalty_without_the_prompt(model):
     ("left_padding", "pads the batch"),
     ("scores", "output_scores"),
     ("batched_streamer", "streamer with a batch"),
+    ("two_gpus", "spread over cuda:0, cuda:1"),
 ])
-def test_falls_back_with_the_reason(model, case, reason):
+def test_falls_back_with_the_reason(model, case, reason, monkeypatch):
     """What the loop does not serve runs transformers' own loop, with the same result."""
     ids = prompt(30, 2)
     kw = {"do_sample": False}
     cache = kvbits_cache
-    if case == "no_repeat_ngram":
+    if case == "two_gpus":  # (parameters as a device_map over two GPUs would place them)
+        monkeypatch.setattr(generate_loop, "model_gpus", lambda m: ["cuda:0", "cuda:1"])
+    elif case == "no_repeat_ngram":
         kw["no_repeat_ngram_size"] = 3
     elif case == "dynamic_cache":
         cache = lambda m: DynamicCache()

@@ -33,11 +33,16 @@ from .hf import KVBitsCache, cache_kwargs
 from .sampling import Sampling, next_token
 
 
+def model_gpus(model) -> list[str]:
+    """The CUDA devices that hold ``model``'s parameters, sorted."""
+    return sorted({str(p.device) for p in model.parameters() if p.device.type == "cuda"})
+
+
 def check_one_gpu(model) -> None:
     """CUDA graphs capture one device's stream: a model spread over GPUs
     (``device_map="auto"``) cannot be captured whole. Refuse it clearly instead of failing
     inside the capture."""
-    devices = sorted({str(p.device) for p in model.parameters() if p.device.type == "cuda"})
+    devices = model_gpus(model)
     if len(devices) > 1:
         raise ValueError(f"GreedyDecoder: graphs=True needs the model on one GPU, got its "
                          f"parameters on {', '.join(devices)}; pass graphs=False (eager steps) "

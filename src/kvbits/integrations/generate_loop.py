@@ -20,9 +20,9 @@ device mask); stopping on max length and EOS; left-padded batches with a KVBitsC
 A streamer (batch 1) gets each token as the step that made it ends (one synchronisation per
 step); ``return_dict_in_generate`` gives the sequences and the cache. Anything else (another
 logits processor such as ``no_repeat_ngram_size``, scores, logits, attentions or hidden states
-as output, a padded StaticCache, another cache) runs transformers' own loop, with a warning
-that names the reason. Beam search and assisted decoding are refused. On the CPU the same loop
-runs its steps eagerly.
+as output, a padded StaticCache, another cache, a model spread over several GPUs) runs
+transformers' own loop, with a warning that names the reason. Beam search and assisted
+decoding are refused. On the CPU the same loop runs its steps eagerly.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from .decode_loop import GreedyDecoder, is_stop
+from .decode_loop import GreedyDecoder, is_stop, model_gpus
 from .hf import KVBitsCache
 from .sampling import Sampling
 
@@ -57,7 +57,7 @@ def graph_generate(model, input_ids: torch.Tensor, logits_processor, stopping_cr
         raise ValueError("graph_generate: decodes greedily or by sampling (num_beams=1, no "
                          f"assistant model); got num_beams={generation_config.num_beams}")
     cache = model_kwargs.get("past_key_values", model_kwargs.get("cache"))
-    rules, reason = _plan(cache, logits_processor, stopping_criteria, generation_config,
+    rules, reason = _plan(model, cache, logits_processor, stopping_criteria, generation_config,
                           synced_gpus, streamer, model_kwargs.get("attention_mask"),
                           *input_ids.shape)
     if reason is not None:
@@ -125,11 +125,14 @@ class _Stream:
             self.sent = done
 
 
-def _plan(cache, processors, criteria, config, synced_gpus, streamer, attention_mask,
+def _plan(model, cache, processors, criteria, config, synced_gpus, streamer, attention_mask,
           batch: int, prompt_len: int):
     """``(rules, None)`` where the loop serves the call, else ``(None, reason)``."""
     if not isinstance(cache, KVBitsCache) and type(cache).__name__ != "StaticCache":
         return None, f"the cache is a {type(cache).__name__}, not a KVBitsCache or StaticCache"
+    gpus = model_gpus(model)
+    if len(gpus) > 1:  # (a CUDA graph captures one device's stream)
+        return None, f"the model is spread over {', '.join(gpus)} (the loop's graphs need one GPU)"
     if streamer is not None and batch > 1:
         return None, "a streamer with a batch of several sequences"
     if synced_gpus:
