@@ -7,6 +7,7 @@ residual windows and prompts longer than a group so the packed body is really at
 
 from __future__ import annotations
 
+import copy
 import inspect
 import itertools
 import warnings
@@ -675,6 +676,27 @@ def test_quantized_generate(lm, greedy_ref, spec, residual, mode):
         torch.manual_seed(0)
         again = generate(model, x, KVBitsCache(model, spec, residual_length=residual), **kw)
         assert again.tolist() == out.tolist()
+
+
+@pytest.mark.parametrize("preset", ["fp16", "kivi-2:R=8"])
+@pytest.mark.parametrize("more", [1, 5])
+def test_a_cache_continued_by_another_model_hands_it_the_history(preset, more):
+    """A cache built for one model and then continued by another of the same shape that still
+    runs its own SDPA attention (the same checkpoint loaded twice) gives that one the whole
+    history (the slow path): its logits are those of continuing on the first model. Before,
+    the first call took the kvbits fast path (the new tokens only) and SDPA saw no history."""
+    a = tiny_model("llama")
+    b = copy.deepcopy(a)  # before a cache switches ``a`` to the kvbits attention
+    x = padded_batch("cpu", length=64)[0][:1]
+    steps = [x[:, 40:40 + more]] + [x[:, t:t + 1] for t in range(40 + more, 44 + more)]
+    got, want = KVBitsCache(a, preset), KVBitsCache(a, preset)
+    forward(a, x[:, :40], got)
+    forward(a, x[:, :40], want)
+    assert b.config._attn_implementation != ATTN_IMPLEMENTATION
+    with pytest.warns(UserWarning, match="slow path"):
+        on_b = torch.cat([forward(b, ids, got).logits for ids in steps], 1)
+    on_a = torch.cat([forward(a, ids, want).logits for ids in steps], 1)
+    torch.testing.assert_close(on_b, on_a, atol=1e-4, rtol=0)
 
 
 def test_slow_path_matches_fast_path(lm):

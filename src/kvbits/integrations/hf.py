@@ -70,6 +70,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import sys
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -357,10 +358,17 @@ class KVBitsLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ helpers
     def _impl_is_kvbits(self) -> bool:
-        config = None if self._cache is None else self._cache._model_config
-        if config is None:
-            return True
-        return getattr(config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
+        """Whether the attention reading this update's result is kvbits' (which reads the
+        packed store itself): the calling module's, where the cache saw one, else that of the
+        model the cache was built for; True for a cache built from a config alone."""
+        cache = self._cache
+        impl = None if cache is None else getattr(cache, "_caller_impl", None)
+        if impl is None:
+            config = None if cache is None else cache._model_config
+            if config is None:
+                return True
+            impl = getattr(config, "_attn_implementation", None)
+        return impl == ATTN_IMPLEMENTATION
 
     def dense_nbytes(self) -> int:
         """Bytes ``DynamicCache`` would hold for this layer's tokens (same dtype; sliding layers
@@ -470,6 +478,7 @@ class KVBitsCache(Cache):
         super().__init__(layers=layers)
         self.config = text_config
         self._model_config = None
+        self._caller_impl = None  # during update: the calling attention's implementation
         self._warned_slow = False
         self._flush_now = False  # lengths on the device: this step flushes
         self._capturing = False  # a CUDA graph is being captured: no host bookkeeping
@@ -534,7 +543,17 @@ class KVBitsCache(Cache):
                 f"KVBitsCache: the model updates layer {layer_idx}, but this KVBitsCache has "
                 f"{len(self.layers)} layers (built for another model?): build it from this "
                 "model or its config, KVBitsCache(model, spec)")
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        # The attention module calling (transformers' attention layers call update as a method
+        # of theirs): its config says which attention reads what update returns. A cache built
+        # for one model and handed to another that was not switched to kvbits (the same
+        # checkpoint loaded twice) must give that one the whole history, not the new tokens.
+        caller = sys._getframe(1).f_locals.get("self")
+        self._caller_impl = getattr(getattr(caller, "config", None), "_attn_implementation",
+                                    None)
+        try:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        finally:
+            self._caller_impl = None
 
     def crop(self, *args, **kwargs) -> None:
         """transformers' ``crop``, all layers or none: every layer's cut is checked
