@@ -297,6 +297,22 @@ def test_memory_reads_the_config_file_named(capsys, tmp_path):
         assert code == 0 and json.loads(path.read_text())[0]["fp16_bytes_per_token"] == want
 
 
+def test_memory_config_errors_name_the_option(capsys, tmp_path):
+    """A --config that is not JSON, names no config, has no layers or fails transformers' own
+    checks: one line naming --config (tracebacks before), and the list of memory's own names."""
+    bad = {"notjson.json": "xx", "zero.json": json.dumps({"model_type": "llama",
+                                                          "num_hidden_layers": 0}),
+           "heads.json": json.dumps({"model_type": "llama", "hidden_size": 100,
+                                     "num_attention_heads": 3})}
+    for name, text in bad.items():
+        (tmp_path / name).write_text(text)
+    for path, want in ((tmp_path / "notjson.json", "--config"), (tmp_path / "zero.json",
+                                                                "num_hidden_layers is 0"),
+                       (tmp_path / "heads.json", "--config"), (tmp_path, "llama-2-13b")):
+        code, _, err = run(capsys, "memory", "--config", str(path))
+        assert code == 2 and want in err and "Traceback" not in err, (path, err)
+
+
 def test_output_folders_are_created(tmp_path):
     """`kvbits tune -o` and `memory --json` into a folder that does not exist yet (they raised
     FileNotFoundError after the work was done)."""
@@ -572,6 +588,17 @@ def test_calibration_file_reaches_the_kvquant_caches(tmp_path, monkeypatch):
     (other,) = parse_presets("kvquant-2:R=4")
     with pytest.raises(ValueError, match="does not match the spec: key_bits=3 .spec has 2."):
         make_cache_factory(model, other, calibration=str(path))
+    # ppl with presets one file cannot all serve: refused before the first preset runs
+    import importlib
+
+    import kvbits.cli as cli
+
+    ppl = importlib.import_module("kvbits.eval.perplexity")  # (the package names a function so)
+    monkeypatch.setattr(cli, "_load", lambda *a: (model, None, ids))
+    monkeypatch.setattr(ppl, "perplexity", lambda *a, **k: pytest.fail("a preset ran"))
+    with pytest.raises(ValueError, match="does not match the spec: key_bits=3 .spec has 2."):
+        cli.run_ppl(cli.PplConfig("tiny", "t", parse_presets("fp16,kvquant-3:R=4,kvquant-2:R=4"),
+                                  chunk=64, calibration=str(path)), "kvbits ppl")
     with pytest.raises(ValueError, match="applies to kvquant presets"):
         _check_calibration(str(path), parse_presets("fp16,kivi-2"))
     with pytest.raises(ValueError, match="no such file"):
@@ -666,6 +693,10 @@ def test_preset_own_transformers_group_size_beats_the_command_wide_default():
     (["generate", "--prompt", "x", "--fuse", "--device", "cpu"], r"--fuse\) needs the graph loop"),
     (["generate", "--prompt", "x", "--prefix-cache", "p.safetensors", "--prompt-lookup", "4"],
      "--prefix-cache: one prompt, without --prompt-lookup"),
+    # a --name with a folder in it failed after the first trial; "" and ".." wrote elsewhere
+    (["needle", "--name", "sub/x"], "--name: expected a plain file name"),
+    (["needle", "--name", ""], "--name: expected a plain file name"),
+    (["bench", "--device", "cpu", "--name", ".."], "--name: expected a plain file name"),
 ])
 def test_bad_arguments_are_refused_before_the_model_loads(capsys, monkeypatch, argv, match):
     """These were refused only after the model and text had loaded (tune: ~20 s on 2 cores),

@@ -299,6 +299,10 @@ def run_ppl(cfg: PplConfig, command: str) -> list[dict]:
         "threads": __import__("torch").get_num_threads(), "machine": platform.machine(),
         "calib_text": cfg.calib_text, "calib_tokens": cfg.calib_tokens,
         "calibration": cfg.calibration}
+    if cfg.calibration is not None:  # a file that cannot serve every kvquant preset: now,
+        for v in cfg.variants:        # not after the presets before it have run
+            if v.kind == "kvbits" and v.spec.method == "kvquant":
+                make_cache_factory(model, v, calibration=cfg.calibration)
     results: list[dict] = []
     for v in cfg.variants:
         _log(f"{v.label}: {v.describe()}")
@@ -847,7 +851,13 @@ def _load_config(path: str):
                          f"({', '.join(NAMED_CONFIGS)}) nor a config.json or model folder")
     from .eval.speed import model_config
 
-    return model_config(path)  # the named file itself (a sibling config.json is not read)
+    try:
+        return model_config(path)  # the named file itself (a sibling config.json is not read)
+    except Exception as exc:  # (json, transformers' validators, a folder without a config)
+        why = "" if str(exc).startswith("unknown model config") else f" ({exc})"
+        raise ValueError(f"--config {path!r}: not a readable transformers config{why}; "
+                         f"give a config.json, a model folder or a named config "
+                         f"({', '.join(NAMED_CONFIGS)})") from None
 
 
 # -------------------------------------------------------------------------------------- parser

@@ -69,6 +69,15 @@ def _non_negative(text: str) -> int:
     return parse(text)
 
 
+def _file_stem(text: str) -> str:
+    """``--name``: the stem of the files written into ``--out``, a plain name (no folder, not
+    empty, not ``.`` or ``..``), so that nothing is written elsewhere or fails after a run."""
+    if not text or text in (".", "..") or "/" in text or "\\" in text:
+        raise argparse.ArgumentTypeError(
+            f"expected a plain file name without folders (the files go into --out), got {text!r}")
+    return text
+
+
 # ------------------------------------------------------------------------------------- needle
 def _cmd_needle(args) -> int:
     import torch
@@ -159,7 +168,8 @@ def register(sub) -> None:
     p.add_argument("--out", default="kvbits-results",
                    help="output folder (default ./kvbits-results; the committed tables of a "
                    "checkout are in benchmarks/results and are not overwritten by default)")
-    p.add_argument("--name", default="needle", help="file stem (default needle)")
+    p.add_argument("--name", type=_file_stem, default="needle",
+                   help="file stem inside --out (default needle)")
     p.set_defaults(func=_cmd_needle)
 
 
@@ -279,5 +289,6 @@ def _register_bench(sub) -> None:
     p.add_argument("--out", default="kvbits-results",
                    help="output folder (default ./kvbits-results; the committed tables of a "
                    "checkout are in benchmarks/results and are not overwritten by default)")
-    p.add_argument("--name", default="e2e", help="file stem (default e2e)")
+    p.add_argument("--name", type=_file_stem, default="e2e",
+                   help="file stem inside --out (default e2e)")
     p.set_defaults(func=_cmd_bench)

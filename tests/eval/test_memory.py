@@ -122,7 +122,7 @@ def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
 
 
-@pytest.mark.parametrize("text", ["", "GB", "80XB", "-1GB", "eighty"])
+@pytest.mark.parametrize("text", ["", "GB", "80XB", "-1GB", "eighty", "1e400GB"])
 def test_parse_bytes_rejects(text):
     with pytest.raises(ValueError, match="size"):
         parse_bytes(text)

@@ -97,7 +97,13 @@ def kv_shape(config) -> KVShape:
         raise ValueError(f"config {type(config).__name__} lacks {exc.name!r}: need "
                          "num_hidden_layers and num_attention_heads") from None
     kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads
+    head_dim = getattr(config, "head_dim", None) or (
+        config.hidden_size // q_heads if q_heads > 0 else 0)
+    for what, n in (("num_hidden_layers", layers), ("num_attention_heads", q_heads),
+                    ("num_key_value_heads", int(kv_heads)), ("head_dim", int(head_dim))):
+        if n < 1:
+            raise ValueError(f"config {type(config).__name__}: {what} is {n}; a KV cache needs "
+                             "at least one layer, head and channel")
     name = getattr(config, "_name_or_path", "") or getattr(config, "model_type", "config")
     types = list(getattr(config, "layer_types", None) or [])
     window = getattr(config, "sliding_window", None)
@@ -283,7 +289,10 @@ def parse_bytes(text: str | int) -> int:
         raise ValueError(f"cannot read {text!r} as a size: use a number with an optional unit "
                          "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB, K, M, G, T "
                          "(powers of 1024), e.g. 80GB")
-    return int(float(m.group(1)) * _UNITS[unit])
+    size = float(m.group(1)) * _UNITS[unit]
+    if not math.isfinite(size):
+        raise ValueError(f"cannot read {text!r} as a size: too large")
+    return int(size)
 
 
 def format_bytes(n: float) -> str:
