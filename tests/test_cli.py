@@ -693,6 +693,8 @@ def test_preset_own_transformers_group_size_beats_the_command_wide_default():
     (["generate", "--prompt", "x", "--fuse", "--device", "cpu"], r"--fuse\) needs the graph loop"),
     (["generate", "--prompt", "x", "--prefix-cache", "p.safetensors", "--prompt-lookup", "4"],
      "--prefix-cache: one prompt, without --prompt-lookup"),
+    # the error blamed the default preset list, not the option that set the bad value
+    (["memory", "--sink-tokens", "100000000"], "'kivi-4' with --sink-tokens 100000000: "),
     # a --name with a folder in it failed after the first trial; "" and ".." wrote elsewhere
     (["needle", "--name", "sub/x"], "--name: expected a plain file name"),
     (["needle", "--name", ""], "--name: expected a plain file name"),

@@ -78,12 +78,15 @@ def parse_presets(text: str, option: str = "--presets", **defaults) -> list[Vari
             fields = hf_field_names(fields)
         except ValueError as exc:
             raise ValueError(f"{option}: {item!r}: {exc}") from None
+        given = {}  # the command-wide options this preset takes (named in an error)
         if name not in PRESETS or PRESETS[name].quantized:
-            fields = {**{k: v for k, v in defaults.items() if v is not None}, **fields}
+            given = {k: v for k, v in defaults.items() if v is not None and k not in fields}
+            fields = {**given, **fields}
         try:
             spec = resolve_spec(name, **fields)
         except ValueError as exc:
-            raise ValueError(f"{option}: {item!r}: {exc}") from None
+            with_ = "".join(f" with --{k.replace('_', '-')} {v}" for k, v in given.items())
+            raise ValueError(f"{option}: {item!r}{with_}: {exc}") from None
         variants.append(Variant(item, "kvbits", spec))
     if not variants:
         raise ValueError(f"{option}: give at least one preset, e.g. fp16,kivi-4,kivi-2")
