@@ -228,7 +228,7 @@ def test_resolve_spec_rejects_non_name(bad):
         resolve_spec(bad)
 
 
-@pytest.mark.parametrize("name", ["foo", "S", "bits", "group"])
+@pytest.mark.parametrize("name", ["foo", "S", "nbit", "group"])
 def test_resolve_spec_unknown_override_names_the_fields(name):
     # Was a bare TypeError from QuantSpec.__init__ ("unexpected keyword argument").
     with pytest.raises(ValueError, match=rf"unknown QuantSpec override\(s\) {name};.*key_bits.*"
@@ -269,6 +269,15 @@ def test_spec_string_bits_may_be_refined_by_one_width():
     assert (resolve_spec("kivi-2:bits=4,K=8").key_bits, resolve_spec("kivi-2:bits=4,K=8")
             .value_bits) == (8, 4)
     assert resolve_spec("uniform:nbits=4,K=2").key_bits == 2
+
+
+def test_bits_as_a_keyword_as_in_a_spec_string():
+    # KVBitsCache(model, "kivi-2", bits=4) was refused ("unknown override bits") while
+    # "kivi-2:bits=4" and nbits=4 were taken.
+    assert resolve_spec("kivi-2", bits=4) == resolve_spec("kivi-2:bits=4")
+    assert resolve_spec("kivi-2", bits=4, value_bits=2).describe() == "kivi K4V2 G=32 R=128 S=0"
+    with pytest.raises(ValueError, match="nbits and bits .* disagree: nbits=2, bits=4"):
+        resolve_spec("kivi-2", bits=4, nbits=2)
 
 
 def test_transformers_name_and_field_that_disagree_are_refused():

@@ -561,12 +561,16 @@ CALIBRATION_USES = ("calibration= applies to fp8_scale='calibrated' (preset 'fp8
 
 
 def hf_field_names(overrides: dict) -> dict:
-    """transformers' QuantizedCache keyword names -> QuantSpec fields. ``nbits`` sets both widths
-    unless ``key_bits`` / ``value_bits`` refine one (as ``bits`` does); a transformers name and
-    the field it stands for given with different values are refused (one was silently lost)."""
+    """transformers' QuantizedCache keyword names -> QuantSpec fields. ``nbits`` (or ``bits``, its
+    name in spec strings) sets both widths unless ``key_bits`` / ``value_bits`` refine one; a
+    transformers name and the field it stands for given with different values are refused (one
+    was silently lost)."""
     out = dict(overrides)
-    if "nbits" in out:
-        bits = out.pop("nbits")
+    widths = {name: out.pop(name) for name in ("nbits", "bits") if name in out}
+    if len(set(widths.values())) > 1:
+        raise ValueError(f"nbits and bits (both set key_bits and value_bits) disagree: "
+                         f"nbits={widths['nbits']!r}, bits={widths['bits']!r}; give one of them")
+    for bits in widths.values():  # (as the spec strings' bits=N)
         out.setdefault("key_bits", bits)
         out.setdefault("value_bits", bits)
     pairs = [("q_group_size", "group_size", None)]
