@@ -134,7 +134,7 @@ def test_parse_hf_variants_accepts_what_the_backends_use():
     (["bench", "--layers", "0"], "argument --layers: expected a positive integer"),
     (["bench", "--batch-cap", "0"], "argument --batch-cap: expected a positive integer"),
     (["bench", "--hf-max-tokens", "-1"], "argument --hf-max-tokens: expected an integer >= 0"),
-    (["memory", "--gpu-memory", "0"], "gpu_memory must be a number of bytes > 0"),
+    (["memory", "--gpu-memory", "0"], "--gpu-memory 0: must be at least one byte"),
     (["ppl", "--presets", "fp16,kvquant-3", "--calib-text", "nosuch"],
      "--calib-text 'nosuch': not a known text"),
     (["memory", "--weights", "10GB"], "--weights is the part of --gpu-memory .* give --gpu-memory"),
@@ -693,6 +693,11 @@ def test_preset_own_transformers_group_size_beats_the_command_wide_default():
     (["generate", "--prompt", "x", "--fuse", "--device", "cpu"], r"--fuse\) needs the graph loop"),
     (["generate", "--prompt", "x", "--prefix-cache", "p.safetensors", "--prompt-lookup", "4"],
      "--prefix-cache: one prompt, without --prompt-lookup"),
+    # these named the library's parameters (stride, gpu_memory, weights_bytes), not the options
+    (["ppl", "--window", "200", "--stride", "300"], "--stride 300 must be at most --window 200"),
+    (["memory", "--gpu-memory", "0.5"], "--gpu-memory 0.5: must be at least one byte"),
+    (["memory", "--gpu-memory", "80GB", "--weights", "100GB"],
+     "--weights 100GB leaves no room in --gpu-memory 80GB"),
     # the error blamed the default preset list, not the option that set the bad value
     (["memory", "--sink-tokens", "100000000"], "'kivi-4' with --sink-tokens 100000000: "),
     # a --name with a folder in it failed after the first trial; "" and ".." wrote elsewhere

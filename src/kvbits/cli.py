@@ -386,6 +386,9 @@ def _cmd_ppl(args) -> int:
         variants += parse_hf_variants(args.hf_quantized)
         _check_hf_backends(variants)
     _check_text(args.text, "--text")  # before the model loads
+    if args.stride is not None and args.window is not None and args.stride > args.window:
+        raise ValueError(f"--stride {args.stride} must be at most --window {args.window} (each "
+                         "window scores the tokens its stride moves on)")
     _check_calibration(args.calibration, variants)
     if any(v.kind == "kvbits" and (v.spec.calibrated or v.spec.hadamard_calibrated)
            for v in variants) and args.calibration is None:
@@ -811,6 +814,11 @@ def _cmd_memory(args) -> int:
     if gpu is None and args.weights != "auto":
         raise ValueError("--weights is the part of --gpu-memory the weights take: give "
                          "--gpu-memory too (it sizes the max context / batch)")
+    if gpu is not None and gpu <= 0:
+        raise ValueError(f"--gpu-memory {args.gpu_memory}: must be at least one byte")
+    if gpu is not None and args.weights != "auto" and parse_bytes(args.weights) >= gpu:
+        raise ValueError(f"--weights {args.weights} leaves no room in --gpu-memory "
+                         f"{args.gpu_memory} for the KV cache")
     cfg = MemoryConfig(args.config, variants, args.context, args.batch, gpu, args.weights, args.json)
     run_memory(cfg)
     return 0
