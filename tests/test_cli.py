@@ -591,7 +591,7 @@ def test_calibration_file_reaches_the_kvquant_caches(tmp_path, monkeypatch):
     # ppl with presets one file cannot all serve: refused before the first preset runs
     import importlib
 
-    import kvbits.cli as cli
+    from kvbits import cli
 
     ppl = importlib.import_module("kvbits.eval.perplexity")  # (the package names a function so)
     monkeypatch.setattr(cli, "_load", lambda *a: (model, None, ids))

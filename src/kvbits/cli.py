@@ -864,7 +864,8 @@ def _load_config(path: str):
 
     try:
         return model_config(path)  # the named file itself (a sibling config.json is not read)
-    except Exception as exc:  # (json, transformers' validators, a folder without a config)
+    # any failure to read it (json, transformers' validators, a folder without a config)
+    except Exception as exc:  # noqa: BLE001
         why = "" if str(exc).startswith("unknown model config") else f" ({exc})"
         raise ValueError(f"--config {path!r}: not a readable transformers config{why}; "
                          f"give a config.json, a model folder or a named config "
