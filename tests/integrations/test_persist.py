@@ -66,8 +66,13 @@ def prefilled(model, preset, ids, mask, calibration=None, **kw):
                 cb = torch.cumsum(steps, 1) - steps[:, :1]
                 cb = cb / cb[:, -1:] * ((1 << bits) - 1)
                 return cb, thresholds_of(cb)
+            rows = {}  # offline key scales: one [H, D] scale / zero row per layer
+            if cache.spec.key_scales == "calibrated":
+                D = model.config.head_dim
+                rows = {"k_scale": (torch.rand(2, D, generator=g) * 0.3 + 0.05).half(),
+                        "k_zero": (-torch.rand(2, D, generator=g) * 2).half()}
             layer.codebooks = LayerCodebooks(*table(cache.spec.key_bits),
-                                             *table(cache.spec.value_bits))
+                                             *table(cache.spec.value_bits), **rows)
     pos = (mask.cumsum(1) - 1).clamp_min(0)
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
@@ -78,6 +83,8 @@ def prefilled(model, preset, ids, mask, calibration=None, **kw):
 CASES = {
     "kivi-2": ("llama", "kivi-2", None, {"residual_length": 16, "sink_tokens": 2}),
     "kvquant-3": ("llama", "kvquant-3", "uniform", {"residual_length": 16}),
+    # its offline key rows were not saved: the file could not be loaded (session 47 QA)
+    "kvquant-3-offline": ("llama", "kvquant-3-offline", "uniform", {"residual_length": 16}),
     "uniform-int4": ("llama", "uniform-int4", None, {"residual_length": 16}),
     "fp8-dynamic": ("llama", "fp8-dynamic", None, {"residual_length": 16}),
     "fp8": ("llama", "fp8", [(torch.full((2,), 0.02), torch.full((2,), 0.03))] * 2,
@@ -274,6 +281,14 @@ def test_damaged_files_are_refused(tmp_path):
         path2 = damaged(lambda d, f=field, x=delta: d["layers"][0].update({f: d["layers"][0][f] + x}))
         with pytest.raises(ValueError, match=want):
             KVBitsCache.load(path2, model)
+    # a sink or starts missing from the file: the sink decoded uninitialized rows (session 47 QA)
+    for name, want in (("layers.0.store.sink_k", "saved sink_k holds 0 rows"),
+                       ("layers.1.store.starts", "has no 'starts'")):
+        kept = {k: v for k, v in tensors.items() if k != name}
+        out = tmp_path / "m.safetensors"
+        save_file(kept, str(out), metadata=meta)
+        with pytest.raises(ValueError, match=want):
+            KVBitsCache.load(out, model)
     with pytest.raises(ValueError, match="metadata is not JSON"):
         KVBitsCache.load(damaged(lambda d: None, "{oops"), model)
     with pytest.raises(ValueError, match="of version '1'; this kvbits reads version 1"):

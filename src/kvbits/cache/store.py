@@ -940,14 +940,18 @@ class LayerStore:
                 0 if self.sink_k is None else self.sink_k.shape[2]):
             raise ValueError(f"saved lengths {n} do not fit this layer (sink of "
                              f"{self.spec.sink_tokens} tokens, whole groups of {G} in the body)")
+        if "starts" not in tensors:  # (each sequence's first real token: padding)
+            raise ValueError("the saved layer has no 'starts': the file is inconsistent")
         want = {name: n["body_len"] // G * rows for name, rows in self._rows_per_group().items()}
         want.update(res_k=n["res_len"], res_v=n["res_len"])
+        if n["sink_len"]:  # the sink is saved whole (its S rows) once it holds a token
+            want.update(sink_k=self.sink_k.shape[2], sink_v=self.sink_v.shape[2])
         for name, rows in want.items():
             got = tensors[name].shape[2] if name in tensors else 0
             if getattr(self, name) is not None and got != rows:
                 raise ValueError(f"saved {name} holds {got} rows, but the saved lengths (body "
-                                 f"{n['body_len']}, residual {n['res_len']} tokens) need {rows}: "
-                                 "the file is inconsistent")
+                                 f"{n['body_len']}, residual {n['res_len']}, sink "
+                                 f"{n['sink_len']} tokens) need {rows}: the file is inconsistent")
 
     # ------------------------------------------------------------------ checks
     def _check_input(self, k: torch.Tensor, v: torch.Tensor) -> None:

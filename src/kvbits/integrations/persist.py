@@ -28,6 +28,7 @@ _SHAPE_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_
                  "head_dim", "hidden_size", "vocab_size", "sliding_window", "layer_types",
                  "rope_theta", "rope_parameters", "rope_scaling")
 _CODEBOOKS = ("k_codebook", "k_thresholds", "v_codebook", "v_thresholds")
+_KEY_ROWS = ("k_scale", "k_zero")  # offline key scales (key_scales="calibrated"), when present
 
 
 def model_shape(config) -> dict:
@@ -51,8 +52,9 @@ def save_cache(cache, path, **info) -> Path:
     tensors, layers, channels = {}, [], []
     for i, layer in enumerate(cache.layers):
         if layer.codebooks is not None:
-            for n in _CODEBOOKS:
-                tensors[f"layers.{i}.codebooks.{n}"] = getattr(layer.codebooks, n)
+            for n in _CODEBOOKS + _KEY_ROWS:
+                if getattr(layer.codebooks, n) is not None:
+                    tensors[f"layers.{i}.codebooks.{n}"] = getattr(layer.codebooks, n)
         if layer.fp8_scales is not None:
             for n, t in zip(("k", "v"), layer.fp8_scales):
                 tensors[f"layers.{i}.fp8_scales.{n}"] = t
@@ -198,7 +200,9 @@ def load_cache(cls, path, model_or_config, device=None, dtype=None):
     for i, (layer, meta) in enumerate(zip(cache.layers, doc["layers"])):
         if f"layers.{i}.codebooks.k_codebook" in tensors:
             layer.codebooks = LayerCodebooks(*(layer_tensor(i, "codebooks", c)
-                                               for c in _CODEBOOKS))
+                                               for c in _CODEBOOKS),
+                                             *(tensors.get(f"layers.{i}.codebooks.{c}")
+                                               for c in _KEY_ROWS))
         if meta is None:
             continue
         prefix = f"layers.{i}.store."
