@@ -141,6 +141,20 @@ def test_beyond_fp16_range_saturates_like_reference(bits):
     assert (kz[:, :, 0, 5] == 65504).all() and (vz[:, :, 40, 0] == -65504).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_top_code_within_fp16_like_reference(bits, dtype):
+    """Groups ending at FP16's max: the kernels step the scale down as the reference does
+    (bit-exact), so ``code * scale + zero`` stays finite in float16 (session 47 QA: inf, then
+    NaN attention, in the decode kernel)."""
+    x = hostile((1, 2, 64, 64), dtype=dtype, seed=7)
+    x[:, :, :32, 0] = torch.linspace(0, 65504, 32).to(dtype)
+    x[:, :, :32, 1] = torch.linspace(-65504, 65504, 32).to(dtype)
+    x[:, :, 40, :32] = torch.linspace(-7, 65504, 32).to(dtype)
+    for _, scale, zero in (check_keys(x, bits, 32), check_values(x, bits, 32, 32)):
+        assert (((1 << bits) - 1) * scale.float() + zero.float() <= 65504).all()
+
+
 @pytest.mark.parametrize("bits", [2, 8])
 def test_ties_round_half_to_even(bits):
     # Group [0, MAXQ, 0.5, 1.5, 2.5, ...]: scale 1, zero 0 exactly, every other code a tie.

@@ -216,6 +216,31 @@ def test_beyond_fp16_range_saturates_no_nan(bits, dtype):
     assert ((out[:, :, 64:, 0] - k[:, :, 64:, 0].float()).abs()[inside] <= step / 2 + 1).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("bits", BITS)
+def test_top_code_stays_within_fp16(bits, dtype):
+    """Groups whose max is FP16's max (what a BF16/FP32 value beyond the range saturates to):
+    the FP16 scale, rounded to nearest, could put the top code past 65504, and the kernels'
+    one-rounding float16 dequantization made it inf (NaN in attention; session 47 QA). The
+    scale steps down instead: every code dequantizes finite in float16, within the group."""
+    k = torch.randn(1, 2, 64, 32, generator=torch.Generator().manual_seed(bits)).to(dtype)
+    k[:, :, :32, 0] = torch.linspace(0, 65504, 32).to(dtype)  # spans [0, 65504]
+    k[:, :, :32, 1] = torch.linspace(-65504, 65504, 32).to(dtype)
+    k[:, :, 32:, 2] = 65504  # constant at the top
+    k[:, :, 32:, 3] = torch.linspace(-3, 65504, 32).to(dtype)
+    k[:, :, 40, :] = torch.linspace(-7, 65504, 32).to(dtype)  # a value group
+    for quant, args in ((quantize_keys, (bits, 32)), (quantize_values, (bits, 32, 32))):
+        codes, scale, zero = quant(k, *args)
+        levels = torch.arange(1 << bits, dtype=torch.float32)
+        # every code of every group, as the kernels compute it: one float16 rounding
+        top = (levels[-1] * scale.float() + zero.float()).half()
+        assert torch.isfinite(top).all() and torch.isfinite(scale).all()
+        assert (levels[-1] * scale.float() + zero.float() <= 65504).all()
+        deq = (dequantize_keys if quant is quantize_keys else dequantize_values)(
+            codes, scale, zero, *args, dtype=torch.float16)
+        assert torch.isfinite(deq).all()
+
+
 @pytest.mark.parametrize("bits", BITS)
 def test_near_constant_group_no_nan(bits):
     # Range below FP16's smallest subnormal step: scale rounds to 0 or a subnormal.

@@ -76,6 +76,11 @@ def _qparams(lo, hi, MAXQ: tl.constexpr):
     hi = tl.minimum(tl.maximum(hi, -65504.0), 65504.0)
     zero = lo.to(tl.float16)
     scale = _div(hi - zero.to(tl.float32), tl.full(hi.shape, MAXQ, tl.float32)).to(tl.float16)
+    # the reference's step down where the top code would pass 65504 (a positive float16's
+    # bits minus one are the next float16 toward zero)
+    top = zero.to(tl.float32) + scale.to(tl.float32) * MAXQ
+    down = (scale.to(tl.int16, bitcast=True) - 1).to(tl.float16, bitcast=True)
+    scale = tl.where(top > 65504.0, down, scale)
     return scale, zero
 
 

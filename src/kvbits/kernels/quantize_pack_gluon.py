@@ -198,6 +198,11 @@ if gluon is not None:
         hi = gl.minimum(gl.maximum(hi, -65504.0), 65504.0)
         zero = lo.to(gl.float16)
         scale = gl.div_rn(hi - zero.to(gl.float32), gl.full_like(hi, MAXQ)).to(gl.float16)
+        # the reference's step down where the top code would pass 65504 (the next float16
+        # toward zero: a positive float16's bits minus one)
+        top = zero.to(gl.float32) + scale.to(gl.float32) * MAXQ
+        down = (scale.to(gl.int16, bitcast=True) - 1).to(gl.float16, bitcast=True)
+        scale = gl.where(top > 65504.0, down, scale)
         s = scale.to(gl.float32)
         inv = gl.where(s > 0, gl.div_rn(gl.full_like(s, 1.0), gl.where(s > 0, s, 1.0)), 0.0)
         return zero, scale, inv

@@ -63,6 +63,11 @@ def minmax_qparams(x: torch.Tensor, bits: int, dim: int, valid: torch.Tensor | N
     # A tensor divisor: CUDA torch multiplies by the reciprocal of a scalar divisor, which is
     # not the correctly rounded quotient (and differs from CPU and the kernel in the last bit).
     scale = ((hi - zero.float()) / torch.full_like(hi, (1 << bits) - 1)).to(torch.float16)
+    # A scale rounded up can put the top code past 65504 (the kernels dequantize with one
+    # float16 rounding: inf, then NaN in attention): one float16 step down there, so the top
+    # code dequantizes at or below the group's max (its values then clamp to that code).
+    top = zero.float() + scale.float() * ((1 << bits) - 1)
+    scale = torch.where(top > FP16_MAX, torch.nextafter(scale, torch.zeros_like(scale)), scale)
     return scale, zero
 
 
