@@ -3,6 +3,7 @@ calibration files (round trip and refusal)."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 
@@ -227,6 +228,12 @@ def test_calibration_refuses_other_spec_and_model(calibrated):
         KVBitsCache(tiny_llama(seed=1), spec, calibration=path)
     cache = KVBitsCache(model, spec, calibration=path)
     assert torch.equal(cache.layers[1].codebooks.v_codebook, cal.layers[1].v_codebook)
+    # built from a config, the shape is still compared (it was not: session 47 QA)
+    KVBitsCache(model.config, spec, calibration=path)
+    other = copy.deepcopy(model.config)
+    other.head_dim = 16
+    with pytest.raises(ValueError, match=r"not for this model \(llama-L2-H2-D16\)"):
+        KVBitsCache(other, spec, calibration=path)
     with pytest.raises(ValueError, match="needs codebooks"):
         KVBitsCache(model, spec)
     with pytest.raises(ValueError, match="not a kvbits kvquant calibration"):

@@ -63,6 +63,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -596,6 +597,9 @@ class Calibration:
                     and probe is not None and probes_match(probe, self.probe))
         else:
             same = _legacy_fingerprint(model) == self.fingerprint
+        if fp is None and hasattr(model, "get_text_config"):  # a config: its shape at least
+            fp = _shape_name(SimpleNamespace(config=model))
+            same = fp == self.fingerprint.rsplit("-", 1)[0]
         if not same:
             raise ValueError(
                 f"calibration was made for model {self.model or '?'} ({self.fingerprint}), not "
@@ -608,7 +612,8 @@ class Calibration:
         if bad:
             raise ValueError(f"calibration (preset {self.preset or '?'}) does not match the "
                              f"spec: {', '.join(bad)}; calibrate again with this preset")
-        n = model.config.get_text_config(decoder=True).num_hidden_layers if fp else len(self.layers)
+        config = model if hasattr(model, "get_text_config") else getattr(model, "config", None)
+        n = config.get_text_config(decoder=True).num_hidden_layers if fp else len(self.layers)
         if len(self.layers) != n:
             raise ValueError(f"calibration has {len(self.layers)} layers, the model {n}")
 
