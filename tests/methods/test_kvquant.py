@@ -244,6 +244,36 @@ def test_calibration_refuses_other_spec_and_model(calibrated):
         KVBitsCache(model, spec, calibration=bad)
 
 
+def test_damaged_calibration_files_are_refused_by_name(calibrated, tmp_path):
+    """Metadata that is not JSON or lacks its spec / fingerprint, and a table missing or of the
+    wrong length: refused when loaded, naming the damage (raw JSONDecodeError / KeyError, or an
+    AttributeError at the first forward, before; session 47 QA)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    _, _, _, path = calibrated
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        meta = dict(f.metadata())
+
+    def load(tensors=tensors, **edit):
+        out = tmp_path / "edited.safetensors"
+        doc = {k: v for k, v in {**meta, **edit}.items() if v is not None}
+        save_file(tensors, str(out), metadata=doc)
+        return kvq.Calibration.load(out)
+    load()  # the unedited copy loads
+    for edit, want in (({"spec": "{oops"}, "metadata is not JSON"),
+                       ({"spec": None}, r"lacks \['spec'\]"),
+                       ({"fingerprint": None}, r"lacks \['fingerprint'\]")):
+        with pytest.raises(ValueError, match="damaged kvquant calibration: .*" + want):
+            load(**edit)
+    cut = tensors["layers.1.v_thresholds"][:, :-1].contiguous()  # one threshold short
+    short = dict(tensors, **{"layers.1.v_thresholds": cut})
+    for damaged in ({k: v for k, v in tensors.items() if k != "layers.0.k_codebook"}, short):
+        with pytest.raises(ValueError, match="damaged kvquant calibration: layer .'s [kv]_"):
+            load(damaged)
+
+
 def test_calibration_follows_the_weights_not_their_dtype(calibrated):
     """`kvbits calibrate` runs in float32 on the CPU; the same model in float16 or bfloat16 (a
     GPU) is the same model: accepted. Other weights of the same shape are refused, also for

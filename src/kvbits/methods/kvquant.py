@@ -601,10 +601,12 @@ class Calibration:
             fp = _shape_name(SimpleNamespace(config=model))
             same = fp == self.fingerprint.rsplit("-", 1)[0]
         if not same:
+            old = (" (the file has no weight probe: written by an old kvbits, or damaged)"
+                   if self.probe is None else "")
             raise ValueError(
                 f"calibration was made for model {self.model or '?'} ({self.fingerprint}), not "
-                f"for this model ({fp}); calibrate it: kvbits calibrate --model ... --preset "
-                f"{self.preset or '...'}")
+                f"for this model ({fp}){old}; calibrate it: kvbits calibrate --model ... "
+                f"--preset {self.preset or '...'}")
         want = spec_fields(spec)
         have = {k: self.spec.get(k, _FIELD_DEFAULTS.get(k)) for k in CALIBRATION_FIELDS}
         bad = [f"{k}={have[k]!r} (spec has {want[k]!r})" for k in CALIBRATION_FIELDS
@@ -662,10 +664,25 @@ class Calibration:
             layers = [LayerCodebooks(*(f.get_tensor(f"layers.{i}.{name}")
                                        if f"layers.{i}.{name}" in names else None
                                        for name in _LAYER_TENSORS)) for i in range(n)]
-        return cls(layers, json.loads(meta["spec"]), meta["fingerprint"], meta.get("model", ""),
+        damaged = f"{str(path)!r} is a damaged kvquant calibration"
+        try:
+            fields = {k: json.loads(meta[k]) for k in ("spec", "extra", "probe") if k in meta}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{damaged}: its metadata is not JSON ({exc})") from None
+        missing = [k for k in ("spec", "fingerprint") if k not in meta]
+        if missing or not isinstance(fields["spec"], dict):
+            raise ValueError(f"{damaged}: its metadata lacks {missing or ['a spec object']}")
+        for i, layer in enumerate(layers):  # every table, of consistent lengths
+            for side in ("k", "v"):
+                cb, th = getattr(layer, f"{side}_codebook"), getattr(layer, f"{side}_thresholds")
+                if cb is None or th is None or cb.dim() != 2 or tuple(th.shape) != (
+                        cb.shape[0], cb.shape[1] - 1):
+                    raise ValueError(f"{damaged}: layer {i}'s {side}_codebook / {side}_thresholds "
+                                     "are missing or of inconsistent shapes ([heads, 2**bits] and "
+                                     "[heads, 2**bits - 1])")
+        return cls(layers, fields["spec"], meta["fingerprint"], meta.get("model", ""),
                    meta.get("preset", ""), meta.get("data", ""), meta.get("date", ""),
-                   json.loads(meta.get("extra", "{}")),
-                   json.loads(meta["probe"]) if "probe" in meta else None)
+                   fields.get("extra", {}), fields.get("probe"))
 
 
 def _capture_attention(store: dict, grad: bool):
