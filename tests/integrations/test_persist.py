@@ -251,6 +251,35 @@ def test_a_cache_of_other_weights_of_the_same_shape_is_refused(tmp_path):
     KVBitsCache.load(path, model.config)  # no weights to compare: the shape check alone
 
 
+@pytest.mark.parametrize("name,gone", [("kvquant-3", "layers.1.codebooks.v_codebook"),
+                                       ("fp8", "layers.0.fp8_scales.k"),
+                                       ("kivi-2-hadc", None)])
+def test_a_file_missing_its_calibrated_tables_is_refused(name, gone, tmp_path):
+    """A saved cache whose codebooks, FP8 scales or Hadamard channels were lost: refused by
+    name (session 47 QA: a layer without its codebooks was read with uniform tables, logits
+    0.03 off, and the others were a raw KeyError)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    arch, preset, calibration, kw = CASES[name]
+    model = tiny(arch)
+    ids, mask = prompt()
+    path = prefilled(model, preset, ids, mask, calibration, **kw).save(tmp_path / "c.safetensors")
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k != gone}  # noqa: SIM118
+        meta = dict(f.metadata())
+    if gone is None:  # the channels live in the metadata
+        doc = json.loads(meta["kvbits-cache"])
+        doc.pop("hadamard_channels")
+        meta["kvbits-cache"] = json.dumps(doc)
+    out = tmp_path / "d.safetensors"
+    save_file(tensors, str(out), metadata=meta)
+    with pytest.raises(ValueError, match="lacks .*the file is damaged"):
+        KVBitsCache.load(out, model)
+
+
 def test_damaged_files_are_refused(tmp_path):
     """Lengths that the saved rows do not hold (a residual that claimed 5 more rows decoded
     uninitialized memory: NaN logits), metadata that is not JSON and a version of another type

@@ -73,6 +73,10 @@ def save_cache(cache, path, **info) -> Path:
     doc = {"format": FORMAT, "version": VERSION, "kvbits": __version__,
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "spec": cache.spec.to_dict(),
            "model": model_shape(cache.config), "layers": layers, "hadamard_channels": channels,
+           # which layers' codebooks the file holds (the others quantized with uniform tables),
+           # so that a file that lost a table is refused rather than read as uniform
+           "codebook_layers": [i for i, layer in enumerate(cache.layers)
+                               if layer.codebooks is not None],
            "weights": None if model is None else weight_probe(model),
            **({"info": info} if info else {})}
     path = Path(path)
@@ -119,6 +123,9 @@ def _doc_problem(doc: dict) -> str | None:
     layers = doc.get("layers")
     if not isinstance(layers, list):
         return f"'layers' must be a list, got {type(layers).__name__}"
+    cb = doc.get("codebook_layers", [])  # (files before session 47 have none)
+    if not isinstance(cb, list) or any(type(i) is not int for i in cb):
+        return f"'codebook_layers' must be a list of layer indices, got {cb!r}"
     for i, meta in enumerate(layers):
         if meta is None:
             continue
@@ -176,7 +183,11 @@ def load_cache(cls, path, model_or_config, device=None, dtype=None):
     n = len(doc["layers"])
 
     def layer_tensor(i, part, name):
-        return tensors[f"layers.{i}.{part}.{name}"]
+        key = f"layers.{i}.{part}.{name}"
+        if key not in tensors:
+            raise ValueError(f"{str(path)!r} lacks {key!r}, which its {spec.describe()!r} cache "
+                             "needs: the file is damaged")
+        return tensors[key]
     # the calibrated inputs come from the file: no calibration runs here
     calibration = None
     if spec.method == "kvquant":
@@ -185,7 +196,10 @@ def load_cache(cls, path, model_or_config, device=None, dtype=None):
         calibration = [tuple(layer_tensor(i, "fp8_scales", k) for k in ("k", "v"))
                        for i in range(n)]
     elif spec.hadamard_calibrated:
-        calibration = doc["hadamard_channels"]
+        calibration = doc.get("hadamard_channels")
+        if not isinstance(calibration, list) or len(calibration) != n:
+            raise ValueError(f"{str(path)!r}: its metadata lacks the Hadamard channels of its "
+                             f"{spec.describe()!r} cache, one list per layer: the file is damaged")
     cache = cls(model_or_config, spec, calibration=calibration)
     if len(cache.layers) != n:
         raise ValueError(f"{str(path)!r} has {n} layers, the model {len(cache.layers)}")
@@ -198,7 +212,7 @@ def load_cache(cls, path, model_or_config, device=None, dtype=None):
             dtype = param.dtype if dtype is None else dtype
     device = torch.device("cpu" if device is None else device)
     for i, (layer, meta) in enumerate(zip(cache.layers, doc["layers"])):
-        if f"layers.{i}.codebooks.k_codebook" in tensors:
+        if f"layers.{i}.codebooks.k_codebook" in tensors or i in doc.get("codebook_layers", ()):
             layer.codebooks = LayerCodebooks(*(layer_tensor(i, "codebooks", c)
                                                for c in _CODEBOOKS),
                                              *(tensors.get(f"layers.{i}.codebooks.{c}")
