@@ -693,6 +693,10 @@ def test_preset_own_transformers_group_size_beats_the_command_wide_default():
     (["generate", "--prompt", "x", "--fuse", "--device", "cpu"], r"--fuse\) needs the graph loop"),
     (["generate", "--prompt", "x", "--prefix-cache", "p.safetensors", "--prompt-lookup", "4"],
      "--prefix-cache: one prompt, without --prompt-lookup"),
+    # a preset given twice ran twice (needle merged the two into one row); an empty list ran none
+    (["ppl", "--presets", "fp16,kivi-2,fp16"], "--presets: 'fp16' given twice"),
+    (["needle", "--presets", "kivi-2:R=0,kivi-2:R=0"], "'kivi-2:R=0' given twice"),
+    (["ppl", "--presets", "fp16", "--hf-quantized", ","], "--hf-quantized: give at least one"),
     # these named the library's parameters (stride, gpu_memory, weights_bytes), not the options
     (["ppl", "--window", "200", "--stride", "300"], "--stride 300 must be at most --window 200"),
     (["memory", "--gpu-memory", "0.5"], "--gpu-memory 0.5: must be at least one byte"),

@@ -47,8 +47,9 @@ class Variant:
         return self.spec.describe()
 
 
-def _split_items(text: str) -> list[str]:
-    """Comma-separated items, where ``FIELD=VALUE`` without a colon joins the previous item."""
+def _split_items(text: str, option: str = "--presets") -> list[str]:
+    """Comma-separated items, where ``FIELD=VALUE`` without a colon joins the previous item; an
+    item given twice is refused (its runs came out as identical rows, or as one merged row)."""
     items: list[str] = []
     for part in (p.strip() for p in text.split(",")):
         if not part:
@@ -57,6 +58,9 @@ def _split_items(text: str) -> list[str]:
             items[-1] += ("," if "=" in items[-1] else ":") + part
         else:
             items.append(part)
+    twice = sorted({i for i in items if items.count(i) > 1})
+    if twice:
+        raise ValueError(f"{option}: {', '.join(map(repr, twice))} given twice; give each once")
     return items
 
 
@@ -68,7 +72,7 @@ def parse_presets(text: str, option: str = "--presets", **defaults) -> list[Vari
     ['kivi-2', 'kivi-2:residual_length=0,group_size=64']
     """
     variants = []
-    for item in _split_items(text):
+    for item in _split_items(text, option):
         name, _, rest = item.partition(":")
         if name not in PRESETS and not name.endswith(".json"):
             raise ValueError(f"{option}: unknown preset {name!r} in {item!r}; presets are: "
@@ -107,7 +111,7 @@ def parse_hf_variants(text: str) -> list[Variant]:
     from .eval.hf_baseline import BACKENDS, HFQuantSpec
 
     variants = []
-    for item in _split_items(text):
+    for item in _split_items(text, "--hf-quantized"):
         backend, _, rest = item.partition(":")
         bits, _, rest = rest.partition(":")
         n = bits[3:]  # ASCII digits: "int²" passed isdigit() and failed in int()
@@ -122,6 +126,8 @@ def parse_hf_variants(text: str) -> list[Variant]:
         except ValueError as exc:
             raise ValueError(f"--hf-quantized: {item!r}: {exc}") from None
         variants.append(Variant(f"HF {item}", "hf", spec))
+    if not variants:
+        raise ValueError("--hf-quantized: give at least one BACKEND:intN, e.g. quanto:int2")
     return variants
 
 

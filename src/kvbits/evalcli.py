@@ -51,7 +51,10 @@ def _preset_items(text: str) -> tuple[str, ...]:
     """Presets with overrides, as ``kvbits ppl --presets`` splits them (``kivi-2:S=1,R=64``)."""
     from .cli import _split_items
 
-    items = tuple(_split_items(text))
+    try:
+        items = tuple(_split_items(text))
+    except ValueError as exc:  # (a preset given twice)
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--presets: ")) from None
     if not items:
         raise argparse.ArgumentTypeError(f"expected comma-separated presets, got {text!r}")
     return items
