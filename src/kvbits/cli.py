@@ -807,7 +807,7 @@ class MemoryConfig:
     context: int = 4096
     batch: int = 1
     gpu_memory: int | None = None
-    weights: str = "auto"
+    weights: int | None = None      # bytes; None: FP16 weights of the config (auto)
     json_path: str | None = None
 
 
@@ -817,34 +817,35 @@ def _cmd_memory(args) -> int:
     variants = parse_presets(args.preset, "--preset", group_size=args.group_size,
                              residual_length=args.residual_length, sink_tokens=args.sink_tokens)
     gpu = parse_bytes(args.gpu_memory) if args.gpu_memory else None
-    if gpu is None and args.weights != "auto":
+    weights = None if args.weights == "auto" else parse_bytes(args.weights)
+    if gpu is None and weights is not None:
         raise ValueError("--weights is the part of --gpu-memory the weights take: give "
                          "--gpu-memory too (it sizes the max context / batch)")
     if gpu is not None and gpu <= 0:
         raise ValueError(f"--gpu-memory {args.gpu_memory}: must be at least one byte")
-    if gpu is not None and args.weights != "auto" and parse_bytes(args.weights) >= gpu:
-        raise ValueError(f"--weights {args.weights} leaves no room in --gpu-memory "
-                         f"{args.gpu_memory} for the KV cache")
-    cfg = MemoryConfig(args.config, variants, args.context, args.batch, gpu, args.weights, args.json)
+    cfg = MemoryConfig(args.config, variants, args.context, args.batch, gpu, weights, args.json)
     run_memory(cfg)
     return 0
 
 
 def run_memory(cfg: MemoryConfig) -> list:
     """Print the memory table of every variant; optionally write JSON."""
-    from .eval.memory import NAMED_CONFIGS, kv_memory, kv_shape, memory_table, parse_bytes
+    from .eval.memory import NAMED_CONFIGS, kv_memory, kv_shape, memory_table
 
     config = cfg.config
     if config not in NAMED_CONFIGS:
         config = _load_config(config)
     shape = kv_shape(config)
-    if cfg.weights == "auto":
+    weights = cfg.weights
+    if weights is None:
         weights = 2 * shape.params if (cfg.gpu_memory and shape.params) else 0
         if cfg.gpu_memory:
             _log(f"weights: {weights / 1e9:.2f} GB (FP16, {shape.params or 0:,} parameters)"
                  if weights else "weights: unknown for this config, counted as 0 (use --weights)")
-    else:
-        weights = parse_bytes(cfg.weights)
+    if cfg.gpu_memory is not None and weights >= cfg.gpu_memory:
+        how = "" if cfg.weights is not None else " (auto: the config's FP16 weights)"
+        raise ValueError(f"--weights {weights / 1e9:.2f} GB{how} leaves no room in --gpu-memory "
+                         f"{cfg.gpu_memory / 1e9:.2f} GB for the KV cache")
     reports = [kv_memory(shape, v.spec, context=cfg.context, batch=cfg.batch,
                          gpu_memory=cfg.gpu_memory, weights_bytes=weights) for v in cfg.variants]
     for v, r in zip(cfg.variants, reports):
