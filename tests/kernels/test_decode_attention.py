@@ -921,6 +921,9 @@ KVQ_CASES = {
     "K3V3-G32-D100": Case(kb=3, vb=3, G=32, D=100, body=96, HG=2, S=1),
     "K3V3-G32-D100-Gv32": Case(kb=3, vb=3, G=32, D=100, body=96, HG=2, Gv=32, B=2,
                                lengths=(110, 97)),
+    # 8-bit codes (a spec like "kvquant-3-post:bits=8"): 256-entry tables, gathered (a GPU call
+    # with float16 queries stopped at the byte-permute lookup's 16-entry assert)
+    "K8V4-G32-GQA": Case(kb=8, vb=4, G=32, D=64, body=64, HG=2, B=2, lengths=(90, 75)),
 }
 
 
@@ -1261,7 +1264,7 @@ def _lookup_probe(C, CB, Out, NC: tl.constexpr, BLOCK: tl.constexpr, USE_PRMT: t
     tl.store(Out + h * BLOCK + offs, tl.reshape(val, [BLOCK]))
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_codebook_lookup_is_exact(bits):
     from kvbits.kernels.decode_attention import _use_prmt
 

@@ -57,6 +57,8 @@ CONFIGS = [
     # the finish kernel as a programmatic dependent (waits before merging), and plain
     {**FINISH, "PDL": True, "options": {"launch_pdl": True}},
     {**FINISH, "HAS_FP": False, "ROWS": 1, "BLOCK_S": 64, "D": 64, "BLOCK_D": 64},
+    # KVQuant codebooks of 8-bit keys (256 entries: gathered) beside 3-bit values (byte permutes)
+    {**BASE, "KBITS": 8, "VBITS": 3, "K_CB": True, "V_CB": True, "K_OUT": 1, "V_OUT": 1},
 ]
 
 
@@ -67,4 +69,4 @@ def test_decode_kernel_variants_compile_for_sm90(compile_sm90):
         # the grid-dependency instructions only where asked for
         want = ["griddepcontrol.wait" if cx.get("kernel") else "griddepcontrol.launch_dependents"]
         assert r["ptx"] == (want if cx.get("PDL") else []), (cx, r)
-    assert [r["pdl"] for r in results] == [False, False, False, True, False]
+    assert [r["pdl"] for r in results] == [False, False, False, True, False, False]

@@ -191,8 +191,12 @@ def _lookup(c, cb_ptr, NC: tl.constexpr, USE_PRMT: tl.constexpr, F32: tl.constex
     * 4 bits: the same for entries 0-7 and 8-15 (``c & 7``), then a ``lop3`` picks per code by
       its bit 3, expanded to a 16-bit mask by ``prmt``'s sign-replicate mode: 20 per four.
 
-    Otherwise (the interpreter, CPU tests): a select per entry."""
-    if USE_PRMT:
+    Larger tables (8-bit codes, 256 entries) are gathered from memory (an L1 hit), with or
+    without ``USE_PRMT``; otherwise (the interpreter, CPU tests): a select per entry."""
+    if NC > 16:
+        DT_G: tl.constexpr = tl.float32 if F32 else tl.float16
+        val = tl.load(cb_ptr + (c.to(tl.int32) & 0xFF)).to(DT_G)
+    elif USE_PRMT:
         z = tl.zeros(c.shape, dtype=tl.int32)
         if NC == 4:
             a = z + _cb_word(cb_ptr, 0, 16, 0)
