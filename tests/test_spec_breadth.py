@@ -39,6 +39,9 @@ def test_hf_names():
     ({"method": "kivi", "fp8_granularity": "tensor"}, r"apply to method 'fp8' only"),
     ({"method": "kvquant", "hadamard": True}, r"hadamard applies to methods"),
     ({"hadamard": True, "pre_rope": True}, r"cannot be combined with pre_rope"),
+    # FP8 layers kept the store's unrotated keys and neither path turned them back (0.89 off)
+    ({"method": "fp8", "key_bits": 8, "value_bits": 8, "pre_rope": True},
+     r"pre_rope applies to methods 'kivi', 'uniform', 'kvquant'"),
     ({"hadamard": 1}, r"hadamard must be True or False"),
     ({"hadamard_calibrated": True}, r"hadamard_calibrated needs hadamard=True"),
     ({"method": "fp8", "key_bits": 8, "value_bits": 8, "hadamard": True,

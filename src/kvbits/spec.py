@@ -160,6 +160,10 @@ class QuantSpec:
                                              and self.method in ("kivi", "uniform")):
             raise ValueError("QuantSpec.hadamard_calibrated needs hadamard=True and method 'kivi' "
                              f"or 'uniform' (hadamard={self.hadamard}, method={self.method!r})")
+        if self.method == "fp8" and self.pre_rope:
+            raise ValueError("QuantSpec.pre_rope applies to methods 'kivi', 'uniform', 'kvquant' "
+                             "(their key scales follow pre-RoPE channels); method 'fp8' keeps "
+                             "one scale per head and its keys post-RoPE")
         if self.hadamard and self.pre_rope:
             raise ValueError("QuantSpec.hadamard cannot be combined with pre_rope=True (the "
                              "rotation would not commute with re-applying RoPE)")

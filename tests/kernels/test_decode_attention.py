@@ -824,6 +824,22 @@ def test_scale_axes_match_reference(name, axes):
     run_case(c, kv=_axes_kv(c, *axes))
 
 
+# ... and with pre-RoPE keys (``uniform:P=1``): the reference turned only KIVI / KVQuant layouts
+# back to the model's space, so it answered with unrotated keys (0.86 off exact attention)
+@pytest.mark.parametrize("axes", [("token", "token"), ("channel", "channel")], ids="-".join)
+@pytest.mark.parametrize("name", ["K2V2-G32-ragged", "K8V4-G32-sink-window"])
+def test_scale_axes_with_pre_rope_keys_match_reference(name, axes):
+    from kvbits.reference.attention import dequantize_body
+
+    c = AXES_CASES[name]
+    kv = _axes_kv(c, *axes)
+    kv.rope_inv_freq = 1.0 / (10000 ** (torch.arange(0, c.D, 2, device=DEVICE).float() / c.D))
+    plain = _axes_kv(c, *axes)
+    turned, unturned = dequantize_body(kv, 0, 32)[0], dequantize_body(plain, 0, 32)[0]
+    assert not torch.allclose(turned, unturned)  # the reference turns them
+    run_case(c, kv=kv)
+
+
 # head_dim 256: FP8 keeps 128-token tiles past head_dim 128 (other layers halve them)
 FP8_CASES = {name: AXES_CASES[name]
              for name in ("K2V2-G32-ragged", "K4V4-G64-D96", "K8V4-G32-sink-window")}

@@ -27,12 +27,13 @@ def dequantize_body(kv: PackedKV, t0: int, t1: int, starts: torch.Tensor | None 
     the model's (post-RoPE) key space: codebook lookup, outliers and re-rotation included."""
     G = kv.group_size
     g0, g1 = t0 // G, t1 // G
-    if kv.fp8:
+    if kv.fp8:  # (keys post-RoPE: QuantSpec refuses pre_rope for fp8)
         k = ref_quant.dequantize_fp8(kv.k_codes[:, :, t0:t1], kv.k_scale)
         v = ref_quant.dequantize_fp8(kv.v_codes[:, :, t0:t1], kv.v_scale)
         return k, v
     if kv.key_axis != "channel" or kv.value_axis != "token":
-        return _dequantize_axes(kv, t0, t1)
+        k, v = _dequantize_axes(kv, t0, t1)
+        return _rotate_body_keys(kv, k, t0, starts), v
     wk = packed_length(G, kv.key_bits)
     wv = packed_length(G, kv.value_bits)
     kc = kv.k_codes[:, :, g0 * wk: g1 * wk].contiguous()
@@ -54,12 +55,18 @@ def dequantize_body(kv: PackedKV, t0: int, t1: int, starts: torch.Tensor | None 
         v = _kvq().dequantize_values(vc, kv.v_scale[:, :, t0:t1], kv.v_zero[:, :, t0:t1],
                                   kv.value_bits, kv.value_group, G, kv.v_codebook,
                                   sl(kv.v_out_idx), sl(kv.v_out_val))
-    if kv.rope_inv_freq is not None:
-        if starts is None:
-            starts = torch.zeros(kv.batch, dtype=torch.int32, device=k.device)
-        pos = ref_rope.token_positions(starts.to(k.device), kv.sink_len + t0, t1 - t0)
-        k = ref_rope.rotate(k, pos, kv.rope_inv_freq)
-    return k, v
+    return _rotate_body_keys(kv, k, t0, starts), v
+
+
+def _rotate_body_keys(kv: PackedKV, k: torch.Tensor, t0: int, starts):
+    """Pre-RoPE keys (``kv.rope_inv_freq``) turned back to the model's space at their positions
+    (body token ``t0`` onwards, after the sink); other keys unchanged."""
+    if kv.rope_inv_freq is None:
+        return k
+    if starts is None:
+        starts = torch.zeros(kv.batch, dtype=torch.int32, device=k.device)
+    pos = ref_rope.token_positions(starts.to(k.device), kv.sink_len + t0, k.shape[2])
+    return ref_rope.rotate(k, pos, kv.rope_inv_freq)
 
 
 def _dequantize_axes(kv: PackedKV, t0: int, t1: int):
