@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -316,6 +317,17 @@ def test_bits_override_of_a_spec_that_sets_every_layer_is_refused(tmp_path):
     some = _tuned_file(tmp_path, [(0, 8, 8), (1, 2, 2)])
     assert resolve_spec(some + ":bits=4").for_layer(3, 4).key_bits == 4
     assert resolve_spec("k4v2-edge8:K=2").for_layer(1, 30).key_bits == 2
+
+
+@pytest.mark.parametrize("name", ["smollm2-avg3.json", "smollm2-avg3-hadc.json"])
+def test_committed_spec_files_name_their_depth(name):
+    # They predated model_layers: ":bits=4" and a 32-layer model were taken silently.
+    path = str(Path(__file__).parents[1] / "benchmarks" / "results" / "specs" / name)
+    assert resolve_spec(path).model_layers == 30
+    with pytest.raises(ValueError, match="would change no layer"):
+        resolve_spec(path + ":bits=4")
+    with pytest.raises(ValueError, match="model with 30 layers"):
+        resolve_spec(path).for_layer(0, 32)
 
 
 @pytest.mark.parametrize("version", [2, 0, "1", None])
