@@ -9,6 +9,7 @@ alone: which runs they came from and the caveats measured across them.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -53,6 +54,7 @@ CAVEATS = [
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # (--help only)
     merged, md = {}, ["# End-to-end decode (all parts)", "", "Caveats measured across the parts:", ""]
     md += [f"- {c}" for c in CAVEATS] + [""]
     for name in PARTS:

@@ -14,6 +14,7 @@ table A with the rows of its companion B (same model, text and tokens) added.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -127,16 +128,29 @@ def plot(tables: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    args, out = sys.argv[1:], "ppl_frontier"
-    if args[:1] == ["--out"]:
-        out, args = args[1], args[2:]
-    names = args or list(DEFAULT)
-    tables = [analyse(n) for n in names
-              if all((RESULTS / f"{part}.json").exists() for part in n.split("+"))]
-    (RESULTS / f"{out}.json").write_text(json.dumps(tables, indent=1) + "\n")
-    (RESULTS / f"{out}.md").write_text(markdown(tables, out))
-    plot(tables, RESULTS / f"{out}.png")
-    print(markdown(tables, out))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("names", nargs="*", metavar="NAME",
+                    help="tables benchmarks/results/NAME.json (A+B: A with its companion B's rows); "
+                         "default: the news, SOTU and per-head-codebook tables of all three models")
+    ap.add_argument("--out", default="ppl_frontier", metavar="STEM",
+                    help="write results/STEM.{md,json,png} (default ppl_frontier)")
+    args = ap.parse_args()
+    if not args.names:  # the defaults that exist here
+        names = [n for n in DEFAULT
+                 if all((RESULTS / f"{part}.json").exists() for part in n.split("+"))]
+    else:
+        names = args.names
+        missing = [f"{part}.json" for n in names for part in n.split("+")
+                   if not (RESULTS / f"{part}.json").exists()]
+        if missing:  # (before anything is written: a typo rewrote the committed table)
+            ap.error(f"no such table in {RESULTS}: {', '.join(missing)}")
+    if not names:
+        ap.error(f"none of the default tables is in {RESULTS}")
+    tables = [analyse(n) for n in names]
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(tables, indent=1) + "\n")
+    (RESULTS / f"{args.out}.md").write_text(markdown(tables, args.out))
+    plot(tables, RESULTS / f"{args.out}.png")
+    print(markdown(tables, args.out))
 
 
 if __name__ == "__main__":
