@@ -704,8 +704,8 @@ def test_preset_own_transformers_group_size_beats_the_command_wide_default():
      r"--weights 100\.00 GB leaves no room in --gpu-memory 80\.00 GB"),
     # the config's own FP16 weights (--weights auto) past --gpu-memory named weights_bytes
     (["memory", "--config", "llama-3-8b", "--gpu-memory", "10GB"],
-     r"--weights 16\.06 GB \(auto: the config's FP16 weights\) leaves no room in --gpu-memory "
-     r"10\.00 GB"),
+     (r"--weights 16\.06 GB \(auto: the config's FP16 weights\) leaves no room in "
+      r"--gpu-memory 10\.00 GB")),
     # the error blamed the default preset list, not the option that set the bad value
     (["memory", "--sink-tokens", "100000000"], "'kivi-4' with --sink-tokens 100000000: "),
     # a --name with a folder in it failed after the first trial; "" and ".." wrote elsewhere
