@@ -77,6 +77,49 @@ def test_prompt_too_short_is_an_error():
         build_passkey_prompt(tok, hay, ends, 100, 0.5, 12345, chat=False)
 
 
+@pytest.mark.parametrize("depth", [0.25, 0.5, 0.75])
+def test_a_text_without_sentence_ends_still_puts_the_needle_at_its_depth(depth):
+    """With no . ? ! in the haystack every needle below 100% went to depth 0."""
+    tok = CharTokenizer()
+    flat = " ".join(f"word{i} and more words" for i in range(600))
+    hay, ends = haystack_ids(tok, flat)
+    assert ends == [0]
+    p = build_passkey_prompt(tok, hay, ends, 1500, depth, 71432, chat=False)
+    head = len(tok("There is an important pass key hidden inside a lot of irrelevant text. "
+                   "Find it and memorize it. I will quiz you about the pass key.\n\n")
+               ["input_ids"])
+    needle_len = len(tok("\n\nThe pass key is 71432. Remember it. 71432 is the pass key.\n\n")
+                     ["input_ids"])
+    n_hay = len(p.ids) - head - p.question_tokens - needle_len
+    assert abs((p.needle_at - head) / n_hay - depth) < 0.01
+
+
+def test_a_text_too_short_for_the_longest_length_fails_before_any_trial():
+    """It failed only when the longest length's first trial came, after every shorter one."""
+    from kvbits.eval.speed import build_model, model_config
+
+    model = build_model(model_config("tiny"), device="cpu")
+    cfg = NeedleConfig(lengths=(300, 1200), depths=(0.5,), presets=("fp16",), trials=1,
+                       max_new_tokens=1, chat=False)
+    logged = []
+    with pytest.raises(ValueError, match=r"haystack text has 900 tokens; a 1200-token prompt "
+                                         r"needs .*longer text or shorter lengths"):
+        run_needle(model, CharTokenizer(), "x" * 900, cfg, log=logged.append)
+    assert logged == []
+
+
+def test_lengths_a_preset_keeps_in_fp16_are_announced():
+    """Below S + R + G tokens (kivi-2: 160) a preset quantizes nothing and answered as FP16,
+    silently."""
+    from kvbits.eval.speed import build_model, model_config
+
+    model = build_model(model_config("tiny"), device="cpu")
+    cfg = NeedleConfig(lengths=(280,), depths=(0.5,), presets=("fp16", "kivi-2:R=256"),
+                       trials=1, max_new_tokens=1, chat=False)
+    with pytest.warns(UserWarning, match=r"kivi-2:R=256 keeps up to 288 tokens in FP16"):
+        run_needle(model, CharTokenizer(), TEXT, cfg, log=lambda m: None)
+
+
 def test_run_needle_on_a_tiny_random_model(tmp_path):
     from kvbits.eval.speed import build_model, model_config
 

@@ -148,11 +148,14 @@ def build_passkey_prompt(tokenizer, hay: list[int], ends: list[int], length: int
     if start + n_hay > len(hay):
         start = 0
     if n_hay > len(hay):
-        raise ValueError(f"the text has {len(hay)} tokens; a {length}-token prompt needs {n_hay}")
+        raise ValueError(f"the haystack text has {len(hay)} tokens; a {length}-token prompt "
+                         f"needs {n_hay} of it: give a longer text or shorter lengths")
     body = hay[start:start + n_hay]
     local_ends = [e - start for e in ends if start <= e <= start + n_hay]
     want = round(depth * n_hay)
     pos = min(local_ends, key=lambda e: (abs(e - want), e)) if local_ends else want
+    if abs(pos - want) > max(64, n_hay // 20):  # no sentence end near the depth (a text
+        pos = want  # without . ? ! put every needle at depth 0): mid-sentence, at the depth
     if depth >= 1.0:
         pos = n_hay
     elif depth <= 0.0:
@@ -234,10 +237,18 @@ def run_needle(model, tokenizer, text: str, cfg: NeedleConfig,
         warnings.warn(f"needle: length {max_len} is past the {trained} positions the model was "
                       "trained for; FP16 itself may miss the key there", stacklevel=2)
     hay, ends = haystack_ids(tokenizer, text, 3 * max_len)
+    # the longest prompt first: a text too short for it failed after every shorter trial had run
+    build_passkey_prompt(tokenizer, hay, ends, max_len, 0.5, 10000, 0, cfg.chat)
     stop = eos_ids(model, tokenizer)
     rng = random.Random(cfg.seed)
     caches = needle_caches(model, cfg)
     specs = {p: spec for p, (spec, _) in caches.items()}
+    for preset, spec in specs.items():
+        kept = spec.sink_tokens + spec.residual_length + spec.group_size
+        if spec.quantized and min(cfg.lengths) < kept:
+            warnings.warn(f"needle: {preset} keeps up to {kept} tokens in FP16 (sink, residual "
+                          f"and a group filling), so at length {min(cfg.lengths)} it quantizes "
+                          "little or nothing and answers as FP16 does", stacklevel=2)
     # Switch the model to the "kvbits" attention once (untagged tensors, as from DynamicCache,
     # take plain SDPA there).
     KVBitsCache(model, "kivi-2")
