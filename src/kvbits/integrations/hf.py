@@ -292,10 +292,10 @@ class KVBitsLayer(CacheLayerMixin):
             if not self.spec.quantized:
                 raise
             raise ValueError(
-                f"{e}. Assisted or prompt-lookup decoding: a draft longer than the FP16 residual "
-                f"(residual_length={self.spec.residual_length}) is quantized before it is "
-                "verified; draft fewer tokens (num_assistant_tokens, prompt_lookup_num_tokens) "
-                "or raise residual_length") from None
+                f"{e}. If this came from assisted or prompt-lookup decoding: a draft longer than "
+                f"the FP16 residual (residual_length={self.spec.residual_length}) is quantized "
+                "before it is verified; draft fewer tokens (num_assistant_tokens, "
+                "prompt_lookup_num_tokens) or raise residual_length") from None
         return keep - self.store.evicted
 
     # ------------------------------------------------------------------ step graphs
