@@ -15,8 +15,10 @@ and the model continues greedily for at most ``max_new_tokens`` tokens, stopping
 turn (an EOS id of the model's generation config or of the tokenizer: SmolLM2's ``<|im_end|>``),
 as ``generate`` would; what it would emit after that (a made-up next turn) is no part of the
 answer. A trial is correct when the first run of digits in the answer is exactly the key. The
-needle goes at a sentence boundary of the haystack at the requested depth (0 = first thing after
-the instruction, 1 = right before the question), and the whole prompt is ``length`` tokens.
+needle goes at the sentence boundary of the haystack nearest the requested depth (0 = first
+thing after the instruction, 1 = right before the question; mid-sentence at the depth itself
+when no sentence ends within max(64, 5%) of the haystack's tokens of it), and the whole prompt
+is ``length`` tokens.
 
 How the caches are compared
 ---------------------------
