@@ -191,3 +191,20 @@ def test_smollm2_kivi4_within_1_percent_of_fp16_on_2k_tokens(smollm2_ids):
                     progress=False)
     assert k4["ppl"] <= fp["ppl"] * 1.01, (k4["ppl"], fp["ppl"])
     assert k4["ppl"] >= fp["ppl"] * 0.99, (k4["ppl"], fp["ppl"])
+
+
+def test_warnings_name_the_caller_and_positions_past_training(tiny):
+    """A window past max_position_embeddings ran silently (needle warns); the chunk warning
+    pointed at torch's no_grad wrapper instead of the caller."""
+    import warnings
+
+    model, ids = tiny  # 256 trained positions, 300 tokens
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        perplexity(model, ids, lambda: KVBitsCache(model, "fp16"), chunk_size=300, window=300,
+                   progress=False)
+    messages = {str(w.message).split(":")[0]: w for w in caught}
+    past = [w for m, w in messages.items() if m.startswith("window 300 is past the 256")]
+    chunk = [w for m, w in messages.items() if m.startswith("chunk_size 300 covers")]
+    assert past and chunk, [str(w.message) for w in caught]
+    assert all(w.filename == __file__ for w in past + chunk)

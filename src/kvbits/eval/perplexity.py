@@ -117,10 +117,16 @@ def perplexity(model, input_ids: torch.Tensor, make_cache: Callable[[], object],
         raise ValueError(f"need at least 2 tokens to score one, got {n}")
     window = default_window(model) if window is None else window
     plan = plan_windows(n, window, stride)
+    # (stacklevel 3: the caller's line, past torch.no_grad's wrapper)
     if not reads_cache(n, chunk_size, window, stride):
         warnings.warn(f"chunk_size {chunk_size} covers every window ({n} tokens, window "
                       f"{window}): each is one full-precision prefill, so the cache is never read "
-                      "back and every cache scores like FP16; use smaller chunks", stacklevel=2)
+                      "back and every cache scores like FP16; use smaller chunks", stacklevel=3)
+    trained = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if trained and min(window, n) > trained:  # scored anyway, as needle does
+        warnings.warn(f"window {window} is past the {trained} positions the model was trained "
+                      "for: perplexity there measures the model's extrapolation as much as the "
+                      "cache", stacklevel=3)
     input_ids = input_ids.to(model.device)
     from ..integrations.hf import cache_kwargs
 
