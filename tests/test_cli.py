@@ -712,6 +712,18 @@ def test_preset_own_transformers_group_size_beats_the_command_wide_default():
     (["needle", "--name", "sub/x"], "--name: expected a plain file name"),
     (["needle", "--name", ""], "--name: expected a plain file name"),
     (["bench", "--device", "cpu", "--name", ".."], "--name: expected a plain file name"),
+    # these failed after the model had loaded, naming no option: calibrate --window 1 said
+    # "at least 2 tokens of text, got 256", ppl "window must be >= 2 tokens" / "need at least 2
+    # tokens to score one" / "stride must be in [1, window=512]"
+    (["calibrate", "--window", "1"], "argument --window: expected an integer >= 2"),
+    (["tune", "--window", "1"], "argument --window: expected an integer >= 2"),
+    (["ppl", "--window", "1"], "argument --window: expected an integer >= 2"),
+    (["ppl", "--tokens", "1"], "argument --tokens: expected an integer >= 2"),
+    (["ppl", "--stride", "9000"], "--stride 9000 must be at most the window .*--window"),
+    # bytes of argv that are not UTF-8 (surrogate escapes) ended in the tokenizer's TypeError
+    (["generate", "--prompt", "caf\udce9"], r"--prompt: not valid UTF-8 \(byte 0xe9 at offset 3\)"),
+    (["generate", "--prompt", "x", "--prompt", "\udcff"],
+     r"--prompt: not valid UTF-8 \(byte 0xff at offset 0\)"),
 ])
 def test_bad_arguments_are_refused_before_the_model_loads(capsys, monkeypatch, argv, match):
     """These were refused only after the model and text had loaded (tune: ~20 s on 2 cores),
@@ -764,3 +776,49 @@ def test_needle_checks_its_texts_before_the_model_loads(capsys):
     with pytest.raises(SystemExit):
         main(["needle", "--text", "no-such-text", "--lengths", "1k"])
     assert "--text 'no-such-text': not a known text" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["ppl", "calibrate", "tune", "needle", "ppl-calib",
+                                     "needle-calib"])
+def test_text_files_are_read_before_the_model_loads(capsys, monkeypatch, tmp_path, command):
+    """A latin-1 --text / --calib-text failed after the model had loaded (ppl --calib-text: after
+    the presets before it had run) with "'utf-8' codec can't decode byte 0xe9 in position 3",
+    naming no option; an empty or whitespace-only file gave misleading errors ("--chunk 256
+    covers every window (0 tokens...)") or a perplexity over 3 whitespace tokens."""
+    import kvbits.data
+
+    monkeypatch.setattr(kvbits.data, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    files = {"latin1.txt": "café au lait".encode("latin-1"), "empty.txt": b"",
+             "ws.txt": b" \n\t \n", "bomonly.txt": b"\xef\xbb\xbf\n"}
+    for name, raw in files.items():
+        (tmp_path / name).write_bytes(raw)
+    name, _, calib = command.partition("-")
+    option = "--calib-text" if calib else "--text"
+    extra = ["--presets", "kvquant-3"] if name == "ppl" and calib else []
+    for file, match in (("latin1.txt", r"not UTF-8 text \(byte 0xe9 at offset 3\)"),
+                        ("empty.txt", "no text in it"), ("ws.txt", "no text in it"),
+                        ("bomonly.txt", "no text in it")):
+        code, _, err = run(capsys, name, *extra, option, str(tmp_path / file))
+        assert code == 2 and re.search(f"{option} .*{file}: {match}$", err.strip()), err
+
+
+def test_ppl_stride_past_the_default_window_is_refused_before_any_preset(monkeypatch):
+    """--stride 1000 with the model's default window (512) failed inside the first preset with
+    "stride must be in [1, window=512], got 1000", naming no option."""
+    import importlib
+
+    import torch
+
+    from kvbits import cli
+
+    model = _tiny_llama()
+    model.config.max_position_embeddings = 512
+    ppl = importlib.import_module("kvbits.eval.perplexity")
+    monkeypatch.setattr(cli, "_load", lambda *a: (model, None, torch.zeros(1, 2000, dtype=int)))
+    monkeypatch.setattr(ppl, "perplexity", lambda *a, **k: pytest.fail("a preset ran"))
+    with pytest.raises(ValueError, match=r"--stride 1000 must be at most the window, 512 "):
+        cli.run_ppl(cli.PplConfig("tiny", "t", parse_presets("fp16"), stride=1000), "kvbits ppl")
+    # a text of one token: refused naming --text (it said "need at least 2 tokens to score one")
+    monkeypatch.setattr(cli, "_load", lambda *a: (model, None, torch.zeros(1, 1, dtype=int)))
+    with pytest.raises(ValueError, match=r"--text t: 1 token of text; scoring needs at least 2"):
+        cli.run_ppl(cli.PplConfig("tiny", "t", parse_presets("fp16")), "kvbits ppl")

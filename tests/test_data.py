@@ -13,6 +13,7 @@ about obtaining the model, so they must fail instead.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -106,6 +107,71 @@ def test_local_text_file(tmp_path):
     f = tmp_path / "t.txt"
     f.write_text("hello wörld\n", encoding="utf-8")
     assert load_text(str(f)) == "hello wörld\n"
+
+
+def test_text_file_byte_order_mark_is_not_text(tmp_path):
+    """A UTF-8 BOM (U+FEFF) was read as text: 3 tokens before it, and another perplexity."""
+    plain, bom = tmp_path / "plain.txt", tmp_path / "bom.txt"
+    plain.write_text("Madam Speaker, Vice President\n", encoding="utf-8")
+    bom.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert load_text(str(bom)) == load_text(str(plain)) == "Madam Speaker, Vice President\n"
+
+
+def test_text_folder_is_said_to_be_a_folder(tmp_path):
+    """An existing folder was "not a known name and not an existing path"."""
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(ValueError, match=r"text '.*adir' is a folder; give a text file"):
+        load_text(str(tmp_path / "adir"))
+
+
+def _tiny_folder(folder: Path, model_vocab: int = 64, words: int = 64, tokenizer: bool = True):
+    """A random two-layer Llama (``model_vocab`` embeddings) with a word-level tokenizer of
+    ``words`` entries saved in ``folder`` (no tokenizer files without ``tokenizer``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, words)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                                  eos_token="</s>")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=model_vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+        bos_token_id=1, eos_token_id=2))
+    model.save_pretrained(folder)
+    if tokenizer:
+        tok.save_pretrained(folder)
+    return folder
+
+
+def test_load_model_takes_a_path_object(tmp_path):
+    """A pathlib.Path failed with "'PosixPath' object has no attribute 'strip'"."""
+    folder = _tiny_folder(tmp_path / "tiny")
+    model, tok = load_model(folder)
+    assert model.get_input_embeddings().num_embeddings == 64 and len(tok) == 64
+
+
+def test_model_folder_without_tokenizer_says_so(tmp_path):
+    """It ended in transformers' multi-line "Couldn't instantiate the backend tokenizer ...
+    install sentencepiece or tiktoken"."""
+    folder = _tiny_folder(tmp_path / "notok", tokenizer=False)
+    with pytest.raises(ValueError) as info:
+        load_model(str(folder))
+    msg = str(info.value)
+    assert "\n" not in msg and re.search(
+        r"model folder '.*notok' has no tokenizer \(tokenizer\.json.*\): save one there with "
+        r"tokenizer\.save_pretrained\('.*notok'\)", msg), msg
+
+
+def test_tokenizer_larger_than_the_embedding_is_refused(tmp_path):
+    """A tokenizer of another model (49152 tokens for 1000 embeddings) ended in "IndexError:
+    index out of range in self" inside the first forward."""
+    folder = _tiny_folder(tmp_path / "small", model_vocab=40, words=64)
+    with pytest.raises(ValueError, match=r"model folder '.*small': its tokenizer has 64 tokens "
+                                         r".* the model's embedding only 40"):
+        load_model(str(folder))
 
 
 def test_subprocess_failure_is_runtime_error():

@@ -297,9 +297,17 @@ class PplConfig:
 
 def run_ppl(cfg: PplConfig, command: str) -> list[dict]:
     """Perplexity of every variant on the same tokens; tables and files are written as it goes."""
-    from .eval.perplexity import perplexity
+    from .eval.perplexity import default_window, perplexity
 
     model, _, ids = _load(cfg.model, cfg.text, cfg.tokens)
+    window = default_window(model) if cfg.window is None else cfg.window
+    if cfg.stride is not None and cfg.stride > window:  # (the default window needs the model)
+        raise ValueError(f"--stride {cfg.stride} must be at most the window, {window} (the "
+                         "default: the model's max_position_embeddings, at most 8192; or give "
+                         "--window)")
+    if ids.shape[1] < 2:
+        raise ValueError(f"--text {cfg.text}: {ids.shape[1]} token of text; scoring needs at "
+                         "least 2")
     if any(v.kind == "hf" or v.spec.method != "fp16" for v in cfg.variants):
         _check_chunks(model, ids.shape[1], cfg.chunk, cfg.window, cfg.stride, cfg.variants)
     meta = {"command": command, "date": datetime.datetime.now().astimezone().isoformat(
@@ -353,11 +361,28 @@ def _write_ppl(cfg: PplConfig, meta: dict, results: list[dict]) -> None:
 
 
 def _check_text(name: str, option: str) -> None:
-    """A text name or file that :func:`kvbits.data.load_text` will find."""
+    """A text name, or a file that :func:`kvbits.data.load_text` will read: UTF-8 with some
+    text in it (a latin-1 file failed after the model had loaded, naming no option; an empty
+    one with misleading errors, or was scored as a few whitespace tokens)."""
     from .data import TEXTS
 
-    if name not in TEXTS and not Path(name).expanduser().is_file():
+    if name in TEXTS:
+        return
+    path = Path(name).expanduser()
+    if path.is_dir():
+        raise ValueError(f"{option} {name}: a folder; give a text file or a known text "
+                         f"({', '.join(TEXTS)})")
+    if not path.is_file():
         raise ValueError(f"{option} {name!r}: not a known text ({', '.join(TEXTS)}) or a file")
+    try:
+        text = path.read_bytes().decode("utf-8").removeprefix("\ufeff")  # (offsets: the file's)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{option} {name}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} "
+                         f"at offset {exc.start})") from None
+    except OSError as exc:
+        raise ValueError(f"{option} {name}: cannot read it: {exc.strerror or exc}") from None
+    if not text.strip():
+        raise ValueError(f"{option} {name}: no text in it")
 
 
 def _check_calibration(path: str | None, variants) -> None:
@@ -395,6 +420,9 @@ def _cmd_ppl(args) -> int:
     if args.stride is not None and args.window is not None and args.stride > args.window:
         raise ValueError(f"--stride {args.stride} must be at most --window {args.window} (each "
                          "window scores the tokens its stride moves on)")
+    if args.stride is not None and args.window is None and args.stride > 8192:
+        raise ValueError(f"--stride {args.stride} must be at most the window (the default: the "
+                         "model's max_position_embeddings, at most 8192; or give --window)")
     _check_calibration(args.calibration, variants)
     if any(v.kind == "kvbits" and (v.spec.calibrated or v.spec.hadamard_calibrated)
            for v in variants) and args.calibration is None:
@@ -704,6 +732,19 @@ def _until_eos(tokens, eos) -> int:
 MIN_TEMPERATURE = 1e-4
 
 
+def _check_prompt(text: str) -> None:
+    """``--prompt``: bytes of argv that are not UTF-8 arrive as surrogate escapes, which the
+    tokenizer refused with a TypeError after the model had loaded."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start]
+        byte = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else \
+            f"character U+{ord(bad):04X}"
+        offset = len(text[:exc.start].encode("utf-8", "surrogateescape"))
+        raise ValueError(f"--prompt: not valid UTF-8 ({byte} at offset {offset})") from None
+
+
 def _cmd_generate(args) -> int:
     given = [o for o, x in (("--temperature", args.temperature), ("--top-p", args.top_p))
              if x is not None]  # (None unless given, under any abbreviation argparse accepts)
@@ -718,6 +759,8 @@ def _cmd_generate(args) -> int:
                          f"got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    for text in args.prompt:
+        _check_prompt(text)
     variant = parse_preset(args.preset, group_size=args.group_size,
                            residual_length=args.residual_length, sink_tokens=args.sink_tokens)
     prompt = args.prompt[0] if len(args.prompt) == 1 else args.prompt
@@ -900,6 +943,9 @@ def _int_at_least(minimum: int, what: str):
 
 _positive = _int_at_least(1, "a positive integer")
 _non_negative = _int_at_least(0, "an integer >= 0")
+# tokens and windows that are scored: the first token is only context
+_at_least_2 = _int_at_least(2, "an integer >= 2 (the first token is only context: a second one "
+                               "is needed to score)")
 
 
 def _tokens(text: str) -> int:
@@ -1015,9 +1061,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also transformers' QuantizedCache: comma-separated BACKEND:intN"
                    "[:FIELD=VALUE,...] with BACKEND quanto or hqq and FIELD axis_key, axis_value, "
                    "q_group_size (G), residual_length (R), e.g. quanto:int4,quanto:int2:axis_key=-1")
-    p.add_argument("--tokens", type=_positive, default=4096, help="tokens of text (default 4096)")
+    p.add_argument("--tokens", type=_at_least_2, default=4096, help="tokens of text (default 4096)")
     p.add_argument("--chunk", type=_positive, default=256, help="tokens per forward (default 256)")
-    p.add_argument("--window", type=_positive,
+    p.add_argument("--window", type=_at_least_2,
                    help="tokens per window, each with a fresh cache (default: the model's "
                    "max_position_embeddings, at most 8192)")
     p.add_argument("--stride", type=_positive, help="window start spacing (default: --window)")
@@ -1049,7 +1095,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "), optionally with overrides PRESET:FIELD=VALUE,... as --presets of ppl "
                    "take them, e.g. kvquant-3:O=0.02,G=64 (default kvquant-3)")
     p.add_argument("--tokens", type=_positive, default=4096, help="tokens (default 4096)")
-    p.add_argument("--window", type=_positive, default=512,
+    p.add_argument("--window", type=_at_least_2, default=512,
                    help="tokens per forward/backward pass (default 512)")
     p.add_argument("-o", "--output", metavar="PATH",
                    help="output .safetensors (default: the kvbits cache, where `kvbits ppl` "
@@ -1070,7 +1116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", default="sotu-pre-2000",
                    help="calibration text (default sotu-pre-2000; evaluate on another one)")
     p.add_argument("--tokens", type=_positive, default=1024, help="tokens (default 1024)")
-    p.add_argument("--window", type=_positive, default=512, help="tokens per forward (512)")
+    p.add_argument("--window", type=_at_least_2, default=512, help="tokens per forward (512)")
     p.add_argument("-o", "--output", metavar="PATH",
                    help="spec file to write (default MODEL-avgBITS.json)")
     p.set_defaults(func=_cmd_tune)

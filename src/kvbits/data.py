@@ -367,17 +367,22 @@ def _extract_text(src: TextSource, log: Log) -> str:
     return "\n\n".join(text.strip() for _, text in chunks) + "\n"
 
 
-def load_text(name: str, log: Log | None = None) -> str:
-    """A real text by name (a key of :data:`TEXTS`) or an existing file path.
+def load_text(name: str | os.PathLike, log: Log | None = None) -> str:
+    """A real text by name (a key of :data:`TEXTS`) or an existing file path (UTF-8; a leading
+    byte order mark is dropped).
 
     Named texts are fetched once and cached as ``cache_dir()/texts/<name>.txt``.
     """
     log = _logger(log)
+    name = os.fspath(name)
     src = TEXTS.get(name)
     if src is None:
         path = Path(name).expanduser()
-        if path.is_file():
-            return path.read_text(encoding="utf-8")
+        if path.is_file():  # utf-8-sig: a BOM (U+FEFF) was scored as 3 tokens of text
+            return path.read_text(encoding="utf-8-sig")
+        if path.is_dir():
+            raise ValueError(f"text {name!r} is a folder; give a text file or a known name "
+                             f"({', '.join(sorted(TEXTS))})")
         raise _unknown("text", name, TEXTS)
     target = cache_dir() / "texts" / f"{name}.txt"
     if not target.exists():
@@ -546,13 +551,44 @@ def _load_gguf(gguf_path: str | Path, dtype: torch.dtype = torch.float32):
     return model, tok
 
 
+# Files one of which AutoTokenizer loads a tokenizer from (fast, sentencepiece, BPE, WordPiece,
+# tiktoken); a folder with none of them failed with transformers' multi-line "Couldn't
+# instantiate the backend tokenizer ... install sentencepiece or tiktoken".
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json",
+                    "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model",
+                    "tekken.json")
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return any((folder / f).is_file() for f in _TOKENIZER_FILES) or \
+        any(folder.glob("*.tiktoken"))
+
+
+def _check_vocab(model, tok, where: str) -> None:
+    """Refuse a tokenizer whose ids run past the model's embedding (ended in ``IndexError: index
+    out of range in self`` inside the first forward). Its base vocabulary is compared: added
+    tokens past the embedding (Gemma 3's image token) are not produced from plain text."""
+    emb = model.get_input_embeddings()
+    n_emb = getattr(emb, "num_embeddings", None)
+    n_tok = getattr(tok, "vocab_size", None)
+    if isinstance(n_emb, int) and isinstance(n_tok, int) and n_tok > n_emb:
+        raise ValueError(f"model {where}: its tokenizer has {n_tok} tokens ({len(tok)} with "
+                         f"added ones) but the model's embedding only {n_emb}: the tokenizer "
+                         "belongs to another model; save the model's own tokenizer there")
+
+
 def _load_folder(folder: str | Path, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if not _has_tokenizer(Path(folder)):
+        raise ValueError(f"model folder {str(folder)!r} has no tokenizer (tokenizer.json, "
+                         "tokenizer.model, tokenizer_config.json, vocab.json, ...): save one "
+                         f"there with tokenizer.save_pretrained({str(folder)!r})")
     with _hub_offline():
         tok = AutoTokenizer.from_pretrained(str(folder))
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
     model.eval()
+    _check_vocab(model, tok, f"folder {str(folder)!r}")
     return model, tok
 
 
@@ -687,7 +723,7 @@ def _load_hub_id(model_id: str, dtype: torch.dtype):
 
 
 def load_model(
-    name_or_path: str,
+    name_or_path: str | os.PathLike,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     log: Log | None = None,
@@ -708,6 +744,7 @@ def load_model(
     The generation config gets ``pad_token_id = eos`` when it has none.
     """
     log = _logger(log)
+    name_or_path = os.fspath(name_or_path)  # a Path failed in name_or_path.strip()
     if name_or_path in MODELS:
         folder = cache_dir() / "models" / name_or_path
         if (folder / "kvbits-source.json").exists():
@@ -742,4 +779,5 @@ def load_model(
                              f"model names: {', '.join(sorted(MODELS))})")
         else:
             model, tok = _load_hub_id(name_or_path, dtype)
+            _check_vocab(model, tok, repr(name_or_path))
     return _finish(model, tok, device)

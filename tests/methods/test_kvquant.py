@@ -430,6 +430,21 @@ def test_calibration_uses_every_token():
         calibration_windows(0, 512)
 
 
+def test_calibration_errors_name_the_real_problem():
+    """A window of 1 token said "at least 2 tokens of text, got 256" (the window was the
+    problem); 11 tokens of text said "at least 32 tokens per window" (the total is)."""
+    from kvbits.methods import calibration_windows
+
+    with pytest.raises(ValueError, match=r"calibration window must be at least 2 tokens .*"
+                                         r"got window=1"):
+        calibration_windows(256, 1)
+    spec = resolve_spec("kvquant-3")
+    k = v = torch.randn(2, 11, 16)
+    with pytest.raises(ValueError, match=r"at least 32 tokens of text in all .*got 11: give more "
+                                         r"--tokens"):
+        kvq.fit_layer(k, v, None, None, spec, window=512)
+
+
 # --------------------------------------------------------- offline key scales (key_scales)
 def test_offline_key_rows_and_quantization():
     """key_scales="calibrated": one FP16 scale / zero per (head, channel) from calibration

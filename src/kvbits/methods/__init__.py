@@ -48,6 +48,9 @@ def calibration_windows(n_tokens: int, window: int) -> list[tuple[int, int]]:
     >>> calibration_windows(1100, 512)
     [(0, 512), (512, 1024), (1024, 1100)]
     """
+    if window < 2:  # every window was dropped: "needs at least 2 tokens of text, got 256"
+        raise ValueError(f"calibration window must be at least 2 tokens (its first token is "
+                         f"only context), got window={window}")
     out = [(a, min(a + window, n_tokens)) for a in range(0, n_tokens, window)]
     out = [(a, b) for a, b in out if b - a >= 2]
     if not out:

@@ -807,7 +807,8 @@ def fit_layer(k, v, gk, gv, spec: QuantSpec, window: int | None = None) -> Layer
     S = 0  # independent of sink_tokens: the same file serves every S
     t1 = T // G * G
     if t1 <= S:
-        raise ValueError(f"calibration needs at least {G} tokens per window")
+        raise ValueError(f"calibration needs at least {G} tokens of text in all (one group, "
+                         f"group_size {G}), got {T}: give more --tokens (or a longer text)")
     kb, vb = spec.key_bits, spec.value_bits
     if not spec.fisher:
         gk = gv = None
