@@ -401,3 +401,27 @@ def test_tokenize_real_text(smollm2_strict):
     # SmolLM2 does not add a BOS by itself, so none is added.
     assert tok("x")["input_ids"][0] != tok.bos_token_id
     assert head[0, 0] != tok.bos_token_id
+
+
+def test_an_unreachable_hub_fails_at_once(monkeypatch):
+    """An org/name id in no local cache waited ~50 s of the hub client's retries offline."""
+    import socket
+
+    for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY",
+                "http_proxy", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid:8443")
+    asked = []
+
+    def refuse(host, timeout=None):
+        asked.append(host)
+        raise OSError("unreachable")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=r"in no local HF cache and hub\.invalid cannot be "
+                                         r"reached from here; known names .*smollm2"):
+        load_model("no-such-org/no-such-model")
+    assert asked == [("hub.invalid", 8443)] and time.perf_counter() - t0 < 30
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
+    assert data._reachable(("hub.invalid", 8443))  # behind a proxy only the client can tell

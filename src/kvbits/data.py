@@ -713,6 +713,12 @@ def _load_hub_id(model_id: str, dtype: torch.dtype):
                 f"in the local HF cache ({offline_exc.__class__.__name__}); "
                 f"known names: {', '.join(sorted(MODELS))}"
             ) from offline_exc
+    host = _hub_host()
+    if not _reachable(host):  # (the hub client retried for ~50 s before failing)
+        raise ValueError(
+            f"could not load HF model {model_id!r}: it is in no local HF cache and {host[0]} "
+            f"cannot be reached from here; known names that need no hub: "
+            f"{', '.join(sorted(MODELS))}")
     try:
         return attempt()
     except Exception as exc:
@@ -720,6 +726,29 @@ def _load_hub_id(model_id: str, dtype: torch.dtype):
             f"could not load HF model {model_id!r} ({exc.__class__.__name__}: {exc}); "
             f"known names that need no hub: {', '.join(sorted(MODELS))}"
         ) from exc
+
+
+def _hub_host() -> tuple[str, int]:
+    """The hub's host and port (``HF_ENDPOINT``, default huggingface.co:443)."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    return url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+
+
+def _reachable(host: tuple[str, int], timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to ``host`` opens within ``timeout`` seconds; True behind a
+    proxy (only the client can tell there)."""
+    import socket
+
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy",
+                                       "HTTP_PROXY", "http_proxy")):
+        return True
+    try:
+        socket.create_connection(host, timeout=timeout).close()
+    except OSError:
+        return False
+    return True
 
 
 def load_model(
