@@ -297,14 +297,14 @@ class PplConfig:
 
 def run_ppl(cfg: PplConfig, command: str) -> list[dict]:
     """Perplexity of every variant on the same tokens; tables and files are written as it goes."""
-    from .eval.perplexity import default_window, perplexity
+    from .eval.perplexity import WINDOW_CAP, default_window, perplexity
 
     model, _, ids = _load(cfg.model, cfg.text, cfg.tokens)
     window = default_window(model) if cfg.window is None else cfg.window
     if cfg.stride is not None and cfg.stride > window:  # (the default window needs the model)
         raise ValueError(f"--stride {cfg.stride} must be at most the window, {window} (the "
-                         "default: the model's max_position_embeddings, at most 8192; or give "
-                         "--window)")
+                         f"default: the model's max_position_embeddings, at most {WINDOW_CAP}; "
+                         "or give --window)")
     if ids.shape[1] < 2:
         raise ValueError(f"--text {cfg.text}: {ids.shape[1]} token of text; scoring needs at "
                          "least 2")
@@ -411,6 +411,8 @@ def _check_hf_backends(variants) -> None:
 
 
 def _cmd_ppl(args) -> int:
+    from .eval.perplexity import WINDOW_CAP
+
     variants = parse_presets(args.presets, group_size=args.group_size,
                              residual_length=args.residual_length, sink_tokens=args.sink_tokens)
     if args.hf_quantized:
@@ -420,9 +422,10 @@ def _cmd_ppl(args) -> int:
     if args.stride is not None and args.window is not None and args.stride > args.window:
         raise ValueError(f"--stride {args.stride} must be at most --window {args.window} (each "
                          "window scores the tokens its stride moves on)")
-    if args.stride is not None and args.window is None and args.stride > 8192:
+    if args.stride is not None and args.window is None and args.stride > WINDOW_CAP:
         raise ValueError(f"--stride {args.stride} must be at most the window (the default: the "
-                         "model's max_position_embeddings, at most 8192; or give --window)")
+                         f"model's max_position_embeddings, at most {WINDOW_CAP}; or give "
+                         "--window)")
     _check_calibration(args.calibration, variants)
     if any(v.kind == "kvbits" and (v.spec.calibrated or v.spec.hadamard_calibrated)
            for v in variants) and args.calibration is None:

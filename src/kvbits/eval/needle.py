@@ -232,9 +232,10 @@ def run_needle(model, tokenizer, text: str, cfg: NeedleConfig,
 
     from ..integrations.hf import KVBitsCache, cache_kwargs
     from .cachefill import copy_dense_cache
+    from .perplexity import trained_positions
 
     max_len = max(cfg.lengths)
-    trained = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    trained = trained_positions(model)
     if trained and max_len > trained:  # measured anyway: retrieval past it tests the model
         warnings.warn(f"needle: length {max_len} is past the {trained} positions the model was "
                       "trained for; FP16 itself may miss the key there", stacklevel=2)

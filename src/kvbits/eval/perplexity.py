@@ -32,14 +32,19 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = [ "cache_nbytes", "default_window", "perplexity", "plan_windows"]
+__all__ = [ "cache_nbytes", "default_window", "perplexity", "plan_windows", "trained_positions"]
+
+WINDOW_CAP = 8192  # the default window's upper bound (kvbits ppl --window)
 
 
-def default_window(model, cap: int = 8192) -> int:
+def trained_positions(model) -> int | None:
+    """The model's ``max_position_embeddings`` (text config), or None where it has none."""
+    return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+
+
+def default_window(model, cap: int = WINDOW_CAP) -> int:
     """The model's ``max_position_embeddings`` (text config), capped at ``cap``."""
-    config = model.config.get_text_config(decoder=True)
-    n = getattr(config, "max_position_embeddings", None) or cap
-    return int(min(n, cap))
+    return int(min(trained_positions(model) or cap, cap))
 
 
 def plan_windows(n_tokens: int, window: int, stride: int | None = None) -> list[tuple[int, int, int]]:
@@ -122,7 +127,7 @@ def perplexity(model, input_ids: torch.Tensor, make_cache: Callable[[], object],
         warnings.warn(f"chunk_size {chunk_size} covers every window ({n} tokens, window "
                       f"{window}): each is one full-precision prefill, so the cache is never read "
                       "back and every cache scores like FP16; use smaller chunks", stacklevel=3)
-    trained = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    trained = trained_positions(model)
     if trained and min(window, n) > trained:  # scored anyway, as needle does
         warnings.warn(f"window {window} is past the {trained} positions the model was trained "
                       "for: perplexity there measures the model's extrapolation as much as the "
