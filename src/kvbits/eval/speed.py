@@ -444,7 +444,7 @@ def time_decode(model, variant: Variant, batch: int, context: int, steps: int = 
         if variant.graphs:  # the prompt's last token is the first decode input, as in generate
             from ..integrations.decode_loop import GreedyDecoder
 
-            decoder = GreedyDecoder(model, cache, step_done=lambda _: timer(ids, None),
+            decoder = GreedyDecoder(model, cache, step_done=lambda _, ids=ids: timer(ids, None),
                                     fuse="inductor" if variant.fused else None)
             decoder.decode(ids[:, context:], context, n_new + 1)
         else:

@@ -37,11 +37,7 @@ def block_size(head_dim: int) -> int:
 @functools.lru_cache(maxsize=16)
 def _matrix_cpu(head_dim: int) -> torch.Tensor:
     n = block_size(head_dim)
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    h = h / math.sqrt(n)
-    return torch.block_diag(*([h] * (head_dim // n))).float()
+    return torch.block_diag(*([_sylvester(n)] * (head_dim // n))).float()
 
 
 def hadamard_matrix(head_dim: int, device=None) -> torch.Tensor:
@@ -51,11 +47,22 @@ def hadamard_matrix(head_dim: int, device=None) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
-    """``x @ H`` over the last dimension, computed in float32, returned in ``x.dtype``.
+    """``x @ H`` over the last dimension, returned in ``x.dtype``.
 
     ``matrix`` is ``[D, D]`` or per head ``[H, D, D]`` (``x [B, H, T, D]``). ``H`` is its own
-    inverse, so the same call undoes the rotation."""
-    return (x.float() @ matrix).to(x.dtype)
+    inverse, so the same call undoes the rotation.
+
+    Every column of ``H`` is a sign pattern times one magnitude (``1/sqrt(n)``, or 1 for a
+    channel a subset leaves alone), so the product is summed as ``(x @ signs) * magnitude`` in
+    float64: the sums of float16 and bfloat16 inputs (and of float32 ones within 2^29 of each
+    other) are exact there, whatever order the matmul adds them in. A token's rotated key is
+    then the same bits whether it came in one big append or token by token (a float32 matmul
+    blocks by the token count and differed in the last bit). Apple's MPS has no float64: there
+    the sums stay float32."""
+    wide = torch.float32 if x.device.type == "mps" else torch.float64
+    m = matrix.to(wide)
+    magnitude = m.abs().amax(dim=-2, keepdim=True)
+    return ((x.to(wide) @ torch.sign(m)) * magnitude).to(x.dtype)
 
 
 def _sylvester(n: int) -> torch.Tensor:
