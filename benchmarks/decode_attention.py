@@ -228,16 +228,17 @@ def windowed_nbytes(kv, context: int, window: int | None) -> int:
 
 
 def run_shape(model, hq, hkv, d, batch, context, bw, presets, baselines, knobs,
-              triton_rows=True, softcap=None, window=None, q_rows=1) -> list[dict]:
+              triton_rows=True, softcap=None, window=None, q_rows=1,
+              dtype=torch.float16) -> list[dict]:
     scale = d ** -0.5
-    q = torch.randn(batch, hq, q_rows, d, dtype=torch.float16, device="cuda")
+    q = torch.randn(batch, hq, q_rows, d, dtype=dtype, device="cuda")
     base = dict(model=model, batch=batch, context=context, q_heads=hq, kv_heads=hkv, head_dim=d)
     if q_rows > 1:
         base["q_rows"] = q_rows
     rows = []
     seen = context if window is None else min(context, window)  # what FP16's cache holds
     fp_bytes = 2 * batch * hkv * seen * d * 2
-    k = torch.randn(batch, hkv, seen, d, dtype=torch.float16, device="cuda")
+    k = torch.randn(batch, hkv, seen, d, dtype=dtype, device="cuda")
     v = torch.randn_like(k)
     # several rows: FP16's best form, every row of a KV head's query heads one query of that
     # head (SDPA's GQA path with 4 rows ran at 16% of copy bandwidth on the H200)
@@ -265,7 +266,7 @@ def run_shape(model, hq, hkv, d, batch, context, bw, presets, baselines, knobs,
                      tbps=fp_bytes / t_best * 1e-6, frac_bw=fp_bytes / t_best * 1e6 / bw))
     for preset in presets:
         spec = spec_of(preset)
-        kv = random_packed_kv(batch, hkv, context, d, spec)
+        kv = random_packed_kv(batch, hkv, context, d, spec, dtype=dtype)
         nb = windowed_nbytes(kv, context, window)
         kw = dict(knobs.get(preset, {}), softcap=softcap, window=window)
         out = decode_attention(q, kv, scale=scale, **kw)
@@ -393,6 +394,9 @@ def main(argv=None) -> None:
                    help="query rows per sequence (speculative verification of q_rows - 1 "
                         "drafts); the FP16 rows attend without a causal mask among them (the "
                         "flash backend takes no offset mask; the cost is the same)")
+    p.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16",
+                   help="the queries', the FP16 baseline's and the residual's dtype (default "
+                        "float16; bfloat16 as Llama-3-style checkpoints run)")
     p.add_argument("--skip-quantize-pack", action="store_true")
     p.add_argument("--quantize-pack-only", action="store_true",
                    help="only the quantize_pack table (no attention shapes)")
@@ -467,6 +471,10 @@ def main(argv=None) -> None:
                      "tokens and attend through the window (bytes: the groups it reaches and the "
                      "FP16 parts); FP16 rows attend over the last min(context, window) tokens, "
                      "which is all transformers' sliding cache layer keeps")
+    if args.dtype != "float16":
+        notes.append(f"dtype {args.dtype}: queries, the SDPA baseline's K/V and the kvbits "
+                     f"layers' sink and residual are {args.dtype} (the packed body's scales stay "
+                     "float16, as the store keeps them); the column names keep 'FP16'")
     if args.q_rows > 1:
         notes.append(f"q_rows {args.q_rows}: every sequence has {args.q_rows} query rows (the "
                      "verification of speculative drafts): kvbits rows attend causally among "
@@ -515,7 +523,8 @@ def main(argv=None) -> None:
         try:
             rows += run_shape(model, hq, hkv, d, batch, context, bw, presets,
                               not args.no_baselines, knobs, softcap=args.softcap,
-                              window=args.window, q_rows=args.q_rows)
+                              window=args.window, q_rows=args.q_rows,
+                              dtype=getattr(torch, args.dtype))
         except Exception as e:  # noqa: BLE001 (reported; the other shapes still run)
             print(f"FAILED {model} B={batch} T={context}: {type(e).__name__}: {e}\n"
                   + "".join(traceback.format_exception(e)[-4:]), flush=True)

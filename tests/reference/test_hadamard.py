@@ -192,25 +192,30 @@ def test_measured_key_score_error_follows_the_choice():
     assert err["kivi-2-hadc"] <= 1.05 * err["kivi-2"], err
 
 
+_ON_GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", _ON_GPU])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("D,chans", [(128, None), (96, None), (128, [list(range(3, 67)), []])])
-def test_one_append_and_token_by_token_store_the_same_bits(dtype, D, chans):
+def test_one_append_and_token_by_token_store_the_same_bits(dtype, D, chans, device):
     """The rotation of a token does not depend on how many tokens came with it: one prompt-sized
     append and token-by-token appends store the same codes, scales and residual, bit for bit
     (a float32 matmul blocked by the token count differed in the last bit at D = 128 / 96)."""
     B, H, T = 1, 2, 150
     g = torch.Generator().manual_seed(5)
-    k = (torch.randn(B, H, T, D, generator=g) * 3).to(dtype)
-    v = torch.randn(B, H, T, D, generator=g).to(dtype)
+    k = (torch.randn(B, H, T, D, generator=g) * 3).to(device, dtype)
+    v = torch.randn(B, H, T, D, generator=g).to(device, dtype)
     spec = resolve_spec("kivi-2-hadc" if chans else "kivi-2-had", residual_length=32)
     extra = {"hadamard_channels": chans} if chans else {}
-    whole = LayerStore(spec, B, H, D, dtype, "cpu", **extra)
+    whole = LayerStore(spec, B, H, D, dtype, device, **extra)
     whole.append(k, v)
-    steps = LayerStore(spec, B, H, D, dtype, "cpu", **extra)
+    steps = LayerStore(spec, B, H, D, dtype, device, **extra)
     for t in range(T):
         steps.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
     assert whole.body_len == steps.body_len > 0
     for a, b in zip(dequantize_layer(whole.view()), dequantize_layer(steps.view())):
         assert torch.equal(a, b)
-    x = torch.randn(B, 2 * H, 1, D, generator=g).to(dtype)
+    x = torch.randn(B, 2 * H, 1, D, generator=g).to(device, dtype)
     assert torch.equal(whole.rotate_query(x), steps.rotate_query(x))
