@@ -54,11 +54,15 @@ Known limits
 * Crop can only cut quantized history at a group boundary. Assisted and prompt-lookup
   decoding (transformers crops the rejected drafts) work while a draft fits in the FP16 residual
   (``residual_length`` >= draft tokens: drafts are never quantized before they are verified);
-  a quantized layer without a residual window is not croppable (``is_croppable``). A group
-  that the drafts brought due during their verification goes back to FP16 with the crop
-  (:meth:`LayerStore.track_flushes`), so decoding goes on as if the rejected drafts had never
-  been seen; a crop reaching back past the last forward keeps what earlier steps flushed
-  quantized. A sliding-window layer that dropped tokens refuses a crop that would leave the
+  a quantized layer without a residual window is not croppable (``is_croppable``; drafting is
+  refused with that reason before the prompt runs). A group that the drafts brought due during
+  their verification goes back to FP16 with the crop (:meth:`LayerStore.track_flushes`), so
+  decoding goes on as if the rejected drafts had never been seen; a crop reaching back past
+  the last forward keeps what earlier steps flushed quantized. The first drafts are verified
+  in the prompt's own forward (transformers prefills prompt and drafts at once): their rows
+  attend the prompt at full precision, as its own rows do, and what they flush goes back with
+  the crop too (dynamic FP8 scales excepted: that first flush may have set them with the
+  drafts). A sliding-window layer that dropped tokens refuses a crop that would leave the
   next token's window short (as ``DynamicCache`` does).
 * ``output_attentions=True`` returns no attention weights: the fused kernels never form
   the probability matrix (transformers warns that its SDPA path has none; run a
@@ -498,6 +502,27 @@ class KVBitsCache(Cache):
         the versions before it)."""
         return all(layer.is_croppable for layer in self.layers)
 
+    def activate_past_recording(self, **kwargs) -> None:
+        """transformers' notice (5.2x) that it will crop this cache: assisted and prompt-lookup
+        decoding call it before the prompt's forward. A cache with layers that cannot be cropped
+        is refused here with the reason and the way out (transformers itself would refuse it
+        after the prompt, saying only that the cache cannot be cropped)."""
+        stuck = [i for i, layer in enumerate(self.layers)
+                 if isinstance(layer, KVBitsLayer) and not layer.is_croppable]
+        if stuck:
+            some = stuck if len(stuck) <= 8 else f"{stuck[:8]} and {len(stuck) - 8} more"
+            raise ValueError(
+                f"KVBitsCache({self.spec.describe()}) cannot be cropped, and transformers is "
+                "about to crop it (assisted or prompt-lookup decoding crops the rejected "
+                f"drafts): layers {some} keep no FP16 residual window (residual_length=0), "
+                "so a rejected draft would already be quantized. Give the cache an FP16 "
+                "residual window at least as long as a draft, e.g. KVBitsCache(model, spec, "
+                "residual_length=32), or generate without assistant_model / "
+                "prompt_lookup_num_tokens")
+        base = getattr(super(), "activate_past_recording", None)
+        if base is not None:
+            base(**kwargs)
+
     def __deepcopy__(self, memo):
         """A copy (transformers' prefix reuse: ``copy.deepcopy(prompt_cache)``) whose layers
         point at the copy: ``deepcopy`` keeps a weak reference as it is, so they would read the
@@ -794,6 +819,11 @@ def kvbits_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
             _check_positions(store, kwargs.get("position_ids"), query.shape[2])
         out = _full_precision_attention(module, query, key, value, attention_mask, dropout,
                                         scaling, is_causal, **kwargs)
+        # Assisted / prompt-lookup decoding verifies its first drafts in the prompt's forward:
+        # the groups they bring due are put back by the crop of the rejected ones, which then
+        # leaves the split that a prefill without them makes
+        if layer.is_croppable:
+            store.track_flushes()
         store.flush()  # the prompt is quantized in one call, padding excluded
         return out
     window = kwargs.get("sliding_window")
