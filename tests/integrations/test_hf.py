@@ -1058,3 +1058,38 @@ def test_chunked_padding_after_a_sink_flush_is_refused():
     its sink: a clear error names the way out."""
     with pytest.raises(ValueError, match="prefill_chunk_size"):
         _chunk_padded_batch("kivi-4", 32, residual_length=0, sink_tokens=2)
+
+
+@pytest.mark.parametrize("preset", ["fp16", "kivi-4"])
+def test_crop_into_left_padding_then_continue_like_dynamic_cache(preset):
+    """A crop that keeps fewer tokens than a sequence's left padding (no sink of its own): what
+    comes next is that sequence's own (transformers' mask after the cut says so), not more
+    padding. Its start moved to the cut; the tokens after it were hidden (it saw nothing, its
+    outputs zeros) before the fix. A later chunk's leading padding extends its padding from
+    the cut on. Session 49 QA (tests/cache/test_store_stateful.py)."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 256, (2, 30), generator=g)
+    mask = torch.ones(2, 30, dtype=torch.long)
+    mask[1, :20] = 0
+    more = torch.randint(1, 256, (2, 9), generator=g)
+
+    def run(cache):
+        forward(model, ids, cache, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(0))
+        cache.crop(-20)  # keep 10 tokens: sequence 1 keeps padding only
+        m, out = mask[:, :10], []
+        for t in range(4):  # decode steps
+            m = torch.cat([m, torch.ones(2, 1, dtype=torch.long)], 1)
+            out.append(forward(model, more[:, t:t + 1], cache, attention_mask=m,
+                               position_ids=(m.cumsum(1) - 1)[:, -1:]).logits)
+        cache.crop(-4)  # back to the cut, then a chunk whose first 2 tokens pad sequence 1
+        step = torch.ones(2, 5, dtype=torch.long)
+        step[1, :2] = 0
+        m = torch.cat([mask[:, :10], step], 1)
+        out.append(forward(model, more[:, 4:], cache, attention_mask=m,
+                           position_ids=(m.cumsum(1) - 1).clamp(0)[:, -5:]).logits[:, 2:])
+        return torch.cat(out, 1)
+
+    cache = KVBitsCache(model, preset, residual_length=32)
+    torch.testing.assert_close(run(cache), run(DynamicCache()), atol=1e-4, rtol=0)
+    assert all(s.starts.tolist() == [0, 12] for s in cache.stores)

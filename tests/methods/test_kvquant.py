@@ -418,6 +418,31 @@ def test_elements_past_float16_range_saturate_without_nan(preset):
     assert torch.isfinite(out.float()).all()
 
 
+def test_outlier_correction_never_rounds_past_float16_range():
+    """An FP16 value of 65504 kept as an outlier over a dense part whose top level is 48: the
+    correction 65456 rounds to the float16 65472 and the element dequantized to 65520, inf in
+    float16, so an FP16 attention output over it was inf. One float16 step back keeps it finite
+    (session 49 QA, tests/cache/test_store_stateful.py)."""
+    import math
+
+    from kvbits import ops
+    from kvbits.cache.store import LayerStore
+
+    B, H, T, D = 1, 1, 32, 64
+    v = torch.full((B, H, T, D), 16.0)
+    v[..., 0], v[..., 1], v[..., 2] = ref_quant.FP16_MAX, 48.0, 0.0
+    spec = resolve_spec("kvquant-2-post", residual_length=0, sink_tokens=0, outliers=1 / D)
+    st = LayerStore(spec, B, H, D, torch.float16, "cpu")
+    st.append(torch.zeros(B, H, T, D, dtype=torch.float16), v.half())
+    assert st.body_len == T and st.v_out_idx[0, 0, :, 0].eq(0).all()  # channel 0: the outlier
+    deq = kvq.dequantize_values(st.v_codes, st.v_scale, st.v_zero, spec.value_bits, 32, 32,
+                                st.codebooks.v_codebook, st.v_out_idx, st.v_out_val)
+    assert deq.abs().max() <= ref_quant.FP16_MAX and deq[0, 0, :, 0].min() > 65400
+    q = torch.zeros(B, H, 1, D, dtype=torch.float16)  # equal scores: the mean of the values
+    out = ops.decode_attention(q, st.view(), scale=1 / math.sqrt(D), starts=st.starts)
+    assert torch.isfinite(out).all() and out[0, 0, 0, 0] > 65400
+
+
 def test_calibration_uses_every_token():
     """Calibration windows cover the whole text (the tokens past the last whole window were
     dropped while the metadata recorded them); empty text is refused by name."""

@@ -841,6 +841,12 @@ class LayerStore:
             self.sink_len, self.body_len, self.res_len = length, 0, 0
         else:
             self.body_len, self.res_len = length - self.sink_len, 0
+        if self._pad > length:  # a cut into a sequence's left padding (check_crop refuses one
+            # into a sink of its own): the tokens that come next are that sequence's own, as
+            # in transformers' attention mask after the cut, not more padding to hide
+            self.starts = self.starts.clamp(max=length)
+            self._pad = length
+            self._pad_end = min(self._pad_end, length)
         if self.fp8 and not self.body_len and self.spec.fp8_scale == "dynamic":
             self._fp8_ready = False  # the next first flush sets the scales again
         if refill:  # one group at a time, as generation flushes them (dynamic FP8 scales)

@@ -319,7 +319,13 @@ def _corrections(x: torch.Tensor, deq: torch.Tensor, idx: torch.Tensor, valid_to
     can hold one): the correction brings the dequantized value to the saturated one, never to
     an infinite float16 that turns attention into NaN."""
     target = x.gather(-1, idx).float().clamp(-FP16_MAX, FP16_MAX)
-    val = (target - deq.gather(-1, idx).float()).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+    dense = deq.gather(-1, idx).float()
+    val = (target - dense).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+    # A correction rounded away from zero can carry the sum past the range all the same
+    # (65504 over a dense 48: 65456 rounds to 65472, dequantized 65520, inf in float16): one
+    # float16 step back toward zero (the rounding was at most half a step) keeps it inside.
+    over = (dense + val.float()).abs() > FP16_MAX
+    val = torch.where(over, torch.nextafter(val, torch.zeros_like(val)), val)
     if valid_tok is not None:
         val = torch.where(valid_tok, val, torch.zeros_like(val))
         idx = torch.where(valid_tok, idx, torch.zeros_like(idx))
