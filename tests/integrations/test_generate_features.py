@@ -26,12 +26,7 @@ COMMON = {"vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
 NEW = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/integrations/conftest.py
 
 
 def tiny(arch: str):

@@ -83,14 +83,7 @@ def kv(batch=2, heads=2, tokens=5, dim=32, seed=0):
             torch.randn(batch, heads, tokens, dim, generator=g))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: these are tiny ops, and with 2 threads a CPU shared with other jobs
-    spends most of its time in OpenMP barriers (10x slower measured)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/integrations/conftest.py
 
 
 @pytest.fixture

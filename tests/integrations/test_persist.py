@@ -17,12 +17,7 @@ SMALL = {"vocab_size": 256, "hidden_size": 128, "intermediate_size": 256, "num_h
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/integrations/conftest.py
 
 
 def tiny(arch="llama", **kw):
