@@ -138,6 +138,8 @@ class LayerStore:
             # [H, D, D]; None when no head rotates anything (plain KIVI for this layer)
             self.hadamard = (ref_hadamard.head_matrices(D, hadamard_channels, self.device)
                              if any(len(c) for c in hadamard_channels) else None)
+        # split once here: rotating on the decode path is then one matmul and one multiply
+        self._rotation = None if self.hadamard is None else ref_hadamard.factor(self.hadamard)
         self.kvquant = spec.method == "kvquant"
         self.n_out = spec.n_outliers(D) if self.kvquant else 0
         self.codebooks = None
@@ -245,7 +247,7 @@ class LayerStore:
         """The model's keys ``[B, H, T, D]`` in the key space of the store: rotated when
         ``spec.hadamard``, reordered under a partial rotary embedding (``key_order``)."""
         if self.hadamard is not None:
-            return ref_hadamard.rotate(k, self.hadamard)
+            return ref_hadamard.rotate(k, self._rotation)
         return k if self.key_order is None else k.index_select(-1, self.key_order)
 
     def rotate_query(self, query: torch.Tensor) -> torch.Tensor:
@@ -253,15 +255,21 @@ class LayerStore:
         ``spec.hadamard``, reordered like them under a partial rotary embedding (scores
         unchanged either way), else returned as is."""
         if self.hadamard is not None:
-            return ref_hadamard.rotate(query, ref_hadamard.query_matrices(self.hadamard,
-                                                                          query.shape[1]))
+            if self.hadamard.dim() == 2:
+                return ref_hadamard.rotate(query, self._rotation)
+            B, Hq, Lq, D = query.shape  # per KV head: its group's query heads take its matrix
+            if Hq % self.kv_heads:
+                raise ValueError(f"hadamard: {Hq} query heads are not a multiple of "
+                                 f"{self.kv_heads} KV heads")
+            grouped = query.reshape(B, self.kv_heads, Hq // self.kv_heads * Lq, D)
+            return ref_hadamard.rotate(grouped, self._rotation).view(B, Hq, Lq, D)
         return query if self.key_order is None else query.index_select(-1, self.key_order)
 
     def model_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """Keys read from the store (e.g. :func:`dequantize_layer`) back in the model's space
         (undoes the Hadamard rotation, the matrix being its own inverse, or the reordering)."""
         if self.hadamard is not None:
-            return ref_hadamard.rotate(keys, self.hadamard)
+            return ref_hadamard.rotate(keys, self._rotation)
         return keys if self.key_order is None else keys.index_select(-1, self._key_order_inv)
 
     def nbytes(self, fp_itemsize: int | None = None) -> int:

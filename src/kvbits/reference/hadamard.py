@@ -10,14 +10,15 @@ two (80, 96, ...) use a block-diagonal matrix of the largest power-of-two block 
 Calibrated subsets (``QuantSpec.hadamard_calibrated``): :func:`subset_matrix` mixes only a chosen
 set of channels of one head (a Hadamard over them, identity elsewhere); it is still symmetric,
 orthonormal and its own inverse, so the same invariance holds. :func:`head_matrices` stacks one
-such matrix per KV head (``[H, D, D]``); :func:`rotate` broadcasts it over ``[B, H, T, D]`` and
-:func:`query_matrices` repeats it for the query heads of grouped-query attention.
+such matrix per KV head (``[H, D, D]``); :func:`rotate` broadcasts it over ``[B, H, T, D]``
+(queries of grouped-query attention as ``[B, H, group x rows, D]``, each with its KV head's).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -46,23 +47,36 @@ def hadamard_matrix(head_dim: int, device=None) -> torch.Tensor:
     return _matrix_cpu(head_dim).to(device)
 
 
-def rotate(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+class Rotation(NamedTuple):
+    """A rotation matrix split for :func:`rotate`: every column of a (subset) Hadamard matrix is
+    a sign pattern times one magnitude (``1/sqrt(n)``, or 1 for a channel a subset leaves
+    alone). Built once per matrix (:func:`factor`), not per call on the decode path."""
+
+    signs: torch.Tensor  # [..., D, D] of -1 / 0 / 1, float64 (float32 on MPS)
+    magnitude: torch.Tensor  # [..., 1, D], the same dtype
+
+
+def factor(matrix: torch.Tensor) -> Rotation:
+    """``matrix`` (``[D, D]`` or ``[H, D, D]``) as signs and per-column magnitudes, in float64
+    (Apple's MPS has no float64: float32 there)."""
+    wide = torch.float32 if matrix.device.type == "mps" else torch.float64
+    m = matrix.to(wide)
+    return Rotation(torch.sign(m), m.abs().amax(dim=-2, keepdim=True))
+
+
+def rotate(x: torch.Tensor, matrix: torch.Tensor | Rotation) -> torch.Tensor:
     """``x @ H`` over the last dimension, returned in ``x.dtype``.
 
-    ``matrix`` is ``[D, D]`` or per head ``[H, D, D]`` (``x [B, H, T, D]``). ``H`` is its own
-    inverse, so the same call undoes the rotation.
+    ``matrix`` is ``[D, D]`` or per head ``[H, D, D]`` (``x [B, H, T, D]``), or its
+    :func:`factor`. ``H`` is its own inverse, so the same call undoes the rotation.
 
-    Every column of ``H`` is a sign pattern times one magnitude (``1/sqrt(n)``, or 1 for a
-    channel a subset leaves alone), so the product is summed as ``(x @ signs) * magnitude`` in
-    float64: the sums of float16 and bfloat16 inputs (and of float32 ones within 2^29 of each
-    other) are exact there, whatever order the matmul adds them in. A token's rotated key is
-    then the same bits whether it came in one big append or token by token (a float32 matmul
-    blocks by the token count and differed in the last bit). Apple's MPS has no float64: there
-    the sums stay float32."""
-    wide = torch.float32 if x.device.type == "mps" else torch.float64
-    m = matrix.to(wide)
-    magnitude = m.abs().amax(dim=-2, keepdim=True)
-    return ((x.to(wide) @ torch.sign(m)) * magnitude).to(x.dtype)
+    The product is summed as ``(x @ signs) * magnitude`` in float64: the sums of float16 and
+    bfloat16 inputs (and of float32 ones within 2^29 of each other) are exact there, whatever
+    order the matmul adds them in. A token's rotated key is then the same bits whether it came
+    in one big append or token by token (a float32 matmul blocks by the token count and
+    differed in the last bit). On MPS the sums stay float32."""
+    rot = matrix if isinstance(matrix, Rotation) else factor(matrix)
+    return ((x.to(rot.signs.dtype) @ rot.signs) * rot.magnitude).to(x.dtype)
 
 
 def _sylvester(n: int) -> torch.Tensor:
@@ -95,14 +109,3 @@ def subset_matrix(head_dim: int, channels) -> torch.Tensor:
 def head_matrices(head_dim: int, subsets, device=None) -> torch.Tensor:
     """float32 ``[H, D, D]``: :func:`subset_matrix` of each KV head's channel subset."""
     return torch.stack([subset_matrix(head_dim, s) for s in subsets]).to(device)
-
-
-def query_matrices(matrix: torch.Tensor, q_heads: int) -> torch.Tensor:
-    """The rotation of ``q_heads`` query heads: ``matrix`` itself when it is one ``[D, D]``
-    matrix, else its per-KV-head ``[H, D, D]`` repeated for each group of query heads (GQA)."""
-    if matrix.dim() == 2:
-        return matrix
-    H = matrix.shape[0]
-    if q_heads % H:
-        raise ValueError(f"hadamard: {q_heads} query heads are not a multiple of {H} KV heads")
-    return matrix.repeat_interleave(q_heads // H, dim=0)
