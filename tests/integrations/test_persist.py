@@ -327,3 +327,38 @@ def test_damaged_files_are_refused(tmp_path):
         with pytest.raises(ValueError, match="malformed kvbits cache metadata: " + want):
             KVBitsCache.load(damaged(edit), model)
     KVBitsCache.load(damaged(lambda d: None), model)  # the undamaged copy loads
+
+
+def test_a_cache_loaded_for_a_config_decodes_on_the_packed_path(tmp_path, monkeypatch):
+    """Loaded for ``model.config`` (no model at hand), the cache took the slow path on every
+    step, dequantizing the whole history, with a warning that the model was not on the kvbits
+    attention although it was (session 50 QA). The calling module's attention now decides: the
+    kvbits model decodes packed, silently; a model on another attention gets the whole history
+    and the warning, with the same logits."""
+    import warnings
+
+    from kvbits.integrations import hf
+
+    model = tiny()
+    ids, mask = prompt(batch=2, tokens=60)
+    cache = prefilled(model, "kivi-2", ids, mask, residual_length=16)
+    path = cache.save(tmp_path / "c.safetensors")
+    tokens = torch.randint(1, 256, (2, 3), generator=torch.Generator().manual_seed(5))
+    expect = feed(model, cache, mask, tokens, 0)
+    history = []
+    dequantize = hf.dequantize_layer
+    monkeypatch.setattr(hf, "dequantize_layer", lambda *a, **k: history.append(1) or dequantize(*a, **k))
+
+    def run(on):
+        history.clear()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = feed(on, KVBitsCache.load(path, model.config), mask, tokens, 0)
+        return got, len(history), [w for w in seen if "slow path" in str(w.message)]
+
+    got, dequantized, warned = run(model)
+    torch.testing.assert_close(got, expect, rtol=0, atol=1e-5)
+    assert (dequantized, warned) == (0, [])
+    got, dequantized, warned = run(tiny())  # the same weights, transformers' own attention
+    torch.testing.assert_close(got, expect, rtol=0, atol=1e-4)
+    assert dequantized == 2 * 3 and len(warned) == 1

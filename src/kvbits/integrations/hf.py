@@ -193,7 +193,11 @@ class KVBitsLayer(CacheLayerMixin):
             key_states._kvbits = _Tag(self, False, device=True)
             return key_states, value_states
         prefill = store.seq_len == 0
-        fast = prefill or (self._attended and self._impl_is_kvbits())
+        # the packed path when kvbits' attention reads this update: the calling module says so,
+        # or the last step's result was read by it (a cache loaded from a file for a config is
+        # known by the caller alone: its first step has no last one)
+        fast = prefill or (self._impl_is_kvbits() and (
+            self._attended or getattr(self._cache, "_caller_impl", None) == ATTN_IMPLEMENTATION))
         self._attended = False
         if fast and not prefill and self._take_step(key_states):
             self._pending = (key_states, value_states)  # the attention appends and attends

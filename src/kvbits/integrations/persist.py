@@ -229,6 +229,7 @@ def load_cache(cls, path, model_or_config, device=None, dtype=None):
         layer.store.load_state(buffers, {k: v for k, v in meta.items()
                                          if k not in ("batch", "kv_heads", "head_dim")})
         # as after a prompt through the kvbits attention: decode steps take the packed path
-        # (only where the model is known to use that attention; else the slow, correct path)
+        # (for a config alone, once the calling module shows it runs that attention; a model
+        # on another attention gets the slow, correct path)
         layer._attended = cache._model_config is not None
     return cache
