@@ -183,6 +183,46 @@ def test_saved_state_continues_like_the_store(preset, S, R, G, before, after, se
     _assert_same_state(a, b, f"{preset} after {at} tokens")
 
 
+@pytest.mark.parametrize("preset", ["kivi-2", "uniform-int4", "k4v2"])
+@pytest.mark.parametrize("cut", [20, 50])
+def test_saved_between_a_verification_step_and_its_crop(preset, cut):
+    """A store saved after a verification step (``track_flushes``, then drafts that flushed a
+    group) and loaded: the crop of rejected drafts puts that group back as the saved store's
+    does. Until session 50 the file lost the FP16 copies: a cut inside the group was refused
+    and a cut past it left the group quantized."""
+    spec = resolve_spec(preset, group_size=32, residual_length=16, sink_tokens=0)
+    k, v = _kv(90)
+    a = _store(spec)
+    a.append(k[:, :, :40], v[:, :, :40])
+    a.append(k[:, :, 40:], v[:, :, 40:], flush=False)  # the prompt's last token and 49 drafts
+    a.track_flushes()
+    a.flush()
+    assert a.body_len == 64
+    tensors, scalars = a.state()
+    b = _store(spec)
+    b.load_state({n: t.clone() for n, t in tensors.items()}, scalars)
+    for s in (a, b):
+        s.crop(cut)
+    _assert_same_state(a, b, f"{preset} cut at {cut}")
+    assert (a.body_len, a.res_len) == (32 * ((cut - 16) // 32), cut - 32 * ((cut - 16) // 32))
+    fresh = _store(spec)  # as if the rejected drafts had never come
+    fresh.append(k[:, :, :cut], v[:, :, :cut])
+    _assert_same_state(b, fresh, f"{preset} cut at {cut} against a store without the drafts")
+
+
+def test_a_saved_undo_of_the_wrong_shape_is_refused():
+    spec = resolve_spec("kivi-2", group_size=32, residual_length=16)
+    k, v = _kv(90)
+    a = _store(spec)
+    a.append(k, v, flush=False)
+    a.track_flushes()
+    a.flush()
+    tensors, scalars = a.state()
+    tensors["undo_k"] = tensors["undo_k"][:, :, :31]
+    with pytest.raises(ValueError, match="undo_k / undo_v .* whole groups of 32"):
+        _store(spec).load_state(tensors, scalars)
+
+
 @pytest.mark.parametrize("preset", ["kivi-2", "kivi-3", "kivi-4", "kivi-8", "k4v2", "k8v4"])
 def test_prompt_in_one_append_equals_token_by_token(preset):
     spec = resolve_spec(preset, residual_length=20, sink_tokens=3)

@@ -105,8 +105,10 @@ class CacheLifecycle(RuleBasedStateMachine):
                 dtype=st.sampled_from([torch.float16, torch.float16, torch.float32,
                                        torch.bfloat16]),
                 window=st.sampled_from([None, None, None, 24, 48, 100]),
-                step_graphs=st.sampled_from([False, False, True]), seed=st.integers(0, 2**16))
-    def setup(self, preset, G, R, S, D, hkv, gqa, batch, dtype, window, step_graphs, seed):
+                step_graphs=st.sampled_from([False, False, True]), seed=st.integers(0, 2**16),
+                recording=st.booleans())
+    def setup(self, preset, G, R, S, D, hkv, gqa, batch, dtype, window, step_graphs, seed,
+              recording):
         self.gen = torch.Generator().manual_seed(seed)
         self.B, self.Hkv, self.Hq, self.D, self.dtype = batch, hkv, hkv * gqa, D, dtype
         self.scale = 1.0 / math.sqrt(D)
@@ -139,6 +141,11 @@ class CacheLifecycle(RuleBasedStateMachine):
         # step_graphs=True: one-token steps run with the lengths on the device (the CUDA-graph
         # bookkeeping; eagerly on the CPU) until anything else touches the layer
         self.step_graphs = step_graphs
+        # transformers' notice before assisted decoding (a cache that cannot be cropped refuses
+        # it): the prompt's forward then tracks its flushes for the crop of rejected drafts
+        self.recording = recording and self.cache.is_croppable
+        if self.recording:
+            self.cache.activate_past_recording()
         layer = self.cache.layers[0]
         assert layer.sliding_window == window
         self.spec = layer.spec
@@ -490,7 +497,8 @@ class CacheLifecycle(RuleBasedStateMachine):
             self._first_flush(self.body, self.n)
             # the prompt's forward may verify drafts too: a crop puts back what it flushed
             croppable = self.quantized and R > 0
-            self.tracked = min(self.body, lim) if prefill and croppable else 0
+            self.tracked = min(self.body, lim) if prefill and croppable and self.recording \
+                else 0
         else:
             self._first_flush(self.body, self.evicted + S + body0 + R + G)
             first_row = self._flushed(body0, n0 + 1)
@@ -633,8 +641,8 @@ class CacheLifecycle(RuleBasedStateMachine):
             assert (before.evicted, before.starts.tolist()) == (after.evicted,
                                                                 after.starts.tolist())
             _assert_same_bits(before, after, "saved and loaded")
-        self.cache = loaded
-        self.tracked = 0  # (the file keeps no FP16 copies of the last forward's flushes)
+        self.cache = loaded  # (the file keeps the FP16 copies of the last forward's flushes)
+        self.recording = False  # a notice of transformers', not the cache's state
         self.step_graphs = self.in_steps = False  # (a loaded cache takes the default, auto)
 
     @precondition(lambda self: self.n > 0)

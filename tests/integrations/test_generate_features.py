@@ -152,7 +152,9 @@ def test_drafts_verified_with_the_prompt_leave_no_trace(preset):
     (one prefill of prompt + drafts), then crop the rejected ones. The groups that the drafts
     brought due went back to FP16 with the crop, so the store holds what a prefill of the prompt
     alone holds, and decoding goes on with its logits. Before, those groups stayed quantized
-    (kivi-2 R=8 S=2: 64 body tokens instead of 32; the next logits 0.07 apart)."""
+    (kivi-2 R=8 S=2: 64 body tokens instead of 32; the next logits 0.07 apart). transformers
+    announces the crops first (``activate_past_recording``); a plain prompt keeps no FP16
+    copies of what it flushed."""
     model = tiny("llama")
     extra = {"calibration": "uniform"} if preset.startswith("kvquant") else {}
     g = torch.Generator().manual_seed(1)
@@ -163,7 +165,10 @@ def test_drafts_verified_with_the_prompt_leave_no_trace(preset):
         cache = KVBitsCache(model, preset, **extra)
         kw = cache_kwargs(model, cache)
         with torch.no_grad():
+            if prefill > 70:
+                cache.activate_past_recording()
             model(x[:, :prefill], use_cache=True, **kw)
+            assert all((s._undo is not None) == (prefill > 70) for s in cache.stores)
             if prefill > 70:
                 cache.crop(70 - prefill)
             logits = [model(steps[:, i:i + 1], use_cache=True, **kw).logits for i in range(6)]

@@ -912,6 +912,10 @@ class LayerStore:
                 tensors[name] = buf
         scalars = {n: int(getattr(self, n)) for n in _STATE_INTS}
         scalars.update({n: bool(getattr(self, n)) for n in _STATE_FLAGS})
+        if self._undo is not None:  # saved between a verification step and its crop: the
+            # crop must still put back what the drafts flushed (only such files carry these)
+            scalars["tracking_flushes"] = True
+            tensors.update(undo_k=self._undo[0], undo_v=self._undo[1])
         return tensors, scalars
 
     def load_state(self, tensors: dict, scalars: dict) -> None:
@@ -919,11 +923,14 @@ class LayerStore:
         buffers get a capacity of whole 16-row blocks, as :func:`_write` gives them."""
         self._host_lengths("load_state")
         self._undo = None
-        unknown = set(tensors) - {"starts", *_BUFFERS} | set(scalars) - {*_STATE_INTS,
-                                                                          *_STATE_FLAGS}
+        unknown = (set(tensors) - {"starts", *_BUFFERS, *_UNDO_BUFFERS}
+                   | set(scalars) - {*_STATE_INTS, *_STATE_FLAGS, "tracking_flushes"})
         if unknown:
             raise ValueError(f"unknown store state: {sorted(unknown)}")
         self._check_state_rows(tensors, scalars)
+        tensors, scalars = dict(tensors), dict(scalars)
+        undo = tuple(tensors.pop(n, None) for n in _UNDO_BUFFERS)
+        tracking = scalars.pop("tracking_flushes", False)
         growing = {*self._rows_per_group(), "res_k", "res_v"}  # the rest is fixed (state())
         for name, t in tensors.items():
             if name == "starts":
@@ -943,6 +950,25 @@ class LayerStore:
         for name, value in scalars.items():
             setattr(self, name, value)
         self._dense = None
+        if tracking:
+            self._load_undo(*undo)
+
+    def _load_undo(self, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
+        """The FP16 copies of flushed groups that :meth:`track_flushes` kept, from a file: whole
+        groups, at most what the body holds and :meth:`_undo_limit` keeps."""
+        G, body_len = self.spec.group_size, self.body_len
+        want = (self.batch, self.kv_heads)
+        if (k is None or v is None or not self.spec.quantized or k.shape != v.shape
+                or k.dim() != 4 or tuple(k.shape[:2]) != want or k.shape[3] != self.head_dim
+                or k.shape[2] % G or k.shape[2] > min(body_len, self._undo_limit())):
+            raise ValueError(
+                "the saved layer tracks its flushes (saved between a verification step and its "
+                f"crop) but its undo_k / undo_v are {None if k is None else tuple(k.shape)} / "
+                f"{None if v is None else tuple(v.shape)}: whole groups of {G} tokens, at most "
+                f"{min(body_len, self._undo_limit())}, of [{want[0]}, {want[1]}, tokens, "
+                f"{self.head_dim}] were expected: the file is inconsistent")
+        dtype = self.res_k.dtype
+        self._undo = (k.to(self.device, dtype), v.to(self.device, dtype))
 
     def _check_state_rows(self, tensors: dict, scalars: dict) -> None:
         """The saved lengths must be the ones the saved rows hold (a damaged file otherwise
@@ -991,6 +1017,7 @@ _BUFFERS = ("sink_k", "sink_v", "res_k", "res_v", "k_codes", "k_scale", "k_zero"
 
 
 # The lengths and flags of LayerStore.state (the buffers' rows follow from them).
+_UNDO_BUFFERS = ("undo_k", "undo_v")  # track_flushes' FP16 copies, in a file saved mid-step
 _STATE_INTS = ("sink_len", "body_len", "res_len", "evicted", "_pad_end", "_pad")
 _STATE_FLAGS = ("_row_sinks", "_sink_closed", "_fp8_ready")
 

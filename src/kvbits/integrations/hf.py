@@ -488,6 +488,7 @@ class KVBitsCache(Cache):
         self._model_config = None
         self._caller_impl = None  # during update: the calling attention's implementation
         self._warned_slow = False
+        self._recording = False  # transformers will crop drafts (activate_past_recording)
         self._flush_now = False  # lengths on the device: this step flushes
         self._capturing = False  # a CUDA graph is being captured: no host bookkeeping
         # the model, weakly: save() samples its weights so that a file made with other weights
@@ -523,6 +524,7 @@ class KVBitsCache(Cache):
                 "residual window at least as long as a draft, e.g. KVBitsCache(model, spec, "
                 "residual_length=32), or generate without assistant_model / "
                 "prompt_lookup_num_tokens")
+        self._recording = True
         base = getattr(super(), "activate_past_recording", None)
         if base is not None:
             base(**kwargs)
@@ -825,8 +827,10 @@ def kvbits_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                                         scaling, is_causal, **kwargs)
         # Assisted / prompt-lookup decoding verifies its first drafts in the prompt's forward:
         # the groups they bring due are put back by the crop of the rejected ones, which then
-        # leaves the split that a prefill without them makes
-        if layer.is_croppable:
+        # leaves the split that a prefill without them makes (only then: the FP16 copies would
+        # otherwise stay in memory, and in a file saved after the prompt, until the next step)
+        cache = layer._cache
+        if layer.is_croppable and cache is not None and cache._recording:
             store.track_flushes()
         store.flush()  # the prompt is quantized in one call, padding excluded
         return out
