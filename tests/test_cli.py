@@ -822,3 +822,139 @@ def test_ppl_stride_past_the_default_window_is_refused_before_any_preset(monkeyp
     monkeypatch.setattr(cli, "_load", lambda *a: (model, None, torch.zeros(1, 1, dtype=int)))
     with pytest.raises(ValueError, match=r"--text t: 1 token of text; scoring needs at least 2"):
         cli.run_ppl(cli.PplConfig("tiny", "t", parse_presets("fp16")), "kvbits ppl")
+
+
+@pytest.mark.parametrize("command", ["ppl", "calibrate", "tune", "needle"])
+def test_text_file_is_read_once(monkeypatch, tmp_path, command):
+    """`kvbits ppl --text FILE` read the file twice: once to check it (_check_text), once more to
+    score it (load_text); calibrate, tune and needle likewise. The checked text is the one used,
+    as load_text gives it (byte order mark dropped, CRLF line ends read as LF)."""
+    import pathlib
+
+    import kvbits.data
+    import kvbits.eval.needle
+
+    path = tmp_path / "doc.txt"
+    path.write_bytes("\ufeffOne line.\r\nAnother line, caf\u00e9.\r\n".encode("utf-8"))
+    want = kvbits.data.load_text(str(path))
+    assert want == "One line.\nAnother line, caf\u00e9.\n"
+
+    class Seen(Exception):
+        pass
+
+    def seen(text):
+        raise Seen(text)
+
+    opened = []
+    real_open = pathlib.Path.open
+
+    def counting_open(self, *args, **kwargs):
+        if self.name == path.name:
+            opened.append(self)
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "open", counting_open)
+    monkeypatch.setattr(kvbits.data, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(kvbits.data, "tokenize_text", lambda tok, text, n=None: seen(text))
+    monkeypatch.setattr(kvbits.eval.needle, "run_needle", lambda m, t, text, *a, **k: seen(text))
+    extra = {"ppl": ["--presets", "fp16"], "calibrate": ["--preset", "kvquant-3"],
+             "tune": [], "needle": ["--presets", "fp16", "--out", str(tmp_path / "out")]}
+    with pytest.raises(Seen) as got:
+        main([command, "--text", str(path), *extra[command]])
+    assert got.value.args[0] == want
+    assert len(opened) == 1, opened
+
+
+def test_calibration_file_errors_name_the_option_and_the_preset(tmp_path, monkeypatch):
+    """`ppl --presets fp16,kvquant-3,kvquant-2 --calibration k3.safetensors` said only
+    "calibration (preset kvquant-3) does not match the spec: key_bits=3 (spec has 2)": neither
+    the option nor which of the presets the file cannot serve (a file for another model, or
+    one that is not a calibration, the same)."""
+    import importlib
+
+    import torch
+
+    import kvbits.methods.kvquant as kvq
+    from kvbits import cli
+    from kvbits.spec import resolve_spec
+
+    model = _tiny_llama()
+    spec = resolve_spec("kvquant-3").replace(residual_length=4, group_size=32)
+    ids = torch.randint(0, 64, (1, 256))
+    path = tmp_path / "k3.safetensors"
+    kvq.calibrate(model, ids, spec, model_name="tiny", preset="kvquant-3", data="random",
+                  window=128).save(path)
+    ppl = importlib.import_module("kvbits.eval.perplexity")
+    monkeypatch.setattr(cli, "_load", lambda *a: (model, None, ids))
+    monkeypatch.setattr(ppl, "perplexity", lambda *a, **k: pytest.fail("a preset ran"))
+    with pytest.raises(ValueError, match=rf"^--calibration {re.escape(str(path))}: preset "
+                                         r"'kvquant-2:R=4': calibration \(preset kvquant-3\) "
+                                         r"does not match the spec: key_bits=3"):
+        cli.run_ppl(cli.PplConfig("tiny", "t", parse_presets("fp16,kvquant-3:R=4,kvquant-2:R=4"),
+                                  chunk=64, calibration=str(path)), "kvbits ppl")
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(b"not safetensors")
+    (k3,) = parse_presets("kvquant-3:R=4")
+    with pytest.raises(ValueError, match=rf"^--calibration {re.escape(str(other))}: preset "
+                                         r"'kvquant-3:R=4': cannot read a kvquant calibration"):
+        cli.make_cache_factory(model, k3, calibration=str(other))
+
+
+def test_prefix_cache_file_is_checked_before_the_model_loads(capsys, monkeypatch, tmp_path):
+    """`generate --prefix-cache FILE` with a file of another preset was refused only after the
+    model had loaded, and a file that is not a kvbits cache (a calibration, any other file)
+    with an error that did not name --prefix-cache."""
+    import torch
+    from safetensors.torch import save_file
+
+    import kvbits.data
+    from kvbits.cli import GenerateConfig, generate_text
+    from kvbits.spec import resolve_spec
+
+    model = _tiny_llama()
+    prompt = " ".join(str(i) for i in torch.randint(1, 64, (40,)).tolist())
+    kivi2 = tmp_path / "kivi2.safetensors"
+    generate_text(model, _StubTokenizer(), GenerateConfig(
+        spec=resolve_spec("kivi-2"), prompt=prompt, max_new_tokens=2, graphs=False,
+        prefix_cache=str(kivi2)))
+    garbage, other = tmp_path / "garbage.safetensors", tmp_path / "other.safetensors"
+    garbage.write_bytes(b"not a safetensors file")
+    save_file({"x": torch.zeros(2)}, str(other))
+    monkeypatch.setattr(kvbits.data, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    for file, preset, match in (
+            (kivi2, "kivi-4", (r"--prefix-cache .*kivi2\.safetensors holds a kivi K2V2 G=32 "
+                               r"R=128 S=0 cache; the preset asks for kivi K4V4")),
+            (garbage, "kivi-2", (r"--prefix-cache .*garbage\.safetensors: cannot read kvbits "
+                                 r"cache file .*; give a file that kvbits generate --prefix-cache "
+                                 r"wrote")),
+            (other, "kivi-2", r"--prefix-cache .*other\.safetensors: .* is not a kvbits cache")):
+        code, _, err = run(capsys, "generate", "--prompt", "x", "--preset", preset,
+                           "--prefix-cache", str(file), "--device", "cpu")
+        assert code == 2 and re.search(match, err), (file, err)
+
+
+@pytest.mark.parametrize("argv,match", [
+    # sizes that do not parse named no option ("cannot read 'lots' as a size"); bench's came
+    # after its GPU check
+    (["memory", "--gpu-memory", "lots"], r"^kvbits memory: error: --gpu-memory: cannot read "),
+    (["memory", "--gpu-memory", "80GB", "--weights", "x"], r"error: --weights: cannot read 'x'"),
+    (["bench", "--memory-budget", "lots"], r"error: --memory-budget: cannot read 'lots' as a"),
+    # a budget of 0 skipped the search without a word; --budget-contexts without a budget too
+    (["bench", "--memory-budget", "0"], r"--memory-budget 0: must be at least one byte"),
+    (["bench", "--budget-contexts", "4k"], r"--budget-contexts .* give --memory-budget too"),
+])
+def test_size_and_budget_options_are_named(capsys, argv, match):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and re.search(match, err.strip().splitlines()[-1]), err
+
+
+def test_generate_seed_without_sample_is_refused(capsys, monkeypatch):
+    """`generate --seed 5` without --sample decoded greedily, the seed silently unused (as
+    --temperature and --top-p, it applies to --sample only); with --sample it is taken."""
+    import kvbits.data
+
+    monkeypatch.setattr(kvbits.data, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    code, _, err = run(capsys, "generate", "--prompt", "x", "--seed", "5")
+    assert code == 2 and "error: --seed apply to --sample only" in err, err
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--sample", "--seed", "5"])
+    assert args.seed == 5

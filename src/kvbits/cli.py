@@ -145,7 +145,11 @@ def make_cache_factory(model, variant: Variant, calib_text: str = "sotu-pre-2000
     from .integrations.hf import KVBitsCache
 
     if calibration is not None and variant.spec.method == "kvquant":
-        KVBitsCache(model, variant.spec, calibration=calibration)  # checked before any work
+        try:  # checked before any work; the error names the option and the preset
+            KVBitsCache(model, variant.spec, calibration=calibration)
+        except ValueError as exc:
+            raise ValueError(f"--calibration {calibration}: preset {variant.label!r}: {exc}") \
+                from None
         return lambda: KVBitsCache(model, variant.spec, calibration=calibration)
 
     if variant.spec.method == "fp8" and variant.spec.calibrated:
@@ -176,9 +180,10 @@ def _log(msg: str) -> None:
 
 
 def _load(model_name: str, text_name: str | None = None, tokens: int | None = None,
-          device: str = "cpu"):
+          device: str = "cpu", text: str | None = None):
     """``(model, tokenizer, ids or None)``, logging what is fetched; FP32 on the CPU, FP16 on a
-    GPU."""
+    GPU. ``text``: the contents of the file ``text_name`` where :func:`_check_text` has read it
+    already (not read again)."""
     import torch
 
     from . import data
@@ -192,7 +197,9 @@ def _load(model_name: str, text_name: str | None = None, tokens: int | None = No
     if text_name is None:
         return model, tok, None
     _log(f"loading text {text_name!r}")
-    ids = data.tokenize_text(tok, data.load_text(text_name, log=_log), tokens)
+    if text is None:
+        text = data.load_text(text_name, log=_log)
+    ids = data.tokenize_text(tok, text, tokens)
     _log(f"{ids.shape[1]} tokens of {text_name!r}")
     if tokens is not None and ids.shape[1] < tokens:
         _log(f"note: the text has only {ids.shape[1]} tokens; --tokens asked for {tokens}, "
@@ -293,13 +300,14 @@ class PplConfig:
     calib_text: str = "sotu-pre-2000"
     calib_tokens: int = 4096
     calibration: str | None = None  # a kvbits calibrate file for the kvquant presets
+    text_data: str | None = None  # the file ``text`` as read by _check_text (None: load it)
 
 
 def run_ppl(cfg: PplConfig, command: str) -> list[dict]:
     """Perplexity of every variant on the same tokens; tables and files are written as it goes."""
     from .eval.perplexity import WINDOW_CAP, default_window, perplexity
 
-    model, _, ids = _load(cfg.model, cfg.text, cfg.tokens)
+    model, _, ids = _load(cfg.model, cfg.text, cfg.tokens, "cpu", cfg.text_data)
     window = default_window(model) if cfg.window is None else cfg.window
     if cfg.stride is not None and cfg.stride > window:  # (the default window needs the model)
         raise ValueError(f"--stride {cfg.stride} must be at most the window, {window} (the "
@@ -360,14 +368,15 @@ def _write_ppl(cfg: PplConfig, meta: dict, results: list[dict]) -> None:
         Path(cfg.md_path).write_text("\n".join(md))
 
 
-def _check_text(name: str, option: str) -> None:
-    """A text name, or a file that :func:`kvbits.data.load_text` will read: UTF-8 with some
-    text in it (a latin-1 file failed after the model had loaded, naming no option; an empty
-    one with misleading errors, or was scored as a few whitespace tokens)."""
-    from .data import TEXTS
+def _check_text(name: str, option: str) -> str | None:
+    """A text name (returns None), or a file of UTF-8 with some text in it: returns its text as
+    :func:`kvbits.data.load_text` gives it, so that a command reads the file once (a latin-1
+    file failed after the model had loaded, naming no option; an empty one with misleading
+    errors, or was scored as a few whitespace tokens)."""
+    from .data import TEXTS, read_text_file
 
     if name in TEXTS:
-        return
+        return None
     path = Path(name).expanduser()
     if path.is_dir():
         raise ValueError(f"{option} {name}: a folder; give a text file or a known text "
@@ -375,7 +384,7 @@ def _check_text(name: str, option: str) -> None:
     if not path.is_file():
         raise ValueError(f"{option} {name!r}: not a known text ({', '.join(TEXTS)}) or a file")
     try:
-        text = path.read_bytes().decode("utf-8").removeprefix("\ufeff")  # (offsets: the file's)
+        text = read_text_file(path)  # (offsets: the file's)
     except UnicodeDecodeError as exc:
         raise ValueError(f"{option} {name}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} "
                          f"at offset {exc.start})") from None
@@ -383,6 +392,7 @@ def _check_text(name: str, option: str) -> None:
         raise ValueError(f"{option} {name}: cannot read it: {exc.strerror or exc}") from None
     if not text.strip():
         raise ValueError(f"{option} {name}: no text in it")
+    return text
 
 
 def _check_calibration(path: str | None, variants) -> None:
@@ -418,7 +428,7 @@ def _cmd_ppl(args) -> int:
     if args.hf_quantized:
         variants += parse_hf_variants(args.hf_quantized)
         _check_hf_backends(variants)
-    _check_text(args.text, "--text")  # before the model loads
+    text = _check_text(args.text, "--text")  # before the model loads; read once
     if args.stride is not None and args.window is not None and args.stride > args.window:
         raise ValueError(f"--stride {args.stride} must be at most --window {args.window} (each "
                          "window scores the tokens its stride moves on)")
@@ -432,7 +442,7 @@ def _cmd_ppl(args) -> int:
         _check_text(args.calib_text, "--calib-text")  # before any variant runs
     cfg = PplConfig(args.model, args.text, variants, args.tokens, args.chunk, args.window,
                     args.stride, args.json, args.md, not args.no_progress, args.calib_text,
-                    args.calib_tokens, args.calibration)
+                    args.calib_tokens, args.calibration, text)
     run_ppl(cfg, shlex.join(["kvbits", *args.argv]))
     return 0
 
@@ -446,6 +456,7 @@ class CalibrateConfig:
     tokens: int = 4096
     window: int = 512
     output: str | None = None
+    text_data: str | None = None  # the file ``text`` as read by _check_text (None: load it)
 
 
 def run_calibrate(cfg: CalibrateConfig) -> Path:
@@ -456,7 +467,7 @@ def run_calibrate(cfg: CalibrateConfig) -> Path:
     if spec.method != "kvquant":  # fp8 scales and kivi-N-hadc channels: calibration='auto'
         raise ValueError(f"--preset: {cfg.variant.label!r} is method {spec.method!r}; this "
                          "command fits kvquant codebooks: a kvquant preset (e.g. kvquant-3)")
-    model, _, ids = _load(cfg.model, cfg.text, cfg.tokens)
+    model, _, ids = _load(cfg.model, cfg.text, cfg.tokens, "cpu", cfg.text_data)
     t0 = time.perf_counter()
     cal = kvq.calibrate(model, ids, spec, model_name=cfg.model, preset=cfg.variant.label,
                         data=f"{cfg.text}:{ids.shape[1]} tokens", window=cfg.window, log=_log)
@@ -469,9 +480,9 @@ def run_calibrate(cfg: CalibrateConfig) -> Path:
 
 def _cmd_calibrate(args) -> int:
     variant = parse_preset(args.preset)
-    _check_text(args.text, "--text")  # before the model loads
+    text = _check_text(args.text, "--text")  # before the model loads; read once
     run_calibrate(CalibrateConfig(args.model, args.text, variant, args.tokens, args.window,
-                                  args.output))
+                                  args.output, text))
     return 0
 
 
@@ -485,13 +496,14 @@ class TuneConfig:
     tokens: int = 1024
     window: int = 512
     output: str | None = None
+    text_data: str | None = None  # the file ``text`` as read by _check_text (None: load it)
 
 
 def run_tune(cfg: TuneConfig) -> Path:
     """Per-layer sensitivity on calibration text, bit allocation, spec file."""
     from .methods.tune import tune
 
-    model, _, ids = _load(cfg.model, cfg.text, cfg.tokens)
+    model, _, ids = _load(cfg.model, cfg.text, cfg.tokens, "cpu", cfg.text_data)
     t0 = time.perf_counter()
     r = tune(model, ids, cfg.base.spec, cfg.avg_bits, window=cfg.window, log=_log)
     # default: in the working directory, named after the model (its last path part for a
@@ -511,9 +523,9 @@ def _cmd_tune(args) -> int:
 
     base = parse_preset(args.base, "--base")
     check_tune_args(base.spec, args.avg_bits, f"--base {base.label!r}", "--avg-bits")
-    _check_text(args.text, "--text")  # before the model loads
+    text = _check_text(args.text, "--text")  # before the model loads; read once
     run_tune(TuneConfig(args.model, args.text, args.avg_bits, base, args.tokens, args.window,
-                        args.output))
+                        args.output, text))
     return 0
 
 
@@ -643,6 +655,37 @@ def check_generate_config(cfg: GenerateConfig, device_type: str) -> bool:
     return graphs
 
 
+def prefix_file_tokens(cfg: GenerateConfig) -> list[int] | None:
+    """The prompt token ids held by the existing file ``cfg.prefix_cache`` (None: no file yet, a
+    run writes it), once its header shows a cache that kvbits generate wrote for ``cfg.model``
+    and ``cfg.spec``; read from the header alone, so ``kvbits generate`` checks it before the
+    model loads. Every refusal names ``--prefix-cache``."""
+    from .integrations.persist import read_cache_file
+
+    path = Path(cfg.prefix_cache)
+    if not path.exists():
+        return None
+    try:
+        doc, _ = read_cache_file(path, tensors=False)  # the tensors: KVBitsCache.load
+    except ValueError as exc:
+        raise ValueError(f"--prefix-cache {path}: {exc}; give a file that kvbits generate "
+                         "--prefix-cache wrote, or a new path (written by the run)") from None
+    held = (doc.get("info") or {}).get("prompt_ids")
+    if held is None:
+        raise ValueError(f"--prefix-cache {path}: a kvbits cache, but not one written by "
+                         "kvbits generate (it holds no prompt token ids)")
+    made_for = (doc.get("info") or {}).get("model")
+    if made_for and made_for != cfg.model:
+        raise ValueError(f"--prefix-cache {path} holds a cache of model {made_for!r}, not "
+                         f"{cfg.model!r}: use another file for another model")
+    saved = QuantSpec.from_dict(doc["spec"])
+    if saved.to_dict() != cfg.spec.to_dict():
+        raise ValueError(f"--prefix-cache {path} holds a {saved.describe()} cache; the preset "
+                         f"asks for {cfg.spec.describe()}: use the file's preset or another "
+                         "file")
+    return held
+
+
 def prefix_cache(model, cfg: GenerateConfig, ids: list[int], new_cache) -> tuple:
     """``(cache, n)``: a cache holding the first ``n`` tokens of the prompt ``ids``, from
     ``cfg.prefix_cache``. A file written by an earlier run is loaded when its tokens start this
@@ -652,24 +695,10 @@ def prefix_cache(model, cfg: GenerateConfig, ids: list[int], new_cache) -> tuple
     import torch
 
     from .integrations.hf import KVBitsCache, cache_kwargs
-    from .integrations.persist import read_cache_file
 
     path = Path(cfg.prefix_cache)
-    if path.exists():
-        doc, _ = read_cache_file(path, tensors=False)  # the tensors: KVBitsCache.load
-        held = (doc.get("info") or {}).get("prompt_ids")
-        if held is None:
-            raise ValueError(f"--prefix-cache {path}: a kvbits cache, but not one written by "
-                             "kvbits generate (it holds no prompt token ids)")
-        made_for = (doc.get("info") or {}).get("model")
-        if made_for and made_for != cfg.model:
-            raise ValueError(f"--prefix-cache {path} holds a cache of model {made_for!r}, not "
-                             f"{cfg.model!r}: use another file for another model")
-        saved = QuantSpec.from_dict(doc["spec"])
-        if saved.to_dict() != cfg.spec.to_dict():
-            raise ValueError(f"--prefix-cache {path} holds a {saved.describe()} cache; the preset "
-                             f"asks for {cfg.spec.describe()}: use the file's preset or another "
-                             "file")
+    held = prefix_file_tokens(cfg)
+    if held is not None:
         if len(held) >= len(ids) or ids[:len(held)] != held:
             raise ValueError(f"--prefix-cache {path}: its {len(held)} tokens do not start this "
                              f"prompt ({len(ids)} tokens, of which at least the last must be "
@@ -749,13 +778,15 @@ def _check_prompt(text: str) -> None:
 
 
 def _cmd_generate(args) -> int:
-    given = [o for o, x in (("--temperature", args.temperature), ("--top-p", args.top_p))
+    given = [o for o, x in (("--temperature", args.temperature), ("--top-p", args.top_p),
+                            ("--seed", args.seed))
              if x is not None]  # (None unless given, under any abbreviation argparse accepts)
     if given and not args.sample:
         raise ValueError(f"{' and '.join(given)} apply to --sample only (greedy decoding "
                          "otherwise): add --sample")
     args.temperature = 0.7 if args.temperature is None else args.temperature
     args.top_p = 0.9 if args.top_p is None else args.top_p
+    args.seed = 0 if args.seed is None else args.seed
     if not MIN_TEMPERATURE <= args.temperature < math.inf:  # (inf: uniform sampling)
         raise ValueError(f"--temperature must be finite and >= {MIN_TEMPERATURE} (smaller ones overflow the "
                          f"scaled logits; greedy decoding is their limit: leave out --sample), "
@@ -774,6 +805,8 @@ def _cmd_generate(args) -> int:
     _check_calibration(args.calibration, [variant])
     device = _device(args.device)
     check_generate_config(cfg, device)  # before the model loads
+    if cfg.prefix_cache:
+        prefix_file_tokens(cfg)  # a file for another preset or model: before it too
     model, tok, _ = _load(cfg.model, device=device)
     r = generate_text(model, tok, cfg)
     if len(r["texts"]) == 1:
@@ -862,13 +895,21 @@ class MemoryConfig:
     json_path: str | None = None
 
 
-def _cmd_memory(args) -> int:
+def parse_size(text: str, option: str) -> int:
+    """A size option (``80GB``, ``80GiB``, ...) in bytes; an error names ``option``."""
     from .eval.memory import parse_bytes
 
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise ValueError(f"{option}: {exc}") from None
+
+
+def _cmd_memory(args) -> int:
     variants = parse_presets(args.preset, "--preset", group_size=args.group_size,
                              residual_length=args.residual_length, sink_tokens=args.sink_tokens)
-    gpu = parse_bytes(args.gpu_memory) if args.gpu_memory else None
-    weights = None if args.weights == "auto" else parse_bytes(args.weights)
+    gpu = parse_size(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None
+    weights = None if args.weights == "auto" else parse_size(args.weights, "--weights")
     if gpu is None and weights is not None:
         raise ValueError("--weights is the part of --gpu-memory the weights take: give "
                          "--gpu-memory too (it sizes the max context / batch)")
@@ -1020,7 +1061,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None, help="with --sample (default 0.9)")
     p.add_argument("--num-beams", type=_positive, default=1, help="beam search width (default 1)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--seed", type=int, default=0, help="random seed for --sample (default 0)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for --sample (default 0)")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="decode with each step replayed from a CUDA graph, greedy or --sample, "
                         "one prompt or a padded batch (default: on a GPU with one beam; "

@@ -367,6 +367,15 @@ def _extract_text(src: TextSource, log: Log) -> str:
     return "\n\n".join(text.strip() for _, text in chunks) + "\n"
 
 
+def read_text_file(path: str | os.PathLike) -> str:
+    """The text of a UTF-8 file, read once, as :func:`load_text` gives it: a leading byte order
+    mark dropped (U+FEFF was scored as 3 tokens of text) and line ends as in text mode
+    (``\\r\\n`` and ``\\r`` read as ``\\n``). A file that is not UTF-8 raises
+    ``UnicodeDecodeError``, its offsets counted in the file's bytes."""
+    text = Path(path).expanduser().read_bytes().decode("utf-8").removeprefix("\ufeff")
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
 def load_text(name: str | os.PathLike, log: Log | None = None) -> str:
     """A real text by name (a key of :data:`TEXTS`) or an existing file path (UTF-8; a leading
     byte order mark is dropped).
@@ -378,8 +387,8 @@ def load_text(name: str | os.PathLike, log: Log | None = None) -> str:
     src = TEXTS.get(name)
     if src is None:
         path = Path(name).expanduser()
-        if path.is_file():  # utf-8-sig: a BOM (U+FEFF) was scored as 3 tokens of text
-            return path.read_text(encoding="utf-8-sig")
+        if path.is_file():
+            return read_text_file(path)
         if path.is_dir():
             raise ValueError(f"text {name!r} is a folder; give a text file or a known name "
                              f"({', '.join(sorted(TEXTS))})")

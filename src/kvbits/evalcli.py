@@ -90,7 +90,7 @@ def _cmd_needle(args) -> int:
     from .eval.needle import NeedleConfig, needle_meta, run_needle, write_needle
 
     _check_calibration(args.calibration, parse_presets(",".join(args.presets)))  # fail early
-    _check_text(args.text, "--text")
+    haystack = _check_text(args.text, "--text")  # (a file: read once, here)
     _check_text(args.calib_text, "--calib-text")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: torch sees no CUDA device (use --device cpu)")
@@ -103,7 +103,7 @@ def _cmd_needle(args) -> int:
                        calibration=args.calibration)
     _log(f"loading model {cfg.model!r} and text {cfg.text!r}")
     model, tok = load_model(cfg.model, dtype=torch.float32, device=args.device, log=_log)
-    text = load_text(cfg.text, log=_log)
+    text = load_text(cfg.text, log=_log) if haystack is None else haystack
     if cfg.chat and not getattr(tok, "chat_template", None):
         _log(f"{cfg.model}'s tokenizer has no chat template (a base model): the passkey prompt "
              "goes in as plain text")
@@ -211,11 +211,17 @@ def _device_arg(text: str) -> str:
 def _cmd_bench(args) -> int:
     import torch
 
-    from .eval.memory import parse_bytes
+    from .cli import parse_size
     from .eval.speed import BenchConfig, environment, parse_variant, run_bench, write_bench
 
     for v in args.presets:
         parse_variant(v)  # fail before building anything
+    budget = parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None
+    if budget is not None and budget <= 0:  # (0 skipped the search without a word)
+        raise ValueError(f"--memory-budget {args.memory_budget}: must be at least one byte")
+    if args.budget_contexts and budget is None:
+        raise ValueError("--budget-contexts are the contexts of the --memory-budget search: give "
+                         "--memory-budget too")
     if args.device is None and not torch.cuda.is_available():
         raise ValueError("kvbits bench times GPU decoding and found no CUDA device; for a CPU "
                          "smoke test pass --device cpu (with a small --model, e.g. tiny)")
@@ -227,7 +233,7 @@ def _cmd_bench(args) -> int:
     cfg = BenchConfig(model=args.model, layers=args.layers, variants=args.presets,
                       contexts=args.contexts, batches=args.batches, steps=args.steps,
                       warmup=args.warmup, fill=args.fill,
-                      budget=parse_bytes(args.memory_budget) if args.memory_budget else None,
+                      budget=budget,
                       budget_contexts=args.budget_contexts or args.contexts[:1],
                       batch_cap=args.batch_cap, hf_max_tokens=args.hf_max_tokens,
                       presize=args.presize, device=device)

@@ -108,6 +108,20 @@ def test_a_text_too_short_for_the_longest_length_fails_before_any_trial():
     assert logged == []
 
 
+def test_a_length_too_short_for_the_prompt_fails_before_any_trial():
+    """`kvbits needle --lengths 1k,50` ran every 1k trial, then failed at the first of 50."""
+    from kvbits.eval.speed import build_model, model_config
+
+    model = build_model(model_config("tiny"), device="cpu")
+    cfg = NeedleConfig(lengths=(300, 50), depths=(0.5,), presets=("fp16",), trials=1,
+                       max_new_tokens=1, chat=False)
+    logged = []
+    with pytest.raises(ValueError, match=r"length 50 is too short for the instruction, needle "
+                                         r"and question \(\d+ tokens\): give lengths \(--lengths\)"):
+        run_needle(model, CharTokenizer(), TEXT, cfg, log=logged.append)
+    assert logged == []
+
+
 def test_lengths_a_preset_keeps_in_fp16_are_announced():
     """Below S + R + G tokens (kivi-2: 160) a preset quantizes nothing and answered as FP16,
     silently."""

@@ -577,3 +577,19 @@ def test_offline_key_scales_calibrate_save_and_refuse(tmp_path):
     kvq.Calibration.load(p2).check(model, resolve_spec("kvquant-3"))  # no error
     assert (kvq.calibration_path(model, resolve_spec("kvquant-3"), "t", 4)
             != kvq.calibration_path(model, spec, "t", 4))
+
+
+def test_calibration_cache_of_a_text_file_follows_its_contents(tmp_path, monkeypatch):
+    """`kvbits ppl --presets kvquant-3 --calib-text cal.txt` cached the codebooks under a key of
+    the path alone: run again after cal.txt changed (or from another folder with another
+    cal.txt) it reused the codebooks of the old text without a word."""
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    model, spec = tiny_llama(), resolve_spec("kvquant-3")
+    (tmp_path / "cal.txt").write_text("The first calibration text.\n")
+    first = kvq.calibration_path(model, spec, "cal.txt", 10)
+    assert kvq.calibration_path(model, spec, "cal.txt", 10) == first
+    (tmp_path / "cal.txt").write_text("Another text altogether.\n")
+    assert kvq.calibration_path(model, spec, "cal.txt", 10) != first
+    (tmp_path / "cal.txt").write_text("The first calibration text.\r\n")  # the same text read
+    assert kvq.calibration_path(model, spec, "cal.txt", 10) == first

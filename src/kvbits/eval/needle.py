@@ -145,7 +145,7 @@ def build_passkey_prompt(tokenizer, hay: list[int], ends: list[int], length: int
     n_hay = length - len(head) - len(tail) - len(needle)
     if n_hay <= 0:
         raise ValueError(f"length {length} is too short for the instruction, needle and question "
-                         f"({length - n_hay} tokens)")
+                         f"({length - n_hay} tokens): give lengths (--lengths) longer than that")
     start = next((e for e in ends if e >= offset), 0)
     if start + n_hay > len(hay):
         start = 0
@@ -244,6 +244,14 @@ def run_needle(model, tokenizer, text: str, cfg: NeedleConfig,
     build_passkey_prompt(tokenizer, hay, ends, max_len, 0.5, 10000, 0, cfg.chat)
     stop = eos_ids(model, tokenizer)
     rng = random.Random(cfg.seed)
+    # Trial-major order: every (length, depth) cell gets trial 0 before any gets trial 1, so a
+    # run stopped early (results are written after every trial) still covers the whole grid.
+    draws = {(t, n, d): (rng.randint(10000, 99999), rng.randint(0, max(0, len(hay) - n)))
+             for n in cfg.lengths for d in cfg.depths for t in range(cfg.trials)}
+    # every prompt once before any work: a length too short for the instruction, needle and
+    # question failed only at its first trial, after the other lengths' trials had run
+    for (_, length, depth), (key, offset) in draws.items():
+        build_passkey_prompt(tokenizer, hay, ends, length, depth, key, offset, cfg.chat)
     caches = needle_caches(model, cfg)
     specs = {p: spec for p, (spec, _) in caches.items()}
     for preset, spec in specs.items():
@@ -257,10 +265,6 @@ def run_needle(model, tokenizer, text: str, cfg: NeedleConfig,
     KVBitsCache(model, "kivi-2")
     rows: list[dict] = []
     device = next(model.parameters()).device
-    # Trial-major order: every (length, depth) cell gets trial 0 before any gets trial 1, so a
-    # run stopped early (results are written after every trial) still covers the whole grid.
-    draws = {(t, n, d): (rng.randint(10000, 99999), rng.randint(0, max(0, len(hay) - n)))
-             for n in cfg.lengths for d in cfg.depths for t in range(cfg.trials)}
     for trial in range(cfg.trials):
         for length in cfg.lengths:
             for depth in cfg.depths:

@@ -871,9 +871,23 @@ def calibration_path(model, spec: QuantSpec, text: str, tokens: int) -> Path:
               if k not in _FIELD_DEFAULTS or v != _FIELD_DEFAULTS[k]}  # existed still hold)
     if spec.key_scales == "calibrated":
         fields["offline_key_rule"] = OFFLINE_KEY_RULE
-    key = json.dumps({**fields, "text": text, "tokens": tokens}, sort_keys=True)
+    key = json.dumps({**fields, "text": text, "tokens": tokens, **_text_file_key(text)},
+                     sort_keys=True)
     digest = hashlib.sha1(key.encode()).hexdigest()[:10]
     return cache_dir() / "calibrations" / f"{model_fingerprint(model)}-{digest}.safetensors"
+
+
+def _text_file_key(text: str) -> dict:
+    """A calibration text that is a file, not a named text: its contents' digest, for the cache
+    key (keyed on the path alone, a file edited since, or another file of the same relative
+    path, reused a calibration made on other text). Named texts add nothing (their keys and
+    cached files stay as they were)."""
+    from ..data import TEXTS, read_text_file
+
+    path = Path(text).expanduser()
+    if text in TEXTS or not path.is_file():
+        return {}
+    return {"text_sha1": hashlib.sha1(read_text_file(path).encode()).hexdigest()}
 
 
 def auto_calibration(model, spec: QuantSpec, *, model_name: str = "", preset: str = "",
