@@ -265,6 +265,17 @@ def test_spec_string_refuses_a_field_set_twice(text, field):
         resolve_spec(text)
 
 
+@pytest.mark.parametrize("text", ["kivi-2:", "uniform-int4: "])
+def test_spec_string_with_a_colon_and_nothing_after_is_refused(text):
+    """Session 50 QA: 'kivi-2:' ran as kivi-2 under the label 'kivi-2:' in tables and files."""
+    from kvbits.cli import parse_presets
+
+    with pytest.raises(ValueError, match="ends in ':' with no overrides after it"):
+        resolve_spec(text)
+    with pytest.raises(ValueError, match=r"--presets: .* ends in ':'"):
+        parse_presets(f"fp16,{text}")
+
+
 def test_spec_string_bits_may_be_refined_by_one_width():
     # bits / nbits set both widths; K or V then changes one: not a conflict.
     assert (resolve_spec("kivi-2:bits=4,K=8").key_bits, resolve_spec("kivi-2:bits=4,K=8")

@@ -467,6 +467,10 @@ def parse_overrides(label: str, text: str, aliases: dict = SPEC_ALIASES,
     >>> parse_overrides("kivi-2:G=64,bits=3", "G=64,bits=3")
     {'group_size': 64, 'key_bits': 3, 'value_bits': 3}
     """
+    if isinstance(label, str) and label.rstrip().endswith(":"):  # ran as the bare preset,
+        # under a label ('kivi-2:') that tables and files then carried
+        raise ValueError(f"{option}: {label!r} ends in ':' with no overrides after it; give "
+                         "FIELD=VALUE pairs (e.g. 'kivi-2:G=64') or drop the ':'")
     out = {}
     given: dict = {}  # field (or its synonym group) -> the pair that set it
     for pair in filter(None, text.split(",")):
