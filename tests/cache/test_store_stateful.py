@@ -179,6 +179,7 @@ class CacheLifecycle(RuleBasedStateMachine):
         self.pad = self.pad_end = 0
         self.row_sinks = False  # a padded batch's sinks: each sequence's own first tokens
         self.fp8_amax = None  # fp8-dynamic: (k, v) amax [B, H, 1, 1] of the first flush
+        self.fp8_set = None  # ... of each sequence's own tokens: whose are set (bool [B])
         # In a padded batch with sinks, the copies of each sequence's own sink tokens in the
         # body / residual are hidden, and kept out of every group's min/max, until the sink
         # goes with the first eviction: the groups flushed after it count them (past the
@@ -246,18 +247,41 @@ class CacheLifecycle(RuleBasedStateMachine):
         waiting = upto - self.evicted - self.sink_full - body
         return body + G * max(0, (waiting - R) // G)
 
-    def _first_flush(self, body, upto):
-        """fp8-dynamic: the scales are set by the first flush (``body`` tokens flushed), from
-        the tokens held up to ``upto``, padding and copies of a sequence's own sink left out."""
-        if self.spec.method != "fp8" or self.spec.fp8_scale != "dynamic" \
-                or self.fp8_amax is not None or not body:
+    def _first_flush(self, body0, body1, upto, groups=False):
+        """fp8-dynamic: a sequence's scales are set by the first flush that quantizes a token
+        of its own (the body going from ``body0`` to ``body1`` tokens), from the tokens held
+        up to ``upto``, padding and copies of its own sink left out; a flush of nothing but
+        its padding sets none (a prompt prefilled in chunks whose first chunk is all padding
+        for it: it took scale 1 from an amax of 0, fixed). ``groups``: the flushes go one
+        group at a time, as generation flushes them (a chunk's rows, a crop's refill), the
+        j-th holding up to ``upto + j * G``."""
+        if self.spec.method != "fp8" or self.spec.fp8_scale != "dynamic" or body1 <= body0:
             return
+        G = self.spec.group_size
+        flushes = [(body0 + j * G, body0 + (j + 1) * G, upto + j * G)
+                   for j in range((body1 - body0) // G)] if groups else [(body0, body1, upto)]
+        if self.fp8_set is None:  # (not set: an amax of 0, scale 1)
+            self.fp8_set = torch.zeros(self.B, dtype=torch.bool)
+            self.fp8_amax = tuple(torch.zeros(self.B, self.Hkv, 1, 1) for _ in "kv")
         lo = self.evicted + self.sink
-        keys, vals = self.hk[:, :, lo:upto], self.hv[:, :, lo:upto]
-        valid = torch.arange(lo, upto)[None, :] >= self.starts[:, None] + self.sink
+        own = self.starts - self.evicted  # each sequence's first own token in the store
         gran = self.spec.fp8_granularity
-        self.fp8_amax = (ref_quant.fp8_amax(keys, valid, gran),
-                         ref_quant.fp8_amax(vals, valid, gran))
+        for b0, b1, up in flushes:
+            new = (own >= b0) & (own < b1) & ~self.fp8_set
+            if not bool(new.any()):
+                continue
+            keys, vals = self.hk[:, :, lo:up], self.hv[:, :, lo:up]
+            valid = torch.arange(lo, up)[None, :] >= self.starts[:, None] + self.sink
+            amax = (ref_quant.fp8_amax(keys, valid, gran), ref_quant.fp8_amax(vals, valid, gran))
+            rows = new[:, None, None, None]
+            self.fp8_amax = tuple(torch.where(rows, a, b) for a, b in zip(amax, self.fp8_amax))
+            self.fp8_set = self.fp8_set | new
+
+    @property
+    def fp8_waiting(self) -> bool:
+        """fp8-dynamic: a sequence's scales are not set yet (no token of its own flushed)."""
+        return self.spec.method == "fp8" and self.spec.fp8_scale == "dynamic" and (
+            self.fp8_set is None or not bool(self.fp8_set.all()))
 
     def _evict(self):
         """A sliding layer's eviction before an update (LayerStore.evict): the whole groups
@@ -265,6 +289,8 @@ class CacheLifecycle(RuleBasedStateMachine):
         ones; not while a sequence still sees its own sink."""
         upto = self.stored - self.window + 1
         if self.sink and self.pad_end > upto:
+            return
+        if self.fp8_waiting and self.body:  # (its first own tokens set its scales)
             return
         res = self.stored - self.sink - self.body
         if not self.quantized:
@@ -294,8 +320,7 @@ class CacheLifecycle(RuleBasedStateMachine):
             return False
         if self.row_sinks and self.sink and self.stored < self.pad_end:
             return False
-        return self.spec.method != "fp8" or self.spec.fp8_scale != "dynamic" \
-            or self.fp8_amax is not None
+        return not self.fp8_waiting
 
     def _visible(self, rows_at):
         """Bool ``[B, len(rows_at), n]``: causal, past each sequence's padding, in the
@@ -322,6 +347,8 @@ class CacheLifecycle(RuleBasedStateMachine):
                             fp8_scales=layer.fp8_scales,
                             hadamard_channels=layer.hadamard_channels)
         if self.fp8_amax is not None and self.spec.fp8_scale == "dynamic":
+            # (a sequence whose scales are not set has no own token in the body: its codes
+            # are 0, its scales 1, an amax of 0)
             shadow.k_scale = ref_quant.fp8_scale_from_amax(self.fp8_amax[0])
             shadow.v_scale = ref_quant.fp8_scale_from_amax(self.fp8_amax[1])
             shadow._fp8_ready = True
@@ -494,13 +521,13 @@ class CacheLifecycle(RuleBasedStateMachine):
         self.body = self._flushed(body0, self.n)
         lim = (-(-R // G) + 1) * G  # LayerStore._undo_limit
         if prefill or size == 1:
-            self._first_flush(self.body, self.n)
+            self._first_flush(body0, self.body, self.n)
             # the prompt's forward may verify drafts too: a crop puts back what it flushed
             croppable = self.quantized and R > 0
             self.tracked = min(self.body, lim) if prefill and croppable and self.recording \
                 else 0
         else:
-            self._first_flush(self.body, self.evicted + S + body0 + R + G)
+            self._first_flush(body0, self.body, self.evicted + S + body0 + R + G, groups=True)
             first_row = self._flushed(body0, n0 + 1)
             self.tracked = min(self.body - first_row, lim) if self.quantized else 0
         event("step: " + ("prompt" if prefill else "decode" if size == 1 else "chunk")
@@ -588,13 +615,21 @@ class CacheLifecycle(RuleBasedStateMachine):
         # a cut into a sequence's padding: what comes next is its own
         self.starts = self.starts.clamp(max=keep)
         self.pad, self.pad_end = min(self.pad, kept), min(self.pad_end, kept)
-        if not body:  # fp8-dynamic: the next first flush sets the scales again
-            self.fp8_amax = None
+        if self.fp8_set is not None and not self.evicted:  # fp8-dynamic: a sequence left
+            # with no own token in the body takes its scales again at its next first flush
+            # (not after an eviction: every sequence had them then, and a body the window
+            # emptied keeps them, as a run without the crop does)
+            self.fp8_set = self.fp8_set & (self.starts - self.evicted < body)
+            rows = self.fp8_set[:, None, None, None]
+            self.fp8_amax = tuple(torch.where(rows, a, 0) for a in self.fp8_amax)
+            if not bool(self.fp8_set.any()):
+                self.fp8_amax = self.fp8_set = None
         if self.tracked:  # refilled one group at a time, as generation flushes them
-            self.body = body
+            self.body = body0 = body
             while kept - self.sink - body >= R + G:
                 body += G
-            self._first_flush(body, self.evicted + self.sink_full + R + G)
+            self._first_flush(body0, body, self.evicted + self.sink_full + body0 + R + G,
+                              groups=True)
         self.body, self.tracked = body, 0
 
     @precondition(lambda self: self.has_store)
@@ -623,6 +658,7 @@ class CacheLifecycle(RuleBasedStateMachine):
         self.B = int(index.numel())
         if self.fp8_amax is not None:
             self.fp8_amax = tuple(a[index] for a in self.fp8_amax)
+            self.fp8_set = self.fp8_set[index]
         self.tracked = 0  # an edit: what the last step flushed stays flushed
         self.in_steps = False
 

@@ -131,25 +131,30 @@ def test_presize_store_keeps_layout(name):
 
 @pytest.mark.parametrize("gran", ["head", "tensor"])
 def test_dynamic_scale_of_a_sequence_whose_first_group_is_padding(gran):
-    """Left padding fills sequence 1's first flushed group: its dynamic scale comes from its
-    real tokens still in the residual (it was 1, fixed for good: its keys of ~1000 saturated
-    at 448)."""
+    """Left padding fills sequence 1's first flushed group: that flush sets no scale of its
+    (once it was 1, fixed for good: its keys of ~1000 saturated at 448; then it came from the 8
+    real tokens still in the residual). Its first own group sets it, as the run of that
+    sequence alone does; sequence 0's comes from the first flush."""
     g = torch.Generator().manual_seed(3)
     k = torch.randn(2, H, 64, D, generator=g) * 1000
-    st = LayerStore(resolve_spec("fp8-dynamic", fp8_granularity=gran), 2, H, D, torch.float32,
-                    "cpu")
+    spec = resolve_spec("fp8-dynamic", fp8_granularity=gran)
+    st = LayerStore(spec, 2, H, D, torch.float32, "cpu")
     assert st.spec.residual_length == 0 and st.spec.group_size == 32
     st.append(k[:, :, :40], k[:, :, :40], flush=False)
     st.set_padding(torch.tensor([0, 32]))  # sequence 1: 32 padding tokens, then 8 real ones
     st.flush()
-    real = k[1, :, 32:40].abs().amax(dim=(1, 2) if gran == "head" else (0, 1, 2))
-    want = real * rq.FP8_HEADROOM / 448
-    torch.testing.assert_close(st.k_scale[1].flatten(), want.flatten().expand(H), rtol=1e-6,
-                               atol=0)
     first = k[0, :, :40].abs().amax(dim=(1, 2) if gran == "head" else (0, 1, 2))
     torch.testing.assert_close(st.k_scale[0].flatten(), (first * rq.FP8_HEADROOM / 448)
                                .flatten().expand(H), rtol=1e-6, atol=0)
     st.append(k[:, :, 40:], k[:, :, 40:])
+    alone = LayerStore(spec, 1, H, D, torch.float32, "cpu")
+    alone.append(k[1:, :, 32:40], k[1:, :, 32:40])
+    assert alone.body_len == 0
+    alone.append(k[1:, :, 40:], k[1:, :, 40:])
+    own = k[1, :, 32:64].abs().amax(dim=(1, 2) if gran == "head" else (0, 1, 2))
+    torch.testing.assert_close(alone.k_scale[0].flatten(), (own * rq.FP8_HEADROOM / 448)
+                               .flatten().expand(H), rtol=1e-6, atol=0)
+    torch.testing.assert_close(st.k_scale[1], alone.k_scale[0], rtol=0, atol=0)
     keys, _ = dequantize_layer(st.view(), starts=st.starts)
     kept = k[1, :, 32:st.body_len]
     assert ((keys[1, :, 32:st.body_len] - kept).abs() <= kept.abs() / 16 + 1e-3).all()

@@ -475,6 +475,8 @@ class LayerStore:
         the pre-RoPE re-rotation (at ``index - starts``) exact with no offset in the kernels."""
         if self.lens_dev is not None:
             return 0
+        if self.fp8 and not self._fp8_ready and self.body_len:
+            return 0  # a padded sequence's dynamic scales wait for its first own token
         self._undo = None
         if self.sink_len and self._pad_end > upto:  # a sequence still sees its own sink
             return 0
@@ -749,23 +751,49 @@ class LayerStore:
     def _flush_fp8(self, k: torch.Tensor, v: torch.Tensor, valid, n: int,
                    held: int | None = None) -> None:
         if not self._fp8_ready:  # dynamic: amax of the tokens held at the first flush
+            # Per sequence: the first flush that quantizes a token of its own (in a padded
+            # batch a flush of nothing but its padding sets no scale: its first real tokens
+            # set it when they are flushed, as in the run of that sequence alone, whatever the
+            # padding and the prefill chunks; an amax of padding alone gave scale 1, fixed)
             gran = self.spec.fp8_granularity
             kk, vv, ok = self._with_rest(k, v, valid, n, held)
-            self.k_scale = ref_quant.fp8_scale_from_amax(ref_quant.fp8_amax(kk, ok, gran))
-            self.v_scale = ref_quant.fp8_scale_from_amax(ref_quant.fp8_amax(vv, ok, gran))
-            self._fp8_ready = True
+            ks = ref_quant.fp8_scale_from_amax(ref_quant.fp8_amax(kk, ok, gran))
+            vs = ref_quant.fp8_scale_from_amax(ref_quant.fp8_amax(vv, ok, gran))
+            first = self.sink_len + self.body_len
+            if first + n > self._pad_end and not self.body_len:  # every sequence, at once
+                self.k_scale, self.v_scale = ks, vs
+            else:  # those whose first own token is flushed now (not the earlier ones)
+                start = self._visible_from()[:, 0]  # [B]
+                new = ((start < first + n) & (start >= first))[:, None, None, None]
+                self.k_scale = torch.where(new, ks, self.k_scale)
+                self.v_scale = torch.where(new, vs, self.v_scale)
+            self._fp8_ready = self._fp8_all_set(first + n)
         self.k_codes = _write(self.k_codes, self.body_len,
                               ref_quant.quantize_fp8(k, self.k_scale, valid))
         self.v_codes = _write(self.v_codes, self.body_len,
                               ref_quant.quantize_fp8(v, self.v_scale, valid))
         self._moved(n)
 
+    def _fp8_all_set(self, body_end: int) -> bool:
+        """Dynamic FP8: whether every sequence has a token of its own (past its padding and
+        the copies of its sink) before stored index ``body_end`` (the body's end), so that
+        its scales are set. One host read only while a padded sequence may have none. After
+        an eviction every sequence has them (none goes before that): a body that the window
+        emptied keeps them, as the run that no crop touched does."""
+        if self.evicted:
+            return True
+        if not body_end > self.sink_len:
+            return False
+        if body_end > self._pad_end:  # (the host bound of every sequence's hidden positions)
+            return True
+        return bool((self._visible_from() < body_end).all())
+
     def _with_rest(self, k: torch.Tensor, v: torch.Tensor, valid, n: int,
                    held: int | None = None):
         """The ``n`` tokens being flushed (``k, v``, validity ``valid``) and behind them the rest
         of the residual (the prompt's end), with their validity: dynamic FP8 scales come from
-        all of them, so that a sequence whose flushed tokens are all padding still gets its scale
-        from its own tokens (an amax of 0 would give it 1, fixed from then on). ``held``: the
+        all of them, as a sequence's first flush alone holds them (a sequence whose flushed
+        tokens are all padding takes none from this flush: :meth:`_flush_fp8`). ``held``: the
         residual tokens the flush sees (``flush(upto=...)``: a chunk's rows attended as
         generated; the later rows are not there yet when generation flushes); default all."""
         held = self.res_len if held is None else min(held, self.res_len)
@@ -855,8 +883,14 @@ class LayerStore:
             self.starts = self.starts.clamp(max=length)
             self._pad = length
             self._pad_end = min(self._pad_end, length)
-        if self.fp8 and not self.body_len and self.spec.fp8_scale == "dynamic":
-            self._fp8_ready = False  # the next first flush sets the scales again
+        if self.fp8 and self.spec.fp8_scale == "dynamic":
+            # a sequence left with no token of its own in the body: its next first flush sets
+            # its scales again (the others keep theirs); until then they are 1, as unset
+            self._fp8_ready = self._fp8_all_set(self.sink_len + self.body_len)
+            if not self._fp8_ready:
+                unset = self._visible_from() >= self.sink_len + self.body_len  # [B, 1]
+                self.k_scale, self.v_scale = (torch.where(unset[:, :, None, None], 1.0, x)
+                                              for x in (self.k_scale, self.v_scale))
         if refill:  # one group at a time, as generation flushes them (dynamic FP8 scales)
             due = self.spec.residual_length + self.spec.group_size
             while self.res_len >= due:
