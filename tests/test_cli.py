@@ -553,6 +553,23 @@ def test_generate_calibrates_kvquant_presets_on_the_fly(monkeypatch):
     assert made == ["kvquant-3"] and out["new_tokens"] == 8
 
 
+def _tiny_kvquant3_calibration(tmp_path):
+    """The tiny Llama, a kvquant-3 spec (R=4, G=32), its calibration ids and a calibration file
+    made from them (``tmp_path / "k3.safetensors"``)."""
+    import torch
+
+    import kvbits.methods.kvquant as kvq
+    from kvbits.spec import resolve_spec
+
+    model = _tiny_llama()
+    spec = resolve_spec("kvquant-3").replace(residual_length=4, group_size=32)
+    ids = torch.randint(0, 64, (1, 256))
+    path = tmp_path / "k3.safetensors"
+    kvq.calibrate(model, ids, spec, model_name="tiny", preset="kvquant-3", data="random",
+                  window=128).save(path)
+    return model, spec, ids, path
+
+
 def test_calibration_file_reaches_the_kvquant_caches(tmp_path, monkeypatch):
     """``--calibration PATH`` (ppl, generate, needle): the kvquant presets take that file's
     codebooks instead of calibrating, a file for another preset is refused before any work,
@@ -567,14 +584,8 @@ def test_calibration_file_reaches_the_kvquant_caches(tmp_path, monkeypatch):
         make_cache_factory,
         parse_presets,
     )
-    from kvbits.spec import resolve_spec
 
-    model = _tiny_llama()
-    spec = resolve_spec("kvquant-3").replace(residual_length=4, group_size=32)
-    ids = torch.randint(0, 64, (1, 256))
-    path = tmp_path / "k3.safetensors"
-    kvq.calibrate(model, ids, spec, model_name="tiny", preset="kvquant-3", data="random",
-                  window=128).save(path)
+    model, spec, ids, path = _tiny_kvquant3_calibration(tmp_path)
     monkeypatch.setattr(kvq, "auto_calibration", lambda *a, **k: pytest.fail("calibrated"))
     (variant,) = parse_presets("kvquant-3:R=4")
     cache = make_cache_factory(model, variant, calibration=str(path))()
@@ -872,18 +883,9 @@ def test_calibration_file_errors_name_the_option_and_the_preset(tmp_path, monkey
     one that is not a calibration, the same)."""
     import importlib
 
-    import torch
-
-    import kvbits.methods.kvquant as kvq
     from kvbits import cli
-    from kvbits.spec import resolve_spec
 
-    model = _tiny_llama()
-    spec = resolve_spec("kvquant-3").replace(residual_length=4, group_size=32)
-    ids = torch.randint(0, 64, (1, 256))
-    path = tmp_path / "k3.safetensors"
-    kvq.calibrate(model, ids, spec, model_name="tiny", preset="kvquant-3", data="random",
-                  window=128).save(path)
+    model, _, ids, path = _tiny_kvquant3_calibration(tmp_path)
     ppl = importlib.import_module("kvbits.eval.perplexity")
     monkeypatch.setattr(cli, "_load", lambda *a: (model, None, ids))
     monkeypatch.setattr(ppl, "perplexity", lambda *a, **k: pytest.fail("a preset ran"))

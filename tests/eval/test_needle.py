@@ -94,31 +94,25 @@ def test_a_text_without_sentence_ends_still_puts_the_needle_at_its_depth(depth):
     assert abs((p.needle_at - head) / n_hay - depth) < 0.01
 
 
-def test_a_text_too_short_for_the_longest_length_fails_before_any_trial():
-    """It failed only when the longest length's first trial came, after every shorter one."""
+@pytest.mark.parametrize("lengths,text,error", [
+    # a text too short for the longest length: found only at its first trial, after every
+    # shorter length's trials had run
+    ((300, 1200), "x" * 900, (r"haystack text has 900 tokens; a 1200-token prompt needs "
+                              r".*longer text or shorter lengths")),
+    # `kvbits needle --lengths 1k,50` ran every 1k trial, then failed at the first of 50
+    ((300, 50), None, (r"length 50 is too short for the instruction, needle and question "
+                       r"\(\d+ tokens\): give lengths \(--lengths\)")),
+])
+def test_a_length_that_cannot_be_built_fails_before_any_trial(lengths, text, error):
     from kvbits.eval.speed import build_model, model_config
 
     model = build_model(model_config("tiny"), device="cpu")
-    cfg = NeedleConfig(lengths=(300, 1200), depths=(0.5,), presets=("fp16",), trials=1,
+    cfg = NeedleConfig(lengths=lengths, depths=(0.5,), presets=("fp16",), trials=1,
                        max_new_tokens=1, chat=False)
     logged = []
-    with pytest.raises(ValueError, match=r"haystack text has 900 tokens; a 1200-token prompt "
-                                         r"needs .*longer text or shorter lengths"):
-        run_needle(model, CharTokenizer(), "x" * 900, cfg, log=logged.append)
-    assert logged == []
-
-
-def test_a_length_too_short_for_the_prompt_fails_before_any_trial():
-    """`kvbits needle --lengths 1k,50` ran every 1k trial, then failed at the first of 50."""
-    from kvbits.eval.speed import build_model, model_config
-
-    model = build_model(model_config("tiny"), device="cpu")
-    cfg = NeedleConfig(lengths=(300, 50), depths=(0.5,), presets=("fp16",), trials=1,
-                       max_new_tokens=1, chat=False)
-    logged = []
-    with pytest.raises(ValueError, match=r"length 50 is too short for the instruction, needle "
-                                         r"and question \(\d+ tokens\): give lengths \(--lengths\)"):
-        run_needle(model, CharTokenizer(), TEXT, cfg, log=logged.append)
+    with pytest.raises(ValueError, match=error):
+        run_needle(model, CharTokenizer(), TEXT if text is None else text, cfg,
+                   log=logged.append)
     assert logged == []
 
 
