@@ -45,13 +45,13 @@ def child(args) -> dict:
     ids = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt), generator=gen)
     ids = ids.to(device)
 
-    def call() -> float:
+    def call(new: int = args.new) -> float:
         cache = make_cache(model, variant)
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
-                       min_new_tokens=args.new, do_sample=False, temperature=None, top_p=None,
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                       min_new_tokens=new, do_sample=False, temperature=None, top_p=None,
                        top_k=None, **cache_kwargs(model, cache))
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -59,7 +59,18 @@ def child(args) -> dict:
 
     first = call()
     again = min(call() for _ in range(2))
-    return {"first_s": first, "again_s": again, "build_s": built}
+    # per call, a new cache each: the best of three at each length
+    calls = {n: min(call(n) for _ in range(3)) for n in args.calls} if args.sweep else {}
+    return {"first_s": first, "again_s": again, "build_s": built, "calls": calls}
+
+
+def _fit(calls: dict) -> tuple[float, float]:
+    """Least squares ``seconds = fixed + per_token * new``: (fixed s, per-token s)."""
+    n = [float(k) for k in calls]
+    t = list(calls.values())
+    mn, mt = sum(n) / len(n), sum(t) / len(t)
+    slope = sum((a - mn) * (b - mt) for a, b in zip(n, t)) / sum((a - mn) ** 2 for a in n)
+    return mt - slope * mn, slope
 
 
 def _kernel_files(cache_dir: str) -> int:
@@ -74,7 +85,9 @@ def run_preset(args, preset: str) -> dict:
         for label in ("cold", "warm"):
             cmd = [sys.executable, __file__, "--child", "--preset", preset, "--model", args.model,
                    "--device", args.device, "--prompt", str(args.prompt), "--new", str(args.new),
-                   "--batch", str(args.batch)]
+                   "--batch", str(args.batch), "--calls", ",".join(map(str, args.calls))]
+            if label == "warm" and len(args.calls) > 1:
+                cmd.append("--sweep")
             t0 = time.perf_counter()
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
             wall = time.perf_counter() - t0
@@ -85,6 +98,10 @@ def run_preset(args, preset: str) -> dict:
             row[f"{label}_process_s"] = wall
             if label == "cold":
                 row["kernels_compiled"] = _kernel_files(cache_dir)
+            if times["calls"]:
+                row["calls_s"] = times["calls"]
+                fixed, per_token = _fit(times["calls"])
+                row["fixed_s"], row["per_token_ms"] = fixed, 1e3 * per_token
     print(json.dumps(row), flush=True)
     return row
 
@@ -97,11 +114,21 @@ def main(argv=None) -> None:
     p.add_argument("--prompt", type=int, default=1024, help="prompt tokens")
     p.add_argument("--new", type=int, default=32, help="generated tokens")
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--calls", default="",
+                   help="new-token counts (e.g. 16,64,256): the warm process also times one "
+                        "call per count, a new cache each, and fits fixed + per-token time")
     p.add_argument("--out", type=Path, default=None, help="result folder (default: print only)")
     p.add_argument("--name", default="cold_start")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--preset", help=argparse.SUPPRESS)
+    p.add_argument("--sweep", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    try:
+        args.calls = [int(x) for x in args.calls.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--calls must be comma-separated positive integers, got {args.calls!r}")
+    if any(n < 1 for n in args.calls) or len(set(args.calls)) == 1 < len(args.calls):
+        p.error(f"--calls must be distinct positive integers, got {args.calls}")
     for name in ("prompt", "new", "batch"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be a positive integer, got {getattr(args, name)}")
@@ -121,10 +148,16 @@ def main(argv=None) -> None:
               "cache directory empty, warm: filled by the cold process; process: the child's "
               "wall time (imports, model construction, three calls)"),
              "kernels: files of compiled kernels the cold process wrote to the cache"]
+    if len(args.calls) > 1:
+        notes.append(f"fixed s, ms/token: the warm process times one call at each of "
+                     f"{args.calls} new tokens (best of 3, a new cache each) and fits "
+                     "seconds = fixed + new x per-token (the prompt's prefill is in fixed)")
     columns = [("preset", "preset"), ("cold_first_s", "cold first s"),
                ("warm_first_s", "warm first s"), ("cold_again_s", "again s"),
                ("kernels_compiled", "kernels"), ("cold_process_s", "cold process s"),
                ("warm_process_s", "warm process s")]
+    if len(args.calls) > 1:
+        columns += [("fixed_s", "fixed s"), ("per_token_ms", "ms/token")]
     write_results(args.name, rows, columns, environment(), notes, out_dir=args.out)
 
 
