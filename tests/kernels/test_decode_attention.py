@@ -2237,6 +2237,43 @@ def test_decode_steps_do_not_recompile(gluon):
     assert [_compiled_variants(f) for f in fns] == before
 
 
+# Flags among the decode and finish kernels' constexprs: each must be a bool (an int that
+# varies from step to step, as ``x and n_fp`` gives, would be a new compile per value).
+_FLAG_CONSTEXPRS = {"HAS_WINDOW", "EVEN_D", "USE_PRMT", "FP8", "HAS_STARTS", "HAS_LENS", "K_CB",
+                    "V_CB", "PRE_ROPE", "LENS_DEV", "SOFTCAP", "PDL", "MERGE", "K_FIXED",
+                    "HAS_FP"}
+
+
+@pytest.mark.parametrize("preset", ["kivi-2", "kvquant-3-dense-post", "fp16"])
+def test_decode_step_constexprs_do_not_vary(preset, monkeypatch):
+    """The constexprs of a generation's decode steps take one value per step kind, whatever the
+    residual length: MERGE was the FP16 token count (``... and n_fp``), so eager decoding (beam
+    search, assisted decoding, ``step_graphs=False``) compiled a variant of the decode kernel
+    per residual length, 32 at G = 32: 62 s more on a cold H200's first call (session 50,
+    benchmarks/results/recompile_probe_s50b.log). The launches are recorded, not run."""
+    from kvbits.cache.store import LayerStore
+    from kvbits.kernels import decode_attention as da
+    from kvbits.spec import resolve_spec
+
+    seen = {"decode": set(), "finish": set()}
+    monkeypatch.setattr(da._DECODE, "launch", lambda grid, args, kw: seen["decode"].add(kw))
+    monkeypatch.setattr(da._FINISH, "launch", lambda grid, args, kw: seen["finish"].add(kw))
+    spec = resolve_spec(preset, residual_length=16)
+    store = LayerStore(spec, 1, 2, 64, torch.float16, "cpu")
+    g = torch.Generator().manual_seed(0)
+    store.append(*(torch.randn(1, 2, 100, 64, generator=g).half() for _ in range(2)))
+    q = torch.randn(1, 4, 1, 64, generator=g).half()
+    for _ in range(2 * spec.group_size):  # every residual length, and two flushes
+        store.append(*(torch.randn(1, 2, 1, 64, generator=g).half() for _ in range(2)))
+        kernel(q, store.view(), scale=0.125, gluon=False)
+    assert seen["decode"]
+    for kind, keywords in seen.items():
+        for kw in keywords:
+            flags = {k: v for k, v in kw.kwargs.items() if k in _FLAG_CONSTEXPRS}
+            assert all(type(v) is bool for v in flags.values()), (kind, flags)
+        assert len(keywords) <= 2, (kind, [kw.kwargs for kw in keywords])
+
+
 # ----------------------------------------------------------------------------- softcapping
 # Gemma2's attention-logit softcapping (``softcap * tanh(s / softcap)`` before the softmax) in
 # the kernel's online softmax: body, sink and residual scores alike, masks kept, ragged and

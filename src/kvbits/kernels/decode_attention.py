@@ -996,8 +996,11 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
     # The stage-1 launch merges (MERGE_IN_SPLITS) when there is one (FP16 tokens, or a body the
     # Triton kernel reads); the FP16 part then always takes splits.
-    merge = (MERGE_IN_SPLITS == "1"
-             or MERGE_IN_SPLITS == "auto" and not capturing and not gluon) and (n_fp or not gluon)
+    # (a bool: ``... and n_fp`` was the FP16 token count, a constexpr that compiled one variant
+    # per residual length in eager decoding; tests: test_decode_step_constexprs_do_not_vary)
+    merge = bool((MERGE_IN_SPLITS == "1"
+                  or MERGE_IN_SPLITS == "auto" and not capturing and not gluon)
+                 and (n_fp or not gluon))
     fp_inline = 0 < n_fp <= _finish_fp_tokens(capturing) and not merge
     fp_splits = num_splits(bhm, _cdiv(n_fp, BLOCK_FP), sms) if n_fp and not fp_inline else 0
     if not splits and not n_fp:
