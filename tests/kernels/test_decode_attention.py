@@ -2241,11 +2241,14 @@ def test_decode_steps_do_not_recompile(gluon):
 # varies from step to step, as ``x and n_fp`` gives, would be a new compile per value).
 _FLAG_CONSTEXPRS = {"HAS_WINDOW", "EVEN_D", "USE_PRMT", "FP8", "HAS_STARTS", "HAS_LENS", "K_CB",
                     "V_CB", "PRE_ROPE", "LENS_DEV", "SOFTCAP", "PDL", "MERGE", "K_FIXED",
-                    "HAS_FP"}
+                    "HAS_FP",  # the finish kernel's; then the Gluon body's
+                    "K_TOK", "CB", "ROPE", "PF_L1", "PF_AFTER", "EARLY_V", "PF_OUT", "ROPE_M",
+                    "KFIX"}
 
 
+@pytest.mark.parametrize("gluon", [False, True])
 @pytest.mark.parametrize("preset", ["kivi-2", "kvquant-3-dense-post", "fp16"])
-def test_decode_step_constexprs_do_not_vary(preset, monkeypatch):
+def test_decode_step_constexprs_do_not_vary(preset, gluon, monkeypatch):
     """The constexprs of a generation's decode steps take one value per step kind, whatever the
     residual length: MERGE was the FP16 token count (``... and n_fp``), so eager decoding (beam
     search, assisted decoding, ``step_graphs=False``) compiled a variant of the decode kernel
@@ -2253,11 +2256,17 @@ def test_decode_step_constexprs_do_not_vary(preset, monkeypatch):
     benchmarks/results/recompile_probe_s50b.log). The launches are recorded, not run."""
     from kvbits.cache.store import LayerStore
     from kvbits.kernels import decode_attention as da
+    from kvbits.kernels import decode_gluon
     from kvbits.spec import resolve_spec
 
-    seen = {"decode": set(), "finish": set()}
-    monkeypatch.setattr(da._DECODE, "launch", lambda grid, args, kw: seen["decode"].add(kw))
-    monkeypatch.setattr(da._FINISH, "launch", lambda grid, args, kw: seen["finish"].add(kw))
+    if gluon and decode_gluon._BODY is None:
+        pytest.skip("this Triton has no Gluon")
+    seen = {"decode": set(), "finish": set(), "gluon body": set()}
+    for name, launcher in (("decode", da._DECODE), ("finish", da._FINISH),
+                           ("gluon body", decode_gluon._BODY)):
+        if launcher is not None:
+            monkeypatch.setattr(launcher, "launch",
+                                lambda grid, args, kw, name=name: seen[name].add(kw))
     spec = resolve_spec(preset, residual_length=16)
     store = LayerStore(spec, 1, 2, 64, torch.float16, "cpu")
     g = torch.Generator().manual_seed(0)
@@ -2265,8 +2274,8 @@ def test_decode_step_constexprs_do_not_vary(preset, monkeypatch):
     q = torch.randn(1, 4, 1, 64, generator=g).half()
     for _ in range(2 * spec.group_size):  # every residual length, and two flushes
         store.append(*(torch.randn(1, 2, 1, 64, generator=g).half() for _ in range(2)))
-        kernel(q, store.view(), scale=0.125, gluon=False)
-    assert seen["decode"]
+        kernel(q, store.view(), scale=0.125, gluon=gluon)
+    assert seen["decode"] or seen["gluon body"]
     for kind, keywords in seen.items():
         for kw in keywords:
             flags = {k: v for k, v in kw.kwargs.items() if k in _FLAG_CONSTEXPRS}
