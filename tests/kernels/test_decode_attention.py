@@ -610,6 +610,42 @@ def test_splits_zero_does_not_drop_the_body():
     run_case(c._replace(splits=0))
 
 
+# Negative starts (a sliding layer's store after eviction: the sequence began before the first
+# stored token) with a sink: the sink's tokens sit at positions start + j, before position 0.
+# The reference placed sinks in a position-ordered tensor, which has no slot there: with one
+# start negative and another positive it raised (index out of bounds in place_sinks), and with
+# all starts <= 0 it left the sink at positions 0.. (0.03-0.75 off the kernel where a window or
+# a length inside the sink cut it). It now masks the stored order by position.
+NEGATIVE_START_CASES = {
+    "mixed-signs": Case(B=2, S=4, body=64, res=8, starts=(-3, 2), HG=2),
+    "window-cuts-the-sink": Case(S=4, body=64, res=8, starts=(-3,), window=77),
+    "length-inside-the-sink": Case(B=2, S=4, body=64, res=8, starts=(-3, -1), lengths=(2, 40),
+                                   Lq=2),
+    "no-body-rows-over-the-sink": Case(S=4, body=0, res=8, starts=(-3,), lengths=(6,), Lq=4,
+                                       window=5),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("name", list(NEGATIVE_START_CASES))
+def test_negative_starts_with_a_sink(name, dtype):
+    from kvbits.reference.attention import stored_order_mask
+
+    c = NEGATIVE_START_CASES[name]._replace(dtype=dtype)
+    run_case(c)
+    # the sink's positions are start + j: a window or a length inside it hides some of it
+    total = c.S + c.body + c.res
+    mask = stored_order_mask(c.B, c.Lq, total, c.S, "cpu", _seq(c.starts, "cpu"),
+                             _seq(c.lengths, "cpu"), c.window)
+    b = 0
+    pos = (c.lengths[b] if c.lengths else total) - c.Lq + torch.arange(c.Lq)
+    sink_pos = c.starts[b] + torch.arange(c.S)
+    want = (sink_pos[None, :] <= pos[:, None])
+    if c.window is not None:
+        want &= sink_pos[None, :] > pos[:, None] - c.window
+    assert torch.equal(mask[b, :, : c.S], want)
+
+
 def test_window_zero_follows_the_reference():
     # The reference treats window=0 as a zero-width window (no token visible, zeros); the kernel
     # must agree rather than read 0 as "no window".
@@ -2368,6 +2404,26 @@ def test_groups_the_kernel_cannot_read_go_to_the_reference():
     assert ops.kernel_reads(kv)
     for G, bits in ((48, 2), (8, 2), (16, 3)):
         assert not ops.kernel_reads(dataclasses.replace(kv, group_size=G, key_bits=bits))
+
+
+# Per-token scale groups that are neither a power of two nor all of head_dim (24 or 48 of 64
+# channels, 96 of 128: only a hand-built layer has them): the kernel's entry point returned
+# answers 0.2-0.35 off the reference (24, 48, 96) or failed inside Triton (12 of 64, 40 of 80)
+# where ops sends the layer to the reference; it now refuses them.
+@pytest.mark.parametrize("axes", [("channel", "token"), ("token", "channel")], ids="-".join)
+@pytest.mark.parametrize("Gv,D", [(24, 64), (48, 64), (12, 64), (40, 80), (96, 128)])
+def test_odd_per_token_groups_are_refused_by_the_kernel(Gv, D, axes):
+    from kvbits.kernels.decode_attention import reads
+
+    c = Case(D=D, Gv=Gv, body=64, res=8)
+    kv = _axes_kv(c, *axes)
+    q, args = _query_and_args(c)
+    assert not reads(kv) and not ops.kernel_reads(kv)
+    with pytest.raises(ValueError, match=rf"per-token scale groups of {Gv} channels"):
+        kernel(q, kv, **args)
+    compare(ops.decode_attention(q, kv, **args), reference(q, kv, **args), c.dtype, str(c))
+    both = _axes_kv(c, "channel", "channel")  # no per-token groups: the kernel reads it
+    run_case(c, kv=both)
 
 
 def test_float16_queries_at_a_large_scale(monkeypatch):

@@ -925,6 +925,14 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     Hkv = kv.kv_heads
     if D % 4:  # (tiles are padded to a power of two; rows of 8-byte multiples)
         raise ValueError(f"decode_attention: head_dim must be a multiple of 4, got {D}")
+    GV = kv.value_group
+    per_token = "token" in (getattr(kv, "key_axis", "channel"), getattr(kv, "value_axis", "token"))
+    if GV < D and GV & (GV - 1) and per_token and not getattr(kv, "fp8", False):  # (FP8: [1, 1])
+        # _scale_tile maps a per-token group onto whole lanes of a power-of-two tile: other
+        # widths read the wrong scales (0.25-0.35 off the reference at 24 or 48 of 64 channels)
+        # or fail to compile; ops.decode_attention sends such layers to the reference (reads)
+        raise ValueError(f"decode_attention: per-token scale groups of {GV} channels must be a "
+                         f"power of two or all of head_dim {D} (see reads())")
     for name in ("sink_k", "sink_v", "res_k", "res_v", "k_codes", "k_scale", "k_zero",
                  "v_codes", "v_scale", "v_zero"):
         t = getattr(kv, name)

@@ -7,7 +7,8 @@ and applies the same masking rules the kernel applies:
 * row ``i`` sees tokens ``starts[b] <= t <= lengths[b] - Lq + i`` (left padding, causality and
   ragged ends), and with a sliding ``window`` only ``t > position - window``;
 * a left-padded sequence's sink holds its own first tokens, at positions ``starts[b] + j``
-  (:func:`dequantize_layer` puts them there);
+  (:func:`dequantize_layer` puts them there; :func:`decode_attention` keeps the stored order and
+  masks by position, which also holds for negative starts);
 * query head ``h`` reads KV head ``h // (Hq // Hkv)`` (grouped-query attention);
 * a row that sees no token outputs zeros.
 """
@@ -148,6 +149,28 @@ def attention_mask(batch: int, q_len: int, total: int, device, starts=None, leng
     return mask
 
 
+def stored_order_mask(batch: int, q_len: int, total: int, sink_len: int, device, starts=None,
+                      lengths=None, window: int | None = None) -> torch.Tensor:
+    """Bool ``[B, Lq, total]`` over tokens in *stored* order (``sink | body | residual``): True
+    where query row ``i`` of sequence ``b`` sees stored token ``t``. Sink token ``j`` sits at
+    position ``starts[b] + j``, a later one at its index ``t``, hidden below ``starts[b] +
+    sink_len`` (left padding, and the body's copies of the sink's tokens). For ``starts >= 0``
+    this is :func:`attention_mask` of :func:`dequantize_layer`'s position order; it also holds
+    for negative starts, whose sink tokens sit before position 0."""
+    t = torch.arange(total, device=device)
+    lengths = _per_seq(lengths, batch, total, device)
+    starts = _per_seq(starts, batch, 0, device)
+    is_sink = t[None, :] < sink_len
+    tpos = torch.where(is_sink, starts[:, None] + t[None, :], t[None, :])  # [B, T]
+    shown = is_sink | (t[None, :] >= starts[:, None] + sink_len)
+    pos = lengths[:, None] - q_len + torch.arange(q_len, device=device)[None, :]  # [B, Lq]
+    mask = (tpos[:, None, :] <= pos[:, :, None]) & (tpos[:, None, :] >= starts[:, None, None])
+    mask &= shown[:, None, :]
+    if window is not None:
+        mask &= tpos[:, None, :] > pos[:, :, None] - window
+    return mask
+
+
 def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None, lengths=None,
                      window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Attention of ``q [B, Hq, Lq, D]`` over the packed layer; returns ``[B, Hq, Lq, D]``.
@@ -155,14 +178,18 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     ``softcap`` (Gemma2's attention-logit softcapping): scores become ``softcap * tanh(scores /
     softcap)`` before the mask and the softmax."""
     B, Hq, Lq, D = q.shape
-    keys, values = dequantize_layer(kv, starts=None if starts is None else
-                                    _per_seq(starts, B, 0, q.device))  # [B, Hkv, T, D]
+    # Stored order (sink | body | residual) with each token's position: a sink token's is
+    # start + j, which may be negative (a start below 0 after a sliding layer evicted), where
+    # dequantize_layer's position-ordered tensor has no slot for it.
+    keys, values = _stored_order(kv, torch.float32, None if starts is None else
+                                 _per_seq(starts, B, 0, q.device))  # [B, Hkv, T, D]
     Hkv = kv.kv_heads
     qg = q.float().reshape(B, Hkv, Hq // Hkv, Lq, D)  # query head h reads KV head h // group
     scores = torch.einsum("bhgqd,bhtd->bhgqt", qg, keys) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    mask = attention_mask(B, Lq, keys.shape[2], q.device, starts, lengths, window)[:, None, None]
+    mask = stored_order_mask(B, Lq, keys.shape[2], kv.sink_len, q.device, starts, lengths,
+                             window)[:, None, None]
     scores = scores.masked_fill(~mask, -torch.inf)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows that see nothing -> zeros
     out = torch.einsum("bhgqt,bhtd->bhgqd", probs, values)
