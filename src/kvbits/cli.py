@@ -353,7 +353,8 @@ def _write_ppl(cfg: PplConfig, meta: dict, results: list[dict]) -> None:
               "```", meta["command"], "```", "",
               (f"{meta['tokens']} tokens, chunks of {meta['chunk']}, {meta['date']}, "
               f"torch {v.get('torch')}, transformers {v.get('transformers')}, "
-              f"{meta['threads']} CPU thread{'s' if meta['threads'] != 1 else ''} ({v.get('cpu_capability', '?')})."), "",
+              f"{meta['threads']} CPU thread{'s' if meta['threads'] != 1 else ''} "
+              f"({v.get('cpu_capability', '?')})."), "",
               _ppl_table(results), "",
               ("KV MiB: cache size at the end of the first window as an FP16 model would hold it "
               "(codes and FP16 scales/zeros as stored, full-precision parts at 2 bytes); "

@@ -196,8 +196,8 @@ class KVBitsLayer(CacheLayerMixin):
         # the packed path when kvbits' attention reads this update: the calling module says so,
         # or the last step's result was read by it (a cache loaded from a file for a config is
         # known by the caller alone: its first step has no last one)
-        fast = prefill or (self._impl_is_kvbits() and (
-            self._attended or getattr(self._cache, "_caller_impl", None) == ATTN_IMPLEMENTATION))
+        fast = (prefill or getattr(self._cache, "_caller_impl", None) == ATTN_IMPLEMENTATION
+                or (self._attended and self._impl_is_kvbits()))
         self._attended = False
         if fast and not prefill and self._take_step(key_states):
             self._pending = (key_states, value_states)  # the attention appends and attends

@@ -787,12 +787,18 @@ def reads(kv: PackedKV) -> bool:
     multiple of 32), as every QuantSpec's do, head_dim a multiple of 4, and per-token scale
     groups of a power of two or all of head_dim; layouts built by hand otherwise use the
     reference."""
-    G, kb, vb, D, GV = kv.group_size, kv.key_bits, kv.value_bits, kv.head_dim, kv.value_group
+    G, kb, vb, D = kv.group_size, kv.key_bits, kv.value_bits, kv.head_dim
     words_ok = not G & (G - 1) and G * min(kb, vb) >= 32 and (G % 32 == 0 or 3 not in (kb, vb))
-    groups_ok = GV >= D or not GV & (GV - 1)  # (_scale_tile maps a group onto whole lanes)
-    return words_ok and D % 4 == 0 and groups_ok and (
+    return words_ok and D % 4 == 0 and _whole_lane_groups(kv) and (
         getattr(kv, "rope_inv_freq", None) is None
         or pre_rope_kernel_ok(D, getattr(kv, "key_axis", "channel")))
+
+
+def _whole_lane_groups(kv: PackedKV) -> bool:
+    """Whether the value-group width is one that ``_scale_tile`` maps onto whole lanes of a
+    power-of-two tile: a power of two, or all of head_dim."""
+    GV = kv.value_group
+    return GV >= kv.head_dim or not GV & (GV - 1)
 
 
 def num_splits(batch_heads: int, work_units: int, sm_count: int, per_sm: int = 3) -> int:
@@ -925,14 +931,13 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     Hkv = kv.kv_heads
     if D % 4:  # (tiles are padded to a power of two; rows of 8-byte multiples)
         raise ValueError(f"decode_attention: head_dim must be a multiple of 4, got {D}")
-    GV = kv.value_group
     per_token = "token" in (getattr(kv, "key_axis", "channel"), getattr(kv, "value_axis", "token"))
-    if GV < D and GV & (GV - 1) and per_token and not getattr(kv, "fp8", False):  # (FP8: [1, 1])
-        # _scale_tile maps a per-token group onto whole lanes of a power-of-two tile: other
-        # widths read the wrong scales (0.25-0.35 off the reference at 24 or 48 of 64 channels)
-        # or fail to compile; ops.decode_attention sends such layers to the reference (reads)
-        raise ValueError(f"decode_attention: per-token scale groups of {GV} channels must be a "
-                         f"power of two or all of head_dim {D} (see reads())")
+    if per_token and not getattr(kv, "fp8", False) and not _whole_lane_groups(kv):  # (FP8: [1, 1])
+        # other per-token group widths read the wrong scales (0.25-0.35 off the reference at 24
+        # or 48 of 64 channels) or fail to compile; ops.decode_attention sends such layers to
+        # the reference (reads)
+        raise ValueError(f"decode_attention: per-token scale groups of {kv.value_group} channels "
+                         f"must be a power of two or all of head_dim {D} (see reads())")
     for name in ("sink_k", "sink_v", "res_k", "res_v", "k_codes", "k_scale", "k_zero",
                  "v_codes", "v_scale", "v_zero"):
         t = getattr(kv, name)
