@@ -160,6 +160,12 @@ def test_parse_hf_variants_accepts_what_the_backends_use():
     (["bench", "--contexts", "99999999999999999999"],
      r"--contexts: expected integers in 1\.\.2147483647"),
     (["needle", "--depths", "nan"], "--depths: depths are percentages in 0..100"),
+    # a context of 0 tokens printed a table of "0 B" and "max batch -"; a negative one named
+    # ">= 0" (0 was taken). "--context -4k" (a space, not "=") is argparse's "expected one
+    # argument": it reads "-4k" as an option
+    (["memory", "--context", "0"], r"argument --context: expected tokens >= 1 \(4096, or 4k"),
+    (["memory", "--context=-4k"], r"argument --context: expected tokens >= 1 .*got '-4k'"),
+    (["memory", "--context", "-4096"], r"argument --context: expected tokens >= 1 "),
 ])
 def test_bad_arguments_name_the_parameter(capsys, argv, match):
     import re
@@ -735,6 +741,9 @@ def test_preset_own_transformers_group_size_beats_the_command_wide_default():
     (["generate", "--prompt", "caf\udce9"], r"--prompt: not valid UTF-8 \(byte 0xe9 at offset 3\)"),
     (["generate", "--prompt", "x", "--prompt", "\udcff"],
      r"--prompt: not valid UTF-8 \(byte 0xff at offset 0\)"),
+    # an empty prompt (an unset shell variable) was refused after the model had loaded
+    (["generate", "--prompt", ""], r"--prompt: the prompt is empty"),
+    (["generate", "--prompt", "x", "--prompt", ""], r"--prompt: the prompt is empty"),
 ])
 def test_bad_arguments_are_refused_before_the_model_loads(capsys, monkeypatch, argv, match):
     """These were refused only after the model and text had loaded (tune: ~20 s on 2 cores),
@@ -789,6 +798,51 @@ def test_needle_checks_its_texts_before_the_model_loads(capsys):
     assert "--text 'no-such-text': not a known text" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["ppl", "needle"])
+def test_calib_text_beside_a_calibration_file(capsys, monkeypatch, tmp_path, command):
+    """--calib-text beside a --calibration file that gives every calibrated preset its codebooks
+    was silently unused (the file won); beside an fp8 or kivi-N-hadc preset, which calibrates on
+    the text whatever the file, ppl did not check it (a bad one failed after the kvquant presets
+    had run). Both before the model loads."""
+    import kvbits.data
+
+    monkeypatch.setattr(kvbits.data, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    cal = tmp_path / "k3.safetensors"
+    cal.write_bytes(b"")  # (read when the model has loaded)
+    both = ["--calibration", str(cal), "--calib-text"]
+    code, _, err = run(capsys, command, "--presets", "kvquant-3", *both, "sotu-2010-2016")
+    assert code == 2 and re.search(
+        rf"error: --calib-text sotu-2010-2016 and --calibration {re.escape(str(cal))}: the file "
+        r"gives every calibrated preset here .*give one of the two", err), err
+    for presets in ("kvquant-3,fp8", "kvquant-3,kivi-2-hadc"):
+        code, _, err = run(capsys, command, "--presets", presets, *both, "nosuch")
+        assert code == 2 and "error: --calib-text 'nosuch': not a known text" in err, err
+
+
+@pytest.mark.parametrize("command", ["needle", "ppl", "generate"])
+def test_calib_text_and_empty_chat_prompt_are_checked_only_where_used(capsys, monkeypatch,
+                                                                      command):
+    """`needle --presets fp16,kivi-2 --calib-text FILE` checked (and read) the calibration text
+    though no preset calibrates: a bad one was refused. Now, as in ppl, only a preset that
+    calibrates on it checks it; and an empty --prompt with --chat (the template wraps it) is
+    left to the tokenizer. Each run here goes on to load the model."""
+    import kvbits.data
+
+    class Loaded(Exception):
+        pass
+
+    def load_model(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr(kvbits.data, "load_model", load_model)
+    argv = {"needle": ["needle", "--presets", "fp16,kivi-2", "--calib-text", "nosuch",
+                       "--lengths", "1k"],
+            "ppl": ["ppl", "--presets", "fp16,kivi-2", "--calib-text", "nosuch"],
+            "generate": ["generate", "--prompt", "", "--chat", "--device", "cpu"]}[command]
+    with pytest.raises(Loaded):
+        main(argv)
+
+
 @pytest.mark.parametrize("command", ["ppl", "calibrate", "tune", "needle", "ppl-calib",
                                      "needle-calib"])
 def test_text_files_are_read_before_the_model_loads(capsys, monkeypatch, tmp_path, command):
@@ -805,7 +859,7 @@ def test_text_files_are_read_before_the_model_loads(capsys, monkeypatch, tmp_pat
         (tmp_path / name).write_bytes(raw)
     name, _, calib = command.partition("-")
     option = "--calib-text" if calib else "--text"
-    extra = ["--presets", "kvquant-3"] if name == "ppl" and calib else []
+    extra = ["--presets", "kvquant-3"] if calib else []  # a preset that calibrates on it
     for file, match in (("latin1.txt", r"not UTF-8 text \(byte 0xe9 at offset 3\)"),
                         ("empty.txt", "no text in it"), ("ws.txt", "no text in it"),
                         ("bomonly.txt", "no text in it")):

@@ -408,6 +408,27 @@ def _check_calibration(path: str | None, variants) -> None:
                          "given")
 
 
+CALIB_TEXT = "sotu-pre-2000"  # --calib-text's default: disjoint from the evaluation texts
+
+
+def _check_calib_text(given: str | None, calibration: str | None, variants) -> str:
+    """``--calib-text`` (``given``; None: not given, the default) checked before the model
+    loads where a preset calibrates on it: fp8 scales, kivi-N-hadc channels, and kvquant
+    codebooks unless the ``--calibration`` file gives them (unused, it is not read). Given
+    beside a file that serves every calibrated preset, it is refused: it was silently unused.
+    Returns the text to calibrate on."""
+    text = CALIB_TEXT if given is None else given
+    if any(v.kind == "kvbits" and (v.spec.hadamard_calibrated or (v.spec.calibrated and not (
+            calibration is not None and v.spec.method == "kvquant"))) for v in variants):
+        _check_text(text, "--calib-text")
+    elif given is not None and calibration is not None:
+        raise ValueError(f"--calib-text {given} and --calibration {calibration}: the file "
+                         "gives every calibrated preset here its codebooks, so none would "
+                         "calibrate on the text; give one of the two (--calib-text serves fp8 "
+                         "and kivi-N-hadc presets, and kvquant ones without --calibration)")
+    return text
+
+
 def _check_hf_backends(variants) -> None:
     """Every ``--hf-quantized`` backend imports here (checked before the model loads: the error
     came after every kvbits preset had run)."""
@@ -438,11 +459,9 @@ def _cmd_ppl(args) -> int:
                          f"model's max_position_embeddings, at most {WINDOW_CAP}; or give "
                          "--window)")
     _check_calibration(args.calibration, variants)
-    if any(v.kind == "kvbits" and (v.spec.calibrated or v.spec.hadamard_calibrated)
-           for v in variants) and args.calibration is None:
-        _check_text(args.calib_text, "--calib-text")  # before any variant runs
+    calib_text = _check_calib_text(args.calib_text, args.calibration, variants)
     cfg = PplConfig(args.model, args.text, variants, args.tokens, args.chunk, args.window,
-                    args.stride, args.json, args.md, not args.no_progress, args.calib_text,
+                    args.stride, args.json, args.md, not args.no_progress, calib_text,
                     args.calib_tokens, args.calibration, text)
     run_ppl(cfg, shlex.join(["kvbits", *args.argv]))
     return 0
@@ -765,9 +784,14 @@ def _until_eos(tokens, eos) -> int:
 MIN_TEMPERATURE = 1e-4
 
 
-def _check_prompt(text: str) -> None:
+def _check_prompt(text: str, chat: bool) -> None:
     """``--prompt``: bytes of argv that are not UTF-8 arrive as surrogate escapes, which the
-    tokenizer refused with a TypeError after the model had loaded."""
+    tokenizer refused with a TypeError after the model had loaded; an empty prompt (an unset
+    shell variable) was refused only then too. With ``chat`` the template wraps even an
+    empty message (the tokenizer says whether the model has one)."""
+    if not text and not chat:
+        raise ValueError("--prompt: the prompt is empty; give some text to continue (or --chat, "
+                         "where the model's chat template wraps it)")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -795,7 +819,7 @@ def _cmd_generate(args) -> int:
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     for text in args.prompt:
-        _check_prompt(text)
+        _check_prompt(text, args.chat)
     variant = parse_preset(args.preset, group_size=args.group_size,
                            residual_length=args.residual_length, sink_tokens=args.sink_tokens)
     prompt = args.prompt[0] if len(args.prompt) == 1 else args.prompt
@@ -1002,8 +1026,9 @@ def _tokens(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected tokens (4096, or 4k = 4096), got {text!r}") \
             from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected tokens >= 0, got {text!r}")
+    if value < 1:  # (a sequence of no tokens holds no cache: its table said 0 B)
+        raise argparse.ArgumentTypeError(f"expected tokens >= 1 (4096, or 4k = 4096), got "
+                                         f"{text!r}")
     return value
 
 
@@ -1115,14 +1140,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write results, command and versions as JSON")
     p.add_argument("--md", metavar="PATH", help="write the table and command as Markdown")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--calib-text", default="sotu-pre-2000",
-                   help="text kvquant presets are calibrated on, once, cached (default "
-                   "sotu-pre-2000: disjoint from the evaluation text)")
+    p.add_argument("--calib-text",  # (None: not given; see _check_calib_text)
+                   help="text calibrated presets (kvquant, fp8, kivi-N-hadc) are calibrated "
+                   f"on, once, cached (default {CALIB_TEXT}: disjoint from the evaluation text)")
     p.add_argument("--calib-tokens", type=_positive, default=4096,
                    help="calibration tokens (default 4096)")
     p.add_argument("--calibration", metavar="PATH",
                    help="kvquant presets: codebooks from this kvbits calibrate file instead of "
-                   "calibrating on --calib-text")
+                   "calibrating on --calib-text (fp8 and kivi-N-hadc presets still calibrate on "
+                   "it)")
     _spec_options(p)
     p.set_defaults(func=_cmd_ppl)
 
