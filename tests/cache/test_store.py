@@ -577,6 +577,57 @@ def test_evict_drops_whole_invisible_groups_and_shifts_padding():
     assert st.evict(10**6) == 0  # lengths on the device: buffers stay put
 
 
+def test_eviction_waits_for_sink_copies_in_the_residual():
+    """A padded sequence's sink tokens have copies at their positions in the body/residual,
+    hidden below ``starts + sink_len`` (out of the min/max of their group when quantized). An
+    eviction drops the sink and moves ``starts`` by what went, so copies still waiting in the
+    residual came out of hiding: the next flush counted them in their group's min/max, and an
+    attention-sink key (a large outlier channel) coarsened the group's other keys, some of
+    them inside the sliding window (here a window of 8, R = 4: positions 63..65 when the group
+    is flushed at 70): errors of the whole range, 6x half a step of their own. The eviction
+    now waits until the copies are quantized (hidden)."""
+    S, G, R, W = 2, 32, 4, 8
+    spec = QuantSpec(key_bits=2, value_bits=2, group_size=G, residual_length=R, sink_tokens=S)
+    k, v = _kv(70, b=2, seed=3, dtype=torch.float32)
+    k[1, :, 40:42, 0] = 1000.0  # sequence 1's sink tokens (positions 40, 41): an outlier key
+    store = _store(spec, b=2, dtype=torch.float32)
+    store.append(k[:, :, :50], v[:, :, :50], flush=False)
+    store.set_padding(torch.tensor([0, 40]))
+    store.flush()  # sink 2, body 2..33 (one group), residual 34..49 holds the copies 40, 41
+    assert (store.sink_len, store.body_len, store.res_len) == (2, 32, 16)
+    store.evict(50 - W + 1)  # what a sliding layer asks before its next token
+    store.append(k[:, :, 50:70], v[:, :, 50:70])  # flushes the group of positions 34..65
+    keys, _ = dequantize_layer(store.view(), torch.float32, starts=store.starts)
+    own = torch.arange(42, 66)  # the group's tokens of sequence 1 but its sink's copies
+    x = k[1, :, own, 0]
+    err = (keys[1, :, own - store.evicted, 0] - x).abs().amax(1)
+    step = (x.amax(1) - x.amin(1)) / 3  # 2 bits: the group's own range in 3 steps
+    assert (err <= step / 2 * 1.001 + 1e-4).all(), (err, step)
+    assert store.evict(70 - W + 1) == 2 + 32  # the copies are quantized: it goes ahead
+    assert store.sink_len == 0
+
+
+def test_dequantize_layer_refuses_negative_starts_with_a_sink():
+    """A sink token sits at position ``starts[b] + j``: with a negative start (a sliding
+    layer's store after eviction) that is before position 0, where a position-ordered tensor
+    has no slot. With one start negative and one positive dequantize_layer raised an index
+    error inside place_sinks; with all starts <= 0 it returned the stored order, the sink at
+    positions 0.. . It now says so (the store drops its sink when it evicts, so it never holds
+    both; the reference attention reads the stored order, stored_order_mask)."""
+    spec = QuantSpec(key_bits=4, value_bits=4, group_size=32, residual_length=8, sink_tokens=4)
+    store = _store(spec, b=2)
+    store.append(*_kv(80, b=2))
+    for starts in ([-3, 2], [-3, 0], [-1, -2]):
+        with pytest.raises(ValueError, match=r"dequantize_layer: starts .* negative .*sink_len=4"):
+            dequantize_layer(store.view(), starts=torch.tensor(starts))
+    k, _ = dequantize_layer(store.view(), starts=torch.tensor([0, 2]))  # non-negative: placed
+    assert k.shape[2] == 80
+    no_sink = _store(spec.replace(sink_tokens=0), b=2)
+    no_sink.append(*_kv(80, b=2))
+    k, _ = dequantize_layer(no_sink.view(), starts=torch.tensor([-3, 2]))  # nothing to place
+    assert k.shape[2] == 80
+
+
 def test_value_group_that_does_not_divide_head_dim_is_announced():
     """group_size 64 at head_dim 96 (Phi-3): values are grouped by gcd = 32 channels, and the
     store says so once instead of silently."""

@@ -480,6 +480,11 @@ class LayerStore:
         self._undo = None
         if self.sink_len and self._pad_end > upto:  # a sequence still sees its own sink
             return 0
+        # A padded sequence's sink copies still in the residual: hidden by the sink now, not
+        # once it went, so their flush would count them in their group's min/max (an attention
+        # sink's outlier key over keys a window still reads). They go once quantized.
+        if self.sink_len and self.spec.quantized and self._pad_end > self.sink_len + self.body_len:
+            return 0
         if not self.spec.quantized:  # FP16 spec: every token is in the residual
             drop = min(max(0, upto - self.sink_len), self.res_len)
             if drop == 0 or EVICT_RATIO * drop < self.res_len - drop:

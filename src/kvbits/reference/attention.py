@@ -100,12 +100,22 @@ def dequantize_layer(kv: PackedKV, dtype: torch.dtype = torch.float32, starts=No
 
     ``starts`` (left padding): sequence ``b``'s sink tokens are its first real ones, so they go
     to positions ``starts[b] + j`` (over the body/residual copies there, or into the sink's
-    slots); pre-RoPE keys are re-rotated at their positions."""
-    keys, values = _stored_order(kv, dtype, starts)
+    slots); pre-RoPE keys are re-rotated at their positions. A negative start with a sink is
+    refused: its sink tokens sit before position 0, where this tensor has no slot (the store
+    drops its sink when a sliding window evicts, so it never holds both; the reference
+    attention reads the stored order, :func:`stored_order_mask`)."""
+    at, lo, hi = None, 0, 0
     if starts is not None and kv.sink_len:
-        starts = torch.as_tensor(starts, device=keys.device).long().expand(kv.batch)
-        if bool((starts > 0).any()):
-            keys, values = (place_sinks(x, starts, kv.sink_len) for x in (keys, values))
+        at = torch.as_tensor(starts, device=kv.sink_k.device).long().expand(kv.batch)
+        lo, hi = torch.stack(at.aminmax()).tolist()  # (one host read)
+    if lo < 0:
+        raise ValueError(f"dequantize_layer: starts {at.tolist()} holds a negative start and "
+                         f"the layer a sink (sink_len={kv.sink_len}): its tokens sit at "
+                         "positions start + j before 0, which a position-ordered tensor has no "
+                         "slot for; read the stored order (decode_attention)")
+    keys, values = _stored_order(kv, dtype, starts)
+    if hi > 0:
+        keys, values = (place_sinks(x, at, kv.sink_len) for x in (keys, values))
     return keys, values
 
 
