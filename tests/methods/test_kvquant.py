@@ -158,6 +158,31 @@ def test_outliers_recovered_and_excluded_from_range(kind):
     assert (ov[1, :, :3] == 0).all() and (oi[1, :, :3] == 0).all(), "padding has no outliers"
 
 
+@pytest.mark.parametrize("rows", [False, True], ids=["group-scales", "offline-rows"])
+def test_zero_tokens_give_empty_outputs(rows):
+    """An empty body (T = 0, a multiple of G): quantize_keys returned empty outputs of the
+    documented shapes already; quantize_values raised "cannot reshape tensor of 0 elements"
+    (the shared ungroup). Both now give empty codes, scales and outliers, and dequantize back."""
+    B, H, D, G, bits, n_out = 2, 2, 64, 32, 3, 1
+    cb = kvq.uniform_codebooks(H, bits, bits)
+    x = torch.randn(B, H, 0, D, dtype=torch.float16)
+    valid = torch.ones(B, 0, dtype=torch.bool)
+    fixed = (torch.ones(H, D), torch.zeros(H, D)) if rows else None
+    kc, ks, kz, ki, kv_ = kvq.quantize_keys(x, bits, G, cb.k_codebook, cb.k_thresholds, n_out,
+                                            valid, fixed)
+    assert kc.shape == (B, H, 0, D) and ks.shape == kz.shape == (B, H, 1 if rows else 0, D)
+    assert ki.shape == kv_.shape == (B, H, 0, n_out)
+    got = kvq.dequantize_keys(kc, ks, kz, bits, G, cb.k_codebook, ki, kv_,
+                              groups=0 if rows else None)
+    assert got.shape == (B, H, 0, D)
+    vc, vs, vz, vi, vv = kvq.quantize_values(x, bits, 32, G, cb.v_codebook, cb.v_thresholds,
+                                             n_out, valid)
+    assert vc.shape == (B, H, 0, D) and vs.shape == vz.shape == (B, H, 0, 2)
+    assert vi.shape == vv.shape == (B, H, 0, n_out)
+    got = kvq.dequantize_values(vc, vs, vz, bits, 32, G, cb.v_codebook, vi, vv)
+    assert got.shape == (B, H, 0, D)
+
+
 def test_outliers_reduce_error():
     k, v = data(seed=5)
     k = k + (torch.rand_like(k) < 0.01) * 8.0  # sparse spikes

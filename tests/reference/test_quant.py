@@ -373,6 +373,18 @@ def test_value_token_count_not_multiple_of_group():
         quantize_values(torch.randn(1, 1, 33, 64), 2, 32, 32)
 
 
+def test_zero_tokens_give_empty_outputs():
+    """T = 0 is a multiple of G: keys gave empty codes / scales / zeros, values raised "cannot
+    reshape tensor of 0 elements" (ungroup's reshape to -1 was ambiguous with no elements)."""
+    x = torch.randn(2, 3, 0, 80)
+    codes, scale, zero = quantize_keys(x, 2, 32)
+    assert codes.shape == scale.shape == zero.shape == (2, 3, 0, 80)
+    assert dequantize_keys(codes, scale, zero, 2, 32).shape == (2, 3, 0, 80)
+    codes, scale, zero = quantize_values(x, 2, 32, 32, torch.ones(2, 0, dtype=torch.bool))
+    assert codes.shape == (2, 3, 0, 80) and scale.shape == zero.shape == (2, 3, 0, 3)
+    assert dequantize_values(codes, scale, zero, 2, 32, 32).shape == (2, 3, 0, 80)
+
+
 # Were ZeroDivisionError, a reshape RuntimeError or a tuple-unpacking error (the kernels named
 # the argument already; on the CPU ops take this path).
 @pytest.mark.parametrize("call,match", [

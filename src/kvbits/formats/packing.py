@@ -105,7 +105,8 @@ def unpack_bits(words: torch.Tensor, bits: int, n: int, dim: int = -1) -> torch.
     else:
         shifts = (torch.arange(slots, device=w.device) * bits).view(slots, 1)
         codes = (w.unsqueeze(-2) >> shifts) & ((1 << bits) - 1)  # [..., slot, column]
-    codes = codes.reshape(*codes.shape[:-2], -1)[..., :n]
+    # (not reshape(..., -1): ambiguous when another axis is 0, as in an empty body)
+    codes = codes.reshape(*codes.shape[:-2], codes.shape[-2] * codes.shape[-1])[..., :n]
     return codes.to(torch.uint8).movedim(-1, dim).contiguous()
 
 

@@ -137,12 +137,13 @@ def channel_groups(x: torch.Tensor, group: int, op: str = "channel_groups"):
         return x.reshape(*x.shape[:-1], D // group, group), None
     x = torch.cat([x, x.new_zeros(*x.shape[:-1], pad)], -1)
     in_range = (torch.arange(D + pad, device=x.device) < D).view(-1, group)
-    return x.reshape(*x.shape[:-1], -1, group), in_range
+    return x.reshape(*x.shape[:-1], (D + pad) // group, group), in_range  # (no -1: see ungroup)
 
 
 def ungroup(x: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Inverse of :func:`channel_groups`: ``[..., NGv, Gv]`` -> ``[..., D]`` (padding dropped)."""
-    return x.reshape(*x.shape[:-2], -1)[..., :head_dim]
+    """Inverse of :func:`channel_groups`: ``[..., NGv, Gv]`` -> ``[..., D]`` (padding dropped;
+    the size spelled out: a -1 is ambiguous when another axis is 0, as with no tokens)."""
+    return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])[..., :head_dim]
 
 
 def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: int,
