@@ -173,6 +173,9 @@ class CacheLifecycle(RuleBasedStateMachine):
         self.hk, self.hv = self.hk[:, :, :0], self.hv[:, :, :0]
         self.has_store = False
         self.evicted = self.sink = self.body = self.tracked = 0
+        # recording (activate_past_recording): a sliding layer keeps the tokens since the last
+        # crop, which a crop can take back, as DynamicCache's sliding layers do; from here
+        self.mark = 0
         self.starts = torch.zeros(self.B, dtype=torch.long)  # (in the history's positions)
         # the store's longest padding (a host bound: selecting sequences keeps it) and the end
         # of padding and own-sink positions (in the store)
@@ -286,8 +289,10 @@ class CacheLifecycle(RuleBasedStateMachine):
     def _evict(self):
         """A sliding layer's eviction before an update (LayerStore.evict): the whole groups
         (FP16: tokens) no later query sees, with the sink, once they are a quarter of the live
-        ones; not while a sequence still sees its own sink."""
-        upto = self.stored - self.window + 1
+        ones; not while a sequence still sees its own sink. Recording, it keeps what came
+        after the last crop (KVBitsLayer._evict_unseen)."""
+        upto = (min(self.n, self.mark) if self.recording else self.n) - self.evicted \
+            - self.window + 1
         if self.sink and self.pad_end > upto:
             return
         if self.fp8_waiting and self.body:  # (its first own tokens set its scales)
@@ -558,6 +563,7 @@ class CacheLifecycle(RuleBasedStateMachine):
             return
         if how == "zero":
             self.cache.crop(0)  # nothing: the mode stays
+            self.mark = n  # (but a recording layer's crop point moves)
             return
         if how == "residual":
             keep = first + body_eff + int(frac * (n - first - body_eff))
@@ -583,6 +589,7 @@ class CacheLifecycle(RuleBasedStateMachine):
             self.in_steps = False  # leaves the mode (crop(0) does nothing at all)
         if keep >= n:
             call()
+            self.mark = n
             return
         kept = keep - self.evicted  # in the store
         S = self.sink
@@ -603,6 +610,7 @@ class CacheLifecycle(RuleBasedStateMachine):
                 assert part in str(err.value), f"the refusal does not say {part!r}: {err.value}"
             return
         call()
+        self.mark = keep
         if self.tracked:
             event("crop put back flushed groups")
         body = body_eff

@@ -43,7 +43,9 @@ Known limits
 * Sliding-window layers (Gemma3, Mistral-style) drop the groups no later query can see
   (:meth:`LayerStore.evict`): they hold about 1.25 windows instead of the whole history,
   except on the slow path and while lengths live on the device (CUDA-graph decoding; with
-  the per-layer step graphs, until a layer's reserved buffers fill, 1/8 more tokens or 512).
+  the per-layer step graphs, until a layer's reserved buffers fill, 1/8 more tokens or 512);
+  after ``activate_past_recording`` they also keep the tokens since the last crop, as
+  ``DynamicCache``'s sliding layers do, so that a crop can roll those back.
 * Attention-logit softcapping (Gemma2): the prompt step runs an eager attention with the cap
   (SDPA has none; it builds the ``[B, H, Lq, Lk]`` scores), decode caps the scores inside the
   kernels' online softmax.
@@ -63,7 +65,7 @@ Known limits
   attend the prompt at full precision, as its own rows do, and what they flush goes back with
   the crop too (dynamic FP8 scales excepted: that first flush may have set them with the
   drafts). A sliding-window layer that dropped tokens refuses a crop that would leave the
-  next token's window short (as ``DynamicCache`` does).
+  next token's window short (as ``DynamicCache`` does without ``activate_past_recording``).
 * ``output_attentions=True`` returns no attention weights: the fused kernels never form
   the probability matrix (transformers warns that its SDPA path has none; run a
   ``DynamicCache`` with ``attn_implementation="eager"`` to inspect them).
@@ -137,6 +139,13 @@ class KVBitsLayer(CacheLayerMixin):
         self.inv_freq = inv_freq  # pre_rope: this layer's RoPE frequencies
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
+        # transformers' rollback flag (DynamicSlidingWindowLayer.record_past, set by
+        # activate_past_recording): a sliding layer then keeps the tokens since the last crop
+        # (at most _hold_cap of them where transformers says how far it will crop), which
+        # _mark counts from
+        self.record_past = False
+        self._hold_cap: int | None = None
+        self._mark = 0
         self.store: LayerStore | None = None
         # The owning KVBitsCache, weakly: a strong reference would put every cache in a
         # reference cycle, whose GPU buffers only the cyclic garbage collector frees, late
@@ -155,6 +164,15 @@ class KVBitsLayer(CacheLayerMixin):
     @property
     def _cache(self):
         return None if self._cache_ref is None else self._cache_ref()
+
+    def __getstate__(self):
+        """For ``pickle`` / ``torch.save``: the weak reference to the cache and the step graphs
+        do not pickle; the owning cache points its layers at itself again on load
+        (:meth:`KVBitsCache.__setstate__`), and graphs are captured again when needed."""
+        self._leave_steps()
+        state = self.__dict__.copy()
+        state.update(_cache_ref=None, _steps=None, _steps_ok=None)
+        return state
 
     def __repr__(self):
         n = 0 if self.store is None else self.store.total_len
@@ -205,7 +223,7 @@ class KVBitsLayer(CacheLayerMixin):
             return key_states, value_states
         self._leave_steps()
         if fast and self.is_sliding:  # what no later query can see goes (LayerStore.evict)
-            store.evict(store.seq_len - self.sliding_window + 1)
+            self._evict_unseen()
         store.append(key_states, value_states, flush=False)
         if fast:
             key_states._kvbits = _Tag(self, prefill)
@@ -231,15 +249,18 @@ class KVBitsLayer(CacheLayerMixin):
         return self.store.total_len + (0 if self._pending is None else self._pending[0].shape[2])
 
     def get_max_length(self) -> int:
-        return -1
+        """As transformers' dynamic layers: the window for a sliding layer, else -1 (no limit)."""
+        return self.sliding_window if self.is_sliding else -1
 
-    def get_max_cache_shape(self) -> int:  # get_max_length's older name (called up to 5.19)
+    def get_max_cache_shape(self) -> int:  # get_max_length's older name (called up to 5.19;
+        # -1 as before there: the window, as their DynamicCache said, is untried on them)
         return -1
 
     def reset(self) -> None:
         self.store = None
         self.is_initialized = False
         self._attended = False
+        self._mark = 0
         self._steps_ok, self._steps, self._steps_on, self._pending = None, None, False, None
 
     def offload(self):  # offloading is not supported: the store stays where it is
@@ -268,10 +289,51 @@ class KVBitsLayer(CacheLayerMixin):
             self.store.reorder(indices.long())
 
     def crop(self, tokens_to_remove: int = 0, **kwargs) -> None:
-        """Negative: drop that many tokens; positive (legacy): keep that many; 0: nothing."""
+        """Negative: drop that many tokens; positive (legacy): keep that many; 0: nothing
+        (while recording, a sliding layer may drop what it held for a crop, as
+        ``DynamicSlidingWindowLayer.crop(0)`` does)."""
         keep = self.crop_target(tokens_to_remove, **kwargs)  # (leaves the step graphs' mode)
         if keep is not None:
             self.store.crop(keep)
+        self._mark = self.get_seq_length()  # a later crop reaches back to here
+
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None,
+                                **kwargs) -> None:
+        """transformers' notice that the cache will be cropped (``Cache.activate_past_recording``;
+        user code calls it before rolling a sliding-window model back): as
+        ``DynamicSlidingWindowLayer``, a sliding layer keeps from now on the tokens since the
+        last crop (at most ``recurrent_states_to_keep`` of them, where transformers says how
+        many it will crop) besides its window, so that a crop back to it works. Full
+        layers keep everything anyway."""
+        if self.is_sliding:
+            self.record_past = True
+            self._hold_cap = recurrent_states_to_keep
+            self._mark = self.get_seq_length()
+
+    def _evict_unseen(self) -> None:
+        """Before a sliding layer's update: drop what the next token's window cannot see
+        (:meth:`LayerStore.evict`), keeping, while recording, the tokens since the last crop."""
+        store = self.store
+        seen = store.total_len
+        if self.record_past:
+            held = max(0, seen - self._mark)
+            if self._hold_cap is not None:
+                held = min(held, self._hold_cap)
+            seen -= held
+        store.evict(seen - self.sliding_window + 1 - store.evicted)
+
+    def dequantized(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The tokens this layer holds as full-precision ``(keys, values)`` ``[B, H, tokens
+        held, D]`` in the model's dtype and key space (a dequantized copy: the store is not
+        changed; ``(None, None)`` before the first update). A sliding layer holds the tokens
+        from ``store.evicted`` on, as ``DynamicCache``'s holds its last ``window - 1``.
+        ``keys`` / ``values`` themselves stay ``None``: the data lives in ``store``."""
+        if self.store is None:
+            return None, None
+        self._leave_steps()
+        store = self.store
+        keys, values = dequantize_layer(store.view(), store.dtype, starts=store.starts)
+        return store.model_keys(keys), values
 
     def crop_target(self, tokens_to_remove: int = 0, **kwargs) -> int | None:
         """The store length :meth:`crop` would keep (None: nothing to do), checked without
@@ -326,7 +388,7 @@ class KVBitsLayer(CacheLayerMixin):
                 return True
             self._leave_steps()
             if self.is_sliding:  # held back while the buffers could not move
-                store.evict(store.seq_len - self.sliding_window + 1)
+                self._evict_unseen()
         if not store.device_lengths_ok():
             return False
         store.begin_device_lengths(steps_mod.reserve_tokens(store))
@@ -546,6 +608,33 @@ class KVBitsCache(Cache):
                 layer._cache_ref = weakref.ref(new)
                 layer._steps = None  # its own graphs, in its own pool, when it decodes
         return new
+
+    def __getstate__(self):
+        """For ``pickle`` / ``torch.save`` (as a ``DynamicCache`` pickles): the weak reference
+        to the model does not pickle, and is dropped (a file that a cache loaded from the
+        pickle :meth:`save` s then lacks the weight probe that refuses other weights of the
+        same shape); the layers leave the step graphs' mode (:meth:`KVBitsLayer.__getstate__`)."""
+        state = self.__dict__.copy()
+        state["_model_ref"] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        for layer in self.layers:
+            if isinstance(layer, KVBitsLayer):
+                layer._cache_ref = weakref.ref(self)
+
+    def __iter__(self):
+        """``DynamicCache``'s iteration: per layer ``(keys, values, window)``, the keys and
+        values a dequantized copy of the tokens the layer holds (:meth:`KVBitsLayer.
+        dequantized`), ``window`` a tensor for a sliding layer, else ``None``."""
+        for layer in self.layers:
+            keys, values = layer.dequantized()
+            window = None
+            if layer.is_sliding:
+                window = torch.tensor(layer.sliding_window, dtype=torch.long,
+                                      device=None if keys is None else keys.device)
+            yield keys, values, window
 
     def save(self, path, **info):
         """Write this cache to ``path`` (safetensors: packed buffers, lengths, spec, the model's
