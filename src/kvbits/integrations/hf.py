@@ -587,9 +587,11 @@ class KVBitsCache(Cache):
                 "residual_length=32), or generate without assistant_model / "
                 "prompt_lookup_num_tokens")
         self._recording = True
-        base = getattr(super(), "activate_past_recording", None)
-        if base is not None:
-            base(**kwargs)
+        # the layers' notice, as Cache.activate_past_recording gives it from 5.2x on (before,
+        # it took no arguments: a caller's recurrent_states_to_keep reaches them here)
+        for layer in self.layers:
+            if hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording(**kwargs)
 
     def __deepcopy__(self, memo):
         """A copy (transformers' prefix reuse: ``copy.deepcopy(prompt_cache)``) whose layers
