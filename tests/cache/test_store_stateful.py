@@ -289,12 +289,15 @@ class CacheLifecycle(RuleBasedStateMachine):
     def _evict(self):
         """A sliding layer's eviction before an update (LayerStore.evict): the whole groups
         (FP16: tokens) no later query sees, with the sink, once they are a quarter of the live
-        ones; not while a sequence still sees its own sink. Recording, it keeps what came
+        ones; not while a sequence still sees its own sink, nor while a padded sequence's sink
+        copies still wait in the residual (quantized specs). Recording, it keeps what came
         after the last crop (KVBitsLayer._evict_unseen)."""
         upto = (min(self.n, self.mark) if self.recording else self.n) - self.evicted \
             - self.window + 1
         if self.sink and self.pad_end > upto:
             return
+        if self.sink and self.quantized and self.pad_end > self.sink + self.body:
+            return  # a padded sequence's sink copies wait in the residual until quantized
         if self.fp8_waiting and self.body:  # (its first own tokens set its scales)
             return
         res = self.stored - self.sink - self.body

@@ -9,6 +9,7 @@ a GPU.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -19,6 +20,11 @@ from kvbits.integrations.decode_loop import GreedyDecoder
 from kvbits.integrations.hf import KVBitsCache
 
 NEW = 80
+# The Triton kernels on this file's CPU models: only in Triton's interpreter (on a GPU machine
+# the kernels would get CPU tensors; the test_gpu_* cases run them there, compiled, on CUDA).
+INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="Triton's interpreter on CPU tensors (on a GPU the "
+                                        "test_gpu_* cases run the kernels)")
 
 
 def tiny_llama(seed: int, **shape) -> LlamaForCausalLM:
@@ -134,6 +140,7 @@ def _kwarg(model):
                                        ("fp8-dynamic", dict(residual_length=4)),
                                        ("kvquant-3", dict(residual_length=4, group_size=32,
                                                           calibration="uniform"))])
+@INTERPRETED
 def test_device_lengths_on_the_kernels(model, model32, preset, kw, monkeypatch):
     """The same through the Triton kernels (interpreted on the CPU): the decode kernel reads the
     true lengths from ``lens_dev`` with the launch sized by the buffers' capacities, and the
@@ -283,6 +290,7 @@ def test_gpu_captured_static_cache_matches_eager(gpu_model):
     assert captures == 1 and torch.equal(got, eager)
 
 
+@INTERPRETED
 def test_small_pre_rope_head_dim_decodes_eagerly_under_kernels(model, monkeypatch):
     """head_dim 16 pre-RoPE keys: the kernel cannot read them (``tl.dot`` needs an inner dim
     >= 16 per half), so where kernels run the cache refuses device lengths (the reference would

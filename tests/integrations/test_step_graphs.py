@@ -14,7 +14,13 @@ import warnings
 
 import pytest
 import torch
-from test_decode_loop import PRESETS, gpu_model, prompt, tiny_llama  # noqa: F401 (a fixture)
+from test_decode_loop import (  # noqa: F401 (a fixture)
+    INTERPRETED,
+    PRESETS,
+    gpu_model,
+    prompt,
+    tiny_llama,
+)
 
 from kvbits.cache.store import LayerStore
 from kvbits.integrations import step_graphs
@@ -102,6 +108,7 @@ def test_generate_in_the_mode_equals_ordinary_steps(model, preset, kw, entries):
 # (kivi-2 only: the interpreter is slow, and test_decode_loop runs the other methods' device
 # lengths on the kernels)
 @pytest.mark.parametrize("preset,kw", [("kivi-2", {"residual_length": 4, "group_size": 32})])
+@INTERPRETED
 def test_the_mode_on_the_kernels(model, preset, kw, entries, monkeypatch):
     """Through the Triton kernels (interpreted on the CPU): the decode kernel reads the true
     lengths from ``lens_dev``, its launch sized by the reserved buffers, and the quantize

@@ -160,6 +160,25 @@ def test_dynamic_scale_of_a_sequence_whose_first_group_is_padding(gran):
     assert ((keys[1, :, 32:st.body_len] - kept).abs() <= kept.abs() / 16 + 1e-3).all()
 
 
+def test_beam_selection_of_the_sequences_whose_scales_are_set():
+    """A padded batch waits for its unset sequence's dynamic scales (no eviction, no device
+    lengths); selecting only the set ones (beam search, batch selection) ends the wait at once,
+    as for a batch of those sequences alone (it waited for the next flush: found by the state
+    machine, whose model evicted while the store did not)."""
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(2, H, 40, D, generator=g)
+    st = LayerStore(resolve_spec("fp8-dynamic"), 2, H, D, torch.float32, "cpu")
+    st.append(k, k, flush=False)
+    st.set_padding(torch.tensor([0, 40]))  # sequence 1: nothing of its own yet
+    st.flush()
+    assert st.body_len == 32 and not st.device_lengths_ok()
+    st.reorder(torch.tensor([0, 0]))
+    assert st.device_lengths_ok()
+    scale = st.k_scale.clone()
+    st.reorder(torch.tensor([1]))  # (a copy of sequence 0)
+    assert st.device_lengths_ok() and torch.equal(st.k_scale, scale[1:])
+
+
 def test_device_length_view_bounds_whole_groups_after_growth(monkeypatch):
     """A captured loop over an fp8 layer whose buffers grew by 1/8 in eager decode steps (a
     second ``generate`` on the same cache): the view's body bound must be whole groups of G

@@ -864,6 +864,8 @@ class LayerStore:
             self._dense = tuple(x.index_select(0, index) for x in self._dense)
         self.starts = self.starts.index_select(0, index)
         self.batch = int(index.numel())
+        if self.fp8 and not self._fp8_ready:  # the sequences kept may all have their scales
+            self._fp8_ready = self._fp8_all_set(self.sink_len + self.body_len)
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` tokens. Quantized tokens can only be dropped in whole groups."""
