@@ -29,7 +29,9 @@ of what it must hold:
 Failures this machine found (session 49): a crop into a sequence's left padding hid the tokens
 that followed (test_hf.test_crop_into_left_padding_then_continue_like_dynamic_cache), and a
 KVQuant outlier correction that rounded up dequantized 65504 to 65520, inf in float16
-(test_kvquant.test_outlier_correction_never_rounds_past_float16_range).
+(test_kvquant.test_outlier_correction_never_rounds_past_float16_range). Session 52: dynamic FP8
+scales that waited for a dropped sequence after a beam selection
+(test_fp8.test_beam_selection_of_the_sequences_whose_scales_are_set).
 """
 
 from __future__ import annotations
