@@ -161,11 +161,20 @@ def test_parse_hf_variants_accepts_what_the_backends_use():
      r"--contexts: expected integers in 1\.\.2147483647"),
     (["needle", "--depths", "nan"], "--depths: depths are percentages in 0..100"),
     # a context of 0 tokens printed a table of "0 B" and "max batch -"; a negative one named
-    # ">= 0" (0 was taken). "--context -4k" (a space, not "=") is argparse's "expected one
-    # argument": it reads "-4k" as an option
+    # ">= 0" (0 was taken)
     (["memory", "--context", "0"], r"argument --context: expected tokens >= 1 \(4096, or 4k"),
     (["memory", "--context=-4k"], r"argument --context: expected tokens >= 1 .*got '-4k'"),
     (["memory", "--context", "-4096"], r"argument --context: expected tokens >= 1 "),
+    # values that start with a dash and a digit but are not plain numbers ("-4k", "-80GB",
+    # "-1e-3", "-10,50") were read as options: "expected one argument", no allowed values
+    (["memory", "--context", "-4k"], r"argument --context: expected tokens >= 1 .*got '-4k'"),
+    (["memory", "--gpu-memory", "-80GB"], r"--gpu-memory: cannot read '-80GB' as a size"),
+    (["memory", "--gpu-memory", "80GB", "--weights", "-1GB"], "--weights: cannot read '-1GB'"),
+    (["needle", "--depths", "-10,50"], "argument --depths: depths are percentages in 0..100"),
+    (["needle", "--lengths", "-1k"], r"argument --lengths: expected integers in 1\.\."),
+    (["bench", "--contexts", "-1k,2k"], r"argument --contexts: expected integers in 1\.\."),
+    (["generate", "--prompt", "x", "--sample", "--temperature", "-1e-3"],
+     "--temperature must be finite and >= "),
 ])
 def test_bad_arguments_name_the_parameter(capsys, argv, match):
     import re

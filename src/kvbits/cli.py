@@ -1052,8 +1052,21 @@ PRESET_HELP = ("preset name ({}) or a spec file (.json, from kvbits tune), optio
                "kvquant-3:O=0.02, uniform-int2:axis_key=-1").format(", ".join(PRESETS))
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse took a value such as ``-4k``, ``-80GB`` or ``-1e-3`` after an option for an option
+    of its own ("expected one argument"); here a dash and a digit start a value, so the option's
+    own check refuses it, naming the allowed values (kvbits has no option that looks like a
+    number). The subcommands' parsers are of this class too."""
+
+    def __init__(self, *args, **kwargs):
+        import re
+
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvbits", description="2-8 bit KV cache for transformers models: a demo (demo), "
         "generation (generate), perplexity through the cache (ppl), memory arithmetic (memory), "
         "kvquant calibration (calibrate), per-layer bits (tune), passkey retrieval (needle) and "
