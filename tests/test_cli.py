@@ -828,6 +828,40 @@ def test_calib_text_beside_a_calibration_file(capsys, monkeypatch, tmp_path, com
         assert code == 2 and "error: --calib-text 'nosuch': not a known text" in err, err
 
 
+@pytest.mark.parametrize("command", ["ppl", "needle"])
+def test_calib_tokens_without_a_preset_that_calibrates_is_refused(capsys, monkeypatch, tmp_path,
+                                                                   command):
+    """--calib-tokens where no preset calibrates on the text (none calibrated, or every one a
+    kvquant preset that takes the --calibration file) was silently unused; refused before the
+    model loads, as --calib-text beside such a file. Where one calibrates, the run goes on."""
+    import kvbits.data
+
+    class Loaded(Exception):
+        pass
+
+    def load_model(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr(kvbits.data, "load_model", load_model)
+    code, _, err = run(capsys, command, "--presets", "fp16,kivi-2", "--calib-tokens", "1000")
+    assert code == 2 and re.search(
+        r"error: --calib-tokens 1000: no preset here calibrates on a text, so it would be "
+        r"unused; it serves kvquant presets \(without --calibration\), fp8, fp8-tensor and "
+        r"kivi-N-hadc", err), err
+    cal = tmp_path / "k3.safetensors"
+    cal.write_bytes(b"")
+    code, _, err = run(capsys, command, "--presets", "kvquant-3", "--calibration", str(cal),
+                       "--calib-tokens", "1000")
+    assert code == 2 and re.search(
+        rf"error: --calib-tokens 1000 and --calibration {re.escape(str(cal))}: the file gives "
+        r"every calibrated preset here its codebooks.*give one of the two", err), err
+    for presets in ("kivi-2,fp8", "kivi-3-hadc", "kvquant-2"):
+        with pytest.raises(Loaded):
+            main([command, "--presets", presets, "--calib-tokens", "1000", "--lengths", "1k"]
+                 if command == "needle" else [command, "--presets", presets, "--calib-tokens",
+                                              "1000"])
+
+
 @pytest.mark.parametrize("command", ["needle", "ppl", "generate"])
 def test_calib_text_and_empty_chat_prompt_are_checked_only_where_used(capsys, monkeypatch,
                                                                       command):

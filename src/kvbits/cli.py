@@ -409,6 +409,27 @@ def _check_calibration(path: str | None, variants) -> None:
 
 
 CALIB_TEXT = "sotu-pre-2000"  # --calib-text's default: disjoint from the evaluation texts
+CALIB_TOKENS = 4096  # --calib-tokens' default
+
+
+def _calibrates_on_text(calibration: str | None, variants) -> bool:
+    """Whether a preset calibrates on ``--calib-text``: fp8 scales, kivi-N-hadc channels, and
+    kvquant codebooks unless the ``--calibration`` file gives them."""
+    return any(v.kind == "kvbits" and (v.spec.hadamard_calibrated or (v.spec.calibrated and not (
+        calibration is not None and v.spec.method == "kvquant"))) for v in variants)
+
+
+def _unused_calib_option(given: str, calibration: str | None) -> ValueError:
+    """The refusal of a calibration option (``given``: the option and its value) that no preset
+    here would use."""
+    if calibration is not None:
+        return ValueError(f"{given} and --calibration {calibration}: the file gives every "
+                          "calibrated preset here its codebooks, so none would calibrate on the "
+                          "text; give one of the two (--calib-text and --calib-tokens serve fp8 "
+                          "and kivi-N-hadc presets, and kvquant ones without --calibration)")
+    return ValueError(f"{given}: no preset here calibrates on a text, so it would be unused; "
+                      "it serves kvquant presets (without --calibration), fp8, fp8-tensor and "
+                      "kivi-N-hadc")
 
 
 def _check_calib_text(given: str | None, calibration: str | None, variants) -> str:
@@ -418,15 +439,21 @@ def _check_calib_text(given: str | None, calibration: str | None, variants) -> s
     beside a file that serves every calibrated preset, it is refused: it was silently unused.
     Returns the text to calibrate on."""
     text = CALIB_TEXT if given is None else given
-    if any(v.kind == "kvbits" and (v.spec.hadamard_calibrated or (v.spec.calibrated and not (
-            calibration is not None and v.spec.method == "kvquant"))) for v in variants):
+    if _calibrates_on_text(calibration, variants):
         _check_text(text, "--calib-text")
     elif given is not None and calibration is not None:
-        raise ValueError(f"--calib-text {given} and --calibration {calibration}: the file "
-                         "gives every calibrated preset here its codebooks, so none would "
-                         "calibrate on the text; give one of the two (--calib-text serves fp8 "
-                         "and kivi-N-hadc presets, and kvquant ones without --calibration)")
+        raise _unused_calib_option(f"--calib-text {given}", calibration)
     return text
+
+
+def _check_calib_tokens(given: int | None, calibration: str | None, variants) -> int:
+    """``--calib-tokens`` (``given``; None: not given): refused where no preset calibrates on
+    the text (it was silently unused). Returns the tokens to calibrate on."""
+    if given is None:
+        return CALIB_TOKENS
+    if not _calibrates_on_text(calibration, variants):
+        raise _unused_calib_option(f"--calib-tokens {given}", calibration)
+    return given
 
 
 def _check_hf_backends(variants) -> None:
@@ -460,9 +487,10 @@ def _cmd_ppl(args) -> int:
                          "--window)")
     _check_calibration(args.calibration, variants)
     calib_text = _check_calib_text(args.calib_text, args.calibration, variants)
+    calib_tokens = _check_calib_tokens(args.calib_tokens, args.calibration, variants)
     cfg = PplConfig(args.model, args.text, variants, args.tokens, args.chunk, args.window,
                     args.stride, args.json, args.md, not args.no_progress, calib_text,
-                    args.calib_tokens, args.calibration, text)
+                    calib_tokens, args.calibration, text)
     run_ppl(cfg, shlex.join(["kvbits", *args.argv]))
     return 0
 
@@ -1156,8 +1184,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-text",  # (None: not given; see _check_calib_text)
                    help="text calibrated presets (kvquant, fp8, kivi-N-hadc) are calibrated "
                    f"on, once, cached (default {CALIB_TEXT}: disjoint from the evaluation text)")
-    p.add_argument("--calib-tokens", type=_positive, default=4096,
-                   help="calibration tokens (default 4096)")
+    p.add_argument("--calib-tokens", type=_positive,  # (None: not given)
+                   help=f"tokens of --calib-text that calibrated presets calibrate on (default "
+                   f"{CALIB_TOKENS})")
     p.add_argument("--calibration", metavar="PATH",
                    help="kvquant presets: codebooks from this kvbits calibrate file instead of "
                    "calibrating on --calib-text (fp8 and kivi-N-hadc presets still calibrate on "

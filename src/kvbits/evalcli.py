@@ -85,7 +85,14 @@ def _file_stem(text: str) -> str:
 def _cmd_needle(args) -> int:
     import torch
 
-    from .cli import _check_calib_text, _check_calibration, _check_text, _versions, parse_presets
+    from .cli import (
+        _check_calib_text,
+        _check_calib_tokens,
+        _check_calibration,
+        _check_text,
+        _versions,
+        parse_presets,
+    )
     from .data import load_model, load_text
     from .eval.needle import NeedleConfig, needle_meta, run_needle, write_needle
 
@@ -93,6 +100,7 @@ def _cmd_needle(args) -> int:
     _check_calibration(args.calibration, variants)  # fail early
     haystack = _check_text(args.text, "--text")  # (a file: read once, here)
     calib_text = _check_calib_text(args.calib_text, args.calibration, variants)
+    calib_tokens = _check_calib_tokens(args.calib_tokens, args.calibration, variants)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: torch sees no CUDA device (use --device cpu)")
     if args.threads:
@@ -100,7 +108,7 @@ def _cmd_needle(args) -> int:
     cfg = NeedleConfig(model=args.model, text=args.text, lengths=args.lengths, depths=args.depths,
                        presets=args.presets, trials=args.trials,
                        max_new_tokens=args.max_new_tokens, seed=args.seed, chat=not args.no_chat,
-                       calib_text=calib_text, calib_tokens=args.calib_tokens,
+                       calib_text=calib_text, calib_tokens=calib_tokens,
                        calibration=args.calibration)
     _log(f"loading model {cfg.model!r} and text {cfg.text!r}")
     model, tok = load_model(cfg.model, dtype=torch.float32, device=args.device, log=_log)
@@ -161,8 +169,9 @@ def register(sub) -> None:
     p.add_argument("--calib-text",  # (None: not given; see _check_calib_text)
                    help="calibration text of calibrated presets (kvquant, -hadc, fp8); default "
                    "sotu-pre-2000, disjoint from the haystack")
-    p.add_argument("--calib-tokens", type=_positive, default=4096,
-                   help="calibration tokens (default 4096)")
+    p.add_argument("--calib-tokens", type=_positive,  # (None: not given)
+                   help="tokens of --calib-text that calibrated presets calibrate on (default "
+                   "4096)")
     p.add_argument("--calibration", metavar="PATH",
                    help="kvquant presets: codebooks from this kvbits calibrate file instead of "
                    "calibrating on --calib-text (-hadc and fp8 presets still calibrate on it)")
