@@ -829,11 +829,12 @@ def test_calib_text_beside_a_calibration_file(capsys, monkeypatch, tmp_path, com
 
 
 @pytest.mark.parametrize("command", ["ppl", "needle"])
-def test_calib_tokens_without_a_preset_that_calibrates_is_refused(capsys, monkeypatch, tmp_path,
-                                                                   command):
+def test_calib_options_without_a_preset_that_calibrates_are_refused(capsys, monkeypatch,
+                                                                    tmp_path, command):
     """--calib-tokens where no preset calibrates on the text (none calibrated, or every one a
-    kvquant preset that takes the --calibration file) was silently unused; refused before the
-    model loads, as --calib-text beside such a file. Where one calibrates, the run goes on."""
+    kvquant preset that takes the --calibration file) was silently unused, and so was
+    --calib-text where none calibrated; refused before the model loads (the text unread), as
+    --calib-text beside such a file. Where one calibrates, the run goes on."""
     import kvbits.data
 
     class Loaded(Exception):
@@ -848,6 +849,8 @@ def test_calib_tokens_without_a_preset_that_calibrates_is_refused(capsys, monkey
         r"error: --calib-tokens 1000: no preset here calibrates on a text, so it would be "
         r"unused; it serves kvquant presets \(without --calibration\), fp8, fp8-tensor and "
         r"kivi-N-hadc", err), err
+    code, _, err = run(capsys, command, "--presets", "fp16,kivi-2", "--calib-text", "nosuch")
+    assert code == 2 and "error: --calib-text nosuch: no preset here calibrates on a text" in err
     cal = tmp_path / "k3.safetensors"
     cal.write_bytes(b"")
     code, _, err = run(capsys, command, "--presets", "kvquant-3", "--calibration", str(cal),
@@ -862,13 +865,11 @@ def test_calib_tokens_without_a_preset_that_calibrates_is_refused(capsys, monkey
                                               "1000"])
 
 
-@pytest.mark.parametrize("command", ["needle", "ppl", "generate"])
-def test_calib_text_and_empty_chat_prompt_are_checked_only_where_used(capsys, monkeypatch,
-                                                                      command):
-    """`needle --presets fp16,kivi-2 --calib-text FILE` checked (and read) the calibration text
-    though no preset calibrates: a bad one was refused. Now, as in ppl, only a preset that
-    calibrates on it checks it; and an empty --prompt with --chat (the template wraps it) is
-    left to the tokenizer. Each run here goes on to load the model."""
+def test_empty_chat_prompt_is_left_to_the_tokenizer(capsys, monkeypatch):
+    """An empty --prompt with --chat (the template wraps it) is left to the tokenizer: the run
+    goes on to load the model. (`needle --presets fp16,kivi-2 --calib-text FILE`, which read a
+    text no preset calibrates on, is refused unread: see
+    test_calib_options_without_a_preset_that_calibrates_are_refused.)"""
     import kvbits.data
 
     class Loaded(Exception):
@@ -878,12 +879,8 @@ def test_calib_text_and_empty_chat_prompt_are_checked_only_where_used(capsys, mo
         raise Loaded
 
     monkeypatch.setattr(kvbits.data, "load_model", load_model)
-    argv = {"needle": ["needle", "--presets", "fp16,kivi-2", "--calib-text", "nosuch",
-                       "--lengths", "1k"],
-            "ppl": ["ppl", "--presets", "fp16,kivi-2", "--calib-text", "nosuch"],
-            "generate": ["generate", "--prompt", "", "--chat", "--device", "cpu"]}[command]
     with pytest.raises(Loaded):
-        main(argv)
+        main(["generate", "--prompt", "", "--chat", "--device", "cpu"])
 
 
 @pytest.mark.parametrize("command", ["ppl", "calibrate", "tune", "needle", "ppl-calib",

@@ -435,13 +435,13 @@ def _unused_calib_option(given: str, calibration: str | None) -> ValueError:
 def _check_calib_text(given: str | None, calibration: str | None, variants) -> str:
     """``--calib-text`` (``given``; None: not given, the default) checked before the model
     loads where a preset calibrates on it: fp8 scales, kivi-N-hadc channels, and kvquant
-    codebooks unless the ``--calibration`` file gives them (unused, it is not read). Given
-    beside a file that serves every calibrated preset, it is refused: it was silently unused.
-    Returns the text to calibrate on."""
+    codebooks unless the ``--calibration`` file gives them. Given where none does (no
+    calibrated preset, or a file that serves every one), it is refused unread: it was silently
+    unused. Returns the text to calibrate on."""
     text = CALIB_TEXT if given is None else given
     if _calibrates_on_text(calibration, variants):
         _check_text(text, "--calib-text")
-    elif given is not None and calibration is not None:
+    elif given is not None:
         raise _unused_calib_option(f"--calib-text {given}", calibration)
     return text
 
