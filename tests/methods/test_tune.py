@@ -83,3 +83,15 @@ def test_tune_with_calibrated_hadamard_base(model):
     assert (rotated - k).norm() < k.norm()  # back in the model's space, not still rotated
     with pytest.raises(ValueError, match="calibration"):
         tune(model, ids, base, 3.0, window=64, calibration=None)
+
+
+def test_allocate_spends_the_budget_on_ties():
+    """A tensor whose 4-bit KL measured no lower than its 2-bit one (noise, or a layer where
+    quantization does not matter) has equal costs at every width; the allocation gave it 2 bits
+    and left the budget unspent: --avg-bits 4 wrote a spec averaging 2 bits here, 3 below."""
+    flat = _table(0.5, 0.5)
+    assert sum(allocate([flat] * 4, 16)) == 16
+    assert sum(allocate([_table(0.0, 0.0)] * 3, 12)) == 12
+    assert allocate([_table(1.0, 0.1), flat], 16) == [8, 8]
+    # strictly better widths still win the budget first
+    assert allocate([_table(1.0, 0.1), flat], 10) == [8, 2]

@@ -158,7 +158,9 @@ def allocate(costs: list[list[float]], budget_bits: int, choices=CHOICES) -> lis
                     new[e2], pick[e2] = best[e] + c[j], j
         best = new
         picks.append(pick)
-    e = min(range(extra + 1), key=lambda i: best[i])
+    # ties (a tensor whose 4-bit KL was no lower than its 2-bit one costs the same at every
+    # width) go to the most bits: the budget asked for is spent, not left as a lower average
+    e = min(range(extra + 1), key=lambda i: (best[i], -i))
     out = []
     for pick in reversed(picks):
         j = pick[e]
