@@ -37,6 +37,8 @@ def test_hf_names():
     ({"method": "fp8", "key_bits": 8, "value_bits": 8, "fp8_scale": "static"},
      r"fp8_scale must be one of 'dynamic', 'calibrated'"),
     ({"method": "kivi", "fp8_granularity": "tensor"}, r"apply to method 'fp8' only"),
+    # only kvquant's calibration reads it: 'kivi-2:fisher=0' was kept and did nothing
+    ({"method": "uniform", "fisher": False}, r"fisher applies to method 'kvquant' only"),
     ({"method": "kvquant", "hadamard": True}, r"hadamard applies to methods"),
     ({"hadamard": True, "pre_rope": True}, r"cannot be combined with pre_rope"),
     # FP8 layers kept the store's unrotated keys and neither path turned them back (0.89 off)

@@ -130,7 +130,7 @@ class QuantSpec:
         _check_choice("key_scales", self.key_scales, KEY_SCALES)
         if self.method != "kvquant":
             for name, default in (("outliers", 0.0), ("codebook", "layer"), ("qnorm", False),
-                                  ("key_scales", "group")):
+                                  ("fisher", True), ("key_scales", "group")):
                 if getattr(self, name) != default:
                     raise ValueError(f"QuantSpec.{name} applies to method 'kvquant' only; "
                                      f"method is {self.method!r}")
