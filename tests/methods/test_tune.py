@@ -95,3 +95,19 @@ def test_allocate_spends_the_budget_on_ties():
     assert allocate([_table(1.0, 0.1), flat], 16) == [8, 8]
     # strictly better widths still win the budget first
     assert allocate([_table(1.0, 0.1), flat], 10) == [8, 2]
+
+
+@pytest.mark.parametrize("tokens, window, match", [
+    (64, 16, r"window=16 .* group_size 32"),  # every window shorter than a group
+    (20, 512, r"20 tokens .* group_size 32"),  # the whole text shorter than a group
+    (1, 512, r"1 tokens .* group_size 32"),  # (a ZeroDivisionError)
+    (64, 0, r"window=0"),  # (range() arg 3 must not be zero)
+])
+def test_tune_refuses_windows_that_quantize_nothing(model, tokens, window, match):
+    """The cache quantizes whole groups of G tokens: a shorter window kept every token in FP16,
+    so every sensitivity was 0 and tune wrote a spec of arbitrary bits without a word."""
+    ids = torch.randint(0, 128, (1, tokens), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=match):
+        tune(model, ids, PRESETS["kivi-3"], 3.0, window=window)
+    with pytest.raises(ValueError, match=match):
+        layer_sensitivity(model, ids, PRESETS["kivi-3"], window=window)

@@ -91,6 +91,7 @@ def layer_sensitivity(model, input_ids: torch.Tensor, base: QuantSpec, bits=(2, 
     ``KVBitsCache``: ``"auto"``, the per-layer lists or a file); ignored otherwise."""
     from .hadamard import layer_channels
 
+    _check_windows(input_ids, window, base)
     _register()
     config = model.config.get_text_config(decoder=True)
     n_layers = config.num_hidden_layers
@@ -125,6 +126,19 @@ def layer_sensitivity(model, input_ids: torch.Tensor, base: QuantSpec, bits=(2, 
         _STATE.update(layer=None, kind=None, spec=None, channels=None)
         model.set_attn_implementation(before)
     return out
+
+
+def _check_windows(input_ids: torch.Tensor, window: int, base: QuantSpec) -> None:
+    """The trials quantize whole groups of G tokens per window (the rest stays FP16): with no
+    window of a group, every sensitivity would be 0 and the allocation arbitrary."""
+    tokens, G = input_ids.shape[-1], base.group_size
+    if type(window) is not int or window < G:
+        raise ValueError(f"tune: window={window!r} tokens is shorter than the base's group_size "
+                         f"{G}: no token would be quantized (give a window >= {G}, best a "
+                         "multiple of it)")
+    if tokens < G:
+        raise ValueError(f"tune: {tokens} tokens of calibration text is fewer than the base's "
+                         f"group_size {G}: no token would be quantized (give more text)")
 
 
 def _table(s2: float, s4: float) -> list[float]:
