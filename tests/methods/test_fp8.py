@@ -217,3 +217,15 @@ def test_calibrated_scales_are_checked_up_front(pair, match):
     spec = resolve_spec("fp8")
     with pytest.raises(ValueError, match=match):
         fp8.layer_scales(None, spec, [pair, pair], 2)
+
+
+def test_tensor_granularity_refuses_per_head_scales():
+    """fp8-tensor (one scale per layer) given a per-head calibration (a file or list made for
+    'fp8') kept the per-head scales without a word; one value repeated per layer is taken."""
+    spec = resolve_spec("fp8-tensor")
+    per_head = [(torch.tensor([0.5, 1.0]), torch.ones(2)), (torch.ones(2), torch.ones(2))]
+    with pytest.raises(ValueError, match=r"layer 0 k_scale .* fp8_granularity='tensor'"):
+        fp8.layer_scales(None, spec, per_head, 2)
+    same = [(torch.full((2,), 0.5), torch.ones(2))] * 2
+    assert fp8.layer_scales(None, spec, same, 2) == same
+    assert fp8.layer_scales(None, resolve_spec("fp8"), per_head, 2) == per_head

@@ -119,4 +119,10 @@ def layer_scales(model_or_config, spec: QuantSpec, calibration, n_layers: int) -
             if not (torch.isfinite(sc).all() and (sc > 0).all()):
                 raise ValueError(f"fp8 calibration: layer {i} {name} must be finite and > 0 "
                                  f"(dequant multipliers), got {sc.tolist()}")
+            # a per-head calibration (made for 'fp8') would be used per head as it is
+            if spec.fp8_granularity == "tensor" and not (sc == sc[:1]).all():
+                raise ValueError(f"fp8 calibration: layer {i} {name} holds per-head scales "
+                                 f"{sc.tolist()}, but fp8_granularity='tensor' takes one per "
+                                 "layer (the same value for every KV head): calibrate for this "
+                                 "spec (calibration='auto') or use fp8_granularity='head'")
     return scales
