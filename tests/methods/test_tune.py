@@ -111,3 +111,22 @@ def test_tune_refuses_windows_that_quantize_nothing(model, tokens, window, match
         tune(model, ids, PRESETS["kivi-3"], 3.0, window=window)
     with pytest.raises(ValueError, match=match):
         layer_sensitivity(model, ids, PRESETS["kivi-3"], window=window)
+
+
+def test_tune_with_pre_rope_base(model):
+    """A pre-RoPE base (kivi-3:P=1, uniform:P=1) failed after the full-precision pass: the
+    trials' stores had no RoPE frequencies. They take the model's, and the quantized keys come
+    back turned, in the model's space."""
+    from kvbits.methods.tune import _fake_quantize
+    from kvbits.reference.rope import model_inv_freqs, rotate
+
+    base = resolve_spec("kivi-3:P=1")
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(3))
+    r = tune(model, ids, base, 3.0, window=64)
+    assert r.spec.pre_rope and len(r.spec.layer_bits) == 3 and r.avg_bits <= 3.0
+    g = torch.Generator().manual_seed(4)
+    k, v = (torch.randn(1, 1, 64, 32, generator=g) for _ in range(2))
+    inv = model_inv_freqs(model)[0]
+    k = rotate(k * torch.linspace(0.5, 4, 32), torch.arange(64)[None], inv)  # post-RoPE
+    got, _ = _fake_quantize(k, v, base.replace(key_bits=8, value_bits=8), "k", inv_freq=inv)
+    assert (got - k).abs().max() < 0.05 * k.abs().max()

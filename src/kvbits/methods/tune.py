@@ -35,7 +35,7 @@ __all__ = ["TuneResult", "allocate", "check_tune_args", "layer_sensitivity", "tu
 
 CHOICES = (2, 3, 4, 8)
 _ATTN = "kvbits_tune"
-_STATE: dict = {"layer": None, "kind": None, "spec": None, "channels": None}
+_STATE: dict = {"layer": None, "kind": None, "spec": None, "channels": None, "inv_freqs": None}
 
 
 @dataclass
@@ -48,15 +48,19 @@ class TuneResult:
 
 
 def _fake_quantize(key: torch.Tensor, value: torch.Tensor, spec: QuantSpec, kind: str,
-                   hadamard_channels=None):
-    """K or V of one layer through the cache quantizer (no residual); the other one untouched."""
+                   hadamard_channels=None, inv_freq=None):
+    """K or V of one layer through the cache quantizer (no residual); the other one untouched.
+    ``inv_freq``: the layer's RoPE frequencies, for a ``pre_rope`` spec (keys at positions
+    0, 1, ...: each window runs from position 0; None: a layer without RoPE stores its keys as
+    they come, as in KVBitsCache)."""
     from ..cache.store import LayerStore
     from ..reference.attention import dequantize_layer
 
     B, H, _, D = key.shape
-    store = LayerStore(spec.replace(residual_length=0, sink_tokens=0, layer_bits=(),
-                                    skip_layers=()), B, H, D, torch.float32, key.device,
-                       hadamard_channels=hadamard_channels)
+    plain = spec.replace(residual_length=0, sink_tokens=0, layer_bits=(), skip_layers=(),
+                         pre_rope=spec.pre_rope and inv_freq is not None)
+    store = LayerStore(plain, B, H, D, torch.float32, key.device,
+                       hadamard_channels=hadamard_channels, inv_freq=inv_freq)
     store.append(key.float(), value.float())
     k, v = dequantize_layer(store.view())
     if kind == "k":
@@ -70,7 +74,9 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
     layer = _STATE["layer"]
     if layer is not None and getattr(module, "layer_idx", None) == layer:
         channels = _STATE["channels"][layer] if _STATE["channels"] else None
-        key, value = _fake_quantize(key, value, _STATE["spec"], _STATE["kind"], channels)
+        inv_freq = _STATE["inv_freqs"][layer] if _STATE["inv_freqs"] else None
+        key, value = _fake_quantize(key, value, _STATE["spec"], _STATE["kind"], channels,
+                                    inv_freq)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -89,6 +95,7 @@ def layer_sensitivity(model, input_ids: torch.Tensor, base: QuantSpec, bits=(2, 
     with one layer's K (or V) quantized at each of ``bits`` by ``base``'s method, vs FP.
     ``calibration``: the Hadamard channel subsets of a ``hadamard_calibrated`` base (as for
     ``KVBitsCache``: ``"auto"``, the per-layer lists or a file); ignored otherwise."""
+    from ..reference.rope import model_inv_freqs
     from .hadamard import layer_channels
 
     _check_windows(input_ids, window, base)
@@ -97,6 +104,8 @@ def layer_sensitivity(model, input_ids: torch.Tensor, base: QuantSpec, bits=(2, 
     n_layers = config.num_hidden_layers
     channels = (layer_channels(model, base, calibration, n_layers)
                 if base.hadamard_calibrated else None)
+    # a pre-RoPE base: the trials' stores turn the keys back as the cache's do
+    inv_freqs = model_inv_freqs(model) if base.pre_rope else None
     before = model.config._attn_implementation
     model.set_attn_implementation(_ATTN)
     windows = [input_ids[:, s:s + window].to(model.device)
@@ -106,7 +115,7 @@ def layer_sensitivity(model, input_ids: torch.Tensor, base: QuantSpec, bits=(2, 
         return [torch.log_softmax(model(w, use_cache=False).logits.float(), -1) for w in windows]
 
     try:
-        _STATE.update(layer=None, channels=channels)
+        _STATE.update(layer=None, channels=channels, inv_freqs=inv_freqs)
         ref = logprobs()
         out = {"k": torch.zeros(n_layers, len(bits)), "v": torch.zeros(n_layers, len(bits))}
         for layer in range(n_layers):
@@ -123,7 +132,7 @@ def layer_sensitivity(model, input_ids: torch.Tensor, base: QuantSpec, bits=(2, 
                     + " | V " + " ".join(f"{b}b {out['v'][layer, j]:.4f}"
                                          for j, b in enumerate(bits)))
     finally:
-        _STATE.update(layer=None, kind=None, spec=None, channels=None)
+        _STATE.update(layer=None, kind=None, spec=None, channels=None, inv_freqs=None)
         model.set_attn_implementation(before)
     return out
 
