@@ -290,6 +290,11 @@ def test_bits_as_a_keyword_as_in_a_spec_string():
     assert resolve_spec("kivi-2", bits=4, value_bits=2).describe() == "kivi K4V2 G=32 R=128 S=0"
     with pytest.raises(ValueError, match="nbits and bits .* disagree: nbits=2, bits=4"):
         resolve_spec("kivi-2", bits=4, nbits=2)
+    # an unhashable width (a list, as transformers' per-layer habits might suggest) raised
+    # TypeError: unhashable type, naming nothing
+    for kw in ({"nbits": [4]}, {"bits": {}}, {"nbits": [4], "bits": [4]}):
+        with pytest.raises(ValueError, match=r"key_bits must be one of 2, 3, 4, 8"):
+            resolve_spec("uniform", **kw)
 
 
 def test_transformers_name_and_field_that_disagree_are_refused():

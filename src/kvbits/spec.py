@@ -575,7 +575,7 @@ def hf_field_names(overrides: dict) -> dict:
     was silently lost)."""
     out = dict(overrides)
     widths = {name: out.pop(name) for name in ("nbits", "bits") if name in out}
-    if len(set(widths.values())) > 1:
+    if len(widths) == 2 and widths["nbits"] != widths["bits"]:  # (no set: [4] is unhashable)
         raise ValueError(f"nbits and bits (both set key_bits and value_bits) disagree: "
                          f"nbits={widths['nbits']!r}, bits={widths['bits']!r}; give one of them")
     for bits in widths.values():  # (as the spec strings' bits=N)
