@@ -20,6 +20,8 @@ a spec file that ``KVBitsCache(model, path)`` and ``kvbits ppl --presets path`` 
 A base with calibrated Hadamard subsets (``kivi-3-hadc``) is measured with its rotation: the
 channel subsets (chosen once, independent of the bits) rotate the keys of every trial, and the
 tuned spec keeps ``hadamard_calibrated`` (load it with ``calibration='auto'`` or the same file).
+A pre-RoPE base (``kivi-3:P=1``) is measured as the cache stores it: keys turned back to before
+RoPE with the model's frequencies, quantized, and turned again for attention.
 """
 
 from __future__ import annotations
