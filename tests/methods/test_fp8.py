@@ -229,3 +229,20 @@ def test_tensor_granularity_refuses_per_head_scales():
     same = [(torch.full((2,), 0.5), torch.ones(2))] * 2
     assert fp8.layer_scales(None, spec, same, 2) == same
     assert fp8.layer_scales(None, resolve_spec("fp8"), per_head, 2) == per_head
+
+
+@pytest.mark.parametrize("tiny", [1e-45, 1e-43])
+def test_a_subnormal_amax_gives_no_nan(tiny):
+    """A float32 head whose amax is a deep subnormal: amax * 2 / 448 underflowed to a scale of
+    0, and every 0 of the head quantized as 0 / 0 = NaN (then NaN attention). The scale is 1
+    where it underflows, as for an amax of 0."""
+    k, v = _kv()
+    k[0, 1] = 0.0
+    k[0, 1, 3, 4], k[0, 1, 7, 0] = tiny, -tiny
+    st = LayerStore(resolve_spec("fp8-dynamic").replace(residual_length=0), B, H, D,
+                    torch.float32, "cpu")
+    st.append(k, v)
+    assert (st.k_scale > 0).all()
+    keys, _ = dequantize_layer(st.view())
+    assert torch.isfinite(keys).all() and keys[0, 1].abs().max() <= tiny
+    assert rq.fp8_scale_from_amax(torch.tensor([tiny, 0.0, 448.0])).tolist() == [1.0, 1.0, 2.0]

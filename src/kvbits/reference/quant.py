@@ -202,10 +202,12 @@ FP8_HEADROOM = 2.0
 
 def fp8_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """float32 dequant multiplier for an absolute maximum: ``amax * headroom / 448`` (1 when
-    the amax is 0). The amax saturates at FP16's +-65504 as the integer methods' ranges do: an
-    infinite K/V element made the scale infinite and the whole head NaN (``0 * inf``)."""
-    amax = amax.float().clamp(max=FP16_MAX)
-    return torch.where(amax > 0, amax * FP8_HEADROOM / FP8_MAX, torch.ones_like(amax))
+    the amax is 0, or so small that the product underflows to 0: a float32 subnormal amax,
+    whose zeros then quantized as 0 / 0 = NaN). The amax saturates at FP16's +-65504 as the
+    integer methods' ranges do: an infinite K/V element made the scale infinite and the whole
+    head NaN (``0 * inf``)."""
+    scale = amax.float().clamp(max=FP16_MAX) * FP8_HEADROOM / FP8_MAX
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor,
