@@ -130,3 +130,29 @@ def test_tune_with_pre_rope_base(model):
     k = rotate(k * torch.linspace(0.5, 4, 32), torch.arange(64)[None], inv)  # post-RoPE
     got, _ = _fake_quantize(k, v, base.replace(key_bits=8, value_bits=8), "k", inv_freq=inv)
     assert (got - k).abs().max() < 0.05 * k.abs().max()
+
+
+def test_allocate_matches_brute_force():
+    """Against every allocation of up to 4 tensors (integer costs: exact sums): the least total
+    cost within the budget, and of the allocations that reach it the one spending the most."""
+    import itertools
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from kvbits.methods.tune import CHOICES
+
+    costs_st = st.lists(st.lists(st.integers(0, 6), min_size=4, max_size=4), min_size=1,
+                        max_size=4)
+
+    @settings(max_examples=300, deadline=None, derandomize=True)
+    @given(costs_st, st.integers(0, 32))
+    def check(costs, extra):
+        budget = 2 * len(costs) + extra
+        got = allocate([[float(c) for c in row] for row in costs], budget)
+        best = min((sum(row[CHOICES.index(b)] for row, b in zip(costs, combo)), -sum(combo))
+                   for combo in itertools.product(CHOICES, repeat=len(costs))
+                   if sum(combo) <= budget)
+        assert (sum(row[CHOICES.index(b)] for row, b in zip(costs, got)), -sum(got)) == best
+
+    check()
