@@ -4,15 +4,18 @@
 # shard in $OUT, and a summary line per shard; with DETAILS=FILE the shards' summary and failure
 # lines go to $OUT/FILE instead of whole logs (the count of files a device call returns is
 # limited).
+# MARK: the marker expression of the main pass (default gpu); MARK= runs every test of FILES
+# (the unmarked files that take the GPU when there is one, on their own with a longer TEST_S).
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 N=${SHARDS:-8}
+MARK=${MARK-gpu}
 # EXTRA: unmarked tests that take the GPU when there is one (the quantize kernels against the
 # reference, bit-exact), sharded the same way after the gpu-marked ones (session 41 found a
 # GPU-only failure there that no run had seen: the sharded suite took only -m gpu). EXTRA= skips.
 EXTRA=${EXTRA-tests/kernels/test_quantize_pack.py}
 for i in $(seq 0 $((N - 1))); do
   (KVBITS_TEST_SHARD=$i/$N timeout -s INT ${TEST_S:-420} python3 -m pytest -q -p no:cacheprovider \
-     --tb=short -m gpu --durations=3 ${FILES:-tests}
+     --tb=short ${MARK:+-m "$MARK"} --durations=3 ${FILES:-tests}
    rc=$?  # 124: stopped at TEST_S (session 44: a shard cut off there printed no summary line)
    [ $rc -eq 0 ] || echo "pytest exit $rc$([ $rc -eq 124 ] && echo ": timed out after ${TEST_S:-420} s")"
    if [ -n "$EXTRA" ]; then
