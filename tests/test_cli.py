@@ -753,6 +753,16 @@ def test_preset_own_transformers_group_size_beats_the_command_wide_default():
     # an empty prompt (an unset shell variable) was refused after the model had loaded
     (["generate", "--prompt", ""], r"--prompt: the prompt is empty"),
     (["generate", "--prompt", "x", "--prompt", ""], r"--prompt: the prompt is empty"),
+    # silently unused: no preset took the command-wide field (fp16 quantizes nothing, a preset's
+    # own override wins, --hf-quantized items take their own)
+    (["ppl", "--presets", "fp16", "--group-size", "64"],
+     r"--group-size 64: no preset in --presets takes it .*quantized kvbits presets"),
+    (["ppl", "--presets", "fp16", "--hf-quantized", "quanto:int2", "--residual-length", "4"],
+     r"--residual-length 4: no preset in --presets takes it .*nor of transformers' caches"),
+    (["generate", "--prompt", "x", "--preset", "fp16", "--sink-tokens", "4"],
+     "--sink-tokens 4: no preset in --preset takes it"),
+    (["memory", "--preset", "fp16,kivi-2:S=4", "--sink-tokens", "2", "--group-size", "64"],
+     "--sink-tokens 2: no preset in --preset takes it"),
 ])
 def test_bad_arguments_are_refused_before_the_model_loads(capsys, monkeypatch, argv, match):
     """These were refused only after the model and text had loaded (tune: ~20 s on 2 cores),

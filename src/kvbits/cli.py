@@ -71,7 +71,7 @@ def parse_presets(text: str, option: str = "--presets", **defaults) -> list[Vari
     >>> [v.label for v in parse_presets("kivi-2,kivi-2:residual_length=0,group_size=64")]
     ['kivi-2', 'kivi-2:residual_length=0,group_size=64']
     """
-    variants = []
+    variants, used = [], set()
     for item in _split_items(text, option):
         name, _, rest = item.partition(":")
         if name not in PRESETS and not name.endswith(".json"):
@@ -86,6 +86,7 @@ def parse_presets(text: str, option: str = "--presets", **defaults) -> list[Vari
         if name not in PRESETS or PRESETS[name].quantized:
             given = {k: v for k, v in defaults.items() if v is not None and k not in fields}
             fields = {**given, **fields}
+            used |= given.keys()
         try:
             spec = resolve_spec(name, **fields)
         except ValueError as exc:
@@ -94,6 +95,12 @@ def parse_presets(text: str, option: str = "--presets", **defaults) -> list[Vari
         variants.append(Variant(item, "kvbits", spec))
     if not variants:
         raise ValueError(f"{option}: give at least one preset, e.g. fp16,kivi-4,kivi-2")
+    for k, v in defaults.items():  # (it was silently unused)
+        if v is not None and k not in used:
+            raise ValueError(f"--{k.replace('_', '-')} {v}: no preset in {option} takes it (it "
+                             "sets the field of the quantized kvbits presets that do not set it "
+                             "themselves; not of fp16, nor of transformers' caches): give such "
+                             "a preset or leave the option out")
     return variants
 
 
