@@ -763,6 +763,19 @@ def test_preset_own_transformers_group_size_beats_the_command_wide_default():
      "--sink-tokens 4: no preset in --preset takes it"),
     (["memory", "--preset", "fp16,kivi-2:S=4", "--sink-tokens", "2", "--group-size", "64"],
      "--sink-tokens 2: no preset in --preset takes it"),
+    # an empty path (an unset shell variable) wrote no file (--json, --md, --prefix-cache), the
+    # default one (calibrate -o) or into the working directory (--out); an empty --text was
+    # "a folder", an empty --hf-quantized list ran none
+    (["ppl", "--presets", "fp16", "--json", ""], "--json: give a file path, got an empty string"),
+    (["ppl", "--presets", "fp16", "--md", ""], "--md: give a file path, got an empty string"),
+    (["memory", "--json", ""], "--json: give a file path, got an empty string"),
+    (["calibrate", "-o", ""], "--output: give a file path, got an empty string"),
+    (["tune", "-o", ""], "--output: give a file path, got an empty string"),
+    (["generate", "--prompt", "x", "--prefix-cache", ""], "--prefix-cache: give a file path"),
+    (["needle", "--out", ""], "--out: give a folder, got an empty string"),
+    (["bench", "--device", "cpu", "--out", ""], "--out: give a folder, got an empty string"),
+    (["ppl", "--text", ""], r"--text: give a known text \(sotu-2010-2016.*\) or a text file"),
+    (["ppl", "--presets", "fp16", "--hf-quantized", ""], "--hf-quantized: give at least one"),
 ])
 def test_bad_arguments_are_refused_before_the_model_loads(capsys, monkeypatch, argv, match):
     """These were refused only after the model and text had loaded (tune: ~20 s on 2 cores),

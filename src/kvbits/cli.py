@@ -385,6 +385,9 @@ def _check_text(name: str, option: str) -> str | None:
 
     if name in TEXTS:
         return None
+    if not name:  # (Path("") is the working directory: "a folder")
+        raise ValueError(f"{option}: give a known text ({', '.join(TEXTS)}) or a text file, "
+                         "got an empty string")
     path = Path(name).expanduser()
     if path.is_dir():
         raise ValueError(f"{option} {name}: a folder; give a text file or a known text "
@@ -481,7 +484,7 @@ def _cmd_ppl(args) -> int:
 
     variants = parse_presets(args.presets, group_size=args.group_size,
                              residual_length=args.residual_length, sink_tokens=args.sink_tokens)
-    if args.hf_quantized:
+    if args.hf_quantized is not None:  # ("": refused, as ",")
         variants += parse_hf_variants(args.hf_quantized)
         _check_hf_backends(variants)
     text = _check_text(args.text, "--text")  # before the model loads; read once
@@ -1175,7 +1178,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sotu-2010-2016, sotu-pre-2000, lee-news or a text file (default sotu-2010-2016)")
     p.add_argument("--presets", default="fp16,kivi-4,kivi-2",
                    help="comma-separated; each a " + PRESET_HELP + " (default fp16,kivi-4,kivi-2)")
-    p.add_argument("--hf-quantized", metavar="LIST", default="",
+    p.add_argument("--hf-quantized", metavar="LIST",
                    help="also transformers' QuantizedCache: comma-separated BACKEND:intN"
                    "[:FIELD=VALUE,...] with BACKEND quanto or hqq and FIELD axis_key, axis_value, "
                    "q_group_size (G), residual_length (R), e.g. quanto:int4,quanto:int2:axis_key=-1")
@@ -1286,10 +1289,15 @@ def check_outputs(args) -> None:
     file, or the reverse) or under a folder that cannot be created or written."""
     import tempfile
 
-    wanted = [(Path(getattr(args, dest)), flag, False) for dest, flag in OUTPUT_FILES.items()
-              if getattr(args, dest, None)]
-    wanted += [(Path(getattr(args, dest)), flag, True) for dest, flag in OUTPUT_FOLDERS.items()
-               if getattr(args, dest, None)]
+    wanted = [(getattr(args, dest), flag, False) for dest, flag in OUTPUT_FILES.items()
+              if getattr(args, dest, None) is not None]
+    wanted += [(getattr(args, dest), flag, True) for dest, flag in OUTPUT_FOLDERS.items()
+               if getattr(args, dest, None) is not None]
+    for path, flag, folder in wanted:  # (an unset shell variable: no file, or the default one)
+        if not path:
+            raise ValueError(f"{flag}: give a {'folder' if folder else 'file path'}, got an "
+                             "empty string")
+    wanted = [(Path(path), flag, folder) for path, flag, folder in wanted]
     for path, flag, folder in wanted:
         if folder and path.exists() and not path.is_dir():
             raise ValueError(f"{flag}: {str(path)!r} is a file; give a folder")
