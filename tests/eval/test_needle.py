@@ -266,3 +266,35 @@ def test_an_answer_without_end_of_turn_keeps_every_new_token():
     finally:
         handle.remove()
     assert rows[0]["answer"] == f" {key}." and rows[0]["correct"]
+
+
+@pytest.mark.parametrize("depth", [1.5, -0.1, 50, math.nan])
+def test_a_depth_outside_0_1_is_refused(depth):
+    """A depth past 1 (a percentage, say) went right before the question and one below 0 right
+    after the instruction, silently; NaN put the needle at the nearest sentence end to 0."""
+    tok = CharTokenizer()
+    hay, ends = haystack_ids(tok, TEXT)
+    with pytest.raises(ValueError, match=r"depth must be a fraction in \[0, 1\]"):
+        build_passkey_prompt(tok, hay, ends, 1500, depth, 71432, chat=False)
+
+
+@pytest.mark.parametrize("field,value,error", [
+    ("depths", (0, 25, 50), r"NeedleConfig.depths: fractions in \[0, 1\] .*got 25"),
+    ("depths", (), r"NeedleConfig.depths: give at least one"),
+    ("depths", (0.5, 0.5), r"NeedleConfig.depths: 0.5 given twice"),
+    ("lengths", (), r"NeedleConfig.lengths: give at least one"),
+    ("lengths", (1024, 0), r"NeedleConfig.lengths: token counts >= 1, got 0"),
+    ("lengths", (1024, 1024), r"NeedleConfig.lengths: 1024 given twice"),
+    ("lengths", (1024.5,), r"NeedleConfig.lengths: token counts >= 1, got 1024.5"),
+    ("trials", 0, r"NeedleConfig.trials must be an integer >= 1, got 0"),
+    ("max_new_tokens", 0, r"NeedleConfig.max_new_tokens must be an integer >= 1, got 0"),
+])
+def test_run_needle_refuses_a_config_it_cannot_serve(field, value, error):
+    """These ran silently before: depths given in percent all went right before the question,
+    a repeated length or depth counted its trials twice, trials=0 wrote an empty table and
+    max_new_tokens=0 scored every preset 0%; an empty lengths tuple failed in max()."""
+    cfg = NeedleConfig(lengths=(300,), depths=(0.5,), presets=("fp16",), trials=1,
+                       max_new_tokens=1, chat=False)
+    setattr(cfg, field, value)
+    with pytest.raises(ValueError, match=error):
+        run_needle(None, CharTokenizer(), TEXT, cfg, log=lambda m: None)  # before the model

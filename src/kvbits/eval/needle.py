@@ -59,9 +59,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["NeedleConfig", "PasskeyPrompt", "build_passkey_prompt", "eos_ids", "haystack_ids",
-           "needle_caches", "needle_markdown", "needle_meta", "passkey_correct", "plot_needle",
-           "run_needle", "summarize", "write_needle"]
+__all__ = ["NeedleConfig", "PasskeyPrompt", "build_passkey_prompt", "check_needle_config",
+           "eos_ids", "haystack_ids", "needle_caches", "needle_markdown", "needle_meta",
+           "passkey_correct", "plot_needle", "run_needle", "summarize", "write_needle"]
 
 INSTRUCTION = ("There is an important pass key hidden inside a lot of irrelevant text. Find it "
                "and memorize it. I will quiz you about the pass key.\n\n")
@@ -138,6 +138,9 @@ def build_passkey_prompt(tokenizer, hay: list[int], ends: list[int], length: int
     ``hay``/``ends`` come from :func:`haystack_ids`; the haystack starts at the sentence
     boundary at or after token ``offset`` (different trials use different text).
     """
+    if not 0 <= depth <= 1:  # (a percentage went right before the question; NaN near 0)
+        raise ValueError(f"depth must be a fraction in [0, 1] (0: right after the instruction, "
+                         f"1: right before the question), got {depth}")
     enc = lambda s: list(tokenizer(s, add_special_tokens=False)["input_ids"])
     head_s, tail_s = _template_parts(tokenizer, chat)
     head, tail = enc(head_s), enc(tail_s)
@@ -224,6 +227,37 @@ def _kv_bits(cache, config) -> float:
     return 8 * cache_nbytes(cache, fp16=True) / elements if elements else float("nan")
 
 
+def check_needle_config(cfg: NeedleConfig) -> None:
+    """Refuse, naming the field, a grid :func:`run_needle` cannot serve as asked: depths outside
+    [0, 1] (percentages), a length or depth given twice (its trials counted twice), no lengths
+    or depths, no trials or no answer tokens (every preset 0%)."""
+    for name, minimum in (("trials", 1), ("max_new_tokens", 1)):
+        n = getattr(cfg, name)
+        if not isinstance(n, int) or isinstance(n, bool) or n < minimum:
+            raise ValueError(f"NeedleConfig.{name} must be an integer >= {minimum}, got {n!r}")
+
+    def count(n) -> bool:
+        return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+    def fraction(d) -> bool:  # (NaN compares false)
+        return isinstance(d, (int, float)) and not isinstance(d, bool) and 0 <= d <= 1
+
+    depths = ("fractions in [0, 1] (0: right after the instruction, 1: right before the "
+              "question; kvbits needle --depths takes percentages)")
+    for name, ok, what in (("lengths", count, "token counts >= 1"),
+                           ("depths", fraction, depths)):
+        values = tuple(getattr(cfg, name))
+        if not values:
+            raise ValueError(f"NeedleConfig.{name}: give at least one")
+        bad = [v for v in values if not ok(v)]
+        if bad:
+            raise ValueError(f"NeedleConfig.{name}: {what}, got {bad[0]!r}")
+        twice = sorted({v for v in values if values.count(v) > 1})
+        if twice:
+            raise ValueError(f"NeedleConfig.{name}: {', '.join(map(str, twice))} given twice "
+                             "(its trials would count twice); give each once")
+
+
 def run_needle(model, tokenizer, text: str, cfg: NeedleConfig,
                log: Callable[[str], None] = print,
                on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
@@ -234,6 +268,7 @@ def run_needle(model, tokenizer, text: str, cfg: NeedleConfig,
     from .cachefill import copy_dense_cache
     from .perplexity import trained_positions
 
+    check_needle_config(cfg)  # before any work
     max_len = max(cfg.lengths)
     trained = trained_positions(model)
     if trained and max_len > trained:  # measured anyway: retrieval past it tests the model
