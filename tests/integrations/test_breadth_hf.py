@@ -138,3 +138,46 @@ def test_hadamard_calibrated_cache(model, tmp_path):
         KVBitsCache(model, spec)
     with pytest.raises(ValueError, match="Hadamard calibration has 3 layers"):
         KVBitsCache(model, spec, calibration=chans[:3])
+
+
+def test_calibration_files_refuse_another_model_or_spec(model, tmp_path):
+    """fp8 scale and Hadamard channel files record the model and spec they were made for
+    (session 53: only the layer count was checked, so another checkpoint of this depth, or
+    per-head scales made with Hadamard keys, were used silently); the same weights in another
+    dtype, and files without the record, still load."""
+    import copy
+
+    from kvbits.methods.fp8 import save_fp8_scales
+    from kvbits.methods.hadamard import save_hadamard_channels
+
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+    scales = [(torch.full((2,), 0.01), torch.full((2,), 0.02)) for _ in range(4)]
+    fp8_spec = resolve_spec("fp8")
+    path = tmp_path / "s.safetensors"
+    save_fp8_scales(path, scales, model, fp8_spec, text="test")
+    KVBitsCache(model, fp8_spec, calibration=str(path))
+    KVBitsCache(copy.deepcopy(model).to(torch.bfloat16), fp8_spec, calibration=str(path))
+    KVBitsCache(model.config, fp8_spec, calibration=str(path))  # a config: its shape only
+    with pytest.raises(ValueError, match="fp8 scale file .* another model of this shape"):
+        KVBitsCache(other, fp8_spec, calibration=str(path))
+    with pytest.raises(ValueError, match="made for hadamard=False, this spec has hadamard=True"):
+        KVBitsCache(model, fp8_spec.replace(hadamard=True), calibration=str(path))
+    deeper = LlamaForCausalLM(LlamaConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=32))
+    with pytest.raises(ValueError, match=r"made for a llama-L4-H2-D32 model, not this "
+                                         r"llama-L4-H4-D32 one"):
+        KVBitsCache(deeper, fp8_spec, calibration=str(path))
+    save_fp8_scales(tmp_path / "plain.safetensors", scales)  # no record: counted only
+    KVBitsCache(other, fp8_spec, calibration=str(tmp_path / "plain.safetensors"))
+
+    spec = resolve_spec("kivi-2-hadc")
+    chans = [[list(range(16)), []] for _ in range(4)]
+    hpath = save_hadamard_channels(tmp_path / "c.json", chans, model, spec)
+    KVBitsCache(model, spec, calibration=str(hpath))
+    with pytest.raises(ValueError, match="Hadamard channel file .* another model of this shape"):
+        KVBitsCache(other, spec, calibration=str(hpath))
+    with pytest.raises(ValueError, match="made for group_size=32, this spec has group_size=64"):
+        KVBitsCache(model, spec.replace(group_size=64), calibration=str(hpath))

@@ -97,7 +97,7 @@ def test_tensor_granularity_and_calibrated_scales():
 
 def test_scale_file_round_trip(tmp_path):
     scales = [(torch.rand(4), torch.rand(4)) for _ in range(3)]
-    fp8.save_fp8_scales(tmp_path / "s.safetensors", scales, model="x")
+    fp8.save_fp8_scales(tmp_path / "s.safetensors", scales, text="x")
     back = fp8.load_fp8_scales(tmp_path / "s.safetensors")
     assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(scales, back))
     with pytest.raises(ValueError, match="cannot read fp8 scales"):

@@ -27,6 +27,40 @@ def per_layer_calibration(calibration, model_or_config, auto, load, what: str,
     return values
 
 
+def made_for(model, spec, fields: tuple[str, ...]) -> dict:
+    """What a calibration file (fp8 scales, Hadamard channels) records of the model and spec it
+    was measured on: the model's shape, a sample of its weights and the spec ``fields`` the
+    values depend on; :func:`check_made_for` compares them when the file is loaded (the layer
+    count alone let another model's file of the same depth through)."""
+    from .kvquant import model_shape_name, weight_probe
+
+    return {"shape": model_shape_name(model.config), "probe": weight_probe(model),
+            "spec": {f: getattr(spec, f) for f in fields}}
+
+
+def check_made_for(record, model_or_config, spec, what: str, path) -> None:
+    """Refuse (ValueError) a calibration file made for another model, another checkpoint of
+    its shape (where a model is given) or another spec; files without the record (written
+    before session 53, or from lists) are only counted by :func:`per_layer_calibration`."""
+    from .kvquant import model_shape_name, probes_match, weight_probe
+
+    if not isinstance(record, dict):
+        return
+    model = model_or_config if hasattr(model_or_config, "named_parameters") else None
+    shape = model_shape_name(model.config if model is not None else model_or_config)
+    if record.get("shape") not in (None, shape):
+        raise ValueError(f"{what} {str(path)!r} was made for a {record['shape']} model, not "
+                         f"this {shape} one: calibrate it for this model")
+    probe = weight_probe(model) if model is not None and record.get("probe") else None
+    if probe is not None and not probes_match(probe, record["probe"]):
+        raise ValueError(f"{what} {str(path)!r} was made for another model of this shape (its "
+                         "first key projection's weights differ): calibrate it for this model")
+    for field, value in (record.get("spec") or {}).items():
+        if getattr(spec, field, value) != value:
+            raise ValueError(f"{what} {str(path)!r} was made for {field}={value!r}, this spec "
+                             f"has {field}={getattr(spec, field)!r}: calibrate it for this spec")
+
+
 def calibration_ids(model, text: str, tokens: int, what: str, log=None):
     """``[1, tokens]`` ids of the named ``text`` for a ``calibration='auto'`` run, tokenized with
     the tokenizer :func:`kvbits.data.load_model` attaches to the model (``what``: what the caller

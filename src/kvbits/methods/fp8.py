@@ -19,7 +19,7 @@ import torch
 from ..reference import hadamard as ref_hadamard
 from ..reference import quant as ref_quant
 from ..spec import CALIBRATION_USES, QuantSpec
-from . import calibration_ids, per_layer_calibration
+from . import calibration_ids, check_made_for, made_for, per_layer_calibration
 
 __all__ = ["auto_fp8_scales", "calibrate_fp8", "layer_scales", "load_fp8_scales",
            "save_fp8_scales"]
@@ -58,23 +58,48 @@ def calibrate_fp8(model, input_ids: torch.Tensor, spec: QuantSpec, window: int =
     return out
 
 
-def save_fp8_scales(path, scales: list, **metadata) -> None:
+FP8_FIELDS = ("fp8_granularity", "hadamard")  # the spec fields calibrated scales depend on
+
+
+def save_fp8_scales(path, scales: list, model=None, spec: QuantSpec | None = None,
+                    **metadata) -> None:
+    """Write per-layer ``(k_scale, v_scale)`` to ``path`` (safetensors; ``metadata`` kept as
+    strings). With the ``model`` and ``spec`` they were calibrated for, the file records both
+    and :func:`load_fp8_scales` refuses it for another model or spec."""
+    import json
+
     from safetensors.torch import save_file
 
     tensors = {}
     for i, (k, v) in enumerate(scales):
         tensors[f"layer.{i}.k_scale"] = k.float().contiguous()
         tensors[f"layer.{i}.v_scale"] = v.float().contiguous()
-    save_file(tensors, str(path), metadata={k: str(v) for k, v in metadata.items()})
+    meta = {k: str(v) for k, v in metadata.items()}
+    if model is not None and spec is not None:
+        meta["made_for"] = json.dumps(made_for(model, spec, FP8_FIELDS))
+    save_file(tensors, str(path), metadata=meta)
 
 
-def load_fp8_scales(path) -> list:
-    from safetensors.torch import load_file
+def load_fp8_scales(path, model_or_config=None, spec: QuantSpec | None = None) -> list:
+    """The scales of a :func:`save_fp8_scales` file; given the model (or config) and spec that
+    will use them, a file that records another is refused."""
+    import json
+
+    from safetensors import safe_open
 
     try:
-        t = load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+            meta = f.metadata() or {}
     except Exception as exc:  # noqa: BLE001
         raise ValueError(f"cannot read fp8 scales from {str(path)!r}: {exc}") from None
+    if model_or_config is not None and spec is not None and "made_for" in meta:
+        try:
+            record = json.loads(meta["made_for"])
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{str(path)!r}: its 'made_for' metadata is not JSON ({exc})") \
+                from None
+        check_made_for(record, model_or_config, spec, "fp8 scale file", path)
     n = len([k for k in t if k.endswith(".k_scale")])
     try:
         return [(t[f"layer.{i}.k_scale"], t[f"layer.{i}.v_scale"]) for i in range(n)]
@@ -105,7 +130,8 @@ def layer_scales(model_or_config, spec: QuantSpec, calibration, n_layers: int) -
                          "calibration='auto') (amax on SOTU 1900-1999), a file from "
                          "kvbits.methods.fp8.save_fp8_scales, or use preset 'fp8-dynamic'")
     scales = per_layer_calibration(calibration, model_or_config,
-                                   lambda model: auto_fp8_scales(model, spec), load_fp8_scales,
+                                   lambda model: auto_fp8_scales(model, spec),
+                                   lambda path: load_fp8_scales(path, model_or_config, spec),
                                    "fp8 calibration", n_layers)
     for i, pair in enumerate(scales):  # checked here, before any layer is built or attended
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2):

@@ -34,7 +34,7 @@ import torch
 
 from ..reference import hadamard as ref_hadamard
 from ..spec import QuantSpec
-from . import calibration_ids, calibration_windows, per_layer_calibration
+from . import calibration_ids, calibration_windows, check_made_for, made_for, per_layer_calibration
 
 __all__ = ["auto_hadamard_channels", "calibrate_hadamard", "choose_channels", "collect_qk",
            "layer_channels", "load_hadamard_channels", "rotation_cost",
@@ -143,20 +143,33 @@ def calibrate_hadamard(model, input_ids: torch.Tensor, spec: QuantSpec,
     return out
 
 
-def save_hadamard_channels(path, channels: list, **info) -> Path:
-    """Write the per-layer, per-head channel lists as JSON (``info`` stored beside them)."""
+HADAMARD_FIELDS = ("group_size", "pre_rope")  # the spec fields the channel choice depends on
+
+
+def save_hadamard_channels(path, channels: list, model=None, spec: QuantSpec | None = None,
+                           **info) -> Path:
+    """Write the per-layer, per-head channel lists as JSON (``info`` stored beside them). With
+    the ``model`` and ``spec`` they were chosen for, the file records both and
+    :func:`load_hadamard_channels` refuses it for another model or spec."""
     path = Path(path)
-    path.write_text(json.dumps({"format": FORMAT, "layers": channels, "info": info}) + "\n")
+    doc = {"format": FORMAT, "layers": channels, "info": info}
+    if model is not None and spec is not None:
+        doc["made_for"] = made_for(model, spec, HADAMARD_FIELDS)
+    path.write_text(json.dumps(doc) + "\n")
     return path
 
 
-def load_hadamard_channels(path) -> list:
+def load_hadamard_channels(path, model_or_config=None, spec: QuantSpec | None = None) -> list:
+    """The channel lists of a :func:`save_hadamard_channels` file; given the model (or config)
+    and spec that will use them, a file that records another is refused."""
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read Hadamard channels from {str(path)!r}: {exc}") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"{str(path)!r} is not a kvbits Hadamard channel file ({FORMAT})")
+    if model_or_config is not None and spec is not None:
+        check_made_for(doc.get("made_for"), model_or_config, spec, "Hadamard channel file", path)
     return doc["layers"]
 
 
@@ -186,4 +199,5 @@ def layer_channels(model_or_config, spec: QuantSpec, calibration, n_layers: int)
                          "save_hadamard_channels")
     return per_layer_calibration(calibration, model_or_config,
                                  lambda model: auto_hadamard_channels(model, spec),
-                                 load_hadamard_channels, "Hadamard calibration", n_layers)
+                                 lambda path: load_hadamard_channels(path, model_or_config, spec),
+                                 "Hadamard calibration", n_layers)

@@ -538,10 +538,10 @@ def model_fingerprint(model, probe: list[float] | None = None) -> str:
         mant, exp = torch.frexp(torch.tensor(probe, dtype=torch.float64))
         coarse = (torch.sign(mant) * (exp + 1000)).long()
         h = hashlib.sha1(coarse.numpy().tobytes()).hexdigest()[:12]
-    return f"{_shape_name(model.config)}-{h}"
+    return f"{model_shape_name(model.config)}-{h}"
 
 
-def _shape_name(config) -> str:
+def model_shape_name(config) -> str:
     """``{model_type}-L{layers}-H{kv_heads}-D{head_dim}`` of a model's config."""
     config = config.get_text_config(decoder=True)
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -556,7 +556,7 @@ def _legacy_fingerprint(model) -> str:
     h = "noweights"
     if w is not None:
         h = hashlib.sha1(w.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:12]
-    return f"{_shape_name(model.config)}-{h}"
+    return f"{model_shape_name(model.config)}-{h}"
 
 
 def probes_match(a: list[float], b: list[float]) -> bool:
@@ -598,12 +598,12 @@ class Calibration:
         if fp is None:
             same = True
         elif self.probe is not None:
-            same = (_shape_name(model.config) == self.fingerprint.rsplit("-", 1)[0]
+            same = (model_shape_name(model.config) == self.fingerprint.rsplit("-", 1)[0]
                     and probe is not None and probes_match(probe, self.probe))
         else:
             same = _legacy_fingerprint(model) == self.fingerprint
         if fp is None and hasattr(model, "get_text_config"):  # a config: its shape at least
-            fp = _shape_name(model)
+            fp = model_shape_name(model)
             same = fp == self.fingerprint.rsplit("-", 1)[0]
         if not same:
             old = (" (the file has no weight probe: written by an old kvbits, or damaged)"
