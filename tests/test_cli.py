@@ -160,6 +160,11 @@ def test_parse_hf_variants_accepts_what_the_backends_use():
     (["bench", "--contexts", "99999999999999999999"],
      r"--contexts: expected integers in 1\.\.2147483647"),
     (["needle", "--depths", "nan"], "--depths: depths are percentages in 0..100"),
+    # a value given twice ran its cells twice (needle counted their trials twice)
+    (["needle", "--lengths", "1k,1024"], r"argument --lengths: 1024 given twice"),
+    (["needle", "--depths", "50,50.0"], r"argument --depths: 50 given twice"),
+    (["bench", "--contexts", "4k,4k"], r"argument --contexts: 4096 given twice"),
+    (["bench", "--batches", "1,2,1"], r"argument --batches: 1 given twice"),
     # a context of 0 tokens printed a table of "0 B" and "max batch -"; a negative one named
     # ">= 0" (0 was taken)
     (["memory", "--context", "0"], r"argument --context: expected tokens >= 1 \(4096, or 4k"),

@@ -34,6 +34,16 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers (4k = 4096), got {text!r}") from None
     if not vals or min(vals) < 1 or max(vals) > MAX_COUNT:
         raise argparse.ArgumentTypeError(f"expected integers in 1..{MAX_COUNT}, got {text!r}")
+    return _once(vals)
+
+
+def _once(vals: tuple, show=str) -> tuple:
+    """``vals``, each given once: a repeated one ran its cells twice (needle counted their
+    trials twice)."""
+    twice = sorted({v for v in vals if vals.count(v) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"{', '.join(map(show, twice))} given twice; give each "
+                                         "once")
     return vals
 
 
@@ -44,7 +54,7 @@ def _depths(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated percentages, got {text!r}") from None
     if not vals or not all(0 <= v <= 100 for v in vals):  # (NaN compares false: refused)
         raise argparse.ArgumentTypeError(f"depths are percentages in 0..100, got {text!r}")
-    return tuple(v / 100 for v in vals)
+    return tuple(v / 100 for v in _once(vals, lambda v: f"{v:g}"))
 
 
 def _preset_items(text: str) -> tuple[str, ...]:
