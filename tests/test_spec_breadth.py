@@ -73,6 +73,11 @@ def test_for_layer_and_average_bits():
                                                          "skip_layers": (-1,)}):
         with pytest.raises(ValueError, match="is named twice"):
             resolve_spec("kivi-2", **kw).for_layer(0, 4)
+    # the same setting twice is harmless: k4v2-edge8 on a one-layer model (first = last layer)
+    edge = resolve_spec("k4v2-edge8")
+    assert (edge.for_layer(0, 1).key_bits, edge.for_layer(0, 1).value_bits) == (8, 8)
+    assert edge.average_bits(1) == 8
+    assert resolve_spec("kivi-2", skip_layers=(0, -1)).for_layer(0, 1).method == "fp16"
 
 
 def test_unknown_preset_mentions_spec_files():

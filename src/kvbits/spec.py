@@ -216,7 +216,7 @@ class QuantSpec:
                             model_layers=0)
 
     def check_layers(self, n_layers: int) -> None:
-        """Every layer named is in range, and named once: in ``layer_bits`` or in
+        """Every layer named is in range, and given one setting: in ``layer_bits`` or in
         ``skip_layers`` (``-1`` and ``n_layers - 1`` are the same layer), for a model of the
         depth they were chosen for (``model_layers``)."""
         if self.model_layers and n_layers != self.model_layers:
@@ -231,13 +231,18 @@ class QuantSpec:
                                  f"range for a model with {n_layers} layers (allowed "
                                  f"{-n_layers} .. {n_layers - 1}); a spec tuned for another "
                                  "model names that model's layers")
+        # the same layer named twice with the same setting is harmless (k4v2-edge8's first and
+        # last layer on a one-layer model); two different settings for it are refused
+        settings = [(e[0], ("bits", e[1], e[2])) for e in self.layer_bits] \
+            + [(layer, ("fp16",)) for layer in self.skip_layers]
         seen: dict = {}
-        for layer in named:
-            if layer % n_layers in seen:
+        for layer, setting in settings:
+            first = seen.get(layer % n_layers)
+            if first is not None and first[1] != setting:
                 raise ValueError(f"QuantSpec.layer_bits / skip_layers: layer {layer} is named "
-                                 f"twice (as {seen[layer % n_layers]} too) for a model with "
-                                 f"{n_layers} layers; name each layer once")
-            seen[layer % n_layers] = layer
+                                 f"twice (as {first[0]} too), with different settings, for a "
+                                 f"model with {n_layers} layers; name each layer once")
+            seen.setdefault(layer % n_layers, (layer, setting))
 
     def average_bits(self, n_layers: int) -> float:
         """Mean code bits per K/V element over the layers (FP16 layers count 16)."""
