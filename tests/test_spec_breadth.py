@@ -44,6 +44,8 @@ def test_hf_names():
     # FP8 layers kept the store's unrotated keys and neither path turned them back (0.89 off)
     ({"method": "fp8", "key_bits": 8, "value_bits": 8, "pre_rope": True},
      r"pre_rope applies to methods 'kivi', 'uniform', 'kvquant'"),
+    ({"method": "fp16", "pre_rope": True},  # (accepted and ignored before session 53)
+     r"pre_rope applies to methods 'kivi', 'uniform', 'kvquant'.*method is 'fp16'"),
     ({"hadamard": 1}, r"hadamard must be True or False"),
     ({"hadamard_calibrated": True}, r"hadamard_calibrated needs hadamard=True"),
     ({"method": "fp8", "key_bits": 8, "value_bits": 8, "hadamard": True,

@@ -160,10 +160,11 @@ class QuantSpec:
                                              and self.method in ("kivi", "uniform")):
             raise ValueError("QuantSpec.hadamard_calibrated needs hadamard=True and method 'kivi' "
                              f"or 'uniform' (hadamard={self.hadamard}, method={self.method!r})")
-        if self.method == "fp8" and self.pre_rope:
+        if self.method in ("fp8", "fp16") and self.pre_rope:
             raise ValueError("QuantSpec.pre_rope applies to methods 'kivi', 'uniform', 'kvquant' "
                              "(their key scales follow pre-RoPE channels); method 'fp8' keeps "
-                             "one scale per head and its keys post-RoPE")
+                             "one scale per head and its keys post-RoPE, method 'fp16' "
+                             f"quantizes nothing (method is {self.method!r})")
         if self.hadamard and self.pre_rope:
             raise ValueError("QuantSpec.hadamard cannot be combined with pre_rope=True (the "
                              "rotation would not commute with re-applying RoPE)")
