@@ -1066,6 +1066,12 @@ def test_prefix_cache_file_is_checked_before_the_model_loads(capsys, monkeypatch
     # a budget of 0 skipped the search without a word; --budget-contexts without a budget too
     (["bench", "--memory-budget", "0"], r"--memory-budget 0: must be at least one byte"),
     (["bench", "--budget-contexts", "4k"], r"--budget-contexts .* give --memory-budget too"),
+    # options for some presets only, silently unused where none is of that kind
+    (["bench", "--batch-cap", "64"], r"--batch-cap 64 caps the --memory-budget search"),
+    (["bench", "--presets", "fp16,hf-int2", "--presize"],
+     r"--presize sizes kvbits stores, and no preset in --presets is a kvbits one"),
+    (["bench", "--presets", "fp16,kivi-2", "--hf-max-tokens", "1000"],
+     r"--hf-max-tokens 1000 applies to the emulated QuantizedCache \(hf-int2, hf-int4\)"),
 ])
 def test_size_and_budget_options_are_named(capsys, argv, match):
     code, _, err = run(capsys, *argv)

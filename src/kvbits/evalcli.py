@@ -19,6 +19,8 @@ def _log(msg: str) -> None:
 
 
 MAX_COUNT = 2**31 - 1  # token counts, batches, contexts: int32 in the kernels
+BATCH_CAP = 512  # bench --batch-cap's default
+HF_MAX_TOKENS = 1 << 22  # bench --hf-max-tokens' default
 
 
 def _int_k(item: str) -> int:
@@ -234,14 +236,23 @@ def _cmd_bench(args) -> int:
     from .cli import parse_size
     from .eval.speed import BenchConfig, environment, parse_variant, run_bench, write_bench
 
-    for v in args.presets:
-        parse_variant(v)  # fail before building anything
+    kinds = {parse_variant(v).kind for v in args.presets}  # fail before building anything
     budget = parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None
     if budget is not None and budget <= 0:  # (0 skipped the search without a word)
         raise ValueError(f"--memory-budget {args.memory_budget}: must be at least one byte")
     if args.budget_contexts and budget is None:
         raise ValueError("--budget-contexts are the contexts of the --memory-budget search: give "
                          "--memory-budget too")
+    # options for some presets only: silently unused where none is of that kind
+    if args.batch_cap is not None and budget is None:
+        raise ValueError(f"--batch-cap {args.batch_cap} caps the --memory-budget search: give "
+                         "--memory-budget too")
+    if args.presize and "kvbits" not in kinds:
+        raise ValueError("--presize sizes kvbits stores, and no preset in --presets is a kvbits "
+                         "one (e.g. kivi-2)")
+    if args.hf_max_tokens is not None and "hf" not in kinds:
+        raise ValueError(f"--hf-max-tokens {args.hf_max_tokens} applies to the emulated "
+                         "QuantizedCache (hf-int2, hf-int4), and no preset in --presets is one")
     if args.device is None and not torch.cuda.is_available():
         raise ValueError("kvbits bench times GPU decoding and found no CUDA device; for a CPU "
                          "smoke test pass --device cpu (with a small --model, e.g. tiny)")
@@ -255,7 +266,9 @@ def _cmd_bench(args) -> int:
                       warmup=args.warmup, fill=args.fill,
                       budget=budget,
                       budget_contexts=args.budget_contexts or args.contexts[:1],
-                      batch_cap=args.batch_cap, hf_max_tokens=args.hf_max_tokens,
+                      batch_cap=args.batch_cap or BATCH_CAP,
+                      hf_max_tokens=HF_MAX_TOKENS if args.hf_max_tokens is None
+                      else args.hf_max_tokens,
                       presize=args.presize, device=device)
     env = environment(shlex.join(["kvbits", *args.argv]))
     env["git"] = _git_commit()
@@ -307,9 +320,9 @@ def _register_bench(sub) -> None:
                    help="also find the largest batch whose decode peak fits SIZE (e.g. 80GB); CUDA")
     p.add_argument("--budget-contexts", type=_ints,
                    help="contexts for the budget search (default: the first of --contexts)")
-    p.add_argument("--batch-cap", type=_positive, default=512,
-                   help="largest batch tried (default 512)")
-    p.add_argument("--hf-max-tokens", type=_non_negative, default=1 << 22,
+    p.add_argument("--batch-cap", type=_positive,  # (None: not given)
+                   help=f"largest batch the --memory-budget search tries (default {BATCH_CAP})")
+    p.add_argument("--hf-max-tokens", type=_non_negative,  # (None: not given)
                    help="skip the emulated QuantizedCache above batch*context (default 4M)")
     p.add_argument("--presize", action="store_true",
                    help="kvbits stores: allocate the packed buffers for the final length before "
