@@ -106,6 +106,12 @@ def test_parse_variant():
     ("hf-int2:G=0", "q_group_size must be an integer >= 1"),  # was accepted
     ("hf-int4:R=-1", "residual_length must be an integer >= 0"),  # was accepted
     ("kivi-2,kivi-4", "takes one preset, got 2"),  # was "too many values to unpack"
+    # accepted: a suffix twice, the last of two values, and +eager-steps dropped by +graphs
+    ("kivi-2+graphs+graphs", r"bad variant 'kivi-2\+graphs\+graphs': \+graphs given twice"),
+    ("kivi-2+graphs+fused+fused", r"\+fused given twice"),
+    ("kivi-2+eager-steps+eager-steps", r"\+eager-steps given twice"),
+    ("kivi-2+eager-steps+graphs", r"\+graphs: .*\+eager-steps .* one or the other"),
+    ("hf-int2:R=5,R=6", r"'hf-int2:R=5,R=6' sets residual_length twice"),
 ])
 def test_parse_variant_errors_name_the_field(text, match):
     with pytest.raises(ValueError, match=match):

@@ -266,6 +266,9 @@ def parse_variant(text: str) -> Variant:
     eagerly too, not replayed from per-layer CUDA graphs (:mod:`kvbits.integrations.
     step_graphs`, the default)."""
     text = text.strip()
+    for suffix in ("+graphs", "+fused", "+eager-steps"):  # (a second one was accepted)
+        if text.count(suffix) > 1:
+            raise ValueError(f"bad variant {text!r}: {suffix} given twice")
     if text.endswith("+eager-steps"):
         base = parse_variant(text[: -len("+eager-steps")])
         if base.kind != "kvbits" or base.graphs:
@@ -282,6 +285,10 @@ def parse_variant(text: str) -> Variant:
         base = parse_variant(text[: -len("+graphs")])
         if base.kind not in ("fp16", "kvbits"):
             raise ValueError(f"bad variant {text!r}: +graphs applies to fp16 or a kvbits preset")
+        if not base.step_graphs:  # (it was dropped without a word)
+            raise ValueError(f"bad variant {text!r}: +graphs: the graph loop replays whole "
+                             "decode steps, +eager-steps keeps generate() with eager layer "
+                             "steps; give one or the other")
         spec = {"sdpa": "flash"} if base.kind == "fp16" else base.spec
         return Variant(text, base.kind, spec, graphs=True)
     if text == "fp16":
@@ -302,11 +309,15 @@ def parse_variant(text: str) -> Variant:
             raise ValueError(f"bad variant {text!r}: nbits must be 2, 4 or 8")
         spec = {"nbits": nbits, "q_group_size": 64, "residual_length": 128}
         alias = {"G": "q_group_size", "R": "residual_length"}
+        seen = set()
         for pair in filter(None, rest.split(",")):
             k, eq, v = pair.partition("=")
             k = alias.get(k.strip(), k.strip())
             if not eq or k not in spec or k == "nbits":
                 raise ValueError(f"bad override {pair!r} in {text!r}: use G=.. or R=..")
+            if k in seen:  # (the last one won)
+                raise ValueError(f"bad variant {text!r}: {text!r} sets {k} twice; give it once")
+            seen.add(k)
             low = 1 if k == "q_group_size" else 0
             try:
                 spec[k] = int(v)
