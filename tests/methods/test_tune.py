@@ -156,3 +156,25 @@ def test_allocate_matches_brute_force():
         assert (sum(row[CHOICES.index(b)] for row, b in zip(costs, got)), -sum(got)) == best
 
     check()
+
+
+def test_tune_keeps_the_base_fp16_layers(model, tmp_path):
+    """A base with skip_layers (a spec file) was refused; its FP16 layers are now kept, not
+    measured, and count 16 bits in the average budget, so the tuned layers share the rest."""
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(5))
+    base = resolve_spec("kivi-3", skip_layers=(-1,))
+    sens = layer_sensitivity(model, ids, base, (2, 4), window=64)
+    assert (sens["k"][2] == 0).all() and (sens["k"][:2, 0] > 0).all()  # layer 2 not run
+    r = tune(model, ids, base, 8.0, window=64)  # 16 + 2 x 4 layers' tensors at 8 bits fit
+    assert r.spec.skip_layers == (-1,) and [e[0] for e in r.spec.layer_bits] == [0, 1]
+    assert r.spec.for_layer(2, 3).method == "fp16" and r.sensitivity["k"][2] is None
+    assert r.avg_bits == r.spec.average_bits(3) <= 8.0
+    assert r.avg_bits == (16 * 2 + 2 * 2 * 4) / 6  # budget 48: 32 to FP16, 16 over 4 tensors
+    path = tmp_path / "skip.json"
+    r.spec.save(path, sensitivity=r.sensitivity)
+    assert resolve_spec(str(path)) == r.spec
+    with pytest.raises(ValueError, match=r"avg_bits=6.0 over 3 layers cannot be met with 1 of "
+                                         r"them kept in FP16"):
+        tune(model, ids, base, 6.0, window=64)
+    with pytest.raises(ValueError, match="cannot be met with 3 of them kept in FP16"):
+        tune(model, ids, resolve_spec("kivi-3", skip_layers=(0, 1, 2)), 8.0, window=64)

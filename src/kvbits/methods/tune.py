@@ -14,7 +14,11 @@
    among 2, 3, 4, 8 to minimise the total under ``avg_bits * 2 * layers`` bits, exactly (a
    knapsack dynamic program over integer bits).
 
-The result is a :class:`~kvbits.spec.QuantSpec` with one ``layer_bits`` entry per layer, saved as
+A base with ``skip_layers`` (a spec file) keeps those layers in FP16: they are not measured, and
+they count 16 bits per element in the average, as in :meth:`~kvbits.spec.QuantSpec.average_bits`
+(the budget is the memory's), so the other layers share what is left of it.
+
+The result is a :class:`~kvbits.spec.QuantSpec` with one ``layer_bits`` entry per tuned layer, saved as
 a spec file that ``KVBitsCache(model, path)`` and ``kvbits ppl --presets path`` read.
 
 A base with calibrated Hadamard subsets (``kivi-3-hadc``) is measured with its rotation: the
@@ -43,7 +47,7 @@ _STATE: dict = {"layer": None, "kind": None, "spec": None, "channels": None, "in
 @dataclass
 class TuneResult:
     spec: QuantSpec
-    sensitivity: dict  # {"k": [[s2, s3, s4, s8] per layer], "v": ...}
+    sensitivity: dict  # {"k": [[s2, s3, s4, s8] per layer (None: kept in FP16)], "v": ...}
     avg_bits: float
     predicted_kl: float
     info: dict = field(default_factory=dict)
@@ -94,7 +98,8 @@ def _register() -> None:
 def layer_sensitivity(model, input_ids: torch.Tensor, base: QuantSpec, bits=(2, 4),
                       window: int = 512, log=None, calibration="auto") -> dict:
     """``{"k": tensor [layers, len(bits)], "v": ...}``: mean KL (nats per token) of the model
-    with one layer's K (or V) quantized at each of ``bits`` by ``base``'s method, vs FP.
+    with one layer's K (or V) quantized at each of ``bits`` by ``base``'s method, vs FP (0 for
+    the layers ``base`` keeps in FP16, which are not run).
     ``calibration``: the Hadamard channel subsets of a ``hadamard_calibrated`` base (as for
     ``KVBitsCache``: ``"auto"``, the per-layer lists or a file); ignored otherwise."""
     from ..reference.rope import model_inv_freqs
@@ -104,6 +109,8 @@ def layer_sensitivity(model, input_ids: torch.Tensor, base: QuantSpec, bits=(2, 
     _register()
     config = model.config.get_text_config(decoder=True)
     n_layers = config.num_hidden_layers
+    base.check_layers(n_layers)
+    skip = {i % n_layers for i in base.skip_layers}  # FP16 layers: nothing to measure
     channels = (layer_channels(model, base, calibration, n_layers)
                 if base.hadamard_calibrated else None)
     # a pre-RoPE base: the trials' stores turn the keys back as the cache's do
@@ -120,7 +127,7 @@ def layer_sensitivity(model, input_ids: torch.Tensor, base: QuantSpec, bits=(2, 
         _STATE.update(layer=None, channels=channels, inv_freqs=inv_freqs)
         ref = logprobs()
         out = {"k": torch.zeros(n_layers, len(bits)), "v": torch.zeros(n_layers, len(bits))}
-        for layer in range(n_layers):
+        for layer in (i for i in range(n_layers) if i not in skip):
             for kind in ("k", "v"):
                 for j, b in enumerate(bits):
                     spec = base.replace(key_bits=b, value_bits=b)
@@ -203,27 +210,37 @@ def check_tune_args(base: QuantSpec, avg_bits: float, base_name: str, avg_name: 
     if base.method not in ("kivi", "uniform"):
         raise ValueError(f"{base_name} is method {base.method!r}; tune allocates the bits of "
                          "method 'kivi' or 'uniform' (e.g. kivi-3, kivi-3-had, uniform-int4)")
-    if base.per_layer:  # the allocation would replace them, silently
-        raise ValueError(f"{base_name} already sets per-layer bits or FP16 layers (layer_bits / "
-                         "skip_layers), which tune would replace with its own: give a preset "
-                         "with one width for all layers (e.g. kivi-3)")
+    if base.layer_bits:  # the allocation would replace them, silently
+        raise ValueError(f"{base_name} already sets per-layer bits (layer_bits), which tune "
+                         "would replace with its own: give a spec with one width for all layers "
+                         "(e.g. kivi-3; FP16 layers, skip_layers, are kept)")
 
 
 def tune(model, input_ids: torch.Tensor, base: QuantSpec, avg_bits: float,
          window: int = 512, log=None, calibration="auto") -> TuneResult:
     """Sensitivities on ``input_ids`` and the allocation for ``avg_bits`` (per element, over
-    every layer's K and V); ``base`` gives the method and grouping (e.g. kivi-3, or kivi-3-hadc
+    every layer's K and V, FP16 layers at 16); ``base`` gives the method, the grouping and the
+    layers kept in FP16 (e.g. kivi-3, or kivi-3-hadc
     with its ``calibration``, see :func:`layer_sensitivity`)."""
     check_tune_args(base, avg_bits, "tune: the base spec", "tune: avg_bits")
+    n = model.config.get_text_config(decoder=True).num_hidden_layers
+    base.check_layers(n)
+    tuned = [i for i in range(n) if i not in {j % n for j in base.skip_layers}]
+    budget = math.floor(avg_bits * 2 * n + 1e-9) - 32 * (n - len(tuned))  # FP16 layers: 16 + 16
+    if not tuned or budget < 2 * min(CHOICES) * len(tuned):
+        raise ValueError(f"tune: avg_bits={avg_bits} over {n} layers cannot be met with "
+                         f"{n - len(tuned)} of them kept in FP16 (skip_layers, 16 bits each): "
+                         f"the other {len(tuned)} would need fewer than {min(CHOICES)} bits; "
+                         "raise avg_bits or keep fewer layers in FP16")
     sens = layer_sensitivity(model, input_ids, base, (2, 4), window, log, calibration)
-    n = sens["k"].shape[0]
-    costs = ([_table(*map(float, sens["k"][i])) for i in range(n)]
-             + [_table(*map(float, sens["v"][i])) for i in range(n)])
-    bits = allocate(costs, int(math.floor(avg_bits * 2 * n + 1e-9)))
-    layer_bits = tuple((i, bits[i], bits[n + i]) for i in range(n))
-    spec = base.replace(layer_bits=layer_bits, skip_layers=(), model_layers=n)
+    costs = ([_table(*map(float, sens["k"][i])) for i in tuned]
+             + [_table(*map(float, sens["v"][i])) for i in tuned])
+    bits = allocate(costs, budget)
+    m = len(tuned)
+    layer_bits = tuple((i, bits[j], bits[m + j]) for j, i in enumerate(tuned))
+    spec = base.replace(layer_bits=layer_bits, model_layers=n)
     predicted = sum(c[CHOICES.index(b)] for c, b in zip(costs, bits))
-    table = {"k": [_table(*map(float, sens["k"][i])) for i in range(n)],
-             "v": [_table(*map(float, sens["v"][i])) for i in range(n)]}
+    table = {kind: [_table(*map(float, sens[kind][i])) if i in tuned else None
+                    for i in range(n)] for kind in ("k", "v")}
     return TuneResult(spec, table, spec.average_bits(n), predicted,
                       {"measured_bits": [2, 4], "choices": list(CHOICES)})
