@@ -781,6 +781,12 @@ def test_preset_own_transformers_group_size_beats_the_command_wide_default():
     (["bench", "--device", "cpu", "--out", ""], "--out: give a folder, got an empty string"),
     (["ppl", "--text", ""], r"--text: give a known text \(sotu-2010-2016.*\) or a text file"),
     (["ppl", "--presets", "fp16", "--hf-quantized", ""], "--hf-quantized: give at least one"),
+    # refused after the model had loaded, naming tune's parameters (window=, tokens of text)
+    (["tune", "--tokens", "16"], r"--tokens 16 is fewer than --base 'kivi-3''s group_size 32"),
+    (["tune", "--base", "kivi-3:G=64", "--window", "48"],
+     r"--window 48 is shorter than --base 'kivi-3:G=64''s group_size 64"),
+    (["calibrate", "--tokens", "31"],
+     r"--tokens 31 is fewer than --preset 'kvquant-3''s group_size 32"),
 ])
 def test_bad_arguments_are_refused_before_the_model_loads(capsys, monkeypatch, argv, match):
     """These were refused only after the model and text had loaded (tune: ~20 s on 2 cores),

@@ -536,8 +536,18 @@ def run_calibrate(cfg: CalibrateConfig) -> Path:
     return out
 
 
+def _tokens_reach_a_group(tokens: int, variant: Variant, option: str) -> None:
+    """``--tokens`` of calibration text hold a whole group of the preset (else no token is
+    quantized; refused by tune / calibrate only once the model had loaded)."""
+    G = variant.spec.group_size
+    if tokens < G:
+        raise ValueError(f"--tokens {tokens} is fewer than {option} {variant.label!r}'s "
+                         f"group_size {G}: no token would be quantized; give at least {G}")
+
+
 def _cmd_calibrate(args) -> int:
     variant = parse_preset(args.preset)
+    _tokens_reach_a_group(args.tokens, variant, "--preset")
     text = _check_text(args.text, "--text")  # before the model loads; read once
     run_calibrate(CalibrateConfig(args.model, args.text, variant, args.tokens, args.window,
                                   args.output, text))
@@ -581,6 +591,11 @@ def _cmd_tune(args) -> int:
 
     base = parse_preset(args.base, "--base")
     check_tune_args(base.spec, args.avg_bits, f"--base {base.label!r}", "--avg-bits")
+    _tokens_reach_a_group(args.tokens, base, "--base")
+    if args.window < base.spec.group_size:
+        raise ValueError(f"--window {args.window} is shorter than --base {base.label!r}'s "
+                         f"group_size {base.spec.group_size}: no token would be quantized; give "
+                         f"at least {base.spec.group_size}, best a multiple of it")
     text = _check_text(args.text, "--text")  # before the model loads; read once
     run_tune(TuneConfig(args.model, args.text, args.avg_bits, base, args.tokens, args.window,
                         args.output, text))
