@@ -787,6 +787,12 @@ def test_preset_own_transformers_group_size_beats_the_command_wide_default():
      r"--window 48 is shorter than --base 'kivi-3:G=64''s group_size 64"),
     (["calibrate", "--tokens", "31"],
      r"--tokens 31 is fewer than --preset 'kvquant-3''s group_size 32"),
+    # runs in which no token reads the quantized cache back, known from the options alone
+    (["ppl", "--tokens", "100"], r"--chunk 256 covers every window \(100 tokens"),
+    (["ppl", "--tokens", "1000", "--window", "200"], r"--chunk 256 covers every window"),
+    (["ppl", "--tokens", "160", "--chunk", "32", "--presets", "fp16,kivi-2"],
+     r"--presets kivi-2: no scored token would read its quantized groups"),
+    (["demo", "--tokens", "200"], r"--chunk 256 covers every window \(200 tokens"),
 ])
 def test_bad_arguments_are_refused_before_the_model_loads(capsys, monkeypatch, argv, match):
     """These were refused only after the model and text had loaded (tune: ~20 s on 2 cores),

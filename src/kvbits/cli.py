@@ -221,7 +221,8 @@ def _check_chunks(model, n_tokens: int, chunk: int, window: int | None, stride: 
     scored token reads its quantized groups: the first group is quantized only once the
     sequence holds S + R + G tokens, so shorter windows score every preset like FP16.
     ``option`` names the presets and ``has_window`` whether the command has ``--window`` (the
-    way out is said in the command's own flags)."""
+    way out is said in the command's own flags). ``model`` is read only where ``window`` is
+    None (its default window)."""
     from .eval.perplexity import default_window, plan_windows, reads_cache
 
     window = default_window(model) if window is None else window
@@ -495,6 +496,11 @@ def _cmd_ppl(args) -> int:
         raise ValueError(f"--stride {args.stride} must be at most the window (the default: the "
                          f"model's max_position_embeddings, at most {WINDOW_CAP}; or give "
                          "--window)")
+    if any(v.kind == "hf" or v.spec.method != "fp16" for v in variants):
+        # before the model loads, at the most tokens and the largest window the run can have
+        # (checked again once the text and the model's window are known)
+        _check_chunks(None, args.tokens, args.chunk, args.window or WINDOW_CAP, args.stride,
+                      variants)
     _check_calibration(args.calibration, variants)
     calib_text = _check_calib_text(args.calib_text, args.calibration, variants)
     calib_tokens = _check_calib_tokens(args.calib_tokens, args.calibration, variants)
@@ -957,6 +963,11 @@ def _demo_prompt(tokenizer, ids) -> str:
 
 
 def _cmd_demo(args) -> int:
+    from .eval.perplexity import WINDOW_CAP
+
+    # before the model loads, as run_demo checks once it knows the text and the window
+    _check_chunks(None, args.tokens, args.chunk, WINDOW_CAP, None,
+                  parse_presets(",".join(DemoConfig.presets)), option="preset", has_window=False)
     run_demo(DemoConfig(model=args.model, tokens=args.tokens, chunk=args.chunk))
     return 0
 
