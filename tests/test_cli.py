@@ -301,6 +301,16 @@ def test_output_paths_are_checked_before_any_work(capsys, tmp_path):
     assert code == 0 and (tmp_path / "a" / "b.json").exists()
 
 
+def test_a_refused_command_leaves_no_output_folders(capsys, tmp_path):
+    """The output check created the folders of --json / --out (needle's and bench's default
+    ./kvbits-results too), so a command refused after it left them behind, empty."""
+    for argv in (("memory", "--preset", "kivi-9", "--json", str(tmp_path / "a" / "b" / "m.json")),
+                 ("needle", "--presets", "kivi-9", "--out", str(tmp_path / "out"))):
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and "unknown preset 'kivi-9'" in err, err
+        assert list(tmp_path.iterdir()) == [], argv
+
+
 def test_memory_reads_the_config_file_named(capsys, tmp_path):
     """`--config cfgs/x.json` read cfgs/config.json (transformers loads a folder), so a sibling
     config's numbers came out under the named file's name."""
@@ -688,8 +698,10 @@ def test_generate_text_prefix_cache(tmp_path, graphs, monkeypatch):
 def test_preset_own_transformers_group_size_beats_the_command_wide_default():
     # --group-size 32 won over the preset's own q_group_size=64 (its transformers name), though
     # the defaults yield to a preset's overrides: the run measured another group size.
-    u, = parse_presets("uniform:q_group_size=64", group_size=32)
-    assert u.spec.group_size == 64
+    u, k = parse_presets("uniform:q_group_size=64,kivi-2", group_size=32)
+    assert (u.spec.group_size, k.spec.group_size) == (64, 32)
+    with pytest.raises(ValueError, match="--group-size 32: no preset in --presets takes it"):
+        parse_presets("uniform:q_group_size=64", group_size=32)  # (it was silently unused)
     u, k = parse_presets("uniform:nbits=2,kivi-2", group_size=128)
     assert (u.spec.key_bits, u.spec.group_size, k.spec.group_size) == (2, 128, 128)
     with pytest.raises(ValueError, match=r"--presets: 'uniform:axis_key=1': axis_key must be 0"):

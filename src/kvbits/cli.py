@@ -1332,6 +1332,9 @@ def check_outputs(args) -> None:
         if not folder and flag == "--prefix-cache" and path.exists():
             continue  # read, not written
         where = path if folder else path.parent
+        # made to try them, then removed: a command refused later left them behind, empty (the
+        # writers make them again)
+        made = [d for d in (where, *where.parents) if not d.exists()]
         try:
             where.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryFile(dir=where):
@@ -1340,6 +1343,12 @@ def check_outputs(args) -> None:
             why = "a part of it is a file" if isinstance(exc, FileExistsError) else \
                 exc.strerror or exc
             raise ValueError(f"{flag}: cannot write under {str(where)!r}: {why}") from None
+        finally:
+            for d in made:  # deepest first
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
 
 
 def main(argv: list[str] | None = None) -> int:
