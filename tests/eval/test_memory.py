@@ -109,6 +109,12 @@ def test_errors_name_the_parameter():
     ({"batch": 1.5}, "batch must be an integer >= 1, got 1.5"),
     ({"gpu_memory": 0}, "gpu_memory must be a number of bytes > 0, got 0"),  # blamed weights
     ({"gpu_memory": -1}, "gpu_memory must be a number of bytes > 0, got -1"),
+    # a negative weights_bytes added room (max batch 688 for 671 at 80 GB), NaN and an
+    # infinite gpu_memory failed in int() naming neither
+    ({"gpu_memory": 8e10, "weights_bytes": -10**9},
+     r"weights_bytes must be a number of bytes >= 0, got -1000000000"),
+    ({"gpu_memory": 8e10, "weights_bytes": float("nan")}, "weights_bytes must be a number"),
+    ({"gpu_memory": float("inf")}, "gpu_memory must be a number of bytes > 0, got inf"),
 ])
 def test_bad_counts_name_the_parameter(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -174,8 +174,10 @@ def kv_memory(config, preset: str | QuantSpec = "kivi-2", context: int = 4096, b
     for name, value, low in (("context", context, 0), ("batch", batch, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    if gpu_memory is not None and not gpu_memory > 0:
+    if gpu_memory is not None and not 0 < gpu_memory < math.inf:  # (NaN compares false)
         raise ValueError(f"gpu_memory must be a number of bytes > 0, got {gpu_memory!r}")
+    if not 0 <= weights_bytes < math.inf:  # (a negative one added room)
+        raise ValueError(f"weights_bytes must be a number of bytes >= 0, got {weights_bytes!r}")
     fp_tok = shape.layers * shape.kv_heads * fp_bytes_per_token(shape.head_dim)
     if spec.quantized and spec.per_layer:  # per-layer bits: sum over layers (FP16 ones too)
         body_tok = shape.kv_heads * sum(
