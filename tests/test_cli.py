@@ -793,6 +793,9 @@ def test_preset_own_transformers_group_size_beats_the_command_wide_default():
     (["bench", "--device", "cpu", "--out", ""], "--out: give a folder, got an empty string"),
     (["ppl", "--text", ""], r"--text: give a known text \(sotu-2010-2016.*\) or a text file"),
     (["ppl", "--presets", "fp16", "--hf-quantized", ""], "--hf-quantized: give at least one"),
+    # the Markdown overwrote the JSON written to the same file
+    (["ppl", "--presets", "fp16", "--json", "r.out", "--md", "./r.out"],
+     r"--json and --md name the same file 'r.out'; give each its own"),
     # refused after the model had loaded, naming tune's parameters (window=, tokens of text)
     (["tune", "--tokens", "16"], r"--tokens 16 is fewer than --base 'kivi-3''s group_size 32"),
     (["tune", "--base", "kivi-3:G=64", "--window", "48"],

@@ -1313,6 +1313,7 @@ OUTPUT_FOLDERS = {"out": "--out"}
 def check_outputs(args) -> None:
     """Refuse, naming the option, an output path that is the wrong kind (a folder given for a
     file, or the reverse) or under a folder that cannot be created or written."""
+    import itertools
     import tempfile
 
     wanted = [(getattr(args, dest), flag, False) for dest, flag in OUTPUT_FILES.items()
@@ -1324,6 +1325,11 @@ def check_outputs(args) -> None:
             raise ValueError(f"{flag}: give a {'folder' if folder else 'file path'}, got an "
                              "empty string")
     wanted = [(Path(path), flag, folder) for path, flag, folder in wanted]
+    files = [(path.resolve(), path, flag) for path, flag, folder in wanted if not folder]
+    for (a, path, flag), (b, _, other) in itertools.combinations(files, 2):
+        if a == b:  # (the second write replaced the first)
+            raise ValueError(f"{flag} and {other} name the same file {str(path)!r}; give each "
+                             "its own")
     for path, flag, folder in wanted:
         if folder and path.exists() and not path.is_dir():
             raise ValueError(f"{flag}: {str(path)!r} is a file; give a folder")
