@@ -802,6 +802,8 @@ def test_preset_own_transformers_group_size_beats_the_command_wide_default():
      r"--window 48 is shorter than --base 'kivi-3:G=64''s group_size 64"),
     (["calibrate", "--tokens", "31"],
      r"--tokens 31 is fewer than --preset 'kvquant-3''s group_size 32"),
+    # a spec file not named .json was written, then no command or KVBitsCache took it
+    (["tune", "-o", "spec.txt"], r"--output spec.txt: a spec file ends in \.json"),
     # runs in which no token reads the quantized cache back, known from the options alone
     (["ppl", "--tokens", "100"], r"--chunk 256 covers every window \(100 tokens"),
     (["ppl", "--tokens", "1000", "--window", "200"], r"--chunk 256 covers every window"),

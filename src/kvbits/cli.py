@@ -596,6 +596,10 @@ def _cmd_tune(args) -> int:
     from .methods.tune import check_tune_args
 
     base = parse_preset(args.base, "--base")
+    if args.output is not None and not args.output.endswith(".json"):
+        raise ValueError(f"--output {args.output}: a spec file ends in .json (kvbits ppl --presets "
+                         "and KVBitsCache take a spec file by that name); e.g. "
+                         f"{Path(args.output).stem}.json")
     check_tune_args(base.spec, args.avg_bits, f"--base {base.label!r}", "--avg-bits")
     _tokens_reach_a_group(args.tokens, base, "--base")
     if args.window < base.spec.group_size:
@@ -1267,7 +1271,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=_positive, default=1024, help="tokens (default 1024)")
     p.add_argument("--window", type=_at_least_2, default=512, help="tokens per forward (512)")
     p.add_argument("-o", "--output", metavar="PATH",
-                   help="spec file to write (default MODEL-avgBITS.json)")
+                   help="spec file to write, a .json (default MODEL-avgBITS.json)")
     p.set_defaults(func=_cmd_tune)
 
     p = sub.add_parser("memory", help="KV cache bytes per token, max context and max batch",
