@@ -804,6 +804,9 @@ def test_preset_own_transformers_group_size_beats_the_command_wide_default():
      r"--tokens 31 is fewer than --preset 'kvquant-3''s group_size 32"),
     # a spec file not named .json was written, then no command or KVBitsCache took it
     (["tune", "-o", "spec.txt"], r"--output spec.txt: a spec file ends in \.json"),
+    # one window holds every token, so the stride moved nothing
+    (["ppl", "--tokens", "1024", "--window", "2048", "--stride", "512"],
+     r"--stride 512 has no effect: the 1024 tokens \(--tokens\) fit in one window \(2048\)"),
     # runs in which no token reads the quantized cache back, known from the options alone
     (["ppl", "--tokens", "100"], r"--chunk 256 covers every window \(100 tokens"),
     (["ppl", "--tokens", "1000", "--window", "200"], r"--chunk 256 covers every window"),

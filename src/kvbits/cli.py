@@ -324,6 +324,7 @@ def run_ppl(cfg: PplConfig, command: str) -> list[dict]:
     if ids.shape[1] < 2:
         raise ValueError(f"--text {cfg.text}: {ids.shape[1]} token of text; scoring needs at "
                          "least 2")
+    _check_stride_moves(cfg.stride, ids.shape[1], window)
     if any(v.kind == "hf" or v.spec.method != "fp16" for v in cfg.variants):
         _check_chunks(model, ids.shape[1], cfg.chunk, cfg.window, cfg.stride, cfg.variants)
     meta = {"command": command, "date": datetime.datetime.now().astimezone().isoformat(
@@ -349,6 +350,14 @@ def run_ppl(cfg: PplConfig, command: str) -> list[dict]:
         _write_ppl(cfg, meta, results)
     print(_ppl_table(results))
     return results
+
+
+def _check_stride_moves(stride: int | None, tokens: int, window: int) -> None:
+    """Refuse a ``--stride`` where one window holds every token (it moved nothing, silently)."""
+    if stride is not None and tokens <= window:
+        raise ValueError(f"--stride {stride} has no effect: the {tokens} tokens (--tokens) fit "
+                         f"in one window ({window}); leave it out, or give more --tokens or a "
+                         "smaller --window")
 
 
 def _write_ppl(cfg: PplConfig, meta: dict, results: list[dict]) -> None:
@@ -496,6 +505,8 @@ def _cmd_ppl(args) -> int:
         raise ValueError(f"--stride {args.stride} must be at most the window (the default: the "
                          f"model's max_position_embeddings, at most {WINDOW_CAP}; or give "
                          "--window)")
+    if args.window is not None:  # (else once the model's window is known)
+        _check_stride_moves(args.stride, args.tokens, args.window)
     if any(v.kind == "hf" or v.spec.method != "fp16" for v in variants):
         # before the model loads, at the most tokens and the largest window the run can have
         # (checked again once the text and the model's window are known)
