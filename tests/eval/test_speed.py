@@ -156,6 +156,21 @@ def test_time_decode_on_cpu(tiny, variant, monkeypatch):
     assert ("graph_captures" in r) == v.graphs and r.get("graph_captures", 0) == 0  # CPU: eager
 
 
+@pytest.mark.parametrize("kw,match", [
+    # an empty batch failed in a reshape, steps=0 in statistics.median, a negative warmup ran
+    # as 0 and an unknown fill only after the cache was built
+    ({"batch": 0}, "time_decode: batch must be an integer >= 1, got 0"),
+    ({"steps": 0}, "time_decode: steps must be an integer >= 1, got 0"),
+    ({"warmup": -1}, "time_decode: warmup must be an integer >= 0, got -1"),
+    ({"context": -5}, "time_decode: context must be an integer >= 0, got -5"),
+    ({"fill": "zeros"}, "fill must be 'random' or 'model', got 'zeros'"),
+])
+def test_time_decode_refuses_counts_it_cannot_time(kw, match):
+    args = {"batch": 1, "context": 64, **kw}
+    with pytest.raises(ValueError, match=match):
+        time_decode(None, parse_variant("kivi-2"), **args)  # before the model is touched
+
+
 def test_time_decode_with_a_real_prefill(tiny):
     r = time_decode(tiny, parse_variant("kivi-2"), batch=1, context=80, steps=2, warmup=1,
                     fill="model")

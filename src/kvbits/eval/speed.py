@@ -403,6 +403,12 @@ def time_decode(model, variant: Variant, batch: int, context: int, steps: int = 
     from .cachefill import compact_residual, fill_random, presize_store
     from ..integrations.hf import cache_kwargs
 
+    for name, n, low in (("batch", batch, 1), ("context", context, 0), ("steps", steps, 1),
+                         ("warmup", warmup, 0)):  # before any work (they failed obscurely)
+        if not isinstance(n, int) or isinstance(n, bool) or n < low:
+            raise ValueError(f"time_decode: {name} must be an integer >= {low}, got {n!r}")
+    if fill not in ("random", "model"):
+        raise ValueError(f"fill must be 'random' or 'model', got {fill!r}")
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
     cfg = model.config
