@@ -623,3 +623,50 @@ def test_a_fetch_killed_midway_leaves_nothing_behind(tmp_path, monkeypatch):
     assert load_text("fake-npm", **quiet) == "npm\n" and load_text("fake-pypi", **quiet) == "pypi\n"
     left = [p for p in (tmp_path / "kv").rglob("*") if p.name.startswith(".")]
     assert not left, left
+
+
+def test_a_damaged_or_outdated_converted_model_is_converted_again(tmp_path, monkeypatch):
+    """A converted folder with its marker file was taken as whole whatever the rest held: a
+    model.safetensors cut short (a full disk, a copy) or removed failed in from_pretrained on
+    every run ("Error while deserializing header"), and a folder of an older layout
+    (``_CONVERTED_FORMAT`` bumped) was never converted again."""
+    import json
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "kv"))
+    monkeypatch.setitem(MODELS, "fake", data.ModelSource(
+        name="fake", filename="fake.gguf", parts=(("fake==1", "fake/f.gguf"),)))
+    gguf = tmp_path / "fake.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(data, "fetch_gguf", lambda name, log=None: gguf)
+    tiny = _tiny_folder(tmp_path / "tiny")
+    loads = []
+
+    def load_gguf(path, dtype=torch.float32):
+        loads.append(path)
+        return data._load_folder(tiny, dtype)
+
+    monkeypatch.setattr(data, "_load_gguf", load_gguf)
+    quiet = {"log": lambda msg: None}
+    model, _ = load_model("fake", **quiet)
+    folder = cache_dir() / "models" / "fake"
+    weights, marker = folder / "model.safetensors", folder / "kvbits-source.json"
+    assert len(loads) == 1 and marker.is_file()
+    whole = weights.read_bytes()
+    w = model.get_input_embeddings().weight
+
+    def damage_weights():
+        weights.write_bytes(whole[:-100])
+
+    def old_layout():
+        marker.write_text(json.dumps({**json.loads(marker.read_text()), "format": 0}))
+
+    for damage in (damage_weights, weights.unlink, old_layout, lambda: marker.write_text("{")):
+        damage()
+        loads.clear()
+        again, _ = load_model("fake", **quiet)
+        assert len(loads) == 1, damage
+        assert torch.equal(again.get_input_embeddings().weight, w)
+        assert weights.read_bytes() == whole
+    loads.clear()
+    load_model("fake", **quiet)
+    assert not loads  # whole: loaded as it is

@@ -717,6 +717,26 @@ def _converted_dir(gguf_path: Path, key: str | None) -> Path:
     return cache_dir() / "models" / key
 
 
+def _converted_ok(folder: Path) -> bool:
+    """Whether a converted folder is whole and of the current layout: its marker names
+    ``_CONVERTED_FORMAT`` and ``model.safetensors`` is as long as its header says (one cut
+    short or removed failed in ``from_pretrained`` on every run)."""
+    try:
+        marker = json.loads((folder / "kvbits-source.json").read_text())
+        if not isinstance(marker, dict) or marker.get("format") != _CONVERTED_FORMAT \
+                or not (folder / "config.json").is_file():
+            return False
+        weights = folder / "model.safetensors"
+        with open(weights, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
+                  default=0)
+        return weights.stat().st_size == 8 + n + end
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
 def _drop_quantization_config(folder: Path) -> None:
     """Repair a cache folder written with the GGUF ``quantization_config`` kept."""
     cfg_path = folder / "config.json"
@@ -738,14 +758,14 @@ def _converted_model(gguf_path: Path, key: str | None, log: Log, loaded=None) ->
     spare a second slow GGUF load.
     """
     target = _converted_dir(gguf_path, key)
-    marker = target / "kvbits-source.json"
-    if marker.exists():
+    if _converted_ok(target):
         _drop_quantization_config(target)
         return target
     with _locked(target):
-        if marker.exists():
+        if _converted_ok(target):
             return target
-        if target.exists():  # not ours (we publish by renaming a complete folder)
+        if target.exists():  # damaged, of an older layout, or not ours
+            log(f"{target} is incomplete or of an older layout; converting again")
             shutil.rmtree(target)
         _remove_stale_tmp(target)
         t0 = time.perf_counter()
@@ -861,7 +881,7 @@ def load_model(
     name_or_path = os.fspath(name_or_path)  # a Path failed in name_or_path.strip()
     if name_or_path in MODELS:
         folder = cache_dir() / "models" / name_or_path
-        if (folder / "kvbits-source.json").exists():
+        if _converted_ok(folder):
             _drop_quantization_config(folder)
         else:  # the GGUF is needed only to convert
             folder = _converted_model(fetch_gguf(name_or_path, log), name_or_path, log)
