@@ -670,3 +670,26 @@ def test_a_damaged_or_outdated_converted_model_is_converted_again(tmp_path, monk
     loads.clear()
     load_model("fake", **quiet)
     assert not loads  # whole: loaded as it is
+
+
+def test_cache_dir_relative_and_unusable_paths(tmp_path, monkeypatch):
+    """A relative XDG_CACHE_HOME put the cache under whatever folder kvbits ran from (the XDG
+    spec says to ignore it); a relative KVBITS_CACHE is the folder it names from where kvbits
+    started, kept absolute so that a chdir does not move it; a KVBITS_CACHE that is a file
+    failed as "[Errno 17] File exists", naming neither the cache nor the variable."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("KVBITS_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", "rel-xdg")
+    assert cache_dir() == tmp_path / "home" / ".cache" / "kvbits"
+    assert not (tmp_path / "rel-xdg").exists()
+    monkeypatch.setenv("KVBITS_CACHE", "rel kv")  # (a space too)
+    assert cache_dir() == tmp_path / "rel kv" and cache_dir().is_absolute()
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "afile"))
+    with pytest.raises(OSError, match=r"cannot use .*afile as the kvbits cache folder \(.*\): "
+                                      r"set KVBITS_CACHE to a folder kvbits can write in"):
+        cache_dir()
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "afile" / "kv"))
+    with pytest.raises(OSError, match=r"set KVBITS_CACHE"):
+        cache_dir()

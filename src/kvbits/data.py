@@ -189,17 +189,22 @@ TEXTS: dict[str, TextSource] = {
 def cache_dir() -> Path:
     """The kvbits cache folder, created on demand.
 
-    ``$KVBITS_CACHE`` if set, else ``$XDG_CACHE_HOME/kvbits``, else
+    ``$KVBITS_CACHE`` if set (made absolute: a chdir does not move it), else
+    ``$XDG_CACHE_HOME/kvbits`` (a relative one is ignored, as the XDG spec says), else
     ``~/.cache/kvbits``.
     """
     env = os.environ.get("KVBITS_CACHE")
     if env:
-        path = Path(env).expanduser()
+        path = Path(env).expanduser().absolute()
     else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+        xdg = Path(os.environ.get("XDG_CACHE_HOME") or "").expanduser()
+        base = xdg if xdg.is_absolute() else Path.home() / ".cache"
         path = base / "kvbits"
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file there, no permission, a read-only disk
+        raise OSError(f"cannot use {path} as the kvbits cache folder ({exc.strerror or exc}): "
+                      "set KVBITS_CACHE to a folder kvbits can write in") from exc
     return path
 
 
