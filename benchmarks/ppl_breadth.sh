@@ -17,22 +17,24 @@ TOKENS=${TOKENS:-1024}
 PARTS=${PARTS:-"hadamard uniform fp8 tune qwen gemma3"}
 OUT=benchmarks/results
 SPEC=$OUT/specs/smollm2-avg3.json
-run() {  # part, presets, hf variants
-  local hf=()
+run() {  # part, presets, hf variants, calibrating presets among them (1 / 0)
+  local hf=() calib=()
   [ -n "$3" ] && hf=(--hf-quantized "$3")
+  # (kvbits refuses --calib-tokens where no preset calibrates, since session 53)
+  [ "$4" = 1 ] && calib=(--calib-tokens 2048)
   kvbits ppl --model smollm2 --text sotu-2010-2016 --tokens "$TOKENS" --chunk 256 \
-    --calib-tokens 2048 --presets "$2" "${hf[@]}" \
+    "${calib[@]}" --presets "$2" "${hf[@]}" \
     --json "$OUT/ppl_breadth_$1.json" --md "$OUT/ppl_breadth_$1.md" --no-progress
 }
 for part in $PARTS; do
   case $part in
-    hadamard) run hadamard kivi-3-had,kivi-2-had,kivi-3-hadc,kivi-2-hadc "" ;;
+    hadamard) run hadamard kivi-3-had,kivi-2-had,kivi-3-hadc,kivi-2-hadc "" 1 ;;
     uniform) run uniform uniform-int2,uniform-int4 \
-      "quanto:int2,quanto:int4,hqq:int2:axis_key=1,axis_value=1,hqq:int4:axis_key=1,axis_value=1" ;;
-    fp8) run fp8 fp8-dynamic,fp8 "" ;;
+      "quanto:int2,quanto:int4,hqq:int2:axis_key=1,axis_value=1,hqq:int4:axis_key=1,axis_value=1" 0 ;;
+    fp8) run fp8 fp8-dynamic,fp8 "" 1 ;;
     tune)
       [ -f "$SPEC" ] || kvbits tune --model smollm2 --avg-bits 3 --base kivi-3 -o "$SPEC"
-      run tune "$SPEC,k4v2" "" ;;
+      run tune "$SPEC,k4v2" "" 0 ;;
     qwen|gemma3)  # Hadamard on the other models (own fp16 / kivi baselines)
       model=$([ "$part" = qwen ] && echo qwen2.5-0.5b || echo gemma3-270m)
       kvbits ppl --model "$model" --text sotu-2010-2016 --tokens "$TOKENS" --chunk 256 \
