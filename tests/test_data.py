@@ -693,3 +693,19 @@ def test_cache_dir_relative_and_unusable_paths(tmp_path, monkeypatch):
     monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "afile" / "kv"))
     with pytest.raises(OSError, match=r"set KVBITS_CACHE"):
         cache_dir()
+
+
+def test_a_bad_gguf_file_is_named(tmp_path, monkeypatch):
+    """A .gguf given by path that is empty or cut short failed with the reader's words only
+    ("cannot mmap an empty file", struct.error "unpack_from requires a buffer of at least 24
+    bytes", "cannot reshape array of size ..."); a folder named x.gguf was said not to exist."""
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "kv"))
+    bad = tmp_path / "cut short.gguf"
+    for blob in (b"", b"GGUF\3\0\0\0", b"hello"):
+        bad.write_bytes(blob)
+        with pytest.raises(ValueError, match=r"cannot load the GGUF file .*cut short\.gguf: .+ "
+                                             r"\(a file cut short"):
+            load_model(str(bad), log=lambda msg: None)
+    (tmp_path / "dir.gguf").mkdir()
+    with pytest.raises(ValueError, match=r"model folder '.*dir\.gguf' has no config\.json"):
+        load_model(str(tmp_path / "dir.gguf"))

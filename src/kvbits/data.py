@@ -36,6 +36,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tarfile
@@ -632,11 +633,17 @@ def _load_gguf(gguf_path: str | Path, dtype: torch.dtype = torch.float32):
         extra["quantization_config"] = GgufConfig(dequantize=True)
     except ImportError:  # older transformers always dequantize
         pass
-    with _hub_offline():
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype, **extra
-        )
+    try:
+        with _hub_offline():
+            tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype, **extra
+            )
+    except (ValueError, struct.error, EOFError, IndexError) as exc:
+        # The reader's words alone ("cannot mmap an empty file", "cannot reshape array ...")
+        # named neither the file nor the likely cause.
+        raise ValueError(f"cannot load the GGUF file {gguf_path}: {exc} (a file cut short, by "
+                         "an interrupted download or copy, fails this way)") from exc
     model.eval()
     return model, tok
 
@@ -899,7 +906,7 @@ def load_model(
         if path.is_file() and path.suffix.lower() == ".gguf":
             folder = _converted_model(path, None, log)
             model, tok = _load_folder(folder, dtype)
-        elif path.suffix.lower() == ".gguf":
+        elif path.suffix.lower() == ".gguf" and not path.exists():
             raise ValueError(f"model file {name_or_path!r} does not exist")
         elif path.is_dir():
             if not (path / "config.json").is_file():
