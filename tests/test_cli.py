@@ -827,6 +827,24 @@ def test_bad_arguments_are_refused_before_the_model_loads(capsys, monkeypatch, a
     assert code == 2 and re.search(match, err), err
 
 
+def test_an_output_path_that_is_an_input_file_is_refused(capsys, monkeypatch, tmp_path):
+    """`ppl --text F --json F` read the text, then wrote the table over it (the user's file
+    lost); refused before any work, naming the option."""
+    import kvbits.data
+
+    monkeypatch.setattr(kvbits.data, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    text = tmp_path / "my text.txt"
+    text.write_text("four score and seven years ago " * 200)
+    for argv in (["ppl", "--text", str(text), "--json", str(text)],
+                 ["ppl", "--text", str(text), "--md", str(tmp_path / "." / "my text.txt")],
+                 ["ppl", "--presets", "kvquant-3", "--calib-text", str(text), "--json",
+                  str(text)]):
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and re.search(r"--(json|md) names the --(calib-)?text file .*replace it",
+                                       err), err
+    assert text.read_text().startswith("four score")
+
+
 def test_missing_npm_is_one_line_without_a_traceback(capsys, monkeypatch, tmp_path):
     """The SOTU texts come from npm; without it the command ended in a traceback."""
     import kvbits.data

@@ -1323,6 +1323,8 @@ def _version() -> str:
 OUTPUT_FILES = {"json": "--json", "md": "--md", "output": "--output",
                 "prefix_cache": "--prefix-cache"}
 OUTPUT_FOLDERS = {"out": "--out"}
+# Input files an output path must not replace (argparse dest -> what it holds).
+INPUT_FILES = {"text": "--text", "calib_text": "--calib-text", "calibration": "--calibration"}
 
 
 def check_outputs(args) -> None:
@@ -1345,6 +1347,15 @@ def check_outputs(args) -> None:
         if a == b:  # (the second write replaced the first)
             raise ValueError(f"{flag} and {other} name the same file {str(path)!r}; give each "
                              "its own")
+    for dest, source in INPUT_FILES.items():  # (the input was read, then overwritten)
+        given = getattr(args, dest, None)
+        if isinstance(given, str) and given and Path(given).is_file():
+            same = [flag for resolved, _, flag in files if resolved == Path(given).resolve()
+                    and flag != "--prefix-cache"]
+            if same:
+                raise ValueError(f"{same[0]} names the {source} file {given!r}, which the "
+                                 "command reads: writing there would replace it; give another "
+                                 "path")
     for path, flag, folder in wanted:
         if folder and path.exists() and not path.is_dir():
             raise ValueError(f"{flag}: {str(path)!r} is a file; give a folder")
