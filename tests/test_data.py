@@ -709,3 +709,25 @@ def test_a_bad_gguf_file_is_named(tmp_path, monkeypatch):
     (tmp_path / "dir.gguf").mkdir()
     with pytest.raises(ValueError, match=r"model folder '.*dir\.gguf' has no config\.json"):
         load_model(str(tmp_path / "dir.gguf"))
+
+
+def test_a_read_only_cache_says_so(tmp_path, monkeypatch):
+    """A cache kvbits cannot write in (read-only disk, another user's) ended in a bare
+    "[Errno 13] Permission denied: '.../sotu-2010-2016.txt.lock'" once something was missing;
+    what is in it already is still read."""
+    import builtins
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "kv"))
+    (cache_dir() / "texts").mkdir()
+    (cache_dir() / "texts" / "lee-news.txt").write_text("cached\n")
+
+    def read_only(file, mode="r", *args, **kwargs):
+        if any(c in mode for c in "wax+"):
+            raise PermissionError(13, "Permission denied", str(file))
+        return builtins.open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(data, "open", read_only, raising=False)
+    assert load_text("lee-news") == "cached\n"
+    with pytest.raises(OSError, match=r"cannot write in the kvbits cache .*texts \(Permission "
+                                      r"denied\) to make sotu-2010-2016\.txt: set KVBITS_CACHE"):
+        load_text("sotu-2010-2016", log=lambda msg: None)

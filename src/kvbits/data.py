@@ -220,9 +220,15 @@ def _logger(log: Log | None) -> Log:
 @contextlib.contextmanager
 def _locked(target: Path) -> Iterator[None]:
     """Exclusive inter-process lock for producing ``target``."""
-    target.parent.mkdir(parents=True, exist_ok=True)
     lock_path = target.with_name(target.name + ".lock")
-    with open(lock_path, "a+") as fh:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(lock_path, "a+")  # noqa: SIM115 - closed by the with below
+    except OSError as exc:  # a read-only cache: a bare "Permission denied: '....lock'" before
+        raise OSError(f"cannot write in the kvbits cache {target.parent} "
+                      f"({exc.strerror or exc}) to make {target.name}: set KVBITS_CACHE to a "
+                      "folder kvbits can write in") from exc
+    with lock as fh:
         try:
             import fcntl
         except ImportError:  # pragma: no cover - non-POSIX: rely on atomic renames
