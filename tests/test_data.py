@@ -731,3 +731,22 @@ def test_a_read_only_cache_says_so(tmp_path, monkeypatch):
     with pytest.raises(OSError, match=r"cannot write in the kvbits cache .*texts \(Permission "
                                       r"denied\) to make sotu-2010-2016\.txt: set KVBITS_CACHE"):
         load_text("sotu-2010-2016", log=lambda msg: None)
+
+
+def test_pip_download_ignores_require_virtualenv(tmp_path, monkeypatch):
+    """With pip's require-virtualenv set (PIP_REQUIRE_VIRTUALENV=1 or pip.conf, a common guard)
+    and kvbits installed outside a virtualenv (--user, conda base), every fetch failed with
+    "Could not find an activated virtualenv (required)", though pip download installs nothing."""
+    monkeypatch.setenv("PIP_REQUIRE_VIRTUALENV", "1")
+
+    def pip(cmd, cwd=None, env=None, **kwargs):  # pip outside a virtualenv, as it decides
+        if (os.environ if env is None else env).get("PIP_REQUIRE_VIRTUALENV") == "1":
+            return subprocess.CompletedProcess(
+                cmd, 3, "", "ERROR: Could not find an activated virtualenv (required).")
+        (Path(cmd[cmd.index("-d") + 1]) / "fake-1-py3-none-any.whl").write_bytes(b"PK")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(subprocess, "run", pip)
+    whl = data._pip_download("fake==1", tmp_path, lambda msg: None)
+    assert whl == tmp_path / "fake-1-py3-none-any.whl"
+    assert os.environ["PIP_REQUIRE_VIRTUALENV"] == "1"  # the caller's own is left alone

