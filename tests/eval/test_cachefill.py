@@ -118,3 +118,13 @@ def test_presize_then_compact_holds_exactly_what_decoding_needs():
         k = torch.randn(1, 2, 1, 32)
         append_kv(cache, 0, k, k.clone())
     assert st.res_k.shape[2] == 128 + 32 and st.k_codes.shape[2] == caps["k_codes"]
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"chunk": 0}, r"fill_random: chunk must be an integer >= 1, got 0"),  # (range() arg 3)
+    ({"tokens": 100.0}, r"fill_random: tokens must be an integer >= 0, got 100.0"),
+])
+def test_fill_random_refuses_bad_counts(tiny, kw, match):
+    args = {"batch": 1, "kv_heads": 2, "head_dim": 16, "tokens": 100, "device": "cpu", **kw}
+    with pytest.raises(ValueError, match=match):
+        fill_random(KVBitsCache(tiny, "kivi-2"), 2, **args)

@@ -152,6 +152,11 @@ def test_perplexity_rejects_bad_input(tiny):
         perplexity(model, ids[0], lambda: KVBitsCache(model, "fp16"))
     with pytest.raises(ValueError, match="chunk_size"):
         perplexity(model, ids, lambda: KVBitsCache(model, "fp16"), chunk_size=0)
+    # True ran as chunks of 1 token; a float chunk or window failed in a slice, unnamed
+    for kw, name in (({"chunk_size": True}, "chunk_size"), ({"chunk_size": 64.0}, "chunk_size"),
+                     ({"window": 512.0}, "window"), ({"window": 64, "stride": 16.5}, "stride")):
+        with pytest.raises(ValueError, match=rf"{name} must be an integer >= \d, got"):
+            perplexity(model, ids, lambda: KVBitsCache(model, "fp16"), **kw)
 
 
 # ------------------------------------------------------------------------------ real model

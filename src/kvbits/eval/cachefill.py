@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from .checks import require_count
+
 __all__ = ["append_kv", "compact_residual", "copy_dense_cache", "fill_random", "presize_store"]
 
 
@@ -72,6 +74,9 @@ def fill_random(cache, num_layers: int, batch: int, kv_heads: int, head_dim: int
     channels, like real keys, so that per-channel quantization sees realistic ranges). Memory
     is bounded by one chunk of FP16 K/V of one layer on top of the cache.
     """
+    for name, value, low in (("num_layers", num_layers, 1), ("tokens", tokens, 0),
+                             ("chunk", chunk, 1)):  # (chunk=0 failed in range())
+        require_count(f"fill_random: {name}", value, low)
     gen = torch.Generator(device=device).manual_seed(seed)
     for i in range(num_layers):
         for t0 in range(0, tokens, chunk):

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 
 from ..formats.layout import body_bytes_per_token, fp_bytes_per_token
 from ..spec import QuantSpec, resolve_spec
+from .checks import require_count
 
 __all__ = [
     "NAMED_CONFIGS",
@@ -172,8 +173,7 @@ def kv_memory(config, preset: str | QuantSpec = "kivi-2", context: int = 4096, b
     shape = kv_shape(config)
     spec = resolve_spec(preset, **overrides)
     for name, value, low in (("context", context, 0), ("batch", batch, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        require_count(name, value, low)
     if gpu_memory is not None and not 0 < gpu_memory < math.inf:  # (NaN compares false)
         raise ValueError(f"gpu_memory must be a number of bytes > 0, got {gpu_memory!r}")
     if not 0 <= weights_bytes < math.inf:  # (a negative one added room)

@@ -59,6 +59,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .checks import is_count, require_count
+
 __all__ = ["NeedleConfig", "PasskeyPrompt", "build_passkey_prompt", "check_needle_config",
            "eos_ids", "haystack_ids", "needle_caches", "needle_markdown", "needle_meta",
            "passkey_correct", "plot_needle", "run_needle", "summarize", "write_needle"]
@@ -232,19 +234,14 @@ def check_needle_config(cfg: NeedleConfig) -> None:
     [0, 1] (percentages), a length or depth given twice (its trials counted twice), no lengths
     or depths, no trials or no answer tokens (every preset 0%)."""
     for name, minimum in (("trials", 1), ("max_new_tokens", 1)):
-        n = getattr(cfg, name)
-        if not isinstance(n, int) or isinstance(n, bool) or n < minimum:
-            raise ValueError(f"NeedleConfig.{name} must be an integer >= {minimum}, got {n!r}")
-
-    def count(n) -> bool:
-        return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+        require_count(f"NeedleConfig.{name}", getattr(cfg, name), minimum)
 
     def fraction(d) -> bool:  # (NaN compares false)
         return isinstance(d, (int, float)) and not isinstance(d, bool) and 0 <= d <= 1
 
     depths = ("fractions in [0, 1] (0: right after the instruction, 1: right before the "
               "question; kvbits needle --depths takes percentages)")
-    for name, ok, what in (("lengths", count, "token counts >= 1"),
+    for name, ok, what in (("lengths", is_count, "token counts >= 1"),
                            ("depths", fraction, depths)):
         values = tuple(getattr(cfg, name))
         if not values:

@@ -32,6 +32,8 @@ from collections.abc import Callable
 
 import torch
 
+from .checks import require_count
+
 __all__ = [ "cache_nbytes", "default_window", "perplexity", "plan_windows", "trained_positions"]
 
 WINDOW_CAP = 8192  # the default window's upper bound (kvbits ppl --window)
@@ -115,8 +117,10 @@ def perplexity(model, input_ids: torch.Tensor, make_cache: Callable[[], object],
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must be [1, T], got {tuple(input_ids.shape)}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    require_count("chunk_size", chunk_size)  # (True ran as 1; a float failed in a slice)
+    for name, value, low in (("window", window, 2), ("stride", stride, 1)):
+        if value is not None:
+            require_count(name, value, low)
     n = input_ids.shape[1]
     if n < 2:
         raise ValueError(f"need at least 2 tokens to score one, got {n}")

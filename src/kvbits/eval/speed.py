@@ -56,6 +56,8 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .checks import require_count
+
 __all__ = ["MODEL_CONFIGS", "BenchConfig", "build_model", "emulated_layer_class",
            "emulated_quantized_cache", "make_cache", "max_batch", "model_config", "parse_variant",
            "run_bench", "time_decode", "write_bench"]
@@ -400,13 +402,12 @@ def time_decode(model, variant: Variant, batch: int, context: int, steps: int = 
     filling and shrink their FP16 residual buffers to ``R + G`` tokens after it
     (:func:`~kvbits.eval.cachefill.presize_store`, :func:`~kvbits.eval.cachefill.compact_residual`)
     instead of ``LayerStore``'s own growth policy."""
-    from .cachefill import compact_residual, fill_random, presize_store
     from ..integrations.hf import cache_kwargs
+    from .cachefill import compact_residual, fill_random, presize_store
 
     for name, n, low in (("batch", batch, 1), ("context", context, 0), ("steps", steps, 1),
                          ("warmup", warmup, 0)):  # before any work (they failed obscurely)
-        if not isinstance(n, int) or isinstance(n, bool) or n < low:
-            raise ValueError(f"time_decode: {name} must be an integer >= {low}, got {n!r}")
+        require_count(f"time_decode: {name}", n, low)
     if fill not in ("random", "model"):
         raise ValueError(f"fill must be 'random' or 'model', got {fill!r}")
     device = next(model.parameters()).device
