@@ -305,7 +305,7 @@ def _pip_download(requirement: str, dest: Path, log: Log) -> Path:
     new = sorted(set(dest.glob("*.whl")) - before)
     if not new:
         # Already present in dest (pip reports "File was already downloaded").
-        stem = re.split(r"[=<>!~ ]", requirement, 1)[0].replace("-", "_").lower()
+        stem = re.split(r"[=<>!~ ]", requirement, maxsplit=1)[0].replace("-", "_").lower()
         new = sorted(p for p in dest.glob("*.whl") if p.name.lower().startswith(stem + "-"))
     if len(new) != 1:
         raise RuntimeError(f"pip download {requirement} left {len(new)} wheels in {dest}: {new}")
