@@ -75,3 +75,9 @@ def test_points_of_reads_ppl_rows_and_skips_other_methods_and_rotations():
             "fp16_cache_bytes": 1600, "spec_fields": {"nbits": 2}}]
     assert points_of(res, "kivi") == [Point("kivi-2", 4.0, 20.0)]
     assert points_of(res, "kvquant") == [Point("kvquant-2", 4.5, 20.0)]
+
+
+def test_an_empty_reference_is_refused():
+    """Against no reference points every point was labelled "more bits", without a word."""
+    with pytest.raises(ValueError, match="reference has no points"):
+        compare_at_equal_bits([Point("kvquant-3", 3.2, 21.0)], [])

@@ -81,6 +81,9 @@ def compare_at_equal_bits(points: list[Point], reference: list[Point]) -> list[d
     where defined.
     """
     front = pareto_front(reference)
+    if not front:  # (every point was labelled "more bits" against nothing)
+        raise ValueError("compare_at_equal_bits: reference has no points; give the reference "
+                         "method's (bits, perplexity) points")
     rows = []
     for p in points:
         ref = envelope_at(front, p.bits)
