@@ -190,6 +190,8 @@ def test_resolve_spec_none_override_means_keep():
 def test_resolve_spec_refuses_overrides_of_a_spec_that_quantizes_nothing():
     # "fp16:K=2" once resolved to plain fp16: the user asked for 2-bit keys and got none.
     for spec, kw, got in (("fp16:K=2", {}, "key_bits"),
+                          ("fp16:R=3", {}, "residual_length"),  # (typed, then ignored)
+                          ("fp16:G=64,S=2", {"residual_length": 4}, "group_size, sink_tokens"),
                           ("fp16", {"nbits": 2, "residual_length": 4}, "key_bits, value_bits"),
                           (PRESETS["fp16"], {"hadamard": True}, "hadamard")):
         with pytest.raises(ValueError, match=r"(preset|spec) 'fp16' quantizes nothing and takes "

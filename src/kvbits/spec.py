@@ -536,10 +536,12 @@ def resolve_spec(spec, **overrides) -> QuantSpec:
     # transformers' names become fields in each source first, so that a keyword wins over the
     # string's field whichever name either used
     overrides = hf_field_names({k: v for k, v in overrides.items() if v is not None})
+    written: dict = {}  # the fields the string itself sets ('fp16:R=3')
     if isinstance(spec, str) and ":" in spec:
         name, _, rest = spec.partition(":")
         if name in PRESETS or name.endswith(".json"):
-            overrides = {**hf_field_names(parse_overrides(spec, rest)), **overrides}
+            written = hf_field_names(parse_overrides(spec, rest))
+            overrides = {**written, **overrides}
             spec = name
     if isinstance(spec, QuantSpec):
         base = spec
@@ -555,7 +557,8 @@ def resolve_spec(spec, **overrides) -> QuantSpec:
     _check_field_names(overrides, "override(s)", " (or transformers' nbits, q_group_size, "
                        "axis_key, axis_value)")
     _check_bits_reach_a_layer(base, overrides)
-    asked = sorted(set(overrides) - set(FP16_IGNORES))
+    # a loop's shared knobs pass harmlessly; a spec string that names one asks for it
+    asked = sorted(k for k in overrides if k not in FP16_IGNORES or k in written)
     if asked and not base.quantized:  # they would be kept and silently do nothing
         what = f"preset {spec!r}" if isinstance(spec, str) and spec in PRESETS else \
             f"spec {base.describe()!r}"
@@ -565,8 +568,9 @@ def resolve_spec(spec, **overrides) -> QuantSpec:
     return base.replace(**overrides) if overrides else base
 
 
-# Overrides an FP16 spec takes as harmless no-ops: the knobs a loop over presets (FP16 the
-# baseline among them) passes to all; any other field asks for quantization and is refused.
+# Keyword overrides an FP16 spec takes as harmless no-ops: the knobs a loop over presets (FP16
+# the baseline among them) passes to all; any other field, or one of these written in the spec
+# string itself ('fp16:R=3'), asks for quantization and is refused.
 FP16_IGNORES = ("group_size", "residual_length", "sink_tokens")
 
 # Where ``calibration=`` is taken (the error of a spec that takes none names them all).
