@@ -750,3 +750,33 @@ def test_pip_download_ignores_require_virtualenv(tmp_path, monkeypatch):
     whl = data._pip_download("fake==1", tmp_path, lambda msg: None)
     assert whl == tmp_path / "fake-1-py3-none-any.whl"
     assert os.environ["PIP_REQUIRE_VIRTUALENV"] == "1"  # the caller's own is left alone
+
+
+def test_a_damaged_cached_text_is_extracted_again(tmp_path, monkeypatch):
+    """A cached text changed from outside (cut short, edited) was read as it was, silently
+    changing every perplexity measured on it; its pinned sha256 now sends it back to the
+    source, and a fresh extraction that differs from the pin is refused."""
+    import hashlib
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path))
+    good = "Madam Speaker, Mr. Vice President\n\nMembers of Congress\n"
+    calls = []
+
+    def extract(src, log):
+        calls.append(src.name)
+        return good
+
+    monkeypatch.setattr(data, "_extract_text", extract)
+    pin = hashlib.sha256(good.encode()).hexdigest()
+    monkeypatch.setitem(data.TEXTS, "pinned", data.TextSource(
+        "pinned", "npm", "x@1", r"x", text_sha256=pin))
+    assert load_text("pinned", log=lambda m: None) == good and calls == ["pinned"]
+    assert load_text("pinned", log=lambda m: None) == good and calls == ["pinned"]  # cached
+    cached = tmp_path / "texts" / "pinned.txt"
+    cached.write_text(good[:20])  # cut short
+    assert load_text("pinned", log=lambda m: None) == good and calls == ["pinned"] * 2
+    monkeypatch.setitem(data.TEXTS, "pinned", data.TextSource(
+        "pinned", "npm", "x@1", r"x", text_sha256="0" * 64))
+    with pytest.raises(data.FetchError, match=r"text 'pinned' as extracted from x@1 has sha256"):
+        load_text("pinned", log=lambda m: None)
+    assert all(src.text_sha256 for src in data.TEXTS.values() if src.name != "pinned")

