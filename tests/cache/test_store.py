@@ -316,6 +316,26 @@ def test_reorder_selects_along_batch():
     _assert_same_state(store, fresh, "reorder then append")
 
 
+def test_reorder_index_is_checked():
+    """A float index was truncated (0.9 -> row 0) and a row out of range failed inside
+    ``index_select`` (a device-side assert on CUDA): both are refused by name, the store
+    unchanged; a list of rows works."""
+    store = _store(QuantSpec(residual_length=8), b=2)
+    store.append(*_kv(40, b=2))
+    before = {n: t.clone() for n, t in _used(store).items()}
+    for bad, why in ((torch.tensor([0.9, 1.2]), "1-D integer tensor"),
+                     (torch.tensor([[1, 0]]), "1-D integer tensor"),
+                     (torch.tensor([True, False]), "1-D integer tensor"),
+                     (torch.tensor([0, 2]), r"rows in \[0, 2\).*got rows 0\.\.2"),
+                     (torch.tensor([-1, 0]), r"got rows -1\.\.0")):
+        with pytest.raises(ValueError, match=rf"reorder: .*{why}"):
+            store.reorder(bad)
+    assert store.batch == 2
+    assert all(torch.equal(t, before[n]) for n, t in _used(store).items())
+    store.reorder([1, 0])
+    assert torch.equal(store.res_k[:, :, :store.res_len], before["res_k"][[1, 0]])
+
+
 # ----------------------------------------------------------------------------- crop
 def test_crop_into_residual_then_append_equals_fresh():
     spec = QuantSpec(residual_length=16, sink_tokens=2)

@@ -179,3 +179,29 @@ def test_rollback_after_activate_past_recording_as_dynamic_cache(models, arch, p
     for layer in capped.layers:
         if layer.is_sliding:
             assert layer.store.evicted > 0 and layer.store.seq_len < 50
+
+
+def test_batch_edits_check_their_index_as_dynamic_cache(models):
+    """``batch_select_indices`` takes rows from the end as DynamicCache's indexing does (-1 failed
+    inside ``index_select``); a float beam index (truncated silently: 0.9 -> row 0), a row out
+    of range, a mask of the wrong length (its ``nonzero()`` picked other rows) and a repeat
+    count that is not a positive integer (0 left an empty batch that still counted its tokens)
+    are refused by name, the cache unchanged."""
+    model = models["llama"]
+    ours, want = make(model, "fp16"), make(model, "dynamic")
+    for cache in (ours, want):
+        forward(model, tokens(3, 10, 0), cache)
+        cache.batch_select_indices(torch.tensor([-1, 0]))
+    torch.testing.assert_close(decode(model, ours, 2, seed=1), decode(model, want, 2, seed=1),
+                               atol=1e-5, rtol=0)
+    for bad, why in ((torch.tensor([0.9, 1.2]), "1-D integer tensor"),
+                     (torch.tensor([0, 2]), r"rows in \[0, 2\)")):
+        with pytest.raises(ValueError, match=f"reorder: the index must .*{why}"):
+            ours.reorder_cache(bad)
+    with pytest.raises(ValueError, match=r"boolean mask must have one entry per sequence \(2\)"):
+        ours.batch_select_indices(torch.tensor([True]))
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="repeats must be a positive integer"):
+            ours.batch_repeat_interleave(bad)
+    assert ours.get_seq_length() == 12
+    assert [layer.store.batch for layer in ours.layers] == [2, 2]

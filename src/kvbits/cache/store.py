@@ -854,8 +854,8 @@ class LayerStore:
     def reorder(self, index: torch.Tensor) -> None:
         """Select sequences along the batch (beam search): every buffer follows ``index``."""
         self._host_lengths("reorder")
+        index = _batch_rows(index, self.batch, "reorder").to(self.device)
         self._undo = None
-        index = index.to(self.device)
         for name in _BUFFERS:
             buf = getattr(self, name)
             if buf is not None:
@@ -1067,6 +1067,22 @@ _STATE_FLAGS = ("_row_sinks", "_sink_closed", "_fp8_ready")
 # layer holds at most ~1.25 windows (plus a group and the residual), and the kept groups are
 # copied at most 4 times per token over a generation.
 EVICT_RATIO = 4
+
+
+def _batch_rows(index, batch: int, op: str) -> torch.Tensor:
+    """``index`` (a 1-D integer tensor or sequence) as int64 rows of a batch of ``batch``, or a
+    ValueError naming ``op``: a float index was truncated silently (0.9 -> row 0), and a row out
+    of range failed inside ``index_select`` (a device-side assert on CUDA). One host read."""
+    t = index if isinstance(index, torch.Tensor) else torch.as_tensor(index)
+    if t.dim() != 1 or t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise ValueError(f"{op}: the index must be a 1-D integer tensor of rows in "
+                         f"[0, {batch}), got {t.dtype} of shape {tuple(t.shape)}")
+    if t.numel():
+        lo, hi = torch.stack(torch.aminmax(t)).tolist()
+        if lo < 0 or hi >= batch:
+            raise ValueError(f"{op}: the index must hold rows in [0, {batch}) (the cache's "
+                             f"batch), got rows {lo}..{hi}")
+    return t.long()
 
 
 def _capacity(n: int) -> int:

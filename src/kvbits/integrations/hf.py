@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 import os
 import sys
 import warnings
@@ -272,21 +273,38 @@ class KVBitsLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.store is not None:
             self._leave_steps()
-            self.store.reorder(beam_idx.long())
+            self.store.reorder(beam_idx)  # (checked there: integer rows of the batch)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        try:
+            n = None if isinstance(repeats, bool) else operator.index(repeats)
+        except TypeError:
+            n = None
+        if n is None or n < 1:  # (0 left an empty batch that still counted its tokens)
+            raise ValueError(f"batch_repeat_interleave: repeats must be a positive integer "
+                             f"(copies of each sequence), got {repeats!r}")
         if self.store is not None:
             self._leave_steps()
             index = torch.arange(self.store.batch, device=self.store.device)
-            self.store.reorder(index.repeat_interleave(repeats))
+            self.store.reorder(index.repeat_interleave(n))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """As ``DynamicCache`` indexes its tensors: a boolean mask over the batch, or rows
+        (negative ones from the end)."""
         if self.store is not None:
             self._leave_steps()
+            batch = self.store.batch
             indices = torch.as_tensor(indices, device=self.store.device)
             if indices.dtype == torch.bool:
+                if tuple(indices.shape) != (batch,):  # (nonzero() of a shorter mask selected
+                    # other rows than asked, silently)
+                    raise ValueError(f"batch_select_indices: a boolean mask must have one entry "
+                                     f"per sequence ({batch}), got shape {tuple(indices.shape)}")
                 indices = indices.nonzero().flatten()
-            self.store.reorder(indices.long())
+            elif not indices.is_floating_point() and not indices.is_complex():
+                indices = torch.where((indices < 0) & (indices >= -batch), indices + batch,
+                                      indices)
+            self.store.reorder(indices)
 
     def crop(self, tokens_to_remove: int = 0, **kwargs) -> None:
         """Negative: drop that many tokens; positive (legacy): keep that many; 0: nothing
