@@ -698,7 +698,7 @@ def test_edits_refused_while_lengths_live_on_the_device():
 def test_crop_takes_integers_only():
     store = _store(QuantSpec(residual_length=8))
     store.append(*_kv(40))
-    for bad in (20.5, None, "20"):
+    for bad in (20.5, None, "20", True):
         with pytest.raises(ValueError, match="crop: length must be an integer"):
             store.crop(bad)
     store.crop(torch.tensor(39))  # a 0-d integer tensor is an index

@@ -205,3 +205,21 @@ def test_batch_edits_check_their_index_as_dynamic_cache(models):
             ours.batch_repeat_interleave(bad)
     assert ours.get_seq_length() == 12
     assert [layer.store.batch for layer in ours.layers] == [2, 2]
+
+
+def test_crop_takes_an_integer_count(models):
+    """``crop(None)`` failed on a comparison, ``crop(5.0)`` got the advice for drafts longer than
+    the residual and ``crop(True)`` kept one token: all are refused by name, nothing cut."""
+    model = models["llama"]
+    for preset in ("fp16", "kivi-8"):
+        cache = make(model, preset)
+        forward(model, tokens(2, 10, 0), cache)
+        for bad in (None, 5.0, True, "3"):
+            with pytest.raises(ValueError, match=r"crop: tokens_to_remove must be an integer "
+                                                 r"\(a negative number of tokens to drop.*got") \
+                    as err:
+                cache.crop(bad)
+            assert "residual_length" not in str(err.value)
+        assert cache.get_seq_length() == 10
+        cache.crop(torch.tensor(-2))  # a 0-d integer tensor is an index
+        assert cache.get_seq_length() == 8

@@ -907,11 +907,14 @@ class LayerStore:
         """The length :meth:`crop` would keep (None: nothing to drop), or ValueError for a cut
         inside a quantized group; changes nothing (a multi-layer crop checks every layer first)."""
         self._host_lengths("crop")
-        try:
-            length = operator.index(length)
+        try:  # (True kept one token)
+            n = None if isinstance(length, bool) else operator.index(length)
         except TypeError:
+            n = None
+        if n is None:
             raise ValueError(f"crop: length must be an integer (tokens to keep, or a negative "
-                             f"number to drop), got {length!r}") from None
+                             f"number to drop), got {length!r}")
+        length = n
         if length < 0:
             length = max(0, self.seq_len + length)
         if length >= self.seq_len:

@@ -358,6 +358,14 @@ class KVBitsLayer(CacheLayerMixin):
         changing anything: ValueError where the cut is impossible."""
         if "max_length" in kwargs:  # crop's keyword before transformers 5.15
             tokens_to_remove = kwargs.pop("max_length")
+        try:  # (None failed on a comparison; a float got the drafts' advice below)
+            n = None if isinstance(tokens_to_remove, bool) else operator.index(tokens_to_remove)
+        except TypeError:
+            n = None
+        if n is None:
+            raise ValueError(f"crop: tokens_to_remove must be an integer (a negative number of "
+                             f"tokens to drop; positive: tokens to keep), got {tokens_to_remove!r}")
+        tokens_to_remove = n
         if self.store is None or tokens_to_remove == 0:
             return None
         self._leave_steps()  # the checks read the host lengths (in step: leaving costs nothing)
