@@ -707,6 +707,32 @@ def test_crop_takes_integers_only():
         store.set_padding(torch.tensor([0, 1, 2]))
 
 
+def test_reserve_and_append_refuse_what_they_cannot_store():
+    """``reserve`` with a negative size reserved nothing, silently, and a float size failed
+    inside ``new_empty``; integer, boolean and complex K/V were cast to the store's dtype
+    (complex losing its imaginary part). All are refused by name; nothing changes."""
+    store = _store(QuantSpec(residual_length=8))
+    store.append(*_kv(40))
+    caps = (store.k_codes.shape[2], store.res_k.shape[2])
+    for args, name in (((-5,), "tokens"), ((100.5,), "tokens"), ((100, -1), "residual"),
+                       ((True,), "tokens")):
+        with pytest.raises(ValueError, match=f"reserve: {name} must be an integer >= 0"):
+            store.reserve(*args)
+    assert (store.k_codes.shape[2], store.res_k.shape[2]) == caps
+    store.reserve(200, 64)
+    assert store.k_codes.shape[2] >= 7 * store.k_words and store.res_k.shape[2] >= 64
+    k, v = _kv(3)
+    for dtype in (torch.int32, torch.bool, torch.complex64):
+        with pytest.raises(ValueError, match=f"key_states must be a floating-point tensor, "
+                                             f"got {dtype}"):
+            store.append(k.to(dtype), v)
+        with pytest.raises(ValueError, match="value_states must be a floating-point"):
+            store.append(k, v.to(dtype))
+    assert store.seq_len == 40
+    store.append(k.double(), v.float())  # any floating dtype is the store's
+    assert store.seq_len == 43 and store.res_k.dtype == torch.float16
+
+
 def test_fp8_dynamic_scales_reset_when_crop_empties_the_body():
     """A dynamic scale belongs to the tokens that set it: after a crop to 0 the next tokens set
     it again (it kept the old one, so 50x larger tokens saturated)."""

@@ -440,6 +440,8 @@ class LayerStore:
         residual for ``residual`` tokens now (buffers only grow; contents kept): a serving engine
         that knows the final length allocates once, and a captured step must never reallocate."""
         self._host_lengths("reserve")
+        tokens, residual = (_count(n, f"reserve: {name}") for name, n in
+                            (("tokens", tokens), ("residual", residual)))
         groups = tokens // self.spec.group_size + 1
         caps = {name: groups * rows for name, rows in self._rows_per_group().items()} \
             if tokens else {}
@@ -1053,6 +1055,10 @@ class LayerStore:
                     f"head_dim={want[2]}], got {tuple(x.shape)}{hint}")
         if k.shape[2] != v.shape[2]:
             raise ValueError(f"key_states has {k.shape[2]} tokens but value_states {v.shape[2]}")
+        for name, x in (("key_states", k), ("value_states", v)):
+            if not x.is_floating_point():  # (integers and booleans were cast silently; complex
+                # lost its imaginary part)
+                raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
 
 
 _OUTLIER_BUFFERS = ("k_out_idx", "k_out_val", "v_out_idx", "v_out_val")
@@ -1086,6 +1092,18 @@ def _batch_rows(index, batch: int, op: str) -> torch.Tensor:
             raise ValueError(f"{op}: the index must hold rows in [0, {batch}) (the cache's "
                              f"batch), got rows {lo}..{hi}")
     return t.long()
+
+
+def _count(n, what: str) -> int:
+    """``n`` as an int >= 0 (a size), or a ValueError naming ``what``: a negative size reserved
+    nothing, silently, and a float failed inside ``new_empty``."""
+    try:
+        value = None if isinstance(n, bool) else operator.index(n)
+    except TypeError:
+        value = None
+    if value is None or value < 0:
+        raise ValueError(f"{what} must be an integer >= 0, got {n!r}")
+    return value
 
 
 def _capacity(n: int) -> int:
