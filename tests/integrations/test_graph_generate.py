@@ -6,6 +6,7 @@ beam search. On the CPU the loop's steps run eagerly; the capture is checked on 
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -500,3 +501,33 @@ def test_other_architectures_match_generate(arch):
     got, warned = generate(m, ids, cache(), ours=True, do_sample=False, max_new_tokens=40)
     assert not warned, warned
     assert torch.equal(got, want)
+
+
+def test_attention_mask_of_another_shape_is_refused(model):
+    """GreedyDecoder.generate's attention mask must be ``[batch, tokens]`` like the input: an
+    all-ones mask one token short (or of another batch) was dropped, and the loop generated as
+    if none was given."""
+    ids = prompt(20, 2)
+    for shape in ((2, 19), (1, 20)):
+        dec = GreedyDecoder(model, kvbits_cache(model), graphs=False)
+        with pytest.raises(ValueError, match=re.escape(f"attention_mask {shape} must have "
+                                                       "input_ids' shape (2, 20)")):
+            dec.generate(ids, 4, attention_mask=torch.ones(shape, dtype=torch.long))
+
+
+def test_static_cache_too_short_is_refused_by_name(model):
+    """A StaticCache shorter than the prompt plus the new tokens (less the last, never fed) is
+    refused before the prefill, naming max_cache_len: the loop failed with an index error deep
+    in transformers' cache (on a GPU, a device-side assert inside a replayed graph)."""
+    ids = prompt(29, 2)
+
+    def static(n):
+        return StaticCache(config=model.config, max_cache_len=n)
+    want, _ = generate(model, ids, static(29 + NEW + 8), ours=False, do_sample=False)
+    got, warned = generate(model, ids, static(29 + NEW - 1), ours=True, do_sample=False)
+    assert not warned and torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"max_cache_len=87 .* need 88"):
+        generate(model, ids, static(29 + NEW - 2), ours=True, do_sample=False)
+    dec = GreedyDecoder(model, static(29 + NEW - 2), graphs=False)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        dec.generate(ids, NEW)

@@ -148,6 +148,12 @@ class GreedyDecoder:
         ``generate``'s do). ``stop_tokens``, ``min_new_tokens``: see :meth:`decode`."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            # (an all-ones mask of another shape would be dropped below, unnoticed)
+            raise ValueError(f"GreedyDecoder.generate: attention_mask "
+                             f"{tuple(attention_mask.shape)} must have input_ids' shape "
+                             f"{tuple(input_ids.shape)} ([batch, tokens])")
+        self._check_room(input_ids.shape[1], max_new_tokens)
         held = self.cache.get_seq_length()
         if held >= input_ids.shape[1]:
             raise ValueError(f"GreedyDecoder.generate: the cache holds {held} tokens, the input "
@@ -199,9 +205,26 @@ class GreedyDecoder:
         if self.repetition_penalty != 1:
             raise ValueError("GreedyDecoder.decode: repetition_penalty needs the prompt's "
                              "tokens; use generate")
+        self._check_room(position, n)
         self._set_stops(stop_tokens, min_new_tokens, first.device)
         self._seen = None
         return self._run(first, position, n)
+
+    def _check_room(self, position: int, n: int) -> None:
+        """Refuse a ``StaticCache`` too short for ``position`` tokens and ``n`` new ones (the
+        last never fed back): past its ``max_cache_len`` the cache's index copy fails deep in
+        transformers, on a GPU as a device-side assert inside a replayed graph."""
+        if type(self.cache).__name__ != "StaticCache":
+            return
+        caps = [layer.max_cache_len for layer in getattr(self.cache, "layers", ())
+                if not getattr(layer, "is_sliding", False)  # (sliding layers roll over)
+                and isinstance(getattr(layer, "max_cache_len", None), int)]
+        need = position + n - 1
+        if caps and need > min(caps):
+            raise ValueError(f"GreedyDecoder: the StaticCache holds max_cache_len={min(caps)} "
+                             f"tokens; {position} tokens and {n} new ones need {need} (the last "
+                             "new token is not stored): make the cache longer or ask for fewer "
+                             "tokens")
 
     def _run(self, first: torch.Tensor, position: int, n: int,
              pad: torch.Tensor | None = None) -> torch.Tensor:
