@@ -515,6 +515,23 @@ def test_attention_mask_of_another_shape_is_refused(model):
             dec.generate(ids, 4, attention_mask=torch.ones(shape, dtype=torch.long))
 
 
+def test_inputs_embeds_fall_back_to_generate(model):
+    """``generate(inputs_embeds=...)``: the loop feeds token ids only, so transformers' loop
+    serves it (it failed: 'the cache holds 0 tokens, the input 0')."""
+    emb = model.get_input_embeddings()(prompt(20, 2)).detach()
+    outs = []
+    for ours in (False, True):
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outs.append(model.generate(
+                inputs_embeds=emb, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                **({"custom_generate": graph_generate} if ours else {}),
+                **cache_kwargs(model, kvbits_cache(model))))
+    warned = [str(w.message) for w in caught if "graph_generate" in str(w.message)]
+    assert len(warned) == 1 and "inputs_embeds" in warned[0], warned
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_static_cache_too_short_is_refused_by_name(model):
     """A StaticCache shorter than the prompt plus the new tokens (less the last, never fed) is
     refused before the prefill, naming max_cache_len: the loop failed with an index error deep

@@ -41,6 +41,10 @@ __all__ = ["graph_generate"]
 
 _OUTPUT_FLAGS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 _STOPS = ("MaxLengthCriteria", "EosTokenCriteria")
+# Tensor inputs of ``model_kwargs`` the loop feeds (or, for positions, makes itself); any other
+# (``inputs_embeds``, ``token_type_ids``, ``pixel_values``) it would drop, so transformers' loop
+# serves those calls.
+_FED = ("attention_mask", "position_ids", "cache_position")
 
 
 def graph_generate(model, input_ids: torch.Tensor, logits_processor, stopping_criteria,
@@ -59,7 +63,9 @@ def graph_generate(model, input_ids: torch.Tensor, logits_processor, stopping_cr
     cache = model_kwargs.get("past_key_values", model_kwargs.get("cache"))
     rules, reason = _plan(model, cache, logits_processor, stopping_criteria, generation_config,
                           synced_gpus, streamer, model_kwargs.get("attention_mask"),
-                          *input_ids.shape)
+                          *input_ids.shape, inputs=[k for k, v in model_kwargs.items()
+                                                    if isinstance(v, torch.Tensor)
+                                                    and k not in _FED])
     if reason is not None:
         warnings.warn(f"graph_generate: {reason}; transformers' own decoding loop runs instead",
                       stacklevel=2)
@@ -126,8 +132,9 @@ class _Stream:
 
 
 def _plan(model, cache, processors, criteria, config, synced_gpus, streamer, attention_mask,
-          batch: int, prompt_len: int):
-    """``(rules, None)`` where the loop serves the call, else ``(None, reason)``."""
+          batch: int, prompt_len: int, inputs=()):
+    """``(rules, None)`` where the loop serves the call, else ``(None, reason)``. ``inputs``:
+    the names of model inputs given besides token ids and the attention mask."""
     if not isinstance(cache, KVBitsCache) and type(cache).__name__ != "StaticCache":
         return None, f"the cache is a {type(cache).__name__}, not a KVBitsCache or StaticCache"
     gpus = model_gpus(model)
@@ -137,6 +144,9 @@ def _plan(model, cache, processors, criteria, config, synced_gpus, streamer, att
         return None, "a streamer with a batch of several sequences"
     if synced_gpus:
         return None, "synced_gpus is set"
+    if inputs:
+        return None, (f"model inputs {list(inputs)} given (the loop feeds token ids and the "
+                      "attention mask only)")
     flags = [f for f in _OUTPUT_FLAGS if getattr(config, f, False)]
     if flags:
         return None, f"{', '.join(flags)} asked for"
