@@ -2390,8 +2390,10 @@ def test_bad_calls_name_what_is_wrong(what, change, match):
 
 @pytest.mark.parametrize("kw,match", [({"scale": float("nan")}, "scale must be a positive"),
                                       ({"scale": 0.125, "window": 2.5}, "window must be a positive"),
-                                      ({"scale": 0.125, "window": True}, "window must be")])
+                                      ({"scale": 0.125, "window": True}, "window must be"),
+                                      ({"scale": True}, "scale must be a positive")])
 def test_bad_scale_and_window(kw, match):
+    """(``scale=True`` ran as scale 1, where ``window`` and ``softcap`` refuse a bool.)"""
     _, kv, q = _op_case()
     with pytest.raises(ValueError, match=match):
         ops.decode_attention(q, kv, **kw)

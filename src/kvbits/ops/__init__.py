@@ -112,7 +112,8 @@ def _check_call(q: torch.Tensor, kv: PackedKV, scale: float, window, starts=None
     if kv.body_len and not kv.fp8 and kv.k_codes.dtype != torch.int32:
         raise ValueError(f"decode_attention: kv.k_codes must be int32 words, got "
                          f"{kv.k_codes.dtype}")
-    if not (isinstance(scale, (int, float)) and 0 < scale < math.inf):
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+            and 0 < scale < math.inf):
         raise ValueError(f"decode_attention: scale must be a positive finite number, got "
                          f"{scale!r}")
     for name, x in (("starts", starts), ("lengths", lengths)):
