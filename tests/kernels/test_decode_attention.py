@@ -2399,6 +2399,16 @@ def test_bad_scale_and_window(kw, match):
         ops.decode_attention(q, kv, **kw)
 
 
+@pytest.mark.parametrize("mode", ["Triton", "kernels", "reference "])
+def test_a_mistyped_kernels_switch_is_refused(mode, monkeypatch):
+    """KVBITS_KERNELS other than auto / triton / reference ran as "auto", silently (a test
+    meant to run the kernels measured the reference on the CPU)."""
+    monkeypatch.setenv("KVBITS_KERNELS", mode)
+    with pytest.raises(ValueError, match="KVBITS_KERNELS must be 'auto', 'triton' or "
+                                         f"'reference', got {mode!r}"):
+        ops.use_kernels(torch.zeros(1))
+
+
 def test_groups_the_kernel_cannot_read_go_to_the_reference():
     """G = 48 (not a power of two) or 2-bit groups of 8 tokens (a quarter of a word): layouts
     only a hand-built layer has; the kernel would crash, the reference serves them."""

@@ -18,12 +18,15 @@ from ..reference import quant as _ref_quant
 
 
 def use_kernels(x: torch.Tensor) -> bool:
-    """Whether ops on ``x`` run the Triton kernels."""
-    mode = os.environ.get("KVBITS_KERNELS", "auto")
+    """Whether ops on ``x`` run the Triton kernels. ``KVBITS_KERNELS`` (unset or empty: auto)
+    other than auto / triton / reference is refused: a typo would silently run the other path."""
+    mode = os.environ.get("KVBITS_KERNELS") or "auto"
     if mode == "reference":
         return False
     if mode == "triton":
         return True
+    if mode != "auto":
+        raise ValueError(f"KVBITS_KERNELS must be 'auto', 'triton' or 'reference', got {mode!r}")
     return x.is_cuda and _triton_available()
 
 
