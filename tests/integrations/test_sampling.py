@@ -59,7 +59,9 @@ def test_one_token_sets_are_the_argmax_and_bad_knobs_are_refused():
     assert torch.equal(next_token(x.half(), Sampling(top_k=1)), arg)  # FP16 logits too
     # a vanishing temperature is the argmax (logits / 1e-38 overflowed: inf - inf = NaN)
     assert torch.equal(next_token(x * 100, Sampling(temperature=1e-38)), arg)
-    for bad in (dict(temperature=0.0), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5)):
+    # (a float or bool top_k was taken, then failed in topk at the first draw)
+    for bad in ({"temperature": 0.0}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5},
+                {"top_k": 2.5}, {"top_k": True}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             Sampling(**bad)
 

@@ -29,8 +29,9 @@ class Sampling:
     def __post_init__(self):
         if not self.temperature > 0:
             raise ValueError(f"Sampling: temperature must be > 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"Sampling: top_k must be >= 0 (0: no limit), got {self.top_k}")
+        if type(self.top_k) is not int or self.top_k < 0:  # (not a float or bool: topk)
+            raise ValueError(f"Sampling: top_k must be an int >= 0 (0: no limit), got "
+                             f"{self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"Sampling: top_p must be in (0, 1], got {self.top_p}")
 
