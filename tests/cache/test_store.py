@@ -733,6 +733,30 @@ def test_reserve_and_append_refuse_what_they_cannot_store():
     assert store.seq_len == 43 and store.res_k.dtype == torch.float16
 
 
+def test_padding_and_eviction_take_integers():
+    """``set_padding`` truncated float starts silently (3.9 -> 3 tokens of padding), took a
+    boolean mask as counts, and with a sink failed on a negative start inside ``gather``;
+    ``evict`` failed inside ``narrow`` on a float. Refused by name, nothing changed; negative
+    starts stay valid down to ``-evicted`` (eviction shifts them there)."""
+    store = _store(QuantSpec(residual_length=8, sink_tokens=2))
+    store.append(*_kv(80), flush=False)
+    for bad, why in ((torch.tensor([0.7, 3.9]), "must be integers .*got torch.float32"),
+                     (torch.tensor([True, False]), "must be integers .*got torch.bool"),
+                     (torch.tensor([-3, 2]), "must be >= 0 .*got -3")):
+        with pytest.raises(ValueError, match=f"set_padding: starts {why}"):
+            store.set_padding(bad)
+    assert store.starts.tolist() == [0, 0] and (store.sink_len, store.res_len) == (2, 78)
+    store.set_padding([0, 3])
+    store.flush()
+    for bad in (33.5, None):
+        with pytest.raises(ValueError, match="evict: upto must be an integer"):
+            store.evict(bad)
+    assert store.evict(40) == 34 and store.starts.tolist() == [-34, -31]
+    store.set_padding(torch.tensor([-34, -31]))  # as eviction left them (no sink any more)
+    with pytest.raises(ValueError, match="must be >= -34"):
+        store.set_padding(torch.tensor([-35, 0]))
+
+
 def test_fp8_dynamic_scales_reset_when_crop_empties_the_body():
     """A dynamic scale belongs to the tokens that set it: after a crop to 0 the next tokens set
     it again (it kept the old one, so 50x larger tokens saturated)."""

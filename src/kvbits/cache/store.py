@@ -302,12 +302,21 @@ class LayerStore:
         prefilled in chunks: the sink was gathered at the old ``starts``)."""
         self._host_lengths("set_padding")
         self._undo = None
-        starts = torch.as_tensor(starts).to(device=self.device, dtype=torch.int32)
+        starts = torch.as_tensor(starts)
+        if starts.dtype == torch.bool or starts.is_floating_point() or starts.is_complex():
+            # (a float was truncated silently: 3.9 -> 3 tokens of padding)
+            raise ValueError(f"set_padding: starts must be integers (padding tokens per "
+                             f"sequence), got {starts.dtype}")
+        starts = starts.to(device=self.device, dtype=torch.int32)
         if starts.shape != (self.batch,):
             raise ValueError(f"set_padding: starts must hold one position per sequence "
                              f"({self.batch}), got shape {tuple(starts.shape)}")
         # One host read here (at prefill) spares one per flush during decode.
-        pad = int(starts.max()) if starts.numel() else 0
+        low, pad = torch.stack(torch.aminmax(starts)).tolist() if starts.numel() else (0, 0)
+        if low < -self.evicted:  # (a sequence begins at or after the first token seen:
+            # starts turn negative only as eviction shifts them; a sink gathered out of range)
+            raise ValueError(f"set_padding: starts must be >= {-self.evicted} (padding tokens "
+                             f"per sequence), got {low}")
         if pad > 0 and self.spec.sink_tokens and (self.body_len or self.evicted):
             raise ValueError("set_padding: this layer already holds quantized tokens; set the "
                              "padding before the prompt is flushed (append(..., flush=False), "
@@ -477,6 +486,13 @@ class LayerStore:
         the pre-RoPE re-rotation (at ``index - starts``) exact with no offset in the kernels."""
         if self.lens_dev is not None:
             return 0
+        try:  # (a float failed inside narrow, None on a subtraction)
+            n = None if isinstance(upto, bool) else operator.index(upto)
+        except TypeError:
+            n = None
+        if n is None:
+            raise ValueError(f"evict: upto must be an integer (a stored index), got {upto!r}")
+        upto = n
         if self.fp8 and not self._fp8_ready and self.body_len:
             return 0  # a padded sequence's dynamic scales wait for its first own token
         self._undo = None
