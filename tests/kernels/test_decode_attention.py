@@ -1838,9 +1838,14 @@ def test_gluon_tma_inside_cuda_graph(bits, monkeypatch):
     ("KVBITS_SIDE_STREAM", "decode_attention", "'0' or '1'"),
     ("KVBITS_SIDE_AFTER", "decode_attention", "'0' or '1'"),
     ("KVBITS_GLUON_KVQUANT", "decode_gluon", "'0' or '1'"),
-    ("KVBITS_FINISH_FP_TOKENS", "decode_attention", "'auto' or a non-negative integer")])
+    ("KVBITS_FINISH_FP_TOKENS", "decode_attention", "'auto' or a non-negative integer"),
+    ("KVBITS_GLUON", "decode_attention", "'0' or '1'"),
+    ("KVBITS_PDL", "decode_attention", "'0' or '1'"),
+    ("KVBITS_FAST_LAUNCH", "launch", "'0' or '1'")])
 def test_gluon_env_switches_are_checked(var, module, allowed):
-    """A mistyped Gluon switch is refused at import, naming the variable and its values."""
+    """A mistyped Gluon switch is refused at import, naming the variable and its values
+    (KVBITS_GLUON, KVBITS_PDL and KVBITS_FAST_LAUNCH took 'yes' / 'true' as the default
+    silently, 'false' as on)."""
     import subprocess
     import sys
 

@@ -819,7 +819,7 @@ def body_programs_per_sm(head_dim: int) -> int:
 
 
 # KVBITS_GLUON=0 keeps every layer on this kernel (read once: the check runs every decode step).
-GLUON_ENABLED = os.environ.get("KVBITS_GLUON", "1") != "0"
+GLUON_ENABLED = env_switch("KVBITS_GLUON", "1")
 
 # Body tokens per loop step for head_dim <= 128 (half that above): the fewest SASS instructions
 # per token without register spills on sm_90 (see benchmarks/results/README.md).
@@ -844,7 +844,7 @@ if _FINISH_ENV != "auto" and not _FINISH_ENV.isdigit():
                      f"{_FINISH_ENV!r}")
 FINISH_FP_TOKENS = None if _FINISH_ENV == "auto" else int(_FINISH_ENV)
 EAGER_FINISH_FP_TOKENS = 256
-PDL_ENABLED = os.environ.get("KVBITS_PDL", "0") == "1"
+PDL_ENABLED = env_switch("KVBITS_PDL", "0")
 # KVBITS_SIDE_STREAM: "1" (default) lets a captured call with a Gluon body run its FP16 splits on
 # a side stream, beside the body; "0" keeps them after it in the call's stream.
 SIDE_STREAM = env_switch("KVBITS_SIDE_STREAM", "1")

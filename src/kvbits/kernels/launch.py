@@ -28,12 +28,13 @@ knob.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from .switches import env_switch
+
 # KVBITS_FAST_LAUNCH=0 sends every launch through Triton's JIT (A/B checks, debugging).
-ENABLED = os.environ.get("KVBITS_FAST_LAUNCH", "1") != "0"
+ENABLED = env_switch("KVBITS_FAST_LAUNCH", "1")
 _I32 = 2**31
 _I64 = 2**63
 MAX_PLANS = 4096  # plans per kernel before the cache starts over
