@@ -757,6 +757,18 @@ def test_padding_and_eviction_take_integers():
         store.set_padding(torch.tensor([-35, 0]))
 
 
+def test_store_shape_and_dtype_are_checked():
+    """An integer store cast every appended token to integers, silently; a float head_dim or a
+    negative batch failed inside torch. Refused by name."""
+    spec = QuantSpec(residual_length=8)
+    for args, why in (((-1, H, D, torch.float16), "batch must be an integer >= 1, got -1"),
+                      ((B, 0, D, torch.float16), "kv_heads must be an integer >= 1, got 0"),
+                      ((B, H, 32.0, torch.float16), "head_dim must be an integer >= 1, got 32.0"),
+                      ((B, H, D, torch.int32), "dtype must be the model's floating-point")):
+        with pytest.raises(ValueError, match=f"LayerStore: {why}"):
+            LayerStore(spec, *args, "cpu")
+
+
 def test_fp8_dynamic_scales_reset_when_crop_empties_the_body():
     """A dynamic scale belongs to the tokens that set it: after a crop to 0 the next tokens set
     it again (it kept the old one, so 50x larger tokens saturated)."""

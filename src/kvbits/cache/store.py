@@ -61,6 +61,13 @@ class LayerStore:
         channels to rotate, for ``spec.hadamard_calibrated`` (see
         :mod:`kvbits.methods.hadamard`)."""
         self.spec = spec
+        batch, kv_heads, head_dim = (_count(n, f"LayerStore: {name}", 1) for name, n in
+                                     (("batch", batch), ("kv_heads", kv_heads),
+                                      ("head_dim", head_dim)))
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+            # (an integer store cast every appended token to integers, silently)
+            raise ValueError(f"LayerStore: dtype must be the model's floating-point dtype "
+                             f"(float16, bfloat16, float32, ...), got {dtype}")
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.value_group = spec.value_group(head_dim)
@@ -1110,15 +1117,15 @@ def _batch_rows(index, batch: int, op: str) -> torch.Tensor:
     return t.long()
 
 
-def _count(n, what: str) -> int:
-    """``n`` as an int >= 0 (a size), or a ValueError naming ``what``: a negative size reserved
-    nothing, silently, and a float failed inside ``new_empty``."""
+def _count(n, what: str, least: int = 0) -> int:
+    """``n`` as an int >= ``least`` (a size), or a ValueError naming ``what``: a negative size
+    reserved nothing, silently, and a float failed inside ``new_empty``."""
     try:
         value = None if isinstance(n, bool) else operator.index(n)
     except TypeError:
         value = None
-    if value is None or value < 0:
-        raise ValueError(f"{what} must be an integer >= 0, got {n!r}")
+    if value is None or value < least:
+        raise ValueError(f"{what} must be an integer >= {least}, got {n!r}")
     return value
 
 
