@@ -673,6 +673,9 @@ def test_wrong_shapes_name_the_expected_one():
         store.append(*_kv(1, b=4))
     with pytest.raises(ValueError, match=r"head_dim=.*got \(2, .*\)$"):
         store.append(*_kv(1, b=2, d=D // 2))
+    with pytest.raises(ValueError, match=r"got \(3, .*\) \(this layer holds 5 tokens of 2 "
+                                         r"sequences.*cache.reset\(\) or a new cache"):
+        store.append(*_kv(1, b=3))  # (a cache reused for another batch)
     k, v = _kv(3, b=2)
     with pytest.raises(ValueError, match="key_states has 3 tokens but value_states 2"):
         store.append(k, v[:, :, :2])

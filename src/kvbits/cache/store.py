@@ -1073,6 +1073,10 @@ class LayerStore:
                             "num_return_sequences over a cache that already holds the prompt? "
                             "Expand it first: cache.batch_repeat_interleave"
                             f"({x.shape[0] // want[0]}))")
+                elif x.dim() == 4 and x.shape[0] != want[0] and self.total_len:
+                    hint = (f" (this layer holds {self.total_len} tokens of {want[0]} sequences, "
+                            "e.g. from an earlier generate: cache.reset() or a new cache for "
+                            "another batch)")
                 raise ValueError(
                     f"{name} must be [batch={want[0]}, kv_heads={want[1]}, tokens, "
                     f"head_dim={want[2]}], got {tuple(x.shape)}{hint}")
