@@ -181,6 +181,26 @@ def test_unsupported_layer_type():
         KVBitsCache(cfg, "kivi-2")
 
 
+def test_config_without_what_the_layers_need_is_refused():
+    """A config whose layer_types is shorter than num_hidden_layers gave a cache of fewer
+    layers, silently; one without num_hidden_layers failed with an AttributeError, a string
+    sliding_window was kept as the window. Refused by name."""
+    class Bare:
+        def get_text_config(self, decoder=True):
+            return self
+
+    with pytest.raises(ValueError, match="num_hidden_layers, a positive integer; Bare has None"):
+        KVBitsCache(Bare(), "kivi-2")
+    cfg = tiny_config(num_hidden_layers=2)
+    cfg.layer_types = ["full_attention"]
+    with pytest.raises(ValueError, match="layer_types names 1 layers, but num_hidden_layers is 2"):
+        KVBitsCache(cfg, "kivi-2")
+    cfg = tiny_config(num_hidden_layers=2)
+    object.__setattr__(cfg, "sliding_window", "24")  # (past the config's own type check)
+    with pytest.raises(ValueError, match="sliding_window must be a positive integer.*'24'"):
+        KVBitsCache(cfg, "kivi-2")
+
+
 # --------------------------------------------------------------------------- cache mechanics
 def test_update_prefill_tags_and_defers_quantization():
     cache = KVBitsCache(tiny_config(), "kivi-2", residual_length=0)

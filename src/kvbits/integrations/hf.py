@@ -832,13 +832,20 @@ def _layer_codebooks(model_or_config, spec: QuantSpec, calibration, preset: str,
 
 def layer_windows(config) -> list[int | None]:
     """Per decoder layer: the sliding window, or None for full attention."""
-    n = config.num_hidden_layers
+    n = getattr(config, "num_hidden_layers", None)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:  # (an AttributeError, or a
+        # TypeError inside a list product)
+        raise ValueError(f"KVBitsCache needs the config's num_hidden_layers, a positive "
+                         f"integer; {type(config).__name__} has {n!r}")
     types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
     if types is None:
         # Without layer_types a set sliding_window means every layer slides (Mistral-style).
         use = getattr(config, "use_sliding_window", True)
-        return [window if (window is not None and use) else None] * n
+        return [_window(window) if (window is not None and use) else None] * n
+    if len(types) < n:  # (the cache had fewer layers than the model, silently)
+        raise ValueError(f"config.layer_types names {len(types)} layers, but num_hidden_layers "
+                         f"is {n}")
     out = []
     for i, t in enumerate(types[:n]):
         if t in _FULL_TYPES:
@@ -846,11 +853,23 @@ def layer_windows(config) -> list[int | None]:
         elif t in _SLIDING_TYPES:
             if window is None:
                 raise ValueError(f"layer {i} is {t!r} but the config has no sliding_window")
-            out.append(int(window))
+            out.append(_window(window))
         else:
             raise NotImplementedError(
                 f"KVBitsCache supports full and sliding-window attention layers; layer {i} is {t!r}")
     return out
+
+
+def _window(window) -> int:
+    """A sliding layer's window (tokens), as a positive int: a string was kept as is."""
+    try:
+        w = None if isinstance(window, bool) else operator.index(window)
+    except TypeError:
+        w = None
+    if w is None or w < 1:
+        raise ValueError(f"config.sliding_window must be a positive integer (tokens), got "
+                         f"{window!r}")
+    return w
 
 
 def _use_kvbits_attention(model) -> None:
