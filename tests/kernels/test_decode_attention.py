@@ -1841,7 +1841,17 @@ def test_gluon_tma_inside_cuda_graph(bits, monkeypatch):
     ("KVBITS_FINISH_FP_TOKENS", "decode_attention", "'auto' or a non-negative integer"),
     ("KVBITS_GLUON", "decode_attention", "'0' or '1'"),
     ("KVBITS_PDL", "decode_attention", "'0' or '1'"),
-    ("KVBITS_FAST_LAUNCH", "launch", "'0' or '1'")])
+    ("KVBITS_FAST_LAUNCH", "launch", "'0' or '1'"),
+    # read unchecked until session 53 ('true' ran as off, 'two' failed in int())
+    ("KVBITS_GLUON_PREFETCH_L1", "decode_gluon", "'0' or '1'"),
+    ("KVBITS_GLUON_PREFETCH_AFTER", "decode_gluon", "'0' or '1'"),
+    ("KVBITS_GLUON_PREFETCH_OUTLIERS", "decode_gluon", "'0' or '1'"),
+    ("KVBITS_GLUON_EARLY_V", "decode_gluon", "'0' or '1'"),
+    ("KVBITS_GLUON_PREFETCH", "decode_gluon", "an integer >= 0"),
+    ("KVBITS_GLUON_MAXNREG", "decode_gluon", "an integer >= 0"),
+    ("KVBITS_GLUON_Q_RELOAD", "decode_gluon", "'auto', '0' or '1'"),
+    ("KVBITS_MERGE", "decode_attention", "'auto', '0' or '1'"),
+    ("KVBITS_STEP_GRAPHS", "kvbits.integrations.step_graphs", "'auto', '0' or '1'")])
 def test_gluon_env_switches_are_checked(var, module, allowed):
     """A mistyped Gluon switch is refused at import, naming the variable and its values
     (KVBITS_GLUON, KVBITS_PDL and KVBITS_FAST_LAUNCH took 'yes' / 'true' as the default
@@ -1850,7 +1860,8 @@ def test_gluon_env_switches_are_checked(var, module, allowed):
     import sys
 
     env = {**os.environ, var: "yes"}
-    res = subprocess.run([sys.executable, "-c", f"import kvbits.kernels.{module}"],
+    module = module if "." in module else f"kvbits.kernels.{module}"
+    res = subprocess.run([sys.executable, "-c", f"import {module}"],
                          env=env, capture_output=True, text=True, timeout=300, check=False)
     assert res.returncode != 0
     assert f"{var} must be {allowed}, got 'yes'" in res.stderr

@@ -26,7 +26,6 @@ stream and keep only their outputs alive, so their temporaries never overlap in 
 from __future__ import annotations
 
 import gc
-import os
 import warnings
 from dataclasses import dataclass
 
@@ -34,14 +33,13 @@ import torch
 
 from .. import ops
 from ..kernels.launch import device_index
+from ..kernels.switches import env_choice
 
 # KVBITS_STEP_GRAPHS: "auto" (default; on where the layer runs the CUDA kernels), "0" (off),
 # "1" (on, also where it cannot capture: every step then runs eagerly in the same mode, as the
 # CPU tests do). KVBitsCache(step_graphs=...) overrides it per cache.
-_ENV = os.environ.get("KVBITS_STEP_GRAPHS", "auto")
-if _ENV not in ("auto", "0", "1"):
-    raise ValueError(f"KVBITS_STEP_GRAPHS must be 'auto', '0' or '1', got {_ENV!r}")
-DEFAULT = {"auto": "auto", "0": False, "1": True}[_ENV]
+DEFAULT = {"auto": "auto", "0": False, "1": True}[
+    env_choice("KVBITS_STEP_GRAPHS", "auto", ("auto", "0", "1"))]
 
 # Tokens reserved ahead when a layer enters the mode (or 1/8 of what it holds, if more): each
 # re-entry copies the body into larger buffers and captures the layer's graphs again.

@@ -32,7 +32,7 @@ import triton.language as tl
 from ..formats.layout import PackedKV, check_query, pre_rope_kernel_ok
 from . import decode_gluon, decode_gluon_tma
 from .launch import FastLaunch, device_index, keyword_maker
-from .switches import env_switch
+from .switches import env_choice, env_switch
 
 LOG2E = 1.4426950408889634
 
@@ -866,10 +866,7 @@ SIDE_AFTER_BODY = env_switch("KVBITS_SIDE_AFTER", "1")
 # in graph replays the merge lost 1-16% on 16 of 17 rows (the FP16 splits no longer beside the
 # body, and one program merging every column of an m-tile where the finish kernel spreads the
 # rows: Llama-3-8B batch 8 32k kivi-2 92.4 -> 94.9 us, batch 1 128k 55.1 -> 65.8).
-_MERGE_ENV = os.environ.get("KVBITS_MERGE", "auto")
-if _MERGE_ENV not in ("auto", "0", "1"):
-    raise ValueError(f"KVBITS_MERGE must be 'auto', '0' or '1', got {_MERGE_ENV!r}")
-MERGE_IN_SPLITS = _MERGE_ENV
+MERGE_IN_SPLITS = env_choice("KVBITS_MERGE", "auto", ("auto", "0", "1"))
 # Elements of the finish kernel's merge tile [rows, splits, head_dim] (64 fp32 per thread).
 FINISH_TILE = 8192
 # Offsets inside one (sequence, head) slice of a kv tensor are int32 (the slice bases are int64).

@@ -51,10 +51,9 @@ spills), and so did a cp.async double buffer through shared memory (2x slower).
 
 from __future__ import annotations
 
-import os
 
 from .launch import FastLaunch, keyword_maker
-from .switches import env_switch
+from .switches import env_choice, env_count, env_switch
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves everything.
     from triton.experimental import gluon
@@ -2122,7 +2121,7 @@ MIN_STEPS_WIDE = 8
 
 # Register cap for ptxas (0: ptxas chooses; caps measured slower: spills). Read once at import:
 # the launch is on every decode step.
-DEFAULT_MAXNREG = int(os.environ.get("KVBITS_GLUON_MAXNREG", "0"))
+DEFAULT_MAXNREG = env_count("KVBITS_GLUON_MAXNREG", 0)
 
 # Prefetch distance in 64-token steps (0: none): each step asks for the bytes of the step PF
 # ahead with ``prefetch.global`` (no registers, no shared memory), so the one warp of a program
@@ -2132,19 +2131,19 @@ DEFAULT_MAXNREG = int(os.environ.get("KVBITS_GLUON_MAXNREG", "0"))
 # or after: kivi-2 Llama-3-8B B=32 32k 518 -> 402 us, Llama-3 B=8 32k 146 -> 116 us, Llama-2-7B
 # B=8 32k 500 -> 395 us; kivi-4, uniform-int4 and k4v2 gain 5-25%. Two or more steps ahead
 # measured slower (the prefetches crowd the demand loads).
-DEFAULT_PREFETCH = int(os.environ.get("KVBITS_GLUON_PREFETCH", "1"))
-PREFETCH_L1 = os.environ.get("KVBITS_GLUON_PREFETCH_L1", "0") == "1"
-PREFETCH_AFTER_KEYS = os.environ.get("KVBITS_GLUON_PREFETCH_AFTER", "1") == "1"
+DEFAULT_PREFETCH = env_count("KVBITS_GLUON_PREFETCH", 1)
+PREFETCH_L1 = env_switch("KVBITS_GLUON_PREFETCH_L1", "0")
+PREFETCH_AFTER_KEYS = env_switch("KVBITS_GLUON_PREFETCH_AFTER", "1")
 # KVQuant layers: prefetch the outliers of the step PF ahead too (indices and corrections, keys
 # and values: 6 lines of 128 bytes per 64-token step at two per token), with the step's codes.
 # Off: H200, whole captured calls alternated (benchmarks/results/kvquant_ab_s35.log), 5-6%
 # slower at Llama-3-8B batch 8 (32k 422 -> 451 us, 128k 1647 -> 1734), 2% at Llama-2-7B batch
 # 8, 2% faster only at batch 1 128k; into L1, the same or worse. The layer's ~15 us per step and
 # program is its arithmetic and spills, not these loads' latency.
-PREFETCH_OUTLIERS = os.environ.get("KVBITS_GLUON_PREFETCH_OUTLIERS", "0") == "1"
+PREFETCH_OUTLIERS = env_switch("KVBITS_GLUON_PREFETCH_OUTLIERS", "0")
 # Issue a step's value loads with its key loads (one wait per step instead of two; ~250
 # registers): measured 0-6% faster with 4-bit keys, 4-50% slower for kivi-2, so off.
-EARLY_VALUES = os.environ.get("KVBITS_GLUON_EARLY_V", "0") == "1"
+EARLY_VALUES = env_switch("KVBITS_GLUON_EARLY_V", "0")
 # Head dims of four chunks (256): reload the query operands of chunks 2 and 3 from L1 at every
 # step instead of holding them through the loop (16 registers at 8 heads). sm_90 SASS per step
 # (GQA 2, G 32): 3-bit planes 4243 -> 4353 instructions with spilled words 44/53 -> 27/32
@@ -2154,7 +2153,7 @@ EARLY_VALUES = os.environ.get("KVBITS_GLUON_EARLY_V", "0") == "1"
 # codebooks batch 8 534 -> 492 us but batch 1 115 -> 120; 4 bits batch 8 402 -> 400, batch 1
 # 82.5 -> 86.6. Hence: 3-bit planes always, codebooks from Q_RELOAD_CB_PAIRS (sequence, KV head)
 # pairs, never 2 or 4 bits. KVBITS_GLUON_Q_RELOAD=0 turns it off, =1 forces it for 3/4 bits.
-_Q_RELOAD_ENV = os.environ.get("KVBITS_GLUON_Q_RELOAD", "auto")
+_Q_RELOAD_ENV = env_choice("KVBITS_GLUON_Q_RELOAD", "auto", ("auto", "0", "1"))
 Q_RELOAD_CB_PAIRS = 64
 
 

@@ -32,10 +32,10 @@ ring outside graph capture only for large calls (``EAGER_MIN_WORK``).
 from __future__ import annotations
 
 import functools
-import os
 
 from . import decode_gluon as dg
 from .launch import FastLaunch, device_index, keyword_maker
+from .switches import env_choice
 
 try:  # Hopper's TMA and mbarriers in Gluon (Triton >= 3.5)
     from triton.experimental import gluon
@@ -63,9 +63,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 # measured the register body faster eagerly below 2^23 (eager_ring_ab_s35.log: Llama-3-8B B=8
 # 32k kivi-2 166 against 225 us, kivi-4 153 against 225, both host-bound) and the ring faster
 # at 2^23 (B=8 128k kivi-4 374 against 474 us): the threshold stays.
-MODE = os.environ.get("KVBITS_GLUON_TMA", "auto")
-if MODE not in ("auto", "0", "1"):
-    raise ValueError(f"KVBITS_GLUON_TMA must be 'auto', '0' or '1', got {MODE!r}")
+MODE = env_choice("KVBITS_GLUON_TMA", "auto", ("auto", "0", "1"))
 EAGER_MIN_WORK = 2**23
 # Ring depth (stages of one step each): 3 at 2 bits (7 KB per stage), 2 at 4 bits (11 KB), so
 # that ~10 one-warp programs per SM fit in shared memory.
