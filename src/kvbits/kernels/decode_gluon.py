@@ -51,7 +51,6 @@ spills), and so did a cp.async double buffer through shared memory (2x slower).
 
 from __future__ import annotations
 
-
 from .launch import FastLaunch, keyword_maker
 from .switches import env_choice, env_count, env_switch
 
