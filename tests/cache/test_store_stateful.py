@@ -123,7 +123,9 @@ class CacheLifecycle(RuleBasedStateMachine):
                       MistralForCausalLM(MistralConfig(**shape, sliding_window=window)))
         self.model = self.model.to(dtype).eval()
         name, _, rest = preset.partition(":")
-        text = f"{name}:{rest + ',' if rest else ''}G={G},R={R},S={S}"
+        # G, R and S as keywords: the FP16 preset takes them as harmless no-ops there (written
+        # in its spec string, 'fp16:G=32,...', resolve_spec refuses them)
+        text = f"{name}:{rest}" if rest else name
         # per-channel key magnitudes over 3 decades (KIVI's keys), fixed per example
         self.kmag = 10 ** (torch.rand(D, generator=self.gen) * 3 - 1)
         calibration = None
@@ -139,7 +141,8 @@ class CacheLifecycle(RuleBasedStateMachine):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a group that does not divide head_dim 80 / 96
             self.cache = KVBitsCache(self.model, text, calibration=calibration,
-                                     step_graphs=step_graphs)
+                                     step_graphs=step_graphs, group_size=G,
+                                     residual_length=R, sink_tokens=S)
         # step_graphs=True: one-token steps run with the lengths on the device (the CUDA-graph
         # bookkeeping; eagerly on the CPU) until anything else touches the layer
         self.step_graphs = step_graphs
