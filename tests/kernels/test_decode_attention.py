@@ -46,7 +46,8 @@ DEVICE = "cuda" if CUDA else "cpu"
 #   K and V, Q * scale and the probabilities P are cast to it), accumulating in float32; the
 #   reference does everything in float32. Rounding errors of 2**-11 (fp16) or 2**-8 (bf16),
 #   random across D channels and many tokens; measured <= 8e-4 globally and 1.5e-3 on the worst
-#   row for fp16. bf16 cannot run under the interpreter; expect ~8x the fp16 error.
+#   row for fp16. bf16 queries cannot run under the interpreter (ops.decode_attention turns
+#   them to float32 there); expect ~8x the fp16 error.
 # * float32: the kernel dequantizes the body in float32 (``_body_tile``'s F32), reads a float32
 #   pre-RoPE table and multiplies in full float32 (``_dot``: no TF32), and float32 queries do not
 #   take the Gluon body (float16 operands). Measured under the interpreter over this file:
@@ -2464,6 +2465,20 @@ def test_float16_queries_at_a_large_scale(monkeypatch):
     r = reference(q.float(), kv, scale=1.0).half()
     assert o.dtype == torch.float16 and torch.isfinite(o).all()
     compare(o, r, torch.float16, "fp16 q at scale 1")
+
+
+@pytest.mark.parametrize("layer_dtype", [torch.bfloat16, torch.float16])
+def test_bfloat16_queries_through_the_op(monkeypatch, layer_dtype):
+    """bfloat16 queries through ``ops.decode_attention`` with the kernels forced: Triton's
+    interpreter computed them wrong (outputs ~8e8; session 53 QA), so there they run as float32
+    queries; on the GPU they run as they are. Either way the result is the reference's."""
+    monkeypatch.setenv("KVBITS_KERNELS", "triton")
+    c = Case(kb=2, vb=2, G=32, body=64, res=16, HG=2, dtype=layer_dtype)
+    kv = make_kv(c)
+    q = _query_and_args(c)[0].to(torch.bfloat16)
+    o = ops.decode_attention(q, kv, scale=0.125)
+    assert o.dtype == torch.bfloat16
+    compare(o, reference(q, kv, scale=0.125), torch.bfloat16, f"bf16 q, {c}")
 
 
 @pytest.mark.parametrize("kb,vb", [(2, 2), (4, 4), (3, 2)])

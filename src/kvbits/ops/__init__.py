@@ -179,11 +179,14 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
                          f"got {softcap!r}")
     _check_call(q, kv, scale, window, starts, lengths)
     if use_kernels(q) and kernel_reads(kv):
-        from ..kernels.decode_attention import LOG2E
+        from ..kernels.decode_attention import _INTERPRETED, LOG2E
         from ..kernels.decode_attention import decode_attention as kernel
         # The kernels scale float16 queries by scale * log2(e) before rounding them to float16:
-        # above 1 that can overflow (|q| near 65504 at scale 1); float32 queries cannot.
-        wide = q.dtype == torch.float16 and scale * LOG2E > 1
+        # above 1 that can overflow (|q| near 65504 at scale 1); float32 queries cannot. Triton's
+        # interpreter computes bfloat16 queries wrong (outputs ~1e9; numpy has no bfloat16), so
+        # there they go in as float32 too.
+        wide = (q.dtype == torch.float16 and scale * LOG2E > 1
+                or q.dtype == torch.bfloat16 and _INTERPRETED)
         with on_device(q):
             out = kernel(q.float() if wide else q, kv, scale=scale, starts=starts,
                          lengths=lengths, window=window, lens_dev=lens_dev, softcap=softcap)
