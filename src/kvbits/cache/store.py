@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import operator
 import warnings
+import weakref
 
 import torch
 
@@ -40,8 +41,8 @@ from ..formats.packing import packed_length
 from ..methods import kvquant as kvq
 from ..reference import hadamard as ref_hadamard
 from ..reference import quant as ref_quant
-from ..reference.attention import dequantize_body, place_sinks
 from ..reference import rope as ref_rope
+from ..reference.attention import dequantize_body, place_sinks
 from ..spec import QuantSpec
 
 
@@ -1105,19 +1106,29 @@ _STATE_FLAGS = ("_row_sinks", "_sink_closed", "_fp8_ready")
 EVICT_RATIO = 4
 
 
+# The last index _batch_rows read back: transformers hands one beam index to every layer of a
+# step, so only the first layer pays the host read (a GPU sync) of its range check.
+_CHECKED_ROWS: dict = {"ref": None, "version": None, "batch": None}
+
+
 def _batch_rows(index, batch: int, op: str) -> torch.Tensor:
     """``index`` (a 1-D integer tensor or sequence) as int64 rows of a batch of ``batch``, or a
     ValueError naming ``op``: a float index was truncated silently (0.9 -> row 0), and a row out
-    of range failed inside ``index_select`` (a device-side assert on CUDA). One host read."""
+    of range failed inside ``index_select`` (a device-side assert on CUDA). One host read per
+    index tensor (the same unchanged tensor again is not read)."""
     t = index if isinstance(index, torch.Tensor) else torch.as_tensor(index)
     if t.dim() != 1 or t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
         raise ValueError(f"{op}: the index must be a 1-D integer tensor of rows in "
                          f"[0, {batch}), got {t.dtype} of shape {tuple(t.shape)}")
-    if t.numel():
+    last = _CHECKED_ROWS["ref"]() if _CHECKED_ROWS["ref"] is not None else None
+    seen = (last is t and _CHECKED_ROWS["version"] == t._version
+            and _CHECKED_ROWS["batch"] == batch)
+    if t.numel() and not seen:
         lo, hi = torch.stack(torch.aminmax(t)).tolist()
         if lo < 0 or hi >= batch:
             raise ValueError(f"{op}: the index must hold rows in [0, {batch}) (the cache's "
                              f"batch), got rows {lo}..{hi}")
+        _CHECKED_ROWS.update(ref=weakref.ref(t), version=t._version, batch=batch)
     return t.long()
 
 
