@@ -98,6 +98,9 @@ def test_fp8_cache(model):
     assert torch.equal(cal.stores[0].k_scale, torch.full((1, 2, 1, 1), 0.01))
     with pytest.raises(ValueError, match="fp8_scale='calibrated' needs scales"):
         KVBitsCache(model, "fp8")
+    # scales of another head count: refused when the cache is built, not at its first update
+    with pytest.raises(ValueError, match="layer 0 k_scale holds 3 scales, the model has 2 KV"):
+        KVBitsCache(model, "fp8", calibration=[(torch.full((3,), 0.01), torch.ones(2))] * 4)
     with pytest.raises(ValueError, match="calibration= applies to fp8_scale='calibrated'"):
         KVBitsCache(model, "fp8-dynamic", calibration=scales)
     for spec in ("kivi-2", "kivi-2-had", "uniform-int4"):  # every taker named, kivi-N-hadc too

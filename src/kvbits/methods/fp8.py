@@ -133,6 +133,9 @@ def layer_scales(model_or_config, spec: QuantSpec, calibration, n_layers: int) -
                                    lambda model: auto_fp8_scales(model, spec),
                                    lambda path: load_fp8_scales(path, model_or_config, spec),
                                    "fp8 calibration", n_layers)
+    config = getattr(model_or_config, "config", model_or_config)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
     for i, pair in enumerate(scales):  # checked here, before any layer is built or attended
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
             raise ValueError(f"fp8 calibration: layer {i} must be a (k_scale, v_scale) pair of "
@@ -142,6 +145,10 @@ def layer_scales(model_or_config, spec: QuantSpec, calibration, n_layers: int) -
                     and sc.dtype.is_floating_point):
                 raise ValueError(f"fp8 calibration: layer {i} {name} must be a float [kv_heads] "
                                  f"tensor, got {getattr(sc, 'shape', type(sc).__name__)}")
+            if isinstance(heads, int) and sc.numel() != heads:  # (refused only at the first
+                # update before: after the cache was built and the prompt's forward begun)
+                raise ValueError(f"fp8 calibration: layer {i} {name} holds {sc.numel()} scales, "
+                                 f"the model has {heads} KV heads (one scale per KV head)")
             if not (torch.isfinite(sc).all() and (sc > 0).all()):
                 raise ValueError(f"fp8 calibration: layer {i} {name} must be finite and > 0 "
                                  f"(dequant multipliers), got {sc.tolist()}")
