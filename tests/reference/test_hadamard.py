@@ -90,8 +90,12 @@ def test_subset_matrix_orthonormal_self_inverse(d):
         assert torch.equal(m[rest][:, rest], torch.eye(len(rest), dtype=torch.float64))
     with pytest.raises(ValueError, match="power-of-two size"):
         subset_matrix(d, [0, 1, 2])
-    with pytest.raises(ValueError, match="distinct indices"):
+    with pytest.raises(ValueError, match="distinct integer indices"):
         subset_matrix(d, [0, 0])
+    for bad in ([0.5, 1], [True, 1], ["0", "1"]):  # (0.5 was taken as channel 0)
+        with pytest.raises(ValueError, match=r"distinct integer indices .*got \["):
+            subset_matrix(d, bad)
+    assert torch.equal(subset_matrix(d, torch.tensor([1, 0])), subset_matrix(d, [1, 0]))
 
 
 def test_per_head_store_is_exact_in_fp_with_gqa():

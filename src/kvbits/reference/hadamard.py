@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from typing import NamedTuple
 
 import torch
@@ -92,11 +93,15 @@ def subset_matrix(head_dim: int, channels) -> torch.Tensor:
 
     Symmetric and orthonormal (a permuted block-diagonal of a Hadamard and an identity), hence
     its own inverse."""
-    chans = [int(c) for c in channels]
+    given = list(channels)
+    try:  # (int() took 0.5 as channel 0, silently)
+        chans = [operator.index(c) for c in given if not isinstance(c, bool)]
+    except TypeError:
+        chans = []
     n = len(chans)
-    if len(set(chans)) != n or any(not 0 <= c < head_dim for c in chans):
-        raise ValueError(f"hadamard: channels must be distinct indices below head_dim "
-                         f"{head_dim}, got {chans}")
+    if n != len(given) or len(set(chans)) != n or any(not 0 <= c < head_dim for c in chans):
+        raise ValueError(f"hadamard: channels must be distinct integer indices below head_dim "
+                         f"{head_dim}, got {given}")
     m = torch.eye(head_dim, dtype=torch.float64)
     if n:
         if n & (n - 1):
