@@ -618,3 +618,34 @@ def test_calibration_cache_of_a_text_file_follows_its_contents(tmp_path, monkeyp
     assert kvq.calibration_path(model, spec, "cal.txt", 10) != first
     (tmp_path / "cal.txt").write_text("The first calibration text.\r\n")  # the same text read
     assert kvq.calibration_path(model, spec, "cal.txt", 10) == first
+
+
+def test_bad_tables_and_outlier_counts_are_refused_by_name():
+    """A codebook / thresholds of another width than ``2**bits`` (or another head count) and an
+    outlier count outside ``[0, head_dim]``: refused naming the parameter. A 4-bit table at 3
+    bits quantized silently (codes 8-15 lost their top bit in the packing), a 2-bit table at 3
+    bits dequantized codes 4-7 from the next head's entries, and n_out > head_dim failed
+    inside topk ("selected index k out of range")."""
+    B, H, T, D, G, bits = 1, 2, 16, 8, 8, 3
+    x = torch.randn(B, H, T, D)
+    ok, small, wide = (kvq.uniform_codebooks(H, b, b) for b in (bits, 2, 4))
+    for quant, args in ((kvq.quantize_keys, (x, bits, G)), (kvq.quantize_values, (x, bits, 4, G))):
+        for cb in (small, wide):
+            with pytest.raises(ValueError, match=r"codebook must be \[kv_heads, 8\]"):
+                quant(*args, cb.k_codebook, ok.k_thresholds)
+            with pytest.raises(ValueError, match=r"thresholds must be \[kv_heads, 7\]"):
+                quant(*args, ok.k_codebook, cb.k_thresholds)
+        with pytest.raises(ValueError, match=r"codebook must be \[kv_heads, 8\] = \[2, 8\]"):
+            quant(*args, ok.k_codebook[:1], ok.k_thresholds[:1])
+        for n_out in (-1, D + 1, 1.0, True):
+            with pytest.raises(ValueError, match=r"n_out must be an int in \[0, head_dim=8\]"):
+                quant(*args, ok.k_codebook, ok.k_thresholds, n_out)
+        with pytest.raises(ValueError, match="group_size must be a positive int"):
+            quant(*args[:-1], 0, ok.k_codebook, ok.k_thresholds)
+        quant(*args, ok.k_codebook, ok.k_thresholds, D)  # every channel an outlier: fine
+    kc, ks, kz, _, _ = kvq.quantize_keys(x, bits, G, ok.k_codebook, ok.k_thresholds)
+    with pytest.raises(ValueError, match=r"dequantize_keys: codebook must be \[kv_heads, 8\]"):
+        kvq.dequantize_keys(kc, ks, kz, bits, G, small.k_codebook)
+    vc, vs, vz, _, _ = kvq.quantize_values(x, bits, 4, G, ok.v_codebook, ok.v_thresholds)
+    with pytest.raises(ValueError, match=r"dequantize_values: codebook must be \[kv_heads, 8\]"):
+        kvq.dequantize_values(vc, vs, vz, bits, 4, G, small.v_codebook)

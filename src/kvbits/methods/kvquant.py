@@ -67,7 +67,7 @@ from pathlib import Path
 import torch
 
 from ..formats.packing import pack_bits, packed_length, unpack_bits
-from ..reference.quant import FP16_MAX, channel_groups, minmax_qparams, ungroup
+from ..reference.quant import FP16_MAX, _check_args, channel_groups, minmax_qparams, ungroup
 from ..spec import QuantSpec
 from . import calibration_windows
 
@@ -249,6 +249,27 @@ def _top_mask(score: torch.Tensor, n: int):
 
 
 # ---------------------------------------------------------------------------- quantize / dequant
+def _check_tables(op: str, bits: int, heads: int, codebook: torch.Tensor,
+                  thresholds: torch.Tensor | None = None) -> None:
+    """``codebook [heads, 2**bits]`` (and ``thresholds [heads, 2**bits - 1]``), metadata only:
+    a table of another width was used silently (codes past ``2**bits - 1`` packed into the
+    neighbouring slot, or a lookup read the next head's entries)."""
+    n = 1 << bits
+    for name, t, want in (("codebook", codebook, (heads, n)),
+                          ("thresholds", thresholds, (heads, n - 1))):
+        if t is not None and tuple(t.shape) != want:
+            raise ValueError(f"{op}: {name} must be [kv_heads, {want[1]}] = {list(want)} for "
+                             f"bits={bits}, got {list(t.shape)}")
+
+
+def _check_n_out(op: str, n_out, head_dim: int) -> None:
+    """``n_out``: outliers per token vector, an int in ``[0, head_dim]`` (topk failed deep
+    inside with "selected index k out of range" before)."""
+    if not isinstance(n_out, int) or isinstance(n_out, bool) or not 0 <= n_out <= head_dim:
+        raise ValueError(f"{op}: n_out must be an int in [0, head_dim={head_dim}], got "
+                         f"{n_out!r}")
+
+
 def _codes(u: torch.Tensor, thresholds: torch.Tensor, head_dim_axis: int = 1) -> torch.Tensor:
     """uint8 code of the nearest codebook entry: ``searchsorted`` per KV head (axis 1)."""
     out = torch.empty(u.shape, dtype=torch.uint8, device=u.device)
@@ -350,7 +371,9 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int, codebook: torch.T
         (``[B, H, 1, D]``, the rows, with ``rows``), ``out_idx [B, H, T, n_out]`` (uint8 /
         int16) and ``out_val [B, H, T, n_out] float16`` (both None when ``n_out == 0``).
     """
-    B, H, T, D = k.shape
+    B, H, T, D = _check_args("quantize_keys", "k", k, bits, group_size, valid)
+    _check_tables("quantize_keys", bits, H, codebook, thresholds)
+    _check_n_out("quantize_keys", n_out, D)
     if rows is not None:
         return _quantize_keys_rows(k, bits, group_size, codebook, thresholds, n_out, valid, rows)
     kg, scale, zero, dense, idx = _split_keys(k, bits, group_size, n_out, valid)
@@ -439,7 +462,9 @@ def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: in
     Returns ``codes [B, H, T // G * Wv, D] int32``, ``scale, zero [B, H, T, D // Gv] float16``,
     ``out_idx, out_val [B, H, T, n_out]`` (None when ``n_out == 0``).
     """
-    B, H, T, D = v.shape
+    B, H, T, D = _check_args("quantize_values", "v", v, bits, group_size, valid)
+    _check_tables("quantize_values", bits, H, codebook, thresholds)
+    _check_n_out("quantize_values", n_out, D)
     G = group_size
     if T % G:
         raise ValueError(f"quantize_values: token count {T} is not a multiple of group_size {G}")
@@ -468,7 +493,8 @@ def dequantize_keys(codes, scale, zero, bits, group_size, codebook, out_idx=None
     """Inverse of :func:`quantize_keys`: ``codebook[h, code] * scale + zero`` plus outliers.
     ``groups``: how many groups ``codes`` holds when ``scale``/``zero`` are the offline
     ``[B, H, 1, D]`` rows that every group shares (else ``scale.shape[2]``)."""
-    B, H, _, D = codes.shape
+    B, H, _, D = _check_args("dequantize_keys", "codes", codes, bits, group_size)
+    _check_tables("dequantize_keys", bits, H, codebook)
     NG = scale.shape[2] if groups is None else groups
     Wk = packed_length(group_size, bits)
     q = unpack_bits(codes[:, :, : NG * Wk].reshape(B, H, NG, Wk, D), bits, group_size, dim=3)
@@ -482,7 +508,8 @@ def dequantize_keys(codes, scale, zero, bits, group_size, codebook, out_idx=None
 def dequantize_values(codes, scale, zero, bits, value_group, group_size, codebook, out_idx=None,
                       out_val=None, dtype=torch.float32) -> torch.Tensor:
     """Inverse of :func:`quantize_values`."""
-    B, H, _, D = codes.shape
+    B, H, _, D = _check_args("dequantize_values", "codes", codes, bits, group_size)
+    _check_tables("dequantize_values", bits, H, codebook)
     T = scale.shape[2]
     NG = T // group_size
     Wv = packed_length(group_size, bits)
