@@ -1,15 +1,31 @@
-"""Argument checks shared by the evaluation functions: a count that is not an integer (a float,
-a bool, None) or below its least value fails here by name, not later in ``range`` or a reshape."""
+"""Argument checks shared across the package: an integer argument given as a float, a bool, a
+string or None fails here by name, not later in ``range``, a reshape or a comparison (and a float
+is never truncated silently)."""
 
 from __future__ import annotations
+
+import operator
+
+
+def as_int(value) -> int | None:
+    """``value`` as an int when it is an integer (Python, numpy or 0-d torch integer; not a
+    bool), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def is_count(value, low: int = 1) -> bool:
     """Whether ``value`` is an integer (not a bool) >= ``low``."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+    n = as_int(value)
+    return n is not None and n >= low
 
 
-def require_count(name: str, value, low: int = 1) -> None:
-    """Raise ``ValueError`` naming ``name`` unless :func:`is_count`."""
+def require_count(name: str, value, low: int = 1) -> int:
+    """``value`` as an int >= ``low``, else ``ValueError`` naming ``name``."""
     if not is_count(value, low):
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return as_int(value)

@@ -29,13 +29,13 @@ quantized tokens' amax, or given by a calibration); ``spec.hadamard`` keeps ever
 
 from __future__ import annotations
 
-import operator
 import warnings
 import weakref
 
 import torch
 
 from .. import ops
+from ..checks import as_int, require_count
 from ..formats.layout import PackedKV, body_bytes_per_token, pre_rope_kernel_ok
 from ..formats.packing import packed_length
 from ..methods import kvquant as kvq
@@ -62,7 +62,7 @@ class LayerStore:
         channels to rotate, for ``spec.hadamard_calibrated`` (see
         :mod:`kvbits.methods.hadamard`)."""
         self.spec = spec
-        batch, kv_heads, head_dim = (_count(n, f"LayerStore: {name}", 1) for name, n in
+        batch, kv_heads, head_dim = (require_count(f"LayerStore: {name}", n, 1) for name, n in
                                      (("batch", batch), ("kv_heads", kv_heads),
                                       ("head_dim", head_dim)))
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
@@ -457,7 +457,7 @@ class LayerStore:
         residual for ``residual`` tokens now (buffers only grow; contents kept): a serving engine
         that knows the final length allocates once, and a captured step must never reallocate."""
         self._host_lengths("reserve")
-        tokens, residual = (_count(n, f"reserve: {name}") for name, n in
+        tokens, residual = (require_count(f"reserve: {name}", n, 0) for name, n in
                             (("tokens", tokens), ("residual", residual)))
         groups = tokens // self.spec.group_size + 1
         caps = {name: groups * rows for name, rows in self._rows_per_group().items()} \
@@ -494,10 +494,7 @@ class LayerStore:
         the pre-RoPE re-rotation (at ``index - starts``) exact with no offset in the kernels."""
         if self.lens_dev is not None:
             return 0
-        try:  # (a float failed inside narrow, None on a subtraction)
-            n = None if isinstance(upto, bool) else operator.index(upto)
-        except TypeError:
-            n = None
+        n = as_int(upto)  # (a float failed inside narrow, None on a subtraction)
         if n is None:
             raise ValueError(f"evict: upto must be an integer (a stored index), got {upto!r}")
         upto = n
@@ -933,10 +930,7 @@ class LayerStore:
         """The length :meth:`crop` would keep (None: nothing to drop), or ValueError for a cut
         inside a quantized group; changes nothing (a multi-layer crop checks every layer first)."""
         self._host_lengths("crop")
-        try:  # (True kept one token)
-            n = None if isinstance(length, bool) else operator.index(length)
-        except TypeError:
-            n = None
+        n = as_int(length)  # (True kept one token)
         if n is None:
             raise ValueError(f"crop: length must be an integer (tokens to keep, or a negative "
                              f"number to drop), got {length!r}")
@@ -1130,18 +1124,6 @@ def _batch_rows(index, batch: int, op: str) -> torch.Tensor:
                              f"batch), got rows {lo}..{hi}")
         _CHECKED_ROWS.update(ref=weakref.ref(t), version=t._version, batch=batch)
     return t.long()
-
-
-def _count(n, what: str, least: int = 0) -> int:
-    """``n`` as an int >= ``least`` (a size), or a ValueError naming ``what``: a negative size
-    reserved nothing, silently, and a float failed inside ``new_empty``."""
-    try:
-        value = None if isinstance(n, bool) else operator.index(n)
-    except TypeError:
-        value = None
-    if value is None or value < least:
-        raise ValueError(f"{what} must be an integer >= {least}, got {n!r}")
-    return value
 
 
 def _capacity(n: int) -> int:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from .checks import require_count
+from ..checks import require_count
 
 __all__ = ["append_kv", "compact_residual", "copy_dense_cache", "fill_random", "presize_store"]
 

@@ -28,9 +28,9 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
+from ..checks import require_count
 from ..formats.layout import body_bytes_per_token, fp_bytes_per_token
 from ..spec import QuantSpec, resolve_spec
-from .checks import require_count
 
 __all__ = [
     "NAMED_CONFIGS",

@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .checks import is_count, require_count
+from ..checks import is_count, require_count
 
 __all__ = ["NeedleConfig", "PasskeyPrompt", "build_passkey_prompt", "check_needle_config",
            "eos_ids", "haystack_ids", "needle_caches", "needle_markdown", "needle_meta",

@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from .checks import require_count
+from ..checks import require_count
 
 __all__ = [ "cache_nbytes", "default_window", "perplexity", "plan_windows", "trained_positions"]
 

@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .checks import require_count
+from ..checks import require_count
 
 __all__ = ["MODEL_CONFIGS", "BenchConfig", "build_model", "emulated_layer_class",
            "emulated_quantized_cache", "make_cache", "max_batch", "model_config", "parse_variant",

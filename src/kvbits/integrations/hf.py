@@ -75,7 +75,6 @@ from __future__ import annotations
 
 import copy
 import math
-import operator
 import os
 import sys
 import warnings
@@ -90,6 +89,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import ops
 from ..cache.store import LayerStore
+from ..checks import as_int
 from ..reference.attention import dequantize_layer
 from ..spec import CALIBRATION_USES, QuantSpec, resolve_spec
 from . import step_graphs as steps_mod  # (KVBitsCache takes an argument step_graphs)
@@ -276,10 +276,7 @@ class KVBitsLayer(CacheLayerMixin):
             self.store.reorder(beam_idx)  # (checked there: integer rows of the batch)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        try:
-            n = None if isinstance(repeats, bool) else operator.index(repeats)
-        except TypeError:
-            n = None
+        n = as_int(repeats)
         if n is None or n < 1:  # (0 left an empty batch that still counted its tokens)
             raise ValueError(f"batch_repeat_interleave: repeats must be a positive integer "
                              f"(copies of each sequence), got {repeats!r}")
@@ -358,10 +355,7 @@ class KVBitsLayer(CacheLayerMixin):
         changing anything: ValueError where the cut is impossible."""
         if "max_length" in kwargs:  # crop's keyword before transformers 5.15
             tokens_to_remove = kwargs.pop("max_length")
-        try:  # (None failed on a comparison; a float got the drafts' advice below)
-            n = None if isinstance(tokens_to_remove, bool) else operator.index(tokens_to_remove)
-        except TypeError:
-            n = None
+        n = as_int(tokens_to_remove)  # (None failed on a comparison; a float: the drafts' advice)
         if n is None:
             raise ValueError(f"crop: tokens_to_remove must be an integer (a negative number of "
                              f"tokens to drop; positive: tokens to keep), got {tokens_to_remove!r}")
@@ -862,10 +856,7 @@ def layer_windows(config) -> list[int | None]:
 
 def _window(window) -> int:
     """A sliding layer's window (tokens), as a positive int: a string was kept as is."""
-    try:
-        w = None if isinstance(window, bool) else operator.index(window)
-    except TypeError:
-        w = None
+    w = as_int(window)
     if w is None or w < 1:
         raise ValueError(f"config.sliding_window must be a positive integer (tokens), got "
                          f"{window!r}")
