@@ -297,6 +297,20 @@ def test_damaged_calibration_files_are_refused_by_name(calibrated, tmp_path):
     for damaged in ({k: v for k, v in tensors.items() if k != "layers.0.k_codebook"}, short):
         with pytest.raises(ValueError, match="damaged kvquant calibration: layer .'s [kv]_"):
             load(damaged)
+    # thresholds out of order (searchsorted coded against them silently) or a NaN / inf entry
+    th = tensors["layers.1.k_thresholds"]
+    cb = tensors["layers.0.v_codebook"]
+    for name, bad in (("layers.1.k_thresholds", th.flip(-1).contiguous()),
+                      ("layers.1.k_thresholds", th.clone().index_fill_(-1, torch.tensor([0]),
+                                                                       float("nan"))),
+                      ("layers.0.v_codebook", cb.clone().index_fill_(-1, torch.tensor([1]),
+                                                                     float("inf")))):
+        with pytest.raises(ValueError, match=f"layer {name[7]}'s {name[9]}_codebook .*"
+                           "non-finite entry or thresholds out of ascending order"):
+            load(dict(tensors, **{name: bad}))
+    repeated = cb.clone()
+    repeated[:, 1] = repeated[:, 0]  # repeated entries (k-means on few values gives them): fine
+    load(dict(tensors, **{"layers.0.v_codebook": repeated}))
 
 
 def test_calibration_follows_the_weights_not_their_dtype(calibrated):

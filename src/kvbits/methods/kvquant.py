@@ -712,6 +712,13 @@ class Calibration:
                     raise ValueError(f"{damaged}: layer {i}'s {side}_codebook / {side}_thresholds "
                                      "are missing or of inconsistent shapes ([heads, 2**bits] and "
                                      "[heads, 2**bits - 1])")
+                # searchsorted needs ascending thresholds (it coded against unsorted ones
+                # silently), and a non-finite entry dequantizes to inf / NaN
+                if not (cb.isfinite().all() and th.isfinite().all()
+                        and (th[:, 1:] >= th[:, :-1]).all()):
+                    raise ValueError(f"{damaged}: layer {i}'s {side}_codebook / {side}_thresholds "
+                                     "hold a non-finite entry or thresholds out of ascending "
+                                     "order")
         return cls(layers, fields["spec"], meta["fingerprint"], meta.get("model", ""),
                    meta.get("preset", ""), meta.get("data", ""), meta.get("date", ""),
                    fields.get("extra", {}), fields.get("probe"))
