@@ -7,6 +7,7 @@ independent pure-Python packer written from the module docstring (element ``e`` 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -271,7 +272,7 @@ def test_unpack_rejects_non_int32_words():
         unpack_bits(torch.zeros(4, dtype=torch.int64), 2, 64)
 
 
-@pytest.mark.parametrize("bad", [0, 1, 5, 6, 7, 16, 32])
+@pytest.mark.parametrize("bad", [0, 1, 5, 6, 7, 16, 32, 2.0, 4.0, True, "2", None])
 def test_bad_bits(bad):
     with pytest.raises(ValueError, match="bits must be one of"):
         pack_bits(torch.zeros(8, dtype=torch.uint8), bad)
@@ -296,3 +297,20 @@ def test_axis_out_of_range_is_refused():
         pack_bits(torch.tensor(1, dtype=torch.uint8), 2)
     with pytest.raises(ValueError, match=r"unpack_bits: dim must be in \[-2, 2\)"):
         unpack_bits(pack_bits(codes, 2), 2, 8, dim=2)
+
+
+def test_bad_counts_and_axes_are_refused_by_name():
+    """A negative code count gave 0 words (``unpack_bits`` then returned an empty axis for
+    ``n=-1``), a float count a float length or a slicing TypeError, a float dim a tuple-index
+    TypeError, and bits=2.0 a shift TypeError; all refused naming the parameter now."""
+    for n in (-1, -33, 2.5, 8.0, True, None):
+        with pytest.raises(ValueError, match=r"packed_length: n must be a non-negative int"):
+            packed_length(n, 2)
+        with pytest.raises(ValueError, match=r"unpack_bits: n must be a non-negative int"):
+            unpack_bits(torch.zeros(2, 0 if n == -1 else 1, dtype=torch.int32), 2, n)
+    codes = torch.zeros(4, 8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"pack_bits: dim must be in \[-2, 2\)"):
+        pack_bits(codes, 2, dim=1.0)
+    with pytest.raises(ValueError, match=r"unpack_bits: dim must be in \[-2, 2\)"):
+        unpack_bits(pack_bits(codes, 2), 2, 8, dim=1.0)
+    assert packed_length(0, 3) == 0 and packed_length(np.int64(33), 3) == 6  # NumPy ints count
