@@ -413,3 +413,33 @@ def test_zero_tokens_give_empty_outputs():
 def test_bad_arguments_name_the_argument(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_scales_of_another_shape_are_refused_by_name():
+    """dequantize_*'s scale / zero must match the codes: a keys' zero of one group broadcast
+    over two silently, value scales of another channel grouping (value_group 16 against 8)
+    likewise, as did another batch; fewer code rows than the scales need, or value scales of
+    a token count that is not whole groups, failed in a reshape."""
+    x = torch.randn(1, 2, 64, 16)
+    kc, ks, kz = quantize_keys(x, 4, 32)
+    vc, vs, vz = quantize_values(x, 4, 8, 32)
+    for call, match in (
+            (lambda: dequantize_keys(kc, ks, kz[:, :, :1], 4, 32),
+             (r"dequantize_keys: zero must be \[1, 2, 2, 16\] for codes \[1, 2, 8, 16\], got "
+              r"\[1, 2, 1, 16\]")),
+            (lambda: dequantize_keys(kc, ks[..., :8], kz[..., :8], 4, 32), "scale must be"),
+            (lambda: dequantize_keys(kc, ks[0], kz[0], 4, 32), r"scale must be \[1, 2, n, 16\]"),
+            (lambda: dequantize_keys(kc, ks.repeat(1, 1, 2, 1), kz.repeat(1, 1, 2, 1), 4, 32),
+             "codes hold 8 rows of words, the 4 scale rows need 16"),
+            (lambda: dequantize_values(vc, vs, vz, 4, 16, 32),
+             r"scale must be \[1, 2, 64, 1\] for codes \[1, 2, 8, 16\], got \[1, 2, 64, 2\]"),
+            (lambda: dequantize_values(vc, vs.expand(3, -1, -1, -1), vz.expand(3, -1, -1, -1), 4,
+                                       8, 32), "scale must be"),
+            (lambda: dequantize_values(vc, vs[:, :, :40], vz[:, :, :40], 4, 8, 32),
+             "scale holds 40 tokens, not whole groups of group_size 32"),
+            (lambda: dequantize_values(vc, vs.repeat(1, 1, 2, 1), vz.repeat(1, 1, 2, 1), 4, 8, 32),
+             "codes hold 8 rows of words, the 128 scale rows need 16")):
+        with pytest.raises(ValueError, match=match):
+            call()
+    spare = torch.cat([kc, torch.zeros_like(kc)], 2)  # codes with spare capacity still serve
+    assert torch.equal(dequantize_keys(spare, ks, kz, 4, 32), dequantize_keys(kc, ks, kz, 4, 32))

@@ -34,6 +34,22 @@ def _check_args(op: str, name: str, x: torch.Tensor, bits: int, group_size: int,
     return B, H, T, D
 
 
+def _check_params(op: str, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                  want: tuple, words: int) -> None:
+    """``scale`` and ``zero`` of shape ``want`` and ``codes`` holding at least ``words`` rows
+    (more: a buffer's capacity). A zero of another shape broadcast silently (one group's zero
+    for every group; a value scale of another channel grouping likewise), and a short
+    ``codes`` or a token count that is not whole groups failed in a reshape."""
+    for name, t in (("scale", scale), ("zero", zero)):
+        if tuple(t.shape) != want:
+            shown = ", ".join("n" if w < 0 else str(w) for w in want)
+            raise ValueError(f"{op}: {name} must be [{shown}] for codes "
+                             f"{list(codes.shape)}, got {list(t.shape)}")
+    if codes.shape[2] < words:
+        raise ValueError(f"{op}: codes hold {codes.shape[2]} rows of words, the {want[2]} "
+                         f"scale rows need {words}")
+
+
 FP16_MAX = 65504.0  # the largest finite float16
 
 
@@ -116,8 +132,9 @@ def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
                     group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of :func:`quantize_keys`: ``[B, H, NG * Wk, D]`` words -> ``[B, H, NG * G, D]``."""
     B, H, _, D = _check_args("dequantize_keys", "codes", codes, bits, group_size)
-    NG = scale.shape[2]
+    NG = scale.shape[2] if scale.dim() == 4 else -1
     Wk = packed_length(group_size, bits)
+    _check_params("dequantize_keys", codes, scale, zero, (B, H, NG, D), NG * Wk)
     words = codes[:, :, : NG * Wk].reshape(B, H, NG, Wk, D)
     q = unpack_bits(words, bits, group_size, dim=3)  # [B, H, NG, G, D]
     x = dequantize_with(q, scale.unsqueeze(3), zero.unsqueeze(3), dtype)
@@ -182,9 +199,15 @@ def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of :func:`quantize_values`: ``[B, H, NG * Wv, D]`` words -> ``[B, H, T, D]``."""
     B, H, _, D = _check_args("dequantize_values", "codes", codes, bits, group_size)
-    T = scale.shape[2]
+    check_value_group("dequantize_values", value_group, D)
+    T = scale.shape[2] if scale.dim() == 4 else -1
     NG = T // group_size
     Wv = packed_length(group_size, bits)
+    if T % group_size:
+        raise ValueError(f"dequantize_values: scale holds {T} tokens, not whole groups of "
+                         f"group_size {group_size}")
+    _check_params("dequantize_values", codes, scale, zero, (B, H, T, -(-D // value_group)),
+                  NG * Wv)
     words = codes[:, :, : NG * Wv].reshape(B, H, NG, Wv, D)
     q = unpack_bits(words, bits, group_size, dim=3).reshape(B, H, T, D)
     qg, _ = channel_groups(q, value_group, "dequantize_values")
