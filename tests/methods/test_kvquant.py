@@ -663,3 +663,20 @@ def test_bad_tables_and_outlier_counts_are_refused_by_name():
     vc, vs, vz, _, _ = kvq.quantize_values(x, bits, 4, G, ok.v_codebook, ok.v_thresholds)
     with pytest.raises(ValueError, match=r"dequantize_values: codebook must be \[kv_heads, 8\]"):
         kvq.dequantize_values(vc, vs, vz, bits, 4, G, small.v_codebook)
+
+
+def test_dequantize_refuses_scales_of_another_shape():
+    """As the reference's: a keys' zero of one group broadcast over both groups silently, and
+    value scales of another channel grouping (value_group 16 against 8) likewise."""
+    x = torch.randn(1, 2, 64, 16)
+    cb = kvq.uniform_codebooks(2, 3, 3)
+    kc, ks, kz, ki, kv_ = kvq.quantize_keys(x, 3, 32, cb.k_codebook, cb.k_thresholds, 1)
+    vc, vs, vz, vi, vv = kvq.quantize_values(x, 3, 8, 32, cb.v_codebook, cb.v_thresholds, 1)
+    with pytest.raises(ValueError, match=r"dequantize_keys: zero must be \[1, 2, 2, 16\]"):
+        kvq.dequantize_keys(kc, ks, kz[:, :, :1], 3, 32, cb.k_codebook, ki, kv_)
+    with pytest.raises(ValueError, match=r"dequantize_values: scale must be \[1, 2, 64, 1\]"):
+        kvq.dequantize_values(vc, vs, vz, 3, 16, 32, cb.v_codebook, vi, vv)
+    with pytest.raises(ValueError, match="scale holds 40 tokens, not whole groups"):
+        kvq.dequantize_values(vc, vs[:, :, :40], vz[:, :, :40], 3, 8, 32, cb.v_codebook)
+    rows = ks[:, :, :1], kz[:, :, :1]  # offline rows: one [B, H, 1, D] row for every group
+    assert kvq.dequantize_keys(kc, *rows, 3, 32, cb.k_codebook, groups=2).shape == x.shape

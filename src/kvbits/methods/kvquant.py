@@ -66,8 +66,16 @@ from pathlib import Path
 
 import torch
 
+from ..formats.layout import check_value_group
 from ..formats.packing import pack_bits, packed_length, unpack_bits
-from ..reference.quant import FP16_MAX, _check_args, channel_groups, minmax_qparams, ungroup
+from ..reference.quant import (
+    FP16_MAX,
+    _check_args,
+    _check_params,
+    channel_groups,
+    minmax_qparams,
+    ungroup,
+)
 from ..spec import QuantSpec
 from . import calibration_windows
 
@@ -495,8 +503,10 @@ def dequantize_keys(codes, scale, zero, bits, group_size, codebook, out_idx=None
     ``[B, H, 1, D]`` rows that every group shares (else ``scale.shape[2]``)."""
     B, H, _, D = _check_args("dequantize_keys", "codes", codes, bits, group_size)
     _check_tables("dequantize_keys", bits, H, codebook)
-    NG = scale.shape[2] if groups is None else groups
+    NG = (scale.shape[2] if scale.dim() == 4 else -1) if groups is None else groups
     Wk = packed_length(group_size, bits)
+    _check_params("dequantize_keys", codes, scale, zero, (B, H, NG if groups is None else 1, D),
+                  NG * Wk)
     q = unpack_bits(codes[:, :, : NG * Wk].reshape(B, H, NG, Wk, D), bits, group_size, dim=3)
     x = _lookup(codebook.to(codes.device), q) * scale.float().unsqueeze(3) + zero.float().unsqueeze(3)
     x = x.reshape(B, H, NG * group_size, D)
@@ -510,9 +520,15 @@ def dequantize_values(codes, scale, zero, bits, value_group, group_size, codeboo
     """Inverse of :func:`quantize_values`."""
     B, H, _, D = _check_args("dequantize_values", "codes", codes, bits, group_size)
     _check_tables("dequantize_values", bits, H, codebook)
-    T = scale.shape[2]
+    check_value_group("dequantize_values", value_group, D)
+    T = scale.shape[2] if scale.dim() == 4 else -1
     NG = T // group_size
     Wv = packed_length(group_size, bits)
+    if T % group_size:
+        raise ValueError(f"dequantize_values: scale holds {T} tokens, not whole groups of "
+                         f"group_size {group_size}")
+    _check_params("dequantize_values", codes, scale, zero, (B, H, T, -(-D // value_group)),
+                  NG * Wv)
     q = unpack_bits(codes[:, :, : NG * Wv].reshape(B, H, NG, Wv, D), bits, group_size, dim=3)
     q = channel_groups(q.reshape(B, H, T, D), value_group)[0]
     x = _lookup(codebook.to(codes.device), q) * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
