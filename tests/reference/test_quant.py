@@ -29,6 +29,7 @@ from kvbits.reference.quant import (
     dequantize_keys,
     dequantize_values,
     dequantize_with,
+    fp8_amax,
     minmax_qparams,
     quantize_keys,
     quantize_values,
@@ -443,3 +444,12 @@ def test_scales_of_another_shape_are_refused_by_name():
             call()
     spare = torch.cat([kc, torch.zeros_like(kc)], 2)  # codes with spare capacity still serve
     assert torch.equal(dequantize_keys(spare, ks, kz, 4, 32), dequantize_keys(kc, ks, kz, 4, 32))
+
+
+def test_fp8_amax_refuses_an_unknown_granularity():
+    """"tensr" (or "layer") was taken as "head" silently: one scale per head instead of one."""
+    x = torch.randn(1, 2, 4, 8)
+    for bad in ("tensr", "layer", None):
+        with pytest.raises(ValueError, match="fp8_amax: granularity must be 'head' or 'tensor'"):
+            fp8_amax(x, granularity=bad)
+    assert (fp8_amax(x, granularity="tensor") == x.abs().max()).all()

@@ -255,6 +255,9 @@ def fp8_amax(x: torch.Tensor, valid: torch.Tensor | None = None,
              granularity: str = "head") -> torch.Tensor:
     """``|x|`` max of ``x [B, H, T, D]`` per sequence and head (``[B, H, 1, 1]``), or over all
     heads too (``granularity="tensor"``, still ``[B, H, 1, 1]``); invalid tokens excluded."""
+    if granularity not in ("head", "tensor"):  # (another string was taken as "head" silently)
+        raise ValueError(f"fp8_amax: granularity must be 'head' or 'tensor', got "
+                         f"{granularity!r}")
     a = x.float().abs()
     if valid is not None:
         a = torch.where(valid[:, None, :, None], a, torch.zeros_like(a))
