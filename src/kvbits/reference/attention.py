@@ -27,6 +27,10 @@ def dequantize_body(kv: PackedKV, t0: int, t1: int, starts: torch.Tensor | None 
     """float32 ``(K, V) [B, H, t1 - t0, D]`` of body tokens ``t0 .. t1 - 1`` (whole groups), in
     the model's (post-RoPE) key space: codebook lookup, outliers and re-rotation included."""
     G = kv.group_size
+    # (a range past the body, or out of step with its groups, came back cut short)
+    if not 0 <= t0 <= t1 <= kv.body_len or (not kv.fp8 and (t0 % G or t1 % G)):
+        raise ValueError(f"dequantize_body: tokens [{t0}, {t1}) must lie within the body's "
+                         f"{kv.body_len}" + ("" if kv.fp8 else f", in whole groups of {G}"))
     g0, g1 = t0 // G, t1 // G
     if kv.fp8:  # (keys post-RoPE: QuantSpec refuses pre_rope for fp8)
         k = ref_quant.dequantize_fp8(kv.k_codes[:, :, t0:t1], kv.k_scale)
