@@ -167,3 +167,18 @@ def test_nope_layers_turn_by_zero():
         assert bool(attn.use_rope) == bool(flag) == bool(inv.abs().sum() > 0)
         if not flag:
             assert torch.equal(rope.unrotate(k, pos, inv), k)
+
+
+def test_rotate_refuses_mismatched_shapes_by_name():
+    """``pos [B, 1]`` for several tokens turned them all by the first position silently; an
+    ``inv_freq`` of another length, a 1-d ``pos`` or an odd head failed in a broadcast."""
+    x = torch.randn(2, 3, 5, 8)
+    inv = 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8)
+    pos = torch.arange(5).expand(2, 5)
+    for fn in (rope.rotate, rope.unrotate):
+        assert fn(x, pos[:1], inv).shape == x.shape  # one row of positions for the batch: fine
+        for args in ((x, pos[:, :1], inv), (x, pos, inv[:2]), (x, pos[0], inv),
+                     (torch.randn(2, 3, 5, 7), pos, inv), (x, torch.zeros(3, 5), inv)):
+            with pytest.raises(ValueError, match=rf"{fn.__name__}: x must be \[B, H, T, D\], pos "
+                               r"\[B or 1, T\] and inv_freq \[D / 2\]"):
+                fn(*args)

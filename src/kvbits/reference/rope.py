@@ -45,8 +45,22 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _check(op: str, x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> None:
+    """``x [B, H, T, D]``, ``pos [B or 1, T]``, ``inv_freq [D / 2]`` (metadata only): a
+    ``[B, 1]`` pos turned every token by its first position silently, the rest failed in a
+    broadcast naming no argument."""
+    ok = (x.dim() == 4 and pos.dim() == 2 and pos.shape[1] == x.shape[2]
+          and pos.shape[0] in (1, x.shape[0]) and inv_freq.dim() == 1
+          and 2 * inv_freq.numel() == x.shape[3])
+    if not ok:
+        raise ValueError(f"{op}: x must be [B, H, T, D], pos [B or 1, T] and inv_freq [D / 2]; "
+                         f"got x {list(x.shape)}, pos {list(pos.shape)}, inv_freq "
+                         f"{list(inv_freq.shape)}")
+
+
 def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """``x [B, H, T, D]`` rotated at positions ``pos [B, T]`` (float32 result)."""
+    _check("rotate", x, pos, inv_freq)
     cos, sin = _cos_sin(pos, inv_freq)
     cos, sin = cos[:, None], sin[:, None]
     xf = x.float()
@@ -55,6 +69,7 @@ def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.
 
 def unrotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`rotate` (float32 result)."""
+    _check("unrotate", x, pos, inv_freq)
     cos, sin = _cos_sin(pos, inv_freq)
     cos, sin = cos[:, None], sin[:, None]
     xf = x.float()
