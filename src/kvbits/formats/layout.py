@@ -195,8 +195,19 @@ def body_bytes_per_token(head_dim: int, key_bits: int, value_bits: int, group_si
     ``key_scales_fixed``: keys carry no per-group scale/zero (one row per sequence and KV head,
     a constant, as the per-layer codebooks are).
     """
+    for name, axis in (("key_axis", key_axis), ("value_axis", value_axis)):
+        if axis not in ("channel", "token"):  # (a KeyError before; a zero group: ZeroDivision)
+            raise ValueError(f"body_bytes_per_token: {name} must be 'channel' or 'token', got "
+                             f"{axis!r}")
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise ValueError(f"body_bytes_per_token: group_size must be a positive int, got "
+                         f"{group_size!r}")
+    if not isinstance(outliers, int) or isinstance(outliers, bool) or outliers < 0:
+        raise ValueError(f"body_bytes_per_token: outliers must be an int >= 0 (per vector), "
+                         f"got {outliers!r}")
     if fp8:
         return 2.0 * head_dim
+    check_value_group("body_bytes_per_token", value_group, head_dim)
     meta = {"channel": 2 * 2 * head_dim / group_size,
             "token": 2 * 2 * -(-head_dim // value_group)}  # a shorter last group costs a pair
     index_bytes = 1 if head_dim <= 256 else 2
