@@ -72,6 +72,9 @@ def test_kmeans_pinned_ends_few_values_and_bad_k():
     assert cb.tolist()[0] == 0.0 and cb.tolist()[-1] == 7.0 and {1.0, 2.0} <= set(cb.tolist())
     with pytest.raises(ValueError, match="k >= 2"):
         kvq.kmeans_1d(torch.rand(10), None, 1, ends=(0.0, 1.0))
+    for bad in (0, -1, 2.0):  # were an IndexError / a negative-size error inside
+        with pytest.raises(ValueError, match="kmeans_1d: k must be a positive int"):
+            kvq.kmeans_1d(torch.rand(10), None, bad)
 
 
 def test_kmeans_histogram_path_beats_uniform():

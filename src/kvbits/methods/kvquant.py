@@ -160,6 +160,8 @@ def kmeans_1d(x: torch.Tensor, w: torch.Tensor | None, k: int, bins: int = 512,
     w = torch.ones_like(x) if w is None else w.detach().flatten().double().clamp_min(0)
     if x.numel() == 0:
         raise ValueError("kmeans_1d: no data")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:  # (0: an IndexError inside)
+        raise ValueError(f"kmeans_1d: k must be a positive int (centroids), got {k!r}")
     if ends is not None and k < 2:
         raise ValueError(f"kmeans_1d: ends needs k >= 2 centroids, got k={k}")
     w = w / w.mean().clamp_min(1e-300) + 1e-9  # no zero-weight cluster
