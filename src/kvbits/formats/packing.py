@@ -19,9 +19,9 @@ unpacking masks after an arithmetic shift.
 
 from __future__ import annotations
 
-import operator
-
 import torch
+
+from ..checks import as_int
 
 PACK_BITS = (2, 3, 4, 8)
 
@@ -35,7 +35,7 @@ def slots_per_column(bits: int) -> int:
 def packed_length(n: int, bits: int) -> int:
     """Number of int32 words that hold ``n`` codes of ``bits`` bits (after zero padding)."""
     slots = slots_per_column(bits)
-    if not _is_int(n) or n < 0:  # (a negative count gave 0 words, a float a float)
+    if as_int(n) is None or n < 0:  # (a negative count gave 0 words, a float a float)
         raise ValueError(f"packed_length: n must be a non-negative int (codes), got {n!r}")
     columns = -(-n // slots)
     return columns * (3 if bits == 3 else 1)
@@ -82,7 +82,7 @@ def pack_bits(codes: torch.Tensor, bits: int, dim: int = -1, check: bool = True)
 
 def _axis(op: str, dim: int, ndim: int) -> int:
     """``dim`` as a non-negative axis of an ``ndim``-d tensor (it wrapped silently before)."""
-    if ndim == 0 or not _is_int(dim) or not -ndim <= dim < ndim:
+    if ndim == 0 or as_int(dim) is None or not -ndim <= dim < ndim:
         raise ValueError(f"{op}: dim must be in [{-ndim}, {ndim}) for a {ndim}-d tensor, got "
                          f"{dim}")
     return dim % ndim
@@ -94,7 +94,7 @@ def unpack_bits(words: torch.Tensor, bits: int, n: int, dim: int = -1) -> torch.
     if words.dtype != torch.int32:
         raise TypeError(f"unpack_bits: words must be int32, got {words.dtype}")
     dim = _axis("unpack_bits", dim, words.dim())
-    if not _is_int(n) or n < 0:
+    if as_int(n) is None or n < 0:
         raise ValueError(f"unpack_bits: n must be a non-negative int (codes), got {n!r}")
     if words.shape[dim] != packed_length(n, bits):
         raise ValueError(
@@ -116,17 +116,6 @@ def unpack_bits(words: torch.Tensor, bits: int, n: int, dim: int = -1) -> torch.
     return codes.to(torch.uint8).movedim(-1, dim).contiguous()
 
 
-def _is_int(x) -> bool:
-    """An integer (Python or NumPy), not a bool or a float that compares equal to one."""
-    if isinstance(x, bool):
-        return False
-    try:
-        operator.index(x)
-    except TypeError:
-        return False
-    return True
-
-
 def _check_bits(bits: int) -> None:
-    if not _is_int(bits) or bits not in PACK_BITS:  # (2.0 passed, then failed in a shift)
+    if as_int(bits) is None or bits not in PACK_BITS:  # (2.0 passed, then failed in a shift)
         raise ValueError(f"bits must be one of {PACK_BITS}, got {bits!r}")

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 from typing import NamedTuple
 
 import torch
+
+from ..checks import as_int
 
 
 def block_size(head_dim: int) -> int:
@@ -94,12 +95,9 @@ def subset_matrix(head_dim: int, channels) -> torch.Tensor:
     Symmetric and orthonormal (a permuted block-diagonal of a Hadamard and an identity), hence
     its own inverse."""
     given = list(channels)
-    try:  # (int() took 0.5 as channel 0, silently)
-        chans = [operator.index(c) for c in given if not isinstance(c, bool)]
-    except TypeError:
-        chans = []
+    chans = [as_int(c) for c in given]  # (int() took 0.5 as channel 0, silently)
     n = len(chans)
-    if n != len(given) or len(set(chans)) != n or any(not 0 <= c < head_dim for c in chans):
+    if None in chans or len(set(chans)) != n or any(not 0 <= c < head_dim for c in chans):
         raise ValueError(f"hadamard: channels must be distinct integer indices below head_dim "
                          f"{head_dim}, got {given}")
     m = torch.eye(head_dim, dtype=torch.float64)
