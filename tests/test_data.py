@@ -717,9 +717,15 @@ def test_a_read_only_cache_says_so(tmp_path, monkeypatch):
     what is in it already is still read."""
     import builtins
 
+    import dataclasses
+    import hashlib
+
     monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "kv"))
     (cache_dir() / "texts").mkdir()
     (cache_dir() / "texts" / "lee-news.txt").write_text("cached\n")
+    # (a whole cached text: the one its pin names)
+    monkeypatch.setitem(data.TEXTS, "lee-news", dataclasses.replace(
+        data.TEXTS["lee-news"], text_sha256=hashlib.sha256(b"cached\n").hexdigest()))
 
     def read_only(file, mode="r", *args, **kwargs):
         if any(c in mode for c in "wax+"):
