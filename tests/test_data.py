@@ -716,7 +716,6 @@ def test_a_read_only_cache_says_so(tmp_path, monkeypatch):
     "[Errno 13] Permission denied: '.../sotu-2010-2016.txt.lock'" once something was missing;
     what is in it already is still read."""
     import builtins
-
     import dataclasses
     import hashlib
 
