@@ -683,3 +683,32 @@ def test_dequantize_refuses_scales_of_another_shape():
         kvq.dequantize_values(vc, vs[:, :, :40], vz[:, :, :40], 3, 8, 32, cb.v_codebook)
     rows = ks[:, :, :1], kz[:, :, :1]  # offline rows: one [B, H, 1, D] row for every group
     assert kvq.dequantize_keys(kc, *rows, 3, 32, cb.k_codebook, groups=2).shape == x.shape
+
+
+@pytest.mark.parametrize("ids, err, match", [
+    ([[1, 2, 3] * 20], TypeError, "input_ids must be a torch.Tensor"),
+    (torch.rand(1, 64), TypeError, "input_ids must be integer token ids"),
+    (torch.randint(0, 128, (2, 64)), ValueError, r"shape \[1, T\]"),
+    (torch.full((1, 64), 500), ValueError, r"input_ids must be in \[0, 128\)"),
+])
+def test_calibrate_refuses_bad_input_ids(ids, err, match):
+    """input_ids that are not one text of valid ids are refused by name: a list or float ids
+    failed inside the embedding, ids past the vocabulary were an IndexError there, and a batch of
+    two was silently calibrated as one text run across the sequences' boundary."""
+    with pytest.raises(err, match=match):
+        kvq.calibrate(tiny_llama(), ids, resolve_spec("kvquant-3"))
+
+
+def test_calibrate_and_check_refuse_what_is_not_a_spec_or_model(calibrated):
+    """A preset name for ``spec`` was an AttributeError; Calibration.check with something that is
+    neither a model nor a config (None, a name) passed silently."""
+    model, spec, cal, _ = calibrated
+    with pytest.raises(TypeError, match="spec must be a QuantSpec"):
+        kvq.calibrate(model, torch.zeros(1, 64, dtype=torch.long), "kvquant-3")
+    with pytest.raises(TypeError, match="spec must be a QuantSpec"):
+        cal.check(model, "kvquant-3")
+    for bad in (None, "tiny"):
+        with pytest.raises(TypeError, match="model must be a transformers model or its config"):
+            cal.check(bad, spec)
+    cal.check(model, spec)
+    cal.check(model.config, spec)

@@ -638,6 +638,13 @@ class Calibration:
         must have the same shape (fingerprint prefix) and, where the file carries a weight
         probe, the same weights up to float rounding (any dtype); older files without one
         compare their exact fingerprint."""
+        if not (hasattr(model, "named_parameters") or hasattr(model, "get_text_config")):
+            # anything else (None, a name) was compared with nothing and passed
+            raise TypeError(f"Calibration.check: model must be a transformers model or its "
+                            f"config, got {type(model).__name__}")
+        if not isinstance(spec, QuantSpec):
+            raise TypeError(f"Calibration.check: spec must be a QuantSpec, got "
+                            f"{type(spec).__name__}")
         probe = weight_probe(model) if hasattr(model, "named_parameters") else None
         fp = model_fingerprint(model, probe) if hasattr(model, "named_parameters") else None
         if fp is None:
@@ -962,6 +969,28 @@ def auto_calibration(model, spec: QuantSpec, *, model_name: str = "", preset: st
     return cal
 
 
+def _check_calibration_ids(model, input_ids) -> None:
+    """``input_ids`` as :func:`calibrate` takes them: a float tensor or a list failed inside the
+    embedding (or on ``.reshape``), ids past the vocabulary were an IndexError there, and a
+    batch of several sequences was silently run as one text across their boundaries."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"calibrate: input_ids must be a torch.Tensor of token ids [1, T], got "
+                        f"{type(input_ids).__name__}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex \
+            or input_ids.dtype == torch.bool:
+        raise TypeError(f"calibrate: input_ids must be integer token ids, got {input_ids.dtype}")
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"calibrate: input_ids must have shape [1, T] (one text), got "
+                         f"{list(input_ids.shape)}")
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(emb, "num_embeddings", None)
+    if input_ids.numel() and isinstance(vocab, int) and (
+            int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+        raise ValueError(f"calibrate: input_ids must be in [0, {vocab}) (the model's input "
+                         f"embedding rows), got ids from {int(input_ids.min())} to "
+                         f"{int(input_ids.max())}")
+
+
 def _tokenizer_of(model):
     tok = getattr(model, "_kvbits_tokenizer", None)
     if tok is None:
@@ -974,6 +1003,9 @@ def _tokenizer_of(model):
 def calibrate(model, input_ids: torch.Tensor, spec: QuantSpec, *, model_name: str = "",
               preset: str = "", data: str = "", window: int = 512, log=None) -> Calibration:
     """Fit the codebooks of every layer of ``model`` for ``spec`` on ``input_ids [1, T]``."""
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"calibrate: spec must be a QuantSpec, got {type(spec).__name__}")
+    _check_calibration_ids(model, input_ids)
     if spec.method != "kvquant":
         raise ValueError(f"calibrate: QuantSpec.method must be 'kvquant', got {spec.method!r}")
     kv = collect_kv(model, input_ids, window=window, fisher=spec.fisher, pre_rope=spec.pre_rope,
