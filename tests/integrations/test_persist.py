@@ -362,3 +362,32 @@ def test_a_cache_loaded_for_a_config_decodes_on_the_packed_path(tmp_path, monkey
     got, dequantized, warned = run(tiny())  # the same weights, transformers' own attention
     torch.testing.assert_close(got, expect, rtol=0, atol=1e-4)
     assert dequantized == 2 * 3 and len(warned) == 1
+
+
+def test_save_refuses_a_folder_and_non_json_info_and_a_failed_write_keeps_the_old_file(
+        tmp_path, monkeypatch):
+    """A folder for ``path`` was safetensors' bare "Is a directory" error, and info that is not
+    JSON a TypeError naming no parameter; a write that failed part-way left a truncated file over
+    the cache saved there before."""
+    model = tiny()
+    ids, mask = prompt(batch=1, tokens=40, pad=0)
+    cache = prefilled(model, "kivi-2", ids, mask, residual_length=16)
+    with pytest.raises(ValueError, match=r"save: path .* is a folder"):
+        cache.save(tmp_path)
+    with pytest.raises(TypeError, match="info keywords must be JSON-able"):
+        cache.save(tmp_path / "c.safetensors", note=object())
+    path = cache.save(tmp_path / "c.safetensors", note="good")
+    import safetensors.torch
+
+    def broken(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 10)  # a partial write, then the disk fills up
+        raise OSError("No space left on device")
+    monkeypatch.setattr(safetensors.torch, "save_file", broken)
+    with pytest.raises(OSError, match="No space left"):
+        cache.save(path, note="bad")
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]  # no temporary left
+    from kvbits.integrations.persist import read_cache_file
+    assert read_cache_file(path, tensors=False)[0]["info"] == {"note": "good"}
+    KVBitsCache.load(path, model)

@@ -48,6 +48,14 @@ def save_cache(cache, path, **info) -> Path:
 
     from .. import __version__
 
+    path = Path(path)
+    if path.is_dir():  # (was safetensors' "I/O error: Is a directory", naming no path)
+        raise ValueError(f"save: path {str(path)!r} is a folder; give a file name, e.g. "
+                         f"{str(path / 'cache.safetensors')!r}")
+    try:
+        json.dumps(info)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"save: the info keywords must be JSON-able ({exc})") from None
     cache.end_step_graphs()  # the stores' lengths back on the host (step graphs)
     tensors, layers, channels = {}, [], []
     for i, layer in enumerate(cache.layers):
@@ -79,11 +87,17 @@ def save_cache(cache, path, **info) -> Path:
                                if layer.codebooks is not None],
            "weights": None if model is None else weight_probe(model),
            **({"info": info} if info else {})}
-    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: t.detach().to("cpu", copy=True).contiguous() for k, t in tensors.items()},
-              str(path),
-              metadata={FORMAT: json.dumps(doc)})
+    # written beside and renamed: a failed write (disk full, interrupted) left a truncated file
+    # under the name, over a good cache saved there before
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        save_file({k: t.detach().to("cpu", copy=True).contiguous() for k, t in tensors.items()},
+                  str(tmp),
+                  metadata={FORMAT: json.dumps(doc)})
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
