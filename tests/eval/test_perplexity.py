@@ -130,6 +130,18 @@ def test_hf_quantized_cache_factory(tiny):
     assert 0 < r["cache_bytes_fp16"] < r["fp16_cache_bytes"]
 
 
+def test_hf_quantized_cache_factory_refuses_a_bad_spec(tiny):
+    """A spec with keywords too ran the spec and dropped the keywords silently; a spec that is
+    not an HFQuantSpec was an AttributeError inside."""
+    from kvbits.eval.hf_baseline import HFQuantSpec, hf_quantized_cache_factory
+
+    model, _ = tiny
+    with pytest.raises(TypeError, match="give spec or its fields as keywords, not both"):
+        hf_quantized_cache_factory(model, HFQuantSpec(nbits=4), nbits=2)
+    with pytest.raises(TypeError, match="spec must be an HFQuantSpec or None, got dict"):
+        hf_quantized_cache_factory(model, {"backend": "quanto", "nbits": 2})
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"backend": "nope"}, "backend"), ({"backend": "quanto", "nbits": 3}, "nbits"),
     ({"backend": "quanto", "axis_key": 1}, "axis_key"), ({"backend": "hqq", "axis_value": -1}, "axis_value"),
@@ -138,7 +150,8 @@ def test_hf_quantized_cache_factory(tiny):
     ({"backend": "hqq", "nbits": True}, "nbits"), ({"backend": "quanto", "nbits": 2.0}, "nbits"),
     ({"backend": "quanto", "axis_key": False}, "axis_key"),
     ({"backend": "hqq", "nbits": 2, "q_group_size": 6}, "q_group_size .* multiple of 4"),
-    ({"backend": "hqq", "nbits": 3, "axis_key": 1}, "axis_key for backend 'hqq' int3 must be 0")])
+    ({"backend": "hqq", "nbits": 3, "axis_key": 1}, "axis_key for backend 'hqq' int3 must be 0"),
+    ({"backend": ["quanto"]}, "unknown QuantizedCache backend")])  # (was unhashable: a TypeError)
 def test_hf_quant_spec_rejects_bad_arguments(kwargs, match):
     from kvbits.eval.hf_baseline import HFQuantSpec
 

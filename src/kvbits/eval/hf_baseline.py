@@ -60,7 +60,7 @@ class HFQuantSpec:
     def __post_init__(self) -> None:
         """Every field, against what its backend accepts: a value it cannot use failed only when
         the cache first quantized, after the model had loaded and other variants had run."""
-        if self.backend not in BACKENDS:
+        if not isinstance(self.backend, str) or self.backend not in BACKENDS:  # (a list: unhashable)
             raise ValueError(f"unknown QuantizedCache backend {self.backend!r}; "
                              f"backends: {', '.join(BACKENDS)}")
         _, _, bits, axes = BACKENDS[self.backend]
@@ -134,6 +134,12 @@ def hf_quantized_cache_factory(model, spec: HFQuantSpec | None = None,
     """
     from transformers import QuantizedCache
 
+    if spec is not None and not isinstance(spec, HFQuantSpec):
+        raise TypeError(f"hf_quantized_cache_factory: spec must be an HFQuantSpec or None, got "
+                        f"{type(spec).__name__}")
+    if spec is not None and kwargs:  # (they were ignored silently: the spec's values ran)
+        raise TypeError(f"hf_quantized_cache_factory: give spec or its fields as keywords, not "
+                        f"both (got spec and {', '.join(kwargs)})")
     spec = HFQuantSpec(**kwargs) if spec is None else spec
     if not available_backends()[spec.backend]:
         package = BACKENDS[spec.backend][0]
