@@ -712,3 +712,16 @@ def test_calibrate_and_check_refuse_what_is_not_a_spec_or_model(calibrated):
             cal.check(bad, spec)
     cal.check(model, spec)
     cal.check(model.config, spec)
+
+
+def test_auto_calibration_refuses_bad_tokens_and_text():
+    """tokens that are not an integer >= 2 made a cache path first: a string then failed inside
+    tokenize_text (a TypeError), 0 or 1 only after the text was loaded and tokenized; a text that
+    is not a string was a TypeError in pathlib."""
+    model, spec = tiny_llama(), resolve_spec("kvquant-3")
+    for bad in ("4096", 0, 1, True, 2.5):
+        with pytest.raises(ValueError, match="calibration tokens must be an integer >= 2"):
+            kvq.auto_calibration(model, spec, tokens=bad)
+    with pytest.raises(TypeError, match="calibration text must be a text name or a file path"):
+        kvq.calibration_path(model, spec, 7, 4096)
+    assert kvq.calibration_path(model, spec, "t", 10) == kvq.calibration_path(model, spec, "t", 10)

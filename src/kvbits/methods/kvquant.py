@@ -924,8 +924,17 @@ def _fit_offline_keys(k, w, scale, zero, n_out: int, fit, bits: int):
 
 def calibration_path(model, spec: QuantSpec, text: str, tokens: int) -> Path:
     """Where :func:`auto_calibration` caches the calibration of ``model`` for ``spec``."""
+    from ..checks import is_count
     from ..data import cache_dir
 
+    # (tokens="4096" or 0 made a path, then failed inside the tokenizer or the fit; a text that
+    # is not a string was a TypeError in pathlib)
+    if not isinstance(text, str):
+        raise TypeError(f"calibration text must be a text name or a file path (str), got "
+                        f"{type(text).__name__}")
+    if not is_count(tokens, 2):
+        raise ValueError(f"calibration tokens must be an integer >= 2, got {tokens!r}")
+    tokens = int(tokens)
     fields = {k: v for k, v in spec_fields(spec).items()  # (the digests made before a field
               if k not in _FIELD_DEFAULTS or v != _FIELD_DEFAULTS[k]}  # existed still hold)
     if spec.key_scales == "calibrated":
