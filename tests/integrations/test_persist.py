@@ -391,3 +391,20 @@ def test_save_refuses_a_folder_and_non_json_info_and_a_failed_write_keeps_the_ol
     from kvbits.integrations.persist import read_cache_file
     assert read_cache_file(path, tensors=False)[0]["info"] == {"note": "good"}
     KVBitsCache.load(path, model)
+
+
+def test_save_and_load_refuse_a_foreign_cache_and_a_bad_device(tmp_path):
+    """save_cache with a transformers cache was an AttributeError inside; load with a device
+    name torch does not know was torch's parse error, naming no parameter."""
+    from transformers import DynamicCache
+
+    from kvbits.integrations.persist import save_cache
+    with pytest.raises(TypeError, match="save: cache must be a KVBitsCache, got DynamicCache"):
+        save_cache(DynamicCache(), tmp_path / "d.safetensors")
+    model = tiny()
+    ids, mask = prompt(batch=1, tokens=40, pad=0)
+    path = prefilled(model, "kivi-2", ids, mask, residual_length=16).save(tmp_path / "c.safetensors")
+    for bad in ("gpu0", 1.5):
+        with pytest.raises(ValueError, match="load: device must be a torch device"):
+            KVBitsCache.load(path, model, device=bad)
+    assert KVBitsCache.load(path, model, device="cpu").get_seq_length() == 40

@@ -47,7 +47,10 @@ def save_cache(cache, path, **info) -> Path:
     from safetensors.torch import save_file
 
     from .. import __version__
+    from .hf import KVBitsCache
 
+    if not isinstance(cache, KVBitsCache):  # (another cache was an AttributeError inside)
+        raise TypeError(f"save: cache must be a KVBitsCache, got {type(cache).__name__}")
     path = Path(path)
     if path.is_dir():  # (was safetensors' "I/O error: Is a directory", naming no path)
         raise ValueError(f"save: path {str(path)!r} is a folder; give a file name, e.g. "
@@ -177,6 +180,12 @@ def load_cache(cls, path, model_or_config, device=None, dtype=None):
     if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"load: dtype must be torch.float16, torch.bfloat16, torch.float32 or "
                          f"None (the model's), got {dtype!r}")
+    if device is not None:
+        try:  # (a bad name was torch's "Expected one of cpu, cuda, ..." naming no parameter)
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"load: device must be a torch device or its name, got {device!r} "
+                             f"({exc})") from None
     doc, tensors = read_cache_file(path)
     model = model_or_config if hasattr(model_or_config, "parameters") else None
     config = model.config if model is not None else model_or_config
