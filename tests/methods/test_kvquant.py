@@ -688,7 +688,7 @@ def test_dequantize_refuses_scales_of_another_shape():
 @pytest.mark.parametrize("ids, err, match", [
     ([[1, 2, 3] * 20], TypeError, "input_ids must be a torch.Tensor"),
     (torch.rand(1, 64), TypeError, "input_ids must be integer token ids"),
-    (torch.randint(0, 128, (2, 64)), ValueError, r"shape \[1, T\]"),
+    (torch.randint(0, 128, (2, 64)), ValueError, r"shape \[1, T\] or \[T\]"),
     (torch.full((1, 64), 500), ValueError, r"input_ids must be in \[0, 128\)"),
 ])
 def test_calibrate_refuses_bad_input_ids(ids, err, match):
@@ -725,3 +725,17 @@ def test_auto_calibration_refuses_bad_tokens_and_text():
     with pytest.raises(TypeError, match="calibration text must be a text name or a file path"):
         kvq.calibration_path(model, spec, 7, 4096)
     assert kvq.calibration_path(model, spec, "t", 10) == kvq.calibration_path(model, spec, "t", 10)
+
+
+def test_calibrate_takes_int32_or_1d_ids_and_refuses_a_bad_window():
+    """int32 ids failed in the Fisher loss ("expected target dtype to be Long"); a window that is
+    a float or a string was a TypeError inside naming nothing (True was read as 1)."""
+    model, spec = tiny_llama(), resolve_spec("kvquant-3", fisher=False)
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(0))
+    for bad in (8.0, "64", None, True):
+        with pytest.raises(ValueError, match="calibrate: window must be an integer >= 2"):
+            kvq.calibrate(model, ids, spec, window=bad)
+    ref = kvq.calibrate(model, ids, resolve_spec("kvquant-3"), window=64)
+    for other in (ids.int(), ids[0]):
+        cal = kvq.calibrate(model, other, resolve_spec("kvquant-3"), window=64)
+        assert torch.equal(cal.layers[0].k_codebook, ref.layers[0].k_codebook)

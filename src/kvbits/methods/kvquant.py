@@ -988,8 +988,8 @@ def _check_calibration_ids(model, input_ids) -> None:
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex \
             or input_ids.dtype == torch.bool:
         raise TypeError(f"calibrate: input_ids must be integer token ids, got {input_ids.dtype}")
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"calibrate: input_ids must have shape [1, T] (one text), got "
+    if not (input_ids.dim() == 1 or (input_ids.dim() == 2 and input_ids.shape[0] == 1)):
+        raise ValueError(f"calibrate: input_ids must have shape [1, T] or [T] (one text), got "
                          f"{list(input_ids.shape)}")
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     vocab = getattr(emb, "num_embeddings", None)
@@ -1012,11 +1012,17 @@ def _tokenizer_of(model):
 def calibrate(model, input_ids: torch.Tensor, spec: QuantSpec, *, model_name: str = "",
               preset: str = "", data: str = "", window: int = 512, log=None) -> Calibration:
     """Fit the codebooks of every layer of ``model`` for ``spec`` on ``input_ids [1, T]``."""
+    from ..checks import is_count
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"calibrate: spec must be a QuantSpec, got {type(spec).__name__}")
     _check_calibration_ids(model, input_ids)
     if spec.method != "kvquant":
         raise ValueError(f"calibrate: QuantSpec.method must be 'kvquant', got {spec.method!r}")
+    if not is_count(window, 2):  # (a float or a string was a TypeError inside, naming nothing)
+        raise ValueError(f"calibrate: window must be an integer >= 2 (tokens per window, its "
+                         f"first only context), got {window!r}")
+    window = int(window)
+    input_ids = input_ids.long()  # (int32 ids failed in the Fisher loss: "expected ... Long")
     kv = collect_kv(model, input_ids, window=window, fisher=spec.fisher, pre_rope=spec.pre_rope,
                     log=log)
     layers = [fit_layer(*layer, spec, window=window) for layer in kv]
