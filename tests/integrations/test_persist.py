@@ -408,3 +408,9 @@ def test_save_and_load_refuse_a_foreign_cache_and_a_bad_device(tmp_path):
         with pytest.raises(ValueError, match="load: device must be a torch device"):
             KVBitsCache.load(path, model, device=bad)
     assert KVBitsCache.load(path, model, device="cpu").get_seq_length() == 40
+
+
+def test_load_refuses_a_folder(tmp_path):
+    """A folder for the path was safetensors' "No such device (os error 19)"."""
+    with pytest.raises(ValueError, match="cannot read kvbits cache file .*: it is a folder"):
+        KVBitsCache.load(tmp_path, tiny())

@@ -739,3 +739,14 @@ def test_calibrate_takes_int32_or_1d_ids_and_refuses_a_bad_window():
     for other in (ids.int(), ids[0]):
         cal = kvq.calibrate(model, other, resolve_spec("kvquant-3"), window=64)
         assert torch.equal(cal.layers[0].k_codebook, ref.layers[0].k_codebook)
+
+
+def test_calibration_save_and_load_refuse_a_folder(calibrated, tmp_path):
+    """A folder for the path: save wrote the file and then failed renaming it onto the folder
+    (IsADirectoryError), load said "No such device (os error 19)"."""
+    _, _, cal, _ = calibrated
+    with pytest.raises(ValueError, match=r"Calibration.save: path .* is a folder"):
+        cal.save(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="it is a folder"):
+        kvq.Calibration.load(tmp_path)

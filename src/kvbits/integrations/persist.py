@@ -109,6 +109,8 @@ def read_cache_file(path, tensors: bool = True) -> tuple[dict, dict]:
     (``tensors=False``: the document alone, the tensors left on disk)."""
     from safetensors import SafetensorError, safe_open
 
+    if Path(path).is_dir():  # (safetensors said "No such device (os error 19)")
+        raise ValueError(f"cannot read kvbits cache file {str(path)!r}: it is a folder")
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}

@@ -692,6 +692,9 @@ class Calibration:
         if self.probe is not None:
             meta["probe"] = json.dumps(self.probe)
         path = Path(path)
+        if path.is_dir():  # (the file was written, then its rename failed: IsADirectoryError)
+            raise ValueError(f"Calibration.save: path {str(path)!r} is a folder; give a file "
+                             f"name, e.g. {str(path / 'calibration.safetensors')!r}")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
         try:
@@ -705,6 +708,9 @@ class Calibration:
     def load(cls, path: str | Path) -> Calibration:
         from safetensors import safe_open
 
+        if Path(path).is_dir():  # (safetensors said "No such device (os error 19)")
+            raise ValueError(f"cannot read a kvquant calibration from {str(path)!r}: it is a "
+                             "folder; give the .safetensors file written by `kvbits calibrate`")
         try:
             f = safe_open(str(path), framework="pt")
         except Exception as exc:  # noqa: BLE001 (missing file, not safetensors, ...)
