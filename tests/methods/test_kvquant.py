@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -234,14 +235,17 @@ def test_calibration_shapes_and_round_trip(calibrated):
     loaded.check(model, spec)  # no error
 
 
-def test_failed_save_leaves_no_partial_file(calibrated, tmp_path):
-    """Saving onto a folder fails at the final rename; the temporary file went with it only
-    since a CLI audit found `.cal.tmp` left behind."""
+def test_failed_save_leaves_no_partial_file(calibrated, tmp_path, monkeypatch):
+    """A save that fails at the final rename; the temporary file went with it only since a CLI
+    audit found `.cal.tmp` left behind (a folder for the path, then; now refused before)."""
     _, _, cal, _ = calibrated
-    (tmp_path / "cal").mkdir()
+
+    def failing_replace(self, target):
+        raise PermissionError(f"cannot rename {self} to {target}")
+    monkeypatch.setattr(Path, "replace", failing_replace)
     with pytest.raises(OSError):
         cal.save(tmp_path / "cal")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cal"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_calibration_refuses_other_spec_and_model(calibrated):
@@ -745,7 +749,7 @@ def test_calibration_save_and_load_refuse_a_folder(calibrated, tmp_path):
     """A folder for the path: save wrote the file and then failed renaming it onto the folder
     (IsADirectoryError), load said "No such device (os error 19)"."""
     _, _, cal, _ = calibrated
-    with pytest.raises(ValueError, match=r"Calibration.save: path .* is a folder"):
+    with pytest.raises(IsADirectoryError, match=r"Calibration.save: path .* is a folder"):
         cal.save(tmp_path)
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match="it is a folder"):

@@ -692,9 +692,9 @@ class Calibration:
         if self.probe is not None:
             meta["probe"] = json.dumps(self.probe)
         path = Path(path)
-        if path.is_dir():  # (the file was written, then its rename failed: IsADirectoryError)
-            raise ValueError(f"Calibration.save: path {str(path)!r} is a folder; give a file "
-                             f"name, e.g. {str(path / 'calibration.safetensors')!r}")
+        if path.is_dir():  # (the file was written, then its rename failed, naming a temporary)
+            raise IsADirectoryError(f"Calibration.save: path {str(path)!r} is a folder; give a "
+                                    f"file name, e.g. {str(path / 'calibration.safetensors')!r}")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
         try:
