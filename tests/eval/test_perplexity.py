@@ -140,6 +140,9 @@ def test_hf_quantized_cache_factory_refuses_a_bad_spec(tiny):
         hf_quantized_cache_factory(model, HFQuantSpec(nbits=4), nbits=2)
     with pytest.raises(TypeError, match="spec must be an HFQuantSpec or None, got dict"):
         hf_quantized_cache_factory(model, {"backend": "quanto", "nbits": 2})
+    for bad in (None, "HuggingFaceTB/SmolLM2-135M"):
+        with pytest.raises(TypeError, match="model must be a transformers model"):
+            hf_quantized_cache_factory(bad, HFQuantSpec(nbits=4))
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -141,6 +141,9 @@ def hf_quantized_cache_factory(model, spec: HFQuantSpec | None = None,
         raise TypeError(f"hf_quantized_cache_factory: give spec or its fields as keywords, not "
                         f"both (got spec and {', '.join(kwargs)})")
     spec = HFQuantSpec(**kwargs) if spec is None else spec
+    if not hasattr(model, "config"):  # (None or a name was an AttributeError inside)
+        raise TypeError(f"hf_quantized_cache_factory: model must be a transformers model, got "
+                        f"{type(model).__name__}")
     if not available_backends()[spec.backend]:
         package = BACKENDS[spec.backend][0]
         raise ImportError(f"QuantizedCache backend {spec.backend!r} needs `pip install {package}` "
