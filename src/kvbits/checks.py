@@ -29,3 +29,10 @@ def require_count(name: str, value, low: int = 1) -> int:
     if not is_count(value, low):
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     return as_int(value)
+
+
+def repeated(values) -> list:
+    """The values given more than once, sorted: a repeated item ran its cells twice (a needle
+    length counted its trials twice, a preset came out as a second identical row)."""
+    values = list(values)
+    return sorted({v for v in values if values.count(v) > 1})

@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .checks import repeated
 from .spec import PRESETS, QuantSpec, hf_field_names, parse_overrides, resolve_spec
 
 # ------------------------------------------------------------------------------- variant syntax
@@ -58,7 +59,7 @@ def _split_items(text: str, option: str = "--presets") -> list[str]:
             items[-1] += ("," if "=" in items[-1] else ":") + part
         else:
             items.append(part)
-    twice = sorted({i for i in items if items.count(i) > 1})
+    twice = repeated(items)
     if twice:
         raise ValueError(f"{option}: {', '.join(map(repr, twice))} given twice; give each once")
     return items

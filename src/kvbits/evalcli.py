@@ -13,6 +13,8 @@ import os
 import shlex
 import sys
 
+from .checks import repeated
+
 
 def _log(msg: str) -> None:
     print(f"[kvbits] {msg}", file=sys.stderr, flush=True)
@@ -42,7 +44,7 @@ def _ints(text: str) -> tuple[int, ...]:
 def _once(vals: tuple, show=str) -> tuple:
     """``vals``, each given once: a repeated one ran its cells twice (needle counted their
     trials twice)."""
-    twice = sorted({v for v in vals if vals.count(v) > 1})
+    twice = repeated(vals)
     if twice:
         raise argparse.ArgumentTypeError(f"{', '.join(map(show, twice))} given twice; give each "
                                          "once")

@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..checks import is_count, require_count
+from ..checks import is_count, repeated, require_count
 
 __all__ = ["NeedleConfig", "PasskeyPrompt", "build_passkey_prompt", "check_needle_config",
            "eos_ids", "haystack_ids", "needle_caches", "needle_markdown", "needle_meta",
@@ -249,7 +249,7 @@ def check_needle_config(cfg: NeedleConfig) -> None:
         bad = [v for v in values if not ok(v)]
         if bad:
             raise ValueError(f"NeedleConfig.{name}: {what}, got {bad[0]!r}")
-        twice = sorted({v for v in values if values.count(v) > 1})
+        twice = repeated(values)
         if twice:
             raise ValueError(f"NeedleConfig.{name}: {', '.join(map(str, twice))} given twice "
                              "(its trials would count twice); give each once")

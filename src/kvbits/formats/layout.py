@@ -74,6 +74,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checks import is_count
 from .packing import packed_length
 
 
@@ -199,10 +200,10 @@ def body_bytes_per_token(head_dim: int, key_bits: int, value_bits: int, group_si
         if axis not in ("channel", "token"):  # (a KeyError before; a zero group: ZeroDivision)
             raise ValueError(f"body_bytes_per_token: {name} must be 'channel' or 'token', got "
                              f"{axis!r}")
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+    if not is_count(group_size, 1):
         raise ValueError(f"body_bytes_per_token: group_size must be a positive int, got "
                          f"{group_size!r}")
-    if not isinstance(outliers, int) or isinstance(outliers, bool) or outliers < 0:
+    if not is_count(outliers, 0):
         raise ValueError(f"body_bytes_per_token: outliers must be an int >= 0 (per vector), "
                          f"got {outliers!r}")
     if fp8:

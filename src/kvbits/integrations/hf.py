@@ -89,7 +89,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import ops
 from ..cache.store import LayerStore
-from ..checks import as_int
+from ..checks import as_int, is_count
 from ..reference.attention import dequantize_layer
 from ..spec import CALIBRATION_USES, QuantSpec, resolve_spec
 from . import step_graphs as steps_mod  # (KVBitsCache takes an argument step_graphs)
@@ -827,7 +827,7 @@ def _layer_codebooks(model_or_config, spec: QuantSpec, calibration, preset: str,
 def layer_windows(config) -> list[int | None]:
     """Per decoder layer: the sliding window, or None for full attention."""
     n = getattr(config, "num_hidden_layers", None)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:  # (an AttributeError, or a
+    if not is_count(n, 1):  # (an AttributeError, or a
         # TypeError inside a list product)
         raise ValueError(f"KVBitsCache needs the config's num_hidden_layers, a positive "
                          f"integer; {type(config).__name__} has {n!r}")

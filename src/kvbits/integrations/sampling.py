@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import is_count
+
 __all__ = ["Sampling", "next_token"]
 
 
@@ -29,7 +31,7 @@ class Sampling:
     def __post_init__(self):
         if not self.temperature > 0:
             raise ValueError(f"Sampling: temperature must be > 0, got {self.temperature}")
-        if type(self.top_k) is not int or self.top_k < 0:  # (not a float or bool: topk)
+        if not is_count(self.top_k, 0):  # (not a float or bool: topk)
             raise ValueError(f"Sampling: top_k must be an int >= 0 (0: no limit), got "
                              f"{self.top_k!r}")
         if not 0 < self.top_p <= 1:

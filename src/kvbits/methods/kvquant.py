@@ -66,6 +66,7 @@ from pathlib import Path
 
 import torch
 
+from ..checks import is_count
 from ..formats.layout import check_value_group
 from ..formats.packing import pack_bits, packed_length, unpack_bits
 from ..reference.quant import (
@@ -160,7 +161,7 @@ def kmeans_1d(x: torch.Tensor, w: torch.Tensor | None, k: int, bins: int = 512,
     w = torch.ones_like(x) if w is None else w.detach().flatten().double().clamp_min(0)
     if x.numel() == 0:
         raise ValueError("kmeans_1d: no data")
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:  # (0: an IndexError inside)
+    if not is_count(k, 1):  # (0: an IndexError inside)
         raise ValueError(f"kmeans_1d: k must be a positive int (centroids), got {k!r}")
     if ends is not None and k < 2:
         raise ValueError(f"kmeans_1d: ends needs k >= 2 centroids, got k={k}")
@@ -275,7 +276,7 @@ def _check_tables(op: str, bits: int, heads: int, codebook: torch.Tensor,
 def _check_n_out(op: str, n_out, head_dim: int) -> None:
     """``n_out``: outliers per token vector, an int in ``[0, head_dim]`` (topk failed deep
     inside with "selected index k out of range" before)."""
-    if not isinstance(n_out, int) or isinstance(n_out, bool) or not 0 <= n_out <= head_dim:
+    if not is_count(n_out, 0) or n_out > head_dim:
         raise ValueError(f"{op}: n_out must be an int in [0, head_dim={head_dim}], got "
                          f"{n_out!r}")
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checks import is_count
 from ..spec import QuantSpec
 
 __all__ = ["TuneResult", "allocate", "check_tune_args", "layer_sensitivity", "tune"]
@@ -150,7 +151,7 @@ def _check_windows(input_ids: torch.Tensor, window: int, base: QuantSpec) -> Non
     """The trials quantize whole groups of G tokens per window (the rest stays FP16): with no
     window of a group, every sensitivity would be 0 and the allocation arbitrary."""
     tokens, G = input_ids.shape[-1], base.group_size
-    if type(window) is not int or window < G:
+    if not is_count(window, G):
         raise ValueError(f"tune: window={window!r} tokens is shorter than the base's group_size "
                          f"{G}: no token would be quantized (give a window >= {G}, best a "
                          "multiple of it)")

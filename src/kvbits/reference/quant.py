@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import is_count
 from ..formats.layout import check_value_group
 from ..formats.packing import PACK_BITS, pack_bits, packed_length, unpack_bits
 
@@ -25,7 +26,7 @@ def _check_args(op: str, name: str, x: torch.Tensor, bits: int, group_size: int,
         raise ValueError(f"{op}: bits must be one of {PACK_BITS}, got {bits!r}")
     if x.dim() != 4:
         raise ValueError(f"{op}: {name} must be [B, H, T, D], got shape {tuple(x.shape)}")
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+    if not is_count(group_size, 1):
         raise ValueError(f"{op}: group_size must be a positive int, got {group_size!r}")
     B, H, T, D = x.shape
     if valid is not None and (valid.dtype != torch.bool or tuple(valid.shape) != (B, T)):
