@@ -71,7 +71,7 @@ def ppl_rows(model, ids, variants, factories, modes, chunk: int) -> list[dict]:
                 r = perplexity(model, ids, factories[v.label], chunk_size=chunk, progress=False)
                 row[mode] = r["ppl"]
                 row[mode + "_s"] = round(r["seconds"], 2)
-            except Exception as exc:  # a failure is a finding: keep going, report it
+            except Exception as exc:  # noqa: BLE001 (a failure is a finding: report it, go on)
                 traceback.print_exc()
                 row[mode] = None
                 row[mode + "_error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -100,7 +100,7 @@ def gen_rows(model, tok, ids, variants, factories, new_tokens: int) -> list[dict
                                      max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                      pad_token_id=tok.eos_token_id)
                 outs[mode] = out[0, prompt.shape[1]:].tolist()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 (as above)
                 traceback.print_exc()
                 outs[mode] = f"{type(exc).__name__}: {exc}"[:300]
         a, b = outs["kernels"], outs["reference"]
@@ -165,7 +165,7 @@ def main() -> int:
             try:
                 factories[v.label] = make_cache_factory(model, v, "sotu-pre-2000",
                                                         args.calib_tokens)
-            except Exception:
+            except Exception:  # noqa: BLE001 (as above)
                 traceback.print_exc()
                 continue
             log(f"{v.label}: cache factory ready in {time.perf_counter() - t0:.1f} s")
@@ -196,10 +196,10 @@ def main() -> int:
 def markdown(result: dict) -> str:
     lines = ["# The GPU kernels on a real model: SmolLM2-135M on held-out SOTU", "",
              "```", result["command"], "```", "",
-             f"{result['gpu']}, torch {result['versions']['torch']}, Triton "
-             f"{result['versions']['triton']}, transformers {result['versions']['transformers']}; "
-             f"{result['tokens']} tokens of {result['text']}, calibrated presets on "
-             f"{result['calib_tokens']} tokens of {result['calib_text']}.", ""]
+             (f"{result['gpu']}, torch {result['versions']['torch']}, Triton "
+              f"{result['versions']['triton']}, transformers {result['versions']['transformers']}; "
+              f"{result['tokens']} tokens of {result['text']}, calibrated presets on "
+              f"{result['calib_tokens']} tokens of {result['calib_text']}."), ""]
 
     def fmt(x, pct=False):
         if x is None:
