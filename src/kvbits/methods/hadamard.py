@@ -34,14 +34,21 @@ import torch
 
 from ..reference import hadamard as ref_hadamard
 from ..spec import QuantSpec
-from . import calibration_ids, calibration_windows, check_made_for, made_for, per_layer_calibration
+from . import (
+    calibration_ids,
+    calibration_windows,
+    check_made_for,
+    made_for,
+    model_dtype,
+    per_layer_calibration,
+)
 
 __all__ = ["auto_hadamard_channels", "calibrate_hadamard", "choose_channels", "collect_qk",
            "layer_channels", "load_hadamard_channels", "rotation_cost",
            "save_hadamard_channels"]
 
 FORMAT = "kvbits-hadamard-channels-1"
-_AUTO: dict = {}  # (id(model), group_size, text, tokens) -> channels
+_AUTO: dict = {}  # (id(model), dtype, group_size, text, tokens) -> channels
 
 
 def rotation_cost(q: torch.Tensor, k: torch.Tensor, matrix: torch.Tensor,
@@ -176,8 +183,9 @@ def load_hadamard_channels(path, model_or_config=None, spec: QuantSpec | None = 
 def auto_hadamard_channels(model, spec: QuantSpec, text: str = "sotu-pre-2000",
                            tokens: int = 2048, log=None) -> list:
     """Channels calibrated on ``text`` (SOTU 1900-1999 by default, disjoint from the evaluation
-    text), computed once per model and group size and kept in memory."""
-    key = (id(model), spec.group_size, text, tokens)
+    text), computed once per model (and dtype: a model converted in place is measured again)
+    and group size and kept in memory."""
+    key = (id(model), model_dtype(model), spec.group_size, text, tokens)
     if key not in _AUTO:
         ids = calibration_ids(model, text, tokens, "channels", log)
         if log:

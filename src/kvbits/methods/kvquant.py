@@ -50,7 +50,8 @@ and scaled so that the dequantized calibration data has the original mean and st
 
 The result is a :class:`Calibration`, saved with :meth:`Calibration.save` as safetensors (tensors
 ``layers.{i}.{k,v}_{codebook,thresholds}``, metadata: model fingerprint and weight probe, spec
-fields, preset, data, date) and refused by :meth:`Calibration.check` for another model (in any
+fields, preset, data, date, and in ``extra`` the tokens, window, and the dtype and device the
+model ran in) and refused by :meth:`Calibration.check` for another model (in any
 float dtype of the same weights it is accepted) or spec.
 """
 
@@ -78,7 +79,7 @@ from ..reference.quant import (
     ungroup,
 )
 from ..spec import QuantSpec
-from . import calibration_windows
+from . import calibration_windows, dtype_key, model_dtype
 
 __all__ = ["Calibration", "LayerCodebooks", "calibrate", "dequantize_keys", "dequantize_values",
            "kmeans_1d", "model_fingerprint", "outlier_index_dtype", "quantize_keys",
@@ -929,8 +930,13 @@ def _fit_offline_keys(k, w, scale, zero, n_out: int, fit, bits: int):
     return cb, th
 
 
-def calibration_path(model, spec: QuantSpec, text: str, tokens: int) -> Path:
-    """Where :func:`auto_calibration` caches the calibration of ``model`` for ``spec``."""
+def calibration_path(model, spec: QuantSpec, text: str, tokens: int,
+                     dtype: torch.dtype | None = None) -> Path:
+    """Where :func:`auto_calibration` caches the calibration of ``model`` for ``spec``. The key
+    holds the model's dtype (or ``dtype``) where it is not float32
+    (:func:`kvbits.methods.dtype_key`): a calibration made on a float16 model (``kvbits ppl
+    --device cuda``) is not reused for a float32 one; float32 keys are those made before the
+    dtype was keyed."""
     from ..checks import is_count
     from ..data import cache_dir
 
@@ -946,8 +952,8 @@ def calibration_path(model, spec: QuantSpec, text: str, tokens: int) -> Path:
               if k not in _FIELD_DEFAULTS or v != _FIELD_DEFAULTS[k]}  # existed still hold)
     if spec.key_scales == "calibrated":
         fields["offline_key_rule"] = OFFLINE_KEY_RULE
-    key = json.dumps({**fields, "text": text, "tokens": tokens, **_text_file_key(text)},
-                     sort_keys=True)
+    key = json.dumps({**fields, "text": text, "tokens": tokens, **_text_file_key(text),
+                      **dtype_key(model, dtype)}, sort_keys=True)
     digest = hashlib.sha1(key.encode()).hexdigest()[:10]
     return cache_dir() / "calibrations" / f"{model_fingerprint(model)}-{digest}.safetensors"
 
@@ -968,8 +974,20 @@ def _text_file_key(text: str) -> dict:
 def auto_calibration(model, spec: QuantSpec, *, model_name: str = "", preset: str = "",
                      text: str = "sotu-pre-2000", tokens: int = 4096, log=None) -> Calibration:
     """The cached calibration of ``model`` for ``spec``, made on ``text`` (SOTU 1900-1999 by
-    default: disjoint from the 2010-2016 evaluation text) the first time."""
+    default: disjoint from the 2010-2016 evaluation text) the first time.
+
+    Cached per model dtype (:func:`calibration_path`). A model in half precision takes the
+    float32 calibration of the same weights where one is cached (``kvbits calibrate --device
+    cuda`` makes one on a GPU): its Fisher weights did not underflow; else it calibrates in its
+    own dtype, cached under that. A float32 model never takes a half-precision calibration."""
     path = calibration_path(model, spec, text, tokens)
+    if dtype_key(model):
+        f32 = calibration_path(model, spec, text, tokens, dtype=torch.float32)
+        if f32.exists():
+            if log:
+                log(f"{spec.describe()}: the float32 calibration cached at {f32} serves this "
+                    f"{str(model_dtype(model)).removeprefix('torch.')} model")
+            return Calibration.load(f32)
     if path.exists():
         return Calibration.load(path)
     from ..data import load_text, tokenize_text
@@ -1037,4 +1055,6 @@ def calibrate(model, input_ids: torch.Tensor, spec: QuantSpec, *, model_name: st
     return Calibration(layers, spec_fields(spec), model_fingerprint(model, probe), model_name,
                        preset, data,
                        datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                       {"tokens": int(input_ids.numel()), "window": window}, probe)
+                       {"tokens": int(input_ids.numel()), "window": window,
+                        "dtype": str(model_dtype(model)).removeprefix("torch."),
+                        "device": str(model.device)}, probe)
