@@ -142,7 +142,7 @@ def test_parse_hf_variants_accepts_what_the_backends_use():
     (["generate", "--model", "", "--prompt", "x"], "model: give a name .* got an empty string"),
     (["generate", "--model", "/nonexistent/m.gguf", "--prompt", "x"],
      "model file '/nonexistent/m.gguf' does not exist"),
-    (["needle", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["needle", "--device", "tpu"], "argument --device: must be cpu, cuda or cuda:N, got 'tpu'"),
     (["generate", "--prompt", "x", "--temperature", "0.5"], "--temperature apply to --sample"),
     (["generate", "--prompt", "x", "--sample", "--top-p", "1.5"], r"--top-p must be in \(0, 1\]"),
     (["generate", "--prompt", "x", "--sample", "--temperature=0"],
@@ -1014,6 +1014,8 @@ def test_text_file_is_read_once(monkeypatch, tmp_path, command):
     as load_text gives it (byte order mark dropped, CRLF line ends read as LF)."""
     import pathlib
 
+    import torch
+
     import kvbits.data
     import kvbits.eval.needle
 
@@ -1037,7 +1039,7 @@ def test_text_file_is_read_once(monkeypatch, tmp_path, command):
         return real_open(self, *args, **kwargs)
 
     monkeypatch.setattr(pathlib.Path, "open", counting_open)
-    monkeypatch.setattr(kvbits.data, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(kvbits.data, "load_model", lambda *a, **k: (torch.nn.Linear(1, 1), None))
     monkeypatch.setattr(kvbits.data, "tokenize_text", lambda tok, text, n=None: seen(text))
     monkeypatch.setattr(kvbits.eval.needle, "run_needle", lambda m, t, text, *a, **k: seen(text))
     extra = {"ppl": ["--presets", "fp16"], "calibrate": ["--preset", "kvquant-3"],

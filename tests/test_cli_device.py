@@ -1,5 +1,5 @@
-"""``--device`` and ``--dtype`` of kvbits ppl, calibrate and tune (they always ran the model on
-the CPU in float32): refused values, the defaults, half precision on the CPU, and where the run's
+"""``--device`` and ``--dtype`` of kvbits ppl, calibrate, tune and needle (the first three always
+ran the model on the CPU in float32, needle in float32 on either device): refused values, the defaults, half precision on the CPU, and where the run's
 device and dtype are recorded. A tiny random Llama stands in for the model (no download)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from kvbits import cli
 from kvbits.cli import main
 
 CUDA = torch.cuda.is_available()
-COMMANDS = ("ppl", "calibrate", "tune")
+COMMANDS = ("ppl", "calibrate", "tune", "needle")
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -176,6 +176,8 @@ def test_auto_dtype():
     assert cli.resolve_dtype("auto", "cpu", "ppl") is f32
     assert cli.resolve_dtype("auto", "cuda", "ppl") is f16
     assert cli.resolve_dtype("auto", "cuda:1", "ppl") is f16
+    assert cli.resolve_dtype("auto", "cuda", "needle") is f16  # (it was float32: the slow path)
+    assert cli.resolve_dtype("auto", "cpu", "needle") is f32
     for command in ("calibrate", "tune"):  # Fisher weights, KLs at 4 bits: float32 on a GPU too
         assert cli.resolve_dtype("auto", "cuda", command) is f32
         assert cli.resolve_dtype("auto", "cpu", command) is f32
@@ -302,3 +304,25 @@ def test_ppl_calibrate_and_tune_on_cuda(capsys, tmp_path, fake_model):
     assert code == 0, err
     info = json.loads(path.read_text())["info"]
     assert info["device"] == "cuda:0" and info["dtype"] == "float32" and info["gpu"]
+
+
+# ----------------------------------------------------------------------------------- needle
+class _Loaded(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("extra", "dtype"), [((), torch.float32),
+                                              (("--dtype", "bfloat16"), torch.bfloat16)])
+def test_needle_loads_the_model_in_the_dtype_asked_for(capsys, monkeypatch, extra, dtype):
+    """needle loaded float32 whatever the device (on CUDA the decode kernels then took their
+    float32 path, not the half-precision one a model runs in)."""
+    loads = []
+
+    def load_model(name, dtype=None, device=None, log=None):
+        loads.append((dtype, str(device)))
+        raise _Loaded
+
+    monkeypatch.setattr(kvbits.data, "load_model", load_model)
+    with pytest.raises(_Loaded):
+        main(["needle", "--model", "tiny", *extra])
+    assert loads == [(dtype, "cpu")]

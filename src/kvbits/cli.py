@@ -282,6 +282,7 @@ def _cpu_capability() -> str:
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 AUTO_DTYPE = {
     "ppl": "float32 on the CPU, float16 on CUDA",
+    "needle": "float32 on the CPU, float16 on CUDA",
     "calibrate": "float32, on CUDA too: the Fisher weights are squared gradients, which "
                  "underflow in half precision",
     "tune": "float32, on CUDA too: a layer's KL at 4 bits is of the order of half "
@@ -326,7 +327,8 @@ def resolve_dtype(name: str, device: str, command: str):
     if name not in DTYPES:
         raise ValueError(f"--dtype: must be one of {', '.join(DTYPES)}, got {name!r}")
     if name == "auto":
-        return torch.float16 if command == "ppl" and device != "cpu" else torch.float32
+        return (torch.float16 if command in ("ppl", "needle") and device != "cpu"
+                else torch.float32)
     return getattr(torch, name)
 
 
@@ -343,7 +345,7 @@ def run_info(model) -> dict:
 
 
 def _device_options(p: argparse.ArgumentParser, command: str) -> None:
-    """``--device`` and ``--dtype`` of ppl, calibrate and tune."""
+    """``--device`` and ``--dtype`` of ppl, calibrate, tune and needle."""
     from .evalcli import _device_arg
 
     p.add_argument("--device", type=_device_arg, default="cpu",

@@ -105,18 +105,20 @@ def _cmd_needle(args) -> int:
         _check_calibration,
         _check_text,
         _versions,
+        check_device,
         parse_presets,
+        resolve_dtype,
+        run_info,
     )
     from .data import load_model, load_text
     from .eval.needle import NeedleConfig, needle_meta, run_needle, write_needle
 
+    dtype = resolve_dtype(args.dtype, check_device(args.device), "needle")  # before the model
     variants = parse_presets(",".join(args.presets))
     _check_calibration(args.calibration, variants)  # fail early
     haystack = _check_text(args.text, "--text")  # (a file: read once, here)
     calib_text = _check_calib_text(args.calib_text, args.calibration, variants)
     calib_tokens = _check_calib_tokens(args.calib_tokens, args.calibration, variants)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: torch sees no CUDA device (use --device cpu)")
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = NeedleConfig(model=args.model, text=args.text, lengths=args.lengths, depths=args.depths,
@@ -125,14 +127,14 @@ def _cmd_needle(args) -> int:
                        calib_text=calib_text, calib_tokens=calib_tokens,
                        calibration=args.calibration)
     _log(f"loading model {cfg.model!r} and text {cfg.text!r}")
-    model, tok = load_model(cfg.model, dtype=torch.float32, device=args.device, log=_log)
+    model, tok = load_model(cfg.model, dtype=dtype, device=args.device, log=_log)
     text = load_text(cfg.text, log=_log) if haystack is None else haystack
     if cfg.chat and not getattr(tok, "chat_template", None):
         _log(f"{cfg.model}'s tokenizer has no chat template (a base model): the passkey prompt "
              "goes in as plain text")
     meta = needle_meta(cfg, shlex.join(["kvbits", *args.argv]), _versions(),
                        device=str(args.device))
-    meta["git"] = _git_commit()
+    meta.update(run_info(model), git=_git_commit())
 
     def save(rows):
         write_needle(args.out, rows, meta, args.name)
@@ -160,6 +162,8 @@ def _git_commit() -> str | None:
 
 def register(sub) -> None:
     """Add ``bench`` and ``needle`` to the ``kvbits`` subcommands."""
+    from .cli import _device_options
+
     _register_bench(sub)
     p = sub.add_parser("needle", help="passkey retrieval (needle in a haystack) through the cache",
                        description="Hide a 5-digit pass key at several depths of real text, ask "
@@ -189,8 +193,7 @@ def register(sub) -> None:
     p.add_argument("--calibration", metavar="PATH",
                    help="kvquant presets: codebooks from this kvbits calibrate file instead of "
                    "calibrating on --calib-text (-hadc and fp8 presets still calibrate on it)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="cpu (default) or cuda")
+    _device_options(p, "needle")
     p.add_argument("--threads", type=_positive, help="torch CPU threads")
     p.add_argument("--out", default="kvbits-results",
                    help="output folder (default ./kvbits-results; the committed tables of a "
