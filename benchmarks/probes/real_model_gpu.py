@@ -36,7 +36,7 @@ PRESETS = ("fp16,kivi-4,kivi-3,kivi-2,k4v2,kivi-2:S=1,kvquant-4,kvquant-3,kvquan
            "fp8-dynamic,kivi-2-had,kivi-2-hadc")
 STEP_PRESETS = "fp16,kivi-2,kivi-4,kvquant-3,uniform-int4,fp8-dynamic,kivi-2-hadc"
 GEN_PRESETS = "kivi-2,kivi-4,kvquant-3,uniform-int4,fp8-dynamic"
-BF16_PRESETS = "fp16,kivi-2,kivi-4,kvquant-3,uniform-int4,fp8-dynamic"
+BF16_PRESETS = "kivi-2,kivi-4,kvquant-3,uniform-int4"
 
 
 def log(msg: str) -> None:

@@ -5,6 +5,8 @@
 # machine is still warm, `STAGE=run PARTS=...` with the second half (.devcarry/b).
 #   STAGE=a bash benchmarks/probes/run_s54.sh            (carry .devcarry/a)
 #   STAGE=run PARTS=ppl,gen bash benchmarks/probes/run_s54.sh   (carry .devcarry/b)
+#   STAGE=final bash benchmarks/probes/run_s54.sh   (carry .devcarry/b): the fp8 and kivi-2-hadc
+#     rows and the bfloat16 model
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 KVC=/tmp/kvc
@@ -23,4 +25,8 @@ if [ ! -f $G ]; then
   cat /tmp/part_a .devcarry/b/part_b > $G
 fi
 sha256sum $G
-python3 benchmarks/probes/real_model_gpu.py --out $OUT --parts "${PARTS:-ppl,step,gen,bf16}" 2>&1 | tee $OUT/real_model_gpu_${PARTS//,/_}.log
+if [ "${STAGE}" = final ]; then  # the presets the first calls missed, and a bfloat16 model
+  PRESETS=fp8,kivi-2-hadc PARTS=ppl,bf16
+fi
+python3 benchmarks/probes/real_model_gpu.py --out $OUT --parts "${PARTS:-ppl,step,gen,bf16}" \
+  ${PRESETS:+--presets $PRESETS} 2>&1 | grep -v "Loading weights" | tee $OUT/real_model_gpu_${PARTS//,/_}.log
