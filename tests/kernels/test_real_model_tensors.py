@@ -50,12 +50,12 @@ def half_model(smollm2):
     del half
 
 
-def _run(model, ids, preset):
+def _run(model, ids, preset, calibration=None):
     """Prefill 300 tokens into a fresh cache, then one decode step; returns the cache's spec, what
     each layer quantized through ``ops`` (keys in store space scaled per channel; values, and
     keys scaled per token, with their channel group) and each layer's ``(query, view, scale,
     starts)`` at that step."""
-    cache = KVBitsCache(model, preset)
+    cache = KVBitsCache(model, preset, calibration=calibration)
     keys, values, steps = [], [], []
     quantize, quantize_v, attend = ops.quantize_keys, ops.quantize_values, hf._attend_as_generated
 
@@ -116,3 +116,25 @@ def test_kernels_match_the_reference_on_real_tensors(half_model, monkeypatch, pr
         assert torch.isfinite(got).all()
         err = ((got - want).norm() / want.norm()).item()
         assert err < 2e-3, err
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("preset", ["kvquant-3", "fp8-dynamic"])
+def test_decode_matches_the_reference_on_real_tensors(half_model, monkeypatch, preset):
+    """KVQuant (codebooks calibrated on the same text, outliers, pre-RoPE keys turned back in
+    the kernel) and FP8: the fused decode over each layer's real packed cache."""
+    from kvbits.cli import parse_preset
+    from kvbits.methods.kvquant import calibrate
+
+    model, ids = half_model
+    monkeypatch.setenv("KVBITS_KERNELS", "reference")
+    spec = parse_preset(preset).spec
+    cal = calibrate(model, ids[:, :256], spec, window=128) if spec.method == "kvquant" else None
+    _, _, _, steps = _run(model, ids, preset, cal)
+    for q, kv, scale, starts in _pick(steps):
+        monkeypatch.setenv("KVBITS_KERNELS", "reference")
+        want = ops.decode_attention(q, kv, scale=scale, starts=starts).float()
+        monkeypatch.setenv("KVBITS_KERNELS", "triton")
+        got = ops.decode_attention(q, kv, scale=scale, starts=starts).float()
+        err = ((got - want).norm() / want.norm()).item()
+        assert torch.isfinite(got).all() and err < 2e-3, err
