@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from test_cli import run  # (tests/ is on sys.path, as for tiny_decoders)
 
 import kvbits.data
 from kvbits import cli
@@ -16,15 +17,6 @@ from kvbits.cli import main
 
 CUDA = torch.cuda.is_available()
 COMMANDS = ("ppl", "calibrate", "tune", "needle")
-
-
-def run(capsys, *argv) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def tiny_llama():
