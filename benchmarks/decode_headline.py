@@ -51,10 +51,21 @@ def _verdict(total: int, short: list[str]) -> str:
             f"missed on {len(short)} of {total}: " + ", ".join(short))
 
 
+def _graph_frac(row: dict) -> float | None:
+    """The row's bytes over its CUDA-graph time as a fraction of the copy bandwidth. The table's
+    ``frac_bw`` divides by the faster of the eager and graph timings; the graph speedups need the
+    graph time's fraction (it differs where the eager median was the faster)."""
+    f, us, ug = row.get("frac_bw"), row.get("us"), row.get("us_graph")
+    if f is None or not ug:
+        return None
+    return f * min(us, ug) / ug if us else f
+
+
 def _needs(need: float, speedup: float, frac_bw: float | None) -> str:
     """What a speedup target asks of a row's bytes: the fraction of the copy bandwidth at which
     the row would reach ``need`` (its time scaled to ``need``, its bytes unchanged), and the
-    speedup its bytes allow at the whole copy bandwidth; empty without a bandwidth figure."""
+    speedup its bytes allow at the whole copy bandwidth; empty without a bandwidth figure.
+    ``speedup`` is a graph speedup, so ``frac_bw`` must be the graph time's (:func:`_graph_frac`)."""
     if not frac_bw:
         return ""
     return (f" (needs {frac_bw * need / speedup * 100:.0f}% of the copy bandwidth; "
@@ -116,7 +127,8 @@ def headline(rows: list[dict]) -> str:
 
 
 def long_row_speedups(rows: list[dict]) -> dict:
-    """preset -> model -> [(batch, context, graph speedup, fraction of copy bandwidth)]."""
+    """preset -> model -> [(batch, context, graph speedup, fraction of copy bandwidth (the
+    table's: the faster timing), the graph time's fraction of copy bandwidth)]."""
     lib, fp = library_rows(rows), fp16_rows(rows)
     out: dict = {}
     for (m, b, t, p), r in sorted(lib.items()):
@@ -124,7 +136,7 @@ def long_row_speedups(rows: list[dict]) -> dict:
         if b * t < LONG or flash is None or r.get("us_graph") is None:
             continue
         out.setdefault(p, {}).setdefault(m, []).append(
-            (b, t, _graph_speedup(flash, r), r.get("frac_bw")))
+            (b, t, _graph_speedup(flash, r), r.get("frac_bw"), _graph_frac(r)))
     return out
 
 
@@ -153,7 +165,7 @@ def targets(rows: list[dict]) -> str:
     sp = long_row_speedups(rows)
     lines = []
     for issue, p, need in TARGETS:
-        xs = [(m, b, t, s, f) for m, per in sp.get(p, {}).items() for b, t, s, f in per]
+        xs = [(m, b, t, s, g) for m, per in sp.get(p, {}).items() for b, t, s, _, g in per]
         if not xs:
             lines.append(f"- issue {issue}, {p} >= {need}x on the long rows: not measured")
             continue
@@ -162,7 +174,7 @@ def targets(rows: list[dict]) -> str:
         lines.append(f"- issue {issue}, {p} >= {need}x on the long rows: "
                      + _verdict(len(xs), short))
     for p in BW_TARGET_PRESETS:
-        fr = [(m, b, t, f) for m, per in sp.get(p, {}).items() for b, t, _, f in per
+        fr = [(m, b, t, f) for m, per in sp.get(p, {}).items() for b, t, _, f, _ in per
               if f is not None]
         if fr:
             low = [f"{MODEL_NAMES.get(m, m)} B{b} {_ctx(t)} {f * 100:.0f}%" for m, b, t, f in fr
