@@ -275,7 +275,7 @@ def _cmd_bench(args) -> int:
                       hf_max_tokens=HF_MAX_TOKENS if args.hf_max_tokens is None
                       else args.hf_max_tokens,
                       presize=args.presize, device=device)
-    env = environment(shlex.join(["kvbits", *args.argv]))
+    env = environment(shlex.join(["kvbits", *args.argv]), device)
     env["git"] = _git_commit()
 
     def save(speed, budget_rows):

@@ -323,3 +323,39 @@ def test_quantized_cache_gets_the_whole_context_in_one_prefill_update(tiny, monk
     layers = tiny.config.num_hidden_layers
     assert sizes[:layers] == [context] * layers  # the fill: one update per layer
     assert set(sizes[layers:]) == {1}  # then one token per decode step
+
+
+def test_bench_reads_the_gpu_it_decodes_on(monkeypatch):
+    """bench --device cuda:1: the timer's synchronisation, and the GPU name and memory of the
+    run's record, are those of cuda:1, not of the current device (cuda:0 unless set), which
+    torch.cuda's calls without a device read; a CPU run records "cpu", not the machine's GPU.
+    (time_decode's memory counters take the device the same way: see the CUDA test below.)"""
+    from types import SimpleNamespace
+
+    from kvbits.eval import speed
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: seen.append(("sync", device)))
+    monkeypatch.setattr(torch.cuda, "get_device_name",
+                        lambda device=None: seen.append(("name", device)) or f"GPU {device}")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: seen.append(("props", device))
+                        or SimpleNamespace(total_memory=7))
+    speed._sync("cuda:1")
+    env = speed.environment("kvbits bench", "cuda:1")
+    assert seen == [("sync", "cuda:1"), ("name", "cuda:1"), ("props", "cuda:1")]
+    assert env["device"] == "GPU cuda:1" and env["gpu_memory_bytes"] == 7
+    seen.clear()
+    env = speed.environment("kvbits bench --device cpu", "cpu")
+    assert env["device"] == "cpu" and "gpu_memory_bytes" not in env and seen == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_time_decode_on_the_second_gpu_reads_its_memory():
+    """A model on cuda:1 (cuda:0 current): peak memory is cuda:1's, at least weights + cache."""
+    model = build_model(model_config("tiny"), device="cuda:1")
+    r = time_decode(model, parse_variant("kivi-2"), batch=2, context=512, steps=2, warmup=1)
+    assert r["weights_bytes"] >= sum(p.numel() * p.element_size() for p in model.parameters())
+    assert r["peak_bytes"] >= r["weights_bytes"] + r["cache_bytes"] > 0

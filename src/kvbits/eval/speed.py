@@ -363,8 +363,10 @@ def make_cache(model, variant: Variant, max_len: int | None = None):
 
 # ---------------------------------------------------------------------------------------- timing
 def _sync(device) -> None:
+    """Wait for ``device``'s work: its own, not the current device's (``bench --device cuda:1``
+    synchronized cuda:0)."""
     if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
 def _step_timer(device):
@@ -417,7 +419,9 @@ def time_decode(model, variant: Variant, batch: int, context: int, steps: int = 
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-        base_alloc = torch.cuda.memory_allocated()
+        # the model's GPU, not the current one (cuda:0 unless set): with --device cuda:1 the
+        # memory columns and the budget search read cuda:0's counters
+        base_alloc = torch.cuda.memory_allocated(device)
     n_new = warmup + steps + 1
     cache = make_cache(model, variant, max_len=context + n_new + 1)
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -453,8 +457,8 @@ def time_decode(model, variant: Variant, batch: int, context: int, steps: int = 
     cache_bytes = _cache_nbytes(cache)
     if cuda:
         gc.collect()
-        cache_alloc = torch.cuda.memory_allocated() - base_alloc
-        torch.cuda.reset_peak_memory_stats()
+        cache_alloc = torch.cuda.memory_allocated(device) - base_alloc
+        torch.cuda.reset_peak_memory_stats(device)
     timer = _step_timer(device)
     t0 = time.perf_counter()
     backends = variant.sdpa_backends
@@ -489,7 +493,7 @@ def time_decode(model, variant: Variant, batch: int, context: int, steps: int = 
         row["graph_captures"] = decoder.captures
     if cuda:
         row["cache_alloc_bytes"] = cache_alloc
-        row["peak_bytes"] = torch.cuda.max_memory_allocated()
+        row["peak_bytes"] = torch.cuda.max_memory_allocated(device)
         row["weights_bytes"] = base_alloc
     del cache, ids
     gc.collect()
@@ -635,12 +639,16 @@ def run_bench(cfg: BenchConfig, log=print, on_rows=None) -> tuple[list[dict], li
 
 
 # ------------------------------------------------------------------------------------- reports
-def environment(command: str) -> dict:
+def environment(command: str, device: str = "cuda") -> dict:
+    """Versions, date, command and the ``device`` the run decodes on: its GPU's name and memory
+    (those of the current device were recorded, cuda:0's for ``--device cuda:1``, a GPU's for
+    ``--device cpu``)."""
     import datetime
     import importlib.metadata as md
     import platform
 
-    env = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
+    env = {"device": torch.cuda.get_device_name(device) if cuda else "cpu",
            "python": platform.python_version(), "command": command,
            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
     for pkg in ("kvbits", "torch", "transformers", "triton"):
@@ -648,8 +656,8 @@ def environment(command: str) -> dict:
             env[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             pass
-    if torch.cuda.is_available():
-        env["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+    if cuda:
+        env["gpu_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
     return env
 
 
