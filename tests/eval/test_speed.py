@@ -359,3 +359,22 @@ def test_time_decode_on_the_second_gpu_reads_its_memory():
     r = time_decode(model, parse_variant("kivi-2"), batch=2, context=512, steps=2, warmup=1)
     assert r["weights_bytes"] >= sum(p.numel() * p.element_size() for p in model.parameters())
     assert r["peak_bytes"] >= r["weights_bytes"] + r["cache_bytes"] > 0
+
+
+def test_fp16_cache_bytes_keep_only_the_window_of_sliding_layers():
+    """The "FP16 cache GiB" column: transformers' DynamicCache keeps window - 1 tokens in a
+    sliding layer, so a Gemma-3-style model's FP16 cache is not every layer at full length
+    (it was: 2 layers x 324 tokens here, against 324 + 31)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("gemma3_text", hidden_size=128, intermediate_size=256,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                               head_dim=64, vocab_size=512, max_position_embeddings=1024,
+                               sliding_window=32,
+                               layer_types=["sliding_attention", "full_attention"])
+    model = build_model(cfg, device="cpu")
+    r = time_decode(model, parse_variant("fp16"), batch=2, context=320, steps=2, warmup=1)
+    tokens = 320 + 1 + 2 + 1  # context + n_new (warmup + steps + 1)
+    assert r["fp16_cache_bytes"] == 2 * 1 * 64 * 2 * 2 * (tokens + 31)
+    # what the run's own FP16 cache held after the fill (float32 on the CPU: twice the bytes)
+    assert r["cache_bytes"] == 2 * 1 * 64 * 2 * 4 * (320 + 31)
