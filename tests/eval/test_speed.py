@@ -267,6 +267,34 @@ def test_markdown_compares_each_loop_with_its_own_fp16_control():
     assert cells["kivi-4+graphs"][6:8] == ["-", "-"]  # no FP16 row at 8192
 
 
+def test_markdown_compares_with_the_fastest_fp16_variant_and_names_it():
+    """"vs FP16" took the first FP16 variant listed (cuDNN's `fp16`, host-bound at 2.3-2.8x
+    the time of `fp16-flash` in the committed e2e tables), flattering every ratio."""
+    from kvbits.eval.speed import BenchConfig, bench_markdown
+
+    def row(variant, kind, tok_s, batch=1):
+        return {"variant": variant, "kind": kind, "batch": batch, "context": 4096,
+                "tok_s": tok_s, "tpot_ms": 1e3 / tok_s, "tpot_p90_ms": 1e3 / tok_s,
+                "cache_bytes": 1, "fp16_cache_bytes": 1}
+    speed = [row("fp16", "fp16", 10.0), row("fp16-flash", "fp16", 28.0),
+             row("kivi-2", "kvbits", 56.0), row("fp16", "fp16", 40.0, batch=8),
+             row("fp16-flash", "fp16", 30.0, batch=8), row("kivi-2", "kvbits", 80.0, batch=8)]
+    md = bench_markdown(speed, [], {"command": "x"}, BenchConfig())
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in md.splitlines()
+             if line.startswith("| kivi-2")]
+    assert [c[6] for c in cells] == ["2.00x", "2.00x"]  # 56 / 28 at batch 1, 80 / 40 at batch 8
+    assert "fastest FP16 variant at the same batch and context (`fp16-flash`, `fp16`)" in md
+    budget = [{"variant": v, "kind": k, "context": 4096, "budget_bytes": 8e10, "max_batch": b,
+               "tok_s": t, "tpot_ms": 1.0} for v, k, b, t in (
+        ("fp16", "fp16", 30, 100.0), ("fp16-flash", "fp16", 30, 250.0),
+        ("kivi-2", "kvbits", 120, 1000.0))]
+    md = bench_markdown(speed, budget, {"command": "x"}, BenchConfig())
+    table = md.split("## Largest batch")[1]
+    row = next(line for line in table.splitlines() if line.startswith("| kivi-2"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[4] == "4.00x" and cells[6] == "4.00x", row  # 120 / 30 batch, 1000 / 250 tok/s
+
+
 def _held_bytes(cache) -> int:
     """Bytes of every tensor the layers of a (emulated) QuantizedCache hold, each counted once."""
     total = 0
