@@ -16,7 +16,7 @@ from kvbits import cli
 from kvbits.cli import main
 
 CUDA = torch.cuda.is_available()
-COMMANDS = ("ppl", "calibrate", "tune", "needle")
+COMMANDS = ("ppl", "calibrate", "tune", "needle", "demo")
 
 
 def tiny_llama():
@@ -170,6 +170,8 @@ def test_auto_dtype():
     assert cli.resolve_dtype("auto", "cuda:1", "ppl") is f16
     assert cli.resolve_dtype("auto", "cuda", "needle") is f16  # (it was float32: the slow path)
     assert cli.resolve_dtype("auto", "cpu", "needle") is f32
+    assert cli.resolve_dtype("auto", "cuda", "demo") is f16
+    assert cli.resolve_dtype("auto", "cpu", "demo") is f32
     for command in ("calibrate", "tune"):  # Fisher weights, KLs at 4 bits: float32 on a GPU too
         assert cli.resolve_dtype("auto", "cuda", command) is f32
         assert cli.resolve_dtype("auto", "cpu", command) is f32
@@ -303,11 +305,13 @@ class _Loaded(Exception):
     pass
 
 
+@pytest.mark.parametrize("command", ["needle", "demo"])
 @pytest.mark.parametrize(("extra", "dtype"), [((), torch.float32),
                                               (("--dtype", "bfloat16"), torch.bfloat16)])
-def test_needle_loads_the_model_in_the_dtype_asked_for(capsys, monkeypatch, extra, dtype):
+def test_needle_and_demo_load_the_model_in_the_dtype_asked_for(capsys, monkeypatch, command,
+                                                               extra, dtype):
     """needle loaded float32 whatever the device (on CUDA the decode kernels then took their
-    float32 path, not the half-precision one a model runs in)."""
+    float32 path, not the half-precision one a model runs in); demo ran on the CPU only."""
     loads = []
 
     def load_model(name, dtype=None, device=None, log=None):
@@ -316,5 +320,5 @@ def test_needle_loads_the_model_in_the_dtype_asked_for(capsys, monkeypatch, extr
 
     monkeypatch.setattr(kvbits.data, "load_model", load_model)
     with pytest.raises(_Loaded):
-        main(["needle", "--model", "tiny", *extra])
+        main([command, "--model", "tiny", *extra])
     assert loads == [(dtype, "cpu")]

@@ -283,6 +283,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 AUTO_DTYPE = {
     "ppl": "float32 on the CPU, float16 on CUDA",
     "needle": "float32 on the CPU, float16 on CUDA",
+    "demo": "float32 on the CPU, float16 on CUDA",
     "calibrate": "float32, on CUDA too: the Fisher weights are squared gradients, which "
                  "underflow in half precision",
     "tune": "float32, on CUDA too: a layer's KL at 4 bits is of the order of half "
@@ -327,7 +328,7 @@ def resolve_dtype(name: str, device: str, command: str):
     if name not in DTYPES:
         raise ValueError(f"--dtype: must be one of {', '.join(DTYPES)}, got {name!r}")
     if name == "auto":
-        return (torch.float16 if command in ("ppl", "needle") and device != "cpu"
+        return (torch.float16 if command in ("ppl", "needle", "demo") and device != "cpu"
                 else torch.float32)
     return getattr(torch, name)
 
@@ -345,7 +346,7 @@ def run_info(model) -> dict:
 
 
 def _device_options(p: argparse.ArgumentParser, command: str) -> None:
-    """``--device`` and ``--dtype`` of ppl, calibrate, tune and needle."""
+    """``--device`` and ``--dtype`` of ppl, calibrate, tune, needle and demo."""
     from .evalcli import _device_arg
 
     p.add_argument("--device", type=_device_arg, default="cpu",
@@ -1057,6 +1058,8 @@ class DemoConfig:
     prompt_tokens: int = 400
     new_tokens: int = 30
     presets: tuple[str, ...] = ("fp16", "kivi-4", "kivi-2")
+    device: str = "cpu"  # cpu, cuda or cuda:N
+    dtype: str = "auto"  # auto (float32 on the CPU, float16 on CUDA), float32, float16, bfloat16
 
 
 def run_demo(cfg: DemoConfig) -> list[dict]:
@@ -1066,7 +1069,8 @@ def run_demo(cfg: DemoConfig) -> list[dict]:
     from .integrations.hf import KVBitsCache
 
     t0 = time.perf_counter()
-    model, tok, ids = _load(cfg.model, cfg.text, cfg.tokens)
+    dtype = resolve_dtype(cfg.dtype, check_device(cfg.device), "demo")
+    model, tok, ids = _load(cfg.model, cfg.text, cfg.tokens, cfg.device, None, dtype)
     _check_chunks(model, ids.shape[1], cfg.chunk, None, None,
                   parse_presets(",".join(cfg.presets)), option="preset", has_window=False)
     prompt_tokens = min(cfg.prompt_tokens, ids.shape[1])
@@ -1081,7 +1085,9 @@ def run_demo(cfg: DemoConfig) -> list[dict]:
                          desc=name)
         rows.append({"preset": name, "spec": spec.describe(), "continuation": gen["text"], **ppl})
     base = rows[0]
-    print(f"\nModel {cfg.model}, text {cfg.text}. Prompt ({prompt_tokens} tokens) ends with:\n"
+    where = run_info(model)
+    print(f"\nModel {cfg.model} ({where['dtype']} on {where.get('gpu', where['device'])}), text "
+          f"{cfg.text}. Prompt ({prompt_tokens} tokens) ends with:\n"
           f"  ...{prompt[-160:]!r}\n")
     print(markdown_table(
         ["preset", "spec", f"PPL ({ids.shape[1]} tok)", "vs fp16", "KV cache", "vs FP16"],
@@ -1106,10 +1112,12 @@ def _demo_prompt(tokenizer, ids) -> str:
 def _cmd_demo(args) -> int:
     from .eval.perplexity import WINDOW_CAP
 
+    check_device(args.device)  # before the model loads
     # before the model loads, as run_demo checks once it knows the text and the window
     _check_chunks(None, args.tokens, args.chunk, WINDOW_CAP, None,
                   parse_presets(",".join(DemoConfig.presets)), option="preset", has_window=False)
-    run_demo(DemoConfig(model=args.model, tokens=args.tokens, chunk=args.chunk))
+    run_demo(DemoConfig(model=args.model, tokens=args.tokens, chunk=args.chunk,
+                        device=args.device, dtype=args.dtype))
     return 0
 
 
@@ -1289,6 +1297,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=_positive, default=2048,
                    help="tokens of SOTU 2010-2016 for the perplexity (default 2048)")
     p.add_argument("--chunk", type=_positive, default=256, help="tokens per forward (default 256)")
+    _device_options(p, "demo")
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("generate", help="generate text with a quantized KV cache",
