@@ -200,6 +200,13 @@ def test_generate_refuses_cuda_without_a_gpu(capsys):
     assert code == 2 and "--device cuda" in err, err
 
 
+def test_generate_fuse_on_the_cpu_names_graphs(capsys):
+    """--fuse alone on the CPU, where the graph loop is not the default, was refused as needing
+    'graphs=True', which no option of the command is called; --graphs --fuse runs there."""
+    code, _, err = run(capsys, "generate", "--prompt", "x", "--device", "cpu", "--fuse")
+    assert code == 2 and "--graphs" in err, err
+
+
 def test_generate_device_choices(capsys):
     code, _, err = run(capsys, "generate", "--prompt", "x", "--device", "tpu")
     assert code == 2 and "--device" in err and "auto" in err, err

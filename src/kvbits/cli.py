@@ -871,8 +871,11 @@ def check_generate_config(cfg: GenerateConfig, device_type: str) -> bool:
         raise ValueError("generate: graphs=True needs one beam (greedy or --sample), got "
                          f"num_beams={cfg.num_beams}")
     if cfg.fuse and not graphs:
+        default_off = (cfg.graphs is None and one_beam and not cfg.prompt_lookup
+                       and device_type != "cuda")
         raise ValueError("generate: fuse=True (--fuse) needs the graph loop (graphs=True, one "
-                         "beam)")
+                         "beam)" + ("; it is the default on CUDA only: pass --graphs too (on the "
+                                    "CPU its steps run eagerly)" if default_off else ""))
     return graphs
 
 
