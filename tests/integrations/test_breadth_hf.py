@@ -7,8 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from kvbits.integrations.hf import cache_kwargs
-from kvbits.integrations.hf import KVBitsCache
+from kvbits.integrations.hf import KVBitsCache, cache_kwargs
 from kvbits.spec import QuantSpec, resolve_spec
 
 
@@ -96,8 +95,11 @@ def test_fp8_cache(model):
     cal = KVBitsCache(model, "fp8", calibration=scales)
     _logits(model, cal, ids)
     assert torch.equal(cal.stores[0].k_scale, torch.full((1, 2, 1, 1), 0.01))
-    with pytest.raises(ValueError, match="fp8_scale='calibrated' needs scales"):
+    with pytest.raises(ValueError, match="fp8_scale='calibrated' needs scales: "
+                                         r"KVBitsCache\(model, 'fp8', calibration='auto'\)"):
         KVBitsCache(model, "fp8")
+    with pytest.raises(ValueError, match=r"KVBitsCache\(model, 'fp8-tensor', calibration="):
+        KVBitsCache(model, "fp8-tensor")  # (it named 'fp8', another preset)
     # scales of another head count: refused when the cache is built, not at its first update
     with pytest.raises(ValueError, match="layer 0 k_scale holds 3 scales, the model has 2 KV"):
         KVBitsCache(model, "fp8", calibration=[(torch.full((3,), 0.01), torch.ones(2))] * 4)

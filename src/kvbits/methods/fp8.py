@@ -127,9 +127,11 @@ def layer_scales(model_or_config, spec: QuantSpec, calibration, n_layers: int) -
             raise ValueError(f"{CALIBRATION_USES}; this spec has dynamic fp8 scales")
         return [None] * n_layers
     if calibration is None:
-        raise ValueError("fp8_scale='calibrated' needs scales: KVBitsCache(model, 'fp8', "
+        preset = "fp8-tensor" if spec.fp8_granularity == "tensor" else "fp8"
+        raise ValueError(f"fp8_scale='calibrated' needs scales: KVBitsCache(model, '{preset}', "
                          "calibration='auto') (amax on SOTU 1900-1999), a file from "
-                         "kvbits.methods.fp8.save_fp8_scales, or use preset 'fp8-dynamic'")
+                         "kvbits.methods.fp8.save_fp8_scales, or use preset 'fp8-dynamic' "
+                         "(dynamic per-head scales)")
     scales = per_layer_calibration(calibration, model_or_config,
                                    lambda model: auto_fp8_scales(model, spec),
                                    lambda path: load_fp8_scales(path, model_or_config, spec),
