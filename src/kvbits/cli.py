@@ -1373,7 +1373,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--calib-text",  # (None: not given; see _check_calib_text)
                    help="text calibrated presets (kvquant, fp8, kivi-N-hadc) are calibrated "
-                   f"on, once, cached (default {CALIB_TEXT}: disjoint from the evaluation text)")
+                   "on (kvquant's codebooks once, cached on disk; fp8 scales and Hadamard "
+                   f"channels once per run) (default {CALIB_TEXT}: disjoint from the evaluation "
+                   "text)")
     p.add_argument("--calib-tokens", type=_positive,  # (None: not given)
                    help=f"tokens of --calib-text that calibrated presets calibrate on (default "
                    f"{CALIB_TOKENS})")
