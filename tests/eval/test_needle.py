@@ -298,3 +298,29 @@ def test_run_needle_refuses_a_config_it_cannot_serve(field, value, error):
     setattr(cfg, field, value)
     with pytest.raises(ValueError, match=error):
         run_needle(None, CharTokenizer(), TEXT, cfg, log=lambda m: None)  # before the model
+
+
+class BosCharTokenizer(CharTokenizer):
+    """A CharTokenizer that, like Gemma's, puts a BOS first when asked for special tokens."""
+
+    bos_token_id = 300
+
+    def __call__(self, text, add_special_tokens=False, verbose=False):
+        ids = super().__call__(text)["input_ids"]
+        return {"input_ids": ([self.bos_token_id] if add_special_tokens else []) + ids}
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_the_plain_prompt_starts_with_the_bos_the_tokenizer_adds(depth):
+    # a base model without a chat template (gemma3-270m) got no BOS at all: every piece was
+    # tokenized without special tokens, unlike ppl's text (kvbits.data.tokenize_text)
+    tok = BosCharTokenizer()
+    hay, ends = haystack_ids(tok, TEXT)
+    p = build_passkey_prompt(tok, hay, ends, 1500, depth, 71432, offset=333, chat=False)
+    assert p.ids[0] == tok.bos_token_id and p.ids.count(tok.bos_token_id) == 1
+    assert len(p.ids) == 1500
+    assert tok.decode(p.ids[p.needle_at:]).startswith("\n\nThe pass key is 71432.")
+    # no BOS where the tokenizer adds none (SmolLM2, Qwen)
+    q = build_passkey_prompt(CharTokenizer(), hay, ends, 1500, depth, 71432, offset=333,
+                             chat=False)
+    assert q.ids[0] != tok.bos_token_id and len(q.ids) == 1500

@@ -18,7 +18,8 @@ answer. A trial is correct when the first run of digits in the answer is exactly
 needle goes at the sentence boundary of the haystack nearest the requested depth (0 = first
 thing after the instruction, 1 = right before the question; mid-sentence at the depth itself
 when no sentence ends within max(64, 5%) of the haystack's tokens of it), and the whole prompt
-is ``length`` tokens.
+is ``length`` tokens, starting with the BOS where the tokenizer puts one first (Gemma), as the
+text of ``kvbits ppl`` does.
 
 How the caches are compared
 ---------------------------
@@ -146,6 +147,13 @@ def build_passkey_prompt(tokenizer, hay: list[int], ends: list[int], length: int
     enc = lambda s: list(tokenizer(s, add_special_tokens=False)["input_ids"])
     head_s, tail_s = _template_parts(tokenizer, chat)
     head, tail = enc(head_s), enc(tail_s)
+    # the BOS the tokenizer puts first (Gemma; not SmolLM2 or Qwen), as ppl's text has it
+    # (kvbits.data.tokenize_text); a chat template that writes it already keeps its own
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and head[:1] != [bos]:
+        probe = list(tokenizer("x", add_special_tokens=True)["input_ids"])
+        if probe[:1] == [bos]:
+            head = [bos] + head
     needle = enc(NEEDLE.format(key=key))
     n_hay = length - len(head) - len(tail) - len(needle)
     if n_hay <= 0:
