@@ -324,3 +324,13 @@ def test_the_plain_prompt_starts_with_the_bos_the_tokenizer_adds(depth):
     q = build_passkey_prompt(CharTokenizer(), hay, ends, 1500, depth, 71432, offset=333,
                              chat=False)
     assert q.ids[0] != tok.bos_token_id and len(q.ids) == 1500
+
+
+def test_fractional_depths_keep_their_own_labels():
+    # --depths 12.5,13 printed both rows as "12%" / "13%" ('.0f' rounds 12.5 to 12): the table
+    # named a depth the needle was not at
+    rows = [{"length": 1024, "depth": d, "trial": 0, "preset": "fp16", "spec": "fp16",
+             "key": "71432", "answer": " 1.", "correct": False} for d in (0.125, 0.13)]
+    md = needle_markdown(rows, {"model": "m", "text": "t"})
+    assert "| 12.5% |" in md and "| 13%   |" in md
+    assert "| 12%" not in md

@@ -392,6 +392,11 @@ def paired_against(rows: list[dict], base: str = "fp16") -> dict:
     return out
 
 
+def _pct(depth: float) -> str:
+    """A depth as a percentage, as given (12.5%, not a rounded 12%; 25% stays 25%)."""
+    return f"{round(100 * depth, 6):g}%"
+
+
 def needle_markdown(rows: list[dict], meta: dict) -> str:
     """Accuracy per preset, per length x depth, plus the command and versions."""
     from .memory import markdown_table
@@ -454,14 +459,14 @@ def needle_markdown(rows: list[dict], meta: dict) -> str:
         lines += [f"## {p}: accuracy by depth (rows) and length (columns)", ""]
         tab = []
         for d in depths:
-            tab.append([f"{100 * d:.0f}%", *[f"{100 * s[p][(n, d)]:.0f}%" if (n, d) in s[p]
+            tab.append([_pct(d), *[f"{100 * s[p][(n, d)]:.0f}%" if (n, d) in s[p]
                                               else "-" for n in lengths]])
         lines += [markdown_table(["depth", *[str(n) for n in lengths]], tab), ""]
     misses = [r for r in rows if not r["correct"]]
     if misses:
         lines += ["## Misses", ""]
         lines += [markdown_table(["preset", "length", "depth", "trial", "key", "answer"],
-                                 [[r["preset"], str(r["length"]), f"{100 * r['depth']:.0f}%",
+                                 [[r["preset"], str(r["length"]), _pct(r["depth"]),
                                    str(r["trial"]), r["key"], repr(r["answer"])]
                                   for r in misses]), ""]
     return "\n".join(lines)
@@ -485,7 +490,7 @@ def plot_needle(rows: list[dict], path, title: str = "") -> None:
         grid = [[s[p].get((n, d), float("nan")) for n in lengths] for d in depths]
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
-        ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
+        ax.set_yticks(range(len(depths)), [_pct(d) for d in depths])
         ax.set_xlabel("prompt tokens")
         ax.set_title(f"{p} ({100 * s[p]['acc']:.0f}%)")
         for i, row in enumerate(grid):
