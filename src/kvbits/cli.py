@@ -292,9 +292,9 @@ AUTO_DTYPE = {
 
 
 def check_device(device: str, option: str = "--device") -> str:
-    """``--device`` of ppl, calibrate and tune: ``cpu``, ``cuda`` or ``cuda:N`` (the syntax
-    that :func:`kvbits.evalcli._device_arg` parses for bench), a GPU that torch sees; checked
-    before the model loads. Returns ``device``."""
+    """``--device`` of ppl, calibrate, tune, needle, demo and bench: ``cpu``, ``cuda`` or
+    ``cuda:N`` (the syntax :func:`kvbits.evalcli._device_arg` parses), a GPU that torch sees;
+    checked before the model loads. Returns ``device``."""
     import torch
 
     from .evalcli import _device_arg
@@ -306,11 +306,9 @@ def check_device(device: str, option: str = "--device") -> str:
     if device == "cpu":
         return device
     index = device.partition(":")[2]
-    if index and not index.isascii():  # ("cuda:²" passed isdigit, then failed in int())
-        raise ValueError(f"{option}: must be cpu, cuda or cuda:N, got {device!r}")
     if not torch.cuda.is_available():
         raise ValueError(f"{option} {device}: torch sees no CUDA device (a CPU-only torch, or "
-                         f"no GPU here); use {option} cpu (the default)")
+                         f"no GPU here); use {option} cpu")
     count = torch.cuda.device_count()
     if index and int(index) >= count:
         seen = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"

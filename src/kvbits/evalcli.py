@@ -230,7 +230,9 @@ def _check_cpu_weights(model: str, layers: int | None) -> None:
 
 def _device_arg(text: str) -> str:
     """``--device``: cpu, cuda or cuda:N."""
-    if text == "cpu" or text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
+    index = text[5:]  # (isascii: "cuda:²" passes isdigit, then fails in int())
+    if text in ("cpu", "cuda") or (text.startswith("cuda:") and index.isascii()
+                                   and index.isdigit()):
         return text
     raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
 
@@ -238,7 +240,7 @@ def _device_arg(text: str) -> str:
 def _cmd_bench(args) -> int:
     import torch
 
-    from .cli import parse_size
+    from .cli import check_device, parse_size
     from .eval.speed import BenchConfig, environment, parse_variant, run_bench, write_bench
 
     kinds = {parse_variant(v).kind for v in args.presets}  # fail before building anything
@@ -261,9 +263,7 @@ def _cmd_bench(args) -> int:
     if args.device is None and not torch.cuda.is_available():
         raise ValueError("kvbits bench times GPU decoding and found no CUDA device; for a CPU "
                          "smoke test pass --device cpu (with a small --model, e.g. tiny)")
-    device = args.device or "cuda"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device here (use --device cpu for a smoke test)")
+    device = check_device(args.device or "cuda")  # (a GPU torch sees, the index included)
     if device == "cpu":
         _check_cpu_weights(args.model, args.layers)
     cfg = BenchConfig(model=args.model, layers=args.layers, variants=args.presets,
