@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .checks import repeated
+from .methods import dtype_name
 from .spec import PRESETS, QuantSpec, hf_field_names, parse_overrides, resolve_spec
 
 # ------------------------------------------------------------------------------- variant syntax
@@ -203,7 +204,7 @@ def _load(model_name: str, text_name: str | None = None, tokens: int | None = No
         dtype = torch.float32 if device == "cpu" else torch.float16
     model, tok = data.load_model(model_name, dtype=dtype, device=device, log=_log)
     _log(f"model ready in {time.perf_counter() - t0:.1f} s "
-         f"({str(dtype).removeprefix('torch.')} on {device})")
+         f"({dtype_name(dtype)} on {device})")
     if text_name is None:
         return model, tok, None
     _log(f"loading text {text_name!r}")
@@ -337,7 +338,7 @@ def run_info(model) -> dict:
     import torch
 
     p = next(model.parameters())
-    out = {"device": str(p.device), "dtype": str(p.dtype).removeprefix("torch.")}
+    out = {"device": str(p.device), "dtype": dtype_name(p.dtype)}
     if p.device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(p.device)
     return out

@@ -16,6 +16,11 @@ def model_dtype(model):
     return next((p.dtype for p in (params() if params else ()) if p.is_floating_point()), None)
 
 
+def dtype_name(dtype) -> str:
+    """``torch.float16`` -> ``"float16"``: how files, logs and cache keys name a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
 def dtype_key(model, dtype=None) -> dict:
     """The model's dtype (or ``dtype``) as a cache key of automatic calibrations: ``{}`` for
     float32 (so the keys made before it was keyed, all float32, still match), else
@@ -27,7 +32,7 @@ def dtype_key(model, dtype=None) -> dict:
     dtype = model_dtype(model) if dtype is None else dtype
     if dtype is None or dtype == torch.float32:
         return {}
-    return {"dtype": str(dtype).removeprefix("torch.")}
+    return {"dtype": dtype_name(dtype)}
 
 
 def per_layer_calibration(calibration, model_or_config, auto, load, what: str,

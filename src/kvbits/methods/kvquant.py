@@ -79,7 +79,7 @@ from ..reference.quant import (
     ungroup,
 )
 from ..spec import QuantSpec
-from . import calibration_windows, dtype_key, model_dtype
+from . import calibration_windows, dtype_key, dtype_name, model_dtype
 
 __all__ = ["Calibration", "LayerCodebooks", "calibrate", "dequantize_keys", "dequantize_values",
            "kmeans_1d", "model_fingerprint", "outlier_index_dtype", "quantize_keys",
@@ -986,7 +986,7 @@ def auto_calibration(model, spec: QuantSpec, *, model_name: str = "", preset: st
         if f32.exists():
             if log:
                 log(f"{spec.describe()}: the float32 calibration cached at {f32} serves this "
-                    f"{str(model_dtype(model)).removeprefix('torch.')} model")
+                    f"{dtype_name(model_dtype(model))} model")
             return Calibration.load(f32)
     if path.exists():
         return Calibration.load(path)
@@ -1056,5 +1056,5 @@ def calibrate(model, input_ids: torch.Tensor, spec: QuantSpec, *, model_name: st
                        preset, data,
                        datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                        {"tokens": int(input_ids.numel()), "window": window,
-                        "dtype": str(model_dtype(model)).removeprefix("torch."),
+                        "dtype": dtype_name(model_dtype(model)),
                         "device": str(model.device)}, probe)
