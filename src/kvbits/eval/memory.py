@@ -233,6 +233,14 @@ def sliding_hold(window: int, spec: QuantSpec) -> int:
     return fixed + G * math.ceil(live * (1 + 1 / EVICT_RATIO) / G)
 
 
+def fp16_cache_bytes(config, tokens: int) -> int:
+    """One sequence of ``tokens`` in an FP16 ``DynamicCache`` of model ``config``: the sliding
+    layers keep ``window - 1`` tokens."""
+    shape = kv_shape(config)
+    fp_tok = shape.layers * shape.kv_heads * fp_bytes_per_token(shape.head_dim)
+    return _fp16_sequence_bytes(tokens, fp_tok, shape)
+
+
 def _fp16_sequence_bytes(tokens: int, fp_tok: int, shape: KVShape) -> int:
     """One sequence in transformers' ``DynamicCache``: sliding layers keep ``window - 1``."""
     per_layer = fp_tok // shape.layers

@@ -57,6 +57,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..checks import require_count
+from .memory import fp16_cache_bytes
 
 __all__ = ["MODEL_CONFIGS", "BenchConfig", "build_model", "emulated_layer_class",
            "emulated_quantized_cache", "make_cache", "max_batch", "model_config", "parse_variant",
@@ -393,17 +394,6 @@ def _cache_nbytes(cache) -> int:
     return cache_nbytes(cache)
 
 
-def _fp16_cache_bytes(cfg, tokens: int) -> int:
-    """One sequence of ``tokens`` in an FP16 ``DynamicCache`` of model ``cfg``: the sliding
-    layers keep ``window - 1`` tokens (every layer was counted at ``tokens``)."""
-    from ..formats.layout import fp_bytes_per_token
-    from .memory import _fp16_sequence_bytes, kv_shape
-
-    shape = kv_shape(cfg)
-    fp_tok = shape.layers * shape.kv_heads * fp_bytes_per_token(shape.head_dim)
-    return _fp16_sequence_bytes(tokens, fp_tok, shape)
-
-
 @torch.no_grad()
 def time_decode(model, variant: Variant, batch: int, context: int, steps: int = 32,
                 warmup: int = 4, fill: str = "random", seed: int = 0,
@@ -495,7 +485,7 @@ def time_decode(model, variant: Variant, batch: int, context: int, steps: int = 
            "tpot_ms": 1e3 * med, "tpot_mean_ms": 1e3 * statistics.fmean(step_s),
            "tpot_p90_ms": 1e3 * sorted(step_s)[max(0, math.ceil(0.9 * len(step_s)) - 1)],
            "tok_s": batch / med, "cache_bytes": cache_bytes,
-           "fp16_cache_bytes": batch * _fp16_cache_bytes(cfg, context + n_new),
+           "fp16_cache_bytes": batch * fp16_cache_bytes(cfg, context + n_new),
            "fill_s": fill_s, "generate_s": total_s,
            # prompt C+1 (the last token fed by the first step) + n_new - 1 generated ones
            "cache_tokens_after": int(cache.get_seq_length())}
