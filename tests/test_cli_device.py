@@ -1,6 +1,7 @@
 """``--device`` and ``--dtype`` of kvbits ppl, calibrate, tune and needle (the first three always
 ran the model on the CPU in float32, needle in float32 on either device): refused values, the defaults, half precision on the CPU, and where the run's
-device and dtype are recorded. A tiny random Llama stands in for the model (no download)."""
+device and dtype are recorded; generate's --device (auto besides, through the same check). A tiny
+random Llama stands in for the model (no download)."""
 
 from __future__ import annotations
 
@@ -305,20 +306,81 @@ class _Loaded(Exception):
     pass
 
 
+@pytest.fixture
+def first_load(monkeypatch):
+    """``first_load(argv)`` runs ``main(argv)`` up to the model's load (stopped there) and
+    returns the ``(dtype, device)`` of each load asked for."""
+    def go(argv):
+        loads = []
+
+        def load_model(name, dtype=None, device=None, log=None):
+            loads.append((dtype, str(device)))
+            raise _Loaded
+
+        monkeypatch.setattr(kvbits.data, "load_model", load_model)
+        with pytest.raises(_Loaded):
+            main(argv)
+        return loads
+    return go
+
+
 @pytest.mark.parametrize("command", ["needle", "demo"])
 @pytest.mark.parametrize(("extra", "dtype"), [((), torch.float32),
                                               (("--dtype", "bfloat16"), torch.bfloat16)])
-def test_needle_and_demo_load_the_model_in_the_dtype_asked_for(capsys, monkeypatch, command,
-                                                               extra, dtype):
+def test_needle_and_demo_load_the_model_in_the_dtype_asked_for(first_load, command, extra,
+                                                               dtype):
     """needle loaded float32 whatever the device (on CUDA the decode kernels then took their
     float32 path, not the half-precision one a model runs in); demo ran on the CPU only."""
-    loads = []
+    assert first_load([command, "--model", "tiny", *extra]) == [(dtype, "cpu")]
 
-    def load_model(name, dtype=None, device=None, log=None):
-        loads.append((dtype, str(device)))
-        raise _Loaded
 
-    monkeypatch.setattr(kvbits.data, "load_model", load_model)
-    with pytest.raises(_Loaded):
-        main([command, "--model", "tiny", *extra])
-    assert loads == [(dtype, "cpu")]
+# --------------------------------------------------------------------------------- generate
+GENERATE = ("generate", "--model", "tiny", "--prompt", "x")
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "cuda:-1", "CUDA", "cuda:", "", "AUTO",
+                                    "cuda:\u00b2"])
+def test_generate_refuses_a_bad_device_naming_the_allowed_values(capsys, no_load, device):
+    """generate kept its own check (argparse choices auto, cpu, cuda: "invalid choice"); it now
+    takes check_device's syntax, auto besides."""
+    code, _, err = run(capsys, *GENERATE, "--device", device)
+    assert code == 2 and "kvbits generate: error: argument --device: must be auto, cpu, cuda or " \
+                         f"cuda:N, got {device!r}" in err, err
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_generate_refuses_cuda_without_a_gpu_as_the_others_do(capsys, monkeypatch, no_load,
+                                                              device):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err = run(capsys, *GENERATE, "--device", device)
+    assert code == 2 and f"kvbits generate: error: --device {device}: torch sees no CUDA " \
+                         "device" in err and "use --device cpu" in err, err
+
+
+def test_generate_refuses_a_gpu_index_past_the_last(capsys, monkeypatch, no_load):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    code, _, err = run(capsys, *GENERATE, "--device", "cuda:1")
+    assert code == 2 and "--device cuda:1: torch sees 1 CUDA device (cuda:0); give cpu, cuda " \
+                         "or cuda:N with N < 1" in err, err
+    with pytest.raises(ValueError, match="must be auto, cpu, cuda or cuda:N, got 'gpu'"):
+        cli.check_device("gpu", auto=True)
+    with pytest.raises(ValueError, match="must be cpu, cuda or cuda:N, got 'auto'"):
+        cli.check_device("auto")  # (auto is generate's alone)
+
+
+@pytest.mark.parametrize(("device", "gpus", "extra", "want"), [
+    ("auto", 0, (), (torch.float32, "cpu")),
+    ("auto", 1, (), (torch.float16, "cuda")),
+    ("cpu", 1, (), (torch.float32, "cpu")),
+    ("cuda", 1, (), (torch.float16, "cuda")),
+    ("cuda:1", 2, (), (torch.float16, "cuda:1")),
+    ("cuda:1", 2, ("--fuse",), (torch.float16, "cuda:1")),  # the graph loop's default: CUDA
+])
+def test_generate_loads_the_model_on_the_device_asked_for(monkeypatch, first_load, device, gpus,
+                                                          extra, want):
+    """auto is the GPU (FP16) when torch sees one, else the CPU (FP32), as before; cuda:N, which
+    generate refused, loads there (--fuse too: the graph loop is the default on any GPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert first_load([*GENERATE, "--device", device, *extra]) == [want]

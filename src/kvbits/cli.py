@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -292,18 +293,21 @@ AUTO_DTYPE = {
 }
 
 
-def check_device(device: str, option: str = "--device") -> str:
-    """``--device`` of ppl, calibrate, tune, needle, demo and bench: ``cpu``, ``cuda`` or
-    ``cuda:N`` (the syntax :func:`kvbits.evalcli._device_arg` parses), a GPU that torch sees;
-    checked before the model loads. Returns ``device``."""
+def check_device(device: str, option: str = "--device", auto: bool = False) -> str:
+    """``--device`` of ppl, calibrate, tune, needle, demo, bench and generate: ``cpu``, ``cuda``
+    or ``cuda:N`` (the syntax :func:`kvbits.evalcli._device_arg` parses), a GPU that torch sees;
+    with ``auto`` (generate) also ``auto``: ``cuda`` when torch sees a GPU, else ``cpu``.
+    Checked before the model loads. Returns ``device`` (``auto`` resolved)."""
     import torch
 
     from .evalcli import _device_arg
 
     try:
-        device = _device_arg(device) if isinstance(device, str) else _device_arg(repr(device))
+        device = _device_arg(device if isinstance(device, str) else repr(device), auto=auto)
     except argparse.ArgumentTypeError as exc:
         raise ValueError(f"{option}: {exc}") from None
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         return device
     index = device.partition(":")[2]
@@ -940,17 +944,6 @@ def prefix_cache(model, cfg: GenerateConfig, ids: list[int], new_cache) -> tuple
     return cache, len(ids) - 1
 
 
-def _device(name: str) -> str:
-    """``--device``: ``auto`` is the GPU when torch sees one, else the CPU."""
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: torch sees no CUDA device (use --device cpu or auto)")
-    return name
-
-
 def _prompt_ids(tokenizer, text: str, chat: bool) -> list[int]:
     """Token ids of one prompt (in the chat template with ``chat``, where the tokenizer has one)."""
     if chat and getattr(tokenizer, "chat_template", None):
@@ -1008,6 +1001,8 @@ def _check_prompt(text: str, chat: bool) -> None:
 
 
 def _cmd_generate(args) -> int:
+    from .ops import on_device
+
     given = [o for o, x in (("--temperature", args.temperature), ("--top-p", args.top_p),
                             ("--seed", args.seed))
              if x is not None]  # (None unless given, under any abbreviation argparse accepts)
@@ -1035,12 +1030,13 @@ def _cmd_generate(args) -> int:
     _check_calibration(args.calibration, [variant])
     cfg.calib_text = _check_calib_text(args.calib_text, args.calibration, [variant])
     cfg.calib_tokens = _check_calib_tokens(args.calib_tokens, args.calibration, [variant])
-    device = _device(args.device)
-    check_generate_config(cfg, device)  # before the model loads
+    device = check_device(args.device, auto=True)
+    check_generate_config(cfg, device.partition(":")[0])  # before the model loads
     if cfg.prefix_cache:
         prefix_file_tokens(cfg)  # a file for another preset or model: before it too
     model, tok, _ = _load(cfg.model, device=device)
-    r = generate_text(model, tok, cfg)
+    with on_device(next(model.parameters())):  # cuda:N current: the graph loop captures there
+        r = generate_text(model, tok, cfg)
     if len(r["texts"]) == 1:
         print(r["text"])
     for i, text in enumerate(r["texts"] if len(r["texts"]) > 1 else ()):
@@ -1285,6 +1281,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .evalcli import _device_arg
+
     parser = _Parser(
         prog="kvbits", description="2-8 bit KV cache for transformers models: a demo (demo), "
         "generation (generate), perplexity through the cache (ppl), memory arithmetic (memory), "
@@ -1329,9 +1327,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with the graph loop: compile the steps' norms, MLP activation and RoPE "
                         "with torch.compile (inductor; compiled on the first step, then ~20%% "
                         "less time per token at batch 1 on an H200)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="where the model runs: auto = the GPU (FP16) when there is one, else the "
-                        "CPU (FP32) (default auto)")
+    p.add_argument("--device", type=functools.partial(_device_arg, auto=True), default="auto",
+                   help="where the model runs: auto (the GPU, in FP16, when torch sees one, "
+                        "else the CPU, in FP32; the default), cpu, cuda or cuda:N")
     p.add_argument("--prompt-lookup", type=_non_negative, default=0, metavar="N",
                    help="prompt-lookup decoding through transformers' generate: drafts of up to "
                         "N tokens copied from the prompt, verified in one step, the rejected "

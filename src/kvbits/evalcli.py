@@ -228,13 +228,14 @@ def _check_cpu_weights(model: str, layers: int | None) -> None:
                          "--model (tiny, smollm2) or fewer --layers")
 
 
-def _device_arg(text: str) -> str:
-    """``--device``: cpu, cuda or cuda:N."""
+def _device_arg(text: str, *, auto: bool = False) -> str:
+    """``--device``: cpu, cuda or cuda:N; with ``auto`` (kvbits generate), auto too."""
     index = text[5:]  # (isascii: "cuda:²" passes isdigit, then fails in int())
-    if text in ("cpu", "cuda") or (text.startswith("cuda:") and index.isascii()
-                                   and index.isdigit()):
+    if text in ("cpu", "cuda") or (auto and text == "auto") or (
+            text.startswith("cuda:") and index.isascii() and index.isdigit()):
         return text
-    raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+    raise argparse.ArgumentTypeError(f"must be {'auto, ' if auto else ''}cpu, cuda or cuda:N, "
+                                     f"got {text!r}")
 
 
 def _cmd_bench(args) -> int:
