@@ -7,15 +7,22 @@ bandwidth measured in the same run. Writes benchmarks/results/decode_attention.{
 
     python benchmarks/decode_attention.py            # full table (H200: a few minutes)
     python benchmarks/decode_attention.py --quick    # two shapes, for smoke runs
+    python benchmarks/decode_attention.py --rerender benchmarks/results/NAME.json  # no GPU
+
+``--rerender`` re-derives a committed table's FP16 flash rows' TB/s and fraction of the copy
+bandwidth from their recorded medians (:func:`rerender`) and rewrites its JSON and Markdown.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import itertools
 import json
+import shlex
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -243,6 +250,84 @@ def fp16_rows(base: dict, backend: str, t_fp: float, g_fp: float, h_fp: float, t
                  tbps=fp_bytes / t_best * 1e-6, frac_bw=fp_bytes / t_best * 1e6 / bw)]
 
 
+def table_columns(q_rows: int = 1) -> list[tuple[str, str]]:
+    """The Markdown table's columns, (row key, header), as :func:`main` writes them."""
+    return [("model", "model"), ("batch", "B"), ("context", "context"),
+            *([("q_rows", "q rows")] if q_rows > 1 else []), ("q_heads", "Hq"),
+            ("kv_heads", "Hkv"), ("head_dim", "D"), ("preset", "preset"),
+            ("provider", "provider"), ("us", "median µs"), ("speedup", "speedup vs FP16"),
+            ("speedup_best", "vs best SDPA"),
+            ("us_graph", "CUDA-graph µs"), ("speedup_graph", "graph speedup"),
+            ("host_us", "host µs/call"),
+            ("bytes", "bytes moved"), ("tbps", "TB/s"), ("frac_bw", "of copy bw"),
+            ("rel_err", "rel err")]
+
+
+def rederive_flash_bandwidth(rows: list[dict]) -> list[dict]:
+    """Recompute, in place, the TB/s and fraction of the copy bandwidth of the FP16 flash rows
+    that divided by their eager median alone (tables written before 5385329) from
+    min(eager, CUDA-graph) with :func:`fp16_rows`' formula; nothing is re-measured. Each row's
+    copy bandwidth is its own ``tbps / frac_bw`` (rows merged from an earlier run had another).
+    Returns the rows changed: those whose graph median is the faster and whose figures are the
+    eager ones (a row already re-derived, or written since, is left as it is)."""
+    changed = []
+    for r in rows:
+        if r.get("preset") != "fp16" or r.get("provider") == "sdpa_fp16 (default backend)" \
+                or not r.get("us_graph") or not r.get("frac_bw") or r["us_graph"] >= r["us"]:
+            continue
+        eager_tbps = r["bytes"] / r["us"] * 1e-6
+        if abs(r["tbps"] - eager_tbps) > 1e-9 * eager_tbps:
+            continue
+        bw = r["tbps"] * 1e12 / r["frac_bw"]
+        backend = r["provider"].removeprefix("sdpa_fp16 (").removesuffix(")")
+        flash = fp16_rows({}, backend, r["us"], r["us_graph"], r.get("host_us"), r["us"],
+                          r["bytes"], bw)[0]
+        r["tbps"], r["frac_bw"] = flash["tbps"], flash["frac_bw"]
+        changed.append(r)
+    return changed
+
+
+def rerender(path: Path, command: str, date: str) -> list[dict]:
+    """Re-derive the FP16 flash rows' bandwidth figures of a table this script wrote
+    (:func:`rederive_flash_bandwidth`) and rewrite ``path`` and the Markdown beside it with
+    :func:`common.write_results`: the same env, notes and columns (read back from the Markdown)
+    and one note more, saying what was re-derived, when (``date``) and by what (``command``).
+    Refuses a table whose Markdown and JSON the writer does not reproduce as they are (a note
+    added by hand outside the notes, another table's columns). Returns the rows changed (none:
+    nothing is read but the JSON, nothing is written)."""
+    md_path = path.with_suffix(".md")
+    data = json.loads(path.read_text())
+    rows = json.loads(json.dumps(data["rows"]))
+    changed = rederive_flash_bandwidth(rows)
+    if not changed:
+        return []
+    if not md_path.is_file():
+        raise ValueError(f"{md_path}: no Markdown beside {path.name}")
+    md = md_path.read_text()
+    lines = md.split("\n")
+    head = next((i for i, line in enumerate(lines) if line.startswith("| ")), None)
+    if head is None or head < 4 or not lines[3].startswith("- command: "):
+        raise ValueError(f"{md_path}: no Markdown table as decode_attention.py writes it")
+    notes = [line.removeprefix("- ") for line in lines[4:head - 1]]
+    keys = {h: k for k, h in table_columns(q_rows=2)}
+    headers = [h.strip() for h in lines[head].strip("|").split("|")]
+    if not set(headers) <= keys.keys():
+        raise ValueError(f"{md_path}: columns {sorted(set(headers) - keys.keys())} unknown")
+    cols = [(keys[h], h) for h in headers]
+    with tempfile.TemporaryDirectory() as tmp:
+        write_results(path.stem, data["rows"], cols, data["env"], notes, Path(tmp))
+        if (Path(tmp) / md_path.name).read_text() != md \
+                or (Path(tmp) / path.name).read_text() != path.read_text():
+            raise ValueError(f"{md_path}: not reproduced from {path.name} by the writer")
+    notes.append(f"{date}: the FP16 flash rows' TB/s and of copy bw re-derived from the "
+                 "recorded medians, bytes over min(median µs, CUDA-graph µs) as the kvbits rows "
+                 "(each row's copy bandwidth: its TB/s over its of copy bw; until 5385329 they "
+                 "divided by the eager median alone), nothing re-measured, by "
+                 f"`{command}`")
+    write_results(path.stem, rows, cols, data["env"], notes, path.parent)
+    return changed
+
+
 def run_shape(model, hq, hkv, d, batch, context, bw, presets, baselines, knobs,
               triton_rows=True, softcap=None, window=None, q_rows=1,
               dtype=torch.float16) -> list[dict]:
@@ -410,7 +495,23 @@ def main(argv=None) -> None:
     p.add_argument("--skip-quantize-pack", action="store_true")
     p.add_argument("--quantize-pack-only", action="store_true",
                    help="only the quantize_pack table (no attention shapes)")
+    p.add_argument("--rerender", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="no measuring: re-derive these tables' FP16 flash rows' TB/s and "
+                        "fraction of copy bandwidth from their recorded medians (tables written "
+                        "before 5385329 divided by the eager median alone) and rewrite their "
+                        "JSON and Markdown, with a note saying so")
     args = p.parse_args(argv)
+    if args.rerender:
+        date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+        for path in args.rerender:
+            try:
+                changed = rerender(path, f"python benchmarks/decode_attention.py --rerender "
+                                         f"{shlex.quote(path.as_posix())}", date)
+            except (OSError, ValueError) as e:
+                print(f"{path}: left as it is: {e}", flush=True)
+                continue
+            print(f"{path}: {len(changed)} FP16 flash rows re-derived", flush=True)
+        return
     env = environment()
     bw = copy_bandwidth()
     print(f"{env['gpu']}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -503,15 +604,7 @@ def main(argv=None) -> None:
                      "rows are SDPA without a cap (SDPA has none; a capped FP16 flash kernel "
                      "reads the same bytes), so they stand for FP16's cost; rel_err against the "
                      "capped reference")
-    cols = [("model", "model"), ("batch", "B"), ("context", "context"),
-            *([("q_rows", "q rows")] if args.q_rows > 1 else []), ("q_heads", "Hq"),
-            ("kv_heads", "Hkv"), ("head_dim", "D"), ("preset", "preset"),
-            ("provider", "provider"), ("us", "median µs"), ("speedup", "speedup vs FP16"),
-            ("speedup_best", "vs best SDPA"),
-            ("us_graph", "CUDA-graph µs"), ("speedup_graph", "graph speedup"),
-            ("host_us", "host µs/call"),
-            ("bytes", "bytes moved"), ("tbps", "TB/s"), ("frac_bw", "of copy bw"),
-            ("rel_err", "rel err")]
+    cols = table_columns(args.q_rows)
     name = args.name or ("decode_attention_quick" if args.quick else "decode_attention")
     kept = []
     if args.merge:
