@@ -174,3 +174,59 @@ def test_offline_key_scales_drop_the_per_group_key_pair():
     assert grp.body_bytes_per_token - off.body_bytes_per_token == layers * heads * 4 * D / G
     assert off.fixed_fp16_tokens == grp.fixed_fp16_tokens + 1
     assert off.total_bytes < grp.total_bytes
+
+
+def _cut_gemma3():
+    """A Gemma3 text config cut to 3 layers by setting num_hidden_layers (as for a small test
+    model): its layer_types keeps all 8 entries, 7 of them sliding."""
+    from transformers import Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(num_hidden_layers=8, sliding_window=16, hidden_size=64,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    cfg.num_hidden_layers = 3
+    return cfg
+
+
+def _configs():
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
+
+    small = {"hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
+             "head_dim": 32}
+    return {
+        "gemma3 cut to 3 layers": _cut_gemma3(),
+        "gemma3 (5 sliding, 1 full)": Gemma3TextConfig(num_hidden_layers=6, sliding_window=16,
+                                                       **small),
+        "layer_types full, sliding, full": Gemma3TextConfig(
+            num_hidden_layers=3, sliding_window=16,
+            layer_types=["full_attention", "sliding_attention", "full_attention"], **small),
+        "qwen2 sliding from layer 2": Qwen2Config(num_hidden_layers=4, use_sliding_window=True,
+                                                  sliding_window=16, max_window_layers=2,
+                                                  **small),
+        "mistral (every layer slides)": MistralConfig(num_hidden_layers=2, sliding_window=16,
+                                                      **small),
+        "llama (no window)": LlamaConfig(num_hidden_layers=2, **small),
+    }
+
+
+@pytest.mark.parametrize("name", list(_configs()))
+@pytest.mark.parametrize("tokens", [1, 15, 16, 40])
+def test_fp16_cache_bytes_are_what_a_dynamic_cache_holds(name, tokens):
+    """fp16_cache_bytes (the FP16 figure of ppl, bench and memory) against a filled FP16
+    DynamicCache, layer by layer. It counted the sliding layers over the whole layer_types
+    list: the Gemma3 config cut to 3 layers (7 of its 8 types sliding) gave 7 sliding layers
+    of 3 (-7,040 bytes at 40 tokens; right only below the window), where DynamicCache builds
+    the first 3; kv_memory's fp16_total_bytes likewise."""
+    from transformers import DynamicCache
+
+    from kvbits.eval.memory import fp16_cache_bytes
+    from kvbits.eval.perplexity import cache_nbytes
+
+    cfg = _configs()[name]
+    cache = DynamicCache(config=cfg)
+    kv = torch.zeros(1, 1, tokens, 32, dtype=torch.float16)
+    for i in range(cfg.num_hidden_layers):
+        cache.update(kv, kv, i)
+    assert len(cache.layers) == cfg.num_hidden_layers
+    want = cache_nbytes(cache)
+    assert fp16_cache_bytes(cfg, tokens) == want
+    assert kv_memory(cfg, "fp16", context=tokens).fp16_total_bytes == want

@@ -106,7 +106,8 @@ def kv_shape(config) -> KVShape:
             raise ValueError(f"config {type(config).__name__}: {what} is {n}; a KV cache needs "
                              "at least one layer, head and channel")
     name = getattr(config, "_name_or_path", "") or getattr(config, "model_type", "config")
-    types = list(getattr(config, "layer_types", None) or [])
+    # (the model's layers: a config whose num_hidden_layers was lowered keeps its longer list)
+    types = list(getattr(config, "layer_types", None) or [])[:layers]
     window = getattr(config, "sliding_window", None)
     n_sliding = sum(t == "sliding_attention" for t in types) if types else (
         layers if window and getattr(config, "use_sliding_window", True) else 0)
@@ -199,7 +200,7 @@ def kv_memory(config, preset: str | QuantSpec = "kivi-2", context: int = 4096, b
         head_dim=shape.head_dim, fp16_bytes_per_token=fp_tok, body_bytes_per_token=body_tok,
         fixed_fp16_tokens=fixed, fixed_fp16_bytes=fixed * fp_tok, context=context, batch=batch,
         total_bytes=batch * seq_bytes(context),
-        fp16_total_bytes=batch * _fp16_sequence_bytes(context, fp_tok, shape), compression=0.0,
+        fp16_total_bytes=batch * fp16_cache_bytes(shape, context), compression=0.0,
         gpu_memory=gpu_memory, weights_bytes=weights_bytes)
     report.compression = report.fp16_total_bytes / report.total_bytes if report.total_bytes else 1.0
     if gpu_memory is not None:
@@ -234,19 +235,22 @@ def sliding_hold(window: int, spec: QuantSpec) -> int:
 
 
 def fp16_cache_bytes(config, tokens: int) -> int:
-    """One sequence of ``tokens`` in an FP16 ``DynamicCache`` of model ``config``: the sliding
-    layers keep ``window - 1`` tokens."""
+    """One sequence of ``tokens`` in an FP16 ``DynamicCache`` of model ``config`` (a name of
+    :data:`NAMED_CONFIGS`, a :class:`KVShape` or a transformers config), layer by layer: a
+    sliding-window layer keeps at most ``window - 1`` tokens, a full one all of them. A config's
+    layers are those :func:`kvbits.integrations.hf.layer_windows` reads (as a ``KVBitsCache``
+    builds them: ``layer_types`` up to ``num_hidden_layers``, else ``sliding_window`` for all)."""
     shape = kv_shape(config)
-    fp_tok = shape.layers * shape.kv_heads * fp_bytes_per_token(shape.head_dim)
-    return _fp16_sequence_bytes(tokens, fp_tok, shape)
+    if isinstance(config, (str, KVShape)):
+        windows = [shape.window] * shape.sliding_layers + \
+            [None] * (shape.layers - shape.sliding_layers)
+    else:
+        from ..integrations.hf import layer_windows
 
-
-def _fp16_sequence_bytes(tokens: int, fp_tok: int, shape: KVShape) -> int:
-    """One sequence in transformers' ``DynamicCache``: sliding layers keep ``window - 1``."""
-    per_layer = fp_tok // shape.layers
-    full = shape.layers - shape.sliding_layers
-    return tokens * full * per_layer + min(tokens, max(shape.window - 1, 0)) * \
-        shape.sliding_layers * per_layer
+        windows = layer_windows(config.get_text_config(decoder=True)
+                                if hasattr(config, "get_text_config") else config)
+    held = sum(tokens if w is None else min(tokens, max(w - 1, 0)) for w in windows)
+    return held * shape.kv_heads * fp_bytes_per_token(shape.head_dim)
 
 
 def _sequence_bytes(tokens: int, fp_tok: int, body_tok: float, fixed: int,

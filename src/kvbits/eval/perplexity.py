@@ -180,17 +180,12 @@ def _progress(total: int, enabled: bool, desc: str | None):
 
 
 def _cache_sizes(cache, model, tokens: int) -> dict:
-    """Bytes held by ``cache`` (see :func:`cache_nbytes`) and by an FP16 DynamicCache, which
-    keeps ``window - 1`` tokens in a sliding-window layer."""
-    from ..integrations.hf import layer_windows
-    from .memory import kv_shape
+    """Bytes held by ``cache`` (see :func:`cache_nbytes`) and by an FP16 DynamicCache
+    (:func:`kvbits.eval.memory.fp16_cache_bytes`: ``window - 1`` tokens in a sliding layer)."""
+    from .memory import fp16_cache_bytes
 
-    shape = kv_shape(model.config)
-    held = sum(tokens if w is None else min(tokens, w - 1)
-               for w in layer_windows(model.config.get_text_config(decoder=True)))
-    fp16 = held * shape.kv_heads * 2 * shape.head_dim * 2
     return {"cache_bytes": cache_nbytes(cache), "cache_bytes_fp16": cache_nbytes(cache, fp16=True),
-            "fp16_cache_bytes": fp16}
+            "fp16_cache_bytes": fp16_cache_bytes(model.config, tokens)}
 
 
 def cache_nbytes(cache, fp16: bool = False) -> int:
