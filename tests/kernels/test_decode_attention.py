@@ -1564,9 +1564,15 @@ TMA_TOKEN_CASES = [("token", body_case(4, 64, 128, 4, 101)),
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("fold", ["1", "0"])
 @pytest.mark.parametrize("key_axis,c", TMA_TOKEN_CASES, ids=[f"{a}-{c}" for a, c in TMA_TOKEN_CASES])
-def test_gluon_tma_token_scales_match_reference(key_axis, c, monkeypatch):
+def test_gluon_tma_token_scales_match_reference(key_axis, c, fold, monkeypatch):
+    """``fold``: per-token key scales folded out of the key operands (``KEY_FOLD``) or
+    dequantized in them."""
     from kvbits.kernels import decode_gluon, decode_gluon_tma
+    if key_axis == "channel" and fold == "0":
+        pytest.skip("the fold concerns per-token key scales only")
+    monkeypatch.setattr(decode_gluon_tma, "KEY_FOLD", fold)
     kv = _axes_kv(c, key_axis, "token", spare=8)
     k_tok = key_axis == "token"
     assert kv.value_group == 64 and decode_gluon_tma.eligible(kv, k_tok), str(c)

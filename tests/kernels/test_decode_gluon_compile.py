@@ -175,7 +175,8 @@ for cx in json.loads(sys.argv[1]):
     ptx = c.asm["ptx"]
     out.append({"mma": "mma.sync" in ptx, "tma": ptx.count("cp.async.bulk.tensor"),
                 "shfl": ptx.count("shfl.sync"), "st_shared": ptx.count("st.shared"),
-                "shared": c.metadata.shared, "pdl": ptx.count("griddepcontrol.launch_dependents")})
+                "shared": c.metadata.shared, "pdl": ptx.count("griddepcontrol.launch_dependents"),
+                "hfma2": ptx.count("fma.rn.f16x2")})
 print(json.dumps(out))
 '''
 
@@ -195,6 +196,11 @@ TMA_CONFIGS = [  # 2 bits, 3 stages, GQA 4, device lengths; 4 bits, 2 stages, 16
     # the uniform method: keys and values scaled per token over 64 channels
     {"HG": 4, "HP": 8, "D": 128, "BITS": 4, "G": 64, "GV": 64, "HAS_STARTS": True,
      "HAS_LENS": True, "LENS_DEV": True, "NS": 2, "K_TOK": True, "PDL": True},
+    # ... with the per-token key scales folded out of the key operands (KEY_FOLD), 2 and 4 bits
+    {"HG": 4, "HP": 8, "D": 128, "BITS": 4, "G": 64, "GV": 64, "HAS_STARTS": True,
+     "HAS_LENS": True, "LENS_DEV": True, "NS": 2, "K_TOK": True, "KFOLD": True},
+    {"HG": 16, "HP": 16, "D": 128, "BITS": 2, "G": 64, "GV": 64, "HAS_STARTS": True,
+     "HAS_LENS": False, "LENS_DEV": False, "NS": 3, "K_TOK": True, "KFOLD": True, "LQ": 2},
     # StarCoder's 48 heads on one KV head (three blocks of 16); 4 heads x 5 rows (two blocks)
     {"HG": 48, "HP": 16, "D": 128, "BITS": 2, "G": 32, "GV": 32, "HAS_STARTS": False,
      "HAS_LENS": True, "LENS_DEV": False, "NS": 3, "NQB": 3},
@@ -211,7 +217,8 @@ def test_tma_body_kernel_compiles_for_sm90(compile_sm90):
     from kvbits.kernels import decode_gluon_tma
     if decode_gluon_tma.gluon is None:
         pytest.skip("this Triton has no Gluon TMA")
-    for cx, r in zip(TMA_CONFIGS, compile_sm90(TMA_CHILD, TMA_CONFIGS)):
+    results = compile_sm90(TMA_CHILD, TMA_CONFIGS)
+    for cx, r in zip(TMA_CONFIGS, results):
         SG = 64 // cx["G"]  # key scale rows per step, each once (key_scale_tile)
         key_scales = 64 * 4 if cx.get("K_TOK") else SG * cx["D"] * 2  # or a word per token
         value_scales = 64 * 2 * cx["D"] // cx["GV"]
@@ -220,6 +227,11 @@ def test_tma_body_kernel_compiles_for_sm90(compile_sm90):
         assert r["mma"] and r["tma"] >= 6 and r["shared"] >= ring, (cx, r)
         assert r["shfl"] <= 64 and r["st_shared"] <= 16, (cx, r)
         assert r["pdl"] == int(cx.get("PDL", False)), (cx, r)  # lets the finish kernel start
+    # per-token key scales folded out of the key operands: the keys' half of the float16 FMAs
+    # (two per element pair) is gone, the values' stays
+    tok = {cx.get("KFOLD", False): r["hfma2"] for cx, r in zip(TMA_CONFIGS, results)
+           if cx.get("K_TOK") and cx["BITS"] == 4}
+    assert tok[True] == tok[False] // 2, tok
 
 
 def test_q_reload_rule():

@@ -201,6 +201,66 @@ if gluon is not None:
         return gl.inline_asm_elementwise(_pair_asm(P % NP, BITS), "=r,r,r,r", [u, sc, ze],
                                          dtype=gl.int32, is_pure=True, pack=1)
 
+    @gluon.constexpr_function
+    def _magic_asm(p, bits):
+        """PTX: :func:`_pair_asm`'s mask alone, the ``half2`` ``1024 + code * 2^(bits p)``
+        with no FMA (the scale folded out of the operand, :func:`_magic_codes`)."""
+        p = int(p)
+        bits = int(bits)
+        sh = bits * p
+        cmax = (1 << bits) - 1
+        return f"lop3.b32 $0, $1, {hex((cmax << sh) | (cmax << (sh + 16)))}, 0x64006400, 0xea;"
+
+    @gluon.jit
+    def _magic_codes(u, P: gl.constexpr, BITS: gl.constexpr):
+        """``half2`` (as int32) ``1024 + code * 2^(BITS (P % NP))`` of the codes at slot
+        position P of both halves of ``u``: one ``lop3`` (after :func:`_dequant`'s shift for
+        the positions past ``NP``), exact, and unscaled."""
+        NP: gl.constexpr = _in_place(BITS)
+        if P >= NP:
+            u = u >> (BITS * NP)
+        return gl.inline_asm_elementwise(_magic_asm(P % NP, BITS), "=r,r", [u], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _key_codes_magic(u, BITS: gl.constexpr, DC: gl.constexpr, a_l: gl.constexpr):
+        """The A operand ``[64, DC]`` of a chunk's key codes as :func:`_magic_codes` halves
+        (keys scaled per token, the uniform method: the scale folds out of each row of the
+        scores, :func:`_fold_token_scores`)."""
+        if BITS == 2:
+            k = _join8(_magic_codes(u, 0, 2), _magic_codes(u, 1, 2), _magic_codes(u, 2, 2),
+                       _magic_codes(u, 3, 2), _magic_codes(u, 4, 2), _magic_codes(u, 5, 2),
+                       _magic_codes(u, 6, 2), _magic_codes(u, 7, 2))
+        else:
+            k = _join4(_magic_codes(u, 0, 4), _magic_codes(u, 1, 4), _magic_codes(u, 2, 4),
+                       _magic_codes(u, 3, 4))
+        return _key_tile(k, BITS, DC, a_l)
+
+    @gluon.jit
+    def _magic_row_factor(BITS: gl.constexpr, rows: gl.constexpr):
+        """``2^-(BITS (P % NP))`` of each ``S^T`` row (``[64]`` in the 1-D layout ``rows``):
+        what turns a row of :func:`_key_codes_magic` products back into codes. Row ``n = e +
+        2a + 8h + 16k`` holds slot position ``P = k + 4h`` (2 bits) or ``k`` (4 bits)."""
+        n = gl.arange(0, 64, layout=rows)
+        NP: gl.constexpr = _in_place(BITS)
+        if BITS == 2:
+            p = n // 16 + 4 * ((n // 8) % 2)
+        else:
+            p = n // 16
+        return gl.exp2(-(BITS * (p % NP)).to(gl.float32))
+
+    @gluon.jit
+    def _fold_token_scores(m0, m1, s0, b0, s1, b1, qs0, qs1):
+        """Scores of keys scaled per token over each 64-channel chunk, from the MMAs of the raw
+        :func:`_key_codes_magic` operands: chunk ``c``'s ``m_c[t, h] = sum_d (1024 + code
+        2^(bits p_t)) q_hd``, so its share of ``S^T`` is ``s'_t m_c + b_t qs_c`` with ``s'`` the
+        token's scale times the row's :func:`_magic_row_factor`, ``b = zero - 1024 s'`` and
+        ``qs_c[h] = sum_d q_hd`` (float32 ``[64]`` per row / per column; four FMAs per score).
+        The 1024 terms cancel in float32: what is lost is ~2^-14 of ``s' sum |q|``, against the
+        2^-11 of ``|k|`` that dequantizing to float16 loses."""
+        t = m0 * s0[:, None] + b0[:, None] * qs0[None, :]
+        return t + m1 * s1[:, None] + b1[:, None] * qs1[None, :]
+
     @gluon.jit
     def _key_halves(w, sel):
         """Byte permute of a channel pair's two words (one int64): the half of each word that

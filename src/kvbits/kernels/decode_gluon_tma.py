@@ -64,6 +64,10 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 # 32k kivi-2 166 against 225 us, kivi-4 153 against 225, both host-bound) and the ring faster
 # at 2^23 (B=8 128k kivi-4 374 against 474 us): the threshold stays.
 MODE = env_choice("KVBITS_GLUON_TMA", "auto", ("auto", "0", "1"))
+# KVBITS_GLUON_KEY_FOLD: per-token key scales (the uniform method) folded out of the key
+# operands ("1", the default) or dequantized in them ("0", the register body's way). See
+# "Per-token key scales folded out of the operands" in docs/KERNEL_LOG.md.
+KEY_FOLD = env_choice("KVBITS_GLUON_KEY_FOLD", "1", ("0", "1"))
 EAGER_MIN_WORK = 2**23
 # Ring depth (stages of one step each): 3 at 2 bits (7 KB per stage), 2 at 4 bits (11 KB), so
 # that ~10 one-warp programs per SM fit in shared memory.
@@ -243,6 +247,68 @@ if gluon is not None:
         ze = _words_to_kt(_token_half(kz.load(KTS), c), BITS, G, KT)
         return sc, ze
 
+    @gluon.constexpr_function
+    def _row_axis(bits, G, d):
+        """Axis ``d`` of the permutation that takes per-token words ``[2] * 6`` (token bits
+        5..0) to the rows of ``S^T`` (row bits 5..0: ``k1, k0, h, a1, a0, e`` of ``n = e + 2a +
+        8h + 16k``; 2 bits: word row ``a``, slot ``k + 4h + 8e``; 4 bits: row ``2a + h``, slot
+        ``k + 4e``)."""
+        bits, G, d = (int(getattr(x, "value", x)) for x in (bits, G, d))
+        if bits == 2:
+            order = [("S", 1), ("S", 0), ("S", 2), ("R", 1), ("R", 0), ("S", 3)]
+        else:
+            order = [("S", 1), ("S", 0), ("R", 0), ("R", 2), ("R", 1), ("S", 2)]
+        t = _tbit(*order[d], bits, G)
+        return 5 - int(getattr(t, "value", t))
+
+    @gluon.jit
+    def _token_rows(x, BITS: gl.constexpr, G: gl.constexpr, rows: gl.constexpr):
+        """One half's per-token fp16 ``[16, 4]`` (token order, layout ``KTS``) -> float32
+        ``[64]`` in the order and 1-D layout of ``S^T``'s rows (lanes e, a0, a1 as in ``KTS``:
+        a renaming of registers)."""
+        y = gl.permute(gl.reshape(x, [2, 2, 2, 2, 2, 2]),
+                       (_row_axis(BITS, G, 0), _row_axis(BITS, G, 1), _row_axis(BITS, G, 2),
+                        _row_axis(BITS, G, 3), _row_axis(BITS, G, 4), _row_axis(BITS, G, 5)))
+        return gl.convert_layout(gl.reshape(y, [64]), rows).to(gl.float32)
+
+    @gluon.jit
+    def _smem_token_rows(ks, kz, fr, BITS: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
+                         rows: gl.constexpr):
+        """A stage's per-token key scales and zeros of both channel halves as the per-row
+        ``s' = scale fr`` and ``b = zero - 1024 s'`` (float32, ``fr`` the rows' magic factor)
+        of ``decode_gluon._fold_token_scores``."""
+        KTS: gl.constexpr = _lay("KTS", BITS, D, G)
+        sw = ks.load(KTS)
+        zw = kz.load(KTS)
+        s0 = _token_rows(_token_half(sw, 0), BITS, G, rows) * fr
+        s1 = _token_rows(_token_half(sw, 1), BITS, G, rows) * fr
+        return (s0, _token_rows(_token_half(zw, 0), BITS, G, rows) - 1024.0 * s0,
+                s1, _token_rows(_token_half(zw, 1), BITS, G, rows) - 1024.0 * s1)
+
+    @gluon.jit
+    def _dequant_scores(kc_s, ks_s, kz_s, st, q0, q1, BITS: gl.constexpr, D: gl.constexpr,
+                        G: gl.constexpr, HP: gl.constexpr, DC: gl.constexpr, KW: gl.constexpr,
+                        KT: gl.constexpr, K_TOK: gl.constexpr, a_l: gl.constexpr,
+                        mma: gl.constexpr):
+        """``S^T`` of stage ``st`` from keys dequantized in the operands (scale and zero FMAs
+        per element pair), channel half by channel half."""
+        if K_TOK:
+            u = _smem_key_halves(kc_s.index(2 * st), BITS, D, G, KW)
+            sc, ze = _smem_token_keys(ks_s.index(st), kz_s.index(st), 0, BITS, D, G, KT)
+        else:
+            u, sc, ze = _smem_keys(kc_s.index(2 * st), ks_s.index(st), kz_s.index(st), 0,
+                                   BITS, D, G, KW)
+        k = dg._key_operand_u(u, sc, ze, BITS, DC, KW, a_l, K_TOK)
+        st_ = mma_v2(k, q0, gl.zeros([64, HP], gl.float32, layout=mma))
+        if K_TOK:
+            u = _smem_key_halves(kc_s.index(2 * st + 1), BITS, D, G, KW)
+            sc, ze = _smem_token_keys(ks_s.index(st), kz_s.index(st), 1, BITS, D, G, KT)
+        else:
+            u, sc, ze = _smem_keys(kc_s.index(2 * st + 1), ks_s.index(st), kz_s.index(st),
+                                   DC, BITS, D, G, KW)
+        k = dg._key_operand_u(u, sc, ze, BITS, DC, KW, a_l, K_TOK)
+        return mma_v2(k, q1, st_)
+
     @gluon.jit
     def _words_to_kt(x, BITS: gl.constexpr, G: gl.constexpr, KT: gl.constexpr):
         """One half's per-token fp16 ``[16, 4]`` (token order) -> ``KT``."""
@@ -398,7 +464,7 @@ if gluon is not None:
         GV: gl.constexpr, HAS_STARTS: gl.constexpr, HAS_LENS: gl.constexpr,
         LENS_DEV: gl.constexpr, NS: gl.constexpr, HAS_WINDOW: gl.constexpr = False,
         SOFTCAP: gl.constexpr = False, LQ: gl.constexpr = 1, K_TOK: gl.constexpr = False,
-        PDL: gl.constexpr = False, NQB: gl.constexpr = 1,
+        PDL: gl.constexpr = False, NQB: gl.constexpr = 1, KFOLD: gl.constexpr = False,
     ):
         if PDL:  # the finish kernel may be scheduled now (it waits for this one to merge)
             dg._launch_dependents()
@@ -425,6 +491,10 @@ if gluon is not None:
 
         q0, q1 = dg._query_operands(Q, q_row0, qk_scale, 0, cols, HP, D, DC, b_l, False)
         dn = dg._row_tokens(BITS, W, G, gl.SliceLayout(1, mma))
+        if KFOLD:  # per-token key scales folded out of the key operands (K_TOK only)
+            fr = dg._magic_row_factor(BITS, gl.SliceLayout(1, mma))
+            qs0 = gl.convert_layout(gl.sum(q0.to(gl.float32), axis=0), gl.SliceLayout(0, mma))
+            qs1 = gl.convert_layout(gl.sum(q1.to(gl.float32), axis=0), gl.SliceLayout(0, mma))
 
         n_steps = (body_len + 63) // 64
         s_lo = split * steps_per_split
@@ -465,22 +535,18 @@ if gluon is not None:
                             vc_cap, vs_rows, RS, KR, KC, VR, D)
             mbarrier.wait(bars.index(st), (it // NS) & 1)
             tok0 = s * 64
-            if K_TOK:
+            if KFOLD:
+                zs = gl.zeros([64, HP], gl.float32, layout=mma)
                 u = _smem_key_halves(kc_s.index(2 * st), BITS, D, G, KW)
-                sc, ze = _smem_token_keys(ks_s.index(st), kz_s.index(st), 0, BITS, D, G, KT)
-            else:
-                u, sc, ze = _smem_keys(kc_s.index(2 * st), ks_s.index(st), kz_s.index(st), 0,
-                                       BITS, D, G, KW)
-            k = dg._key_operand_u(u, sc, ze, BITS, DC, KW, a_l, K_TOK)
-            st_ = mma_v2(k, q0, gl.zeros([64, HP], gl.float32, layout=mma))
-            if K_TOK:
+                m0 = mma_v2(dg._key_codes_magic(u, BITS, DC, a_l), q0, zs)
                 u = _smem_key_halves(kc_s.index(2 * st + 1), BITS, D, G, KW)
-                sc, ze = _smem_token_keys(ks_s.index(st), kz_s.index(st), 1, BITS, D, G, KT)
+                m1 = mma_v2(dg._key_codes_magic(u, BITS, DC, a_l), q1, zs)
+                s0, b0, s1, b1 = _smem_token_rows(ks_s.index(st), kz_s.index(st), fr, BITS, D, G,
+                                                  gl.SliceLayout(1, mma))
+                st_ = dg._fold_token_scores(m0, m1, s0, b0, s1, b1, qs0, qs1)
             else:
-                u, sc, ze = _smem_keys(kc_s.index(2 * st + 1), ks_s.index(st), kz_s.index(st),
-                                       DC, BITS, D, G, KW)
-            k = dg._key_operand_u(u, sc, ze, BITS, DC, KW, a_l, K_TOK)
-            st_ = mma_v2(k, q1, st_)
+                st_ = _dequant_scores(kc_s, ks_s, kz_s, st, q0, q1, BITS, D, G, HP, DC, KW, KT,
+                                      K_TOK, a_l, mma)
             if SOFTCAP:  # before the mask: masked rows may hold anything
                 st_ = dg._cap_scores(st_, softcap)
             boundary = (tok0 < first_all) | (tok0 + 64 > end_all)
@@ -739,7 +805,7 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
     keywords = _TMA_KEYWORDS(
         HG, 8 if HG <= 8 else 16, D, bits, kv.group_size, kv.value_group, has_starts, has_lens,
         lens_dev is not None, STAGES[bits], window is not None, softcap is not None, Lq, k_tok,
-        pdl, blocks, 1)
+        pdl, blocks, k_tok and KEY_FOLD == "1", 1)
     grid = (B * Hkv * blocks, splits)
     if extra:
         return _TMA.run(grid, args, {**keywords.kwargs, **extra})
@@ -751,4 +817,4 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
 _TMA = FastLaunch(_body_tma_kernel) if gluon is not None else None
 _TMA_KEYWORDS = keyword_maker(("HG", "HP", "D", "BITS", "G", "GV", "HAS_STARTS", "HAS_LENS",
                                "LENS_DEV", "NS", "HAS_WINDOW", "SOFTCAP", "LQ", "K_TOK", "PDL",
-                               "NQB", "num_warps"))
+                               "NQB", "KFOLD", "num_warps"))
