@@ -2,8 +2,10 @@
 the TMA ring (``decode_gluon_tma``) against the register body (``decode_gluon``), body kernel
 alone, alternated in one process, CUDA-graph time (median of ``do_bench_cudagraph``, best of
 three rounds each), on the long Llama rows; the two partial outputs' relative difference.
+With ``--key-fold``: the ring with the per-token key scales folded out of the key operands
+(``decode_gluon_tma.KEY_FOLD`` "1") against dequantizing them there ("0"), session 55.
 
-    PYTHONPATH=src python3 benchmarks/probes/tma_uniform_ab.py [B:Hq:Hkv:T:preset,...]
+    PYTHONPATH=src python3 benchmarks/probes/tma_uniform_ab.py [--key-fold] [B:Hq:Hkv:T:preset,...]
 """
 import sys
 from pathlib import Path
@@ -19,29 +21,48 @@ from kvbits.kernels import decode_gluon_tma as dt
 ROWS = [(8, 32, 8, 32768, "uniform-int4"), (8, 32, 8, 131072, "uniform-int4"),
         (8, 32, 32, 32768, "uniform-int4"), (8, 32, 8, 32768, "uniform-int2"),
         (8, 32, 8, 131072, "uniform-int2"), (1, 32, 8, 131072, "uniform-int4")]
+FOLD_ROWS = [(8, 32, 8, 32768, "uniform-int4"), (8, 32, 8, 131072, "uniform-int4"),
+             (8, 32, 32, 32768, "uniform-int4"), (32, 32, 8, 32768, "uniform-int4"),
+             (1, 32, 8, 131072, "uniform-int4"), (8, 32, 8, 32768, "uniform-int2"),
+             (8, 32, 8, 131072, "uniform-int2"), (8, 32, 32, 32768, "uniform-int2")]
 
 
-def with_mode(mode):
-    """The register body (``decode_gluon_tma.MODE`` "0") or the ring ("1")."""
+def variant(mode, fold="1"):
+    """The register body (``decode_gluon_tma.MODE`` "0") or the ring ("1"), with the key fold
+    on or off (``KEY_FOLD``)."""
     def fn(*args):
         dt.MODE = mode
+        dt.KEY_FOLD = fold
         attend_body_fn(dg)(*args)
     return fn
 
 
 def main():
+    args = sys.argv[1:]
+    fold = "--key-fold" in args
+    args = [a for a in args if a != "--key-fold"]
+    if fold:
+        names = ("dequantized", "folded")
+        variants = {"0": variant("1", "0"), "1": variant("1", "1")}
+        what = ("TMA ring, per-token key scales dequantized in the operands (0) vs folded out "
+                "of them (1)")
+    else:
+        names = ("register body", "TMA ring")
+        variants = {"0": variant("0"), "1": variant("1")}
+        what = "register body vs TMA ring"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"# {torch.cuda.get_device_name()}: register body vs TMA ring, CUDA-graph us (best of "
-          "3 medians); (+x%): the ring faster")
-    for row in parse_rows(sys.argv[1] if len(sys.argv) > 1 else None, ROWS):
-        kv, splits, us, outs = body_variants_ab(row, {"0": with_mode("0"), "1": with_mode("1")},
-                                                sms)
+    print(f"# {torch.cuda.get_device_name()}: {what}, CUDA-graph us (best of 3 medians); (+x%): "
+          f"the {names[1]} faster")
+    for row in parse_rows(args[0] if args else None, FOLD_ROWS if fold else ROWS):
+        kv, splits, us, outs = body_variants_ab(row, variants, sms)
         a, b = us["0"], us["1"]
-        err = ((outs["1"][0] - outs["0"][0]).norm() / outs["0"][0].norm()).item()
+        (o0, l0), (o1, l1) = outs["0"], outs["1"]
+        err = ((o1 - o0).norm() / o0.norm()).item()
         B, hq, hkv, T, preset = row
         print(f"B={B} Hq={hq} Hkv={hkv} T={T} {preset} splits={splits} ring eligible="
-              f"{dt.eligible(kv, kv.key_axis == 'token')}: register body {a:.1f} us, TMA ring "
-              f"{b:.1f} us ({(a / b - 1) * 100:+.1f}%), partials rel diff {err:.1e}", flush=True)
+              f"{dt.eligible(kv, kv.key_axis == 'token')}: {names[0]} {a:.1f} us, {names[1]} "
+              f"{b:.1f} us ({(a / b - 1) * 100:+.1f}%), partials rel diff {err:.1e}, lse max diff "
+              f"{(l1 - l0).abs().max().item():.1e}", flush=True)
 
 
 if __name__ == "__main__":

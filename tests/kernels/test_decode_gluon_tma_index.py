@@ -70,7 +70,7 @@ def value_scales_smem(bits, G, c):
     t = np.arange(64)
     flat = np.stack([t * 10, t * 10 + 1], axis=1).reshape(32, 4)  # id = token * 10 + word
     x = flat.reshape(32, 2, 2)[..., c]  # the chunk's word: [32, 2] (token bits 5..1, 0)
-    order = [int(dt._vs_axis(bits, G, d)) for d in range(6)]
+    order = [int(dt._token_axis("VS", bits, G, d)) for d in range(6)]
     y = x.reshape([2] * 6).transpose(order)
     y = y.reshape(4, 2, 2, 2, 2) if bits == 2 else y.reshape(2, 4, 2, 2, 2)
     return y[None]
@@ -133,8 +133,8 @@ def test_token_scale_reads_match_the_register_body(bits, c):
     # KT: [A, E, I0, I1, I2] (2 bits) / [H, A, E, K0, K1]; VS: [A, I0, I1, I2, E] / [H, A, K0, K1, E]
     kt_fields = ("a", "e", "k0", "k1", "h") if bits == 2 else ("h", "a", "e", "k0", "k1")
     vs_fields = ("a", "k0", "k1", "h", "e") if bits == 2 else ("h", "a", "k0", "k1", "e")
-    for name, axis, fields in (("KT", dt._kt_axis, kt_fields), ("VS", dt._vs_axis, vs_fields)):
-        y = x.reshape([2] * 6).transpose([int(axis(bits, G, d)) for d in range(6)])
+    for name, fields in (("KT", kt_fields), ("VS", vs_fields)):
+        y = x.reshape([2] * 6).transpose([int(dt._token_axis(name, bits, G, d)) for d in range(6)])
         y = y.reshape(4, 2, 2, 2, 2) if bits == 2 else y.reshape(2, 4, 2, 2, 2)
         for idx in np.ndindex(y.shape):
             f = dict(zip(fields, idx))
@@ -143,6 +143,18 @@ def test_token_scale_reads_match_the_register_body(bits, c):
             else:  # word row 2a + h, slot k + 4e
                 t = tok(2 * f["a"] + f["h"], f["k0"] + 2 * f["k1"] + 4 * f["e"], W, G)
             assert y[idx] == t * 10 + c, (name, idx)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("G", [16, 32, 64])
+def test_token_words_reach_the_score_rows_in_their_token_order(bits, G):
+    """Per-token words permuted to the rows of ``S^T`` (``_token_rows``, the folded per-token
+    key scales) give row ``n`` the word of token ``decode_gluon.token_order(bits, G)[n]``."""
+    from kvbits.kernels import decode_gluon as dg
+
+    x = np.arange(64).reshape(16, 4)  # token t's word holds t
+    rows = x.reshape([2] * 6).transpose([int(dt._token_axis("ROW", bits, G, d)) for d in range(6)])
+    assert rows.reshape(64).tolist() == [int(t) for t in dg.token_order(bits, G)]
 
 
 def _bank_conflicts(layout, tile, swizzle: bool) -> int:

@@ -198,31 +198,28 @@ if gluon is not None:
     def _lay(name, bits, D, G):
         return _smem_layouts(bits, D, G)[getattr(name, "value", name)]
 
-    @gluon.constexpr_function
-    def _vs_axis(bits, G, d):
-        """Axis ``d`` of the permutation that takes a value-scale word ``[2] * 6`` (token bits
-        5..0) to the order of ``decode_gluon``'s ``VS`` layout: ``[a1, a0, i0, i1, i2, e]`` (2
-        bits) or ``[h, a1, a0, k0, k1, e]`` (4 bits)."""
-        bits, G, d = (int(getattr(x, "value", x)) for x in (bits, G, d))
-        if bits == 2:
-            order = [("R", 1), ("R", 0), ("S", 0), ("S", 1), ("S", 2), ("S", 3)]
-        else:
-            order = [("R", 0), ("R", 2), ("R", 1), ("S", 0), ("S", 1), ("S", 2)]
-        kind, i = order[d]
-        t = _tbit(kind, i, bits, G)
-        return 5 - int(getattr(t, "value", t))
+    # Per-token words of a stage viewed as [2] * 6 (token bits 5..0), permuted to the order of a
+    # register tensor: which word-row (R) or slot (S) bit of the token order each axis holds, at
+    # 2 / 4 bits. KT: decode_gluon's per-token key scales, [a1, a0, e, i0, i1, i2] (2 bits) or
+    # [h, a1, a0, e, k0, k1] (4 bits); VS: its value scales, [a1, a0, i0, i1, i2, e] or [h, a1,
+    # a0, k0, k1, e]; ROW: the rows of S^T, k1, k0, h, a1, a0, e of n = e + 2a + 8h + 16k (2
+    # bits: word row a, slot k + 4h + 8e; 4 bits: row 2a + h, slot k + 4e).
+    _TOKEN_ORDERS = {
+        "KT": {2: [("R", 1), ("R", 0), ("S", 3), ("S", 0), ("S", 1), ("S", 2)],
+               4: [("R", 0), ("R", 2), ("R", 1), ("S", 2), ("S", 0), ("S", 1)]},
+        "VS": {2: [("R", 1), ("R", 0), ("S", 0), ("S", 1), ("S", 2), ("S", 3)],
+               4: [("R", 0), ("R", 2), ("R", 1), ("S", 0), ("S", 1), ("S", 2)]},
+        "ROW": {2: [("S", 1), ("S", 0), ("S", 2), ("R", 1), ("R", 0), ("S", 3)],
+                4: [("S", 1), ("S", 0), ("R", 0), ("R", 2), ("R", 1), ("S", 2)]},
+    }
 
     @gluon.constexpr_function
-    def _kt_axis(bits, G, d):
-        """Axis ``d`` of the permutation that takes per-token words ``[2] * 6`` (token bits 5..0)
-        to the order of ``decode_gluon``'s ``KT`` layout: ``[a1, a0, e, i0, i1, i2]`` (2 bits) or
-        ``[h, a1, a0, e, k0, k1]`` (4 bits)."""
+    def _token_axis(order, bits, G, d):
+        """Axis ``d`` of the permutation that takes per-token words ``[2] * 6`` (token bits
+        5..0) to the order ``order`` of ``_TOKEN_ORDERS``."""
+        order = getattr(order, "value", order)
         bits, G, d = (int(getattr(x, "value", x)) for x in (bits, G, d))
-        if bits == 2:
-            order = [("R", 1), ("R", 0), ("S", 3), ("S", 0), ("S", 1), ("S", 2)]
-        else:
-            order = [("R", 0), ("R", 2), ("R", 1), ("S", 2), ("S", 0), ("S", 1)]
-        t = _tbit(*order[d], bits, G)
+        t = _tbit(*_TOKEN_ORDERS[order][bits][d], bits, G)
         return 5 - int(getattr(t, "value", t))
 
     @gluon.jit
@@ -247,29 +244,27 @@ if gluon is not None:
         ze = _words_to_kt(_token_half(kz.load(KTS), c), BITS, G, KT)
         return sc, ze
 
-    @gluon.constexpr_function
-    def _row_axis(bits, G, d):
-        """Axis ``d`` of the permutation that takes per-token words ``[2] * 6`` (token bits
-        5..0) to the rows of ``S^T`` (row bits 5..0: ``k1, k0, h, a1, a0, e`` of ``n = e + 2a +
-        8h + 16k``; 2 bits: word row ``a``, slot ``k + 4h + 8e``; 4 bits: row ``2a + h``, slot
-        ``k + 4e``)."""
-        bits, G, d = (int(getattr(x, "value", x)) for x in (bits, G, d))
-        if bits == 2:
-            order = [("S", 1), ("S", 0), ("S", 2), ("R", 1), ("R", 0), ("S", 3)]
-        else:
-            order = [("S", 1), ("S", 0), ("R", 0), ("R", 2), ("R", 1), ("S", 2)]
-        t = _tbit(*order[d], bits, G)
-        return 5 - int(getattr(t, "value", t))
+    @gluon.jit
+    def _tokens_as(x, ORDER: gl.constexpr, BITS: gl.constexpr, G: gl.constexpr):
+        """Per-token words ``[16, 4]`` / ``[32, 2]`` (token order) viewed as ``[2] * 6`` and
+        permuted to the order ``ORDER`` of ``_TOKEN_ORDERS`` (axes: its bits, most significant
+        first)."""
+        # (one constexpr per axis: Triton 3.6's permute takes a tuple, not a constexpr sequence)
+        A0: gl.constexpr = _token_axis(ORDER, BITS, G, 0)
+        A1: gl.constexpr = _token_axis(ORDER, BITS, G, 1)
+        A2: gl.constexpr = _token_axis(ORDER, BITS, G, 2)
+        A3: gl.constexpr = _token_axis(ORDER, BITS, G, 3)
+        A4: gl.constexpr = _token_axis(ORDER, BITS, G, 4)
+        A5: gl.constexpr = _token_axis(ORDER, BITS, G, 5)
+        return gl.permute(gl.reshape(x, [2, 2, 2, 2, 2, 2]), (A0, A1, A2, A3, A4, A5))
 
     @gluon.jit
     def _token_rows(x, BITS: gl.constexpr, G: gl.constexpr, rows: gl.constexpr):
         """One half's per-token fp16 ``[16, 4]`` (token order, layout ``KTS``) -> float32
         ``[64]`` in the order and 1-D layout of ``S^T``'s rows (lanes e, a0, a1 as in ``KTS``:
         a renaming of registers)."""
-        y = gl.permute(gl.reshape(x, [2, 2, 2, 2, 2, 2]),
-                       (_row_axis(BITS, G, 0), _row_axis(BITS, G, 1), _row_axis(BITS, G, 2),
-                        _row_axis(BITS, G, 3), _row_axis(BITS, G, 4), _row_axis(BITS, G, 5)))
-        return gl.convert_layout(gl.reshape(y, [64]), rows).to(gl.float32)
+        y = gl.reshape(_tokens_as(x, "ROW", BITS, G), [64])
+        return gl.convert_layout(y, rows).to(gl.float32)
 
     @gluon.jit
     def _smem_token_rows(ks, kz, fr, BITS: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
@@ -312,9 +307,7 @@ if gluon is not None:
     @gluon.jit
     def _words_to_kt(x, BITS: gl.constexpr, G: gl.constexpr, KT: gl.constexpr):
         """One half's per-token fp16 ``[16, 4]`` (token order) -> ``KT``."""
-        y = gl.permute(gl.reshape(x, [2, 2, 2, 2, 2, 2]),
-                       (_kt_axis(BITS, G, 0), _kt_axis(BITS, G, 1), _kt_axis(BITS, G, 2),
-                        _kt_axis(BITS, G, 3), _kt_axis(BITS, G, 4), _kt_axis(BITS, G, 5)))
+        y = _tokens_as(x, "KT", BITS, G)
         if BITS == 2:
             y = gl.reshape(y, [4, 2, 2, 2, 2])
         else:
@@ -417,13 +410,7 @@ if gluon is not None:
     @gluon.jit
     def _words_to_vs(x, BITS: gl.constexpr, G: gl.constexpr, VS: gl.constexpr):
         """One channel half's scale words ``[32, 2]`` (token bits 5..1, 0) -> ``VS``."""
-        A0: gl.constexpr = _vs_axis(BITS, G, 0)
-        A1: gl.constexpr = _vs_axis(BITS, G, 1)
-        A2: gl.constexpr = _vs_axis(BITS, G, 2)
-        A3: gl.constexpr = _vs_axis(BITS, G, 3)
-        A4: gl.constexpr = _vs_axis(BITS, G, 4)
-        A5: gl.constexpr = _vs_axis(BITS, G, 5)
-        y = gl.permute(gl.reshape(x, [2, 2, 2, 2, 2, 2]), (A0, A1, A2, A3, A4, A5))
+        y = _tokens_as(x, "VS", BITS, G)
         if BITS == 2:
             y = gl.reshape(y, [4, 2, 2, 2, 2])
         else:
