@@ -1564,15 +1564,15 @@ TMA_TOKEN_CASES = [("token", body_case(4, 64, 128, 4, 101)),
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("fold", ["1", "0"])
+@pytest.mark.parametrize("fold", [True, False])
 @pytest.mark.parametrize("key_axis,c", TMA_TOKEN_CASES, ids=[f"{a}-{c}" for a, c in TMA_TOKEN_CASES])
 def test_gluon_tma_token_scales_match_reference(key_axis, c, fold, monkeypatch):
     """``fold``: per-token key scales folded out of the key operands (``KEY_FOLD``) or
     dequantized in them."""
     from kvbits.kernels import decode_gluon, decode_gluon_tma
-    if key_axis == "channel" and fold == "0":
+    if key_axis == "channel" and not fold:
         pytest.skip("the fold concerns per-token key scales only")
-    monkeypatch.setattr(decode_gluon_tma, "KEY_FOLD", fold)
+    monkeypatch.setattr(decode_gluon, "KEY_FOLD", fold)
     kv = _axes_kv(c, key_axis, "token", spare=8)
     k_tok = key_axis == "token"
     assert kv.value_group == 64 and decode_gluon_tma.eligible(kv, k_tok), str(c)
@@ -2117,9 +2117,15 @@ GLUON_TOKEN_KEY_CASES = [
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("c", GLUON_TOKEN_KEY_CASES, ids=str)
-def test_gluon_body_token_keys(c, monkeypatch):
-    """The uniform method's layout (keys and values scaled per token) through the Gluon body."""
+@pytest.mark.parametrize("fold", [True, False])
+def test_gluon_body_token_keys(c, fold, monkeypatch):
+    """The uniform method's layout (keys and values scaled per token) through the Gluon body,
+    the key scales folded out of the key operands (``KEY_FOLD``, head dims 64 and 128) or
+    not."""
     from kvbits.kernels import decode_gluon
+    if not fold and c.D not in (64, 128):
+        pytest.skip("the fold serves two-chunk heads only")
+    monkeypatch.setattr(decode_gluon, "KEY_FOLD", fold)
     monkeypatch.setattr(decode_gluon, "TOKEN_KEYS", True)
     monkeypatch.setattr(decode_gluon, "TOKEN_KEYS_WIDE", True)
     monkeypatch.setattr(decode_gluon, "EXTRA_HEAD_DIMS", True)

@@ -92,6 +92,13 @@ CONFIGS = [
     {**BASE, "D": 80, "G": 64, "GV": 64, "GK": 64, "KBITS": 3, "VBITS": 3, "CB": True,
      "KOUT": 3, "VOUT": 3},
     {**BASE, "HG": 1, "D": 100, "KBITS": 3, "VBITS": 3, "CB": True, "KOUT": 2, "VOUT": 2},
+    # keys per token with their scales folded out of the key operands (KFOLD, KEY_FOLD):
+    # head_dim 64 (two 32-channel chunks of one 64-channel group, 4 bits, 16 heads) and 128
+    # (2 bits, GQA 4, early values)
+    {**BASE, "HG": 16, "HP": 16, "D": 64, "KBITS": 4, "VBITS": 4, "G": 64, "GV": 64,
+     "HAS_LENS": False, "GK": 64, "K_TOK": True, "LENS_DEV": True, "PF_AFTER": False,
+     "EARLY_V": True, "KFOLD": True},
+    {**BASE, "G": 64, "GV": 64, "GK": 64, "K_TOK": True, "EARLY_V": True, "KFOLD": True},
     # keys per token at head_dim 256 (TOKEN_KEYS_WIDE): one 64-channel key group per chunk
     {**BASE, "HG": 2, "D": 256, "KBITS": 4, "VBITS": 4, "G": 64, "GV": 64, "GK": 64,
      "K_TOK": True},

@@ -262,6 +262,17 @@ if gluon is not None:
         return t + m1 * s1[:, None] + b1[:, None] * qs1[None, :]
 
     @gluon.jit
+    def _kt_rows(x, BITS: gl.constexpr, rows: gl.constexpr):
+        """Per-token key scales or zeros in ``KT`` (float16) -> float32 ``[64]`` in the order
+        and 1-D layout ``rows`` of ``S^T``'s rows (the permutation :func:`_key_tile` gives the
+        keys; ``KT``'s lanes e, a0, a1 are the rows' lanes)."""
+        if BITS == 2:  # [a1, a0, e, k0, k1, h] -> [k1, k0, h, a1, a0, e]
+            y = gl.permute(gl.reshape(x, [2, 2, 2, 2, 2, 2]), (4, 3, 5, 0, 1, 2))
+        else:  # [h, a1, a0, e, k0, k1] -> [k1, k0, h, a1, a0, e]
+            y = gl.permute(gl.reshape(x, [2, 2, 2, 2, 2, 2]), (5, 4, 0, 1, 2, 3))
+        return gl.convert_layout(gl.reshape(y, [64]), rows).to(gl.float32)
+
+    @gluon.jit
     def _key_halves(w, sel):
         """Byte permute of a channel pair's two words (one int64): the half of each word that
         holds the thread's slots (``sel`` 0x5410: low halves, 0x7632: high halves)."""
@@ -1493,7 +1504,7 @@ if gluon is not None:
         KOUT: gl.constexpr = 0, VOUT: gl.constexpr = 0, ROPE: gl.constexpr = False,
         HAS_WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False, LQ: gl.constexpr = 1,
         PDL: gl.constexpr = False, ROPE_M: gl.constexpr = False, NQB: gl.constexpr = 1,
-        KFIX: gl.constexpr = False,
+        KFIX: gl.constexpr = False, KFOLD: gl.constexpr = False,
     ):
         if PDL:  # the finish kernel may be scheduled now (it waits for this one to merge)
             _launch_dependents()
@@ -1545,6 +1556,10 @@ if gluon is not None:
         K1: gl.constexpr = _partner_chunk(NCH, ROPE)
 
         q0, q1 = _query_operands(Q, q_row0, qk_scale, 0, cols, HP, D, DC, b_l, HALVES)
+        if KFOLD:  # per-token key scales folded out of the key operands (fold_token_keys)
+            fr = _magic_row_factor(KBITS, gl.SliceLayout(1, mma))
+            qs0 = gl.convert_layout(gl.sum(q0.to(gl.float32), axis=0), gl.SliceLayout(0, mma))
+            qs1 = gl.convert_layout(gl.sum(q1.to(gl.float32), axis=0), gl.SliceLayout(0, mma))
         if NCH >= 3 and not Q_RELOAD:
             q2 = _query_operand(Q, q_row0, qk_scale, 2, cols, HP, D, DC, b_l, HALVES)
         if NCH == 4 and not Q_RELOAD:
@@ -1672,7 +1687,7 @@ if gluon is not None:
             elif CB4:
                 k = _key_operand_cb(_key_halves(kw0, _half_selector(4, DC, KW)), ks0, kz0, klo0,
                                     klo1, khi0, khi1, DC, KW, a_l, klo2, klo3, khi2, khi3, True)
-            else:
+            elif not KFOLD:
                 k = _key_operand(kw0, ks0, kz0, KBITS, DC, KW, a_l, K_TOK, CB2, klo0, khi0)
             if ROPE:  # both halves first: R(j) k against R(p0)^T q (_rope_query)
                 if CB4:
@@ -1721,6 +1736,16 @@ if gluon is not None:
                         sj = gl.load(RopeCS + 64 * H2 + DC + cs_off)
                         st = mma_v2(k * cj - k1 * sj, xa1, st)
                         st = mma_v2(k1 * cj + k * sj, xb1, st)
+            elif KFOLD:
+                zs = gl.zeros([64, HP], gl.float32, layout=mma)
+                sel = _half_selector(KBITS, DC, KW)
+                m0 = mma_v2(_key_codes_magic(_key_halves(kw0, sel), KBITS, DC, a_l), q0, zs)
+                m1 = mma_v2(_key_codes_magic(_key_halves(kw1, sel), KBITS, DC, a_l), q1, zs)
+                rows: gl.constexpr = gl.SliceLayout(1, mma)
+                s0 = _kt_rows(ks0, KBITS, rows) * fr
+                s1 = _kt_rows(ks1, KBITS, rows) * fr
+                st = _fold_token_scores(m0, m1, s0, _kt_rows(kz0, KBITS, rows) - 1024.0 * s0,
+                                        s1, _kt_rows(kz1, KBITS, rows) - 1024.0 * s1, qs0, qs1)
             else:
                 st = mma_v2(k, q0, gl.zeros([64, HP], gl.float32, layout=mma))
                 if KBITS == 3:
@@ -1967,12 +1992,33 @@ MAX_OUTLIERS = 4  # per token, keys or values (one pair of MMAs each)
 # 1.8-7.3% slower than these (more instructions: 5066 per step, 176 bytes of stack) and was
 # dropped. KVBITS_GLUON_ROPE_BLOCKS=0 turns the whole-table turn back on.
 ROPE_BLOCKS = env_switch("KVBITS_GLUON_ROPE_BLOCKS", "1")
+# Keys scaled per token (the uniform method) over whole channel chunks: their codes go into the
+# score MMA as magic-number halves (1024 + code 2^(bits p), one lop3 per pair) and each score row
+# takes s' m + (zero - 1024 s') sum(q) in float32 after it, instead of two float16 FMAs per
+# element pair in the operand (session 55; the TMA ring and this body at head
+# dim 128, two 64-channel chunks). sm_90, ring: 1552 -> 1418 instructions per step at 4 bits;
+# H200, body alone: the ring 3-7% faster (benchmarks/results/tma_key_fold_ab_s55.log), this body
+# 1.4% / 6.0% at 4 / 2 bits (register_key_fold_ab_s55.log). At head_dim 64 (two 32-channel
+# chunks of one group) the compile saves 1.5-3% of the instructions and the H200 measured
+# -2.3% to +1.2%, so it keeps the operands' FMAs there. KVBITS_GLUON_KEY_FOLD=0: off.
+KEY_FOLD = env_switch("KVBITS_GLUON_KEY_FOLD", "1")
+
+
+def fold_token_keys(kv, columns: int) -> bool:
+    """Whether a layer's per-token key scales are folded out of the key operands
+    (``KEY_FOLD``): keys scaled per token (``key_axis == "token"``) at 2 or 4 bits, for
+    programs of at most 8 score columns (query heads x rows per KV head). At 16 columns the
+    float32 epilogue costs twice as much and the sm_90 compiles spill (ring, 4 bits: 32 bytes;
+    register body at head_dim 128: 104) or gain nothing (head_dim 64: 1226 -> 1269
+    instructions per step), so those keep the operands' FMAs."""
+    return (KEY_FOLD and getattr(kv, "key_axis", "channel") == "token"
+            and kv.key_bits in (2, 4) and columns <= 8)
 _BODY = FastLaunch(_body_kernel) if gluon is not None else None  # (kernels.launch)
 # Its keywords, built once per combination (launch.keyword_maker), in this order (+ maxnreg):
 _BODY_NAMES = ("HG", "HP", "D", "KBITS", "VBITS", "G", "GV", "HAS_STARTS", "HAS_LENS", "GK",
                "K_TOK", "LENS_DEV", "PF", "PF_L1", "PF_AFTER", "EARLY_V", "CB", "KOUT", "VOUT",
                "ROPE", "Q_RELOAD", "HAS_WINDOW", "SOFTCAP", "LQ", "PDL", "PF_OUT", "ROPE_M",
-               "NQB", "KFIX", "num_warps")
+               "NQB", "KFIX", "KFOLD", "num_warps")
 _BODY_KEYWORDS = keyword_maker(_BODY_NAMES)
 _BODY_KEYWORDS_MAXNREG = keyword_maker(_BODY_NAMES + ("maxnreg",))
 
@@ -2287,7 +2333,7 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         window is not None, softcap is not None, Lq, pdl,
         PREFETCH_OUTLIERS and (koi is not None or voi is not None),
         ROPE_BLOCKS and inv_freq is not None, blocks, bool(getattr(kv, "key_scales_fixed", False)),
-        1)
+        fold_token_keys(kv, HG) and kcb is None and inv_freq is None and D == 128, 1)
     _BODY.launch((B * Hkv * blocks, splits), (
         q, out, lse, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero,
         starts, lengths, lens_dev if lens_dev is not None else starts,

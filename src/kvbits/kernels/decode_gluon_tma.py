@@ -64,10 +64,6 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 # 32k kivi-2 166 against 225 us, kivi-4 153 against 225, both host-bound) and the ring faster
 # at 2^23 (B=8 128k kivi-4 374 against 474 us): the threshold stays.
 MODE = env_choice("KVBITS_GLUON_TMA", "auto", ("auto", "0", "1"))
-# KVBITS_GLUON_KEY_FOLD: per-token key scales (the uniform method) folded out of the key
-# operands ("1", the default) or dequantized in them ("0", the register body's way). See
-# "Per-token key scales folded out of the operands" in docs/KERNEL_LOG.md.
-KEY_FOLD = env_choice("KVBITS_GLUON_KEY_FOLD", "1", ("0", "1"))
 EAGER_MIN_WORK = 2**23
 # Ring depth (stages of one step each): 3 at 2 bits (7 KB per stage), 2 at 4 bits (11 KB), so
 # that ~10 one-warp programs per SM fit in shared memory.
@@ -792,7 +788,7 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
     keywords = _TMA_KEYWORDS(
         HG, 8 if HG <= 8 else 16, D, bits, kv.group_size, kv.value_group, has_starts, has_lens,
         lens_dev is not None, STAGES[bits], window is not None, softcap is not None, Lq, k_tok,
-        pdl, blocks, k_tok and KEY_FOLD == "1", 1)
+        pdl, blocks, dg.fold_token_keys(kv, HG), 1)
     grid = (B * Hkv * blocks, splits)
     if extra:
         return _TMA.run(grid, args, {**keywords.kwargs, **extra})
