@@ -2013,6 +2013,8 @@ def fold_token_keys(kv, columns: int) -> bool:
     instructions per step), so those keep the operands' FMAs."""
     return (KEY_FOLD and getattr(kv, "key_axis", "channel") == "token"
             and kv.key_bits in (2, 4) and columns <= 8)
+
+
 _BODY = FastLaunch(_body_kernel) if gluon is not None else None  # (kernels.launch)
 # Its keywords, built once per combination (launch.keyword_maker), in this order (+ maxnreg):
 _BODY_NAMES = ("HG", "HP", "D", "KBITS", "VBITS", "G", "GV", "HAS_STARTS", "HAS_LENS", "GK",
