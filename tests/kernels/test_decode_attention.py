@@ -2135,6 +2135,29 @@ def test_gluon_body_token_keys(c, fold, monkeypatch):
     run_case(c, kv=kv)
 
 
+def test_key_fold_selection(monkeypatch):
+    """Which layers fold their per-token key scales out of the key operands (no GPU needed):
+    keys per token at 2 or 4 bits in programs of at most 8 score columns, with the switch on;
+    never keys per channel (KIVI), 3 or 8 bits, 16 columns, or with ``KEY_FOLD`` off."""
+    from types import SimpleNamespace
+
+    from kvbits.kernels import decode_gluon
+
+    def layer(axis, bits):
+        return SimpleNamespace(key_axis=axis, key_bits=bits)
+    monkeypatch.setattr(decode_gluon, "KEY_FOLD", True)
+    assert decode_gluon.fold_token_keys(layer("token", 4), 4)
+    assert decode_gluon.fold_token_keys(layer("token", 2), 8)
+    assert decode_gluon.fold_token_keys(layer("token", 4), 1)
+    assert not decode_gluon.fold_token_keys(layer("token", 4), 16)
+    assert not decode_gluon.fold_token_keys(layer("channel", 2), 4)
+    assert not decode_gluon.fold_token_keys(SimpleNamespace(key_bits=2), 4)  # KIVI's default
+    assert not decode_gluon.fold_token_keys(layer("token", 3), 4)
+    assert not decode_gluon.fold_token_keys(layer("token", 8), 4)
+    monkeypatch.setattr(decode_gluon, "KEY_FOLD", False)
+    assert not decode_gluon.fold_token_keys(layer("token", 4), 4)
+
+
 def test_gluon_padded_head_dims_eligibility(monkeypatch):
     """Which layers at head dims 32 does not divide the Gluon body takes (no GPU needed): the
     presets' KIVI, KVQuant (codebooks; post-RoPE outliers with their switch) and uniform layers
