@@ -1996,7 +1996,7 @@ ROPE_BLOCKS = env_switch("KVBITS_GLUON_ROPE_BLOCKS", "1")
 # score MMA as magic-number halves (1024 + code 2^(bits p), one lop3 per pair) and each score row
 # takes s' m + (zero - 1024 s') sum(q) in float32 after it, instead of two float16 FMAs per
 # element pair in the operand (session 55; the TMA ring and this body at head
-# dim 128, two 64-channel chunks). sm_90, ring: 1552 -> 1418 instructions per step at 4 bits;
+# dim 128, two 64-channel chunks). sm_90, ring: 1764 -> 1630 instructions per step at 4 bits;
 # H200, body alone: the ring 3-7% faster (benchmarks/results/tma_key_fold_ab_s55.log), this body
 # 1.4% / 6.0% at 4 / 2 bits (register_key_fold_ab_s55.log). At head_dim 64 (two 32-channel
 # chunks of one group) the compile saves 1.5-3% of the instructions and the H200 measured
