@@ -2137,8 +2137,9 @@ def test_gluon_body_token_keys(c, fold, monkeypatch):
 
 def test_key_fold_selection(monkeypatch):
     """Which layers fold their per-token key scales out of the key operands (no GPU needed):
-    keys per token at 2 or 4 bits in programs of at most 8 score columns, with the switch on;
-    never keys per channel (KIVI), 3 or 8 bits, 16 columns, or with ``KEY_FOLD`` off."""
+    keys per token at 2 or 4 bits, head_dim 128, in programs of at most 8 score columns, with
+    the switch on; never keys per channel (KIVI), 3 or 8 bits, 16 columns, head_dim 64,
+    codebooks, pre-RoPE keys, or with ``KEY_FOLD`` off."""
     from types import SimpleNamespace
 
     from kvbits.kernels import decode_gluon
@@ -2146,16 +2147,21 @@ def test_key_fold_selection(monkeypatch):
     def layer(axis, bits):
         return SimpleNamespace(key_axis=axis, key_bits=bits)
     monkeypatch.setattr(decode_gluon, "KEY_FOLD", True)
-    assert decode_gluon.fold_token_keys(layer("token", 4), 4)
-    assert decode_gluon.fold_token_keys(layer("token", 2), 8)
-    assert decode_gluon.fold_token_keys(layer("token", 4), 1)
-    assert not decode_gluon.fold_token_keys(layer("token", 4), 16)
-    assert not decode_gluon.fold_token_keys(layer("channel", 2), 4)
-    assert not decode_gluon.fold_token_keys(SimpleNamespace(key_bits=2), 4)  # KIVI's default
-    assert not decode_gluon.fold_token_keys(layer("token", 3), 4)
-    assert not decode_gluon.fold_token_keys(layer("token", 8), 4)
+    assert decode_gluon.fold_token_keys(layer("token", 4), 4, 128)
+    assert decode_gluon.fold_token_keys(layer("token", 2), 8, 128)
+    assert decode_gluon.fold_token_keys(layer("token", 4), 1, 128)
+    assert not decode_gluon.fold_token_keys(layer("token", 4), 16, 128)
+    assert not decode_gluon.fold_token_keys(layer("channel", 2), 4, 128)
+    assert not decode_gluon.fold_token_keys(SimpleNamespace(key_bits=2), 4, 128)  # KIVI's default
+    assert not decode_gluon.fold_token_keys(layer("token", 3), 4, 128)
+    assert not decode_gluon.fold_token_keys(layer("token", 8), 4, 128)
+    assert not decode_gluon.fold_token_keys(layer("token", 4), 4, 64)
+    assert not decode_gluon.fold_token_keys(
+        SimpleNamespace(key_axis="token", key_bits=4, k_codebook=object()), 4, 128)
+    assert not decode_gluon.fold_token_keys(
+        SimpleNamespace(key_axis="token", key_bits=4, rope_inv_freq=object()), 4, 128)
     monkeypatch.setattr(decode_gluon, "KEY_FOLD", False)
-    assert not decode_gluon.fold_token_keys(layer("token", 4), 4)
+    assert not decode_gluon.fold_token_keys(layer("token", 4), 4, 128)
 
 
 def test_gluon_padded_head_dims_eligibility(monkeypatch):

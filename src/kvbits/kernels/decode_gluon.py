@@ -250,14 +250,32 @@ if gluon is not None:
         return gl.exp2(-(BITS * (p % NP)).to(gl.float32))
 
     @gluon.jit
+    def _fold_constants(q0, q1, BITS: gl.constexpr, mma: gl.constexpr):
+        """What :func:`_fold_token_scores` needs of a program, once: the rows' magic factor
+        (:func:`_magic_row_factor`) and the query chunks' sums ``qs_c[h] = sum_d q_hd`` (float32,
+        per ``S^T`` column)."""
+        fr = _magic_row_factor(BITS, gl.SliceLayout(1, mma))
+        qs0 = gl.convert_layout(gl.sum(q0.to(gl.float32), axis=0), gl.SliceLayout(0, mma))
+        qs1 = gl.convert_layout(gl.sum(q1.to(gl.float32), axis=0), gl.SliceLayout(0, mma))
+        return fr, qs0, qs1
+
+    @gluon.jit
+    def _fold_rows(s, z, fr):
+        """A chunk's per-row token scales and zeros (float32 ``[64]``) as
+        :func:`_fold_token_scores` takes them: ``s' = s fr`` (``fr``: the rows' magic factor)
+        and ``b = z - 1024 s'``."""
+        s = s * fr
+        return s, z - 1024.0 * s
+
+    @gluon.jit
     def _fold_token_scores(m0, m1, s0, b0, s1, b1, qs0, qs1):
         """Scores of keys scaled per token over each 64-channel chunk, from the MMAs of the raw
         :func:`_key_codes_magic` operands: chunk ``c``'s ``m_c[t, h] = sum_d (1024 + code
-        2^(bits p_t)) q_hd``, so its share of ``S^T`` is ``s'_t m_c + b_t qs_c`` with ``s'`` the
-        token's scale times the row's :func:`_magic_row_factor`, ``b = zero - 1024 s'`` and
-        ``qs_c[h] = sum_d q_hd`` (float32 ``[64]`` per row / per column; four FMAs per score).
-        The 1024 terms cancel in float32: what is lost is ~2^-14 of ``s' sum |q|``, against the
-        2^-11 of ``|k|`` that dequantizing to float16 loses."""
+        2^(bits p_t)) q_hd``, so its share of ``S^T`` is ``s'_t m_c + b_t qs_c`` with ``s', b``
+        from :func:`_fold_rows` and ``qs_c`` the query chunk's sum (:func:`_fold_constants`;
+        float32 ``[64]`` per row / per column; four FMAs per score). The 1024 terms cancel in
+        float32: what is lost is ~2^-14 of ``s' sum |q|``, against the 2^-11 of ``|k|`` that
+        dequantizing to float16 loses."""
         t = m0 * s0[:, None] + b0[:, None] * qs0[None, :]
         return t + m1 * s1[:, None] + b1[:, None] * qs1[None, :]
 
@@ -1557,9 +1575,7 @@ if gluon is not None:
 
         q0, q1 = _query_operands(Q, q_row0, qk_scale, 0, cols, HP, D, DC, b_l, HALVES)
         if KFOLD:  # per-token key scales folded out of the key operands (fold_token_keys)
-            fr = _magic_row_factor(KBITS, gl.SliceLayout(1, mma))
-            qs0 = gl.convert_layout(gl.sum(q0.to(gl.float32), axis=0), gl.SliceLayout(0, mma))
-            qs1 = gl.convert_layout(gl.sum(q1.to(gl.float32), axis=0), gl.SliceLayout(0, mma))
+            fr, qs0, qs1 = _fold_constants(q0, q1, KBITS, mma)
         if NCH >= 3 and not Q_RELOAD:
             q2 = _query_operand(Q, q_row0, qk_scale, 2, cols, HP, D, DC, b_l, HALVES)
         if NCH == 4 and not Q_RELOAD:
@@ -1742,10 +1758,9 @@ if gluon is not None:
                 m0 = mma_v2(_key_codes_magic(_key_halves(kw0, sel), KBITS, DC, a_l), q0, zs)
                 m1 = mma_v2(_key_codes_magic(_key_halves(kw1, sel), KBITS, DC, a_l), q1, zs)
                 rows: gl.constexpr = gl.SliceLayout(1, mma)
-                s0 = _kt_rows(ks0, KBITS, rows) * fr
-                s1 = _kt_rows(ks1, KBITS, rows) * fr
-                st = _fold_token_scores(m0, m1, s0, _kt_rows(kz0, KBITS, rows) - 1024.0 * s0,
-                                        s1, _kt_rows(kz1, KBITS, rows) - 1024.0 * s1, qs0, qs1)
+                s0, b0 = _fold_rows(_kt_rows(ks0, KBITS, rows), _kt_rows(kz0, KBITS, rows), fr)
+                s1, b1 = _fold_rows(_kt_rows(ks1, KBITS, rows), _kt_rows(kz1, KBITS, rows), fr)
+                st = _fold_token_scores(m0, m1, s0, b0, s1, b1, qs0, qs1)
             else:
                 st = mma_v2(k, q0, gl.zeros([64, HP], gl.float32, layout=mma))
                 if KBITS == 3:
@@ -2004,15 +2019,18 @@ ROPE_BLOCKS = env_switch("KVBITS_GLUON_ROPE_BLOCKS", "1")
 KEY_FOLD = env_switch("KVBITS_GLUON_KEY_FOLD", "1")
 
 
-def fold_token_keys(kv, columns: int) -> bool:
+def fold_token_keys(kv, columns: int, head_dim: int) -> bool:
     """Whether a layer's per-token key scales are folded out of the key operands
-    (``KEY_FOLD``): keys scaled per token (``key_axis == "token"``) at 2 or 4 bits, for
-    programs of at most 8 score columns (query heads x rows per KV head). At 16 columns the
-    float32 epilogue costs twice as much and the sm_90 compiles spill (ring, 4 bits: 32 bytes;
-    register body at head_dim 128: 104) or gain nothing (head_dim 64: 1226 -> 1269
-    instructions per step), so those keep the operands' FMAs."""
+    (``KEY_FOLD``): keys scaled per token (``key_axis == "token"``) at 2 or 4 bits, without
+    codebooks or pre-RoPE keys, at head_dim 128 (two 64-channel chunks; at 64 the H200 measured
+    no gain), for programs of at most 8 score columns (query heads x rows per KV head). At 16
+    columns the float32 epilogue costs twice as much and the sm_90 compiles spill (ring, 4 bits:
+    32 bytes; register body: 104) or gain nothing (head_dim 64: 1226 -> 1269 instructions per
+    step), so those keep the operands' FMAs."""
     return (KEY_FOLD and getattr(kv, "key_axis", "channel") == "token"
-            and kv.key_bits in (2, 4) and columns <= 8)
+            and kv.key_bits in (2, 4) and columns <= 8 and head_dim == 128
+            and getattr(kv, "k_codebook", None) is None
+            and getattr(kv, "rope_inv_freq", None) is None)
 
 
 _BODY = FastLaunch(_body_kernel) if gluon is not None else None  # (kernels.launch)
@@ -2335,7 +2353,7 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
         window is not None, softcap is not None, Lq, pdl,
         PREFETCH_OUTLIERS and (koi is not None or voi is not None),
         ROPE_BLOCKS and inv_freq is not None, blocks, bool(getattr(kv, "key_scales_fixed", False)),
-        fold_token_keys(kv, HG) and kcb is None and inv_freq is None and D == 128, 1)
+        fold_token_keys(kv, HG, D), 1)
     _BODY.launch((B * Hkv * blocks, splits), (
         q, out, lse, kv.k_codes, kv.k_scale, kv.k_zero, kv.v_codes, kv.v_scale, kv.v_zero,
         starts, lengths, lens_dev if lens_dev is not None else starts,

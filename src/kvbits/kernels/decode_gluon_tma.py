@@ -265,16 +265,16 @@ if gluon is not None:
     @gluon.jit
     def _smem_token_rows(ks, kz, fr, BITS: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
                          rows: gl.constexpr):
-        """A stage's per-token key scales and zeros of both channel halves as the per-row
-        ``s' = scale fr`` and ``b = zero - 1024 s'`` (float32, ``fr`` the rows' magic factor)
-        of ``decode_gluon._fold_token_scores``."""
+        """A stage's per-token key scales and zeros of both channel halves per ``S^T`` row, as
+        ``decode_gluon._fold_rows`` makes them for ``_fold_token_scores``: ``s0, b0, s1, b1``."""
         KTS: gl.constexpr = _lay("KTS", BITS, D, G)
         sw = ks.load(KTS)
         zw = kz.load(KTS)
-        s0 = _token_rows(_token_half(sw, 0), BITS, G, rows) * fr
-        s1 = _token_rows(_token_half(sw, 1), BITS, G, rows) * fr
-        return (s0, _token_rows(_token_half(zw, 0), BITS, G, rows) - 1024.0 * s0,
-                s1, _token_rows(_token_half(zw, 1), BITS, G, rows) - 1024.0 * s1)
+        s0, b0 = dg._fold_rows(_token_rows(_token_half(sw, 0), BITS, G, rows),
+                               _token_rows(_token_half(zw, 0), BITS, G, rows), fr)
+        s1, b1 = dg._fold_rows(_token_rows(_token_half(sw, 1), BITS, G, rows),
+                               _token_rows(_token_half(zw, 1), BITS, G, rows), fr)
+        return s0, b0, s1, b1
 
     @gluon.jit
     def _dequant_scores(kc_s, ks_s, kz_s, st, q0, q1, BITS: gl.constexpr, D: gl.constexpr,
@@ -475,9 +475,7 @@ if gluon is not None:
         q0, q1 = dg._query_operands(Q, q_row0, qk_scale, 0, cols, HP, D, DC, b_l, False)
         dn = dg._row_tokens(BITS, W, G, gl.SliceLayout(1, mma))
         if KFOLD:  # per-token key scales folded out of the key operands (K_TOK only)
-            fr = dg._magic_row_factor(BITS, gl.SliceLayout(1, mma))
-            qs0 = gl.convert_layout(gl.sum(q0.to(gl.float32), axis=0), gl.SliceLayout(0, mma))
-            qs1 = gl.convert_layout(gl.sum(q1.to(gl.float32), axis=0), gl.SliceLayout(0, mma))
+            fr, qs0, qs1 = dg._fold_constants(q0, q1, BITS, mma)
 
         n_steps = (body_len + 63) // 64
         s_lo = split * steps_per_split
@@ -788,7 +786,7 @@ def attend_body(q, kv, out, lse, *, scale_log2: float, starts, lengths, has_star
     keywords = _TMA_KEYWORDS(
         HG, 8 if HG <= 8 else 16, D, bits, kv.group_size, kv.value_group, has_starts, has_lens,
         lens_dev is not None, STAGES[bits], window is not None, softcap is not None, Lq, k_tok,
-        pdl, blocks, dg.fold_token_keys(kv, HG), 1)
+        pdl, blocks, dg.fold_token_keys(kv, HG, D), 1)
     grid = (B * Hkv * blocks, splits)
     if extra:
         return _TMA.run(grid, args, {**keywords.kwargs, **extra})
