@@ -509,6 +509,18 @@ def load_text(name: str | os.PathLike, log: Log | None = None) -> str:
     return target.read_text(encoding="utf-8")
 
 
+def bos_prefix(tokenizer) -> list[int]:
+    """``[bos_token_id]`` where the tokenizer puts a BOS first by itself (``tokenizer("x")``
+    starts with it: Gemma yes, SmolLM2 and Qwen no), else ``[]``: what every text the model
+    sees, and every calibration window (:func:`kvbits.methods.calibration_chunks`), starts
+    with."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return []
+    probe = list(tokenizer("x", add_special_tokens=True)["input_ids"])
+    return [bos] if probe[:1] == [bos] else []
+
+
 def tokenize_text(tokenizer, text: str, max_tokens: int | None = None) -> torch.LongTensor:
     """Token ids ``[1, T]`` of ``text`` for perplexity-style evaluation.
 
@@ -519,12 +531,7 @@ def tokenize_text(tokenizer, text: str, max_tokens: int | None = None) -> torch.
     ``max_tokens`` the result is cut to at most that many tokens (BOS
     included).
     """
-    bos = getattr(tokenizer, "bos_token_id", None)
-    prefix: list[int] = []
-    if bos is not None:
-        probe = tokenizer("x", add_special_tokens=True)["input_ids"]
-        if probe and probe[0] == bos:
-            prefix = [bos]
+    prefix = bos_prefix(tokenizer)
 
     def encode(s: str) -> list[int]:
         return list(tokenizer(s, add_special_tokens=False, verbose=False)["input_ids"])

@@ -61,6 +61,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..checks import is_count, repeated, require_count
+from ..data import bos_prefix
 
 __all__ = ["NeedleConfig", "PasskeyPrompt", "build_passkey_prompt", "check_needle_config",
            "eos_ids", "haystack_ids", "needle_caches", "needle_markdown", "needle_meta",
@@ -149,11 +150,9 @@ def build_passkey_prompt(tokenizer, hay: list[int], ends: list[int], length: int
     head, tail = enc(head_s), enc(tail_s)
     # the BOS the tokenizer puts first (Gemma; not SmolLM2 or Qwen), as ppl's text has it
     # (kvbits.data.tokenize_text); a chat template that writes it already keeps its own
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is not None and head[:1] != [bos]:
-        probe = list(tokenizer("x", add_special_tokens=True)["input_ids"])
-        if probe[:1] == [bos]:
-            head = [bos] + head
+    bos = bos_prefix(tokenizer)
+    if head[:1] != bos:
+        head = bos + head
     needle = enc(NEEDLE.format(key=key))
     n_hay = length - len(head) - len(tail) - len(needle)
     if n_hay <= 0:

@@ -19,7 +19,14 @@ import torch
 from ..reference import hadamard as ref_hadamard
 from ..reference import quant as ref_quant
 from ..spec import CALIBRATION_USES, QuantSpec
-from . import calibration_ids, check_made_for, made_for, model_dtype, per_layer_calibration
+from . import (
+    calibration_chunks,
+    calibration_ids,
+    check_made_for,
+    made_for,
+    model_dtype,
+    per_layer_calibration,
+)
 
 __all__ = ["auto_fp8_scales", "calibrate_fp8", "layer_scales", "load_fp8_scales",
            "save_fp8_scales"]
@@ -36,9 +43,9 @@ def calibrate_fp8(model, input_ids: torch.Tensor, spec: QuantSpec, window: int =
     from ..integrations.hf import cache_kwargs
 
     amax = None
-    for s in range(0, input_ids.shape[1], window):
+    for chunk in calibration_chunks(model, input_ids, window):
         cache = DynamicCache()  # full layers: a sliding one would keep only its window
-        model(input_ids[:, s:s + window].to(model.device), use_cache=True,
+        model(chunk.to(model.device), use_cache=True,
               **cache_kwargs(model, cache))
         cur = []
         for layer in cache.layers:

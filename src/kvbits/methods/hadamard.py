@@ -35,8 +35,8 @@ import torch
 from ..reference import hadamard as ref_hadamard
 from ..spec import QuantSpec
 from . import (
+    calibration_chunks,
     calibration_ids,
-    calibration_windows,
     check_made_for,
     made_for,
     model_dtype,
@@ -114,21 +114,21 @@ def _capture(store: dict):
 @torch.no_grad()
 def collect_qk(model, input_ids: torch.Tensor, window: int = 512) -> list:
     """Per layer ``(Q [Hq, T, D], K [H, T, D])``, post-RoPE as attention sees them, over
-    ``input_ids [1, T]`` cut into windows of ``window`` tokens (each from position 0)."""
+    ``input_ids [1, T]`` cut into windows of ``window`` tokens (each from position 0:
+    :func:`calibration_chunks`)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     name = "kvbits_hadamard_calibrate"
     old_impl = model.config._attn_implementation
-    ids = input_ids.reshape(-1)
     out: dict[int, list] = {}
     try:
-        for a, b in calibration_windows(ids.numel(), window):
+        for chunk in calibration_chunks(model, input_ids, window):
             rec: dict[int, tuple] = {}
             AttentionInterface.register(name, _capture(rec))
             AttentionMaskInterface.register(name, sdpa_mask)
             model.set_attn_implementation(name)
-            model(ids[a:b][None].to(model.device), use_cache=False)
+            model(chunk.to(model.device), use_cache=False)
             for i, qk in rec.items():
                 out.setdefault(i, []).append(qk)
     finally:

@@ -79,7 +79,7 @@ from ..reference.quant import (
     ungroup,
 )
 from ..spec import QuantSpec
-from . import calibration_windows, dtype_key, dtype_name, model_dtype
+from . import calibration_chunks, dtype_key, dtype_name, model_dtype
 
 __all__ = ["Calibration", "LayerCodebooks", "calibrate", "dequantize_keys", "dequantize_values",
            "kmeans_1d", "model_fingerprint", "outlier_index_dtype", "quantize_keys",
@@ -780,7 +780,8 @@ def collect_kv(model, input_ids: torch.Tensor, window: int = 512, fisher: bool =
                pre_rope: bool = True, log=None):
     """Per layer ``(K, V, gK2, gV2)`` of shape ``[H, T, D]`` over the calibration tokens.
 
-    The text is cut into windows of ``window`` tokens, each run from position 0 without a cache.
+    The text is cut into windows of ``window`` tokens, each run from position 0 without a cache
+    (and each starting with the BOS where the text does: :func:`kvbits.methods.calibration_chunks`).
     ``K`` is pre-RoPE when ``pre_rope`` (the gradient is rotated the same way: the rotation is
     orthogonal). ``gK2``/``gV2`` are squared gradients of the mean next-token loss (None without
     ``fisher``).
@@ -796,14 +797,12 @@ def collect_kv(model, input_ids: torch.Tensor, window: int = 512, fisher: bool =
     old_impl = config._attn_implementation
     params = [p for p in model.parameters() if p.requires_grad]
     out: dict[int, list] = {}
-    ids = input_ids.reshape(-1)
-    bounds = calibration_windows(ids.numel(), window)
-    n_win = len(bounds)
+    chunks = calibration_chunks(model, input_ids, window)
     try:
         for p in params:
             p.requires_grad_(False)
-        for w, (a, b) in enumerate(bounds):
-            chunk = ids[a:b][None].to(model.device)
+        for w, chunk in enumerate(chunks):
+            chunk = chunk.to(model.device)
             rec: dict[int, list] = {}
             AttentionInterface.register(name, _capture_attention(rec, fisher))
             AttentionMaskInterface.register(name, sdpa_mask)
@@ -838,7 +837,7 @@ def collect_kv(model, input_ids: torch.Tensor, window: int = 512, fisher: bool =
                     gk = gk ** 2
                 out.setdefault(i, []).append((kk, vv, gk, gv))
             if log:
-                log(f"calibration window {w + 1}/{n_win}: {T} tokens")
+                log(f"calibration window {w + 1}/{len(chunks)}: {T} tokens")
     finally:
         model.set_attn_implementation(old_impl)
         for p in params:
@@ -938,7 +937,7 @@ def calibration_path(model, spec: QuantSpec, text: str, tokens: int,
     --device cuda``) is not reused for a float32 one; float32 keys are those made before the
     dtype was keyed."""
     from ..checks import is_count
-    from ..data import cache_dir
+    from ..data import bos_prefix, cache_dir
 
     # (tokens="4096" or 0 made a path, then failed inside the tokenizer or the fit; a text that
     # is not a string was a TypeError in pathlib)
@@ -952,6 +951,9 @@ def calibration_path(model, spec: QuantSpec, text: str, tokens: int,
               if k not in _FIELD_DEFAULTS or v != _FIELD_DEFAULTS[k]}  # existed still hold)
     if spec.key_scales == "calibrated":
         fields["offline_key_rule"] = OFFLINE_KEY_RULE
+    tok = getattr(model, "_kvbits_tokenizer", None)
+    if tok is not None and bos_prefix(tok):  # every window starts with the BOS since session
+        fields["windows"] = "bos"  # 56 (calibration_chunks): earlier fits are not reused
     key = json.dumps({**fields, "text": text, "tokens": tokens, **_text_file_key(text),
                       **dtype_key(model, dtype)}, sort_keys=True)
     digest = hashlib.sha1(key.encode()).hexdigest()[:10]

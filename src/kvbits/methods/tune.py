@@ -37,6 +37,7 @@ import torch
 
 from ..checks import is_count
 from ..spec import QuantSpec
+from . import calibration_chunks
 
 __all__ = ["TuneResult", "allocate", "check_tune_args", "layer_sensitivity", "tune"]
 
@@ -118,8 +119,7 @@ def layer_sensitivity(model, input_ids: torch.Tensor, base: QuantSpec, bits=(2, 
     inv_freqs = model_inv_freqs(model) if base.pre_rope else None
     before = model.config._attn_implementation
     model.set_attn_implementation(_ATTN)
-    windows = [input_ids[:, s:s + window].to(model.device)
-               for s in range(0, input_ids.shape[1] - 1, window)]
+    windows = [w.to(model.device) for w in calibration_chunks(model, input_ids, window)]
 
     def logprobs():
         return [torch.log_softmax(model(w, use_cache=False).logits.float(), -1) for w in windows]
