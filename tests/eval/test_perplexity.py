@@ -84,6 +84,25 @@ def test_windows_each_start_a_fresh_cache(tiny):
     assert r["nll_sum"] == pytest.approx(expected, rel=1e-4)
 
 
+def test_later_windows_of_a_text_that_starts_with_the_bos_start_with_it(tiny):
+    """Gemma's texts start with the BOS and the model never runs without it: each later window
+    gets it as unscored context, and the same tokens are scored as without it."""
+    model, ids = tiny
+    bos = torch.tensor([[model.config.bos_token_id]])
+    assert int(ids[0, 0]) != int(bos)  # (the other tests' text has no BOS)
+    text = torch.cat([bos, ids[:, :299]], 1)
+    r = perplexity(model, text, lambda: KVBitsCache(model, "fp16"), chunk_size=50, window=128,
+                   progress=False)
+    expected = full_forward_nll(model, text[:, :128])
+    for s in (128, 256):
+        seq = torch.cat([bos, text[:, s:s + 128]], 1)
+        with torch.no_grad():
+            logits = model(seq).logits[0, 1:-1].float()  # predicts seq[2:], as the plan scores
+        expected += torch.nn.functional.cross_entropy(logits, seq[0, 2:], reduction="sum").item()
+    assert r["windows"] == 3 and r["tokens_scored"] == 300 - 3
+    assert r["nll_sum"] == pytest.approx(expected, rel=1e-4)
+
+
 def test_strided_windows_score_each_token_once(tiny):
     model, ids = tiny
     r = perplexity(model, ids[:, :150], lambda: KVBitsCache(model, "fp16"), chunk_size=32,

@@ -18,7 +18,9 @@ afterwards, which favours it more the larger the chunk.
 Windows: a text longer than ``window`` tokens (default: the model's ``max_position_embeddings``,
 capped at 8192) is cut into windows, each with its own fresh cache. By default they do not overlap
 (``stride = window``), so every token but the first of each window is scored once, with between 0
-and ``window - 1`` tokens of context. With ``stride < window`` windows start every ``stride``
+and ``window - 1`` tokens of context. A text that starts with the model's BOS (Gemma) gets it
+before every later window as well, as context that is not scored (such a model never runs
+without it), so those windows feed ``window + 1`` tokens. With ``stride < window`` windows start every ``stride``
 tokens and each scores only the tokens that no earlier window scored (the classic strided
 evaluation: more context per token, ``window / stride`` times the compute).
 """
@@ -33,6 +35,7 @@ from collections.abc import Callable
 import torch
 
 from ..checks import require_count
+from ..methods import starts_with_bos
 
 __all__ = [ "cache_nbytes", "default_window", "perplexity", "plan_windows", "trained_positions"]
 
@@ -139,22 +142,28 @@ def perplexity(model, input_ids: torch.Tensor, make_cache: Callable[[], object],
     input_ids = input_ids.to(model.device)
     from ..integrations.hf import cache_kwargs
 
-    n_chunks = sum(math.ceil((end - start) / chunk_size) for start, end, _ in plan)
+    # a text that starts with the BOS (Gemma) has it before every later window too: the model
+    # never runs without it (kvbits.methods.starts_with_bos); it is context, never scored
+    lead = input_ids[:, :1] if starts_with_bos(model, input_ids) else None
+    seqs = [input_ids[:, s:e] if lead is None or s == 0 else torch.cat([lead, input_ids[:, s:e]], 1)
+            for s, e, _ in plan]
+    n_chunks = sum(math.ceil(seq.shape[1] / chunk_size) for seq in seqs)
     bar = _progress(n_chunks, progress, desc)
     nll, scored, first = 0.0, 0, {}
     t0 = time.perf_counter()
-    for w, (start, end, score_from) in enumerate(plan):
+    for w, ((start, end, score_from), seq) in enumerate(zip(plan, seqs)):
         cache = make_cache()
         kw = cache_kwargs(model, cache)
-        for c0 in range(start, end, chunk_size):
-            c1 = min(c0 + chunk_size, end)
-            logits = model(input_ids[:, c0:c1], use_cache=True, **kw).logits
-            # logits[:, i] predicts the token at c0 + i + 1: score those in [score_from, end)
-            lo, hi = max(score_from, c0 + 1), min(c1 + 1, end)
+        length, first_scored = seq.shape[1], score_from - end + seq.shape[1]  # in seq's places
+        for c0 in range(0, length, chunk_size):
+            c1 = min(c0 + chunk_size, length)
+            logits = model(seq[:, c0:c1], use_cache=True, **kw).logits
+            # logits[:, i] predicts seq's token c0 + i + 1: score those from first_scored on
+            lo, hi = max(first_scored, c0 + 1), min(c1 + 1, length)
             if hi > lo:
                 pred = logits[0, lo - 1 - c0:hi - 1 - c0].float()
                 nll += torch.nn.functional.cross_entropy(
-                    pred, input_ids[0, lo:hi], reduction="sum").item()
+                    pred, seq[0, lo:hi], reduction="sum").item()
                 scored += hi - lo
             if scored:
                 bar.set_postfix(ppl=f"{math.exp(nll / scored):.3f}", refresh=False)
@@ -168,7 +177,7 @@ def perplexity(model, input_ids: torch.Tensor, make_cache: Callable[[], object],
         "ppl": math.exp(nll / scored), "nll_sum": nll, "tokens_scored": scored, "tokens": n,
         "windows": len(plan), "window": window, "stride": stride or window,
         "chunk_size": chunk_size, **first, "seconds": seconds,
-        "tokens_per_second": sum(e - s for s, e, _ in plan) / seconds,
+        "tokens_per_second": sum(seq.shape[1] for seq in seqs) / seconds,
     }
 
 

@@ -104,6 +104,15 @@ def calibration_ids(model, text: str, tokens: int, what: str, log=None):
     return tokenize_text(tok, load_text(text, log=log), tokens)
 
 
+def starts_with_bos(model, input_ids) -> bool:
+    """Whether the text ``input_ids`` starts with the model's BOS (``config.bos_token_id``; its
+    tokenizer puts one first: Gemma): then every window the text is cut into, for calibration
+    or perplexity, starts with it too."""
+    bos = getattr(model.config.get_text_config(decoder=True), "bos_token_id", None)
+    ids = input_ids.reshape(-1)
+    return isinstance(bos, int) and ids.numel() > 0 and int(ids[0]) == bos
+
+
 def calibration_chunks(model, input_ids, window: int) -> list:
     """``input_ids [1, T]`` (or ``[T]``) as the ``[1, n]`` windows calibration runs, each from
     position 0 without a cache: ``window`` tokens each, the last possibly shorter.
@@ -118,8 +127,7 @@ def calibration_chunks(model, input_ids, window: int) -> list:
     import torch
 
     ids = input_ids.reshape(-1)
-    bos = getattr(model.config.get_text_config(decoder=True), "bos_token_id", None)
-    if not (isinstance(bos, int) and ids.numel() and int(ids[0]) == bos):
+    if not starts_with_bos(model, ids):
         return [ids[a:b][None] for a, b in calibration_windows(ids.numel(), window)]
     calibration_windows(ids.numel(), window)  # the same errors
     text = ids[1:]
