@@ -33,10 +33,10 @@ def text_ids(n: int, bos: bool, seed: int = 0) -> torch.Tensor:
 def test_every_window_starts_with_the_bos_and_the_text_is_covered_once(model, n, window):
     ids = text_ids(n, bos=True)
     chunks = calibration_chunks(model, ids, window)
-    assert all(c.shape[0] == 1 and 2 <= c.shape[1] <= window for c in chunks)
+    assert all(c.shape[0] == 1 and 2 <= c.shape[1] <= window + 1 for c in chunks)
     assert all(int(c[0, 0]) == BOS for c in chunks)
     assert torch.equal(torch.cat([c[0, 1:] for c in chunks]), ids[0, 1:])  # each token once
-    assert all(c.shape[1] == window for c in chunks[:-1])  # fit_layer skips each window's first
+    assert all(c.shape[1] == window + 1 for c in chunks[:-1])  # the BOS, then window tokens
 
 
 @pytest.mark.parametrize("n,window", [(1100, 512), (1025, 512), (100, 512)])
@@ -87,7 +87,7 @@ def test_every_calibration_path_runs_the_windows(model, first_tokens, run, bos):
     ids = text_ids(200, bos=bos, seed=1)
     run(model, ids)
     starts = [int(c[0, 0]) for c in calibration_chunks(model, ids, 64)]
-    assert len(starts) == 4  # 1 + 200 tokens: 63 of text per window; 200: 64 per window
+    assert len(starts) == 4  # 200 tokens of text, 64 per window (after the BOS, if any)
     assert set(first_tokens) == set(starts) and first_tokens[:len(starts)] == starts
     assert all(t == BOS for t in first_tokens) == bos
 
@@ -113,3 +113,20 @@ def test_cached_calibrations_made_before_bos_windows_are_not_reused(model, monke
     assert kvq.calibration_path(model, spec, "sotu-pre-2000", 4096) == plain
     monkeypatch.setattr(model, "_kvbits_tokenizer", Tokenizer(adds_bos=True))
     assert kvq.calibration_path(model, spec, "sotu-pre-2000", 4096) != plain
+
+
+def test_kvquant_fits_the_text_not_the_bos(model):
+    """The BOS before each window is context: the cache keeps it in FP16 as its sink, so its
+    rows (with their large Fisher weights) are not fitted; every text token's are, once."""
+    from transformers import DynamicCache
+
+    ids = text_ids(128, bos=True, seed=2)
+    (k, v, gk, gv), _ = kvq.collect_kv(model, ids, window=64)
+    assert k.shape[1] == v.shape[1] == gk.shape[1] == gv.shape[1] == 128
+    for w in range(2):
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(torch.cat([ids[:, :1], ids[:, 1 + 64 * w:65 + 64 * w]], 1), past_key_values=cache)
+        torch.testing.assert_close(v[:, 64 * w:64 * (w + 1)], cache.layers[0].values[0, :, 1:])
+    (k0, *_), _ = kvq.collect_kv(model, text_ids(128, bos=False, seed=2), window=64)
+    assert k0.shape[1] == 128  # a text without the BOS: every token, as before

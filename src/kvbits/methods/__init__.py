@@ -115,14 +115,15 @@ def starts_with_bos(model, input_ids) -> bool:
 
 def calibration_chunks(model, input_ids, window: int) -> list:
     """``input_ids [1, T]`` (or ``[T]``) as the ``[1, n]`` windows calibration runs, each from
-    position 0 without a cache: ``window`` tokens each, the last possibly shorter.
+    position 0 without a cache: ``window`` tokens of text each, the last possibly fewer.
 
     A text that starts with the model's BOS (``config.bos_token_id``; the tokenizer puts it
-    first: Gemma) has it at the start of every window, followed by ``window - 1`` tokens of
-    text. Such a model never runs without it, and a window cut from the middle of the text
-    made states inference never makes: Gemma3-270M's keys and values there, three quarters of
-    a 4096-token calibration at 512 per window, were fitted along with the rest. Texts without
-    it (SmolLM2, Qwen) are cut as :func:`calibration_windows` says.
+    first: Gemma) has it before every window, as context: the BOS, then ``window`` tokens of
+    text. Such a model never runs without it, and windows cut from the middle of the text ran
+    states inference never makes (three quarters of Gemma3-270M's 2048-token calibrations).
+    KVQuant's fit leaves the BOS rows out (:func:`kvbits.methods.kvquant.collect_kv`): the
+    cache keeps it in FP16 as its sink. Texts without it (SmolLM2, Qwen) are cut as
+    :func:`calibration_windows` says.
     """
     import torch
 
@@ -131,8 +132,7 @@ def calibration_chunks(model, input_ids, window: int) -> list:
         return [ids[a:b][None] for a, b in calibration_windows(ids.numel(), window)]
     calibration_windows(ids.numel(), window)  # the same errors
     text = ids[1:]
-    return [torch.cat([ids[:1], text[a:a + window - 1]])[None]
-            for a in range(0, text.numel(), window - 1)]
+    return [torch.cat([ids[:1], text[a:a + window]])[None] for a in range(0, text.numel(), window)]
 
 
 def calibration_windows(n_tokens: int, window: int) -> list[tuple[int, int]]:

@@ -79,7 +79,7 @@ from ..reference.quant import (
     ungroup,
 )
 from ..spec import QuantSpec
-from . import calibration_chunks, dtype_key, dtype_name, model_dtype
+from . import calibration_chunks, dtype_key, dtype_name, model_dtype, starts_with_bos
 
 __all__ = ["Calibration", "LayerCodebooks", "calibrate", "dequantize_keys", "dequantize_values",
            "kmeans_1d", "model_fingerprint", "outlier_index_dtype", "quantize_keys",
@@ -781,7 +781,8 @@ def collect_kv(model, input_ids: torch.Tensor, window: int = 512, fisher: bool =
     """Per layer ``(K, V, gK2, gV2)`` of shape ``[H, T, D]`` over the calibration tokens.
 
     The text is cut into windows of ``window`` tokens, each run from position 0 without a cache
-    (and each starting with the BOS where the text does: :func:`kvbits.methods.calibration_chunks`).
+    (after the BOS where the text starts with one, whose rows are not returned:
+    :func:`kvbits.methods.calibration_chunks`).
     ``K`` is pre-RoPE when ``pre_rope`` (the gradient is rotated the same way: the rotation is
     orthogonal). ``gK2``/``gV2`` are squared gradients of the mean next-token loss (None without
     ``fisher``).
@@ -798,6 +799,9 @@ def collect_kv(model, input_ids: torch.Tensor, window: int = 512, fisher: bool =
     params = [p for p in model.parameters() if p.requires_grad]
     out: dict[int, list] = {}
     chunks = calibration_chunks(model, input_ids, window)
+    # a BOS before each window (Gemma) is context: the cache keeps it in FP16 as its sink, so
+    # its rows, and their large Fisher weights, stay out of the fit
+    skip = 1 if starts_with_bos(model, input_ids) else 0
     try:
         for p in params:
             p.requires_grad_(False)
@@ -835,7 +839,8 @@ def collect_kv(model, input_ids: torch.Tensor, window: int = 512, fisher: bool =
                         gk = unrotate(gk[None], pos, inv)[0]
                 if fisher:
                     gk = gk ** 2
-                out.setdefault(i, []).append((kk, vv, gk, gv))
+                out.setdefault(i, []).append(tuple(None if x is None else x[:, skip:]
+                                                   for x in (kk, vv, gk, gv)))
             if log:
                 log(f"calibration window {w + 1}/{len(chunks)}: {T} tokens")
     finally:
