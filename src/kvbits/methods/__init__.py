@@ -106,33 +106,26 @@ def calibration_ids(model, text: str, tokens: int, what: str, log=None):
 
 def starts_with_bos(model, input_ids) -> bool:
     """Whether the text ``input_ids`` starts with the model's BOS (``config.bos_token_id``; its
-    tokenizer puts one first: Gemma): then every window the text is cut into, for calibration
-    or perplexity, starts with it too."""
+    tokenizer puts one first: Gemma): perplexity then puts it before every later window too
+    (:func:`kvbits.eval.perplexity.perplexity`)."""
     bos = getattr(model.config.get_text_config(decoder=True), "bos_token_id", None)
     ids = input_ids.reshape(-1)
     return isinstance(bos, int) and ids.numel() > 0 and int(ids[0]) == bos
 
 
-def calibration_chunks(model, input_ids, window: int) -> list:
-    """``input_ids [1, T]`` (or ``[T]``) as the ``[1, n]`` windows calibration runs, each from
-    position 0 without a cache: ``window`` tokens of text each, the last possibly fewer.
+def calibration_chunks(input_ids, window: int) -> list:
+    """``input_ids [1, T]`` (or ``[T]``) as the ``[1, n]`` windows every calibration runs
+    (KVQuant codebooks, Hadamard channels, FP8 scales, ``kvbits tune``), each from position 0
+    without a cache: :func:`calibration_windows`.
 
-    A text that starts with the model's BOS (``config.bos_token_id``; the tokenizer puts it
-    first: Gemma) has it before every window, as context: the BOS, then ``window`` tokens of
-    text. Such a model never runs without it, and windows cut from the middle of the text ran
-    states inference never makes (three quarters of Gemma3-270M's 2048-token calibrations).
-    KVQuant's fit leaves the BOS rows out (:func:`kvbits.methods.kvquant.collect_kv`): the
-    cache keeps it in FP16 as its sink. Texts without it (SmolLM2, Qwen) are cut as
-    :func:`calibration_windows` says.
+    A text that starts with a BOS (Gemma) has it in the first window only. Every window
+    starting with it was measured in session 56 (``benchmarks/results/calibration_bos.md``):
+    Gemma3-270M's perplexity and retrieval were no better (kvquant-3 on news +0.28% over FP16
+    with this cut, +0.36% and +0.56% with the two variants; kvquant-3-offline +0.36% against
+    +1.72% and +2.68%), so the cut stays as it was.
     """
-    import torch
-
     ids = input_ids.reshape(-1)
-    if not starts_with_bos(model, ids):
-        return [ids[a:b][None] for a, b in calibration_windows(ids.numel(), window)]
-    calibration_windows(ids.numel(), window)  # the same errors
-    text = ids[1:]
-    return [torch.cat([ids[:1], text[a:a + window]])[None] for a in range(0, text.numel(), window)]
+    return [ids[a:b][None] for a, b in calibration_windows(ids.numel(), window)]
 
 
 def calibration_windows(n_tokens: int, window: int) -> list[tuple[int, int]]:

@@ -43,7 +43,7 @@ def calibrate_fp8(model, input_ids: torch.Tensor, spec: QuantSpec, window: int =
     from ..integrations.hf import cache_kwargs
 
     amax = None
-    for chunk in calibration_chunks(model, input_ids, window):
+    for chunk in calibration_chunks(input_ids, window):
         cache = DynamicCache()  # full layers: a sliding one would keep only its window
         model(chunk.to(model.device), use_cache=True,
               **cache_kwargs(model, cache))

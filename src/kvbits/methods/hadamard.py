@@ -123,7 +123,7 @@ def collect_qk(model, input_ids: torch.Tensor, window: int = 512) -> list:
     old_impl = model.config._attn_implementation
     out: dict[int, list] = {}
     try:
-        for chunk in calibration_chunks(model, input_ids, window):
+        for chunk in calibration_chunks(input_ids, window):
             rec: dict[int, tuple] = {}
             AttentionInterface.register(name, _capture(rec))
             AttentionMaskInterface.register(name, sdpa_mask)

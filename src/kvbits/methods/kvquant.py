@@ -79,7 +79,7 @@ from ..reference.quant import (
     ungroup,
 )
 from ..spec import QuantSpec
-from . import calibration_chunks, dtype_key, dtype_name, model_dtype, starts_with_bos
+from . import calibration_chunks, dtype_key, dtype_name, model_dtype
 
 __all__ = ["Calibration", "LayerCodebooks", "calibrate", "dequantize_keys", "dequantize_values",
            "kmeans_1d", "model_fingerprint", "outlier_index_dtype", "quantize_keys",
@@ -781,8 +781,7 @@ def collect_kv(model, input_ids: torch.Tensor, window: int = 512, fisher: bool =
     """Per layer ``(K, V, gK2, gV2)`` of shape ``[H, T, D]`` over the calibration tokens.
 
     The text is cut into windows of ``window`` tokens, each run from position 0 without a cache
-    (after the BOS where the text starts with one, whose rows are not returned:
-    :func:`kvbits.methods.calibration_chunks`).
+    (:func:`kvbits.methods.calibration_chunks`).
     ``K`` is pre-RoPE when ``pre_rope`` (the gradient is rotated the same way: the rotation is
     orthogonal). ``gK2``/``gV2`` are squared gradients of the mean next-token loss (None without
     ``fisher``).
@@ -798,10 +797,7 @@ def collect_kv(model, input_ids: torch.Tensor, window: int = 512, fisher: bool =
     old_impl = config._attn_implementation
     params = [p for p in model.parameters() if p.requires_grad]
     out: dict[int, list] = {}
-    chunks = calibration_chunks(model, input_ids, window)
-    # a BOS before each window (Gemma) is context: the cache keeps it in FP16 as its sink, so
-    # its rows, and their large Fisher weights, stay out of the fit
-    skip = 1 if starts_with_bos(model, input_ids) else 0
+    chunks = calibration_chunks(input_ids, window)
     try:
         for p in params:
             p.requires_grad_(False)
@@ -839,8 +835,7 @@ def collect_kv(model, input_ids: torch.Tensor, window: int = 512, fisher: bool =
                         gk = unrotate(gk[None], pos, inv)[0]
                 if fisher:
                     gk = gk ** 2
-                out.setdefault(i, []).append(tuple(None if x is None else x[:, skip:]
-                                                   for x in (kk, vv, gk, gv)))
+                out.setdefault(i, []).append((kk, vv, gk, gv))
             if log:
                 log(f"calibration window {w + 1}/{len(chunks)}: {T} tokens")
     finally:
@@ -942,7 +937,7 @@ def calibration_path(model, spec: QuantSpec, text: str, tokens: int,
     --device cuda``) is not reused for a float32 one; float32 keys are those made before the
     dtype was keyed."""
     from ..checks import is_count
-    from ..data import bos_prefix, cache_dir
+    from ..data import cache_dir
 
     # (tokens="4096" or 0 made a path, then failed inside the tokenizer or the fit; a text that
     # is not a string was a TypeError in pathlib)
@@ -956,9 +951,6 @@ def calibration_path(model, spec: QuantSpec, text: str, tokens: int,
               if k not in _FIELD_DEFAULTS or v != _FIELD_DEFAULTS[k]}  # existed still hold)
     if spec.key_scales == "calibrated":
         fields["offline_key_rule"] = OFFLINE_KEY_RULE
-    tok = getattr(model, "_kvbits_tokenizer", None)
-    if tok is not None and bos_prefix(tok):  # every window starts with the BOS since session
-        fields["windows"] = "bos"  # 56 (calibration_chunks): earlier fits are not reused
     key = json.dumps({**fields, "text": text, "tokens": tokens, **_text_file_key(text),
                       **dtype_key(model, dtype)}, sort_keys=True)
     digest = hashlib.sha1(key.encode()).hexdigest()[:10]

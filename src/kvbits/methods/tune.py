@@ -119,7 +119,7 @@ def layer_sensitivity(model, input_ids: torch.Tensor, base: QuantSpec, bits=(2, 
     inv_freqs = model_inv_freqs(model) if base.pre_rope else None
     before = model.config._attn_implementation
     model.set_attn_implementation(_ATTN)
-    windows = [w.to(model.device) for w in calibration_chunks(model, input_ids, window)]
+    windows = [w.to(model.device) for w in calibration_chunks(input_ids, window)]
 
     def logprobs():
         return [torch.log_softmax(model(w, use_cache=False).logits.float(), -1) for w in windows]
