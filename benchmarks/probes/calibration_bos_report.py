@@ -92,6 +92,15 @@ def main() -> None:
                          f"{100 * s['kvquant-3']:.1f}% | {s['lost']} / {s['won']} | "
                          f"{s['p']:.3g} |")
         lines.append("")
+    lines += [("Reproduce: `bash benchmarks/probes/calibration_bos_ab.sh OUT before=1780906 "
+              "bos_windows=cda25fd bos_context=e7c82d6`, the needle command above at each "
+              "revision (with a fresh `KVBITS_CACHE` calibration folder), then this script."), "",
+              ("Reading: the arms move single rows by up to 2.3 points (kvquant-3-offline on "
+              "news), in both directions and by preset; "
+              "no cut is better over the presets, and the BOS windows lose more "
+              "passkeys to FP16, not fewer (14-15 pairs against 11). So the cut stays as it "
+              "was (`before`), and Gemma3's kvquant-3 retrieval loss is not its calibration "
+              "windows."), ""]
     (RESULTS / "calibration_bos.md").write_text("\n".join(lines))
 
 
