@@ -511,9 +511,9 @@ def load_text(name: str | os.PathLike, log: Log | None = None) -> str:
 
 def bos_prefix(tokenizer) -> list[int]:
     """``[bos_token_id]`` where the tokenizer puts a BOS first by itself (``tokenizer("x")``
-    starts with it: Gemma yes, SmolLM2 and Qwen no), else ``[]``: what every text the model
-    sees, and every calibration window (:func:`kvbits.methods.calibration_chunks`), starts
-    with."""
+    starts with it: Gemma yes, SmolLM2 and Qwen no), else ``[]``: what the texts the model is
+    measured on start with (:func:`tokenize_text`, the passkey prompts of
+    :mod:`kvbits.eval.needle`)."""
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is None:
         return []
