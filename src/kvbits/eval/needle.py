@@ -151,7 +151,7 @@ def build_passkey_prompt(tokenizer, hay: list[int], ends: list[int], length: int
     # the BOS the tokenizer puts first (Gemma; not SmolLM2 or Qwen), as ppl's text has it
     # (kvbits.data.tokenize_text); a chat template that writes it already keeps its own
     bos = bos_prefix(tokenizer)
-    if head[:1] != bos:
+    if bos and head[:1] != bos:
         head = bos + head
     needle = enc(NEEDLE.format(key=key))
     n_hay = length - len(head) - len(tail) - len(needle)

@@ -18,11 +18,11 @@ afterwards, which favours it more the larger the chunk.
 Windows: a text longer than ``window`` tokens (default: the model's ``max_position_embeddings``,
 capped at 8192) is cut into windows, each with its own fresh cache. By default they do not overlap
 (``stride = window``), so every token but the first of each window is scored once, with between 0
-and ``window - 1`` tokens of context. A text that starts with the model's BOS (Gemma) gets it
-before every later window as well, as context that is not scored (such a model never runs
-without it), so those windows feed ``window + 1`` tokens. With ``stride < window`` windows start every ``stride``
+and ``window - 1`` tokens of context. With ``stride < window`` windows start every ``stride``
 tokens and each scores only the tokens that no earlier window scored (the classic strided
-evaluation: more context per token, ``window / stride`` times the compute).
+evaluation: more context per token, ``window / stride`` times the compute). A text that starts
+with the model's BOS (Gemma) gets it before every later window as well, as context that is not
+scored (such a model never runs without it), so those windows feed ``window + 1`` tokens.
 """
 
 from __future__ import annotations
@@ -145,8 +145,8 @@ def perplexity(model, input_ids: torch.Tensor, make_cache: Callable[[], object],
     # a text that starts with the BOS (Gemma) has it before every later window too: the model
     # never runs without it (kvbits.methods.starts_with_bos); it is context, never scored
     lead = input_ids[:, :1] if starts_with_bos(model, input_ids) else None
-    seqs = [input_ids[:, s:e] if lead is None or s == 0 else torch.cat([lead, input_ids[:, s:e]], 1)
-            for s, e, _ in plan]
+    seqs = [input_ids[:, s:e] if lead is None or s == 0
+            else torch.cat([lead, input_ids[:, s:e]], 1) for s, e, _ in plan]
     n_chunks = sum(math.ceil(seq.shape[1] / chunk_size) for seq in seqs)
     bar = _progress(n_chunks, progress, desc)
     nll, scored, first = 0.0, 0, {}
