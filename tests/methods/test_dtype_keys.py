@@ -29,14 +29,17 @@ def tiny_llama(seed=0):
     return LlamaForCausalLM(cfg).eval()
 
 
-def old_digest(spec, text: str, tokens: int) -> str:
+def old_digest(spec, text: str, tokens: int, outlier_rule: bool = False) -> str:
     """The digest of :func:`kvq.calibration_path` before the dtype was keyed (commit ab48460),
     for a named text: its key held the spec fields off their defaults, the offline key rule
-    where the keys' scales are calibrated, the text and the tokens."""
+    where the keys' scales are calibrated, the text and the tokens. ``outlier_rule``: with the
+    outlier rule of session 57 (its calibrations are not the earlier rule's)."""
     fields = {k: v for k, v in kvq.spec_fields(spec).items()
               if k not in kvq._FIELD_DEFAULTS or v != kvq._FIELD_DEFAULTS[k]}
     if spec.key_scales == "calibrated":
         fields["offline_key_rule"] = kvq.OFFLINE_KEY_RULE
+    if outlier_rule and spec.outliers:
+        fields["outlier_rule"] = kvq.OUTLIER_RULE
     key = json.dumps({**fields, "text": text, "tokens": tokens}, sort_keys=True)
     return hashlib.sha1(key.encode()).hexdigest()[:10]
 
@@ -56,11 +59,17 @@ BEFORE = {"kvquant-3": "c2e6e34492", "kvquant-4-offline": "ba80a6fba5"}
 
 
 @pytest.mark.parametrize("name", sorted(BEFORE))
-def test_calibration_path_of_float32_is_unchanged_and_half_precision_has_its_own(name):
+def test_calibration_path_of_float32_keeps_its_key_and_half_precision_has_its_own(name):
+    """The float32 key is the one before the dtype was keyed, plus the outlier rule: fits of
+    the earlier rule (BEFORE) are not reused, a preset without outliers keeps its old file."""
     spec, model = resolve_spec(name), tiny_llama()
     f32 = kvq.calibration_path(model, spec, TEXT, TOKENS)
-    assert f32.name == f"{kvq.model_fingerprint(model)}-{BEFORE[name]}.safetensors"
-    assert BEFORE[name] == old_digest(spec, TEXT, TOKENS)
+    digest = old_digest(spec, TEXT, TOKENS, outlier_rule=True)
+    assert f32.name == f"{kvq.model_fingerprint(model)}-{digest}.safetensors"
+    assert BEFORE[name] == old_digest(spec, TEXT, TOKENS) != digest
+    dense = spec.replace(outliers=0.0)
+    assert kvq.calibration_path(model, dense, TEXT, TOKENS).name.endswith(
+        f"-{old_digest(dense, TEXT, TOKENS)}.safetensors")
     half = model.half()
     assert kvq.model_fingerprint(half) == kvq.model_fingerprint(tiny_llama())  # same weights
     f16 = kvq.calibration_path(half, spec, TEXT, TOKENS)

@@ -187,6 +187,56 @@ def test_zero_tokens_give_empty_outputs(rows):
     assert got.shape == (B, H, 0, D)
 
 
+@pytest.mark.parametrize("kind", ["keys", "values"])
+def test_outliers_go_where_they_stretch_a_range_most(kind):
+    """A token that lies 10 spreads out in a channel of small spread (0.01 -> 0.1) and 3 spreads
+    out in a channel of large spread (10 -> 30): its one outlier is the large channel, whose
+    range it stretches by ~20 against ~0.1 (the rule before session 57 divided by each group's
+    spread and took the small channel). Keys: two channels of one 32-token group; values: two
+    channel groups of one token."""
+    g = torch.Generator().manual_seed(3)
+    B, H, T, D = 1, 1, 32, 64
+    x = torch.randn(B, H, T, D, generator=g) * 0.5
+    cb = kvq.uniform_codebooks(H, 3, 3)
+    if kind == "keys":
+        x[..., 3] = torch.randn(T, generator=g) * 0.01
+        x[..., 9] = torch.randn(T, generator=g) * 10
+        x[0, 0, 17, 3], x[0, 0, 17, 9] = 0.1, 30.0 + x[..., 9].abs().max()
+        *_, oi, _ = kvq.quantize_keys(x, 3, 32, cb.k_codebook, cb.k_thresholds, 1)
+        t, small, big = 17, 3, 9
+    else:  # token 5: channels 0-31 of small spread, 32-63 of large
+        x[0, 0, 5, :32] = torch.randn(32, generator=g) * 0.01
+        x[0, 0, 5, 32:] = torch.randn(32, generator=g) * 10
+        x[0, 0, 5, 3], x[0, 0, 5, 40] = 0.1, 30.0 + x[0, 0, 5, 32:].abs().max()
+        *_, oi, _ = kvq.quantize_values(x, 3, 32, 32, cb.v_codebook, cb.v_thresholds, 1)
+        t, small, big = 5, 3, 40
+    assert int(oi[0, 0, t, 0]) == big != small
+
+
+def test_calibration_of_another_outlier_rule_is_used_with_a_warning(calibrated, tmp_path):
+    """A file fitted under the earlier outlier rule (no ``outlier_rule`` in its extra) still
+    serves, with a warning that names both rules; this kvbits' own files load silently, and a
+    spec without outliers does not care."""
+    import warnings
+
+    model, spec, cal, _ = calibrated
+    assert cal.extra["outlier_rule"] == kvq.OUTLIER_RULE
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kvq.Calibration.load(cal.save(tmp_path / "new.safetensors")).check(model, spec)
+    old = copy.deepcopy(cal)
+    del old.extra["outlier_rule"]
+    loaded = kvq.Calibration.load(old.save(tmp_path / "old.safetensors"))
+    with pytest.warns(UserWarning, match=r"chosen by the 'mad' rule, not this kvbits' "
+                                         r"'abs-median'.*kvbits calibrate"):
+        loaded.check(model, spec)
+    dense = copy.deepcopy(loaded)
+    dense.spec = kvq.spec_fields(spec.replace(outliers=0.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dense.check(model, spec.replace(outliers=0.0))
+
+
 def test_outliers_reduce_error():
     k, v = data(seed=5)
     k = k + (torch.rand_like(k) < 0.01) * 8.0  # sparse spikes

@@ -27,16 +27,22 @@ with the same FP16 ``scale``/``zero`` (min/max over the group) and the same pack
   needs masking. KVQuant's threshold-based selection gives a variable count per vector, which a
   decode kernel would have to gather through offsets.
 
-  Which channels are outliers:
+  Which channels are outliers: a token's ``n`` elements farthest from the middle of their own
+  quantization group, ``|x - median|`` in the units of the data. That distance is what an element
+  adds to its group's range, and so to the step of every other element of the group.
 
-  - keys (grouped per *channel* over G tokens): the step of channel ``c`` is set by its range
-    over the group, so a token is an outlier in ``c`` when it lies far from the other tokens of
-    the group in that channel. Score: ``|x - median_c| / (MAD_c + eps)`` with the median and
-    median absolute deviation of channel ``c`` over the group's valid tokens; each token keeps its
-    ``n`` highest scores. This needs no calibration and adapts to every group.
-  - values (grouped per *token* over Gv channels): the same score over the Gv channels of the
-    token's own group (median and MAD across those channels); each token keeps its ``n`` highest
-    scores over all its channels.
+  - keys (grouped per *channel* over G tokens): the median of channel ``c`` over the group's valid
+    tokens, so a token's outliers are the channels where it stretches a group's range the most.
+    Channels of large magnitude (the massive pre-RoPE channels) take the budget there, which is
+    where shrinking a range buys the most.
+  - values (grouped per *token* over Gv channels): the median of the token's own group.
+
+  Until session 57 the distance was divided by each group's median absolute deviation (a z-score
+  per channel). That spent the budget on channels of small spread, whose ranges are narrow
+  anyway; the absolute distance measured better on every model and width but one row (news
+  perplexity, e.g. SmolLM2 kvquant-2 +3.47% -> +2.03%, SOTU +1.49% -> +0.25% over FP16) and lost
+  fewer of Gemma3's passkeys (``benchmarks/results/outlier_rule.md``). The rule is named in the
+  cache key of automatic calibrations (:data:`OUTLIER_RULE`). Neither rule needs calibration.
 
 Calibration
 -----------
@@ -62,6 +68,7 @@ import hashlib
 import itertools
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,6 +113,10 @@ OFFLINE_KEY_QUANTILES = (0.0, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
 # the rule above, named in the cache key of automatic calibrations (calibration_path): rows fitted
 # by an earlier rule are not reused
 OFFLINE_KEY_RULE = "q0.002@2,mse-quantiles@3+"
+# how a token's outliers are chosen (module docstring), named in the cache key of automatic
+# calibrations and kept in a file's ``extra``: codebooks fitted under the earlier rule (``mad``,
+# files without the entry) are refitted, and a file that has none is warned about
+OUTLIER_RULE = "abs-median"
 FORMAT = "kvbits-kvquant-calibration-v1"
 
 
@@ -241,16 +252,13 @@ def outlier_index_dtype(head_dim: int) -> torch.dtype:
     return torch.uint8 if head_dim <= 256 else torch.int16
 
 
-def _robust_score(x: torch.Tensor, dim: int, ok: torch.Tensor | None) -> torch.Tensor:
-    """``|x - median| / (MAD + eps)`` along ``dim`` over the elements where ``ok``."""
+def _outlier_score(x: torch.Tensor, dim: int, ok: torch.Tensor | None) -> torch.Tensor:
+    """``|x - median|`` along ``dim`` over the elements where ``ok`` (0 elsewhere): how far each
+    element stretches its group's range (:data:`OUTLIER_RULE`)."""
     xm = x if ok is None else torch.where(ok, x, torch.nan)
-    med = xm.nanmedian(dim=dim, keepdim=True).values
+    med = torch.nan_to_num(xm.nanmedian(dim=dim, keepdim=True).values, nan=0.0)
     dev = (x - med).abs()
-    devm = dev if ok is None else torch.where(ok, dev, torch.nan)
-    mad = devm.nanmedian(dim=dim, keepdim=True).values
-    mad = torch.nan_to_num(mad, nan=0.0)
-    eps = 1e-6 + 1e-3 * devm.nan_to_num(0.0).amax(dim=dim, keepdim=True)
-    return torch.nan_to_num(dev / (mad + eps), nan=0.0)
+    return torch.nan_to_num(dev if ok is None else torch.where(ok, dev, 0.0), nan=0.0)
 
 
 def _top_mask(score: torch.Tensor, n: int):
@@ -319,7 +327,7 @@ def _split_keys(k: torch.Tensor, bits: int, group_size: int, n_out: int,
     idx = None
     dense = ok
     if n_out:
-        mask, idx = _top_mask(_robust_score(kg, 3, ok), n_out)
+        mask, idx = _top_mask(_outlier_score(kg, 3, ok), n_out)
         dense = ~mask if ok is None else ok & ~mask
     scale, zero = minmax_qparams(kg, bits, dim=3, valid=dense)
     return kg, scale, zero, dense, idx
@@ -338,7 +346,7 @@ def _split_values(v: torch.Tensor, bits: int, value_group: int, n_out: int,
     idx = None
     dense = ok
     if n_out:
-        score = ungroup(_robust_score(vg, 4, ok), D)
+        score = ungroup(_outlier_score(vg, 4, ok), D)
         mask, idx = _top_mask(score, n_out)
         mask = channel_groups(mask, value_group)[0]
         dense = ~mask if ok is None else ok & ~mask
@@ -677,6 +685,12 @@ class Calibration:
         n = config.get_text_config(decoder=True).num_hidden_layers if fp else len(self.layers)
         if len(self.layers) != n:
             raise ValueError(f"calibration has {len(self.layers)} layers, the model {n}")
+        rule = self.extra.get("outlier_rule", "mad")
+        if spec.outliers and rule != OUTLIER_RULE:  # usable, but fitted to other dense ranges
+            warnings.warn(f"calibration (preset {self.preset or '?'}) was fitted with outliers "
+                          f"chosen by the {rule!r} rule, not this kvbits' {OUTLIER_RULE!r}: its "
+                          "codebooks serve, a new calibration fits them better (kvbits "
+                          "calibrate)", stacklevel=3)
 
     def save(self, path: str | Path) -> Path:
         from safetensors.torch import save_file
@@ -951,6 +965,8 @@ def calibration_path(model, spec: QuantSpec, text: str, tokens: int,
               if k not in _FIELD_DEFAULTS or v != _FIELD_DEFAULTS[k]}  # existed still hold)
     if spec.key_scales == "calibrated":
         fields["offline_key_rule"] = OFFLINE_KEY_RULE
+    if spec.outliers:
+        fields["outlier_rule"] = OUTLIER_RULE
     key = json.dumps({**fields, "text": text, "tokens": tokens, **_text_file_key(text),
                       **dtype_key(model, dtype)}, sort_keys=True)
     digest = hashlib.sha1(key.encode()).hexdigest()[:10]
@@ -1056,4 +1072,5 @@ def calibrate(model, input_ids: torch.Tensor, spec: QuantSpec, *, model_name: st
                        datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                        {"tokens": int(input_ids.numel()), "window": window,
                         "dtype": dtype_name(model_dtype(model)),
-                        "device": str(model.device)}, probe)
+                        "device": str(model.device),
+                        **({"outlier_rule": OUTLIER_RULE} if spec.outliers else {})}, probe)
