@@ -8,9 +8,9 @@ probe swaps the key rule, refits the codebooks under it (in memory), and scores 
 ``kvbits needle`` draw with a continuous measure as well as the hit:
 
 * ``abs``: ``|x - median_c|`` for the keys (the absolute distance, so the budget goes where the
-  step, and so the error of the other tokens, shrinks most in absolute terms); ``abs2``: the
-  same for the values too (``|x - median|`` over the token's channel group), the rule kvbits
-  ships since;
+  step, and so the error of the other tokens, shrinks most in absolute terms), the values as
+  before: the rule kvbits ships since (``OUTLIER_RULE = "keys-abs-median"``); ``abs2``: the
+  absolute distance for the values too (``|x - median|`` over the token's channel group);
 * ``mad``: the earlier rule on both sides; ``none``: kvquant-3:O=0;
 * ``koff`` / ``voff``: no outliers on the keys / the values only (the cache stores zero
   corrections there, so its layout is kvquant-3's).
@@ -38,8 +38,8 @@ from kvbits.eval.cachefill import copy_dense_cache
 from kvbits.integrations.hf import KVBitsCache, cache_kwargs
 from kvbits.methods import kvquant as kvq
 
-RULE = {"rule": "abs2"}
-_abs_score = kvq._outlier_score  # the shipped rule since session 57 (``abs2`` here)
+RULE = {"rule": "abs"}
+_abs_score = kvq._outlier_score  # its default: the absolute distance (the keys' rule since session 57)
 
 
 def _mad_score(x, dim, ok):
@@ -53,7 +53,7 @@ def _mad_score(x, dim, ok):
     return torch.nan_to_num(dev / (mad + eps), nan=0.0)
 
 
-def _score(x, dim, ok):
+def _score(x, dim, ok, spread=False):
     """The rule RULE names: ``abs2`` both sides absolute, ``abs`` the keys (scored along dim 3)
     only; MAD-normalized otherwise (``mad``, and ``none`` / ``koff`` / ``voff`` on the side that
     keeps its outliers)."""
@@ -130,7 +130,7 @@ def main() -> None:
     caches = {}
     for rule in args.rules.split(","):
         spec = parse_presets("kvquant-3:O=0" if rule == "none" else "kvquant-3")[0].spec
-        RULE["rule"] = "abs2" if rule == "none" else rule
+        RULE["rule"] = "abs" if rule == "none" else rule
         t0 = time.perf_counter()
         cal = kvq.calibrate(model, calib_ids, spec)
         print(f"{rule}: calibrated in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -150,7 +150,7 @@ def main() -> None:
                     model(doc, use_cache=True, logits_to_keep=1, **cache_kwargs(model, dense))
                 row = {"trial": trial, "length": n, "depth": d, "key": p.key}
                 for rule, (spec, cal) in caches.items():
-                    RULE["rule"] = "abs2" if rule == "none" else rule
+                    RULE["rule"] = "abs" if rule == "none" else rule
                     cache = KVBitsCache(model, spec, calibration=cal)
                     copy_dense_cache(dense, cache)
                     row[rule] = teacher_forced(model, cache, question, target)

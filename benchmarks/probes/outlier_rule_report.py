@@ -16,8 +16,8 @@ import transformers
 
 OUT = Path(__file__).resolve().parents[1] / "results"
 RULES = {"mad": "|x - median| / MAD, both sides (before session 57)",
-         "abs": "|x - median| for keys, MAD for values",
-         "abs2": "|x - median| for both (kvbits since session 57)",
+         "abs": "|x - median| for keys, / MAD for values (kvbits since session 57)",
+         "abs2": "|x - median| for both",
          "none": "no outliers (kvquant-3:O=0)", "koff": "no key outliers (values MAD)",
          "voff": "no value outliers (keys MAD)"}
 

@@ -27,22 +27,25 @@ with the same FP16 ``scale``/``zero`` (min/max over the group) and the same pack
   needs masking. KVQuant's threshold-based selection gives a variable count per vector, which a
   decode kernel would have to gather through offsets.
 
-  Which channels are outliers: a token's ``n`` elements farthest from the middle of their own
-  quantization group, ``|x - median|`` in the units of the data. That distance is what an element
-  adds to its group's range, and so to the step of every other element of the group.
+  Which channels are outliers: a token's ``n`` elements farthest from the median of their own
+  quantization group.
 
-  - keys (grouped per *channel* over G tokens): the median of channel ``c`` over the group's valid
-    tokens, so a token's outliers are the channels where it stretches a group's range the most.
-    Channels of large magnitude (the massive pre-RoPE channels) take the budget there, which is
+  - keys (grouped per *channel* over G tokens): ``|x - median_c|`` in the units of the data,
+    with the median of channel ``c`` over the group's valid tokens. That distance is what an
+    element adds to its channel's range over the group, and so to the step of every other token
+    there: the budget lands on the channels of large magnitude (the massive pre-RoPE ones),
     where shrinking a range buys the most.
-  - values (grouped per *token* over Gv channels): the median of the token's own group.
+  - values (grouped per *token* over Gv channels): the distance from the median of the token's
+    own group divided by that group's median absolute deviation, ranked over all its channels.
 
-  Until session 57 the distance was divided by each group's median absolute deviation (a z-score
-  per channel). That spent the budget on channels of small spread, whose ranges are narrow
-  anyway; the absolute distance measured better on every model and width but one row (news
-  perplexity, e.g. SmolLM2 kvquant-2 +3.47% -> +2.03%, SOTU +1.49% -> +0.25% over FP16) and lost
-  fewer of Gemma3's passkeys (``benchmarks/results/outlier_rule.md``). The rule is named in the
-  cache key of automatic calibrations (:data:`OUTLIER_RULE`). Neither rule needs calibration.
+  Until session 57 the keys' distance was divided by each channel's median absolute deviation
+  too (a z-score per channel), which spent the budget on narrow channels. The absolute distance
+  measured better perplexity on 10 of 12 rows (three models, 2-4 bits; e.g. SmolLM2 kvquant-2
+  +1.49% -> +0.14% on SOTU, +3.47% -> +1.97% on news) and kept more of Gemma3's passkeys (8 lost
+  / 5 won against FP16 over two draws, against 16 / 2). For values both ways gave the same
+  perplexity, and dividing kept more of the passkeys' margin
+  (``benchmarks/results/outlier_rule.md``). The rule is named in the cache key of automatic
+  calibrations (:data:`OUTLIER_RULE`). Neither rule needs calibration.
 
 Calibration
 -----------
@@ -116,7 +119,7 @@ OFFLINE_KEY_RULE = "q0.002@2,mse-quantiles@3+"
 # how a token's outliers are chosen (module docstring), named in the cache key of automatic
 # calibrations and kept in a file's ``extra``: codebooks fitted under the earlier rule (``mad``,
 # files without the entry) are refitted, and a file that has none is warned about
-OUTLIER_RULE = "abs-median"
+OUTLIER_RULE = "keys-abs-median"
 FORMAT = "kvbits-kvquant-calibration-v1"
 
 
@@ -252,12 +255,18 @@ def outlier_index_dtype(head_dim: int) -> torch.dtype:
     return torch.uint8 if head_dim <= 256 else torch.int16
 
 
-def _outlier_score(x: torch.Tensor, dim: int, ok: torch.Tensor | None) -> torch.Tensor:
+def _outlier_score(x: torch.Tensor, dim: int, ok: torch.Tensor | None,
+                   spread: bool = False) -> torch.Tensor:
     """``|x - median|`` along ``dim`` over the elements where ``ok`` (0 elsewhere): how far each
-    element stretches its group's range (:data:`OUTLIER_RULE`)."""
+    element stretches its group's range. ``spread`` (values): divided by the group's median
+    absolute deviation (:data:`OUTLIER_RULE`)."""
     xm = x if ok is None else torch.where(ok, x, torch.nan)
     med = torch.nan_to_num(xm.nanmedian(dim=dim, keepdim=True).values, nan=0.0)
     dev = (x - med).abs()
+    devm = dev if ok is None else torch.where(ok, dev, torch.nan)
+    if spread:
+        mad = torch.nan_to_num(devm.nanmedian(dim=dim, keepdim=True).values, nan=0.0)
+        dev = dev / (mad + 1e-6 + 1e-3 * devm.nan_to_num(0.0).amax(dim=dim, keepdim=True))
     return torch.nan_to_num(dev if ok is None else torch.where(ok, dev, 0.0), nan=0.0)
 
 
@@ -346,7 +355,7 @@ def _split_values(v: torch.Tensor, bits: int, value_group: int, n_out: int,
     idx = None
     dense = ok
     if n_out:
-        score = ungroup(_outlier_score(vg, 4, ok), D)
+        score = ungroup(_outlier_score(vg, 4, ok, spread=True), D)
         mask, idx = _top_mask(score, n_out)
         mask = channel_groups(mask, value_group)[0]
         dense = ~mask if ok is None else ok & ~mask
