@@ -38,7 +38,7 @@ def old_digest(spec, text: str, tokens: int, outlier_rule: bool = False) -> str:
               if k not in kvq._FIELD_DEFAULTS or v != kvq._FIELD_DEFAULTS[k]}
     if spec.key_scales == "calibrated":
         fields["offline_key_rule"] = kvq.OFFLINE_KEY_RULE
-    if outlier_rule and spec.outliers:
+    if outlier_rule and spec.outliers and spec.key_scales == "group":
         fields["outlier_rule"] = kvq.OUTLIER_RULE
     key = json.dumps({**fields, "text": text, "tokens": tokens}, sort_keys=True)
     return hashlib.sha1(key.encode()).hexdigest()[:10]
@@ -60,13 +60,15 @@ BEFORE = {"kvquant-3": "c2e6e34492", "kvquant-4-offline": "ba80a6fba5"}
 
 @pytest.mark.parametrize("name", sorted(BEFORE))
 def test_calibration_path_of_float32_keeps_its_key_and_half_precision_has_its_own(name):
-    """The float32 key is the one before the dtype was keyed, plus the outlier rule: fits of
-    the earlier rule (BEFORE) are not reused, a preset without outliers keeps its old file."""
+    """The float32 key is the one before the dtype was keyed, plus the outlier rule where it
+    shapes the fit: per-group key scales' fits of the earlier rule (BEFORE) are not reused; the
+    offline presets (outliers by largest error) and a preset without outliers keep their files."""
     spec, model = resolve_spec(name), tiny_llama()
     f32 = kvq.calibration_path(model, spec, TEXT, TOKENS)
     digest = old_digest(spec, TEXT, TOKENS, outlier_rule=True)
     assert f32.name == f"{kvq.model_fingerprint(model)}-{digest}.safetensors"
-    assert BEFORE[name] == old_digest(spec, TEXT, TOKENS) != digest
+    assert BEFORE[name] == old_digest(spec, TEXT, TOKENS)
+    assert (digest != BEFORE[name]) == (spec.key_scales == "group")
     dense = spec.replace(outliers=0.0)
     assert kvq.calibration_path(model, dense, TEXT, TOKENS).name.endswith(
         f"-{old_digest(dense, TEXT, TOKENS)}.safetensors")

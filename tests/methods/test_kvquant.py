@@ -218,7 +218,8 @@ def test_outlier_rule_keys_absolute_values_per_spread(kind):
 def test_calibration_of_another_outlier_rule_is_used_with_a_warning(calibrated, tmp_path):
     """A file fitted under the earlier outlier rule (no ``outlier_rule`` in its extra) still
     serves, with a warning that names both rules; this kvbits' own files load silently, and a
-    spec without outliers does not care."""
+    spec without outliers or with offline key rows (whose fit the rule does not change) is not
+    warned about."""
     import warnings
 
     model, spec, cal, _ = calibrated
@@ -232,11 +233,12 @@ def test_calibration_of_another_outlier_rule_is_used_with_a_warning(calibrated, 
     with pytest.warns(UserWarning, match=r"chosen by the 'mad' rule, not this kvbits' "
                                          r"'keys-abs-median'.*kvbits calibrate"):
         loaded.check(model, spec)
-    dense = copy.deepcopy(loaded)
-    dense.spec = kvq.spec_fields(spec.replace(outliers=0.0))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        dense.check(model, spec.replace(outliers=0.0))
+    for other in (spec.replace(outliers=0.0), spec.replace(key_scales="calibrated")):
+        unruled = copy.deepcopy(loaded)  # no outliers, or key outliers by largest error
+        unruled.spec = kvq.spec_fields(other)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            unruled.check(model, other)
 
 
 def test_outliers_reduce_error():

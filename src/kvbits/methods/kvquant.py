@@ -695,7 +695,7 @@ class Calibration:
         if len(self.layers) != n:
             raise ValueError(f"calibration has {len(self.layers)} layers, the model {n}")
         rule = self.extra.get("outlier_rule", "mad")
-        if spec.outliers and rule != OUTLIER_RULE:  # usable, but fitted to other dense ranges
+        if _outlier_rule_applies(spec) and rule != OUTLIER_RULE:  # usable, fitted otherwise
             warnings.warn(f"calibration (preset {self.preset or '?'}) was fitted with outliers "
                           f"chosen by the {rule!r} rule, not this kvbits' {OUTLIER_RULE!r}: its "
                           "codebooks serve, a new calibration fits them better (kvbits "
@@ -974,12 +974,19 @@ def calibration_path(model, spec: QuantSpec, text: str, tokens: int,
               if k not in _FIELD_DEFAULTS or v != _FIELD_DEFAULTS[k]}  # existed still hold)
     if spec.key_scales == "calibrated":
         fields["offline_key_rule"] = OFFLINE_KEY_RULE
-    if spec.outliers:
+    if _outlier_rule_applies(spec):
         fields["outlier_rule"] = OUTLIER_RULE
     key = json.dumps({**fields, "text": text, "tokens": tokens, **_text_file_key(text),
                       **dtype_key(model, dtype)}, sort_keys=True)
     digest = hashlib.sha1(key.encode()).hexdigest()[:10]
     return cache_dir() / "calibrations" / f"{model_fingerprint(model)}-{digest}.safetensors"
+
+
+def _outlier_rule_applies(spec: QuantSpec) -> bool:
+    """Whether :data:`OUTLIER_RULE` shaped a calibration for ``spec``: only where there are
+    outliers and the keys take their group's min/max (with offline key rows a token's key
+    outliers are its largest errors, and the values' rule did not change)."""
+    return bool(spec.outliers) and spec.key_scales == "group"
 
 
 def _text_file_key(text: str) -> dict:
@@ -1082,4 +1089,5 @@ def calibrate(model, input_ids: torch.Tensor, spec: QuantSpec, *, model_name: st
                        {"tokens": int(input_ids.numel()), "window": window,
                         "dtype": dtype_name(model_dtype(model)),
                         "device": str(model.device),
-                        **({"outlier_rule": OUTLIER_RULE} if spec.outliers else {})}, probe)
+                        **({"outlier_rule": OUTLIER_RULE} if _outlier_rule_applies(spec)
+                           else {})}, probe)
