@@ -111,6 +111,8 @@ def teacher_forced(model, cache, question, target):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--preset", default="kvquant-3", help="the KVQuant preset under each rule")
     ap.add_argument("--seed", type=int, default=6)
     ap.add_argument("--trials", type=int, default=4)
     ap.add_argument("--lengths", default="1024,2048,4096,8192")
@@ -118,7 +120,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(2)
-    model, tok = load_model("gemma3-270m")
+    model, tok = load_model(args.model)
     text = load_text("sotu-2010-2016")
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [0.0, 0.25, 0.5, 0.75, 1.0]
@@ -129,7 +131,7 @@ def main() -> None:
     calib_ids = tokenize_text(tok, load_text("sotu-pre-2000"), 4096)
     caches = {}
     for rule in args.rules.split(","):
-        spec = parse_presets("kvquant-3:O=0" if rule == "none" else "kvquant-3")[0].spec
+        spec = parse_presets(f"{args.preset}:O=0" if rule == "none" else args.preset)[0].spec
         RULE["rule"] = "abs" if rule == "none" else rule
         t0 = time.perf_counter()
         cal = kvq.calibrate(model, calib_ids, spec)

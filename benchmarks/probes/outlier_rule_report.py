@@ -91,9 +91,10 @@ def main() -> None:
         f"{k} {100 * sum(got.get(k, 0.0) for got in table.values()):+.2f} points"
         for k in ppl_rules) + "."]
     counts = {name: needle_counts(rows) for name, rows in needle.items()}
-    lines += ["", "## Gemma3-270M passkeys (kvquant-3), against FP16", "",
-              ("Every trial of a `kvbits needle --model gemma3-270m --trials 4 --seed S` draw "
-               "(1k-8k tokens, depths 0-100%), the document prefilled in FP16 and copied into "
+    lines += ["", "## Passkeys (kvquant-3), against FP16", "",
+              ("Every trial of a `kvbits needle` draw: Gemma3-270M `--trials 4 --seed S` (1k-8k "
+               "tokens, depths 0-100%), SmolLM2 `--lengths 1k,2k --trials 6 --seed 2` (the draw "
+               "of `needle_key_bits.md`); the document prefilled in FP16 and copied into "
                "each cache. A hit: the key's tokens, teacher-forced after the question, each "
                "win the argmax (smallest margin > 0; on seed 6 this agrees with the harness's "
                "greedy answers in 79 of 80 FP16 trials and 79 of 80 kvquant-3 ones, the misses "
