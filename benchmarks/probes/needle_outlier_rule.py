@@ -43,20 +43,15 @@ _abs_score = kvq._outlier_score  # its default: the absolute distance (the keys'
 
 
 def _mad_score(x, dim, ok):
-    """The rule before session 57: ``|x - median| / (MAD + eps)`` along ``dim``."""
-    xm = x if ok is None else torch.where(ok, x, torch.nan)
-    med = xm.nanmedian(dim=dim, keepdim=True).values
-    dev = (x - med).abs()
-    devm = dev if ok is None else torch.where(ok, dev, torch.nan)
-    mad = torch.nan_to_num(devm.nanmedian(dim=dim, keepdim=True).values, nan=0.0)
-    eps = 1e-6 + 1e-3 * devm.nan_to_num(0.0).amax(dim=dim, keepdim=True)
-    return torch.nan_to_num(dev / (mad + eps), nan=0.0)
+    """The rule before session 57, on both sides: the distance divided by the group's MAD (the
+    values' score kvbits keeps)."""
+    return _abs_score(x, dim, ok, spread=True)
 
 
 def _score(x, dim, ok, spread=False):
     """The rule RULE names: ``abs2`` both sides absolute, ``abs`` the keys (scored along dim 3)
-    only; MAD-normalized otherwise (``mad``, and ``none`` / ``koff`` / ``voff`` on the side that
-    keeps its outliers)."""
+    only; MAD-normalized otherwise (``mad``, and ``koff`` / ``voff`` on the side that keeps its
+    outliers; ``none`` has none)."""
     if RULE["rule"] == "abs2" or (dim == 3 and RULE["rule"] == "abs"):
         return _abs_score(x, dim, ok)
     return _mad_score(x, dim, ok)
@@ -132,7 +127,7 @@ def main() -> None:
     caches = {}
     for rule in args.rules.split(","):
         spec = parse_presets(f"{args.preset}:O=0" if rule == "none" else args.preset)[0].spec
-        RULE["rule"] = "abs" if rule == "none" else rule
+        RULE["rule"] = rule
         t0 = time.perf_counter()
         cal = kvq.calibrate(model, calib_ids, spec)
         print(f"{rule}: calibrated in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -152,7 +147,7 @@ def main() -> None:
                     model(doc, use_cache=True, logits_to_keep=1, **cache_kwargs(model, dense))
                 row = {"trial": trial, "length": n, "depth": d, "key": p.key}
                 for rule, (spec, cal) in caches.items():
-                    RULE["rule"] = "abs" if rule == "none" else rule
+                    RULE["rule"] = rule
                     cache = KVBitsCache(model, spec, calibration=cal)
                     copy_dense_cache(dense, cache)
                     row[rule] = teacher_forced(model, cache, question, target)
