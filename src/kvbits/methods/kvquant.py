@@ -266,7 +266,8 @@ def _outlier_score(x: torch.Tensor, dim: int, ok: torch.Tensor | None,
     devm = dev if ok is None else torch.where(ok, dev, torch.nan)
     if spread:
         mad = torch.nan_to_num(devm.nanmedian(dim=dim, keepdim=True).values, nan=0.0)
-        dev = dev / (mad + 1e-6 + 1e-3 * devm.nan_to_num(0.0).amax(dim=dim, keepdim=True))
+        eps = 1e-6 + 1e-3 * devm.nan_to_num(0.0).amax(dim=dim, keepdim=True)
+        dev = dev / (mad + eps)
     return torch.nan_to_num(dev if ok is None else torch.where(ok, dev, 0.0), nan=0.0)
 
 
