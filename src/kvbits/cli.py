@@ -1360,7 +1360,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "the history as the cache stores it.")
     p.add_argument("--model", default="smollm2", help=f"model: {model_help} (default smollm2)")
     p.add_argument("--text", default="sotu-2010-2016",
-                   help="sotu-2010-2016, sotu-pre-2000, lee-news or a text file (default sotu-2010-2016)")
+                   help="sotu-2010-2016, sotu-2017-2021, sotu-pre-2000, lee-news or a text file (default sotu-2010-2016)")
     p.add_argument("--presets", default="fp16,kivi-4,kivi-2",
                    help="comma-separated; each a " + PRESET_HELP + " (default fp16,kivi-4,kivi-2)")
     p.add_argument("--hf-quantized", metavar="LIST",

