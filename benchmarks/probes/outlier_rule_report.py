@@ -3,6 +3,10 @@
 
     python benchmarks/probes/outlier_rule_report.py --ppl A.json B.json ... \
         --needle seed6=X.json,Y.json seed8=Z.json
+
+``--base outlier_rule.json`` starts from the inputs a previous rendering kept (its perplexity
+runs and passkey rows), so a later draw is added without the earlier JSON files; ``--note``
+appends a sentence to the passkey section (what the added draw is).
 """
 
 import argparse
@@ -52,9 +56,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ppl", nargs="+", default=[])
     ap.add_argument("--needle", nargs="+", default=[])
+    ap.add_argument("--base", help="a previous outlier_rule.json: its inputs come first")
+    ap.add_argument("--note", default="", help="a sentence appended to the passkey section")
     args = ap.parse_args()
-    ppl = [json.loads(Path(p).read_text()) for p in args.ppl]
-    needle = {}
+    base = json.loads(Path(args.base).read_text()) if args.base else {"ppl": [], "needle": {}}
+    ppl = base["ppl"] + [json.loads(Path(p).read_text()) for p in args.ppl]
+    needle = dict(base["needle"])
     for item in args.needle:
         name, _, paths = item.partition("=")
         needle[name] = merge_needle(paths.split(","))
@@ -62,7 +69,7 @@ def main() -> None:
                          text=True, cwd=OUT, check=False).stdout.strip()
     meta = {"device": "cpu", "threads": 2, "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__, "git": git}
-    lines = ["# Which elements become KVQuant's outliers: the rule, measured (session 57)", "",
+    lines = ["# Which elements become KVQuant's outliers: the rule, measured (sessions 57-58)", "",
              ("Each rule with codebooks refitted under it (in memory, SOTU 1900-1999, 2048 tokens "
               "for perplexity and 4096 for the passkeys, as `kvbits ppl` / `kvbits needle` "
               "calibrate), everything else kvquant-N as shipped (G=32, R=128, one sink, pre-RoPE "
@@ -98,7 +105,8 @@ def main() -> None:
                "each cache. A hit: the key's tokens, teacher-forced after the question, each "
                "win the argmax (smallest margin > 0; on seed 6 this agrees with the harness's "
                "greedy answers in 79 of 80 FP16 trials and 79 of 80 kvquant-3 ones, the misses "
-               "answering \"the 53985.\"). Margin: that smallest logit margin minus FP16's."), "",
+               "answering \"the 53985.\"). Margin: that smallest logit margin minus FP16's."
+               + (" " + args.note if args.note else "")), "",
               "| draw | rule | hits | lost | won | mean margin change | mean abs margin change |",
               "|---|---|---|---|---|---|---|"]
     for name, c in counts.items():
