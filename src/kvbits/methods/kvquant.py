@@ -263,8 +263,8 @@ def _outlier_score(x: torch.Tensor, dim: int, ok: torch.Tensor | None,
     xm = x if ok is None else torch.where(ok, x, torch.nan)
     med = torch.nan_to_num(xm.nanmedian(dim=dim, keepdim=True).values, nan=0.0)
     dev = (x - med).abs()
-    devm = dev if ok is None else torch.where(ok, dev, torch.nan)
     if spread:
+        devm = dev if ok is None else torch.where(ok, dev, torch.nan)
         mad = torch.nan_to_num(devm.nanmedian(dim=dim, keepdim=True).values, nan=0.0)
         eps = 1e-6 + 1e-3 * devm.nan_to_num(0.0).amax(dim=dim, keepdim=True)
         dev = dev / (mad + eps)
