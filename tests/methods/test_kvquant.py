@@ -808,3 +808,89 @@ def test_calibration_save_and_load_refuse_a_folder(calibrated, tmp_path):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match="it is a folder"):
         kvq.Calibration.load(tmp_path)
+
+
+def tiny_gemma2(sliding_window=32):
+    """A Gemma2 (attention-logit softcapping, which SDPA refuses) in its own eager attention."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    return Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=sliding_window,
+        attn_logit_softcapping=5.0, attn_implementation="eager")).eval()
+
+
+def model_kv(model, ids):
+    """Per layer the model's own (post-RoPE) K and V ``[H, T, D]`` of ``ids`` (full layers)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    return [(layer.keys[0], layer.values[0]) for layer in cache.layers]
+
+
+@pytest.mark.parametrize("fisher", [False, True])
+def test_softcapped_calibration_records_the_models_own_keys_and_values(fisher):
+    """With Gemma2's logit cap the recorded K/V are the model's: the capture ran the model's own
+    eager attention on the SDPA mask (none on the causal fast path, or a boolean one it adds to
+    the scores), so every token saw the ones after it and the K/V of every layer past the first
+    (and the Fisher weights) were another model's."""
+    model = tiny_gemma2()
+    ids = torch.randint(0, 128, (1, 48), generator=torch.Generator().manual_seed(1))
+    got = kvq.collect_kv(model, ids, window=48, fisher=fisher, pre_rope=False)
+    for i, ((k_ref, v_ref), (k, v, *_)) in enumerate(zip(model_kv(model, ids), got)):
+        torch.testing.assert_close(k_ref, k, msg=f"layer {i} keys")
+        torch.testing.assert_close(v_ref, v, msg=f"layer {i} values")
+
+
+@pytest.mark.parametrize("bad", ["one-head", "flat", "transposed", "single"])
+def test_offline_rows_of_another_shape_are_refused_by_name(bad):
+    """``rows`` must be the offline ``(scale, zero)`` pair of ``[kv_heads, head_dim]`` rows: one
+    head's row failed in a reshape naming no argument, and a flat ``[H * D]`` or transposed
+    ``[D, H]`` one was quantized with silently, reshaped as if it were ``[H, D]``."""
+    H, D = 2, 8
+    x = torch.randn(1, H, 32, D)
+    cb = kvq.uniform_codebooks(H, 2, 2)
+    s, z = kvq.offline_key_rows(x[0], 2)
+    rows = {"one-head": (s[:1], z[:1]), "flat": (s.reshape(-1), z.reshape(-1)),
+            "transposed": (s.T, z.T), "single": (s,)}[bad]
+    with pytest.raises(ValueError, match=r"rows must be the offline \(scale, zero\) pair of "
+                                         r"\[kv_heads, head_dim\] = \[2, 8\]"):
+        kvq.quantize_keys(x, 2, 32, cb.k_codebook, cb.k_thresholds, 1, rows=rows)
+    kvq.quantize_keys(x, 2, 32, cb.k_codebook, cb.k_thresholds, 1, rows=(s, z))  # fine
+
+
+@pytest.mark.parametrize("side", ["keys", "values"])
+def test_float64_codebooks_dequantize_with_outliers(side):
+    """A float64 codebook (fitted outside kvbits, e.g. from numpy) quantizes, and its
+    dequantization adds the outliers too: the float32 corrections were scattered into the float64
+    dense values ("scatter(): Expected self.dtype to be equal to src.dtype")."""
+    x = torch.randn(1, 2, 32, 16, generator=torch.Generator().manual_seed(0))
+    cb = kvq.uniform_codebooks(2, 3, 3)
+    cb64, th64 = cb.k_codebook.double(), cb.k_thresholds.double()
+    if side == "keys":
+        c, s, z, oi, ov = kvq.quantize_keys(x, 3, 32, cb64, th64, 2)
+        got = kvq.dequantize_keys(c, s, z, 3, 32, cb64, oi, ov)
+        c, s, z, oi, ov = kvq.quantize_keys(x, 3, 32, cb.k_codebook, cb.k_thresholds, 2)
+        want = kvq.dequantize_keys(c, s, z, 3, 32, cb.k_codebook, oi, ov)
+    else:
+        c, s, z, oi, ov = kvq.quantize_values(x, 3, 8, 32, cb64, th64, 2)
+        got = kvq.dequantize_values(c, s, z, 3, 8, 32, cb64, oi, ov)
+        c, s, z, oi, ov = kvq.quantize_values(x, 3, 8, 32, cb.v_codebook, cb.v_thresholds, 2)
+        want = kvq.dequantize_values(c, s, z, 3, 8, 32, cb.v_codebook, oi, ov)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_offline_key_rows_top_code_stays_in_float16_range(bits):
+    """Offline key rows of keys spanning float16's whole range (a BF16 / FP32 model): the top
+    uniform code ``zero + (2**bits - 1) * scale`` stays at or below 65504, as the group min/max
+    ones do (the scale had rounded up: 2 bits gave 65536, inf in a float16 dequantization)."""
+    k = torch.tensor([-65504.0, 65504.0]).repeat(16).view(1, 32, 1).expand(2, 32, 8).contiguous()
+    scale, zero = kvq.offline_key_rows(k, bits, q=0.0)
+    top = zero.float() + scale.float() * ((1 << bits) - 1)
+    assert (top <= 65504).all() and (top > 65000).all(), top.max()
+    assert torch.isfinite(top.half()).all()  # (one float16 rounding, as the kernels have it)

@@ -178,3 +178,32 @@ def test_tune_keeps_the_base_fp16_layers(model, tmp_path):
         tune(model, ids, base, 6.0, window=64)
     with pytest.raises(ValueError, match="cannot be met with 3 of them kept in FP16"):
         tune(model, ids, resolve_spec("kivi-3", skip_layers=(0, 1, 2)), 8.0, window=64)
+
+
+def test_sensitivity_of_a_softcapped_model():
+    """Gemma2 caps its attention logits, which SDPA refuses ("`sdpa` attention does not support
+    `softcap`"): the trials run the capped attention, the unquantized pass gives the model's own
+    logits, and the sensitivities are measured."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from kvbits.methods import tune as tune_mod
+
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=32,
+        attn_logit_softcapping=5.0, attn_implementation="eager")).eval()
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits
+        tune_mod._register()
+        model.set_attn_implementation(tune_mod._ATTN)
+        try:
+            got = model(ids, use_cache=False).logits
+        finally:
+            model.set_attn_implementation("eager")
+    torch.testing.assert_close(got, want)
+    sens = layer_sensitivity(model, ids, PRESETS["kivi-2"], (2, 4), window=64)
+    for kind in ("k", "v"):
+        assert sens[kind].shape == (2, 2) and sens[kind].isfinite().all()
+        assert (sens[kind] >= -1e-6).all()

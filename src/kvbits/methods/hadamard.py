@@ -38,6 +38,7 @@ from . import (
     calibration_chunks,
     calibration_ids,
     check_made_for,
+    full_attention,
     made_for,
     model_dtype,
     per_layer_calibration,
@@ -102,12 +103,11 @@ def choose_channels(q: torch.Tensor, k: torch.Tensor, group_size: int = 32) -> l
 
 
 def _capture(store: dict):
-    """An attention function recording each layer's post-RoPE queries and keys, then SDPA."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    """An attention function recording each layer's post-RoPE queries and keys, then SDPA (or
+    with Gemma2's logit cap, which SDPA refuses, the capped eager form: :func:`full_attention`)."""
     def fn(module, query, key, value, attention_mask, **kwargs):
         store[module.layer_idx] = (query.detach()[0].float().cpu(), key.detach()[0].float().cpu())
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return full_attention(module, query, key, value, attention_mask, **kwargs)
     return fn
 
 

@@ -11,8 +11,10 @@ with the same FP16 ``scale``/``zero`` (min/max over the group) and the same pack
   integers ``0 .. 2**bits - 1``). An element normalized to ``u = (x - zero) / scale`` gets the code
   of its nearest codebook entry (``searchsorted`` on the ``2**bits - 1`` thresholds, the midpoints
   of the codebook fitted by k-means), and dequantizes to ``codebook[h, code] * scale + zero``. The
-  uniform codebook ``arange(2**bits)`` gives back KIVI exactly, so a fused kernel only swaps
-  ``code`` for one table lookup.
+  uniform codebook ``arange(2**bits)`` gives back KIVI's scales, zeros and dequantization exactly,
+  and its codes but where an element lies exactly halfway between two levels (the lower code
+  here, KIVI's round-half-to-even there), so a fused kernel only swaps ``code`` for one table
+  lookup.
 * **Outliers** (dense-and-sparse). Each token vector (one token, one KV head, K and V separately)
   keeps a *fixed* number ``n = ceil(outliers * head_dim)`` of its channels outside the dense
   range: they are excluded from the group min/max (so they no longer stretch the step of the
@@ -89,7 +91,7 @@ from ..reference.quant import (
     ungroup,
 )
 from ..spec import QuantSpec
-from . import calibration_chunks, dtype_key, dtype_name, model_dtype
+from . import calibration_chunks, dtype_key, dtype_name, full_attention, model_dtype
 
 __all__ = ["Calibration", "LayerCodebooks", "calibrate", "dequantize_keys", "dequantize_values",
            "kmeans_1d", "model_fingerprint", "outlier_index_dtype", "quantize_keys",
@@ -405,6 +407,14 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int, codebook: torch.T
     _check_tables("quantize_keys", bits, H, codebook, thresholds)
     _check_n_out("quantize_keys", n_out, D)
     if rows is not None:
+        # (another shape failed in a reshape naming no argument, or, as [H * D] or [D, H],
+        # was taken as the [H, D] rows silently)
+        if not (isinstance(rows, (tuple, list)) and len(rows) == 2
+                and all(isinstance(r, torch.Tensor) and tuple(r.shape) == (H, D) for r in rows)):
+            got = ([list(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__
+                    for r in rows] if isinstance(rows, (tuple, list)) else type(rows).__name__)
+            raise ValueError(f"quantize_keys: rows must be the offline (scale, zero) pair of "
+                             f"[kv_heads, head_dim] = [{H}, {D}] tensors, got {got}")
         return _quantize_keys_rows(k, bits, group_size, codebook, thresholds, n_out, valid, rows)
     kg, scale, zero, dense, idx = _split_keys(k, bits, group_size, n_out, valid)
     codes = _codes(_normalize(kg, scale, zero), thresholds.to(k.device))
@@ -481,6 +491,10 @@ def offline_key_rows(k: torch.Tensor, bits: int, keep: torch.Tensor | None = Non
     lo, hi = lo.clamp(-FP16_MAX, FP16_MAX), hi.clamp(-FP16_MAX, FP16_MAX)
     zero = lo.half()
     scale = ((hi - zero.float()) / levels).clamp(0, FP16_MAX).half()
+    # as minmax_qparams: a scale rounded up can put the top code past 65504 (inf where a kernel
+    # dequantizes with one float16 rounding): one float16 step down there
+    top = zero.float() + scale.float() * levels
+    scale = torch.where(top > FP16_MAX, torch.nextafter(scale, torch.zeros_like(scale)), scale)
     return scale, zero
 
 
@@ -489,7 +503,8 @@ def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: in
                     valid: torch.Tensor | None = None):
     """KVQuant values: per-token groups of Gv channels, packed along tokens like the keys.
 
-    Returns ``codes [B, H, T // G * Wv, D] int32``, ``scale, zero [B, H, T, D // Gv] float16``,
+    Returns ``codes [B, H, T // G * Wv, D] int32``, ``scale, zero [B, H, T, ceil(D / Gv)]
+    float16`` (the last group shorter where Gv does not divide D: :func:`channel_groups`),
     ``out_idx, out_val [B, H, T, n_out]`` (None when ``n_out == 0``).
     """
     B, H, T, D = _check_args("quantize_values", "v", v, bits, group_size, valid)
@@ -515,7 +530,7 @@ def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: in
 def _add_outliers(x: torch.Tensor, out_idx, out_val) -> torch.Tensor:
     if out_idx is None or out_idx.shape[-1] == 0:
         return x
-    return x.scatter_add(-1, out_idx.long(), out_val.float())
+    return x.scatter_add(-1, out_idx.long(), out_val.to(x.dtype))  # (float64 codebooks too)
 
 
 def dequantize_keys(codes, scale, zero, bits, group_size, codebook, out_idx=None, out_val=None,
@@ -783,20 +798,15 @@ class Calibration:
 
 def _capture_attention(store: dict, grad: bool):
     """An attention function recording each layer's (post-RoPE) K and V, then running SDPA, or
-    with an attention-logit cap (Gemma2; SDPA has none) the model's own eager attention."""
-    import sys
-
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    with an attention-logit cap (Gemma2; SDPA has none) the capped eager form
+    (:func:`kvbits.methods.full_attention`; the model's own eager attention, given the SDPA
+    mask, let every token see the ones after it)."""
     def fn(module, query, key, value, attention_mask, **kwargs):
         if grad:
             key.retain_grad()
             value.retain_grad()
         store.setdefault(module.layer_idx, []).append((key, value))
-        if kwargs.get("softcap") is not None:
-            eager = sys.modules[type(module).__module__].eager_attention_forward
-            return eager(module, query, key, value, attention_mask, **kwargs)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return full_attention(module, query, key, value, attention_mask, **kwargs)
     return fn
 
 

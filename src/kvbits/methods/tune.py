@@ -37,7 +37,7 @@ import torch
 
 from ..checks import is_count
 from ..spec import QuantSpec
-from . import calibration_chunks
+from . import calibration_chunks, full_attention
 
 __all__ = ["TuneResult", "allocate", "check_tune_args", "layer_sensitivity", "tune"]
 
@@ -77,15 +77,15 @@ def _fake_quantize(key: torch.Tensor, value: torch.Tensor, spec: QuantSpec, kind
 
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    """SDPA (or with Gemma2's logit cap, which SDPA refuses, the capped eager form:
+    :func:`kvbits.methods.full_attention`), one layer's K or V quantized in a trial."""
     layer = _STATE["layer"]
     if layer is not None and getattr(module, "layer_idx", None) == layer:
         channels = _STATE["channels"][layer] if _STATE["channels"] else None
         inv_freq = _STATE["inv_freqs"][layer] if _STATE["inv_freqs"] else None
         key, value = _fake_quantize(key, value, _STATE["spec"], _STATE["kind"], channels,
                                     inv_freq)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return full_attention(module, query, key, value, attention_mask, **kwargs)
 
 
 def _register() -> None:
