@@ -86,6 +86,24 @@ def test_latent_attention_is_refused_with_its_reason():
         decode_in_parts(model, x, KVBitsCache(model, "kivi-4"), 10, 15)
 
 
+def test_learned_attention_sinks_are_refused_with_their_reason():
+    """gpt-oss adds a learned sink logit per head to every softmax (``s_aux``), which neither
+    SDPA nor the kvbits kernels apply: the FP16 preset's logits were off by half their scale,
+    silently (QA, session 53). Refused at the first step, naming the cause."""
+    cfg = getattr(tf, "GptOssConfig", None)
+    if cfg is None:
+        pytest.skip("this transformers has no gpt-oss")
+    torch.manual_seed(0)
+    model = tf.GptOssForCausalLM(cfg(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=16, max_position_embeddings=131072,
+        layer_types=["sliding_attention", "full_attention"], pad_token_id=0)).eval()
+    x = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(NotImplementedError, match="attention sinks.*s_aux.*DynamicCache"):
+        decode_in_parts(model, x, KVBitsCache(model, "fp16"), 10, 15)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("head_dim", [100, 80, 40])

@@ -712,6 +712,39 @@ def test_a_cache_continued_by_another_model_hands_it_the_history(preset, more):
     torch.testing.assert_close(on_b, on_a, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("preset,kw", [("fp16", {}), ("kivi-4:R=8", {}),
+                                       ("kivi-4:R=8", {"skip_layers": (1,)})])
+def test_a_sliding_cache_that_evicted_is_continued_by_another_model(preset, kw):
+    """The same hand-over after Gemma3's sliding layers dropped tokens (LayerStore.evict): the
+    mask transformers builds for the sliding layers (from the first one's ``get_mask_sizes``)
+    covers every token seen, so the slow path must hand SDPA as many keys, the dropped ones as
+    stand-ins that the window hides, whatever each layer dropped (an FP16 layer among kivi
+    ones drops other counts). It handed the tokens held: SDPA failed on a mask of 57 columns
+    for keys of 20 (QA, session 53)."""
+    a = tiny_model("gemma3")
+    b = copy.deepcopy(a)
+    x, mask = padded_batch("cpu", length=64, pad=8)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    got, want = KVBitsCache(a, preset, **kw), KVBitsCache(a, preset, **kw)
+
+    def step(model, cache, t0, t1):
+        return forward(model, x[:, t0:t1], cache, attention_mask=mask[:, :t1],
+                       position_ids=pos[:, t0:t1]).logits
+
+    for cache in (got, want):
+        step(a, cache, 0, 40)
+        for t in range(40, 56):
+            step(a, cache, t, t + 1)
+    evicted = [layer.store.evicted for layer in got.layers]
+    assert min(evicted[:3]) > 0 and evicted[3] == 0
+    assert len(set(evicted[:3])) == (2 if kw else 1)
+    with pytest.warns(UserWarning, match="slow path"):
+        on_b = torch.cat([step(b, got, t, t + 1) for t in range(56, 60)], 1)
+    on_a = torch.cat([step(a, want, t, t + 1) for t in range(56, 60)], 1)
+    torch.testing.assert_close(on_b, on_a, atol=1e-4, rtol=0)
+    assert got.get_seq_length() == want.get_seq_length() == 60
+
+
 def test_slow_path_matches_fast_path(lm):
     """A config-built cache on an SDPA model dequantizes the history: same logits, same store."""
     model, tok = lm

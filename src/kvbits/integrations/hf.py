@@ -49,7 +49,8 @@ Known limits
 * Attention-logit softcapping (Gemma2): the prompt step runs an eager attention with the cap
   (SDPA has none; it builds the ``[B, H, Lq, Lk]`` scores), decode caps the scores inside the
   kernels' online softmax.
-* Layer types other than full and sliding attention (chunked, linear/SSM, KV sharing) are rejected.
+* Layer types other than full and sliding attention (chunked, linear/SSM, KV sharing) are rejected,
+  and so are learned attention sinks (gpt-oss's ``s_aux``), at the first step.
 * Not ``torch.compile``-able (``is_compileable`` is False). CUDA graphs instead:
   :meth:`KVBitsCache.begin_device_lengths` (lengths on the device, fixed-size flushes) makes
   decode steps replayable; :mod:`kvbits.integrations.decode_loop` captures and replays them.
@@ -234,11 +235,19 @@ class KVBitsLayer(CacheLayerMixin):
             self._cache._warn_slow_path()
         store.flush()
         keys, values = dequantize_layer(store.view(), key_states.dtype, starts=store.starts)
-        return store.model_keys(keys), values
+        keys = store.model_keys(keys)
+        if store.evicted:  # a sliding layer whose fast path dropped tokens: zeros stand in for
+            # them, as the mask covers every token seen (get_mask_sizes); its window hides them
+            keys, values = (torch.cat([x.new_zeros(*x.shape[:2], store.evicted, x.shape[3]), x],
+                                      2) for x in (keys, values))
+        return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # The mask covers the whole history (the kvbits attention reads it only at the prompt
-        # step, before any eviction; the slow path never evicts).
+        # step, before any eviction, and for a chunk's own keys, its last columns; the slow
+        # path hands over stand-ins for what the fast path evicted). Every token seen, not
+        # those held from the first not evicted: transformers builds one mask for all sliding
+        # layers, from the first one's sizes, and layers of other specs evict other counts.
         if isinstance(query_length, torch.Tensor):  # transformers < 5.4 pass cache_position
             query_length = query_length.shape[0]
         return self.get_seq_length() + query_length, 0
@@ -937,6 +946,11 @@ def kvbits_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                              dropout: float = 0.0, scaling: float | None = None,
                              is_causal: bool | None = None, **kwargs):
     """The ``"kvbits"`` attention: ``query [B, Hq, Lq, D]`` -> ``([B, Lq, Hq, D], None)``."""
+    if kwargs.get("s_aux") is not None:  # (SDPA and the kernels ignored it: wrong, silently)
+        raise NotImplementedError(
+            f"{type(module).__name__} adds learned attention sinks (s_aux, gpt-oss style) to "
+            "its softmax, which the kvbits attention does not apply: use transformers' "
+            "DynamicCache with the model's own attention implementation (eager) for this model")
     softcap = kwargs.get("softcap")
     tag = getattr(key, "_kvbits", None)
     if tag is None:  # not a KVBitsCache tensor (no cache, DynamicCache, slow path)
