@@ -64,6 +64,11 @@ def test_parse_presets_defaults_apply_to_quantized_presets_only_and_yield_to_ove
     ("kivi-2:S=1099511627776", r"sink_tokens must be an integer in \[0, 2\*\*20\)"),
     (",", "at least one preset"),
     ("fp16:K=4", "preset 'fp16' quantizes nothing and takes no overrides"),  # was ignored
+    # FP16's harmless command-wide knobs (G, R, S) written in the preset itself were ignored,
+    # silently: the row was labelled 'fp16:R=3' and measured plain FP16
+    ("fp16:R=3", r"'fp16:R=3': preset 'fp16' quantizes nothing .*\(got residual_length\)"),
+    ("fp16:G=64,S=2", r"preset 'fp16' quantizes nothing .*\(got group_size, sink_tokens\)"),
+    ("fp16:q_group_size=64", r"preset 'fp16' quantizes nothing .*\(got group_size\)"),
 ])
 def test_parse_presets_errors(text, match):
     with pytest.raises(ValueError, match=match):
@@ -642,6 +647,51 @@ def test_calibration_file_reaches_the_kvquant_caches(tmp_path, monkeypatch):
         _check_calibration(str(tmp_path / "none.safetensors"), [variant])
 
 
+def test_a_spec_file_for_another_depth_is_refused_naming_the_option(capsys, monkeypatch,
+                                                                    tmp_path):
+    """A spec file tuned for a model of another depth: `memory` said only "QuantSpec: these
+    per-layer bits were chosen for a model with 30 layers", naming neither --preset nor which
+    preset; `ppl` said the same once its turn came, after every preset before it had run."""
+    import importlib
+
+    import torch
+
+    from kvbits import cli
+
+    spec = tmp_path / "deep.json"
+    spec.write_text('{"kvbits_spec": 1, "spec": {"method": "kivi", "key_bits": 2, '
+                    '"value_bits": 2, "layer_bits": [[0, 4, 4]], "model_layers": 30}}')
+    code, _, err = run(capsys, "memory", "--config", "llama-3-8b", "--preset",
+                       f"fp16,kivi-2,{spec}")
+    assert code == 2 and f"error: --preset {spec}: QuantSpec: these per-layer bits were chosen " \
+                         "for a model with 30 layers" in err, err
+    ppl = importlib.import_module("kvbits.eval.perplexity")  # (the package names a function so)
+    ids = torch.randint(1, 64, (1, 256))
+    monkeypatch.setattr(cli, "_load", lambda *a: (_tiny_llama(), None, ids))
+    monkeypatch.setattr(ppl, "perplexity", lambda *a, **k: pytest.fail("a preset ran"))
+    with pytest.raises(ValueError, match=rf"--presets {re.escape(str(spec))}: QuantSpec: these "
+                                         "per-layer bits were chosen for a model with 30 layers"):
+        cli.run_ppl(cli.PplConfig("tiny", "t", parse_presets(f"fp16,kivi-2:R=4,{spec}"),
+                                  chunk=64), "kvbits ppl")
+    # generate and needle: once the model has loaded, before any cache is made
+    import kvbits.data
+    from kvbits.eval import needle
+
+    monkeypatch.setattr(cli, "_load", lambda *a, **k: (_tiny_llama(), None, None))
+    monkeypatch.setattr(cli, "generate_text", lambda *a, **k: pytest.fail("generated"))
+    monkeypatch.setattr(kvbits.data, "load_model", lambda *a, **k: (_tiny_llama(), None))
+    monkeypatch.setattr(needle, "run_needle", lambda *a, **k: pytest.fail("needle ran"))
+    text = tmp_path / "hay.txt"
+    text.write_text("grass " * 100)
+    for argv, flag in ((["generate", "--prompt", "x", "--device", "cpu", "--preset", str(spec)],
+                        "--preset"),
+                       (["needle", "--presets", f"kivi-2,{spec}", "--text", str(text), "--out",
+                         str(tmp_path / "n")], "--presets")):
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and f"error: {flag} {spec}: QuantSpec: these per-layer bits were " \
+                             "chosen for a model with 30 layers" in err, (argv, err)
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_generate_text_prefix_cache(tmp_path, graphs, monkeypatch):
     """``--prefix-cache``: the first run saves the prompt's cache, a second loads it and feeds the
@@ -839,6 +889,41 @@ def test_an_output_path_that_is_an_input_file_is_refused(capsys, monkeypatch, tm
         assert code == 2 and re.search(r"--(json|md) names the --(calib-)?text file .*replace it",
                                        err), err
     assert text.read_text().startswith("four score")
+
+
+def test_a_command_wide_field_no_spec_file_takes_is_refused(tmp_path):
+    """A spec file of method fp16 took --residual-length (as any spec file did) and then
+    ignored it, silently; fp16 by name is refused as taking none."""
+    spec = tmp_path / "f16.json"
+    spec.write_text('{"kvbits_spec": 1, "spec": {"method": "fp16", "residual_length": 0}}')
+    with pytest.raises(ValueError, match=r"--residual-length 3: no preset in --presets takes it"):
+        parse_presets(f"fp16,{spec}", residual_length=3)
+    k2, f16 = parse_presets(f"kivi-2,{spec}", residual_length=3)
+    assert k2.spec.residual_length == 3 and not f16.spec.quantized
+
+
+def test_an_output_path_that_is_an_input_spec_file_is_refused(capsys, monkeypatch, tmp_path):
+    """`memory --preset S.json --json S.json` (ppl --presets / --json / --md, tune --base / -o
+    alike) read the spec file, then wrote the results over it: the user's spec was lost."""
+    import kvbits.data
+
+    monkeypatch.setattr(kvbits.data, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    spec = tmp_path / "my spec.json"
+    doc = '{"kvbits_spec": 1, "spec": {"method": "kivi", "key_bits": 3, "value_bits": 3, ' \
+          '"skip_layers": [0]}}\n'
+    spec.write_text(doc)
+    for argv, flag in ((["memory", "--preset", f"fp16,{spec}", "--json", str(spec)], "--json"),
+                       (["memory", "--preset", f"{spec}:R=0", "--json", str(spec)], "--json"),
+                       (["ppl", "--presets", f"fp16,{spec}", "--md",
+                         str(tmp_path / "." / spec.name)], "--md"),
+                       (["tune", "--base", str(spec), "-o", str(spec)], "--output"),
+                       # needle writes NAME.json, NAME.md and NAME.png into --out
+                       (["needle", "--presets", f"kivi-2,{spec}", "--out", str(tmp_path),
+                         "--name", "my spec"], "--out/--name")):
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and re.search(rf"{flag} names the spec file .*my spec\.json.* replace "
+                                       "it", err), (argv, err)
+        assert spec.read_text() == doc, argv
 
 
 def test_missing_npm_is_one_line_without_a_traceback(capsys, monkeypatch, tmp_path):

@@ -88,13 +88,14 @@ def parse_presets(text: str, option: str = "--presets", **defaults) -> list[Vari
         given = {}  # the command-wide options this preset takes (named in an error)
         if name not in PRESETS or PRESETS[name].quantized:
             given = {k: v for k, v in defaults.items() if v is not None and k not in fields}
-            fields = {**given, **fields}
-            used |= given.keys()
-        try:
-            spec = resolve_spec(name, **fields)
+        try:  # (the string itself, so that resolve_spec knows which fields it wrote: written
+            # on fp16 they are refused, where the command-wide knobs pass as harmless no-ops)
+            spec = resolve_spec(item, **given)
         except ValueError as exc:
             with_ = "".join(f" with --{k.replace('_', '-')} {v}" for k, v in given.items())
             raise ValueError(f"{option}: {item!r}{with_}: {exc}") from None
+        if spec.quantized:  # (a spec file of method fp16 ignores them, as fp16 does)
+            used |= given.keys()
         variants.append(Variant(item, "kvbits", spec))
     if not variants:
         raise ValueError(f"{option}: give at least one preset, e.g. fp16,kivi-4,kivi-2")
@@ -255,6 +256,24 @@ def _check_chunks(model, n_tokens: int, chunk: int, window: int | None, stride: 
                                   if has_window else "use more --tokens or a smaller --chunk"))
 
 
+def _check_spec_layers(variants, model, option: str) -> None:
+    """Every kvbits preset with per-layer settings can serve ``model`` (or a model of that many
+    layers, an int): a spec file tuned for a model of another depth failed without naming the
+    option or the preset; in ppl only once its turn came, after every preset before it had
+    run."""
+    layered = [v for v in variants if v.kind == "kvbits" and (v.spec.per_layer
+                                                              or v.spec.model_layers)]
+    if not layered:
+        return
+    n_layers = model if isinstance(model, int) else \
+        model.config.get_text_config(decoder=True).num_hidden_layers
+    for v in layered:
+        try:
+            v.spec.check_layers(n_layers)
+        except ValueError as exc:
+            raise ValueError(f"{option} {v.label}: {exc}") from None
+
+
 def _versions() -> dict:
     import importlib.metadata as md
 
@@ -409,6 +428,7 @@ def run_ppl(cfg: PplConfig, command: str) -> list[dict]:
     dtype = resolve_dtype(cfg.dtype, check_device(cfg.device), "ppl")
     _check_hf_device(cfg.variants, cfg.device)
     model, _, ids = _load(cfg.model, cfg.text, cfg.tokens, cfg.device, cfg.text_data, dtype)
+    _check_spec_layers(cfg.variants, model, "--presets")
     window = default_window(model) if cfg.window is None else cfg.window
     if cfg.stride is not None and cfg.stride > window:  # (the default window needs the model)
         raise ValueError(f"--stride {cfg.stride} must be at most the window, {window} (the "
@@ -1035,6 +1055,7 @@ def _cmd_generate(args) -> int:
     if cfg.prefix_cache:
         prefix_file_tokens(cfg)  # a file for another preset or model: before it too
     model, tok, _ = _load(cfg.model, device=device)
+    _check_spec_layers([variant], model, "--preset")
     with on_device(next(model.parameters())):  # cuda:N current: the graph loop captures there
         r = generate_text(model, tok, cfg)
     if len(r["texts"]) == 1:
@@ -1174,6 +1195,7 @@ def run_memory(cfg: MemoryConfig) -> list:
         if cfg.gpu_memory:
             _log(f"weights: {weights / 1e9:.2f} GB (FP16, {shape.params or 0:,} parameters)"
                  if weights else "weights: unknown for this config, counted as 0 (use --weights)")
+    _check_spec_layers(cfg.variants, shape.layers, "--preset")
     if cfg.gpu_memory is not None and weights >= cfg.gpu_memory:
         how = "" if cfg.weights is not None else " (auto: the config's FP16 weights)"
         raise ValueError(f"--weights {weights / 1e9:.2f} GB{how} leaves no room in --gpu-memory "
@@ -1476,11 +1498,26 @@ OUTPUT_FILES = {"json": "--json", "md": "--md", "output": "--output",
 OUTPUT_FOLDERS = {"out": "--out"}
 # Input files an output path must not replace (argparse dest -> what it holds).
 INPUT_FILES = {"text": "--text", "calib_text": "--calib-text", "calibration": "--calibration"}
+# Options (argparse dest) whose presets may be spec files, read as input too.
+PRESET_OPTIONS = ("presets", "preset", "base")
+
+
+def _spec_files(args) -> list[str]:
+    """The spec files (``.json``) that the preset options name (``--presets``, ``--preset``,
+    ``--base``; a string, or needle's and bench's items), their overrides cut off."""
+    out = []
+    for dest in PRESET_OPTIONS:
+        given = getattr(args, dest, None)
+        for text in [given] if isinstance(given, str) else given or ():
+            out += [name for name in (item.strip().partition(":")[0]
+                                      for item in str(text).split(",")) if name.endswith(".json")]
+    return out
 
 
 def check_outputs(args) -> None:
     """Refuse, naming the option, an output path that is the wrong kind (a folder given for a
-    file, or the reverse) or under a folder that cannot be created or written."""
+    file, or the reverse), under a folder that cannot be created or written, or one that
+    would replace a file the command reads (a text, a calibration, a spec file)."""
     import itertools
     import tempfile
 
@@ -1498,13 +1535,17 @@ def check_outputs(args) -> None:
         if a == b:  # (the second write replaced the first)
             raise ValueError(f"{flag} and {other} name the same file {str(path)!r}; give each "
                              "its own")
-    for dest, source in INPUT_FILES.items():  # (the input was read, then overwritten)
-        given = getattr(args, dest, None)
+    if getattr(args, "out", None) and getattr(args, "name", None):  # needle, bench: NAME.*
+        files += [((Path(args.out) / f"{args.name}{ext}").resolve(), None, "--out/--name")
+                  for ext in (".json", ".md", ".png")]
+    inputs = [(getattr(args, dest, None), f"{source} file") for dest, source in
+              INPUT_FILES.items()] + [(path, "spec file") for path in _spec_files(args)]
+    for given, source in inputs:  # (the input was read, then overwritten)
         if isinstance(given, str) and given and Path(given).is_file():
             same = [flag for resolved, _, flag in files if resolved == Path(given).resolve()
                     and flag != "--prefix-cache"]
             if same:
-                raise ValueError(f"{same[0]} names the {source} file {given!r}, which the "
+                raise ValueError(f"{same[0]} names the {source} {given!r}, which the "
                                  "command reads: writing there would replace it; give another "
                                  "path")
     for path, flag, folder in wanted:

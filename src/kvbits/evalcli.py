@@ -103,6 +103,7 @@ def _cmd_needle(args) -> int:
         _check_calib_text,
         _check_calib_tokens,
         _check_calibration,
+        _check_spec_layers,
         _check_text,
         _versions,
         check_device,
@@ -128,6 +129,7 @@ def _cmd_needle(args) -> int:
                        calibration=args.calibration)
     _log(f"loading model {cfg.model!r} and text {cfg.text!r}")
     model, tok = load_model(cfg.model, dtype=dtype, device=args.device, log=_log)
+    _check_spec_layers(variants, model, "--presets")
     text = load_text(cfg.text, log=_log) if haystack is None else haystack
     if cfg.chat and not getattr(tok, "chat_template", None):
         _log(f"{cfg.model}'s tokenizer has no chat template (a base model): the passkey prompt "
