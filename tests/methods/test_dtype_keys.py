@@ -160,3 +160,32 @@ def test_in_memory_calibrations_distinguish_the_dtype(monkeypatch, module, spec,
     assert go(model, spec) == [2]
     model.float()
     assert go(model, spec) == [1] and len(made) == 2
+
+
+@pytest.mark.parametrize("module,spec,compute", [
+    (fp8m, "fp8", "calibrate_fp8"), (hadm, "kivi-2-hadc", "calibrate_hadamard")])
+def test_in_memory_calibrations_never_serve_another_model(monkeypatch, module, spec, compute):
+    """A model freed and another built at its address (CPython reuses ids; simulated here by an
+    ``id`` that gives every model the same number) is calibrated for itself: it was served the
+    freed model's scales / channels, keyed by ``id(model)``. The freed model's entry goes with
+    it."""
+    import gc
+
+    spec = resolve_spec(spec)
+    monkeypatch.setattr(module, "_AUTO", type(module._AUTO)())
+    monkeypatch.setattr(module, "id", lambda obj: 12345, raising=False)
+    monkeypatch.setattr(module, "calibration_ids", lambda *a, **k: torch.zeros(1, 8, dtype=int))
+    monkeypatch.setattr(module, compute, lambda model, ids, spec: [
+        float(model.model.layers[0].self_attn.k_proj.weight[0, 0])])
+    go = module.auto_fp8_scales if module is fp8m else module.auto_hadamard_channels
+    a = tiny_llama(seed=0)
+    got_a = go(a, spec)
+    del a
+    gc.collect()
+    b = tiny_llama(seed=1)
+    want_b = [float(b.model.layers[0].self_attn.k_proj.weight[0, 0])]
+    assert want_b != got_a and go(b, spec) == want_b
+    assert go(b, spec) == want_b and len(module._AUTO) == 1  # kept for b
+    del b
+    gc.collect()
+    assert len(module._AUTO) == 0

@@ -894,3 +894,64 @@ def test_offline_key_rows_top_code_stays_in_float16_range(bits):
     top = zero.float() + scale.float() * ((1 << bits) - 1)
     assert (top <= 65504).all() and (top > 65000).all(), top.max()
     assert torch.isfinite(top.half()).all()  # (one float16 rounding, as the kernels have it)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_kmeans_refuses_weights_not_finite_or_negative(bad):
+    """A NaN weight failed with "The expanded size of the tensor (4) must match the existing
+    size (0)"; an inf one made the fit silently (almost) unweighted."""
+    x = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    w = torch.rand(50, generator=torch.Generator().manual_seed(1)) + 0.1
+    w[3] = bad
+    with pytest.raises(ValueError, match=r"kmeans_1d: w \(the weights\) must be finite and >= 0"):
+        kvq.kmeans_1d(x, w, 4)
+
+
+def test_calibrate_names_fisher_weights_overflowed_in_float16():
+    """A float16 model whose logits overflow: the loss and its gradients, the Fisher weights,
+    are not finite; calibrate named that and the fix, not k-means' "expanded size ... (0)"."""
+    model = tiny_llama().half()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e6)  # logits past float16's 65504
+    ids = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"calibrate: the Fisher weights .* of layer 0's keys "
+                                         r"are not finite: .*float16.*calibrate in float32"):
+        kvq.calibrate(model, ids, resolve_spec("kvquant-3"), window=128)
+
+
+def test_offline_rows_and_table_widths_of_a_damaged_file_are_refused_by_name(tmp_path):
+    """Offline key rows (k_scale / k_zero) NaN, inf, negative scales, missing or of another shape,
+    and codebooks of another width than the file's own spec: refused when loaded, naming the file
+    and the tensor (they loaded silently, or a width was refused later naming no file)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(0))
+    cal = kvq.calibrate(model, ids, resolve_spec("kvquant-3-offline"), window=128)
+    path = cal.save(tmp_path / "off.safetensors")
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        meta = dict(f.metadata())
+
+    def load(edit):
+        out = tmp_path / "edited.safetensors"
+        save_file({k: v for k, v in {**tensors, **edit}.items() if v is not None}, str(out),
+                  metadata=meta)
+        return kvq.Calibration.load(out)
+    load({})  # the unedited copy loads
+    s, z = tensors["layers.1.k_scale"], tensors["layers.1.k_zero"]
+    for name, bad in (("k_scale", s.clone().index_fill_(-1, torch.tensor([2]), float("nan"))),
+                      ("k_zero", z.clone().index_fill_(-1, torch.tensor([0]), float("inf"))),
+                      ("k_scale", -s),
+                      ("k_scale", s[:, :-1].contiguous()),
+                      ("k_zero", z[:1].contiguous()),
+                      ("k_zero", None)):
+        with pytest.raises(ValueError, match=r"'.*edited\.safetensors' is a damaged kvquant "
+                                             rf"calibration: layer 1's (.* )?{name}"):
+            load({f"layers.1.{name}": bad})
+    cb = tensors["layers.0.v_codebook"]  # 3 bits: 8 entries; 4 entries and 3 thresholds
+    with pytest.raises(ValueError, match=r"damaged kvquant calibration: layer 0's v_codebook .* "
+                                         r"value_bits=3"):
+        load({"layers.0.v_codebook": cb[:, :4].contiguous(),
+              "layers.0.v_thresholds": kvq.thresholds_of(cb[:, :4]).contiguous()})

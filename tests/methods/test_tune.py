@@ -207,3 +207,19 @@ def test_sensitivity_of_a_softcapped_model():
     for kind in ("k", "v"):
         assert sens[kind].shape == (2, 2) and sens[kind].isfinite().all()
         assert (sens[kind] >= -1e-6).all()
+
+
+def test_sensitivity_is_finite_with_logits_at_minus_inf(model):
+    """Logits at -inf (a masked vocabulary entry) have p == 0 in both distributions: their KL
+    terms are 0, not 0 * (-inf - -inf) = NaN, which allocate then took as a cost."""
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(0))
+    masked = torch.arange(100, 128)
+    hook = model.lm_head.register_forward_hook(
+        lambda module, args, out: out.index_fill(-1, masked, float("-inf")))
+    try:
+        sens = layer_sensitivity(model, ids, PRESETS["kivi-3"], (2, 4), window=64)
+    finally:
+        hook.remove()
+    for kind in ("k", "v"):
+        assert torch.isfinite(sens[kind]).all(), sens[kind]
+        assert (sens[kind] >= -1e-6).all() and (sens[kind][:, 0] > 0).all()

@@ -14,6 +14,8 @@ elements beyond ``448 * scale`` saturate.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..reference import hadamard as ref_hadamard
@@ -31,7 +33,9 @@ from . import (
 __all__ = ["auto_fp8_scales", "calibrate_fp8", "layer_scales", "load_fp8_scales",
            "save_fp8_scales"]
 
-_AUTO: dict = {}  # (id(model), dtype, granularity, hadamard, text, tokens) -> scales
+# model -> {(dtype, granularity, hadamard, text, tokens): scales}; weakly keyed, not by
+# id(model): a model built where a freed one was took the freed one's scales
+_AUTO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @torch.no_grad()
@@ -119,11 +123,12 @@ def auto_fp8_scales(model, spec: QuantSpec, text: str = "sotu-pre-2000",
     """Scales calibrated on ``text`` (SOTU 1900-1999 by default, disjoint from the evaluation
     text), computed once per model (and dtype: a model converted in place is measured again)
     and kept in memory."""
-    key = (id(model), model_dtype(model), spec.fp8_granularity, spec.hadamard, text, tokens)
-    if key not in _AUTO:
+    key = (model_dtype(model), spec.fp8_granularity, spec.hadamard, text, tokens)
+    entries = _AUTO.setdefault(model, {})
+    if key not in entries:
         ids = calibration_ids(model, text, tokens, "scales", log)
-        _AUTO[key] = calibrate_fp8(model, ids, spec)
-    return _AUTO[key]
+        entries[key] = calibrate_fp8(model, ids, spec)
+    return entries[key]
 
 
 def layer_scales(model_or_config, spec: QuantSpec, calibration, n_layers: int) -> list:

@@ -28,6 +28,7 @@ by the same (symmetric, orthonormal) matrix, so the kernels and the byte count a
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 
 import torch
@@ -49,7 +50,9 @@ __all__ = ["auto_hadamard_channels", "calibrate_hadamard", "choose_channels", "c
            "save_hadamard_channels"]
 
 FORMAT = "kvbits-hadamard-channels-1"
-_AUTO: dict = {}  # (id(model), dtype, group_size, text, tokens) -> channels
+# model -> {(dtype, group_size, text, tokens): channels}; weakly keyed, not by id(model): a
+# model built where a freed one was took the freed one's channels
+_AUTO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def rotation_cost(q: torch.Tensor, k: torch.Tensor, matrix: torch.Tensor,
@@ -185,13 +188,14 @@ def auto_hadamard_channels(model, spec: QuantSpec, text: str = "sotu-pre-2000",
     """Channels calibrated on ``text`` (SOTU 1900-1999 by default, disjoint from the evaluation
     text), computed once per model (and dtype: a model converted in place is measured again)
     and group size and kept in memory."""
-    key = (id(model), model_dtype(model), spec.group_size, text, tokens)
-    if key not in _AUTO:
+    key = (model_dtype(model), spec.group_size, text, tokens)
+    entries = _AUTO.setdefault(model, {})
+    if key not in entries:
         ids = calibration_ids(model, text, tokens, "channels", log)
         if log:
             log(f"hadamard: choosing channel subsets on {ids.shape[1]} tokens of {text!r}")
-        _AUTO[key] = calibrate_hadamard(model, ids, spec)
-    return _AUTO[key]
+        entries[key] = calibrate_hadamard(model, ids, spec)
+    return entries[key]
 
 
 def layer_channels(model_or_config, spec: QuantSpec, calibration, n_layers: int) -> list:

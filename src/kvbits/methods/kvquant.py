@@ -175,13 +175,18 @@ def kmeans_1d(x: torch.Tensor, w: torch.Tensor | None, k: int, bins: int = 512,
     instead of its variance, and may be empty.
     """
     x = x.detach().flatten().double()
-    w = torch.ones_like(x) if w is None else w.detach().flatten().double().clamp_min(0)
+    w = torch.ones_like(x) if w is None else w.detach().flatten().double()
     if x.numel() == 0:
         raise ValueError("kmeans_1d: no data")
     if not is_count(k, 1):  # (0: an IndexError inside)
         raise ValueError(f"kmeans_1d: k must be a positive int (centroids), got {k!r}")
     if ends is not None and k < 2:
         raise ValueError(f"kmeans_1d: ends needs k >= 2 centroids, got k={k}")
+    if w.numel() and not bool((w.isfinite() & (w >= 0)).all()):  # (NaN: "expanded size ...
+        # (0)" below; inf: the other weights normalized to 0, the fit silently unweighted)
+        bad = w[~(w.isfinite() & (w >= 0))]
+        raise ValueError(f"kmeans_1d: w (the weights) must be finite and >= 0, got "
+                         f"{bad.numel()} that are not (e.g. {float(bad[0])})")
     w = w / w.mean().clamp_min(1e-300) + 1e-9  # no zero-weight cluster
     uniq, inv = torch.unique(x, return_inverse=True)
     if uniq.numel() <= bins:
@@ -791,6 +796,32 @@ class Calibration:
                     raise ValueError(f"{damaged}: layer {i}'s {side}_codebook / {side}_thresholds "
                                      "hold a non-finite entry or thresholds out of ascending "
                                      "order")
+                bits = fields["spec"].get(f"{'key' if side == 'k' else 'value'}_bits")
+                if isinstance(bits, int) and cb.shape[1] != 1 << bits:  # (refused later by
+                    # the cache, naming no file)
+                    raise ValueError(f"{damaged}: layer {i}'s {side}_codebook holds "
+                                     f"{cb.shape[1]} entries per head, its spec's "
+                                     f"{'key' if side == 'k' else 'value'}_bits={bits} needs "
+                                     f"{1 << bits}")
+            # the offline key rows (key_scales="calibrated"): a NaN / inf one loaded silently
+            scale, zero = layer.k_scale, layer.k_zero
+            if fields["spec"].get("key_scales") == "calibrated" or (scale is None) != (
+                    zero is None):
+                for name in _OFFLINE_ROWS:
+                    if getattr(layer, name) is None:
+                        raise ValueError(f"{damaged}: layer {i}'s {name} (offline key rows, "
+                                         "key_scales='calibrated') is missing")
+            if scale is not None:
+                if scale.dim() != 2 or scale.shape != zero.shape or (
+                        scale.shape[0] != layer.k_codebook.shape[0]):
+                    raise ValueError(f"{damaged}: layer {i}'s k_scale {list(scale.shape)} and "
+                                     f"k_zero {list(zero.shape)} must both be [heads, head_dim], "
+                                     f"with the codebook's {layer.k_codebook.shape[0]} heads")
+                for name, t in (("k_scale", scale), ("k_zero", zero)):
+                    if not (t.isfinite().all() and (name == "k_zero" or (t >= 0).all())):
+                        raise ValueError(f"{damaged}: layer {i}'s {name} holds a non-finite"
+                                         + (" or negative" if name == "k_scale" else "")
+                                         + " entry")
         return cls(layers, fields["spec"], meta["fingerprint"], meta.get("model", ""),
                    meta.get("preset", ""), meta.get("data", ""), meta.get("date", ""),
                    fields.get("extra", {}), fields.get("probe"))
@@ -1092,6 +1123,15 @@ def calibrate(model, input_ids: torch.Tensor, spec: QuantSpec, *, model_name: st
     input_ids = input_ids.long()  # (int32 ids failed in the Fisher loss: "expected ... Long")
     kv = collect_kv(model, input_ids, window=window, fisher=spec.fisher, pre_rope=spec.pre_rope,
                     log=log)
+    for i, (_, _, gk, gv) in enumerate(kv):  # (k-means failed on them naming nothing)
+        for side, g in (("keys", gk), ("values", gv)):
+            if g is not None and not bool(g.isfinite().all()):
+                raise ValueError(
+                    f"calibrate: the Fisher weights (squared gradients of the loss) of layer "
+                    f"{i}'s {side} are not finite: the loss or its gradients overflowed in the "
+                    f"model's {dtype_name(model_dtype(model))}; calibrate in float32 "
+                    "(model.float(), or `kvbits calibrate --dtype float32`, its default), or "
+                    "with fisher=False")
     layers = [fit_layer(*layer, spec, window=window) for layer in kv]
     probe = weight_probe(model)
     return Calibration(layers, spec_fields(spec), model_fingerprint(model, probe), model_name,

@@ -133,7 +133,8 @@ def layer_sensitivity(model, input_ids: torch.Tensor, base: QuantSpec, bits=(2, 
                 for j, b in enumerate(bits):
                     spec = base.replace(key_bits=b, value_bits=b)
                     _STATE.update(layer=layer, kind=kind, spec=spec)
-                    kl = sum((r.exp() * (r - q)).sum(-1).sum().item()
+                    # terms where p == 0 are 0 (a logit at -inf: 0 * (-inf - -inf) was NaN)
+                    kl = sum(torch.where(r.exp() > 0, r.exp() * (r - q), 0.0).sum(-1).sum().item()
                              for r, q in zip(ref, logprobs()))
                     out[kind][layer, j] = kl / sum(w.shape[1] for w in windows)
             if log:
