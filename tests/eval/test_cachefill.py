@@ -128,3 +128,20 @@ def test_fill_random_refuses_bad_counts(tiny, kw, match):
     args = {"batch": 1, "kv_heads": 2, "head_dim": 16, "tokens": 100, "device": "cpu", **kw}
     with pytest.raises(ValueError, match=match):
         fill_random(KVBitsCache(tiny, "kivi-2"), 2, **args)
+
+
+def test_copy_into_a_dynamic_cache_without_config():
+    """DynamicCache() (no config) makes its layers at their first update: append_kv indexed its
+    empty layer list first and failed (IndexError) instead of calling cache.update."""
+    g = torch.Generator().manual_seed(0)
+    src = DynamicCache()
+    for i in range(2):
+        k, v = torch.randn(1, 2, 7, 16, generator=g), torch.randn(1, 2, 7, 16, generator=g)
+        src.update(k, v, i)
+    dst = DynamicCache()
+    copy_dense_cache(src, dst)
+    assert len(dst.layers) == 2 and dst.get_seq_length() == 7
+    for a, b in zip(src.layers, dst.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    fill_random(DynamicCache(), 2, batch=1, kv_heads=2, head_dim=16, tokens=10, device="cpu",
+                dtype=torch.float32, chunk=4)

@@ -334,3 +334,36 @@ def test_fractional_depths_keep_their_own_labels():
     md = needle_markdown(rows, {"model": "m", "text": "t"})
     assert "| 12.5% |" in md and "| 13%   |" in md
     assert "| 12%" not in md
+
+
+def test_two_fp16_presets_each_answer_from_the_document_alone(tmp_path):
+    """Every unquantized preset read the one prefill DynamicCache itself: the first appended its
+    question and answer to it, so a second one (an fp16 spec file beside fp16) answered from the
+    document + the first preset's question and answer, at shifted positions."""
+    import torch
+
+    from kvbits.eval.speed import build_model, model_config
+    from kvbits.spec import resolve_spec
+
+    path = tmp_path / "plain.json"
+    resolve_spec("fp16").save(path)
+    model = build_model(model_config("tiny"), device="cpu")
+    seen = []  # the cache length each multi-token forward (document, question) starts from
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if ids.shape[1] > 1:
+            seen.append(cache.get_seq_length())
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    cfg = NeedleConfig(lengths=(400,), depths=(0.5,), presets=("fp16", str(path), "kivi-2"),
+                       trials=1, max_new_tokens=4, chat=False)
+    try:
+        with torch.no_grad():
+            rows = run_needle(model, CharTokenizer(), TEXT, cfg, log=lambda m: None)
+    finally:
+        handle.remove()
+    doc = 400 - len(CharTokenizer()("\n\nWhat is the pass key? The pass key is")["input_ids"])
+    assert seen == [0, doc, doc, doc]  # the prefill, then each preset's question
+    assert rows[0]["answer"] == rows[1]["answer"]  # the same cache contents: the same answer

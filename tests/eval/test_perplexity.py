@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from kvbits.eval.perplexity import cache_nbytes, perplexity, plan_windows
+from kvbits.eval.frontier import effective_bits
+from kvbits.eval.perplexity import cache_elements, cache_nbytes, perplexity, plan_windows
 from kvbits.integrations.hf import KVBitsCache
 
 
@@ -125,6 +126,39 @@ def test_quantized_cache_is_read(tiny):
     assert fp["fp16_cache_bytes"] == 200 * 2 * 2 * 2 * 16 * 2
 
 
+def test_bits_per_element_count_the_elements_a_sliding_cache_holds():
+    """On a model with sliding-window layers a kvbits cache holds more tokens there than
+    DynamicCache keeps (up to a chunk; quantized groups up to ~1.25 windows): bits per element
+    divide by the elements it holds, so FP16 is 16 bits and kivi-4 below 16 * 5 / 16, where
+    dividing by DynamicCache's elements put FP16 above 16 (the rows before session 59)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        sliding_window=64)).eval()
+    ids = torch.randint(0, 97, (1, 300), generator=torch.Generator().manual_seed(1))
+    fp = perplexity(model, ids, lambda: KVBitsCache(model, "fp16"), chunk_size=32,
+                    progress=False)
+    assert fp["cache_bytes_fp16"] > fp["fp16_cache_bytes"]  # it held more than DynamicCache
+    assert 16 * fp["cache_bytes_fp16"] / fp["fp16_cache_bytes"] > 16.5  # the old measure
+    assert effective_bits(fp) == 16
+    q = perplexity(model, ids, lambda: KVBitsCache(model, "kivi-4", residual_length=32),
+                   chunk_size=32, progress=False)
+    assert effective_bits(q) < 16
+    # the held elements, layer by layer: what each store holds, never more than it has seen
+    cache = KVBitsCache(model, "kivi-4", residual_length=32)
+    with torch.no_grad():
+        for i in range(0, 300, 32):
+            model(ids[:, i:i + 32], past_key_values=cache, use_cache=True)
+    held = [s.seq_len for s in cache.stores]
+    assert all(64 <= h < 300 for h in held)
+    assert cache_elements(cache) == sum(held) * 2 * 2 * 16
+    old = {k: v for k, v in q.items() if k != "cache_elements"}  # a row from before
+    assert effective_bits(old) == 16 * q["cache_bytes_fp16"] / q["fp16_cache_bytes"]
+
+
 def test_cache_nbytes_of_a_dynamic_cache(tiny):
     from transformers import DynamicCache
 
@@ -134,6 +168,7 @@ def test_cache_nbytes_of_a_dynamic_cache(tiny):
         model(ids[:, :40], past_key_values=cache, use_cache=True)
     assert cache_nbytes(cache) == 40 * 2 * 2 * 2 * 16 * 4  # float32 model
     assert cache_nbytes(cache, fp16=True) == 40 * 2 * 2 * 2 * 16 * 2
+    assert cache_elements(cache) == 40 * 2 * 2 * 2 * 16
 
 
 def test_hf_quantized_cache_factory(tiny):

@@ -31,7 +31,8 @@ def append_kv(cache, layer_idx: int, k: torch.Tensor, v: torch.Tensor, first: in
     ``first``: the position of the chunk's first token (transformers caches that index by
     ``cache_position``, e.g. ``StaticCache`` on older versions)."""
     layers = getattr(cache, "layers", None)
-    layer = layers[layer_idx] if layers is not None else None
+    # (a DynamicCache() without config makes its layers at their first update)
+    layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
     if layer is not None and hasattr(layer, "store") and hasattr(layer, "_attended"):
         # KVBitsLayer: update (fast path: appended without quantizing, tagged for the attention),
         # then what kvbits_attention_forward does once it has consumed the update.

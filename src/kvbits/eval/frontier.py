@@ -9,8 +9,12 @@ is judged only where one side dominates: the other method's point uses no more b
 no worse.
 
 Effective bits per element count every byte the cache holds (codes, FP16 scales and zeros,
-outliers, codebooks, FP16 sink and residual), as ``kvbits ppl`` reports them:
-``16 * cache_bytes_fp16 / fp16_cache_bytes``.
+outliers, codebooks, FP16 sink and residual) per K/V element it holds:
+``8 * cache_bytes_fp16 / cache_elements``. Rows written before ``kvbits ppl`` recorded
+``cache_elements`` (session 59) divide by what an FP16 ``DynamicCache`` holds instead,
+``16 * cache_bytes_fp16 / fp16_cache_bytes``: the same on models without sliding-window layers;
+on Gemma3, whose sliding layers a kvbits cache keeps longer than ``DynamicCache`` does, that
+counts the extra tokens as bits (its FP16 row at ~20 bits instead of 16).
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ class Point:
 
 
 def effective_bits(result: dict) -> float:
-    """Bits per K/V element of a ``kvbits ppl`` result row, every byte of the cache counted."""
+    """Bits per K/V element of a ``kvbits ppl`` result row, every byte of the cache counted
+    (per element held; older rows: per element of an FP16 ``DynamicCache``, module docstring)."""
+    if result.get("cache_elements"):
+        return 8 * result["cache_bytes_fp16"] / result["cache_elements"]
     return 16 * result["cache_bytes_fp16"] / result["fp16_cache_bytes"]
 
 

@@ -225,14 +225,12 @@ def needle_caches(model, cfg: NeedleConfig) -> dict:
             for v in parse_presets(",".join(cfg.presets))}
 
 
-def _kv_bits(cache, config) -> float:
-    """Bits per stored K/V element, floating-point parts counted at 2 bytes."""
-    from .memory import kv_shape
-    from .perplexity import cache_nbytes
+def _kv_bits(cache) -> float:
+    """Bits per stored K/V element, floating-point parts counted at 2 bytes (per element held:
+    a sliding-window layer holds fewer than the tokens seen)."""
+    from .perplexity import cache_elements, cache_nbytes
 
-    shape = kv_shape(config)
-    tokens = cache.get_seq_length()
-    elements = tokens * shape.layers * shape.kv_heads * 2 * shape.head_dim
+    elements = cache_elements(cache)
     return 8 * cache_nbytes(cache, fp16=True) / elements if elements else float("nan")
 
 
@@ -325,9 +323,12 @@ def run_needle(model, tokenizer, text: str, cfg: NeedleConfig,
                     if specs[preset].quantized:
                         cache = caches[preset][1]()
                         copy_dense_cache(dense, cache)
+                    elif preset != order[-1]:  # another FP16 preset reads it after this one
+                        cache = DynamicCache()
+                        copy_dense_cache(dense, cache)
                     else:
                         cache = dense  # FP16: the DynamicCache itself (used last)
-                    kv_bits = _kv_bits(cache, model.config)
+                    kv_bits = _kv_bits(cache)
                     new = _answer(model, cache, question, cfg.max_new_tokens, stop)
                     answer = tokenizer.decode(new, skip_special_tokens=True)
                     ok = passkey_correct(answer, p.key)

@@ -113,7 +113,8 @@ def perplexity(model, input_ids: torch.Tensor, make_cache: Callable[[], object],
         cache held at the end of the first window, in the model's dtype),
         ``cache_bytes_fp16`` (the same cache if the model ran in FP16: FP parts at 2 bytes per
         element), ``fp16_cache_bytes`` (what an FP16 ``DynamicCache`` would hold for the first
-        window), ``seconds`` and ``tokens_per_second``.
+        window), ``cache_elements`` (the K/V elements the cache held then:
+        :func:`cache_elements`), ``seconds`` and ``tokens_per_second``.
 
     >>> perplexity(model, ids, lambda: KVBitsCache(model, "kivi-4"))["ppl"]  # doctest: +SKIP
     20.395...
@@ -194,7 +195,24 @@ def _cache_sizes(cache, model, tokens: int) -> dict:
     from .memory import fp16_cache_bytes
 
     return {"cache_bytes": cache_nbytes(cache), "cache_bytes_fp16": cache_nbytes(cache, fp16=True),
-            "fp16_cache_bytes": fp16_cache_bytes(model.config, tokens)}
+            "fp16_cache_bytes": fp16_cache_bytes(model.config, tokens),
+            "cache_elements": cache_elements(cache)}
+
+
+def cache_elements(cache) -> int | None:
+    """K/V elements a cache holds (tokens held x KV heads x head dim x 2, layer by layer): the
+    denominator of bits per element. Not tokens seen x layers: a sliding-window layer holds
+    fewer, and a kvbits one more than ``DynamicCache`` keeps (up to a chunk, and its quantized
+    groups ~1.25 windows). A KVBitsCache or a cache of dense ``keys``/``values``; None for
+    others (transformers' ``QuantizedCache`` keeps its history packed)."""
+    if hasattr(cache, "stores"):  # KVBitsCache
+        return sum(2 * s.batch * s.kv_heads * s.seq_len * s.head_dim
+                   for s in cache.stores if s is not None)
+    layers = getattr(cache, "layers", [])
+    if any(hasattr(layer, "_quantized_keys") for layer in layers):
+        return None
+    return sum(getattr(layer, name).numel() for layer in layers for name in ("keys", "values")
+               if isinstance(getattr(layer, name, None), torch.Tensor))
 
 
 def cache_nbytes(cache, fp16: bool = False) -> int:
