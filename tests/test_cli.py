@@ -148,7 +148,7 @@ def test_parse_hf_variants_accepts_what_the_backends_use():
     (["generate", "--model", "/nonexistent/m.gguf", "--prompt", "x"],
      "model file '/nonexistent/m.gguf' does not exist"),
     (["needle", "--device", "tpu"], "argument --device: must be cpu, cuda or cuda:N, got 'tpu'"),
-    (["generate", "--prompt", "x", "--temperature", "0.5"], "--temperature apply to --sample"),
+    (["generate", "--prompt", "x", "--temperature", "0.5"], "--temperature applies to --sample"),
     (["generate", "--prompt", "x", "--sample", "--top-p", "1.5"], r"--top-p must be in \(0, 1\]"),
     (["generate", "--prompt", "x", "--sample", "--temperature=0"],
      "--temperature must be finite and >= "),
@@ -156,8 +156,8 @@ def test_parse_hf_variants_accepts_what_the_backends_use():
      r"--temperature must be finite and >= 0.0001 .*leave out --sample"),
     (["generate", "--prompt", "x", "--sample", "--temperature", "inf"],  # sampled uniformly
      "--temperature must be finite"),
-    (["generate", "--prompt", "x", "--temp", "0.5"], "--temperature apply to --sample"),
-    (["generate", "--prompt", "x", "--top", "0.5"], "--top-p apply to --sample"),
+    (["generate", "--prompt", "x", "--temp", "0.5"], "--temperature applies to --sample"),
+    (["generate", "--prompt", "x", "--top", "0.5"], "--top-p applies to --sample"),
     # session 41 QA: "k8" read as 8 and "1kk" as 1024, a 20-digit context reached torch, NaN
     # passed the depth range and failed after the model loaded
     (["needle", "--lengths", "k8"], "--lengths: expected comma-separated integers"),
@@ -859,6 +859,20 @@ def test_preset_own_transformers_group_size_beats_the_command_wide_default():
     (["ppl", "--tokens", "160", "--chunk", "32", "--presets", "fp16,kivi-2"],
      r"--presets kivi-2: no scored token would read its quantized groups"),
     (["demo", "--tokens", "200"], r"--chunk 256 covers every window \(200 tokens"),
+    # a calibration made with another window landed where ppl/generate/needle take their own
+    # (window 512: the cache key holds no window); a window shorter than a group was not refused
+    (["calibrate", "--window", "256"],
+     r"--window 256: without -o .*kvbits cache.* -o PATH .*--calibration PATH"),
+    (["calibrate", "--preset", "kvquant-3:G=64", "--window", "48", "-o", "k.safetensors"],
+     r"--window 48 is shorter than --preset 'kvquant-3:G=64''s group_size 64: .*at least 64"),
+    # grammar: one option "applies"
+    (["generate", "--prompt", "x", "--temperature", "0.5"],
+     r"error: --temperature applies to --sample only"),
+    (["generate", "--prompt", "x", "--temperature", "0.5", "--seed", "1"],
+     r"error: --temperature and --seed apply to --sample only"),
+    # a spec file named .JSON was "an unknown preset"
+    (["memory", "--preset", "fp16,Spec.JSON:R=0"],
+     r"--preset: 'Spec\.JSON:R=0': a spec file's name ends in \.json \(lower case.*Spec\.json"),
 ])
 def test_bad_arguments_are_refused_before_the_model_loads(capsys, monkeypatch, argv, match):
     """These were refused only after the model and text had loaded (tune: ~20 s on 2 cores),
@@ -1218,7 +1232,7 @@ def test_generate_seed_without_sample_is_refused(capsys, monkeypatch):
 
     monkeypatch.setattr(kvbits.data, "load_model", lambda *a, **k: pytest.fail("model loaded"))
     code, _, err = run(capsys, "generate", "--prompt", "x", "--seed", "5")
-    assert code == 2 and "error: --seed apply to --sample only" in err, err
+    assert code == 2 and "error: --seed applies to --sample only" in err, err
     args = build_parser().parse_args(["generate", "--prompt", "x", "--sample", "--seed", "5"])
     assert args.seed == 5
 
@@ -1256,3 +1270,79 @@ def test_generate_takes_a_calibration_text(capsys, monkeypatch, tmp_path):
     code, _, err = run(capsys, "generate", "--preset", "kivi-2", "--prompt", "x",
                        "--calib-tokens", "1000")
     assert code == 2 and "error: --calib-tokens 1000: no preset here calibrates on a text" in err
+
+
+def test_default_output_paths_are_checked_as_given_ones(capsys, monkeypatch, tmp_path):
+    """tune without -o writes MODEL-avgBITS.json in the working directory, calibrate without -o
+    into the kvbits cache: neither was checked as -o is (tune overwrote a --base spec file of
+    that name; calibrate found an unwritable cache only after calibrating)."""
+    import torch
+
+    import kvbits.data
+    import kvbits.methods.kvquant as kvq
+    from kvbits import cli
+
+    monkeypatch.setattr(kvbits.data, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    monkeypatch.chdir(tmp_path)
+    spec = tmp_path / "smollm2-avg3.json"
+    doc = '{"kvbits_spec": 1, "spec": {"method": "kivi", "key_bits": 3, "value_bits": 3}}\n'
+    spec.write_text(doc)
+    code, _, err = run(capsys, "tune", "--base", "smollm2-avg3.json")
+    assert code == 2 and re.search(r"--output names the spec file 'smollm2-avg3\.json'.*replace "
+                                   r"it.*no -o given: the default output", err), err
+    assert spec.read_text() == doc
+    # calibrate: the default path (known once the model is) under a cache it cannot write in
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "calibrations").write_text("a file, not a folder")
+    monkeypatch.setenv("KVBITS_CACHE", str(cache))
+    monkeypatch.setattr(cli, "_load", lambda *a: (_tiny_llama(), None,
+                                                   torch.randint(0, 64, (1, 256))))
+    monkeypatch.setattr(kvq, "calibrate", lambda *a, **k: pytest.fail("calibrated"))
+    code, _, err = run(capsys, "calibrate", "--preset", "kvquant-3", "--tokens", "256")
+    assert code == 2 and re.search(r"--output: cannot write under .*calibrations.*no -o given: "
+                                   r"the default output .*kvbits cache", err), err
+
+
+def test_calibrate_window_with_an_output_file_or_the_default_passes(capsys, monkeypatch):
+    """A non-default --window is refused only without -o; --window 512 (the default, as ppl
+    calibrates) goes into the cache as before."""
+    import inspect
+
+    import kvbits.data
+    import kvbits.methods.kvquant as kvq
+    from kvbits.cli import CALIBRATE_WINDOW
+
+    assert inspect.signature(kvq.calibrate).parameters["window"].default == CALIBRATE_WINDOW
+
+    class Loaded(Exception):
+        pass
+
+    def load_model(*a, **k):
+        raise Loaded
+
+    monkeypatch.setattr(kvbits.data, "load_model", load_model)
+    for argv in (["--window", "256", "-o", "k.safetensors"], ["--window", "512"]):
+        with pytest.raises(Loaded):
+            main(["calibrate", *argv])
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "x", "--device", "cpu"],
+                                  ["needle", "--device", "cpu"]])
+def test_unknown_model_is_refused_naming_the_option(capsys, argv):
+    """The error said "unknown model 'smolm2': ...; known names: ..." without naming --model."""
+    code, _, err = run(capsys, *argv, "--model", "no-such-model")
+    assert code == 2 and re.search(r"error: --model 'no-such-model': unknown model .*known names: "
+                                   r".*smollm2", err), err
+
+
+def test_memory_reports_huge_values_exactly(capsys):
+    """`memory --gpu-memory 1e30` showed a max context of 1,099,511,627,776 (the search's bound,
+    2^40, silently); a context or batch of 10^400 ended in an OverflowError traceback."""
+    code, out, err = run(capsys, "memory", "--preset", "kivi-2", "--gpu-memory", "1e30")
+    gpu, fixed, fp, body = int(1e30), 159, 131072, 24576  # llama-3-8b, FP16 weights taken out
+    want = fixed + (gpu - 2 * 8_030_261_248 - fixed * fp) // body
+    assert code == 0 and f"| {want:,} |" in out and "1,099,511,627,776" not in out, out + err
+    for option in ("--context", "--batch"):
+        code, out, err = run(capsys, "memory", "--preset", "kivi-2", option, "1" + "0" * 400)
+        assert code == 0 and "Traceback" not in err and " TiB (" in out, err

@@ -217,8 +217,21 @@ def test_ppl_hf_quantized_rows_in_half_precision_on_the_cpu(capsys, tmp_path, fa
         assert abs(b["ppl"] / a["ppl"] - 1) < 0.01, (a["label"], a["ppl"], b["ppl"])
 
 
+def test_ppl_json_records_the_window_used(capsys, tmp_path, fake_model):
+    """Without --window the JSON said "window": null; it is the model's default window (the
+    tiny Llama's max_position_embeddings, 2048), as each result row says."""
+    _, text = fake_model
+    js = tmp_path / "w.json"
+    code, _, err = run(capsys, "ppl", "--model", "tiny", "--text", text, "--tokens", "320",
+                       "--chunk", "64", "--presets", "fp16", "--no-progress", "--json", str(js))
+    assert code == 0, err
+    doc = json.loads(js.read_text())
+    assert doc["window"] == 2048 == doc["results"][0]["window"]
+
+
 # -------------------------------------------------------------------------------- calibrate
-CAL = ("--model", "tiny", "--preset", "kvquant-3:R=4", "--tokens", "256", "--window", "128")
+# (the default --window, 512: another one is refused without -o, see test_cli.py)
+CAL = ("--model", "tiny", "--preset", "kvquant-3:R=4", "--tokens", "256")
 
 
 def test_calibrate_records_device_and_dtype(capsys, tmp_path, fake_model):
@@ -240,7 +253,7 @@ def test_calibrate_records_device_and_dtype(capsys, tmp_path, fake_model):
     assert code == 0, err
     assert loads == [(torch.float32, "cpu"), (torch.float16, "cpu")]
     f16 = kvq.Calibration.load(out.strip())
-    assert {"device": "cpu", "dtype": "float16", "tokens": 256, "window": 128}.items() \
+    assert {"device": "cpu", "dtype": "float16", "tokens": 256, "window": 512}.items() \
         <= f16.extra.items()
     assert out.strip() == str(kvq.calibration_path(tiny_llama().half(), spec, text, 256))
     assert out.strip() != str(kvq.calibration_path(tiny_llama(), spec, text, 256))

@@ -77,6 +77,9 @@ def parse_presets(text: str, option: str = "--presets", **defaults) -> list[Vari
     variants, used = [], set()
     for item in _split_items(text, option):
         name, _, rest = item.partition(":")
+        if name.lower().endswith(".json") and not name.endswith(".json"):
+            raise ValueError(f"{option}: {item!r}: a spec file's name ends in .json (lower case, "
+                             f"as kvbits tune writes it); rename it {name[:-5]}.json")
         if name not in PRESETS and not name.endswith(".json"):
             raise ValueError(f"{option}: unknown preset {name!r} in {item!r}; presets are: "
                              f"{', '.join(PRESETS)} (or a spec file, .json, from kvbits tune)")
@@ -204,7 +207,7 @@ def _load(model_name: str, text_name: str | None = None, tokens: int | None = No
          f"under {data.cache_dir()})")
     if dtype is None:
         dtype = torch.float32 if device == "cpu" else torch.float16
-    model, tok = data.load_model(model_name, dtype=dtype, device=device, log=_log)
+    model, tok = load_model_option(model_name, dtype=dtype, device=device)
     _log(f"model ready in {time.perf_counter() - t0:.1f} s "
          f"({dtype_name(dtype)} on {device})")
     if text_name is None:
@@ -218,6 +221,17 @@ def _load(model_name: str, text_name: str | None = None, tokens: int | None = No
         _log(f"note: the text has only {ids.shape[1]} tokens; --tokens asked for {tokens}, "
              f"so {ids.shape[1]} are used")
     return model, tok, ids
+
+
+def load_model_option(name: str, **kwargs):
+    """:func:`kvbits.data.load_model` for ``--model``: its errors (an unknown name, a missing
+    folder; they list the known names) name the option."""
+    from . import data
+
+    try:
+        return data.load_model(name, log=_log, **kwargs)
+    except ValueError as exc:
+        raise ValueError(f"--model {name!r}: {exc}") from None
 
 
 def _check_chunks(model, n_tokens: int, chunk: int, window: int | None, stride: int | None,
@@ -442,7 +456,7 @@ def run_ppl(cfg: PplConfig, command: str) -> list[dict]:
         _check_chunks(model, ids.shape[1], cfg.chunk, cfg.window, cfg.stride, cfg.variants)
     meta = {"command": command, "date": datetime.datetime.now().astimezone().isoformat(
         timespec="seconds"), "versions": _versions(), "model": cfg.model, "text": cfg.text,
-        "tokens": int(ids.shape[1]), "chunk": cfg.chunk, "window": cfg.window, "stride": cfg.stride,
+        "tokens": int(ids.shape[1]), "chunk": cfg.chunk, "window": window, "stride": cfg.stride,
         "threads": __import__("torch").get_num_threads(), "machine": platform.machine(),
         "calib_text": cfg.calib_text, "calib_tokens": cfg.calib_tokens,
         "calibration": cfg.calibration, **run_info(model)}
@@ -681,15 +695,28 @@ def run_calibrate(cfg: CalibrateConfig) -> Path:
              "half-precision backward pass, and small ones underflow to 0 (auto, float32, "
              "keeps them)")
     model, _, ids = _load(cfg.model, cfg.text, cfg.tokens, cfg.device, cfg.text_data, dtype)
+    out = Path(cfg.output) if cfg.output else kvq.calibration_path(model, spec, cfg.text, cfg.tokens)
+    if not cfg.output:  # the default path (known once the model is): checked as -o is
+        _check_default_output(out, "the kvbits cache, where kvbits ppl finds it", text=cfg.text,
+                              preset=cfg.variant.label)
     t0 = time.perf_counter()
     cal = kvq.calibrate(model, ids, spec, model_name=cfg.model, preset=cfg.variant.label,
                         data=f"{cfg.text}:{ids.shape[1]} tokens", window=cfg.window, log=_log)
     cal.extra.update(run_info(model))  # (the GPU's name too)
-    out = Path(cfg.output) if cfg.output else kvq.calibration_path(model, spec, cfg.text, cfg.tokens)
     cal.save(out)
     _log(f"calibrated {len(cal.layers)} layers in {time.perf_counter() - t0:.0f} s")
     print(out)
     return out
+
+
+def _check_default_output(path, where: str, **inputs) -> None:
+    """:func:`check_outputs` for the output a command writes when -o is not given (``path``,
+    in ``where``), against its ``inputs`` (argparse dests: text, preset, base, ...)."""
+    try:
+        check_outputs(argparse.Namespace(output=str(path), **inputs))
+    except ValueError as exc:
+        raise ValueError(f"{exc} (no -o given: the default output is {str(path)!r}, in "
+                         f"{where})") from None
 
 
 def _tokens_reach_a_group(tokens: int, variant: Variant, option: str) -> None:
@@ -701,10 +728,28 @@ def _tokens_reach_a_group(tokens: int, variant: Variant, option: str) -> None:
                          f"group_size {G}: no token would be quantized; give at least {G}")
 
 
+# the window of kvquant.calibrate's default, which auto_calibration (ppl, generate, needle)
+# calibrates with; the cache key holds no window
+CALIBRATE_WINDOW = 512
+
+
 def _cmd_calibrate(args) -> int:
     check_device(args.device)  # before the model loads
     variant = parse_preset(args.preset)
     _tokens_reach_a_group(args.tokens, variant, "--preset")
+    G = variant.spec.group_size  # (a preset of another method: refused by run_calibrate)
+    if variant.spec.method == "kvquant" and args.window < G:
+        raise ValueError(f"--window {args.window} is shorter than --preset {variant.label!r}'s "
+                         f"group_size {G}: every group the codebooks are fitted on would span "
+                         "windows, each starting with its attention-sink token; give at least "
+                         f"{G}, best a multiple of it")
+    if variant.spec.method == "kvquant" and args.output is None \
+            and args.window != CALIBRATE_WINDOW:
+        raise ValueError(f"--window {args.window}: without -o the calibration goes into the "
+                         "kvbits cache, where kvbits ppl, generate and needle take it as their "
+                         f"own automatic calibration, made with windows of {CALIBRATE_WINDOW} "
+                         "tokens (the cache key holds no window); give -o PATH and pass it to "
+                         f"them with --calibration PATH, or leave --window at {CALIBRATE_WINDOW}")
     text = _check_text(args.text, "--text")  # before the model loads; read once
     run_calibrate(CalibrateConfig(args.model, args.text, variant, args.tokens, args.window,
                                   args.output, text, args.device, args.dtype))
@@ -740,9 +785,7 @@ def run_tune(cfg: TuneConfig) -> Path:
     model, _, ids = _load(cfg.model, cfg.text, cfg.tokens, cfg.device, cfg.text_data, dtype)
     t0 = time.perf_counter()
     r = tune(model, ids, cfg.base.spec, cfg.avg_bits, window=cfg.window, log=_log)
-    # default: in the working directory, named after the model (its last path part for a
-    # folder or an HF id such as org/name)
-    out = Path(cfg.output or f"{Path(cfg.model).name}-avg{cfg.avg_bits:g}.json")
+    out = Path(cfg.output or _tune_output(cfg.model, cfg.avg_bits))
     r.spec.save(out, model=cfg.model, base=cfg.base.label, text=cfg.text,
                 tokens=int(ids.shape[1]), avg_bits=r.avg_bits, predicted_kl=r.predicted_kl,
                 sensitivity=r.sensitivity, **r.info, **run_info(model))
@@ -750,6 +793,12 @@ def run_tune(cfg: TuneConfig) -> Path:
          f"predicted KL {r.predicted_kl:.4f}; {r.spec.describe()}")
     print(out)
     return out
+
+
+def _tune_output(model: str, avg_bits: float) -> str:
+    """tune's default output: in the working directory, named after the model (its last path
+    part for a folder or an HF id such as org/name)."""
+    return f"{Path(model).name}-avg{avg_bits:g}.json"
 
 
 def _cmd_tune(args) -> int:
@@ -767,6 +816,9 @@ def _cmd_tune(args) -> int:
         raise ValueError(f"--window {args.window} is shorter than --base {base.label!r}'s "
                          f"group_size {base.spec.group_size}: no token would be quantized; give "
                          f"at least {base.spec.group_size}, best a multiple of it")
+    if args.output is None:  # the default: checked as -o is
+        _check_default_output(_tune_output(args.model, args.avg_bits), "the working directory",
+                              text=args.text, base=args.base)
     text = _check_text(args.text, "--text")  # before the model loads; read once
     run_tune(TuneConfig(args.model, args.text, args.avg_bits, base, args.tokens, args.window,
                         args.output, text, args.device, args.dtype))
@@ -1027,7 +1079,8 @@ def _cmd_generate(args) -> int:
                             ("--seed", args.seed))
              if x is not None]  # (None unless given, under any abbreviation argparse accepts)
     if given and not args.sample:
-        raise ValueError(f"{' and '.join(given)} apply to --sample only (greedy decoding "
+        raise ValueError(f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to "
+                         "--sample only (greedy decoding "
                          "otherwise): add --sample")
     args.temperature = 0.7 if args.temperature is None else args.temperature
     args.top_p = 0.9 if args.top_p is None else args.top_p
@@ -1429,8 +1482,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "), optionally with overrides PRESET:FIELD=VALUE,... as --presets of ppl "
                    "take them, e.g. kvquant-3:O=0.02,G=64 (default kvquant-3)")
     p.add_argument("--tokens", type=_positive, default=4096, help="tokens (default 4096)")
-    p.add_argument("--window", type=_at_least_2, default=512,
-                   help="tokens per forward/backward pass (default 512)")
+    p.add_argument("--window", type=_at_least_2, default=CALIBRATE_WINDOW,
+                   help=f"tokens per forward/backward pass (default {CALIBRATE_WINDOW}; another "
+                   "one needs -o)")
     p.add_argument("-o", "--output", metavar="PATH",
                    help="output .safetensors (default: the kvbits cache, where `kvbits ppl` "
                    "finds it; one made in float32, the default --dtype, serves ppl in any "

@@ -107,11 +107,12 @@ def _cmd_needle(args) -> int:
         _check_text,
         _versions,
         check_device,
+        load_model_option,
         parse_presets,
         resolve_dtype,
         run_info,
     )
-    from .data import load_model, load_text
+    from .data import load_text
     from .eval.needle import NeedleConfig, needle_meta, run_needle, write_needle
 
     dtype = resolve_dtype(args.dtype, check_device(args.device), "needle")  # before the model
@@ -128,7 +129,7 @@ def _cmd_needle(args) -> int:
                        calib_text=calib_text, calib_tokens=calib_tokens,
                        calibration=args.calibration)
     _log(f"loading model {cfg.model!r} and text {cfg.text!r}")
-    model, tok = load_model(cfg.model, dtype=dtype, device=args.device, log=_log)
+    model, tok = load_model_option(cfg.model, dtype=dtype, device=args.device)
     _check_spec_layers(variants, model, "--presets")
     text = load_text(cfg.text, log=_log) if haystack is None else haystack
     if cfg.chat and not getattr(tok, "chat_template", None):

@@ -162,7 +162,10 @@ def test_sliding_window_layers_are_bounded():
     assert budget.max_context > 3 * kv_memory(full, "kivi-2", context=4096,
                                               gpu_memory=10**9).max_context
     every = KVShape("all", 2, 2, 64, sliding_layers=2, window=512)
-    assert kv_memory(every, "kivi-2", context=4096, gpu_memory=10**9).max_context == 1 << 40
+    # every layer slides: no context runs out of memory (it said 2^40, its search bound)
+    unbounded = kv_memory(every, "kivi-2", context=4096, gpu_memory=10**9)
+    assert unbounded.max_context is None
+    assert "no limit" in memory_table([unbounded]).splitlines()[-1]
 
 
 def test_offline_key_scales_drop_the_per_group_key_pair():
@@ -230,3 +233,19 @@ def test_fp16_cache_bytes_are_what_a_dynamic_cache_holds(name, tokens):
     want = cache_nbytes(cache)
     assert fp16_cache_bytes(cfg, tokens) == want
     assert kv_memory(cfg, "fp16", context=tokens).fp16_total_bytes == want
+
+
+def test_max_context_is_not_capped_and_huge_contexts_are_exact():
+    """With --gpu-memory 1e30 the max context showed 1,099,511,627,776: the search's bound
+    (2^40), silently; a context of 10^400 tokens raised OverflowError (float arithmetic)."""
+    gpu = 10**30
+    r = kv_memory("llama-3-8b", "kivi-2", context=4096, gpu_memory=gpu)
+    body, fp, fixed = 24576, 131072, 159
+    want = fixed + (gpu - fixed * fp) // body  # the exact largest context that fits
+    assert r.max_context == want > 1 << 40
+    huge = 10**400
+    big = kv_memory("llama-3-8b", "kivi-2", context=huge)
+    assert big.total_bytes == fixed * fp + (huge - fixed) * body
+    # its bytes, printed without a float (n /= 1024 overflowed)
+    assert format_bytes(big.total_bytes).endswith(" TiB")
+    assert format_bytes(big.total_bytes).startswith(f"{big.total_bytes // 2**40:,}"[:20])

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 
 from ..checks import require_count
 from ..formats.layout import body_bytes_per_token, fp_bytes_per_token
@@ -125,7 +126,8 @@ class MemoryReport:
     ``fixed_fp16_tokens`` / ``fixed_fp16_bytes`` the worst-case FP16 sink + residual of one
     sequence. ``total_bytes`` = ``batch`` sequences of ``context`` tokens. ``max_context`` (for
     ``batch``) and ``max_batch`` (for ``context``) use ``gpu_memory - weights_bytes``; they are
-    None when no GPU memory is given.
+    None when no GPU memory is given, or where nothing bounds them (``max_context`` of a model
+    whose every layer slides: its cache stops growing).
     """
 
     config: str
@@ -256,25 +258,32 @@ def fp16_cache_bytes(config, tokens: int) -> int:
 def _sequence_bytes(tokens: int, fp_tok: int, body_tok: float, fixed: int,
                     shape: KVShape | None = None, spec: QuantSpec | None = None) -> int:
     """Worst-case bytes of one sequence: up to ``fixed`` FP16 tokens, the rest in the body;
-    with ``shape``'s sliding layers holding at most :func:`sliding_hold` tokens."""
-    def part(n: int, share: float) -> float:
+    with ``shape``'s sliding layers holding at most :func:`sliding_hold` tokens. In exact
+    arithmetic (in floats, contexts past 2^53 bytes were rounded, and past 10^308 an
+    OverflowError)."""
+    body_tok = Fraction(body_tok)
+
+    def part(n: int, share: Fraction) -> Fraction:
         n_fp = min(n, fixed)
         return share * (n_fp * fp_tok + (n - n_fp) * body_tok)
     if shape is None or not shape.sliding_layers:
-        return math.ceil(part(tokens, 1.0))
-    s = shape.sliding_layers / shape.layers
+        return math.ceil(part(tokens, Fraction(1)))
+    s = Fraction(shape.sliding_layers, shape.layers)
     return math.ceil(part(tokens, 1 - s) + part(min(tokens, sliding_hold(shape.window, spec)), s))
 
 
-_CONTEXT_CAP = 1 << 40
+_CONTEXT_CAP = 1 << 40  # where the search starts; doubled while a longer context still fits
 
 
-def _max_context(budget: int, seq_bytes) -> int:
-    """Largest token count whose ``seq_bytes`` (non-decreasing) fits in ``budget`` bytes
-    (at most 2^40: a model whose every layer slides never runs out)."""
-    if seq_bytes(_CONTEXT_CAP) <= budget:
-        return _CONTEXT_CAP
-    lo, hi = 0, _CONTEXT_CAP
+def _max_context(budget: int, seq_bytes) -> int | None:
+    """Largest token count whose ``seq_bytes`` (non-decreasing) fits in ``budget`` bytes; None
+    where no count is too long (a model whose every layer slides: its bytes stop growing)."""
+    hi = _CONTEXT_CAP
+    while seq_bytes(hi) <= budget:  # (it said 2^40 here, silently)
+        if seq_bytes(2 * hi) == seq_bytes(hi):  # past the windows: no longer growing
+            return None
+        hi *= 2
+    lo = 0
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if seq_bytes(mid) <= budget:
@@ -311,6 +320,9 @@ def parse_bytes(text: str | int) -> int:
 
 def format_bytes(n: float) -> str:
     """``131072`` -> ``"128.0 KiB"``."""
+    if isinstance(n, int) and abs(n) >= 1 << 1000:  # past a float (OverflowError): in integers
+        tenths = (abs(n) * 10 + (1 << 39)) >> 40
+        return f"{'-' if n < 0 else ''}{tenths // 10:,}.{tenths % 10} TiB"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:,.0f} B" if unit == "B" else f"{n:,.1f} {unit}"
@@ -333,8 +345,9 @@ def memory_table(reports: list[MemoryReport]) -> str:
                f"{format_bytes(r.total_bytes)} ({r.batch} x {r.context:,} tok)",
                f"{r.compression:.2f}x"]
         if has_gpu:
-            row += [f"{r.max_context:,}" if r.max_context is not None else "-",
-                    f"{r.max_batch:,}" if r.max_batch is not None else "-"]
+            unbounded = "-" if r.gpu_memory is None else "no limit"
+            row += [f"{r.max_context:,}" if r.max_context is not None else unbounded,
+                    f"{r.max_batch:,}" if r.max_batch is not None else unbounded]
         rows.append(row)
     return markdown_table(head, rows)
 
