@@ -1,6 +1,7 @@
-"""Tiny random decoders of the GPT-2 family, shared by the tests that build them: their own
-position schemes (learned positions in GPT-2, OPT and GPT-BigCode, whose multi-query form is
-StarCoder's; neighbour-pair rotary over the first 8 channels in GPT-J and CodeGen), two layers.
+"""Tiny random decoders shared by the tests that build them, two layers each: the GPT-2 family,
+with their own position schemes (learned positions in GPT-2, OPT and GPT-BigCode, whose
+multi-query form is StarCoder's; neighbour-pair rotary over the first 8 channels in GPT-J and
+CodeGen), and Gemma2 (attention-logit softcapping).
 ``tests/`` is on ``sys.path`` through its ``conftest.py``."""
 
 from __future__ import annotations
@@ -28,3 +29,13 @@ def gpt2_family(arch: str, *, heads: int = 4, head_dim: int = 16, vocab: int = 1
     }
     torch.manual_seed(0)
     return build[arch]().eval()
+
+
+def tiny_gemma2(sliding_window: int = 32, softcap: float = 5.0):
+    """A Gemma2 (attention-logit softcapping, which SDPA refuses) in its own eager attention;
+    eval mode, seed 0."""
+    torch.manual_seed(0)
+    return tf.Gemma2ForCausalLM(tf.Gemma2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=sliding_window,
+        attn_logit_softcapping=softcap, attn_implementation="eager")).eval()

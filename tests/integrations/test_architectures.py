@@ -89,7 +89,7 @@ def test_latent_attention_is_refused_with_its_reason():
 def test_learned_attention_sinks_are_refused_with_their_reason():
     """gpt-oss adds a learned sink logit per head to every softmax (``s_aux``), which neither
     SDPA nor the kvbits kernels apply: the FP16 preset's logits were off by half their scale,
-    silently (QA, session 53). Refused at the first step, naming the cause."""
+    silently (QA, session 59). Refused at the first step, naming the cause."""
     cfg = getattr(tf, "GptOssConfig", None)
     if cfg is None:
         pytest.skip("this transformers has no gpt-oss")

@@ -720,7 +720,7 @@ def test_a_sliding_cache_that_evicted_is_continued_by_another_model(preset, kw):
     covers every token seen, so the slow path must hand SDPA as many keys, the dropped ones as
     stand-ins that the window hides, whatever each layer dropped (an FP16 layer among kivi
     ones drops other counts). It handed the tokens held: SDPA failed on a mask of 57 columns
-    for keys of 20 (QA, session 53)."""
+    for keys of 20 (QA, session 59)."""
     a = tiny_model("gemma3")
     b = copy.deepcopy(a)
     x, mask = padded_batch("cpu", length=64, pad=8)

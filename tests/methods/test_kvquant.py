@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_decoders import tiny_gemma2
 
 from kvbits.methods import kvquant as kvq
 from kvbits.reference import quant as ref_quant
@@ -414,16 +415,10 @@ def test_calibration_of_a_softcapped_model():
     """Gemma2 caps its attention logits, which SDPA cannot: calibration records K/V through the
     model's own eager attention instead of failing, and the calibrated cache decodes close to
     the model (within the error of the same codebooks on post-RoPE keys)."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
     from kvbits.integrations.hf import KVBitsCache
     from kvbits.spec import resolve_spec
 
-    torch.manual_seed(0)
-    model = Gemma2ForCausalLM(Gemma2Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=32,
-        attn_logit_softcapping=0.5, attn_implementation="eager")).eval()
+    model = tiny_gemma2(softcap=0.5)
     ids = torch.randint(0, 128, (1, 160), generator=torch.Generator().manual_seed(1))
     x = ids[:, :120]
     with torch.no_grad():
@@ -808,17 +803,6 @@ def test_calibration_save_and_load_refuse_a_folder(calibrated, tmp_path):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match="it is a folder"):
         kvq.Calibration.load(tmp_path)
-
-
-def tiny_gemma2(sliding_window=32):
-    """A Gemma2 (attention-logit softcapping, which SDPA refuses) in its own eager attention."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    torch.manual_seed(0)
-    return Gemma2ForCausalLM(Gemma2Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=sliding_window,
-        attn_logit_softcapping=5.0, attn_implementation="eager")).eval()
 
 
 def model_kv(model, ids):

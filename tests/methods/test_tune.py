@@ -184,15 +184,11 @@ def test_sensitivity_of_a_softcapped_model():
     """Gemma2 caps its attention logits, which SDPA refuses ("`sdpa` attention does not support
     `softcap`"): the trials run the capped attention, the unquantized pass gives the model's own
     logits, and the sensitivities are measured."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+    from tiny_decoders import tiny_gemma2
 
     from kvbits.methods import tune as tune_mod
 
-    torch.manual_seed(0)
-    model = Gemma2ForCausalLM(Gemma2Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=32,
-        attn_logit_softcapping=5.0, attn_implementation="eager")).eval()
+    model = tiny_gemma2()
     ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(ids).logits

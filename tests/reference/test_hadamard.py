@@ -228,15 +228,12 @@ def test_one_append_and_token_by_token_store_the_same_bits(dtype, D, chans, devi
 def test_channel_calibration_of_a_softcapped_model():
     """Gemma2 caps its attention logits, which SDPA refuses ("`sdpa` attention does not support
     `softcap`"): the channel calibration records the model's own queries and keys instead."""
-    from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM
+    from tiny_decoders import tiny_gemma2
+    from transformers import DynamicCache
 
     from kvbits.methods.hadamard import calibrate_hadamard, collect_qk
 
-    torch.manual_seed(0)
-    model = Gemma2ForCausalLM(Gemma2Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=32,
-        attn_logit_softcapping=5.0, attn_implementation="eager")).eval()
+    model = tiny_gemma2()
     ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(1))
     cache = DynamicCache()
     with torch.no_grad():
