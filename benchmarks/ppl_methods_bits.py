@@ -3,7 +3,10 @@ benchmarks/results/NAME.{json,md} named on the command line, e.g. ppl_methods_qw
 
 * ``bits/elem (cache)``: every byte the cache held at the end of the window (codes, FP16
   scales/zeros, outliers, codebooks, FP16 sink and residual, as an FP16 model would hold them)
-  per K/V element: ``16 * cache_bytes_fp16 / fp16_cache_bytes``.
+  per K/V element the cache held (``kvbits.eval.frontier.effective_bits``: ``8 *
+  cache_bytes_fp16 / cache_elements``; rows from before session 59 divide by an FP16
+  ``DynamicCache``'s elements, ``16 * cache_bytes_fp16 / fp16_cache_bytes``, which on Gemma3's
+  sliding layers counts the tokens a kvbits cache keeps longer as bits).
 * ``bits/elem (body)``: the marginal cost of a token once quantized (codes + scales/zeros +
   outliers), ``8 * body_bytes_per_token / (2 * head_dim)``; for transformers' QuantizedCache the
   codes + quanto's per-group (G=64) FP16 scale and zero.

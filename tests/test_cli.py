@@ -247,7 +247,9 @@ def test_runs_where_no_token_reads_the_cache_are_refused():
 
     model = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda decoder: SimpleNamespace(
         max_position_embeddings=8192)))
-    assert not reads_cache(256, 256, 8192) and reads_cache(257, 256, 8192)
+    assert not reads_cache(256, 256, 8192) and reads_cache(258, 256, 8192)
+    # 257: the second chunk holds only the last token, whose logit scores nothing
+    assert not reads_cache(257, 256, 8192)
     assert not reads_cache(1024, 256, 200) and reads_cache(1024, 128, 200, stride=100)
     with pytest.raises(ValueError, match="--chunk 256 covers every window"):
         _check_chunks(model, 256, 256, None, None)

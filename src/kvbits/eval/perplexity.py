@@ -85,10 +85,14 @@ def reads_cache(n_tokens: int, chunk_size: int, window: int, stride: int | None 
     history read back from the cache (the first chunk of a window is a full-precision prefill,
     so with one chunk per window every cache scores like FP16).
 
-    >>> reads_cache(256, 256, 8192), reads_cache(1024, 256, 8192)
-    (False, True)
+    A window's last token scores nothing, so a second chunk that holds only it reads the cache
+    for no scored token (``chunk_size + 1`` tokens do not; QA, session 59).
+
+    >>> reads_cache(256, 256, 8192), reads_cache(257, 256, 8192), reads_cache(1024, 256, 8192)
+    (False, False, True)
     """
-    return any(end - start > chunk_size for start, end, _ in plan_windows(n_tokens, window, stride))
+    return any(end - start > chunk_size + 1
+               for start, end, _ in plan_windows(n_tokens, window, stride))
 
 
 @torch.no_grad()
