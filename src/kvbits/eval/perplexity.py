@@ -17,7 +17,7 @@ afterwards, which favours it more the larger the chunk.
 
 Windows: a text longer than ``window`` tokens (default: the model's ``max_position_embeddings``,
 capped at 8192) is cut into windows, each with its own fresh cache. By default they do not overlap
-(``stride = window``), so every token but the first of each window is scored once, with between 0
+(``stride = window``), so every token but the first of each window is scored once, with between 1
 and ``window - 1`` tokens of context. With ``stride < window`` windows start every ``stride``
 tokens and each scores only the tokens that no earlier window scored (the classic strided
 evaluation: more context per token, ``window / stride`` times the compute). A text that starts
