@@ -24,3 +24,21 @@ def test_body_bytes_per_token_refuses_bad_arguments_by_name(edit, match):
     assert body_bytes_per_token(**args, outliers=1) == 54.0
     with pytest.raises(ValueError, match="body_bytes_per_token: " + match):
         body_bytes_per_token(**{**args, **edit})
+
+
+@pytest.mark.parametrize("edit,match", [
+    ({"key_bits": 5}, "key_bits must be one of 2, 3, 4, 8, got 5"),
+    ({"value_bits": 1}, "value_bits must be one of 2, 3, 4, 8, got 1"),
+    ({"key_bits": 2.0}, "key_bits must be one of 2, 3, 4, 8, got 2.0"),
+    ({"value_bits": True}, "value_bits must be one of 2, 3, 4, 8, got True"),
+    ({"head_dim": 0}, "head_dim must be a positive int, got 0"),
+    ({"fp8": True}, "fp8 needs key_bits == value_bits == 8, got 2 / 2"),
+])
+def test_body_bytes_per_token_names_bad_bits_and_head_dim(edit, match):
+    """A bad width failed in packed_length as 'bits must be one of (2, 3, 4, 8), got 5' (key or
+    value? from where?); head_dim 0 as a bad value_group; fp8 with 2-bit widths was counted as
+    8-bit elements, silently."""
+    args = {"head_dim": 64, "key_bits": 2, "value_bits": 2, "group_size": 32, "value_group": 32}
+    assert body_bytes_per_token(**{**args, "key_bits": 8, "value_bits": 8, "fp8": True}) == 128
+    with pytest.raises(ValueError, match="body_bytes_per_token: " + match):
+        body_bytes_per_token(**{**args, **edit})

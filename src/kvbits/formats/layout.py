@@ -74,8 +74,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checks import is_count
-from .packing import packed_length
+from ..checks import as_int, is_count
+from .packing import PACK_BITS, packed_length
 
 
 @dataclass
@@ -200,6 +200,13 @@ def body_bytes_per_token(head_dim: int, key_bits: int, value_bits: int, group_si
         if axis not in ("channel", "token"):  # (a KeyError before; a zero group: ZeroDivision)
             raise ValueError(f"body_bytes_per_token: {name} must be 'channel' or 'token', got "
                              f"{axis!r}")
+    if not is_count(head_dim, 1):
+        raise ValueError(f"body_bytes_per_token: head_dim must be a positive int, got "
+                         f"{head_dim!r}")
+    for name, bits in (("key_bits", key_bits), ("value_bits", value_bits)):
+        if as_int(bits) is None or bits not in PACK_BITS:  # (failed in packed_length, unnamed)
+            raise ValueError(f"body_bytes_per_token: {name} must be one of "
+                             f"{', '.join(map(str, PACK_BITS))}, got {bits!r}")
     if not is_count(group_size, 1):
         raise ValueError(f"body_bytes_per_token: group_size must be a positive int, got "
                          f"{group_size!r}")
@@ -207,6 +214,9 @@ def body_bytes_per_token(head_dim: int, key_bits: int, value_bits: int, group_si
         raise ValueError(f"body_bytes_per_token: outliers must be an int >= 0 (per vector), "
                          f"got {outliers!r}")
     if fp8:
+        if (key_bits, value_bits) != (8, 8):  # (counted as 8-bit elements, silently)
+            raise ValueError(f"body_bytes_per_token: fp8 needs key_bits == value_bits == 8, got "
+                             f"{key_bits} / {value_bits}")
         return 2.0 * head_dim
     check_value_group("body_bytes_per_token", value_group, head_dim)
     meta = {"channel": 2 * 2 * head_dim / group_size,

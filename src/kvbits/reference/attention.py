@@ -109,8 +109,10 @@ def dequantize_layer(kv: PackedKV, dtype: torch.dtype = torch.float32, starts=No
     drops its sink when a sliding window evicts, so it never holds both; the reference
     attention reads the stored order, :func:`stored_order_mask`)."""
     at, lo, hi = None, 0, 0
+    if starts is not None:  # (an int or a list reached the body's re-rotation raw: it failed)
+        starts = _per_seq(starts, kv.batch, 0, kv.sink_k.device)
     if starts is not None and kv.sink_len:
-        at = torch.as_tensor(starts, device=kv.sink_k.device).long().expand(kv.batch)
+        at = starts
         lo, hi = torch.stack(at.aminmax()).tolist()  # (one host read)
     if lo < 0:
         raise ValueError(f"dequantize_layer: starts {at.tolist()} holds a negative start and "
