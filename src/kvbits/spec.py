@@ -38,7 +38,8 @@ class QuantSpec:
             head; ``fp8_scale``, ``fp8_granularity``), "kvquant" or "fp16" (nothing quantized).
         key_bits / value_bits: code width of keys and values, one of 2, 3, 4, 8.
         group_size: G, tokens per key group and channels per value group (32, 64 or 128).
-            Values use ``gcd(G, head_dim)`` channels when G does not divide the head dimension.
+            Where G does not divide the head dimension, values use :meth:`value_group`
+            channels (head_dim 100 at G = 32: groups of 32, 32, 32 and 4).
         residual_length: R, the most recent tokens kept in FP16. Keys move to the packed body a
             whole group at a time once more than R + G - 1 tokens wait, so between R and
             R + G - 1 recent tokens are FP16.
