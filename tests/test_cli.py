@@ -1313,9 +1313,9 @@ def test_calibrate_window_with_an_output_file_or_the_default_passes(capsys, monk
 
     import kvbits.data
     import kvbits.methods.kvquant as kvq
-    from kvbits.cli import CALIBRATE_WINDOW
+    from kvbits.methods import CALIBRATION_WINDOW
 
-    assert inspect.signature(kvq.calibrate).parameters["window"].default == CALIBRATE_WINDOW
+    assert inspect.signature(kvq.calibrate).parameters["window"].default == CALIBRATION_WINDOW
 
     class Loaded(Exception):
         pass

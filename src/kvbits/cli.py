@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .checks import repeated
-from .methods import dtype_name
+from .methods import CALIBRATION_WINDOW, dtype_name
 from .spec import PRESETS, QuantSpec, hf_field_names, parse_overrides, resolve_spec
 
 # ------------------------------------------------------------------------------- variant syntax
@@ -672,7 +672,7 @@ class CalibrateConfig:
     text: str = "sotu-pre-2000"
     variant: Variant | None = None
     tokens: int = 4096
-    window: int = 512
+    window: int = CALIBRATION_WINDOW
     output: str | None = None
     text_data: str | None = None  # the file ``text`` as read by _check_text (None: load it)
     device: str = "cpu"  # cpu, cuda or cuda:N
@@ -728,11 +728,6 @@ def _tokens_reach_a_group(tokens: int, variant: Variant, option: str) -> None:
                          f"group_size {G}: no token would be quantized; give at least {G}")
 
 
-# the window of kvquant.calibrate's default, which auto_calibration (ppl, generate, needle)
-# calibrates with; the cache key holds no window
-CALIBRATE_WINDOW = 512
-
-
 def _cmd_calibrate(args) -> int:
     check_device(args.device)  # before the model loads
     variant = parse_preset(args.preset)
@@ -744,12 +739,12 @@ def _cmd_calibrate(args) -> int:
                          "windows, each starting with its attention-sink token; give at least "
                          f"{G}, best a multiple of it")
     if variant.spec.method == "kvquant" and args.output is None \
-            and args.window != CALIBRATE_WINDOW:
+            and args.window != CALIBRATION_WINDOW:
         raise ValueError(f"--window {args.window}: without -o the calibration goes into the "
                          "kvbits cache, where kvbits ppl, generate and needle take it as their "
-                         f"own automatic calibration, made with windows of {CALIBRATE_WINDOW} "
+                         f"own automatic calibration, made with windows of {CALIBRATION_WINDOW} "
                          "tokens (the cache key holds no window); give -o PATH and pass it to "
-                         f"them with --calibration PATH, or leave --window at {CALIBRATE_WINDOW}")
+                         f"them with --calibration PATH, or leave --window at {CALIBRATION_WINDOW}")
     text = _check_text(args.text, "--text")  # before the model loads; read once
     run_calibrate(CalibrateConfig(args.model, args.text, variant, args.tokens, args.window,
                                   args.output, text, args.device, args.dtype))
@@ -764,7 +759,7 @@ class TuneConfig:
     avg_bits: float = 3.0
     base: Variant | None = None
     tokens: int = 1024
-    window: int = 512
+    window: int = CALIBRATION_WINDOW
     output: str | None = None
     text_data: str | None = None  # the file ``text`` as read by _check_text (None: load it)
     device: str = "cpu"  # cpu, cuda or cuda:N
@@ -1482,8 +1477,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "), optionally with overrides PRESET:FIELD=VALUE,... as --presets of ppl "
                    "take them, e.g. kvquant-3:O=0.02,G=64 (default kvquant-3)")
     p.add_argument("--tokens", type=_positive, default=4096, help="tokens (default 4096)")
-    p.add_argument("--window", type=_at_least_2, default=CALIBRATE_WINDOW,
-                   help=f"tokens per forward/backward pass (default {CALIBRATE_WINDOW}; another "
+    p.add_argument("--window", type=_at_least_2, default=CALIBRATION_WINDOW,
+                   help=f"tokens per forward/backward pass (default {CALIBRATION_WINDOW}; another "
                    "one needs -o)")
     p.add_argument("-o", "--output", metavar="PATH",
                    help="output .safetensors (default: the kvbits cache, where `kvbits ppl` "
@@ -1506,7 +1501,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", default="sotu-pre-2000",
                    help="calibration text (default sotu-pre-2000; evaluate on another one)")
     p.add_argument("--tokens", type=_positive, default=1024, help="tokens (default 1024)")
-    p.add_argument("--window", type=_at_least_2, default=512, help="tokens per forward (512)")
+    p.add_argument("--window", type=_at_least_2, default=CALIBRATION_WINDOW,
+                   help=f"tokens per forward ({CALIBRATION_WINDOW})")
     p.add_argument("-o", "--output", metavar="PATH",
                    help="spec file to write, a .json (default MODEL-avgBITS.json)")
     _device_options(p, "tune")

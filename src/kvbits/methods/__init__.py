@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import os
 
+# Tokens per calibration forward (and backward) pass: every method's default, and the window of
+# the automatic calibrations that ppl, generate and needle make (whose cache key holds none).
+CALIBRATION_WINDOW = 512
+
 
 def model_dtype(model):
     """The float dtype ``model`` computes in (``model.dtype`` of a transformers model, else its

@@ -22,6 +22,7 @@ from ..reference import hadamard as ref_hadamard
 from ..reference import quant as ref_quant
 from ..spec import CALIBRATION_USES, QuantSpec
 from . import (
+    CALIBRATION_WINDOW,
     calibration_chunks,
     calibration_ids,
     check_made_for,
@@ -39,7 +40,8 @@ _AUTO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @torch.no_grad()
-def calibrate_fp8(model, input_ids: torch.Tensor, spec: QuantSpec, window: int = 512) -> list:
+def calibrate_fp8(model, input_ids: torch.Tensor, spec: QuantSpec,
+                  window: int = CALIBRATION_WINDOW) -> list:
     """Per layer ``(k_scale, v_scale)``, float32 ``[kv_heads]``: the amax of the model's K and V
     on ``input_ids [1, T]`` (in windows of ``window`` tokens), per head or per layer."""
     from transformers import DynamicCache

@@ -36,6 +36,7 @@ import torch
 from ..reference import hadamard as ref_hadamard
 from ..spec import QuantSpec
 from . import (
+    CALIBRATION_WINDOW,
     calibration_chunks,
     calibration_ids,
     check_made_for,
@@ -115,7 +116,7 @@ def _capture(store: dict):
 
 
 @torch.no_grad()
-def collect_qk(model, input_ids: torch.Tensor, window: int = 512) -> list:
+def collect_qk(model, input_ids: torch.Tensor, window: int = CALIBRATION_WINDOW) -> list:
     """Per layer ``(Q [Hq, T, D], K [H, T, D])``, post-RoPE as attention sees them, over
     ``input_ids [1, T]`` cut into windows of ``window`` tokens (each from position 0:
     :func:`calibration_chunks`)."""
@@ -141,7 +142,7 @@ def collect_qk(model, input_ids: torch.Tensor, window: int = 512) -> list:
 
 
 def calibrate_hadamard(model, input_ids: torch.Tensor, spec: QuantSpec,
-                       window: int = 512) -> list:
+                       window: int = CALIBRATION_WINDOW) -> list:
     """Per layer, per KV head: the channels to rotate (:func:`choose_channels`) on
     ``input_ids [1, T]``."""
     out = []

@@ -88,10 +88,18 @@ from ..reference.quant import (
     _check_params,
     channel_groups,
     minmax_qparams,
+    top_code_in_fp16,
     ungroup,
 )
 from ..spec import QuantSpec
-from . import calibration_chunks, dtype_key, dtype_name, full_attention, model_dtype
+from . import (
+    CALIBRATION_WINDOW,
+    calibration_chunks,
+    dtype_key,
+    dtype_name,
+    full_attention,
+    model_dtype,
+)
 
 __all__ = ["Calibration", "LayerCodebooks", "calibrate", "dequantize_keys", "dequantize_values",
            "kmeans_1d", "model_fingerprint", "outlier_index_dtype", "quantize_keys",
@@ -496,11 +504,7 @@ def offline_key_rows(k: torch.Tensor, bits: int, keep: torch.Tensor | None = Non
     lo, hi = lo.clamp(-FP16_MAX, FP16_MAX), hi.clamp(-FP16_MAX, FP16_MAX)
     zero = lo.half()
     scale = ((hi - zero.float()) / levels).clamp(0, FP16_MAX).half()
-    # as minmax_qparams: a scale rounded up can put the top code past 65504 (inf where a kernel
-    # dequantizes with one float16 rounding): one float16 step down there
-    top = zero.float() + scale.float() * levels
-    scale = torch.where(top > FP16_MAX, torch.nextafter(scale, torch.zeros_like(scale)), scale)
-    return scale, zero
+    return top_code_in_fp16(scale, zero, bits), zero
 
 
 def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: int,
@@ -841,8 +845,8 @@ def _capture_attention(store: dict, grad: bool):
     return fn
 
 
-def collect_kv(model, input_ids: torch.Tensor, window: int = 512, fisher: bool = True,
-               pre_rope: bool = True, log=None):
+def collect_kv(model, input_ids: torch.Tensor, window: int = CALIBRATION_WINDOW,
+               fisher: bool = True, pre_rope: bool = True, log=None):
     """Per layer ``(K, V, gK2, gV2)`` of shape ``[H, T, D]`` over the calibration tokens.
 
     The text is cut into windows of ``window`` tokens, each run from position 0 without a cache
@@ -1108,7 +1112,8 @@ def _tokenizer_of(model):
 
 
 def calibrate(model, input_ids: torch.Tensor, spec: QuantSpec, *, model_name: str = "",
-              preset: str = "", data: str = "", window: int = 512, log=None) -> Calibration:
+              preset: str = "", data: str = "", window: int = CALIBRATION_WINDOW,
+              log=None) -> Calibration:
     """Fit the codebooks of every layer of ``model`` for ``spec`` on ``input_ids [1, T]``."""
     from ..checks import is_count
     if not isinstance(spec, QuantSpec):

@@ -37,7 +37,7 @@ import torch
 
 from ..checks import is_count
 from ..spec import QuantSpec
-from . import calibration_chunks, full_attention
+from . import CALIBRATION_WINDOW, calibration_chunks, full_attention
 
 __all__ = ["TuneResult", "allocate", "check_tune_args", "layer_sensitivity", "tune"]
 
@@ -98,7 +98,7 @@ def _register() -> None:
 
 @torch.no_grad()
 def layer_sensitivity(model, input_ids: torch.Tensor, base: QuantSpec, bits=(2, 4),
-                      window: int = 512, log=None, calibration="auto") -> dict:
+                      window: int = CALIBRATION_WINDOW, log=None, calibration="auto") -> dict:
     """``{"k": tensor [layers, len(bits)], "v": ...}``: mean KL (nats per token) of the model
     with one layer's K (or V) quantized at each of ``bits`` by ``base``'s method, vs FP (0 for
     the layers ``base`` keeps in FP16, which are not run).
@@ -219,7 +219,7 @@ def check_tune_args(base: QuantSpec, avg_bits: float, base_name: str, avg_name: 
 
 
 def tune(model, input_ids: torch.Tensor, base: QuantSpec, avg_bits: float,
-         window: int = 512, log=None, calibration="auto") -> TuneResult:
+         window: int = CALIBRATION_WINDOW, log=None, calibration="auto") -> TuneResult:
     """Sensitivities on ``input_ids`` and the allocation for ``avg_bits`` (per element, over
     every layer's K and V, FP16 layers at 16); ``base`` gives the method, the grouping and the
     layers kept in FP16 (e.g. kivi-3, or kivi-3-hadc

@@ -80,12 +80,17 @@ def minmax_qparams(x: torch.Tensor, bits: int, dim: int, valid: torch.Tensor | N
     # A tensor divisor: CUDA torch multiplies by the reciprocal of a scalar divisor, which is
     # not the correctly rounded quotient (and differs from CPU and the kernel in the last bit).
     scale = ((hi - zero.float()) / torch.full_like(hi, (1 << bits) - 1)).to(torch.float16)
-    # A scale rounded up can put the top code past 65504 (the kernels dequantize with one
-    # float16 rounding: inf, then NaN in attention): one float16 step down there, so the top
-    # code dequantizes at or below the group's max (its values then clamp to that code).
-    top = zero.float() + scale.float() * ((1 << bits) - 1)
-    scale = torch.where(top > FP16_MAX, torch.nextafter(scale, torch.zeros_like(scale)), scale)
+    scale = top_code_in_fp16(scale, zero, bits)
     return scale, zero
+
+
+def top_code_in_fp16(scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """``scale`` one float16 step down where the top code ``zero + scale * (2**bits - 1)`` would
+    pass 65504: a scale rounded up to float16 can put it there, and the kernels dequantize with
+    one float16 rounding (inf, then NaN in attention). The top code then dequantizes at or below
+    the group's max (its values clamp to that code)."""
+    top = zero.float() + scale.float() * ((1 << bits) - 1)
+    return torch.where(top > FP16_MAX, torch.nextafter(scale, torch.zeros_like(scale)), scale)
 
 
 def quantize_with(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
