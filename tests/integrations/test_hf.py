@@ -468,8 +468,8 @@ def test_softcap_without_cache_is_eager_attention(monkeypatch):
                                                     -torch.inf)
     assert ((s.softmax(-1) @ vv).transpose(1, 2) - want).abs().max() > 1e-2  # the cap bites
     # in blocks of query rows (2 here: 4 x 4 heads x 5 keys x 2 rows bytes), with a bool mask
-    import kvbits.integrations.hf as hf
-    monkeypatch.setattr(hf, "_EAGER_SCORE_BYTES", 4 * 2 * 4 * 5 * 2)
+    import kvbits.methods.model_calls as model_calls
+    monkeypatch.setattr(model_calls, "EAGER_SCORE_BYTES", 4 * 2 * 4 * 5 * 2)
     blocked, _ = kvbits_attention_forward(torch.nn.Module(), q, k, v, None, scaling=3.0,
                                           softcap=2.0)
     torch.testing.assert_close(blocked, want)

@@ -85,12 +85,12 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface, Cache
 from transformers.cache_utils import CacheLayerMixin
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import ops
 from ..cache.store import LayerStore
 from ..checks import as_int, is_count
+from ..methods.model_calls import cache_kwargs, full_attention
 from ..reference.attention import dequantize_layer
 from ..spec import CALIBRATION_USES, QuantSpec, resolve_spec
 from . import step_graphs as steps_mod  # (KVBitsCache takes an argument step_graphs)
@@ -954,7 +954,7 @@ def kvbits_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     softcap = kwargs.get("softcap")
     tag = getattr(key, "_kvbits", None)
     if tag is None:  # not a KVBitsCache tensor (no cache, DynamicCache, slow path)
-        return _full_precision_attention(module, query, key, value, attention_mask, dropout,
+        return full_attention(module, query, key, value, attention_mask, dropout,
                                          scaling, is_causal, **kwargs)
     layer: KVBitsLayer = tag.layer
     store = layer.store
@@ -964,7 +964,7 @@ def kvbits_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         store.set_padding(padding_starts(attention_mask, B, key.shape[2], query.device))
         if store.inv_freq is not None:
             _check_positions(store, kwargs.get("position_ids"), query.shape[2])
-        out = _full_precision_attention(module, query, key, value, attention_mask, dropout,
+        out = full_attention(module, query, key, value, attention_mask, dropout,
                                         scaling, is_causal, **kwargs)
         # Assisted / prompt-lookup decoding verifies its first drafts in the prompt's forward:
         # the groups they bring due are put back by the crop of the rejected ones, which then
@@ -991,64 +991,6 @@ def kvbits_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
             _check_positions(store, kwargs.get("position_ids"), query.shape[2])
         out = _attend_as_generated(query, store, scale, window, softcap)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _full_precision_attention(module, query, key, value, attention_mask, dropout, scaling,
-                              is_causal, **kwargs):
-    """Attention over full-precision K/V (the prompt step, or tensors of another cache):
-    transformers' SDPA path, or with ``softcap`` (Gemma2) the eager form, which caps the scores
-    before the mask (SDPA cannot), in blocks of query rows so that the float32 scores of a long
-    prompt never exceed ``_EAGER_SCORE_BYTES``."""
-    softcap = kwargs.get("softcap")
-    if softcap is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
-    B, hq, lq, _ = query.shape
-    lk = key.shape[2]
-    key = key.repeat_interleave(hq // key.shape[1], dim=1)
-    value = value.repeat_interleave(hq // value.shape[1], dim=1)
-    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    rows = max(1, _EAGER_SCORE_BYTES // (4 * B * hq * lk))
-    outs = []
-    for r0 in range(0, lq, rows):
-        r1 = min(lq, r0 + rows)
-        scores = torch.matmul(query[:, :, r0:r1].float(), key.float().transpose(2, 3)) * scale
-        scores = softcap * torch.tanh(scores / softcap)
-        if attention_mask is not None:
-            mask = attention_mask[..., r0:r1, :lk] if attention_mask.shape[-2] > 1 \
-                else attention_mask[..., :lk]
-            if mask.dtype == torch.bool:
-                scores = scores.masked_fill(~mask, -torch.inf)
-            else:
-                scores = scores + mask.float()
-        else:  # SDPA's causal fast path: no mask tensor, the prompt's rows end at the last key
-            row = torch.arange(r0, r1, device=query.device)[:, None] + (lk - lq)
-            col = torch.arange(lk, device=query.device)[None, :]
-            see = col <= row
-            window = kwargs.get("sliding_window")
-            if window is not None:
-                see &= col > row - window
-            scores = scores.masked_fill(~see, -torch.inf)
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-        if dropout and module.training:
-            probs = torch.nn.functional.dropout(probs, p=dropout)
-        outs.append(torch.matmul(probs.to(value.dtype), value))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return out.transpose(1, 2).contiguous(), None
-
-
-# Float32 scores per block of query rows in the capped eager attention (a 32k prompt with 16
-# heads would otherwise need 64 GiB at once).
-_EAGER_SCORE_BYTES = 1 << 28
-
-
-def cache_kwargs(model, cache) -> dict:
-    """``{"cache": cache}`` where the model's ``forward`` takes ``cache=`` (transformers >= 5.2x,
-    where ``past_key_values=`` is deprecated), else ``{"past_key_values": cache}``."""
-    import inspect
-
-    params = inspect.signature(type(model).forward).parameters
-    return {"cache" if "cache" in params else "past_key_values": cache}
 
 
 def _check_positions(store, position_ids, q_len: int) -> None:

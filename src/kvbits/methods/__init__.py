@@ -94,22 +94,6 @@ def check_made_for(record, model_or_config, spec, what: str, path) -> None:
                              f"has {field}={getattr(spec, field)!r}: calibrate it for this spec")
 
 
-def full_attention(module, query, key, value, attention_mask, **kwargs):
-    """The attention a calibration's registered attention function runs after recording what
-    it needs: transformers' SDPA, or with an attention-logit cap (Gemma2; SDPA refuses one)
-    kvbits' capped eager form (:func:`kvbits.integrations.hf._full_precision_attention`), which
-    reads the boolean or absent mask that the registered ``sdpa_mask`` gives. (The model's own
-    eager attention adds the mask to the scores: a boolean one, or none at all on SDPA's causal
-    fast path, left every token seeing the ones after it.)"""
-    from ..integrations.hf import _full_precision_attention
-
-    dropout = kwargs.pop("dropout", 0.0)
-    scaling = kwargs.pop("scaling", None)
-    is_causal = kwargs.pop("is_causal", None)
-    return _full_precision_attention(module, query, key, value, attention_mask, dropout, scaling,
-                                     is_causal, **kwargs)
-
-
 def calibration_ids(model, text: str, tokens: int, what: str, log=None):
     """``[1, tokens]`` ids of the named ``text`` for a ``calibration='auto'`` run, tokenized with
     the tokenizer :func:`kvbits.data.load_model` attaches to the model (``what``: what the caller

@@ -46,7 +46,7 @@ def calibrate_fp8(model, input_ids: torch.Tensor, spec: QuantSpec,
     on ``input_ids [1, T]`` (in windows of ``window`` tokens), per head or per layer."""
     from transformers import DynamicCache
 
-    from ..integrations.hf import cache_kwargs
+    from .model_calls import cache_kwargs
 
     amax = None
     for chunk in calibration_chunks(input_ids, window):

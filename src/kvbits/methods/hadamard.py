@@ -40,11 +40,11 @@ from . import (
     calibration_chunks,
     calibration_ids,
     check_made_for,
-    full_attention,
     made_for,
     model_dtype,
     per_layer_calibration,
 )
+from .model_calls import full_attention
 
 __all__ = ["auto_hadamard_channels", "calibrate_hadamard", "choose_channels", "collect_qk",
            "layer_channels", "load_hadamard_channels", "rotation_cost",

@@ -97,9 +97,9 @@ from . import (
     calibration_chunks,
     dtype_key,
     dtype_name,
-    full_attention,
     model_dtype,
 )
+from .model_calls import full_attention
 
 __all__ = ["Calibration", "LayerCodebooks", "calibrate", "dequantize_keys", "dequantize_values",
            "kmeans_1d", "model_fingerprint", "outlier_index_dtype", "quantize_keys",
@@ -834,8 +834,8 @@ class Calibration:
 def _capture_attention(store: dict, grad: bool):
     """An attention function recording each layer's (post-RoPE) K and V, then running SDPA, or
     with an attention-logit cap (Gemma2; SDPA has none) the capped eager form
-    (:func:`kvbits.methods.full_attention`; the model's own eager attention, given the SDPA
-    mask, let every token see the ones after it)."""
+    (:func:`kvbits.methods.model_calls.full_attention`; the model's own eager attention, given
+    the SDPA mask, let every token see the ones after it)."""
     def fn(module, query, key, value, attention_mask, **kwargs):
         if grad:
             key.retain_grad()

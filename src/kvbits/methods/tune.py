@@ -37,7 +37,8 @@ import torch
 
 from ..checks import is_count
 from ..spec import QuantSpec
-from . import CALIBRATION_WINDOW, calibration_chunks, full_attention
+from . import CALIBRATION_WINDOW, calibration_chunks
+from .model_calls import full_attention
 
 __all__ = ["TuneResult", "allocate", "check_tune_args", "layer_sensitivity", "tune"]
 
@@ -78,7 +79,7 @@ def _fake_quantize(key: torch.Tensor, value: torch.Tensor, spec: QuantSpec, kind
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
     """SDPA (or with Gemma2's logit cap, which SDPA refuses, the capped eager form:
-    :func:`kvbits.methods.full_attention`), one layer's K or V quantized in a trial."""
+    :func:`kvbits.methods.model_calls.full_attention`), one layer's K or V quantized in a trial."""
     layer = _STATE["layer"]
     if layer is not None and getattr(module, "layer_idx", None) == layer:
         channels = _STATE["channels"][layer] if _STATE["channels"] else None
