@@ -34,11 +34,17 @@ class Point:
     ppl: float
 
 
+def bits_per_element(fp16_bytes: int, elements: int | None) -> float:
+    """Bits per K/V element held: a cache's bytes (floating-point parts at 2 bytes) over the
+    elements it holds; NaN where they are unknown (none, or a cache kept packed elsewhere)."""
+    return 8 * fp16_bytes / elements if elements else math.nan
+
+
 def effective_bits(result: dict) -> float:
     """Bits per K/V element of a ``kvbits ppl`` result row, every byte of the cache counted
     (per element held; older rows: per element of an FP16 ``DynamicCache``, module docstring)."""
     if result.get("cache_elements"):
-        return 8 * result["cache_bytes_fp16"] / result["cache_elements"]
+        return bits_per_element(result["cache_bytes_fp16"], result["cache_elements"])
     return 16 * result["cache_bytes_fp16"] / result["fp16_cache_bytes"]
 
 

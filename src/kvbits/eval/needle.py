@@ -228,10 +228,10 @@ def needle_caches(model, cfg: NeedleConfig) -> dict:
 def _kv_bits(cache) -> float:
     """Bits per stored K/V element, floating-point parts counted at 2 bytes (per element held:
     a sliding-window layer holds fewer than the tokens seen)."""
+    from .frontier import bits_per_element
     from .perplexity import cache_elements, cache_nbytes
 
-    elements = cache_elements(cache)
-    return 8 * cache_nbytes(cache, fp16=True) / elements if elements else float("nan")
+    return bits_per_element(cache_nbytes(cache, fp16=True), cache_elements(cache))
 
 
 def check_needle_config(cfg: NeedleConfig) -> None:
