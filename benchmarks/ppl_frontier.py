@@ -40,6 +40,11 @@ def _pct(x: float | None, base: float) -> str:
     return "-" if x is None else f"{100 * (x / base - 1):+.2f}%"
 
 
+def _interval(row: dict) -> str:
+    ci = row.get("gap_ci")
+    return "-" if ci is None else f"[{100 * ci[0]:+.2f}%, {100 * ci[1]:+.2f}%]"
+
+
 def _results(name: str) -> tuple[dict, list]:
     """A table's document and rows; ``A+B``: A's rows, then B's rows of labels A lacks (a
     companion table of the same model, text and tokens, e.g. ``ppl_group64_*``)."""
@@ -63,7 +68,7 @@ def analyse(name: str) -> dict:
     rows = compare_at_equal_bits(points_of(res, "kvquant"), kivi)
     return {"name": name, "model": doc["model"], "text": doc["text"], "tokens": doc["tokens"],
             "command": doc["command"], "fp16_ppl": fp16, "rows": rows,
-            "kivi": [p.__dict__ for p in kivi],
+            "kivi": [{"label": p.label, "bits": p.bits, "ppl": p.ppl} for p in kivi],
             "kivi_front": [p.label for p in pareto_front(kivi)]}
 
 
@@ -77,16 +82,20 @@ def markdown(tables: list[dict], out: str = "ppl_frontier") -> str:
               "scales/zeros, outliers, codebooks, FP16 sink and residual). \"kivi at these "
               "bits\" interpolates KIVI's Pareto front (its presets and sink variants in the same "
               "table) linearly in log perplexity; outside the front's range a row is judged only "
-              "where one side dominates (`kvbits.eval.frontier`)."), ""]
+              "where one side dominates (`kvbits.eval.frontier`). \"95% interval\": of the gap, "
+              "by a paired bootstrap over blocks of 16 scored tokens (tables that record them); "
+              "a gap whose interval holds zero is a tie."), ""]
     for t in tables:
         lines += [f"## {t['model']} on {t['text']}, {t['tokens']} tokens ({t['name']})", "",
                   f"FP16 {t['fp16_ppl']:.3f}; KIVI's front: {', '.join(t['kivi_front'])}.", ""]
         body = [[r["label"], f"{r['bits']:.2f}", _pct(r["ppl"], t["fp16_ppl"]),
                  _pct(r["reference_ppl"], t["fp16_ppl"]),
-                 "-" if r["gap"] is None else f"{100 * r['gap']:+.2f}%", r["verdict"]]
+                 "-" if r["gap"] is None else f"{100 * r['gap']:+.2f}%", _interval(r),
+                 r["verdict"]]
                 for r in t["rows"]]
         lines += [markdown_table(["kvquant preset", "bits/elem", "vs fp16",
-                                  "kivi at these bits", "gap", "verdict"], body), ""]
+                                  "kivi at these bits", "gap", "95% interval", "verdict"], body),
+                  ""]
     return "\n".join(lines)
 
 

@@ -11,6 +11,8 @@ from kvbits.eval.frontier import (
     Point,
     compare_at_equal_bits,
     envelope_at,
+    front_mix,
+    gap_interval,
     pareto_front,
     points_of,
 )
@@ -81,3 +83,54 @@ def test_an_empty_reference_is_refused():
     """Against no reference points every point was labelled "more bits", without a word."""
     with pytest.raises(ValueError, match="reference has no points"):
         compare_at_equal_bits([Point("kvquant-3", 3.2, 21.0)], [])
+
+
+def _blocks(seed: int, n: int, shift: float = 0.0, noise: float = 1.0) -> tuple:
+    g = random.Random(seed)
+    return tuple(16 * 3.0 + shift + g.gauss(0, noise) for _ in range(n))
+
+
+def test_gap_interval_is_paired_and_centred_on_the_gap():
+    """A preset whose every block is 0.16 nats (0.01 per token) worse than the front's: the
+    interval sits around exp(0.01) - 1 and excludes zero, however noisy the text itself is
+    (pairing removes the text's own variance)."""
+    base = _blocks(0, 200, noise=5.0)
+    front = [Point("a", 4.0, 30.0, base, 16, 3200)]
+    worse = Point("q", 4.0, 30.3, tuple(b + 0.16 + random.Random(i).gauss(0, 0.05)
+                                        for i, b in enumerate(base)), 16, 3200)
+    lo, hi = gap_interval(worse, [(front[0], 1.0)])
+    assert 0 < lo < math.expm1(0.01) < hi < 0.02
+    same = Point("s", 4.0, 30.0, tuple(b + random.Random(i).gauss(0, 0.5)
+                                       for i, b in enumerate(base)), 16, 3200)
+    lo, hi = gap_interval(same, [(front[0], 1.0)])
+    assert lo < 0 < hi
+
+
+def test_gap_interval_mixes_the_front_with_the_envelope_weights():
+    a = Point("a", 4.0, 30.0, _blocks(1, 100), 16, 1600)
+    b = Point("b", 6.0, 27.0, tuple(x - 1.6 for x in a.nll_blocks), 16, 1600)  # 0.1 nats/token
+    mix = front_mix([a, b], 5.0)
+    assert [(q.label, w) for q, w in mix] == [("a", 0.5), ("b", 0.5)]
+    p = Point("p", 5.0, 28.0, tuple(x - 0.8 for x in a.nll_blocks), 16, 1600)  # the midpoint
+    lo, hi = gap_interval(p, mix)
+    assert lo == pytest.approx(0.0, abs=1e-9) and hi == pytest.approx(0.0, abs=1e-9)
+
+
+def test_gap_interval_needs_the_same_blocks():
+    a = Point("a", 4.0, 30.0, _blocks(1, 100), 16, 1600)
+    assert gap_interval(Point("p", 4.0, 30.0), [(a, 1.0)]) is None  # an old row: no blocks
+    assert gap_interval(Point("p", 4.0, 30.0, _blocks(2, 99), 16, 1584), [(a, 1.0)]) is None
+    assert gap_interval(Point("p", 4.0, 30.0, _blocks(2, 100), 16, 1590), [(a, 1.0)]) is None
+
+
+def test_a_gap_within_the_noise_is_a_tie():
+    base = _blocks(3, 200, noise=5.0)
+    kivi = [Point("kivi-2", 4.0, 30.0, tuple(b + 3.2 for b in base), 16, 3200),
+            Point("kivi-3", 6.0, 28.0, base, 16, 3200)]
+    noisy = tuple(b + 1.6 + random.Random(i).gauss(0, 3.0) for i, b in enumerate(base))
+    clear = tuple(b + 0.8 + random.Random(i).gauss(0, 0.05) for i, b in enumerate(base))
+    rows = compare_at_equal_bits([Point("tie", 5.0, 29.0, noisy, 16, 3200),
+                                  Point("win", 5.0, 28.5, clear, 16, 3200)], kivi)
+    assert [r["verdict"] for r in rows] == ["tie", "better"]
+    assert rows[0]["gap_ci"][0] < 0 < rows[0]["gap_ci"][1]
+    assert rows[1]["gap_ci"][1] < 0

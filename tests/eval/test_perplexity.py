@@ -85,6 +85,28 @@ def test_windows_each_start_a_fresh_cache(tiny):
     assert r["nll_sum"] == pytest.approx(expected, rel=1e-4)
 
 
+def test_nll_blocks_are_the_per_token_nll_summed_in_scoring_order(tiny):
+    """Blocks of NLL_BLOCK scored tokens across chunk and window edges (the last shorter): what
+    the frontier's paired bootstrap resamples, so they must add up and follow the tokens."""
+    from kvbits.eval.perplexity import NLL_BLOCK
+
+    model, ids = tiny
+    r = perplexity(model, ids, lambda: KVBitsCache(model, "fp16"), chunk_size=50, window=128,
+                   progress=False)
+    per_token = []
+    for s in (0, 128, 256):
+        seq = ids[:, s:s + 128]
+        with torch.no_grad():
+            logits = model(seq).logits[0, :-1].float()
+        per_token += torch.nn.functional.cross_entropy(logits, seq[0, 1:],
+                                                       reduction="none").tolist()
+    assert r["nll_block"] == NLL_BLOCK and len(per_token) == r["tokens_scored"] == 297
+    want = [sum(per_token[i:i + NLL_BLOCK]) for i in range(0, 297, NLL_BLOCK)]
+    assert len(r["nll_blocks"]) == len(want) == 19  # 18 full blocks and one of 9 tokens
+    assert r["nll_blocks"] == pytest.approx(want, rel=1e-4)
+    assert sum(r["nll_blocks"]) == pytest.approx(r["nll_sum"], rel=1e-6)
+
+
 def test_later_windows_of_a_text_that_starts_with_the_bos_start_with_it(tiny):
     """Gemma's texts start with the BOS and the model never runs without it: each later window
     gets it as unscored context, and the same tokens are scored as without it."""

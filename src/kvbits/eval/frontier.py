@@ -6,7 +6,10 @@ bits* needs KIVI's curve at KVQuant's bits: here the lower envelope of the refer
 points (its Pareto front: no other configuration of it has fewer or equal bits and a lower or
 equal perplexity), joined linearly in (bits, log perplexity). A point outside the front's range
 is judged only where one side dominates: the other method's point uses no more bits and scores
-no worse.
+no worse. Where the rows carry per-block NLL sums (``kvbits ppl`` since session 60), a paired
+bootstrap over blocks of tokens gives the gap a 95% interval, and a gap whose interval holds
+zero is a tie: at three and four bits both methods sit within a few tenths of a percent of FP16,
+as close as a thousand-token text can tell.
 
 Effective bits per element count every byte the cache holds (codes, FP16 scales and zeros,
 outliers, codebooks, FP16 sink and residual) per K/V element it holds:
@@ -23,15 +26,22 @@ import itertools
 import math
 from dataclasses import dataclass
 
-__all__ = ["Point", "compare_at_equal_bits", "effective_bits", "envelope_at", "pareto_front",
-           "points_of"]
+__all__ = ["Point", "bits_per_element", "compare_at_equal_bits", "effective_bits", "envelope_at",
+           "front_mix", "gap_interval", "pareto_front", "points_of"]
 
 
 @dataclass(frozen=True)
 class Point:
+    """One configuration's (bits, perplexity); ``nll_blocks``: its NLL summed over blocks of
+    ``nll_block`` scored tokens (``kvbits ppl`` rows since session 60; empty before), what a
+    paired bootstrap against another configuration of the same table resamples."""
+
     label: str
     bits: float
     ppl: float
+    nll_blocks: tuple = ()
+    nll_block: int = 0
+    tokens_scored: int = 0
 
 
 def bits_per_element(fp16_bytes: int, elements: int | None) -> float:
@@ -57,7 +67,9 @@ def points_of(results: list[dict], method: str) -> list[Point]:
             continue
         if f.get("hadamard") or f.get("hadamard_calibrated"):
             continue
-        out.append(Point(r["label"], effective_bits(r), r["ppl"]))
+        out.append(Point(r["label"], effective_bits(r), r["ppl"],
+                         tuple(r.get("nll_blocks", ())), r.get("nll_block", 0),
+                         r.get("tokens_scored", 0)))
     return out
 
 
@@ -70,8 +82,9 @@ def pareto_front(points: list[Point]) -> list[Point]:
     return front
 
 
-def envelope_at(front: list[Point], bits: float, rel_tol: float = 0.01) -> float | None:
-    """The front's perplexity at ``bits``, linear in log perplexity between its neighbours;
+def front_mix(front: list[Point], bits: float,
+              rel_tol: float = 0.01) -> list[tuple[Point, float]] | None:
+    """The front at ``bits`` as weights of its two neighbouring points (linear in bits), or
     ``None`` outside the front's range of bits. Within ``rel_tol`` of an end the end counts as
     equal bits (a KVQuant preset's codebooks add a few hundred bytes to the same layout)."""
     if not front or not front[0].bits * (1 - rel_tol) <= bits <= front[-1].bits * (1 + rel_tol):
@@ -80,8 +93,44 @@ def envelope_at(front: list[Point], bits: float, rel_tol: float = 0.01) -> float
     for a, b in itertools.pairwise(front):
         if a.bits <= bits <= b.bits:
             w = (bits - a.bits) / (b.bits - a.bits)
-            return math.exp((1 - w) * math.log(a.ppl) + w * math.log(b.ppl))
-    return front[0].ppl  # a single-point front, at exactly its bits
+            return [(a, 1 - w), (b, w)]
+    return [(front[0], 1.0)]  # a single-point front, at exactly its bits
+
+
+def envelope_at(front: list[Point], bits: float, rel_tol: float = 0.01) -> float | None:
+    """The front's perplexity at ``bits``, linear in log perplexity between its neighbours
+    (:func:`front_mix`); ``None`` outside the front's range of bits."""
+    mix = front_mix(front, bits, rel_tol)
+    if mix is None:
+        return None
+    return math.exp(sum(w * math.log(q.ppl) for q, w in mix))
+
+
+def gap_interval(p: Point, mix: list[tuple[Point, float]], level: float = 0.95,
+                 draws: int = 2000, seed: int = 0) -> tuple[float, float] | None:
+    """A ``level`` confidence interval of ``p``'s perplexity over the mixed front's, minus one,
+    by a paired bootstrap over blocks of scored tokens: each draw resamples the blocks with
+    replacement and recomputes the mean NLL difference (``p`` minus the weighted front points,
+    every point scored on the same tokens). ``None`` where a point lacks blocks or the points'
+    blocks differ (another text or length)."""
+    import random
+
+    points = [p] + [q for q, _ in mix]
+    n = len(p.nll_blocks)
+    if not n or any(len(q.nll_blocks) != n or q.nll_block != p.nll_block
+                    or q.tokens_scored != p.tokens_scored for q in points):
+        return None
+    diff = [b - sum(w * q.nll_blocks[i] for q, w in mix) for i, b in enumerate(p.nll_blocks)]
+    size = [p.nll_block] * (n - 1) + [p.tokens_scored - p.nll_block * (n - 1)]
+    rng = random.Random(seed)
+    means = []
+    for _ in range(draws):
+        pick = rng.choices(range(n), k=n)
+        means.append(sum(diff[i] for i in pick) / sum(size[i] for i in pick))
+    means.sort()
+    lo = means[int((1 - level) / 2 * draws)]
+    hi = means[min(draws - 1, int((1 + level) / 2 * draws))]
+    return math.expm1(lo), math.expm1(hi)
 
 
 def compare_at_equal_bits(points: list[Point], reference: list[Point]) -> list[dict]:
@@ -89,9 +138,12 @@ def compare_at_equal_bits(points: list[Point], reference: list[Point]) -> list[d
 
     ``verdict``: ``"better"`` (below the front at its bits, or no worse than its cheapest point
     with fewer bits), ``"worse"`` (above the front, or dominated by a reference point),
-    ``"more bits"`` / ``"fewer bits"`` (outside the front's range of bits and not dominating or
+    ``"tie"`` (within the front's range, not dominated, and the 95% interval of the gap,
+    ``gap_ci``, holds zero: the difference is within the text's sampling noise), ``"more
+    bits"`` / ``"fewer bits"`` (outside the front's range of bits and not dominating or
     dominated: not comparable). ``gap``: perplexity over the front's at these bits, minus one,
-    where defined.
+    where defined; ``gap_ci``: its interval (:func:`gap_interval`) where the rows carry NLL
+    blocks.
     """
     front = pareto_front(reference)
     if not front:  # (every point was labelled "more bits" against nothing)
@@ -99,9 +151,13 @@ def compare_at_equal_bits(points: list[Point], reference: list[Point]) -> list[d
                          "method's (bits, perplexity) points")
     rows = []
     for p in points:
+        mix = front_mix(front, p.bits)
         ref = envelope_at(front, p.bits)
+        ci = None if mix is None else gap_interval(p, mix)
         if any(q.bits <= p.bits and q.ppl <= p.ppl for q in front):
             verdict = "worse"
+        elif ci is not None and ci[0] <= 0 <= ci[1]:
+            verdict = "tie"
         elif ref is not None:
             verdict = "better" if p.ppl < ref else "worse"
         elif front and p.bits < front[0].bits:
@@ -109,5 +165,6 @@ def compare_at_equal_bits(points: list[Point], reference: list[Point]) -> list[d
         else:
             verdict = "more bits"
         rows.append({"label": p.label, "bits": p.bits, "ppl": p.ppl, "reference_ppl": ref,
-                     "gap": None if ref is None else p.ppl / ref - 1, "verdict": verdict})
+                     "gap": None if ref is None else p.ppl / ref - 1, "gap_ci": ci,
+                     "verdict": verdict})
     return rows

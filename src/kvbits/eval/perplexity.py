@@ -40,6 +40,10 @@ from ..methods import starts_with_bos
 __all__ = [ "cache_nbytes", "default_window", "perplexity", "plan_windows", "trained_positions"]
 
 WINDOW_CAP = 8192  # the default window's upper bound (kvbits ppl --window)
+# Scored tokens per recorded NLL sum (``nll_blocks``): the unit a paired bootstrap between two
+# caches resamples (kvbits.eval.frontier.gap_interval), long enough to carry most of the
+# correlation between neighbouring tokens, short enough for hundreds of blocks per table.
+NLL_BLOCK = 16
 
 
 def trained_positions(model) -> int | None:
@@ -118,7 +122,10 @@ def perplexity(model, input_ids: torch.Tensor, make_cache: Callable[[], object],
         ``cache_bytes_fp16`` (the same cache if the model ran in FP16: FP parts at 2 bytes per
         element), ``fp16_cache_bytes`` (what an FP16 ``DynamicCache`` would hold for the first
         window), ``cache_elements`` (the K/V elements the cache held then:
-        :func:`cache_elements`), ``seconds`` and ``tokens_per_second``.
+        :func:`cache_elements`), ``nll_blocks`` (the NLL summed over each ``nll_block`` =
+        :data:`NLL_BLOCK` scored tokens in scoring order, the last block shorter: the same
+        tokens, so the same blocks, for every cache of one text), ``seconds`` and
+        ``tokens_per_second``.
 
     >>> perplexity(model, ids, lambda: KVBitsCache(model, "kivi-4"))["ppl"]  # doctest: +SKIP
     20.395...
@@ -154,7 +161,7 @@ def perplexity(model, input_ids: torch.Tensor, make_cache: Callable[[], object],
             else torch.cat([lead, input_ids[:, s:e]], 1) for s, e, _ in plan]
     n_chunks = sum(math.ceil(seq.shape[1] / chunk_size) for seq in seqs)
     bar = _progress(n_chunks, progress, desc)
-    nll, scored, first = 0.0, 0, {}
+    nll, scored, first, token_nll = 0.0, 0, {}, []
     t0 = time.perf_counter()
     for w, ((start, end, score_from), seq) in enumerate(zip(plan, seqs)):
         cache = make_cache()
@@ -167,8 +174,9 @@ def perplexity(model, input_ids: torch.Tensor, make_cache: Callable[[], object],
             lo, hi = max(first_scored, c0 + 1), min(c1 + 1, length)
             if hi > lo:
                 pred = logits[0, lo - 1 - c0:hi - 1 - c0].float()
-                nll += torch.nn.functional.cross_entropy(
-                    pred, seq[0, lo:hi], reduction="sum").item()
+                token_nll.append(torch.nn.functional.cross_entropy(
+                    pred, seq[0, lo:hi], reduction="none").double().cpu())
+                nll += token_nll[-1].sum().item()
                 scored += hi - lo
             if scored:
                 bar.set_postfix(ppl=f"{math.exp(nll / scored):.3f}", refresh=False)
@@ -181,7 +189,9 @@ def perplexity(model, input_ids: torch.Tensor, make_cache: Callable[[], object],
     return {
         "ppl": math.exp(nll / scored), "nll_sum": nll, "tokens_scored": scored, "tokens": n,
         "windows": len(plan), "window": window, "stride": stride or window,
-        "chunk_size": chunk_size, **first, "seconds": seconds,
+        "chunk_size": chunk_size, **first, "nll_block": NLL_BLOCK,
+        "nll_blocks": [round(b.sum().item(), 5) for b in torch.cat(token_nll).split(NLL_BLOCK)],
+        "seconds": seconds,
         "tokens_per_second": sum(seq.shape[1] for seq in seqs) / seconds,
     }
 
