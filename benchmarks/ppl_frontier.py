@@ -42,7 +42,10 @@ def _pct(x: float | None, base: float) -> str:
 
 def _interval(row: dict) -> str:
     ci = row.get("gap_ci")
-    return "-" if ci is None else f"[{100 * ci[0]:+.2f}%, {100 * ci[1]:+.2f}%]"
+    if ci is None:
+        return "-"
+    text = f"[{100 * ci[0]:+.2f}%, {100 * ci[1]:+.2f}%]"
+    return text if row["gap"] is not None else f"{text} vs {row['ci_against'][0]}"
 
 
 def _results(name: str) -> tuple[dict, list]:
@@ -82,9 +85,10 @@ def markdown(tables: list[dict], out: str = "ppl_frontier") -> str:
               "scales/zeros, outliers, codebooks, FP16 sink and residual). \"kivi at these "
               "bits\" interpolates KIVI's Pareto front (its presets and sink variants in the same "
               "table) linearly in log perplexity; outside the front's range a row is judged only "
-              "where one side dominates (`kvbits.eval.frontier`). \"95% interval\": of the gap, "
-              "by a paired bootstrap over blocks of 16 scored tokens (tables that record them); "
-              "a gap whose interval holds zero is a tie."), ""]
+              "where one side dominates (`kvbits.eval.frontier`). \"95% interval\": of the gap "
+              "(outside the front's range: of the perplexity over the KIVI point that dominates "
+              "the row, named), by a paired bootstrap over blocks of 16 scored tokens (tables "
+              "that record them); a difference whose interval holds zero is a tie."), ""]
     for t in tables:
         lines += [f"## {t['model']} on {t['text']}, {t['tokens']} tokens ({t['name']})", "",
                   f"FP16 {t['fp16_ppl']:.3f}; KIVI's front: {', '.join(t['kivi_front'])}.", ""]

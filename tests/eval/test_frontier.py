@@ -134,3 +134,30 @@ def test_a_gap_within_the_noise_is_a_tie():
     assert [r["verdict"] for r in rows] == ["tie", "better"]
     assert rows[0]["gap_ci"][0] < 0 < rows[0]["gap_ci"][1]
     assert rows[1]["gap_ci"][1] < 0
+
+
+def test_outside_the_front_a_dominated_row_is_compared_with_the_point_that_dominates_it():
+    """Past the front's last bits a row no better than a cheaper KIVI point is worse, unless
+    the two differ by less than the noise (then a tie, the interval against that point)."""
+    base = _blocks(4, 200, noise=5.0)
+    kivi = [Point("kivi-2", 4.0, 30.0, tuple(b + 3.2 for b in base), 16, 3200),
+            Point("kivi-4", 6.0, 28.0, base, 16, 3200)]
+    near = tuple(b + 0.01 + random.Random(i).gauss(0, 2.0) for i, b in enumerate(base))
+    far = tuple(b + 0.8 + random.Random(i).gauss(0, 0.05) for i, b in enumerate(base))
+    rows = compare_at_equal_bits([Point("near", 7.0, 28.01, near, 16, 3200),
+                                  Point("far", 7.0, 29.4, far, 16, 3200),
+                                  Point("old", 7.0, 29.4)], kivi)
+    assert [r["verdict"] for r in rows] == ["tie", "worse", "worse"]
+    assert rows[0]["ci_against"] == rows[1]["ci_against"] == ["kivi-4"]
+    assert rows[1]["gap_ci"][0] > 0 and rows[0]["gap"] is None
+    assert rows[2]["gap_ci"] is None  # a row without blocks: the plain rule
+
+
+def test_past_the_fronts_end_a_row_below_it_is_better_only_within_the_measured_bits():
+    """kivi-4 (G=32) has more bits than kivi-4:G=64 and a higher perplexity, so the front ends at
+    the latter; a row between their bits below the front's best beats every KIVI configuration
+    of up to its bits. Past every KIVI row's bits it stays "more bits" (kivi-8 was not run)."""
+    kivi = [Point("kivi-4:G=64", 5.0, 28.0), Point("kivi-4", 5.6, 28.1),
+            Point("kivi-2", 3.0, 33.0)]
+    rows = compare_at_equal_bits([Point("mid", 5.3, 27.9), Point("past", 6.0, 27.9)], kivi)
+    assert [r["verdict"] for r in rows] == ["better", "more bits"]

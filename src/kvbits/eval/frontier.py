@@ -7,8 +7,9 @@ points (its Pareto front: no other configuration of it has fewer or equal bits a
 equal perplexity), joined linearly in (bits, log perplexity). A point outside the front's range
 is judged only where one side dominates: the other method's point uses no more bits and scores
 no worse. Where the rows carry per-block NLL sums (``kvbits ppl`` since session 60), a paired
-bootstrap over blocks of tokens gives the gap a 95% interval, and a gap whose interval holds
-zero is a tie: at three and four bits both methods sit within a few tenths of a percent of FP16,
+bootstrap over blocks of tokens gives the gap a 95% interval (outside the front's range: the
+difference from the point that dominates the row), and a difference whose interval holds zero
+is a tie: at three and four bits both methods sit within a few tenths of a percent of FP16,
 as close as a thousand-token text can tell.
 
 Effective bits per element count every byte the cache holds (codes, FP16 scales and zeros,
@@ -136,14 +137,17 @@ def gap_interval(p: Point, mix: list[tuple[Point, float]], level: float = 0.95,
 def compare_at_equal_bits(points: list[Point], reference: list[Point]) -> list[dict]:
     """Each of ``points`` against the reference method's front at the same bits.
 
-    ``verdict``: ``"better"`` (below the front at its bits, or no worse than its cheapest point
-    with fewer bits), ``"worse"`` (above the front, or dominated by a reference point),
-    ``"tie"`` (within the front's range, not dominated, and the 95% interval of the gap,
-    ``gap_ci``, holds zero: the difference is within the text's sampling noise), ``"more
-    bits"`` / ``"fewer bits"`` (outside the front's range of bits and not dominating or
-    dominated: not comparable). ``gap``: perplexity over the front's at these bits, minus one,
-    where defined; ``gap_ci``: its interval (:func:`gap_interval`) where the rows carry NLL
-    blocks.
+    ``verdict``: ``"better"`` (below the front at its bits; or no worse than its cheapest point
+    with fewer bits; or past its last point, below it, where a reference point has at least
+    these bits: the reference reached no lower perplexity with up to these bits), ``"worse"``
+    (above the front, or outside its range and dominated by a reference point: no more bits, no
+    higher perplexity), ``"tie"`` (the comparison's 95% interval, ``gap_ci``, holds zero: the
+    difference is within the text's sampling noise), ``"more bits"`` / ``"fewer bits"``
+    (outside the reference's measured range of bits and not dominating or dominated: not
+    comparable). ``gap``: perplexity over the front's at these bits, minus one,
+    where defined; ``gap_ci``: the interval (:func:`gap_interval`) of the gap, or outside the
+    front's range of the perplexity over the dominating or best point's (``ci_against``), where
+    the rows carry NLL blocks.
     """
     front = pareto_front(reference)
     if not front:  # (every point was labelled "more bits" against nothing)
@@ -152,19 +156,30 @@ def compare_at_equal_bits(points: list[Point], reference: list[Point]) -> list[d
     rows = []
     for p in points:
         mix = front_mix(front, p.bits)
-        ref = envelope_at(front, p.bits)
+        ref = None if mix is None else envelope_at(front, p.bits)
+        dominating = [q for q in front if q.bits <= p.bits and q.ppl <= p.ppl]
+        if mix is None and dominating:
+            mix = [(min(dominating, key=lambda q: q.ppl), 1.0)]
+        elif mix is None and p.bits > front[-1].bits and any(q.bits >= p.bits for q in reference):
+            # past the front's end, within the reference's measured bits: its best point is
+            # the best it reached with up to these bits (the configurations with more were
+            # no better)
+            mix = [(front[-1], 1.0)]
         ci = None if mix is None else gap_interval(p, mix)
-        if any(q.bits <= p.bits and q.ppl <= p.ppl for q in front):
-            verdict = "worse"
-        elif ci is not None and ci[0] <= 0 <= ci[1]:
+        if ci is not None and ci[0] <= 0 <= ci[1]:
             verdict = "tie"
         elif ref is not None:
             verdict = "better" if p.ppl < ref else "worse"
-        elif front and p.bits < front[0].bits:
+        elif dominating:
+            verdict = "worse"
+        elif mix is not None:
+            verdict = "better"
+        elif p.bits < front[0].bits:
             verdict = "better" if p.ppl <= front[0].ppl else "fewer bits"
         else:
             verdict = "more bits"
         rows.append({"label": p.label, "bits": p.bits, "ppl": p.ppl, "reference_ppl": ref,
                      "gap": None if ref is None else p.ppl / ref - 1, "gap_ci": ci,
+                     "ci_against": None if ci is None else [q.label for q, _ in mix],
                      "verdict": verdict})
     return rows
