@@ -125,6 +125,8 @@ def plot(tables: list[dict], path: Path) -> None:
         for head, marker, label in ((False, "s", "kvquant"),
                                     (True, "^", "kvquant, codebook per head")):
             rows = [r for r in t["rows"] if ("codebook=head" in r["label"]) == head]
+            if not rows:  # (an empty series still took a legend entry)
+                continue
             ax.plot([r["bits"] for r in rows], [100 * (r["ppl"] / base - 1) for r in rows],
                     marker, color="tab:red" if not head else "tab:orange", label=label)
         ax.set_yscale("symlog", linthresh=1.0)
