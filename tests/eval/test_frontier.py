@@ -90,18 +90,27 @@ def _blocks(seed: int, n: int, shift: float = 0.0, noise: float = 1.0) -> tuple:
     return tuple(16 * 3.0 + shift + g.gauss(0, noise) for _ in range(n))
 
 
+def _jittered(base: tuple, shift: float, noise: float) -> tuple:
+    """``base`` shifted by ``shift`` nats per block, with noise of its own per block."""
+    return tuple(b + shift + random.Random(i).gauss(0, noise) for i, b in enumerate(base))
+
+
+def _kivi_pair(base: tuple, top: str) -> list:
+    """KIVI at 4 bits per element (0.2 nats per block above ``base``) and at 6 (``base``)."""
+    return [Point("kivi-2", 4.0, 30.0, tuple(b + 3.2 for b in base), 16, 3200),
+            Point(top, 6.0, 28.0, base, 16, 3200)]
+
+
 def test_gap_interval_is_paired_and_centred_on_the_gap():
     """A preset whose every block is 0.16 nats (0.01 per token) worse than the front's: the
     interval sits around exp(0.01) - 1 and excludes zero, however noisy the text itself is
     (pairing removes the text's own variance)."""
     base = _blocks(0, 200, noise=5.0)
     front = [Point("a", 4.0, 30.0, base, 16, 3200)]
-    worse = Point("q", 4.0, 30.3, tuple(b + 0.16 + random.Random(i).gauss(0, 0.05)
-                                        for i, b in enumerate(base)), 16, 3200)
+    worse = Point("q", 4.0, 30.3, _jittered(base, 0.16, 0.05), 16, 3200)
     lo, hi = gap_interval(worse, [(front[0], 1.0)])
     assert 0 < lo < math.expm1(0.01) < hi < 0.02
-    same = Point("s", 4.0, 30.0, tuple(b + random.Random(i).gauss(0, 0.5)
-                                       for i, b in enumerate(base)), 16, 3200)
+    same = Point("s", 4.0, 30.0, _jittered(base, 0.0, 0.5), 16, 3200)
     lo, hi = gap_interval(same, [(front[0], 1.0)])
     assert lo < 0 < hi
 
@@ -125,10 +134,8 @@ def test_gap_interval_needs_the_same_blocks():
 
 def test_a_gap_within_the_noise_is_a_tie():
     base = _blocks(3, 200, noise=5.0)
-    kivi = [Point("kivi-2", 4.0, 30.0, tuple(b + 3.2 for b in base), 16, 3200),
-            Point("kivi-3", 6.0, 28.0, base, 16, 3200)]
-    noisy = tuple(b + 1.6 + random.Random(i).gauss(0, 3.0) for i, b in enumerate(base))
-    clear = tuple(b + 0.8 + random.Random(i).gauss(0, 0.05) for i, b in enumerate(base))
+    kivi = _kivi_pair(base, "kivi-3")
+    noisy, clear = _jittered(base, 1.6, 3.0), _jittered(base, 0.8, 0.05)
     rows = compare_at_equal_bits([Point("tie", 5.0, 29.0, noisy, 16, 3200),
                                   Point("win", 5.0, 28.5, clear, 16, 3200)], kivi)
     assert [r["verdict"] for r in rows] == ["tie", "better"]
@@ -140,10 +147,8 @@ def test_outside_the_front_a_dominated_row_is_compared_with_the_point_that_domin
     """Past the front's last bits a row no better than a cheaper KIVI point is worse, unless
     the two differ by less than the noise (then a tie, the interval against that point)."""
     base = _blocks(4, 200, noise=5.0)
-    kivi = [Point("kivi-2", 4.0, 30.0, tuple(b + 3.2 for b in base), 16, 3200),
-            Point("kivi-4", 6.0, 28.0, base, 16, 3200)]
-    near = tuple(b + 0.01 + random.Random(i).gauss(0, 2.0) for i, b in enumerate(base))
-    far = tuple(b + 0.8 + random.Random(i).gauss(0, 0.05) for i, b in enumerate(base))
+    kivi = _kivi_pair(base, "kivi-4")
+    near, far = _jittered(base, 0.01, 2.0), _jittered(base, 0.8, 0.05)
     rows = compare_at_equal_bits([Point("near", 7.0, 28.01, near, 16, 3200),
                                   Point("far", 7.0, 29.4, far, 16, 3200),
                                   Point("old", 7.0, 29.4)], kivi)
