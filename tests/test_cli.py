@@ -444,6 +444,12 @@ def test_ppl_command_writes_json_and_markdown(smollm2, capsys, tmp_path):
     cpu = data["versions"]["cpu_capability"]
     assert cpu and f"CPU threads ({cpu})." in md.read_text()
     assert "| fp16" in md.read_text()
+    # the interval against FP16 from the rows' NLL blocks (10 blocks of 16 scored tokens here)
+    assert len(q["nll_blocks"]) == 10 and sum(q["nll_blocks"]) == pytest.approx(q["nll_sum"])
+    row = next(line for line in md.read_text().splitlines() if line.startswith("| kivi-2:R=0"))
+    cells = [c.strip() for c in row.strip().strip("|").split("|")]
+    lo, hi = (float(x) for x in cells[4].strip("[]").split(","))
+    assert lo < hi and cells[3].endswith("%")
 
 
 # ------------------------------------------------------------------------------ generate

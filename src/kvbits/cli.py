@@ -398,12 +398,25 @@ def _device_options(p: argparse.ArgumentParser, command: str) -> None:
 
 def _ppl_row(label: str, spec: str, r: dict, base: dict | None) -> list[str]:
     delta = f"{100 * (r['ppl'] / base['ppl'] - 1):+.2f}%" if base else ""
-    return [label, spec, f"{r['ppl']:.3f}", delta, f"{r['cache_bytes_fp16'] / 2**20:.2f}",
+    return [label, spec, f"{r['ppl']:.3f}", delta, _interval_vs(r, base),
+            f"{r['cache_bytes_fp16'] / 2**20:.2f}",
             f"{r['fp16_cache_bytes'] / r['cache_bytes_fp16']:.2f}x",
             f"{r['tokens_per_second']:.1f}", f"{r['seconds']:.0f}"]
 
 
-PPL_HEAD = ["variant", "spec", "PPL", "vs fp16", "KV MiB", "KV vs FP16", "tok/s", "s"]
+def _interval_vs(r: dict, base: dict | None) -> str:
+    """The 95% interval of ``r``'s perplexity over ``base``'s, minus one, in percent (a paired
+    bootstrap over the rows' NLL blocks, :func:`kvbits.eval.frontier.gap_interval`)."""
+    from .eval.frontier import gap_interval, point_of
+
+    if base is None or r is base:
+        return ""
+    ci = gap_interval(point_of(r), [(point_of(base), 1.0)])
+    return "" if ci is None else f"[{100 * ci[0]:+.2f}, {100 * ci[1]:+.2f}]"
+
+
+PPL_HEAD = ["variant", "spec", "PPL", "vs fp16", "95% interval", "KV MiB", "KV vs FP16",
+            "tok/s", "s"]
 
 
 def _ppl_table(results: list[dict]) -> str:
@@ -502,7 +515,10 @@ def _write_ppl(cfg: PplConfig, meta: dict, results: list[dict]) -> None:
                   f"{meta['threads']} CPU thread{'s' if meta['threads'] != 1 else ''} "
                   f"({v.get('cpu_capability', '?')}).")), "",
               _ppl_table(results), "",
-              ("KV MiB: cache size at the end of the first window as an FP16 model would hold it "
+              ("95% interval: of \"vs fp16\", in points, by a paired bootstrap over the "
+               "rows' NLL per block of 16 scored tokens (every row scores the same tokens); "
+               "an interval that holds zero: no difference from FP16 this text can show. "
+               "KV MiB: cache size at the end of the first window as an FP16 model would hold it "
               "(codes and FP16 scales/zeros as stored, full-precision parts at 2 bytes); "
               "KV vs FP16: an FP16 DynamicCache of the same tokens divided by that (in "
               "sliding-window layers a kvbits store evicts before appending a chunk, so it holds "

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 
 __all__ = ["Point", "bits_per_element", "compare_at_equal_bits", "effective_bits", "envelope_at",
-           "front_mix", "gap_interval", "pareto_front", "points_of"]
+           "front_mix", "gap_interval", "pareto_front", "point_of", "points_of"]
 
 
 @dataclass(frozen=True)
@@ -68,10 +68,15 @@ def points_of(results: list[dict], method: str) -> list[Point]:
             continue
         if f.get("hadamard") or f.get("hadamard_calibrated"):
             continue
-        out.append(Point(r["label"], effective_bits(r), r["ppl"],
-                         tuple(r.get("nll_blocks", ())), r.get("nll_block", 0),
-                         r.get("tokens_scored", 0)))
+        out.append(point_of(r))
     return out
+
+
+def point_of(result: dict) -> Point:
+    """A ``kvbits ppl`` result row as a point: its effective bits, perplexity and NLL blocks."""
+    return Point(result["label"], effective_bits(result), result["ppl"],
+                 tuple(result.get("nll_blocks", ())), result.get("nll_block", 0),
+                 result.get("tokens_scored", 0))
 
 
 def pareto_front(points: list[Point]) -> list[Point]:
