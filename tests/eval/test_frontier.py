@@ -115,6 +115,18 @@ def test_gap_interval_is_paired_and_centred_on_the_gap():
     assert lo < 0 < hi
 
 
+def test_gap_interval_of_the_swapped_rows_is_its_mirror():
+    """As many bootstrap draws fall below the interval as above it: the interval of q over p is
+    that of p over q mirrored (log scale), not one draw wider at its upper end."""
+    base = _blocks(5, 200, noise=5.0)
+    p = Point("p", 4.0, 30.1, _jittered(base, 0.05, 1.0), 16, 3200)
+    q = Point("q", 4.0, 30.0, base, 16, 3200)
+    lo, hi = gap_interval(p, [(q, 1.0)])
+    lo2, hi2 = gap_interval(q, [(p, 1.0)])
+    assert math.log1p(lo) == pytest.approx(-math.log1p(hi2), abs=1e-12)
+    assert math.log1p(hi) == pytest.approx(-math.log1p(lo2), abs=1e-12)
+
+
 def test_gap_interval_mixes_the_front_with_the_envelope_weights():
     a = Point("a", 4.0, 30.0, _blocks(1, 100), 16, 1600)
     b = Point("b", 6.0, 27.0, tuple(x - 1.6 for x in a.nll_blocks), 16, 1600)  # 0.1 nats/token

@@ -134,9 +134,8 @@ def gap_interval(p: Point, mix: list[tuple[Point, float]], level: float = 0.95,
         pick = rng.choices(range(n), k=n)
         means.append(sum(diff[i] for i in pick) / sum(size[i] for i in pick))
     means.sort()
-    lo = means[int((1 - level) / 2 * draws)]
-    hi = means[min(draws - 1, int((1 + level) / 2 * draws))]
-    return math.expm1(lo), math.expm1(hi)
+    k = round((1 - level) / 2 * draws)  # draws left out at each end (the same number: symmetric)
+    return math.expm1(means[k]), math.expm1(means[draws - 1 - k])
 
 
 def compare_at_equal_bits(points: list[Point], reference: list[Point]) -> list[dict]:
