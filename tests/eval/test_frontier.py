@@ -144,6 +144,16 @@ def test_gap_interval_needs_the_same_blocks():
     assert gap_interval(Point("p", 4.0, 30.0, _blocks(2, 100), 16, 1590), [(a, 1.0)]) is None
 
 
+def test_one_block_gives_no_interval():
+    """A text of up to 16 scored tokens is one block: every draw resamples that block, so the
+    interval had no width and could never call a difference a tie."""
+    q = Point("q", 4.0, 30.0, (49.0,), 16, 10)
+    p = Point("p", 4.0, 30.2, (49.1,), 16, 10)
+    assert gap_interval(p, [(q, 1.0)]) is None
+    row, = compare_at_equal_bits([p], [q])
+    assert row["gap_ci"] is None and row["verdict"] == "worse"
+
+
 def test_a_gap_within_the_noise_is_a_tie():
     base = _blocks(3, 200, noise=5.0)
     kivi = _kivi_pair(base, "kivi-3")
