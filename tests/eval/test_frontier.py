@@ -154,6 +154,17 @@ def test_one_block_gives_no_interval():
     assert row["gap_ci"] is None and row["verdict"] == "worse"
 
 
+def test_a_row_with_a_nan_block_gives_no_interval():
+    """A preset whose NLL went NaN in one block (its perplexity NaN): the draws that miss that
+    block are finite, and sorting them among NaNs had left finite bounds, an interval (even a
+    tie) for a row with no perplexity."""
+    base = _blocks(6, 200, noise=5.0)
+    blocks = list(_jittered(base, 0.16, 1.0))
+    blocks[63] = math.nan
+    p = Point("p", 4.0, math.nan, tuple(blocks), 16, 3200)
+    assert gap_interval(p, [(Point("q", 4.0, 30.0, base, 16, 3200), 1.0)]) is None
+
+
 def test_a_gap_within_the_noise_is_a_tie():
     base = _blocks(3, 200, noise=5.0)
     kivi = _kivi_pair(base, "kivi-3")

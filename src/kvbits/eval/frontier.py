@@ -119,7 +119,8 @@ def gap_interval(p: Point, mix: list[tuple[Point, float]], level: float = 0.95,
     replacement and recomputes the mean NLL difference (``p`` minus the weighted front points,
     every point scored on the same tokens). ``None`` where a point lacks blocks or the points'
     blocks differ (another text or length), or for a single block (every draw the same: no
-    width, so never a tie)."""
+    width, so never a tie), or where an NLL is not finite (sorted among NaNs, the draws that
+    missed it gave arbitrary finite bounds)."""
     import random
 
     points = [p] + [q for q, _ in mix]
@@ -128,6 +129,8 @@ def gap_interval(p: Point, mix: list[tuple[Point, float]], level: float = 0.95,
                     or q.tokens_scored != p.tokens_scored for q in points):
         return None
     diff = [b - sum(w * q.nll_blocks[i] for q, w in mix) for i, b in enumerate(p.nll_blocks)]
+    if not all(map(math.isfinite, diff)):
+        return None
     size = [p.nll_block] * (n - 1) + [p.tokens_scored - p.nll_block * (n - 1)]
     rng = random.Random(seed)
     means = []
