@@ -144,6 +144,18 @@ def test_gap_interval_needs_the_same_blocks():
     assert gap_interval(Point("p", 4.0, 30.0, _blocks(2, 100), 16, 1590), [(a, 1.0)]) is None
 
 
+def test_gap_interval_needs_blocks_that_cover_the_scored_tokens():
+    """Blocks without their size (Point's defaults: a division by zero) or not the tokens
+    scored (the last block's weight came out negative or past a block): no interval."""
+    blocks = _blocks(7, 100)
+    bare = Point("q", 4.0, 30.0, blocks)
+    assert gap_interval(Point("p", 4.0, 30.0, _jittered(blocks, 0.1, 1.0)), [(bare, 1.0)]) is None
+    for scored in (1584, 1700):  # 100 blocks of 16 cover 1585 to 1600 tokens
+        a = Point("a", 4.0, 30.0, blocks, 16, scored)
+        p = Point("p", 4.0, 30.0, _jittered(blocks, 0.1, 1.0), 16, scored)
+        assert gap_interval(p, [(a, 1.0)]) is None
+
+
 def test_one_block_gives_no_interval():
     """A text of up to 16 scored tokens is one block: every draw resamples that block, so the
     interval had no width and could never call a difference a tie."""

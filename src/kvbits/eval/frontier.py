@@ -118,7 +118,8 @@ def gap_interval(p: Point, mix: list[tuple[Point, float]], level: float = 0.95,
     by a paired bootstrap over blocks of scored tokens: each draw resamples the blocks with
     replacement and recomputes the mean NLL difference (``p`` minus the weighted front points,
     every point scored on the same tokens). ``None`` where a point lacks blocks or the points'
-    blocks differ (another text or length), or for a single block (every draw the same: no
+    blocks differ (another text or length) or do not cover its scored tokens (the last block
+    holds 1 to ``nll_block`` of them), or for a single block (every draw the same: no
     width, so never a tie), or where an NLL is not finite (sorted among NaNs, the draws that
     missed it gave arbitrary finite bounds)."""
     import random
@@ -126,7 +127,8 @@ def gap_interval(p: Point, mix: list[tuple[Point, float]], level: float = 0.95,
     points = [p] + [q for q, _ in mix]
     n = len(p.nll_blocks)
     if n < 2 or any(len(q.nll_blocks) != n or q.nll_block != p.nll_block
-                    or q.tokens_scored != p.tokens_scored for q in points):
+                    or q.tokens_scored != p.tokens_scored for q in points) \
+            or not p.nll_block * (n - 1) < p.tokens_scored <= p.nll_block * n:
         return None
     diff = [b - sum(w * q.nll_blocks[i] for q, w in mix) for i, b in enumerate(p.nll_blocks)]
     if not all(map(math.isfinite, diff)):
