@@ -86,8 +86,8 @@ def markdown(tables: list[dict], out: str = "ppl_frontier") -> str:
               "bits\" interpolates KIVI's Pareto front (its presets and sink variants in the same "
               "table) linearly in log perplexity; outside the front's range a row is judged only "
               "where one side dominates (`kvbits.eval.frontier`). \"95% interval\": of the gap "
-              "(outside the front's range: of the perplexity over the KIVI point that dominates "
-              "the row, named), by a paired bootstrap over blocks of 16 scored tokens (tables "
+              "(outside the front's range: of the perplexity over the KIVI point named: the one "
+              "that dominates the row or, past the front's end, its best point), by a paired bootstrap over blocks of 16 scored tokens (tables "
               "that record them); a difference whose interval holds zero is a tie."), ""]
     for t in tables:
         lines += [f"## {t['model']} on {t['text']}, {t['tokens']} tokens ({t['name']})", "",

@@ -137,6 +137,21 @@ def test_gap_interval_mixes_the_front_with_the_envelope_weights():
     assert lo == pytest.approx(0.0, abs=1e-9) and hi == pytest.approx(0.0, abs=1e-9)
 
 
+def test_a_front_end_point_of_weight_zero_is_left_out_of_the_mix():
+    """Within 1% of the front's end the end point alone counts: its neighbour, of weight 0,
+    is not in the mix, so a neighbour without blocks (an older companion table) does not take
+    the interval away."""
+    a = Point("a", 4.0, 30.0)  # no blocks
+    b = Point("b", 6.0, 27.0, _blocks(1, 100), 16, 1600)
+    for bits in (6.0, 6.05):
+        mix = front_mix([a, b], bits)
+        assert [(q.label, w) for q, w in mix] == [("b", 1.0)]
+        p = Point("p", bits, 27.5, _jittered(b.nll_blocks, 0.3, 0.05), 16, 1600)
+        lo, hi = gap_interval(p, mix)
+        assert 0 < lo < hi
+    assert [q.label for q, _ in front_mix([a, b], 3.98)] == ["a"]
+
+
 def test_gap_interval_needs_the_same_blocks():
     a = Point("a", 4.0, 30.0, _blocks(1, 100), 16, 1600)
     assert gap_interval(Point("p", 4.0, 30.0), [(a, 1.0)]) is None  # an old row: no blocks

@@ -8,7 +8,7 @@ equal perplexity), joined linearly in (bits, log perplexity). A point outside th
 is judged only where one side dominates: the other method's point uses no more bits and scores
 no worse. Where the rows carry per-block NLL sums (``kvbits ppl`` since session 60), a paired
 bootstrap over blocks of tokens gives the gap a 95% interval (outside the front's range: the
-difference from the point that dominates the row), and a difference whose interval holds zero
+difference from the point that dominates the row or, past the front's end, from its best), and a difference whose interval holds zero
 is a tie: at three and four bits both methods sit within a few tenths of a percent of FP16,
 as close as a thousand-token text can tell.
 
@@ -99,7 +99,9 @@ def front_mix(front: list[Point], bits: float,
     for a, b in itertools.pairwise(front):
         if a.bits <= bits <= b.bits:
             w = (bits - a.bits) / (b.bits - a.bits)
-            return [(a, 1 - w), (b, w)]
+            # a point of weight 0 (at or clamped to an end) is left out: it adds nothing to
+            # the envelope and must not need NLL blocks of its own for the interval
+            return [(q, x) for q, x in ((a, 1 - w), (b, w)) if x > 0]
     return [(front[0], 1.0)]  # a single-point front, at exactly its bits
 
 
