@@ -61,6 +61,15 @@ def _results(name: str) -> tuple[dict, list]:
                 raise ValueError(f"{extra}: {k} {other[k]!r} differs from {parts[0]}'s {doc[k]!r}")
         seen = {r["label"] for r in res}
         res += [r for r in other["results"] if r["label"] not in seen]
+    for r in res[1:]:  # the rows must have scored the same tokens and count bits alike
+        for k in ("window", "stride", "chunk_size", "tokens_scored"):
+            if r.get(k) != res[0].get(k):
+                raise ValueError(f"{name}: row {r['label']!r} has {k} {r.get(k)!r}, "
+                                 f"{res[0]['label']!r} {res[0].get(k)!r}")
+        if ("cache_elements" in r) != ("cache_elements" in res[0]):
+            raise ValueError(f"{name}: rows {r['label']!r} and {res[0]['label']!r} count bits "
+                             "per element differently (one records cache_elements): give "
+                             "tables written by the same kvbits")
     return doc, res
 
 
