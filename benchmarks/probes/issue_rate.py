@@ -29,29 +29,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks/probes"))
 sys.path.insert(0, str(ROOT / "src"))
-from aot import loop_size, summarize  # noqa: E402
+from aot import loop_size, summarize
 
-from kvbits.kernels import decode_gluon as dg  # noqa: E402
-from kvbits.kernels import decode_gluon_tma as dt  # noqa: E402
+from kvbits.kernels import decode_gluon as dg
+from kvbits.kernels import decode_gluon_tma as dt
 
 SMS, SCHEDULERS, CLOCK_HZ = 132, 4, 1.98e9
 RESIDUAL = 128  # the presets' FP16 residual window: tokens outside the body
 
 # The register body's constexprs as attend_body sets them at head_dim 128 (defaults of its
 # switches: PF=1, PF_AFTER, ROPE_M with pre-RoPE keys; Q_RELOAD only at head_dim 256).
-_REGISTER = dict(D=128, HAS_STARTS=True, HAS_LENS=True, K_TOK=False, LENS_DEV=False, PF=1,
-                 PF_L1=False, PF_AFTER=True, EARLY_V=False, LQ=1, NQB=1)
+_REGISTER = {"D": 128, "HAS_STARTS": True, "HAS_LENS": True, "K_TOK": False, "LENS_DEV": False,
+             "PF": 1, "PF_L1": False, "PF_AFTER": True, "EARLY_V": False, "LQ": 1, "NQB": 1}
+_PLANES3 = {"KBITS": 3, "VBITS": 3, "G": 32, "GV": 32, "GK": 32}
+_KVQUANT = {**_PLANES3, "CB": True, "KOUT": 2, "VOUT": 2, "ROPE": True, "ROPE_M": True}
 BODIES = {  # preset -> (body, constexprs besides HG / HP)
-    "kivi-2": ("ring", dict(BITS=2, G=32, GV=32, K_TOK=False, KFOLD=False)),
-    "kivi-4": ("ring", dict(BITS=4, G=32, GV=32, K_TOK=False, KFOLD=False)),
-    "uniform-int2": ("ring", dict(BITS=2, G=64, GV=64, K_TOK=True, KFOLD=True)),
-    "uniform-int4": ("ring", dict(BITS=4, G=64, GV=64, K_TOK=True, KFOLD=True)),
-    "kivi-3": ("register", dict(KBITS=3, VBITS=3, G=32, GV=32, GK=32)),
-    "kvquant-3-dense-post": ("register", dict(KBITS=3, VBITS=3, G=32, GV=32, GK=32, CB=True)),
-    "kvquant-3": ("register", dict(KBITS=3, VBITS=3, G=32, GV=32, GK=32, CB=True, KOUT=2,
-                                   VOUT=2, ROPE=True, ROPE_M=True)),
-    "kvquant-3-offline": ("register", dict(KBITS=3, VBITS=3, G=32, GV=32, GK=32, CB=True,
-                                           KOUT=2, VOUT=2, ROPE=True, ROPE_M=True, KFIX=True)),
+    "kivi-2": ("ring", {"BITS": 2, "G": 32, "GV": 32, "K_TOK": False, "KFOLD": False}),
+    "kivi-4": ("ring", {"BITS": 4, "G": 32, "GV": 32, "K_TOK": False, "KFOLD": False}),
+    "uniform-int2": ("ring", {"BITS": 2, "G": 64, "GV": 64, "K_TOK": True, "KFOLD": True}),
+    "uniform-int4": ("ring", {"BITS": 4, "G": 64, "GV": 64, "K_TOK": True, "KFOLD": True}),
+    "kivi-3": ("register", _PLANES3),
+    "kvquant-3-dense-post": ("register", {**_PLANES3, "CB": True}),
+    "kvquant-3": ("register", _KVQUANT),
+    "kvquant-3-offline": ("register", {**_KVQUANT, "KFIX": True}),
 }
 ROWS = [("llama-3-8b", 8, 32768), ("llama-3-8b", 8, 131072), ("llama-3-8b", 1, 131072),
         ("llama-2-7b", 8, 32768), ("llama-2-7b", 32, 131072)]
@@ -98,22 +98,22 @@ def main(argv=None) -> int:
             us = hit[0]["us_graph"] or hit[0]["us"]
             slots = us * 1e-6 * SMS * SCHEDULERS * CLOCK_HZ
             issue_us = steps * loop / (SMS * SCHEDULERS * CLOCK_HZ) * 1e6
-            out.append(dict(model=model, batch=batch, context=ctx, preset=preset,
-                            loop=loop, steps=steps, us=us, fp16_us=fp16,
-                            speedup=fp16 / us, ipc=steps * loop / slots,
-                            issue_us=issue_us, speedup_at_ipc1=fp16 / issue_us))
+            out.append({"model": model, "batch": batch, "context": ctx, "preset": preset,
+                        "loop": loop, "steps": steps, "us": us, "fp16_us": fp16,
+                        "speedup": fp16 / us, "ipc": steps * loop / slots,
+                        "issue_us": issue_us, "speedup_at_ipc1": fp16 / issue_us})
     lines = [
         "# Instruction issue against the decode table",
         "",
-        f"`python benchmarks/probes/issue_rate.py --table {Path(args.table).name}` "
-        f"(SASS from Triton {triton.__version__}, compiled on the CPU; times from the table: "
-        f"{table['env'].get('gpu')}, Triton {table['env'].get('triton')}, "
-        f"{table['env'].get('date')}).",
+        (f"`python benchmarks/probes/issue_rate.py --table {Path(args.table).name}` "
+         f"(SASS from Triton {triton.__version__}, compiled on the CPU; times from the table: "
+         f"{table['env'].get('gpu')}, Triton {table['env'].get('triton')}, "
+         f"{table['env'].get('date')})."),
         "",
-        "loop: warp-instructions per 64-token step of one (sequence, KV head) pair; IPC: "
-        "instructions per scheduler cycle the measured graph time implies (132 SMs x 4 "
-        "schedulers x 1.98 GHz); issue us: the loop's instructions alone at one per scheduler "
-        "cycle; at IPC 1: FP16 flash SDPA's time over that.",
+        ("loop: warp-instructions per 64-token step of one (sequence, KV head) pair; IPC: "
+         "instructions per scheduler cycle the measured graph time implies (132 SMs x 4 "
+         "schedulers x 1.98 GHz); issue us: the loop's instructions alone at one per scheduler "
+         "cycle; at IPC 1: FP16 flash SDPA's time over that."),
         "",
         "| model | batch | context | preset | loop | us | vs FP16 | IPC | issue us | at IPC 1 |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -127,8 +127,8 @@ def main(argv=None) -> int:
     if args.out:
         Path(args.out + ".md").write_text(text)
         Path(args.out + ".json").write_text(json.dumps(
-            dict(triton=triton.__version__, table=Path(args.table).name, env=table["env"],
-                 rows=out), indent=1) + "\n")
+            {"triton": triton.__version__, "table": Path(args.table).name, "env": table["env"],
+                 "rows": out}, indent=1) + "\n")
     return 0
 
 
