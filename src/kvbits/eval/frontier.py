@@ -8,9 +8,9 @@ equal perplexity), joined linearly in (bits, log perplexity). A point outside th
 is judged only where one side dominates: the other method's point uses no more bits and scores
 no worse. Where the rows carry per-block NLL sums (``kvbits ppl`` since session 60), a paired
 bootstrap over blocks of tokens gives the gap a 95% interval (outside the front's range: the
-difference from the point that dominates the row or, past the front's end, from its best), and a difference whose interval holds zero
-is a tie: at three and four bits both methods sit within a few tenths of a percent of FP16,
-as close as a thousand-token text can tell.
+difference from the point that dominates the row or, past the front's end, from its best), and
+a difference whose interval holds zero is a tie: at three and four bits both methods sit within
+a few tenths of a percent of FP16, as close as a thousand-token text can tell.
 
 Effective bits per element count every byte the cache holds (codes, FP16 scales and zeros,
 outliers, codebooks, FP16 sink and residual) per K/V element it holds:
