@@ -96,8 +96,9 @@ def markdown(tables: list[dict], out: str = "ppl_frontier") -> str:
               "table) linearly in log perplexity; outside the front's range a row is judged only "
               "where one side dominates (`kvbits.eval.frontier`). \"95% interval\": of the gap "
               "(outside the front's range: of the perplexity over the KIVI point named: the one "
-              "that dominates the row or, past the front's end, its best point), by a paired bootstrap over blocks of 16 scored tokens (tables "
-              "that record them); a difference whose interval holds zero is a tie."), ""]
+              "that dominates the row or, past the front's end, its best point), by a paired "
+              "bootstrap over blocks of 16 scored tokens (tables that record them); a "
+              "difference whose interval holds zero is a tie."), ""]
     for t in tables:
         lines += [f"## {t['model']} on {t['text']}, {t['tokens']} tokens ({t['name']})", "",
                   f"FP16 {t['fp16_ppl']:.3f}; KIVI's front: {', '.join(t['kivi_front'])}.", ""]
