@@ -83,8 +83,7 @@ def main(argv=None) -> int:
         found = [r for r in rows if (r["model"], r["batch"], r["context"]) == (model, batch, ctx)]
         if not found:
             continue
-        fp16 = min(r["us_graph"] or r["us"] for r in found if r["preset"] == "fp16"
-                   and r.get("us_graph"))
+        fp16 = min(r["us_graph"] for r in found if r["preset"] == "fp16" and r.get("us_graph"))
         hkv, hq = found[0]["kv_heads"], found[0]["q_heads"]
         steps = batch * hkv * -(-(ctx - RESIDUAL) // 64)
         for preset in BODIES:
