@@ -241,6 +241,30 @@ def test_repetition_penalty_matches_generate(model, penalty):
     assert torch.equal(got, want)
 
 
+def test_repetition_penalty_of_a_left_padded_batch_matches_generate(model):
+    """transformers' penalty ignores each sequence's left padding (``prompt_ignore_length``):
+    the loop serves it, its padding not counted either. It used to count the padding's ids
+    as seen (GreedyDecoder: another token where the padding id was the favourite), and
+    graph_generate fell back to transformers' loop, warning that it served the penalty."""
+    ids = prompt(40, 2)
+    mask = torch.ones_like(ids)
+    mask[1, :15] = 0
+    kw = {"do_sample": False, "attention_mask": mask, "repetition_penalty": 5.0,
+          "max_new_tokens": 8}
+    first, _ = generate(model, ids, kvbits_cache(model, "fp16"), ours=False, **kw)
+    pad = int(first[1, 40])  # the padded sequence's first choice: its padding's id now
+    ids = ids.masked_fill(mask == 0, pad)
+    want, _ = generate(model, ids, kvbits_cache(model, "fp16"), ours=False, pad_token_id=pad,
+                       **kw)
+    assert want[1, 40] == pad, "the padding's id is not the favourite: the test checks nothing"
+    got, warned = generate(model, ids, kvbits_cache(model, "fp16"), ours=True, pad_token_id=pad,
+                           **kw)
+    assert not warned, warned
+    assert torch.equal(got, want)
+    dec = GreedyDecoder(model, kvbits_cache(model, "fp16"), graphs=False, repetition_penalty=5.0)
+    assert torch.equal(dec.generate(ids, 8, attention_mask=mask), want[:, 40:])
+
+
 def test_decode_refuses_a_penalty_without_the_prompt(model):
     dec = GreedyDecoder(model, kvbits_cache(model), graphs=False, repetition_penalty=1.2)
     with pytest.raises(ValueError, match="repetition_penalty needs the prompt"):

@@ -1106,6 +1106,38 @@ def test_chunked_padding_after_a_sink_flush_is_refused():
         _chunk_padded_batch("kivi-4", 32, residual_length=0, sink_tokens=2)
 
 
+@pytest.mark.parametrize("chunks", [[1] * 30, [5, 1, 1, 23]])
+def test_one_token_steps_through_left_padding_like_dynamic_cache(chunks):
+    """A left-padded batch fed one token at a time (a hand-written loop, or
+    ``prefill_chunk_size=1``) while a row is still all padding: those one-token steps are
+    padding too. They were taken for real tokens (only steps of 2 or more read the mask):
+    silently wrong logits for the padded row, or a chunk after them refused as right padding."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 256, (2, 30), generator=g)
+    mask = torch.ones(2, 30, dtype=torch.long)
+    mask[1, :12] = 0
+    pos = (mask.cumsum(1) - 1).clamp(0)
+
+    def run(cache):
+        out, t = [], 0
+        for n in chunks:
+            out.append(forward(model, ids[:, t:t + n], cache, attention_mask=mask[:, :t + n],
+                               position_ids=pos[:, t:t + n]).logits)
+            t += n
+        return torch.cat(out, 1)
+
+    want = run(DynamicCache())
+    # kivi-4: the padding stays out of the groups; step_graphs=True: one-token steps taken as
+    # replayed layer steps (eager on the CPU) read the mask too
+    for preset, graphs in itertools.product(("fp16", "kivi-4:R=8"), (False, True)):
+        cache = KVBitsCache(model, preset, step_graphs=graphs)
+        got = run(cache)
+        assert all(s.starts.tolist() == [0, 12] for s in cache.stores)
+        if preset == "fp16":
+            torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("preset", ["fp16", "kivi-4"])
 def test_crop_into_left_padding_then_continue_like_dynamic_cache(preset):
     """A crop that keeps fewer tokens than a sequence's left padding (no sink of its own): what

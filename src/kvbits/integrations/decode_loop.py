@@ -63,10 +63,11 @@ class GreedyDecoder:
     ``torch.compile`` backend for the decode steps' elementwise work (``"inductor"``), or None
     (the model as it is). ``sampling``: a :class:`~kvbits.integrations.sampling.Sampling`
     (temperature, top-k, top-p; seed with ``torch.manual_seed``) instead of greedy choice.
-    ``repetition_penalty``: transformers' (the tokens seen, prompt included, as a device mask
-    updated inside the step). Stop tokens, a minimum of new tokens and left padding are
-    arguments of :meth:`generate` (``model.generate(..., custom_generate=graph_generate)``,
-    :mod:`~kvbits.integrations.generate_loop`, maps ``generate``'s options onto them)."""
+    ``repetition_penalty``: transformers' (the tokens seen, prompt included, its left padding
+    not, as a device mask updated inside the step). Stop tokens, a minimum of new tokens and
+    left padding are arguments of :meth:`generate` (``model.generate(...,
+    custom_generate=graph_generate)``, :mod:`~kvbits.integrations.generate_loop`, maps
+    ``generate``'s options onto them)."""
 
     def __init__(self, model, cache, *, graphs: bool = True, step_done=None,
                  fuse: str | None = None, sampling: Sampling | None = None,
@@ -175,7 +176,11 @@ class GreedyDecoder:
         if self.repetition_penalty != 1:  # one column more: prompt ids past the logits' vocab
             B, V = logits.shape
             self._seen = torch.zeros(B, V + 1, dtype=torch.bool, device=logits.device)
-            self._seen.scatter_(1, input_ids.to(logits.device).clamp(max=V), True)
+            seen = input_ids.to(logits.device).clamp(max=V)
+            if pad is not None:  # padding is not a token of its sequence (as transformers'
+                # processor ignores it): its ids go to the spare column
+                seen = seen.masked_fill(kw["attention_mask"].to(seen.device) == 0, V)
+            self._seen.scatter_(1, seen, True)
         first = next_token(self._shaped(logits, 0), self.sampling)
         if self._seen is not None:
             self._seen.scatter_(1, first, True)

@@ -15,8 +15,9 @@ Served here: a :class:`~kvbits.integrations.hf.KVBitsCache` or transformers' ``S
 greedy decoding, or sampling with temperature / top-k / top-p (drawn inside the graph,
 :mod:`~kvbits.integrations.sampling`; a draw of its own, so sampled tokens do not repeat
 ``generate``'s under the same seed); ``min_new_tokens`` / ``min_length`` (EOS banned until
-then, inside the graph); ``repetition_penalty`` (the tokens seen, prompt included, kept as a
-device mask); stopping on max length and EOS; left-padded batches with a KVBitsCache.
+then, inside the graph); ``repetition_penalty`` (the tokens seen, prompt included, its left
+padding not, kept as a device mask); stopping on max length and EOS; left-padded batches with a
+KVBitsCache.
 A streamer (batch 1) gets each token as the step that made it ends (one synchronisation per
 step); ``return_dict_in_generate`` gives the sequences and the cache. Anything else (another
 logits processor such as ``no_repeat_ngram_size``, scores, logits, attentions or hidden states
@@ -159,7 +160,8 @@ def _plan(model, cache, processors, criteria, config, synced_gpus, streamer, att
     other = [type(c).__name__ for c in criteria if type(c).__name__ not in _STOPS]
     if other:
         return None, f"stopping criteria {other} (served: max length and EOS)"
-    return _sampling(processors, config, prompt_len)
+    padding = None if attention_mask is None else (attention_mask == 0).sum(-1)
+    return _sampling(processors, config, prompt_len, padding)
 
 
 class _Rules(NamedTuple):
@@ -170,9 +172,9 @@ class _Rules(NamedTuple):
     repetition_penalty: float  # 1: none
 
 
-def _sampling(processors, config, prompt_len: int):
+def _sampling(processors, config, prompt_len: int, padding: torch.Tensor | None = None):
     """``(_Rules, None)`` equal to ``generate``'s processors, or ``(None, reason)`` where there
-    are others."""
+    are others. ``padding``: each sequence's left padding (``[B]``), or None."""
     kw, other, min_new, penalty = {}, [], 0, 1.0
     eos = config._eos_token_tensor
     for p in processors:
@@ -181,8 +183,7 @@ def _sampling(processors, config, prompt_len: int):
                 eos is not None and _same_ids(p.eos_token_id, eos):
             min_new = max(min_new, p.min_new_tokens if hasattr(p, "min_new_tokens")
                           else p.min_length - prompt_len)
-        elif name == "RepetitionPenaltyLogitsProcessor" and \
-                getattr(p, "prompt_ignore_length", None) is None:
+        elif name == "RepetitionPenaltyLogitsProcessor" and _ignores_padding(p, padding):
             penalty = float(p.penalty)
         elif name == "TemperatureLogitsWarper":
             kw["temperature"] = float(p.temperature)
@@ -190,12 +191,29 @@ def _sampling(processors, config, prompt_len: int):
             kw["top_k"] = int(p.top_k)
         elif name == "TopPLogitsWarper" and getattr(p, "min_tokens_to_keep", 1) == 1:
             kw["top_p"] = float(p.top_p)
+        elif name == "RepetitionPenaltyLogitsProcessor":  # (the loop counts the prompt
+            # without its left padding)
+            other.append(f"{name} with prompt_ignore_length={p.prompt_ignore_length!r}")
         else:
             other.append(name)
     if other:
         return None, (f"logits processors {other} (served: repetition penalty, min length, "
                       "temperature, top-k, top-p)")
     return _Rules(Sampling(**kw) if config.do_sample else None, min_new, penalty), None
+
+
+def _ignores_padding(processor, padding: torch.Tensor | None) -> bool:
+    """Whether a repetition penalty processor counts the tokens the loop counts: the prompt's
+    and the new ones, the left padding not (``prompt_ignore_length``: transformers sets it to
+    each sequence's padding from 5.2x; None before, when it counted the padding too)."""
+    ignore = getattr(processor, "prompt_ignore_length", None)
+    padded = padding is not None and bool(padding.any())
+    if ignore is None or isinstance(ignore, int):
+        return not padded and not ignore
+    ignore = torch.as_tensor(ignore).cpu()
+    if padding is None:
+        return not bool(ignore.any())
+    return ignore.shape == padding.shape and torch.equal(ignore, padding.cpu().to(ignore.dtype))
 
 
 def _same_ids(a, b: torch.Tensor) -> bool:

@@ -406,6 +406,9 @@ class KVBitsLayer(CacheLayerMixin):
         store = self.store
         if key_states.shape[2] != 1 or (store.lens_dev is not None and not self._steps_on):
             return False
+        if store._pad >= store.seq_len:  # a sequence may hold only padding (_pad bounds starts):
+            # this step may be padding too, which the eager path reads off the mask
+            return False
         if self._steps_ok is None:
             cache = self._cache
             setting = steps_mod.DEFAULT if cache is None else cache.step_graphs
@@ -915,13 +918,16 @@ def padding_starts(attention_mask: torch.Tensor | None, batch: int, kv_len: int,
 
 def _grow_padding(store, attention_mask: torch.Tensor | None, lq: int) -> None:
     """Left padding that continues past the prompt step: a prompt prefilled in chunks
-    (``prefill_chunk_size``) whose first chunk held only padding for some sequences. At a
-    multi-row step, a key of the step that no row attends to is padding (a real token attends at
+    (``prefill_chunk_size``, down to one token a step) whose first chunk held only padding for
+    some sequences. A key of the step that no row attends to is padding (a real token attends at
     least to itself, in a sliding window too); a sequence that held only padding before the step
     extends its padding by the step's leading padding keys, before anything of the step is
     quantized (and a padded batch's sink is regathered, ``LayerStore.set_padding``). Padding
     after a sequence's real tokens is refused, as at the prompt step."""
-    if attention_mask is None or lq < 2:
+    if attention_mask is None:
+        return
+    if lq < 2 and store._pad < store.seq_len - lq:  # every sequence holds a real token (_pad
+        # bounds starts): a one-token step is real, as generate's are (no check, no host sync)
         return
     step = padding_starts(attention_mask, store.starts.shape[0], lq, store.device)
     if not bool(step.any()):
