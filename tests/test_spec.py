@@ -278,6 +278,13 @@ def test_spec_string_with_a_colon_and_nothing_after_is_refused(text):
         parse_presets(f"fp16,{text}")
 
 
+@pytest.mark.parametrize("text", ["kivi-2:,", "kvquant-3: , ,"])
+def test_spec_string_with_only_commas_after_the_colon_is_refused(text):
+    """A QA audit: 'kivi-2:,' ran as kivi-2 under that label, as 'kivi-2:' did before."""
+    with pytest.raises(ValueError, match="has no overrides after its ':', only commas"):
+        resolve_spec(text)
+
+
 def test_spec_string_bits_may_be_refined_by_one_width():
     # bits / nbits set both widths; K or V then changes one: not a conflict.
     assert (resolve_spec("kivi-2:bits=4,K=8").key_bits, resolve_spec("kivi-2:bits=4,K=8")

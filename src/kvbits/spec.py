@@ -478,6 +478,9 @@ def parse_overrides(label: str, text: str, aliases: dict = SPEC_ALIASES,
         # under a label ('kivi-2:') that tables and files then carried
         raise ValueError(f"{option}: {label!r} ends in ':' with no overrides after it; give "
                          "FIELD=VALUE pairs (e.g. 'kivi-2:G=64') or drop the ':'")
+    if text.strip() and not any(p.strip() for p in text.split(",")):  # (the same, 'kivi-2:,')
+        raise ValueError(f"{option}: {label!r} has no overrides after its ':', only commas; give "
+                         "FIELD=VALUE pairs (e.g. 'kivi-2:G=64') or drop the ':'")
     out = {}
     given: dict = {}  # field (or its synonym group) -> the pair that set it
     for pair in filter(None, text.split(",")):

@@ -373,6 +373,19 @@ def test_damaged_calibration_files_are_refused_by_name(calibrated, tmp_path):
     repeated = cb.clone()
     repeated[:, 1] = repeated[:, 0]  # repeated entries (k-means on few values gives them): fine
     load(dict(tensors, **{"layers.0.v_codebook": repeated}))
+    # A QA audit: a codebook out of order (against ordered thresholds: codes took the wrong
+    # entries silently), an 'extra' that is not an object (AttributeError in check), a 'probe'
+    # that is not a list of numbers (TypeError in check), a stray tensor (IndexError)
+    with pytest.raises(ValueError, match="layer 0's v_codebook .*out of ascending order"):
+        load(dict(tensors, **{"layers.0.v_codebook": cb.flip(-1).contiguous()}))
+    for edit, want in (({"extra": "[]"}, "'extra' '\\[\\]' is not a JSON object"),
+                       ({"extra": "null"}, "'extra' 'null' is not a JSON object"),
+                       ({"probe": '"abc"'}, "'probe' '\"abc\"' is not a list of numbers"),
+                       ({"probe": "[1, null]"}, "'probe' .* is not a list of numbers")):
+        with pytest.raises(ValueError, match="damaged kvquant calibration: its metadata's " + want):
+            load(**edit)
+    with pytest.raises(ValueError, match=r"damaged kvquant calibration: it holds tensors \['x'\]"):
+        load(dict(tensors, x=torch.zeros(1)))
 
 
 def test_calibration_follows_the_weights_not_their_dtype(calibrated):
@@ -939,3 +952,43 @@ def test_offline_rows_and_table_widths_of_a_damaged_file_are_refused_by_name(tmp
                                          r"value_bits=3"):
         load({"layers.0.v_codebook": cb[:, :4].contiguous(),
               "layers.0.v_thresholds": kvq.thresholds_of(cb[:, :4]).contiguous()})
+
+
+@pytest.mark.parametrize("preset", ["kvquant-3", "kvquant-3-offline", "kvquant-2:codebook=head"])
+def test_constant_and_sub_resolution_groups_do_not_shape_the_codebooks(preset):
+    """Groups the FP16 scale cannot resolve (a constant channel: scale 0; a range within a few
+    float16 steps of the zero) dequantize to their zero whatever the codebook, and normalize to
+    rounding artifacts. Fitted on, they pulled the key codebooks of a repeated-token text onto
+    0 and ~2**bits - 1, with entries far outside (SmolLM2 on ' the' x 256: layer 0 keys had 50x
+    the error of the uniform codebook on other text; a QA audit). They are left out, and a
+    layer left with nothing to fit takes the uniform codebook."""
+    spec = resolve_spec(preset, fisher=False)
+    g = torch.Generator().manual_seed(0)
+    H, T, D = 2, 64, 32
+    levels = (1 << spec.key_bits) - 1
+    v = torch.randn(H, T, D, generator=g)
+    # every key channel constant, or varying below float16's resolution at its magnitude
+    k = 10 + torch.randn(H, 1, D, generator=g) + 1e-6 * torch.randn(H, T, D, generator=g)
+    k[:, :, ::2] = k[:, :1, ::2]
+    cb = kvq.fit_layer(k, v, None, None, spec, window=T)
+    uniform = torch.arange(levels + 1, dtype=torch.float32).expand(H, -1)
+    assert torch.equal(cb.k_codebook, uniform) and torch.equal(cb.k_thresholds,
+                                                               kvq.thresholds_of(uniform))
+    # half the channels real: the codebook is fitted on them alone, within the code range
+    k[:, :, 1::4] = torch.randn(H, T, D // 4, generator=g)
+    cb = kvq.fit_layer(k, v, None, None, spec, window=T)
+    assert not torch.equal(cb.k_codebook, uniform)
+    assert cb.k_codebook.min() > -0.5 and cb.k_codebook.max() < levels + 0.5, cb.k_codebook
+    assert cb.v_codebook.isfinite().all()
+
+
+def test_repeated_token_calibration_of_a_model_gives_usable_codebooks():
+    """The same through calibrate: a text of one repeated token makes every pre-RoPE key
+    channel of the first layer constant."""
+    model = tiny_llama()
+    cal = kvq.calibrate(model, torch.full((1, 64), 5), resolve_spec("kvquant-3"))
+    uniform = torch.arange(8, dtype=torch.float32).expand(2, -1)
+    assert torch.equal(cal.layers[0].k_codebook, uniform)
+    for layer in cal.layers:
+        for t in (layer.k_codebook, layer.v_codebook):
+            assert t.isfinite().all() and t.min() > -0.5 and t.max() < 7.5, t

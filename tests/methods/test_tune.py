@@ -180,6 +180,30 @@ def test_tune_keeps_the_base_fp16_layers(model, tmp_path):
         tune(model, ids, resolve_spec("kivi-3", skip_layers=(0, 1, 2)), 8.0, window=64)
 
 
+def test_tune_takes_the_averages_a_base_with_fp16_layers_can_reach(model):
+    """FP16 layers count 16 bits, so with one of three kept in FP16 the averages reachable are
+    (32 + 4 * [2..8]) / 6 = [6.67, 10.67]: avg_bits above 8 was refused ("must be in [2, 8]")
+    while the message for one below the range said "raise avg_bits"; a base with one FP16
+    layer of two (reachable: [9, 12]) could not be tuned at all (a QA audit)."""
+    from kvbits.methods.tune import check_tune_args
+
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(5))
+    base = resolve_spec("kivi-3", skip_layers=(-1,))
+    check_tune_args(base, 10.0, "--base", "--avg-bits")
+    r = tune(model, ids, base, 32 / 3, window=64)  # the most: every tuned tensor at 8 bits
+    assert [e[1:] for e in r.spec.layer_bits] == [(8, 8), (8, 8)]
+    assert r.avg_bits == pytest.approx(32 / 3)
+    with pytest.raises(ValueError, match=r"above the most they can average, 10.6667 .*give "
+                                         r"avg_bits in \[6.66667, 10.6667\]"):
+        tune(model, ids, base, 11.0, window=64)
+    with pytest.raises(ValueError, match=r"give avg_bits in \[6.66667, 10.6667\]"):
+        tune(model, ids, base, 6.0, window=64)
+    with pytest.raises(ValueError, match=r"--avg-bits must be in \[2, 16\] .*FP16 layers at 16"):
+        check_tune_args(base, 16.5, "--base", "--avg-bits")
+    with pytest.raises(ValueError, match=r"--avg-bits must be in \[2, 8\]"):  # no FP16 layer
+        check_tune_args(resolve_spec("kivi-3"), 8.5, "--base", "--avg-bits")
+
+
 def test_sensitivity_of_a_softcapped_model():
     """Gemma2 caps its attention logits, which SDPA refuses ("`sdpa` attention does not support
     `softcap`"): the trials run the capped attention, the unquantized pass gives the model's own

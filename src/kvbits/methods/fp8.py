@@ -114,6 +114,9 @@ def load_fp8_scales(path, model_or_config=None, spec: QuantSpec | None = None) -
                 from None
         check_made_for(record, model_or_config, spec, "fp8 scale file", path)
     n = len([k for k in t if k.endswith(".k_scale")])
+    if not n:  # (a kvquant calibration said "fp8 calibration has 0 layers, the model 2")
+        raise ValueError(f"{str(path)!r} is not an fp8 scale file (no layer.{{i}}.k_scale "
+                         "tensors; kvbits.methods.fp8.save_fp8_scales writes one)")
     try:
         return [(t[f"layer.{i}.k_scale"], t[f"layer.{i}.v_scale"]) for i in range(n)]
     except KeyError as exc:

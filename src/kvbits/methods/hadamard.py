@@ -175,7 +175,8 @@ def load_hadamard_channels(path, model_or_config=None, spec: QuantSpec | None = 
     and spec that will use them, a file that records another is refused."""
     try:
         doc = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:  # (UnicodeDecodeError: a
+        # binary file, e.g. a safetensors one, was a bare "'utf-8' codec can't decode ...")
         raise ValueError(f"cannot read Hadamard channels from {str(path)!r}: {exc}") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"{str(path)!r} is not a kvbits Hadamard channel file ({FORMAT})")

@@ -772,12 +772,19 @@ class Calibration:
             if meta.get("format") != FORMAT:
                 raise ValueError(f"{path} is not a kvbits kvquant calibration "
                                  f"(format {meta.get('format')!r}, expected {FORMAT!r})")
+            damaged = f"{str(path)!r} is a damaged kvquant calibration"
             names = set(f.keys())
+            # (a tensor of another name was an IndexError, or taken as a layer of its own)
+            stray = sorted(k for k in names if not (
+                len(parts := k.split(".")) == 3 and parts[0] == "layers"
+                and parts[1].isdigit() and parts[2] in _LAYER_TENSORS))
+            if stray:
+                raise ValueError(f"{damaged}: it holds tensors {stray[:3]} that are not "
+                                 "layers.{i}.{" + ",".join(_LAYER_TENSORS) + "}")
             n = len({k.split(".")[1] for k in names})
             layers = [LayerCodebooks(*(f.get_tensor(f"layers.{i}.{name}")
                                        if f"layers.{i}.{name}" in names else None
                                        for name in _LAYER_TENSORS)) for i in range(n)]
-        damaged = f"{str(path)!r} is a damaged kvquant calibration"
         try:
             fields = {k: json.loads(meta[k]) for k in ("spec", "extra", "probe") if k in meta}
         except json.JSONDecodeError as exc:
@@ -785,6 +792,16 @@ class Calibration:
         missing = [k for k in ("spec", "fingerprint") if k not in meta]
         if missing or not isinstance(fields["spec"], dict):
             raise ValueError(f"{damaged}: its metadata lacks {missing or ['a spec object']}")
+        # (an 'extra' that is not an object was an AttributeError in check, a 'probe' that is
+        # not a list of numbers a TypeError there)
+        probe = fields.get("probe")
+        bad = ([f"'extra' {meta['extra'][:40]!r} is not a JSON object"]
+               if not isinstance(fields.get("extra", {}), dict) else []) + (
+            [f"'probe' {meta['probe'][:40]!r} is not a list of numbers"]
+            if probe is not None and not (isinstance(probe, list) and all(
+                type(x) in (int, float) for x in probe)) else [])
+        if bad:
+            raise ValueError(f"{damaged}: its metadata's {' and '.join(bad)}")
         for i, layer in enumerate(layers):  # every table, of consistent lengths
             for side in ("k", "v"):
                 cb, th = getattr(layer, f"{side}_codebook"), getattr(layer, f"{side}_thresholds")
@@ -795,11 +812,13 @@ class Calibration:
                                      "[heads, 2**bits - 1])")
                 # searchsorted needs ascending thresholds (it coded against unsorted ones
                 # silently), and a non-finite entry dequantizes to inf / NaN
+                # (a codebook out of order, against ordered thresholds, gave codes the wrong
+                # entries silently)
                 if not (cb.isfinite().all() and th.isfinite().all()
-                        and (th[:, 1:] >= th[:, :-1]).all()):
+                        and (th[:, 1:] >= th[:, :-1]).all() and (cb[:, 1:] >= cb[:, :-1]).all()):
                     raise ValueError(f"{damaged}: layer {i}'s {side}_codebook / {side}_thresholds "
                                      "hold a non-finite entry or thresholds out of ascending "
-                                     "order")
+                                     "order (or codebook entries)")
                 bits = fields["spec"].get(f"{'key' if side == 'k' else 'value'}_bits")
                 if isinstance(bits, int) and cb.shape[1] != 1 << bits:  # (refused later by
                     # the cache, naming no file)
@@ -920,13 +939,37 @@ def collect_kv(model, input_ids: torch.Tensor, window: int = CALIBRATION_WINDOW,
     return result
 
 
+# a group narrower than this fraction of its zero's magnitude is not fitted on (_resolved)
+FIT_MIN_RANGE = 2.0 ** -8
+
+
+def _resolved(scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Bool mask of the groups whose FP16 ``scale`` resolves them, the only ones whose elements
+    a codebook fit learns from. A group with scale 0 (a constant channel: a repeated calibration
+    token makes every pre-RoPE key channel of the first layer one) dequantizes to its zero
+    whatever the codebook, and one whose range is within a few float16 steps of its zero
+    (``scale * (2**bits - 1) < FIT_MIN_RANGE * |zero|``) normalizes to rounding artifacts, up to
+    several code units outside ``[0, 2**bits - 1]``. Fitted on, they pulled a repeated-token
+    text's codebooks onto 0 and ~``2**bits - 1`` (SmolLM2 layer 0 keys: 50x the error of the
+    uniform codebook on other text). No real text's groups are that narrow (SmolLM2,
+    Qwen2.5-0.5B: none; Gemma3-270M: 1.3% of key groups with scale 0, whose exclusion changed
+    its codebooks by < 1e-3)."""
+    s, z = scale.float(), zero.float()
+    return (s > 0) & (s * ((1 << bits) - 1) >= FIT_MIN_RANGE * z.abs())
+
+
 def _fit_one(u: torch.Tensor, w: torch.Tensor | None, bits: int, qnorm: bool):
-    """Codebook and thresholds ``[2**bits]``, ``[2**bits - 1]`` for normalized data ``u``.
+    """Codebook and thresholds ``[2**bits]``, ``[2**bits - 1]`` for normalized data ``u``; the
+    uniform codebook (KIVI's levels) when ``u`` is empty (no group the fit can learn from:
+    :func:`_resolved`).
 
     The ends are fitted like the other entries, although every group's min and max normalize
     to exactly ``0`` and ``2**bits - 1``: pinning them there (``kmeans_1d(ends=...)``, as
     uniform min-max does) measured better on one text and worse on others
     (``benchmarks/results/codebook_ends.md``)."""
+    if u.numel() == 0:
+        cb = torch.arange(1 << bits, dtype=torch.float32)
+        return cb, thresholds_of(cb)
     cb = kmeans_1d(u, w, 1 << bits)
     th = thresholds_of(cb)
     if qnorm:
@@ -957,6 +1000,7 @@ def fit_layer(k, v, gk, gv, spec: QuantSpec, window: int | None = None) -> Layer
     vu = _normalize(vg, vs, vz)[0]
     vw = None if gv is None else channel_groups(gv[:, S:t1], spec.value_group(D))[0]
     vd = torch.ones_like(vu, dtype=torch.bool) if vd is None else vd[0]
+    vd = vd & _resolved(vs, vz, vb)[0]
 
     def fit(u, w, dense, bits):
         if spec.codebook == "layer":
@@ -977,6 +1021,7 @@ def fit_layer(k, v, gk, gv, spec: QuantSpec, window: int | None = None) -> Layer
     ku = _normalize(kg, ks, kz)[0]  # [H, NG, G, D]
     kw = None if gk is None else gk[:, S:t1].reshape(ku.shape)
     kd = torch.ones_like(ku, dtype=torch.bool) if kd is None else kd[0]
+    kd = kd & _resolved(ks, kz, kb)[0]
     return LayerCodebooks(*fit(ku, kw, kd, kb), *fit(vu, vw, vd, vb))
 
 
@@ -994,6 +1039,7 @@ def _fit_offline_keys(k, w, scale, zero, n_out: int, fit, bits: int):
         dense = torch.ones_like(u, dtype=torch.bool)
         if n_out:
             dense.scatter_(-1, err.topk(n_out, dim=-1).indices, False)
+        dense &= _resolved(s, z, bits)
         cb, th = fit(u, w, dense, bits)
     return cb, th
 

@@ -207,9 +207,15 @@ def allocate(costs: list[list[float]], budget_bits: int, choices=CHOICES) -> lis
 def check_tune_args(base: QuantSpec, avg_bits: float, base_name: str, avg_name: str) -> None:
     """What :func:`tune` can allocate, checked before any model work (``kvbits tune`` calls it
     before loading; the names say which argument or option is wrong)."""
-    if not (math.isfinite(avg_bits) and min(CHOICES) <= avg_bits <= max(CHOICES)):
-        raise ValueError(f"{avg_name} must be in [{min(CHOICES)}, {max(CHOICES)}] (code bits per "
-                         f"K/V element, averaged over the layers), got {avg_bits}")
+    # FP16 layers (skip_layers) count 16 bits in the average: the range for the model's depth
+    # is checked by tune (an average above 8 was refused here, one below it there, so a base
+    # with one FP16 layer of two could not be tuned at all)
+    hi = 16 if base.skip_layers else max(CHOICES)
+    if not (math.isfinite(avg_bits) and min(CHOICES) <= avg_bits <= hi):
+        raise ValueError(f"{avg_name} must be in [{min(CHOICES)}, {hi}] (code bits per K/V "
+                         "element, averaged over the layers"
+                         + (", FP16 layers at 16" if base.skip_layers else "")
+                         + f"), got {avg_bits}")
     if base.method not in ("kivi", "uniform"):
         raise ValueError(f"{base_name} is method {base.method!r}; tune allocates the bits of "
                          "method 'kivi' or 'uniform' (e.g. kivi-3, kivi-3-had, uniform-int4)")
@@ -230,11 +236,18 @@ def tune(model, input_ids: torch.Tensor, base: QuantSpec, avg_bits: float,
     base.check_layers(n)
     tuned = [i for i in range(n) if i not in {j % n for j in base.skip_layers}]
     budget = math.floor(avg_bits * 2 * n + 1e-9) - 32 * (n - len(tuned))  # FP16 layers: 16 + 16
+    lo, hi = ((16 * (n - len(tuned)) + b * len(tuned)) / n for b in (min(CHOICES), max(CHOICES)))
     if not tuned or budget < 2 * min(CHOICES) * len(tuned):
         raise ValueError(f"tune: avg_bits={avg_bits} over {n} layers cannot be met with "
                          f"{n - len(tuned)} of them kept in FP16 (skip_layers, 16 bits each): "
                          f"the other {len(tuned)} would need fewer than {min(CHOICES)} bits; "
-                         "raise avg_bits or keep fewer layers in FP16")
+                         + (f"give avg_bits in [{lo:g}, {hi:g}] or keep fewer layers in FP16"
+                            if tuned else "keep fewer layers in FP16"))
+    if avg_bits > hi + 1e-9:  # (every tuned layer at 8 bits would average less than asked)
+        raise ValueError(f"tune: avg_bits={avg_bits} over {n} layers with {n - len(tuned)} kept "
+                         f"in FP16 (skip_layers) is above the most they can average, {hi:g} "
+                         f"(the others at {max(CHOICES)} bits): give avg_bits in [{lo:g}, "
+                         f"{hi:g}]")
     sens = layer_sensitivity(model, input_ids, base, (2, 4), window, log, calibration)
     costs = ([_table(*map(float, sens["k"][i])) for i in tuned]
              + [_table(*map(float, sens["v"][i])) for i in tuned])
