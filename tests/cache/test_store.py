@@ -616,6 +616,37 @@ def test_evict_drops_whole_invisible_groups_and_shifts_padding():
     assert st.evict(10**6) == 0  # lengths on the device: buffers stay put
 
 
+def test_all_hold_real_tokens_follows_padding_through_eviction():
+    """LayerStore.all_hold_real_tokens: the host-side answer the decode step reads instead of
+    the mask. A left padding longer than what a sliding layer keeps stored must not keep the
+    answer False once eviction has shifted it away (step graphs would stay off for good); a
+    store restored from a file answers from the padding as set (a bound, never a wrong True)."""
+    from kvbits.cache.store import LayerStore
+    from kvbits.spec import resolve_spec
+
+    spec = resolve_spec("kivi-2", group_size=32, residual_length=8)
+    g = torch.Generator().manual_seed(1)
+    st = LayerStore(spec, 2, 1, 32, torch.float32, "cpu")
+    kv = [torch.randn(2, 1, 200, 32, generator=g) for _ in range(2)]
+    st.append(kv[0], kv[1], flush=False)
+    st.set_padding(torch.tensor([0, 150]))
+    st.flush()
+    assert st.all_hold_real_tokens() and not st.all_hold_real_tokens(ahead=50)
+    gone = st.evict(160)
+    assert gone == 160 and st.seq_len == 40 and st.starts.tolist() == [-160, -10]
+    assert st.all_hold_real_tokens() and st.all_hold_real_tokens(ahead=49)
+    assert not st.all_hold_real_tokens(ahead=50)  # exactly max(starts): -10 < 40 - 50 fails
+    fresh = LayerStore(spec, 2, 1, 32, torch.float32, "cpu")
+    fresh.load_state(*st.state())
+    assert not fresh.all_hold_real_tokens()  # 150 as set: a bound above the 40 stored
+    cut = LayerStore(spec, 2, 1, 32, torch.float32, "cpu")
+    cut.append(kv[0][:, :, :20], kv[1][:, :, :20], flush=False)
+    cut.set_padding(torch.tensor([0, 20]))  # sequence 1 is all padding so far
+    assert not cut.all_hold_real_tokens()
+    cut.append(kv[0][:, :, :1], kv[1][:, :, :1])
+    assert cut.all_hold_real_tokens()
+
+
 def test_eviction_waits_for_sink_copies_in_the_residual():
     """A padded sequence's sink tokens have copies at their positions in the body/residual,
     hidden below ``starts + sink_len`` (out of the min/max of their group when quantized). An

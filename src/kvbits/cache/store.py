@@ -82,7 +82,8 @@ class LayerStore:
         # host-side bound: no sequence has hidden tokens (padding, or copies of its sink) in
         # the body or residual at positions >= this
         self._pad_end = 0
-        self._pad = 0  # max(starts): the longest left padding
+        self._pad = 0  # max(starts) when the padding was set: the longest left padding
+        self._pad_now = 0  # max(starts) now (eviction shifts them), or a bound above it
         self._row_sinks = False  # the sink holds each sequence's own first tokens (padded batch)
         self._sink_closed = False  # ... and takes no more (it is full, or tokens were quantized)
         self.lens_dev: torch.Tensor | None = None  # device lengths mode (begin_device_lengths)
@@ -199,6 +200,12 @@ class LayerStore:
     def seq_len(self) -> int:
         """Tokens stored (what the kernels index)."""
         return self.sink_len + self.body_len + self.res_len
+
+    def all_hold_real_tokens(self, ahead: int = 0) -> bool:
+        """Whether every sequence holds a token of its own among the stored ones before the
+        last ``ahead``, read off host-side state (no device read, so a decode step can ask): False
+        may also mean "not known" (a cache restored from a file after its padding was set)."""
+        return self._pad_now < self.seq_len - ahead
 
     @property
     def total_len(self) -> int:
@@ -333,6 +340,7 @@ class LayerStore:
         if pad > 0 and self.spec.sink_tokens:  # in position order by the old starts; reopened
             fp, self._sink_closed = self._fp_in_order(), False
         self.starts, self._pad = starts, pad
+        self._pad_now = pad
         self._settle_sinks(fp)
 
     def _settle_sinks(self, fp=None) -> None:
@@ -530,6 +538,7 @@ class LayerStore:
         self.sink_k, self.sink_v = self.sink_k[:, :, :0], self.sink_v[:, :, :0]
         self.sink_len = 0
         self.starts = self.starts - gone
+        self._pad_now -= gone
         self._pad_end = max(0, self._pad_end - gone)
         self.evicted += gone
         return gone
@@ -912,6 +921,7 @@ class LayerStore:
             # in transformers' attention mask after the cut, not more padding to hide
             self.starts = self.starts.clamp(max=length)
             self._pad = length
+            self._pad_now = min(self._pad_now, length)
             self._pad_end = min(self._pad_end, length)
         if self.fp8 and self.spec.fp8_scale == "dynamic":
             # a sequence left with no token of its own in the body: its next first flush sets
@@ -1013,6 +1023,7 @@ class LayerStore:
                 setattr(self, name, buf)
         for name, value in scalars.items():
             setattr(self, name, value)
+        self._pad_now = self._pad  # (not saved: the padding as set bounds it)
         self._dense = None
         if tracking:
             self._load_undo(*undo)

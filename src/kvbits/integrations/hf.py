@@ -406,8 +406,8 @@ class KVBitsLayer(CacheLayerMixin):
         store = self.store
         if key_states.shape[2] != 1 or (store.lens_dev is not None and not self._steps_on):
             return False
-        if store._pad >= store.seq_len:  # a sequence may hold only padding (_pad bounds starts):
-            # this step may be padding too, which the eager path reads off the mask
+        if not store.all_hold_real_tokens():  # a sequence may hold only padding: this step may
+            # be padding too, which the eager path reads off the mask
             return False
         if self._steps_ok is None:
             cache = self._cache
@@ -926,8 +926,8 @@ def _grow_padding(store, attention_mask: torch.Tensor | None, lq: int) -> None:
     after a sequence's real tokens is refused, as at the prompt step."""
     if attention_mask is None:
         return
-    if lq < 2 and store._pad < store.seq_len - lq:  # every sequence holds a real token (_pad
-        # bounds starts): a one-token step is real, as generate's are (no check, no host sync)
+    if lq < 2 and store.all_hold_real_tokens(ahead=lq):  # before this step: a one-token step is
+        # then real, as generate's are (no check, no host sync)
         return
     step = padding_starts(attention_mask, store.starts.shape[0], lq, store.device)
     if not bool(step.any()):
