@@ -181,6 +181,33 @@ def test_resolve_spec_from_a_spec_string():
         resolve_spec("kivi-5:G=64")
 
 
+def test_spec_string_numbers_are_plain_decimals():
+    """A QA pass: ``O=-0`` was kept as -0.0 (label "out=-0", and another calibration cache key
+    than ``O=0``), and int() took ``G=6_4`` and ``G=+64`` as 64. Numbers are plain decimals now,
+    a '-' left for the field's own range check (transformers' axis_key=-1 takes one)."""
+    import math
+
+    from kvbits.methods.kvquant import spec_fields
+    from kvbits.spec import parse_overrides
+
+    neg, zero = resolve_spec("kvquant-3:O=-0"), resolve_spec("kvquant-3:O=0")
+    assert math.copysign(1.0, neg.outliers) == 1.0 and "out=0 " in neg.describe()
+    assert json.dumps(spec_fields(neg)) == json.dumps(spec_fields(zero))
+    assert resolve_spec("kvquant-3:O=.01").outliers == resolve_spec("kvquant-3:O=1e-2").outliers
+    for text, field, values in (("kivi-2:G=6_4", "group_size", r"one of 32, 64, 128"),
+                                ("kivi-2:G=+64", "group_size", r"one of 32, 64, 128"),
+                                ("kivi-2:bits=\u0663", "bits", r"one of 2, 3, 4, 8"),
+                                ("kivi-2:R= 1_0", "residual_length", r"in \[0, 2\*\*20\)"),
+                                ("kvquant-3:O=+0.01", "outliers", r"a fraction in \[0, 0.25\]"),
+                                ("kvquant-3:O=nan", "outliers", r"a fraction in \[0, 0.25\]")):
+        with pytest.raises(ValueError, match=rf"{field} in '.*' must be an? (integer|number) in "
+                                             rf"plain decimal.*\({values}"):
+            resolve_spec(text)
+    with pytest.raises(ValueError, match=r"residual_length must be an integer in \[0, 2\*\*20"):
+        resolve_spec("kivi-2:R=-1")  # a sign still reaches the range check
+    assert parse_overrides("x", "axis_key=-1")["axis_key"] == -1
+
+
 def test_resolve_spec_none_override_means_keep():
     # CLI flags left unset arrive as None and must not override the preset.
     spec = resolve_spec("k4v2", residual_length=None, group_size=None)

@@ -8,6 +8,7 @@ and the allowed values.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 METHODS = ("fp16", "kivi", "kvquant", "uniform", "fp8")
@@ -464,6 +465,18 @@ _SYNONYMS = {"nbits": "bits", "q_group_size": "group_size", "axis_key": "key_axi
 _BOOL_FIELDS = ("pre_rope", "qnorm", "fisher", "hadamard", "hadamard_calibrated")
 _FLOAT_FIELDS = ("outliers",)
 _STR_FIELDS = ("codebook", "key_scales", "key_axis", "value_axis", "fp8_scale", "fp8_granularity")
+# How a number is written in a spec string: ASCII decimal digits, a '-' allowed so that a
+# negative value meets the field's own range check (axis_key=-1 takes one). (int() and float()
+# also took '+64', '6_4' and non-ASCII digits as 64, float() 'inf' and 'nan': a QA pass.)
+_INT_TEXT = re.compile(r"-?[0-9]+")
+_FLOAT_TEXT = re.compile(r"-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?")
+# the allowed values a number field's parse error names (group sizes only for kvbits' own
+# field: --hf-quantized's q_group_size takes others)
+_BITS_TEXT, _GROUPS_TEXT = (f"one of {', '.join(map(str, t))}" for t in (BITS, GROUP_SIZES))
+_NUMBER_VALUES = {"key_bits": _BITS_TEXT, "value_bits": _BITS_TEXT, "bits": _BITS_TEXT,
+                  "nbits": _BITS_TEXT, "group_size": _GROUPS_TEXT,
+                  "residual_length": "in [0, 2**20)", "sink_tokens": "in [0, 2**20)",
+                  "outliers": "a fraction in [0, 0.25], e.g. 0.01"}
 
 
 def parse_overrides(label: str, text: str, aliases: dict = SPEC_ALIASES,
@@ -505,12 +518,15 @@ def parse_overrides(label: str, text: str, aliases: dict = SPEC_ALIASES,
         elif name in _STR_FIELDS:
             out[name] = value
         else:
-            try:
-                out[name] = float(value) if name in _FLOAT_FIELDS else int(value)
-            except ValueError:
-                kind = "a number" if name in _FLOAT_FIELDS else "an integer"
-                raise ValueError(f"{option}: {name} in {label!r} must be {kind}, got "
-                                 f"{value!r}") from None
+            is_float = name in _FLOAT_FIELDS
+            if not (_FLOAT_TEXT if is_float else _INT_TEXT).fullmatch(value):
+                kind = "a number in plain decimal" if is_float else \
+                    "an integer in plain decimal digits"
+                values = f" ({_NUMBER_VALUES[name]})" if name in _NUMBER_VALUES else ""
+                raise ValueError(f"{option}: {name} in {label!r} must be {kind}{values}, got "
+                                 f"{value!r}")
+            # (+ 0.0: '-0' was kept as -0.0, another label and calibration cache key than 0)
+            out[name] = float(value) + 0.0 if is_float else int(value)
     if "bits" in out:
         bits = out.pop("bits")
         out.setdefault("key_bits", bits)

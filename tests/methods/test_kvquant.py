@@ -388,6 +388,57 @@ def test_damaged_calibration_files_are_refused_by_name(calibrated, tmp_path):
         load(dict(tensors, x=torch.zeros(1)))
 
 
+def test_calibration_of_another_head_or_layer_count_is_refused_by_file(calibrated, tmp_path):
+    """A QA pass: a file whose fingerprint matches the model but whose codebooks are of another
+    KV head count loaded, and was refused only at the first forward, inside the cache store,
+    naming no file; one of another layer count named no file either."""
+    import dataclasses
+
+    from kvbits.integrations.hf import KVBitsCache
+
+    model, spec, cal, _ = calibrated
+    one_head = [kvq.LayerCodebooks(*(t[:1] for t in (layer.k_codebook, layer.k_thresholds,
+                                                     layer.v_codebook, layer.v_thresholds)))
+                for layer in cal.layers]
+    path = dataclasses.replace(cal, layers=one_head).save(tmp_path / "one_head.safetensors")
+    with pytest.raises(ValueError, match=r"calibration '.*one_head\.safetensors' holds codebooks "
+                                         r"for 1/1 KV heads .* at layer 0, the model has 2 KV "
+                                         "heads"):
+        KVBitsCache(model, spec, calibration=path)
+    deep = cal.layers + copy.deepcopy(cal.layers)
+    path = dataclasses.replace(cal, layers=deep).save(tmp_path / "deep.safetensors")
+    with pytest.raises(ValueError, match=r"calibration '.*deep\.safetensors' has 4 layers, the "
+                                         r"model 2"):
+        KVBitsCache(model, spec, calibration=path)
+    with pytest.raises(ValueError, match=r"calibration \(preset kvquant-3\) holds codebooks for "
+                                         r"1/1 KV heads"):
+        KVBitsCache(model, spec, calibration=dataclasses.replace(cal, layers=one_head))
+
+
+def test_calibration_without_its_probe_says_so(calibrated, tmp_path):
+    """A QA pass: a file without its 'probe' metadata (its fingerprint the probe's, which only
+    files with a probe carry) said "made for model tiny (F), not for this model (F)", the same
+    fingerprint twice. It is damaged, and cannot be checked against the model: said so. An old
+    file (a legacy fingerprint, no probe) of another model still compares legacy fingerprints."""
+    import dataclasses
+
+    from kvbits.integrations.hf import KVBitsCache
+
+    model, spec, cal, _ = calibrated
+    path = dataclasses.replace(cal, probe=None).save(tmp_path / "noprobe.safetensors")
+    with pytest.raises(ValueError, match=r"calibration '.*noprobe\.safetensors' has no weight "
+                                         r"probe .*: the file is damaged .*cannot be checked "
+                                         r"against this model") as info:
+        KVBitsCache(model, spec, calibration=path)
+    assert str(info.value).count(cal.fingerprint) == 1
+    legacy = dataclasses.replace(cal, probe=None, fingerprint=kvq._legacy_fingerprint(model))
+    other = tiny_llama(seed=1)
+    with pytest.raises(ValueError, match="calibration was made for model tiny") as info:
+        legacy.check(other, spec)
+    assert kvq._legacy_fingerprint(other) in str(info.value)
+    legacy.check(model, spec)  # an old file of this model still loads
+
+
 def test_calibration_follows_the_weights_not_their_dtype(calibrated):
     """`kvbits calibrate` runs in float32 on the CPU; the same model in float16 or bfloat16 (a
     GPU) is the same model: accepted. Other weights of the same shape are refused, also for

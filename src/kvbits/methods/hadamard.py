@@ -33,12 +33,14 @@ from pathlib import Path
 
 import torch
 
+from ..checks import as_int, is_count, repeated
 from ..reference import hadamard as ref_hadamard
 from ..spec import QuantSpec
 from . import (
     CALIBRATION_WINDOW,
     calibration_chunks,
     calibration_ids,
+    calibration_windows,
     check_made_for,
     made_for,
     model_dtype,
@@ -46,8 +48,8 @@ from . import (
 )
 from .model_calls import full_attention
 
-__all__ = ["auto_hadamard_channels", "calibrate_hadamard", "choose_channels", "collect_qk",
-           "layer_channels", "load_hadamard_channels", "rotation_cost",
+__all__ = ["auto_hadamard_channels", "calibrate_hadamard", "check_channels", "choose_channels",
+           "collect_qk", "layer_channels", "load_hadamard_channels", "rotation_cost",
            "save_hadamard_channels"]
 
 FORMAT = "kvbits-hadamard-channels-1"
@@ -145,12 +147,20 @@ def calibrate_hadamard(model, input_ids: torch.Tensor, spec: QuantSpec,
                        window: int = CALIBRATION_WINDOW) -> list:
     """Per layer, per KV head: the channels to rotate (:func:`choose_channels`) on
     ``input_ids [1, T]``."""
+    G = spec.group_size
+    tokens = sum(b - a for a, b in calibration_windows(input_ids.numel(), window))
+    if tokens < G:  # (failed after the forward, in rotation_cost, naming that function)
+        raise ValueError(f"Hadamard channel calibration needs at least {G} tokens of "
+                         f"calibration text (one key group, group_size {G}), got {tokens}: give "
+                         "a longer calibration text or more of its tokens (the commands' "
+                         "--calib-text / --calib-tokens; text= / tokens= of "
+                         "auto_hadamard_channels)")
     out = []
     for q, k in collect_qk(model, input_ids, window):
         H, D = k.shape[0], k.shape[-1]
         rep = q.shape[0] // H
         out.append([choose_channels(q[h * rep:(h + 1) * rep].reshape(-1, D), k[h],
-                                    spec.group_size) for h in range(H)])
+                                    G) for h in range(H)])
     return out
 
 
@@ -170,9 +180,61 @@ def save_hadamard_channels(path, channels: list, model=None, spec: QuantSpec | N
     return path
 
 
+def check_channels(channels, model_or_config, what: str, n_layers: int | None = None) -> None:
+    """Refuse (ValueError, ``what`` naming the file or the list) channel lists that the cache
+    of ``model_or_config`` cannot use: not one list per layer (``n_layers``, else the config's
+    count) and KV head, or a head's list not distinct channel indices below ``head_dim``
+    whose count is a power of two. (Such lists loaded, and failed at the first forward, inside
+    the cache store, naming no file: a QA pass.)"""
+    config = getattr(model_or_config, "config", model_or_config)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    attn = getattr(config, "num_attention_heads", None)
+    heads = getattr(config, "num_key_value_heads", None) or attn
+    head_dim = getattr(config, "head_dim", None)  # as kvquant.model_shape_name takes it
+    if head_dim is None and is_count(getattr(config, "hidden_size", None)) and is_count(attn):
+        head_dim = config.hidden_size // attn
+    n_layers = getattr(config, "num_hidden_layers", None) if n_layers is None else n_layers
+    if not isinstance(channels, (list, tuple)):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvbits)
+            f"{what} must hold one list per layer (of one channel list per KV head), got "
+            f"{type(channels).__name__}")
+    if is_count(n_layers) and len(channels) != n_layers:
+        raise ValueError(f"{what} has {len(channels)} layers, the model {n_layers}")
+    for i, layer in enumerate(channels):
+        if not isinstance(layer, (list, tuple)):
+            raise ValueError(  # noqa: TRY004 (as above)
+                f"{what}: layer {i} must be a list of channel lists, one per KV head, got "
+                f"{type(layer).__name__}")
+        if is_count(heads) and len(layer) != heads:
+            raise ValueError(f"{what}: layer {i} has {len(layer)} channel lists, the model "
+                             f"{heads} KV heads (one list per KV head)")
+        for h, chans in enumerate(layer):
+            where = f"{what}: layer {i} head {h}"
+            if not isinstance(chans, (list, tuple)):
+                raise ValueError(  # noqa: TRY004 (as above)
+                    f"{where} must be a list of channel indices, got {type(chans).__name__}")
+            idx = [as_int(c) for c in chans]
+            bad = next((c for c, n in zip(chans, idx)
+                        if n is None or n < 0 or (is_count(head_dim) and n >= head_dim)), None)
+            if bad is not None:
+                top = head_dim - 1 if is_count(head_dim) else "head_dim - 1"
+                raise ValueError(f"{where}: channel {bad!r} is not a channel index of the "
+                                 f"model's heads (an integer in 0 .. {top})")
+            if len(set(idx)) != len(idx):
+                dup = repeated(idx)
+                raise ValueError(f"{where} lists channel(s) {dup} more than once (each channel "
+                                 "once)")
+            if len(idx) & (len(idx) - 1):
+                raise ValueError(f"{where} lists {len(idx)} channels, not a power of two (a "
+                                 "Hadamard block rotates 1, 2, 4, 8, ... channels; an empty "
+                                 "list rotates none)")
+
+
 def load_hadamard_channels(path, model_or_config=None, spec: QuantSpec | None = None) -> list:
     """The channel lists of a :func:`save_hadamard_channels` file; given the model (or config)
-    and spec that will use them, a file that records another is refused."""
+    and spec that will use them, a file that records another is refused, as are lists that
+    the model's cache cannot use (:func:`check_channels`)."""
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:  # (UnicodeDecodeError: a
@@ -182,6 +244,9 @@ def load_hadamard_channels(path, model_or_config=None, spec: QuantSpec | None = 
         raise ValueError(f"{str(path)!r} is not a kvbits Hadamard channel file ({FORMAT})")
     if model_or_config is not None and spec is not None:
         check_made_for(doc.get("made_for"), model_or_config, spec, "Hadamard channel file", path)
+    if model_or_config is not None:
+        check_channels(doc.get("layers"), model_or_config,
+                       f"Hadamard channel file {str(path)!r}")
     return doc["layers"]
 
 
@@ -211,7 +276,12 @@ def layer_channels(model_or_config, spec: QuantSpec, calibration, n_layers: int)
                          "spec, calibration='auto') (chosen on SOTU 1900-1999), a list from "
                          "kvbits.methods.hadamard.calibrate_hadamard or a file from "
                          "save_hadamard_channels")
-    return per_layer_calibration(calibration, model_or_config,
-                                 lambda model: auto_hadamard_channels(model, spec),
-                                 lambda path: load_hadamard_channels(path, model_or_config, spec),
-                                 "Hadamard calibration", n_layers)
+    channels = per_layer_calibration(calibration, model_or_config,
+                                     lambda model: auto_hadamard_channels(model, spec),
+                                     lambda path: load_hadamard_channels(path, model_or_config,
+                                                                         spec),
+                                     "Hadamard calibration", n_layers)
+    # lists checked here, before any layer is built or attended (files: when loaded)
+    if isinstance(calibration, (list, tuple)):
+        check_channels(channels, model_or_config, "Hadamard calibration", n_layers)
+    return channels

@@ -676,6 +676,12 @@ class Calibration:
     date: str = ""
     extra: dict = field(default_factory=dict)
     probe: list[float] | None = None  # weight_probe of the model it was made for
+    path: str = field(default="", compare=False)  # the file it was loaded from (for errors)
+
+    def _name(self) -> str:
+        """How errors name it: its file, else its preset."""
+        return (f"calibration {self.path!r}" if self.path
+                else f"calibration (preset {self.preset or '?'})")
 
     def check(self, model, spec: QuantSpec) -> None:
         """Refuse a calibration made for another model or another spec (ValueError). The model
@@ -697,7 +703,17 @@ class Calibration:
             same = (model_shape_name(model.config) == self.fingerprint.rsplit("-", 1)[0]
                     and probe is not None and probes_match(probe, self.probe))
         else:
-            same = _legacy_fingerprint(model) == self.fingerprint
+            legacy = _legacy_fingerprint(model)
+            same = legacy == self.fingerprint
+            if not same and self.fingerprint == fp:  # (was "made for model ? (F), not for this
+                # model (F)": the probe's fingerprint, which only files with a probe carry)
+                raise ValueError(
+                    f"{self._name()} has no weight probe ('probe' metadata) but a fingerprint "
+                    f"of the form written with one ({fp}): the file is damaged (or was saved "
+                    "from a Calibration without its probe), and the weights it was made for "
+                    "cannot be checked against this model; calibrate it again: kvbits "
+                    f"calibrate --model ... --preset {self.preset or '...'}")
+            fp = legacy  # the form the file's fingerprint is compared in
         if fp is None and hasattr(model, "get_text_config"):  # a config: its shape at least
             fp = model_shape_name(model)
             same = fp == self.fingerprint.rsplit("-", 1)[0]
@@ -716,9 +732,20 @@ class Calibration:
             raise ValueError(f"calibration (preset {self.preset or '?'}) does not match the "
                              f"spec: {', '.join(bad)}; calibrate again with this preset")
         config = model if hasattr(model, "get_text_config") else getattr(model, "config", None)
-        n = config.get_text_config(decoder=True).num_hidden_layers if fp else len(self.layers)
+        text = config.get_text_config(decoder=True)
+        n = text.num_hidden_layers if fp else len(self.layers)
         if len(self.layers) != n:
-            raise ValueError(f"calibration has {len(self.layers)} layers, the model {n}")
+            raise ValueError(f"{self._name()} has {len(self.layers)} layers, the model {n}")
+        # (a file whose fingerprint matched but whose tables are of another head count was
+        # refused only at the first forward, inside the cache store, naming no file)
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        for i, layer in enumerate(self.layers):
+            got = layer.k_codebook.shape[0], layer.v_codebook.shape[0]
+            if got != (heads, heads):
+                raise ValueError(f"{self._name()} holds codebooks for {'/'.join(map(str, got))} "
+                                 f"KV heads (keys/values) at layer {i}, the model has {heads} "
+                                 "KV heads: it was made for another model, or is damaged; "
+                                 "calibrate it for this model")
         rule = self.extra.get("outlier_rule", "mad")
         if _outlier_rule_applies(spec) and rule != OUTLIER_RULE:  # usable, fitted otherwise
             warnings.warn(f"calibration (preset {self.preset or '?'}) was fitted with outliers "
@@ -847,7 +874,7 @@ class Calibration:
                                          + " entry")
         return cls(layers, fields["spec"], meta["fingerprint"], meta.get("model", ""),
                    meta.get("preset", ""), meta.get("data", ""), meta.get("date", ""),
-                   fields.get("extra", {}), fields.get("probe"))
+                   fields.get("extra", {}), fields.get("probe"), str(path))
 
 
 def _capture_attention(store: dict, grad: bool):
