@@ -122,8 +122,8 @@ class QuantSpec:
                                  f"tokens per sequence and KV head), got {value!r}")
         for name in ("pre_rope", "qnorm", "fisher", "hadamard", "hadamard_calibrated"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"QuantSpec.{name} must be True or False, got "
-                                 f"{getattr(self, name)!r}")
+                raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvbits)
+                    f"QuantSpec.{name} must be True or False, got {getattr(self, name)!r}")
         out = self.outliers
         if isinstance(out, bool) or not isinstance(out, (int, float)) or not 0 <= out <= 0.25:
             raise ValueError(f"QuantSpec.outliers must be a fraction in [0, 0.25] of each token "
@@ -171,8 +171,9 @@ class QuantSpec:
             raise ValueError("QuantSpec.hadamard cannot be combined with pre_rope=True (the "
                              "rotation would not commute with re-applying RoPE)")
         if not isinstance(self.layer_bits, tuple) or not isinstance(self.skip_layers, tuple):
-            raise ValueError("QuantSpec.layer_bits and skip_layers must be tuples, got "
-                             f"{self.layer_bits!r} / {self.skip_layers!r}")
+            raise ValueError(  # noqa: TRY004 (as above)
+                "QuantSpec.layer_bits and skip_layers must be tuples, got "
+                f"{self.layer_bits!r} / {self.skip_layers!r}")
         if (self.layer_bits or self.skip_layers) and self.method not in PER_LAYER_METHODS:
             raise ValueError(f"QuantSpec.layer_bits / skip_layers apply to methods "
                              f"{', '.join(map(repr, PER_LAYER_METHODS))}; method is "

@@ -113,7 +113,7 @@ CONFIGS = [("keys", b, 32, 0, 128, False) for b in BITS] + [
 def test_kernels_compile_for_sm90_with_slots_in_thread(compile_sm90):
     results = compile_sm90(CHILD, CONFIGS)
     for r in results:
-        kind, bits, G, _, D, _ = r["cfg"]
+        kind, _, G, _, _, _ = r["cfg"]
         assert r["local"] == 0, r  # no spills, no local arrays
         if kind == "keys" and G == 32:  # min/max and packing in-thread or across lanes only
             assert r["shared"] == 0, r

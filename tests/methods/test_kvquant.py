@@ -116,14 +116,13 @@ def test_uniform_codebook_is_kivi(bits):
 
 
 def test_codes_are_nearest_codebook_entry():
-    k, v = data()
+    k, _ = data()
     g = torch.Generator().manual_seed(3)
     cb = torch.sort(torch.rand(3, 8, generator=g) * 7).values
     th = kvq.thresholds_of(cb)
     codes, scale, zero, _, _ = kvq.quantize_keys(k, 3, 32, cb, th)
     deq = kvq.dequantize_keys(codes, scale, zero, 3, 32, cb)
     # every element dequantizes to its nearest candidate codebook[h, j] * scale + zero
-    B, H, T, D = k.shape
     s = scale.float().repeat_interleave(32, dim=2)
     z = zero.float().repeat_interleave(32, dim=2)
     cand = cb[None, :, None, None, :] * s[..., None] + z[..., None]  # [B,H,T,D,8]
@@ -243,7 +242,7 @@ def test_calibration_of_another_outlier_rule_is_used_with_a_warning(calibrated, 
 
 
 def test_outliers_reduce_error():
-    k, v = data(seed=5)
+    k, _ = data(seed=5)
     k = k + (torch.rand_like(k) < 0.01) * 8.0  # sparse spikes
     cb = kvq.uniform_codebooks(3, 3, 3)
 

@@ -39,7 +39,7 @@ def test_rotate_equals_transformers(variant):
     pos = torch.stack([torch.arange(40), (torch.arange(40) - 7).clamp(min=0)])
     cos, sin = model.model.rotary_emb(k, pos)
     _, want = apply_rotary_pos_emb(k, k, cos, sin)
-    (inv,) = set(map(lambda t: tuple(t.tolist()), rope.model_inv_freqs(model)))
+    (inv,) = {tuple(t.tolist()) for t in rope.model_inv_freqs(model)}
     inv = torch.tensor(inv)
     assert torch.allclose(rope.rotate(k, pos, inv), want, atol=1e-5)
     assert torch.allclose(rope.unrotate(want, pos, inv), k, atol=1e-5)

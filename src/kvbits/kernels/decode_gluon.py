@@ -1655,7 +1655,7 @@ if gluon is not None:
                     _prefetch_outliers(s, koi_base, kov_base, voi_base, vov_base, KOUT, VOUT,
                                        PF_L1)
         for s in range(s_lo, s_hi):
-            if PF > 0 and not PF_AFTER:
+            if PF > 0 and not PF_AFTER:  # noqa: SIM102 (a constexpr if around a runtime one)
                 if s + PF < s_hi:
                     _prefetch_step(s + PF, kc_base, ks_base, kz_base, vc_base, vs_base, vz_base,
                                    D, RS, RSV, G, SPAN, NGV, NGK, K_TOK, PF_L1, KFIX)
@@ -1690,7 +1690,8 @@ if gluon is not None:
                                              body_len, 0, VBITS, WV, G, D, DC, GV, VW, VS_L)
                 vw1, vs1, vz1 = _value_loads(vc_base, vs_base, vz_base, rv, nv_rows, t_cur,
                                              body_len, DC, VBITS, WV, G, D, DC, GV, VW, VS_L)
-            if PF > 0 and PF_AFTER:  # after this step's own loads are issued
+            # after this step's own loads are issued (a constexpr if around a runtime one)
+            if PF > 0 and PF_AFTER:  # noqa: SIM102
                 if s + PF < s_hi:
                     _prefetch_step(s + PF, kc_base, ks_base, kz_base, vc_base, vs_base, vz_base,
                                    D, RS, RSV, G, SPAN, NGV, NGK, K_TOK, PF_L1, KFIX)

@@ -114,7 +114,7 @@ def _keys_plan(bits: int, G: int, D: int):
     warps_d = min(4, block_d // (vec * lanes_d))
     warps_w = min(4 // warps_d, W // (wt * lanes_w))
     layout = ([slots, wt, vec], [1, lanes_w, lanes_d], [1, warps_w, warps_d])
-    return dict(block_d=block_d, num_warps=warps_d * warps_w, layout=layout)
+    return {"block_d": block_d, "num_warps": warps_d * warps_w, "layout": layout}
 
 
 @_compile_time
@@ -134,17 +134,17 @@ def _values_plan(bits: int, G: int, GV: int, D: int):
                  num_warps)
     if stats is None or pack is None:
         return None
-    return dict(ngb=ngb, num_warps=num_warps, stats=stats, pack=pack)
+    return {"ngb": ngb, "num_warps": num_warps, "stats": stats, "pack": pack}
 
 
 # Host calls of the plans (a constexpr_function call costs ~20-50 us; the launchers run on every
 # decode-step flush), cached; the kernels call the uncached ones while compiling.
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def keys_plan(bits: int, G: int, D: int):
     return _keys_plan(bits, G, D)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def values_plan(bits: int, G: int, GV: int, D: int):
     return _values_plan(bits, G, GV, D)
 
@@ -376,7 +376,7 @@ if gluon is not None:
                      & (wp >= 0)[:, None, None] & (cp >= 0)[None, None, :], W * D, BITS, MASK_C)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability_ok(device) -> bool:
     import torch
 

@@ -429,7 +429,7 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int, codebook: torch.T
             raise ValueError(f"quantize_keys: rows must be the offline (scale, zero) pair of "
                              f"[kv_heads, head_dim] = [{H}, {D}] tensors, got {got}")
         return _quantize_keys_rows(k, bits, group_size, codebook, thresholds, n_out, valid, rows)
-    kg, scale, zero, dense, idx = _split_keys(k, bits, group_size, n_out, valid)
+    kg, scale, zero, _, idx = _split_keys(k, bits, group_size, n_out, valid)
     codes = _codes(_normalize(kg, scale, zero), thresholds.to(k.device))
     if valid is not None:
         codes = torch.where(valid.reshape(B, 1, T // group_size, group_size, 1), codes, 0)
@@ -522,7 +522,7 @@ def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: in
     G = group_size
     if T % G:
         raise ValueError(f"quantize_values: token count {T} is not a multiple of group_size {G}")
-    vg, scale, zero, dense, idx = _split_values(v, bits, value_group, n_out, valid)
+    vg, scale, zero, _, idx = _split_values(v, bits, value_group, n_out, valid)
     codes = _codes(_normalize(vg, scale, zero), thresholds.to(v.device))
     if valid is not None:
         codes = torch.where(valid.reshape(B, 1, T, 1, 1), codes, 0)
