@@ -186,7 +186,7 @@ def tune(presets, bw) -> dict:
                   f"({nb / us * 1e6 / bw * 100:.0f}% of copy bw)", flush=True)
             if preset not in best or us < best[preset][0]:
                 best[preset] = (us, kw)
-        del kv
+        kv = None  # (freed)
     return {p: kw for p, (_, kw) in best.items()}
 
 
@@ -357,7 +357,7 @@ def run_shape(model, hq, hkv, d, batch, context, bw, presets, baselines, knobs,
         print(f"  default SDPA backend failed ({str(e)[:120]}); rows use the first that ran",
               flush=True)
         t_best = t_fp
-    del k, v
+    k = v = None  # (freed)
     rows += fp16_rows(base, SDPA_BACKENDS[0].name.lower(), t_fp, g_fp, h_fp, t_best, fp_bytes, bw)
     for preset in presets:
         spec = spec_of(preset)
@@ -394,7 +394,7 @@ def run_shape(model, hq, hkv, d, batch, context, bw, presets, baselines, knobs,
                 th = bench(hf_step)
                 rows.append(dict(base, preset=preset, provider="hf_quantized (emulated)", us=th,
                                  speedup=t_fp / th, bytes=nb))
-            del kv
+            kv = None  # (freed)
             gc.collect()
             if d % max(32 // spec.key_bits, spec.group_size):  # its V words span whole groups
                 print(f"  seed design skipped at head_dim {d}: its layout packs values along "
@@ -452,7 +452,7 @@ def bench_quantize_pack(bw) -> list[dict]:
                       f"{nbytes / t * 1e-6:5.2f} TB/s ({nbytes / t * 1e6 / bw * 100:.0f}% of copy)",
                       flush=True)
         qp.GLUON = True
-        del x
+        x = None  # (freed)
     return rows
 
 

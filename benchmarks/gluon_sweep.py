@@ -63,7 +63,7 @@ for preset in sys.argv[1:] or ["kivi-2", "kivi-4"]:
         v = torch.randn_like(k)
         tf = do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
             q, k, v, scale=s, enable_gqa=True), warmup=25, rep=100)
-        del k, v
+        k = v = None  # (freed)
         nb = packed_nbytes(kv)
         print(f"{preset} B={B} Hq={Hq} Hkv={Hkv} T={T}: fp16 (default SDPA) {tf * 1e3:.1f} us, "
               f"triton v4 {t4 * 1e3:.1f} us (x{tf / t4:.2f})", flush=True)
@@ -102,5 +102,5 @@ for preset in sys.argv[1:] or ["kivi-2", "kivi-4"]:
                           f"x{tf / tg:4.2f} ({nb / min(t5, tg) * 1e-9:.2f} TB/s)  diff {d:.1e}"
                           f"{_regs(decode_gluon._body_kernel, (preset, reg, var)) if 'T' not in var else ''}",
                           flush=True)
-        del kv
+        kv = None  # (freed)
         torch.cuda.empty_cache()

@@ -46,7 +46,7 @@ def main() -> None:
                 if best is None or us < best[0]:
                     best = (us, warps, tile, splits, frac)
             print(f"BEST {preset} B={B} Hkv={hkv} T={T}: {best}", flush=True)
-            del kv
+            kv = None  # (freed)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest
+import pytest  # noqa: E402
 
 
 @pytest.hookimpl(trylast=True)  # after -m / -k have deselected

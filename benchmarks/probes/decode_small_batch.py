@@ -70,7 +70,7 @@ def small_batch(bw):
                 emit(part="small", model=model, B=B, T=T, preset=preset, cfg=name, us=us,
                      speedup=fp / us, frac_bw=nb / us * 1e6 / bw, default_splits=dflt,
                      gluon_splits=gdef)
-            del kv
+            kv = None  # (freed)
 
 
 def kvquant_parts(bw):
@@ -97,7 +97,7 @@ def kvquant_parts(bw):
                     continue
                 emit(part="kvq", model=model, B=B, T=T, variant=vname, cfg=name, us=us,
                      speedup=fp / us, frac_bw=nb / us * 1e6 / bw, bytes=nb, rel_err=err)
-            del kv
+            kv = None  # (freed)
 
 
 def gluon_splits(bw):
@@ -117,7 +117,7 @@ def gluon_splits(bw):
             emit(part="splits", model=model, B=B, T=T, per_sm=per_sm,
                  splits=decode_gluon.split_count(kv.body_len, splits), steps=steps, us=us,
                  frac_bw=nb / us * 1e6 / bw)
-        del kv
+        kv = None  # (freed)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@
 """
 import sys
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvbits.eval.speed import build_model, model_config, parse_variant, time_decode

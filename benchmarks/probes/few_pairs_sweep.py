@@ -35,7 +35,7 @@ def gluon_splits(label, model, B, T, presets):
             t, err = variant_graph_us(q, kv, ref, **kw)
             line.append(f"{sp}{'*' if sp == base else ''}: {t:.1f} ({tf / t:.2f}x, d {err:.0e})")
         print(" ".join(line[:1]) + " " + ", ".join(line[1:]), flush=True)
-        del kv
+        kv = None  # (freed)
 
 
 gluon_splits("planes", "qwen2.5-7b", 1, 32768, ("kivi-3", "kvquant-3-dense-post"))
@@ -63,4 +63,4 @@ for B in (8, 1):
                 continue
             print(f"   warps={warps} tile={tile} splits={sp} ({sx}x): {t:.1f} us "
                   f"({tf / t:.2f}x)", flush=True)
-    del kv
+    kv = None  # (freed)

@@ -30,5 +30,5 @@ for hq, hkv, d, B in ((16, 8, 256, 1), (16, 8, 256, 8), (32, 8, 128, 8)):
             t = bench_graph(lambda: decode_attention(q, kv, scale=d ** -0.5, gluon=False))
             print(f"  pre_rope={rope!s:5} outliers {name:11s}: {t:8.1f} us x{tf / t:.2f}",
                   flush=True)
-        del kv
+        kv = None  # (freed)
         torch.cuda.empty_cache()

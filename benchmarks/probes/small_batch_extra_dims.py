@@ -27,4 +27,4 @@ for model in ("gemma-2-9b", "phi-3-mini"):
             print(f"{model} B={B} T={T} pairs x body={B * hkv * kv.body_len} {preset}: flash "
                   f"{tf:.1f} us, gluon {tg:.1f} ({tf / tg:.2f}x), triton {tt:.1f} ({tf / tt:.2f}x),"
                   f" default {ta:.1f}", flush=True)
-            del kv
+            kv = None  # (freed)

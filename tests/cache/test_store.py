@@ -340,14 +340,14 @@ def test_one_beam_index_is_read_back_once(monkeypatch):
     """transformers hands the same beam index to every layer of a step: its range is read back
     to the host (a GPU sync) once, not once per layer; an index changed in place is read again."""
     stores = [_store(QuantSpec(residual_length=8), b=2) for _ in range(4)]
-    for st in stores:
-        st.append(*_kv(40, b=2))
+    for store in stores:
+        store.append(*_kv(40, b=2))
     reads = []
     aminmax = torch.aminmax
     monkeypatch.setattr(torch, "aminmax", lambda t: reads.append(1) or aminmax(t))
     index = torch.tensor([1, 0])
-    for st in stores:
-        st.reorder(index)
+    for store in stores:
+        store.reorder(index)
     assert len(reads) == 1
     index[0] = 2  # in place: row 2 of a batch of 2
     with pytest.raises(ValueError, match=r"got rows 0\.\.2"):
