@@ -436,6 +436,23 @@ def test_draft_longer_than_the_residual_is_explained():
         cache.crop(-10)
 
 
+def test_a_crop_into_a_padded_sequence_s_sink_names_the_sink_alone():
+    """A crop into the sink of a left-padded sequence is refused for that reason alone: the
+    residual's advice (raise residual_length) was appended to it too, wrong where nothing was
+    quantized (R=512 here). Found by a differential fuzzer against DynamicCache."""
+    cache = KVBitsCache(tiny_config(num_hidden_layers=1), "kivi-2:R=512,S=2")
+    k, v = kv(batch=2, tokens=20)
+    mask = torch.ones(2, 20, dtype=torch.bool)
+    mask[1, :10] = False
+    cache.update(k, v, 0)
+    cache.layers[0].store.set_padding(padding_starts(mask[:, None, None, :].expand(2, 1, 20, 20),
+                                                     2, 20, "cpu"))
+    with pytest.raises(ValueError, match="own sink tokens") as err:
+        cache.crop(-15)
+    assert "residual_length" not in str(err.value)
+    assert cache.get_seq_length() == 20  # left whole
+
+
 def test_padding_starts_from_mask():
     B, L = 3, 6
     starts = torch.tensor([0, 2, 5])

@@ -46,6 +46,11 @@ from ..reference.attention import dequantize_body, place_sinks
 from ..spec import QuantSpec
 
 
+class CropInGroupError(ValueError):
+    """:meth:`LayerStore.check_crop`'s refusal of a cut inside a quantized group (the cut tokens
+    were quantized: only a longer FP16 residual keeps them croppable)."""
+
+
 class LayerStore:
     """K/V of one decoder layer for ``batch`` sequences of ``kv_heads`` heads of ``head_dim``."""
 
@@ -957,7 +962,7 @@ class LayerStore:
         body_len = self.body_len - self._undone()
         body_end = self.sink_len + body_len
         if self.sink_len < length < body_end and (length - self.sink_len) % self.spec.group_size:
-            raise ValueError(
+            raise CropInGroupError(
                 f"crop: cannot cut at {length}: tokens {self.sink_len}..{body_end} are quantized "
                 f"in groups of {self.spec.group_size}; crop to a group boundary or into the "
                 f"FP16 residual (>= {body_end})")

@@ -88,7 +88,7 @@ from transformers.cache_utils import CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import ops
-from ..cache.store import LayerStore
+from ..cache.store import CropInGroupError, LayerStore
 from ..checks import as_int, is_count
 from ..methods.model_calls import cache_kwargs, full_attention
 from ..reference.attention import dequantize_layer
@@ -387,9 +387,8 @@ class KVBitsLayer(CacheLayerMixin):
                 f"at least {evicted + self.sliding_window - 1}")
         try:
             self.store.check_crop(keep - self.store.evicted)
-        except ValueError as e:
-            if not self.spec.quantized:
-                raise
+        except CropInGroupError as e:  # (a cut into a padded sequence's sink is another
+            # refusal: its message alone, not the residual's advice, which does not apply)
             raise ValueError(
                 f"{e}. If this came from assisted or prompt-lookup decoding: a draft longer than "
                 f"the FP16 residual (residual_length={self.spec.residual_length}) is quantized "
