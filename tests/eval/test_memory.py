@@ -249,3 +249,54 @@ def test_max_context_is_not_capped_and_huge_contexts_are_exact():
     # its bytes, printed without a float (n /= 1024 overflowed)
     assert format_bytes(big.total_bytes).endswith(" TiB")
     assert format_bytes(big.total_bytes).startswith(f"{big.total_bytes // 2**40:,}"[:20])
+
+
+def _gemma3_six_layers():
+    """A tiny Gemma3 text config: layers 0-4 slide (window 64), layer 5 is full."""
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
+                            num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
+                            head_dim=64, sliding_window=64)
+
+
+def test_per_layer_bits_on_a_sliding_model_grow_in_the_full_layers():
+    """Per-layer bits (an FP16 layer, layer_bits) on a model with sliding-window layers: only
+    the full layers grow with the context, at their own bits. kv_memory spread every layer's
+    body bytes evenly over full and sliding layers, so an FP16 full layer grew at the average
+    rate: its 'worst case' was 22% below what a filled KVBitsCache holds (383,187 bytes
+    against 491,520 after 1,200 tokens here), and past the windows about 3x too slowly (82.7
+    bytes per token against the FP16 layer's 256)."""
+    from kvbits.eval.cachefill import append_kv
+    from kvbits.eval.perplexity import cache_nbytes
+    from kvbits.integrations.hf import KVBitsCache
+
+    cfg = _gemma3_six_layers()
+    spec = resolve_spec("kivi-2").replace(skip_layers=(5,))
+    # past the windows only layer 5 grows: FP16, 2 x 64 channels x 2 bytes per token
+    grow = kv_memory(cfg, spec, context=100_000).total_bytes - \
+        kv_memory(cfg, spec, context=50_000).total_bytes
+    assert grow == 50_000 * 2 * 64 * 2
+    cache = KVBitsCache(cfg, spec)
+    torch.manual_seed(0)
+    for _ in range(150):  # 1,200 tokens, 8 at a time (eviction runs before each update)
+        x = torch.randn(1, 1, 8, 64)
+        for i in range(6):
+            append_kv(cache, i, x, x)
+    assert cache_nbytes(cache, fp16=True) <= kv_memory(cfg, spec, context=1200).total_bytes
+    # the same for the config's KVShape (kvbits memory --config passes one) and a named config
+    shape = kv_shape(cfg)
+    assert shape.sliding_at == (0, 1, 2, 3, 4) and shape.windows()[5] is None
+    assert kv_memory(shape, spec, context=1200).total_bytes == \
+        kv_memory(cfg, spec, context=1200).total_bytes
+    from transformers import Gemma3TextConfig
+
+    assert kv_shape(Gemma3TextConfig(num_hidden_layers=18, sliding_window=512)).sliding_at == \
+        NAMED_CONFIGS["gemma3-270m"].sliding_at
+    # one spec for every layer: the totals are those of before (uniform over the layers)
+    k2 = kv_memory(cfg, "kivi-2", context=1200).total_bytes
+    assert k2 == kv_memory(KVShape("s", 6, 1, 64, sliding_layers=5, window=64), "kivi-2",
+                           context=1200).total_bytes
+    # where the sliding layers are is not known: per-layer bits are refused, not guessed
+    with pytest.raises(ValueError, match="which layers slide"):
+        kv_memory(KVShape("s", 6, 1, 64, sliding_layers=5, window=64), spec, context=1200)

@@ -56,12 +56,24 @@ class KVShape:
     params: int | None = None  # total parameters, None when unknown
     sliding_layers: int = 0  # layers with a sliding window of ``window`` tokens
     window: int = 0
+    # which layers those are (indices; () where not known: then per-layer bits cannot be
+    # placed, see :meth:`windows`)
+    sliding_at: tuple[int, ...] = ()
 
     @property
     def sliding(self) -> str:
         """e.g. ``"15 of 18 layers, window 512"`` ('' without sliding layers)."""
         return (f"{self.sliding_layers} of {self.layers} layers, window {self.window}"
                 if self.sliding_layers else "")
+
+    def windows(self) -> list[int | None]:
+        """Per layer: its sliding window, or None for full attention. Where ``sliding_at`` is
+        not known the sliding layers are listed first (right for totals over layers of one
+        spec, not for per-layer bits: :func:`kv_memory` refuses those)."""
+        if self.sliding_at:
+            at = set(self.sliding_at)
+            return [self.window if i in at else None for i in range(self.layers)]
+        return [self.window] * self.sliding_layers + [None] * (self.layers - self.sliding_layers)
 
 
 # Published configurations (config.json of each model), written here so that no download is needed.
@@ -73,7 +85,8 @@ NAMED_CONFIGS: dict[str, KVShape] = {
     "mistral-7b": KVShape("mistral-7b", 32, 8, 128, 7_241_732_096),
     "smollm2": KVShape("smollm2", 30, 3, 64, 134_515_008),
     "qwen2.5-0.5b": KVShape("qwen2.5-0.5b", 24, 2, 64, 494_032_768),
-    "gemma3-270m": KVShape("gemma3-270m", 18, 1, 256, 268_098_176, sliding_layers=15, window=512),
+    "gemma3-270m": KVShape("gemma3-270m", 18, 1, 256, 268_098_176, sliding_layers=15, window=512,
+                           sliding_at=tuple(i for i in range(18) if i % 6 != 5)),
 }
 
 
@@ -110,12 +123,12 @@ def kv_shape(config) -> KVShape:
     # (the model's layers: a config whose num_hidden_layers was lowered keeps its longer list)
     types = list(getattr(config, "layer_types", None) or [])[:layers]
     window = getattr(config, "sliding_window", None)
-    n_sliding = sum(t == "sliding_attention" for t in types) if types else (
-        layers if window and getattr(config, "use_sliding_window", True) else 0)
-    if not (n_sliding and window):
-        n_sliding, window = 0, 0
-    return KVShape(str(name), layers, int(kv_heads), int(head_dim), sliding_layers=n_sliding,
-                   window=int(window))
+    at = tuple(i for i, t in enumerate(types) if t == "sliding_attention") if types else (
+        tuple(range(layers)) if window and getattr(config, "use_sliding_window", True) else ())
+    if not (at and window):
+        at, window = (), 0
+    return KVShape(str(name), layers, int(kv_heads), int(head_dim), sliding_layers=len(at),
+                   window=int(window), sliding_at=at)
 
 
 @dataclass
@@ -182,19 +195,17 @@ def kv_memory(config, preset: str | QuantSpec = "kivi-2", context: int = 4096, b
     if not 0 <= weights_bytes < math.inf:  # (a negative one added room)
         raise ValueError(f"weights_bytes must be a number of bytes >= 0, got {weights_bytes!r}")
     fp_tok = shape.layers * shape.kv_heads * fp_bytes_per_token(shape.head_dim)
-    if spec.quantized and spec.per_layer:  # per-layer bits: sum over layers (FP16 ones too)
-        body_tok = shape.kv_heads * sum(
-            _body_bytes(spec.for_layer(i, shape.layers), shape.head_dim)
-            if spec.for_layer(i, shape.layers).quantized else fp_bytes_per_token(shape.head_dim)
-            for i in range(shape.layers))
-        fixed = _fixed_fp16_tokens(spec)
-    elif spec.quantized:
-        body_tok = shape.layers * shape.kv_heads * _body_bytes(spec, shape.head_dim)
-        fixed = _fixed_fp16_tokens(spec)
-    else:
-        body_tok, fixed = float(fp_tok), 0
+    if spec.quantized and spec.per_layer and shape.sliding_layers and not shape.sliding_at:
+        raise ValueError(f"config {shape.name}: per-layer bits on a model with sliding-window "
+                         "layers need to know which layers slide (KVShape.sliding_at); give "
+                         "the transformers config")
+    specs = [spec.for_layer(i, shape.layers) for i in range(shape.layers)]
+    per_layer = _layer_costs(specs, shape)
+    body_tok = float(sum(body for _, body, _, _ in per_layer))  # (FP16 layers at FP16 bytes)
+    fixed = _fixed_fp16_tokens(spec) if spec.quantized else 0
+
     def seq_bytes(tokens: int) -> int:  # one sequence, sliding layers bounded
-        return _sequence_bytes(tokens, fp_tok, body_tok, fixed, shape, spec)
+        return _sequence_bytes(tokens, per_layer)
 
     report = MemoryReport(
         config=shape.name, preset=preset if isinstance(preset, str) else spec.describe(),
@@ -244,8 +255,7 @@ def fp16_cache_bytes(config, tokens: int) -> int:
     builds them: ``layer_types`` up to ``num_hidden_layers``, else ``sliding_window`` for all)."""
     shape = kv_shape(config)
     if isinstance(config, (str, KVShape)):
-        windows = [shape.window] * shape.sliding_layers + \
-            [None] * (shape.layers - shape.sliding_layers)
+        windows = shape.windows()
     else:
         from ..integrations.hf import layer_windows
 
@@ -255,21 +265,32 @@ def fp16_cache_bytes(config, tokens: int) -> int:
     return held * shape.kv_heads * fp_bytes_per_token(shape.head_dim)
 
 
-def _sequence_bytes(tokens: int, fp_tok: int, body_tok: float, fixed: int,
-                    shape: KVShape | None = None, spec: QuantSpec | None = None) -> int:
-    """Worst-case bytes of one sequence: up to ``fixed`` FP16 tokens, the rest in the body;
-    with ``shape``'s sliding layers holding at most :func:`sliding_hold` tokens. In exact
-    arithmetic (in floats, contexts past 2^53 bytes were rounded, and past 10^308 an
-    OverflowError)."""
-    body_tok = Fraction(body_tok)
+def _layer_costs(specs: list[QuantSpec], shape: KVShape) -> list[tuple]:
+    """Per layer of ``shape`` (its spec in ``specs``): ``(FP16 bytes per token, body bytes per
+    token, worst-case FP16 tokens, most tokens held: None, or :func:`sliding_hold` in a
+    sliding-window layer)``, all KV heads. Layer by layer, so that per-layer bits and FP16
+    layers grow where they are: a full layer grows with the context, a sliding one does not
+    (an average over all layers put the full layers' bits in the sliding ones)."""
+    fp = shape.kv_heads * fp_bytes_per_token(shape.head_dim)
+    out = []
+    for s, window in zip(specs, shape.windows()):
+        body = Fraction(shape.kv_heads * _body_bytes(s, shape.head_dim)) if s.quantized else fp
+        fixed = _fixed_fp16_tokens(s) if s.quantized else 0
+        out.append((fp, body, fixed, None if window is None else sliding_hold(window, s)))
+    return out
 
-    def part(n: int, share: Fraction) -> Fraction:
+
+def _sequence_bytes(tokens: int, layers: list[tuple]) -> int:
+    """Worst-case bytes of one sequence, summed over ``layers`` (:func:`_layer_costs`): up to a
+    layer's fixed FP16 tokens, the rest in its body; a sliding layer holding at most its
+    :func:`sliding_hold` tokens. In exact arithmetic (in floats, contexts past 2^53 bytes were
+    rounded, and past 10^308 an OverflowError)."""
+    total = Fraction(0)
+    for fp, body, fixed, hold in layers:
+        n = tokens if hold is None else min(tokens, hold)
         n_fp = min(n, fixed)
-        return share * (n_fp * fp_tok + (n - n_fp) * body_tok)
-    if shape is None or not shape.sliding_layers:
-        return math.ceil(part(tokens, Fraction(1)))
-    s = Fraction(shape.sliding_layers, shape.layers)
-    return math.ceil(part(tokens, 1 - s) + part(min(tokens, sliding_hold(shape.window, spec)), s))
+        total += n_fp * fp + (n - n_fp) * body
+    return math.ceil(total)
 
 
 _CONTEXT_CAP = 1 << 40  # where the search starts; doubled while a longer context still fits
