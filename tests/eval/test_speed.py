@@ -402,7 +402,7 @@ def test_fp16_cache_bytes_keep_only_the_window_of_sliding_layers():
                                layer_types=["sliding_attention", "full_attention"])
     model = build_model(cfg, device="cpu")
     r = time_decode(model, parse_variant("fp16"), batch=2, context=320, steps=2, warmup=1)
-    tokens = 320 + 1 + 2 + 1  # context + n_new (warmup + steps + 1)
-    assert r["fp16_cache_bytes"] == 2 * 1 * 64 * 2 * 2 * (tokens + 31)
+    # the tokens cache_bytes counts (after the fill), not the end of decode's context + n_new
+    assert r["fp16_cache_bytes"] == 2 * 1 * 64 * 2 * 2 * (320 + 31)
     # what the run's own FP16 cache held after the fill (float32 on the CPU: twice the bytes)
     assert r["cache_bytes"] == 2 * 1 * 64 * 2 * 4 * (320 + 31)
