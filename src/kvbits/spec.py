@@ -19,6 +19,9 @@ FP8_SCALES = ("dynamic", "calibrated")
 FP8_GRANULARITIES = ("head", "tensor")
 # transformers' QuantizedCache (quanto) axis numbers -> kvbits axes: axis 0 groups consecutive
 # channels of one token (per-token), axis -1 consecutive tokens of one channel (per-channel).
+# The hqq backend numbers them otherwise: its per-token axis is 1 (refused here, the error says
+# to pass 0), and its axis 0 (one channel, every (B*H*T / q_group_size)-th row of the flattened
+# tensor, across heads) has no kvbits counterpart.
 HF_AXES = {0: "token", -1: "channel"}
 # Methods whose per-layer bits / FP16 skip list (layer_bits, skip_layers) may be set.
 PER_LAYER_METHODS = ("kivi", "uniform")
@@ -41,9 +44,11 @@ class QuantSpec:
         group_size: G, tokens per key group and channels per value group (32, 64 or 128).
             Where G does not divide the head dimension, values use :meth:`value_group`
             channels (head_dim 100 at G = 32: groups of 32, 32, 32 and 4).
-        residual_length: R, the most recent tokens kept in FP16. Keys move to the packed body a
-            whole group at a time once more than R + G - 1 tokens wait, so between R and
-            R + G - 1 recent tokens are FP16.
+        residual_length: R, the most recent tokens kept in FP16. Keys and values move to the
+            packed body a whole group of G tokens at a time once more than R + G - 1 tokens
+            wait, so between R and R + G - 1 recent tokens are FP16, the prompt's included
+            (transformers' ``QuantizedCache`` quantizes the whole prompt and keeps 0 to R - 1
+            new tokens; KIVI's code fewer than R keys and exactly R values).
         sink_tokens: S, the first tokens of each sequence kept in FP16 (attention sinks).
         pre_rope: store keys *before* the rotary embedding (KVQuant): the cache un-rotates the
             keys it quantizes and attention re-rotates them after dequantizing. The FP16 sink
@@ -66,7 +71,8 @@ class QuantSpec:
         key_axis / value_axis: "channel" (scale/zero per channel over a group of G tokens) or
             "token" (scale/zero per token over a group of ``value_group(D)`` channels); kivi is
             keys "channel", values "token"; "uniform" takes either for each (transformers'
-            ``axis_key`` / ``axis_value``: 0 = "token", -1 = "channel").
+            ``axis_key`` / ``axis_value`` as the quanto backend numbers them: 0 = "token",
+            -1 = "channel"; hqq's per-token axis is 1).
         hadamard: rotate keys (and queries, right before attention) by a fixed normalized
             Hadamard matrix per head before quantizing (outlier smoothing; scores unchanged).
             Block-diagonal over the largest power-of-two blocks when head_dim is not a power
@@ -543,7 +549,8 @@ def resolve_spec(spec, **overrides) -> QuantSpec:
 
     transformers' ``QuantizedCache`` names are accepted too: ``nbits`` (key_bits and
     value_bits), ``q_group_size`` (group_size), ``axis_key`` / ``axis_value`` (0: per-token,
-    -1: per-channel, as with the quanto backend).
+    -1: per-channel, as with the quanto backend; the hqq backend's per-token axis is 1, which
+    is refused with that advice).
 
     >>> resolve_spec("kivi-2", residual_length=0).residual_length
     0
@@ -621,9 +628,11 @@ def hf_field_names(overrides: dict) -> dict:
         value = out.pop(hf)
         if table is not None:
             if type(value) is not int or value not in table:
+                hqq = (" (as the quanto backend numbers them: the hqq backend's per-token "
+                       f"axis 1 is {hf}=0 here)" if type(value) is int and value == 1 else "")
                 raise ValueError(f"{hf} must be 0 (per-token: groups of channels of one token, "
                                  f"transformers' default) or -1 (per-channel: groups of tokens "
-                                 f"of one channel); got {value!r}")
+                                 f"of one channel){hqq}; got {value!r}")
             value = table[value]
         if field in out and out[field] != value:
             raise ValueError(f"{hf} (transformers' name of {field}) and {field} disagree: "

@@ -110,3 +110,40 @@ def test_pre_rope_keys_are_turned_back(axes):
     assert store.body_len > 0
     out = ops.decode_attention(q, store.view(), scale=D ** -0.5)
     assert ((out - exact).norm() / exact.norm()).item() < 2e-2
+
+
+def test_hqq_axis_number_is_explained():
+    """The axis numbers are quanto's (0 per token, -1 per channel). hqq numbers its per-token
+    axis 1: a user switching from ``QuantizedCache(backend="hqq", axis_key=1)`` was told only
+    that 0 is per-token, not that hqq's 1 is this 0."""
+    for name in ("axis_key", "axis_value"):
+        with pytest.raises(ValueError, match=rf"hqq backend's per-token axis 1 is {name}=0"):
+            resolve_spec("uniform", **{name: 1})
+    with pytest.raises(ValueError) as bad:  # another bad value gets no hqq advice
+        resolve_spec("uniform", axis_key=2)
+    assert "hqq" not in str(bad.value)
+
+
+@pytest.mark.parametrize("R, G, prompt", [(64, 64, 100), (128, 32, 300), (0, 64, 100)])
+def test_residual_window_against_transformers(R, G, prompt):
+    """What README and QuantSpec.residual_length say of the same ``residual_length``:
+    transformers' quanto layer quantizes the whole prompt and then holds 0 to R - 1 new tokens
+    in full precision; kvbits holds R to R + G - 1 recent tokens, the prompt's included."""
+    pytest.importorskip("optimum.quanto")
+    from transformers.cache_utils import QuantoQuantizedLayer
+
+    spec = resolve_spec("uniform", residual_length=R, q_group_size=G)
+    store = LayerStore(spec, B, H, D, torch.float32, "cpu")
+    theirs = QuantoQuantizedLayer(residual_length=R, q_group_size=G)
+    x = torch.randn(B, H, prompt + 2 * G + R, D, generator=torch.Generator().manual_seed(7))
+
+    def step(chunk):
+        store.append(chunk, chunk)
+        theirs.update(chunk.contiguous(), chunk.contiguous())
+        return store.res_len, (theirs.keys.shape[-2] if theirs.keys.dim() == 4 else 0)
+
+    ours_fp, theirs_fp = step(x[:, :, :prompt])
+    assert theirs_fp == 0 and ours_fp == (R + (prompt - R) % G if prompt >= R else prompt)
+    held = [step(x[:, :, t:t + 1]) for t in range(prompt, x.shape[2])]
+    assert {o for o, _ in held} <= set(range(R, R + G)) and max(o for o, _ in held) == R + G - 1
+    assert {t for _, t in held} <= set(range(max(R, 1))) and max(t for _, t in held) == max(R - 1, 0)
