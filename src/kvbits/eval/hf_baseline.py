@@ -11,7 +11,9 @@ extra ``pip install "kvbits[incumbents]"``:
   **per-channel** (KIVI's choice for keys). With ``axis=-1`` quanto needs ``batch * kv_heads *
   tokens`` divisible by ``q_group_size`` at every re-quantization (the prompt, then each time the
   residual fills): chunks of 256 are fine, token-by-token decoding from a 1-token prompt fails.
-* ``hqq``: nbits 1, 2, 3, 4 or 8, min-max refined by HQQ's half-quadratic optimizer.
+* ``hqq``: nbits 1, 2, 3, 4 or 8, min-max, refined by HQQ's half-quadratic optimizer where the
+  installed hqq turns it on by default (transformers passes no ``optimize``: off in hqq 0.2.5,
+  on in 0.2.8).
   ``axis=1``: groups of consecutive channels of one token (**per-token**); ``axis=0`` (default):
   the flattened ``[B, H, T, D]`` tensor is cut into ``q_group_size`` equal slices and a group is
   the elements at one offset in every slice: one channel, every ``B*H*T / q_group_size``-th row of
