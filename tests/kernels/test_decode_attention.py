@@ -2554,7 +2554,7 @@ def test_groups_wider_than_float16s_range(kb, vb):
     # session 41 QA: the kernels take int32 positions, so these wrapped (2**32 + 50 read as 50)
     (lambda q, kv, a: (q, kv, {**a, "lengths": 2**32 + 50}), "lengths must fit an int32"),
     (lambda q, kv, a: (q, kv, {**a, "starts": torch.tensor([2**40])}),
-     "starts must fit an int32, got values from 1099511627776"),
+     "starts must fit an int32 .* got values from 1099511627776"),
     (lambda q, kv, a: (q, kv, {**a, "starts": -2**31 - 1}), "starts must fit an int32"),
 ])
 def test_bad_arguments_name_what_is_wrong(change, match):
@@ -2583,3 +2583,104 @@ def test_good_position_arguments_pass_the_checks():
     for starts, lengths in ((0, 80), ([0], [80]), (torch.tensor([0]), torch.tensor(80))):
         torch.testing.assert_close(
             ops.decode_attention(q, kv, scale=0.125, starts=starts, lengths=lengths), r)
+
+
+# ------------------------------------------------- layers whose buffers do not fit (QA pass)
+def _trim(name, rows):
+    return lambda kv: dataclasses.replace(kv, **{name: getattr(kv, name)[:, :, :rows].contiguous()})
+
+
+@pytest.mark.parametrize("change,match", [
+    # a body past its code / scale buffers: NaN from the spare slots
+    (lambda kv: dataclasses.replace(kv, body_len=kv.body_len + 6 * kv.group_size),
+     r"kv.k_codes is \(1, 2, 14, 64\); this layer needs \[1, 2, >= 16, 64\]"),
+    (_trim("v_scale", 40), r"kv.v_scale is \(1, 2, 40, 2\); this layer needs \[1, 2, >= 64, 2\]"),
+    # a value grouping the scales were not made with: scales of other channels
+    (lambda kv: dataclasses.replace(kv, value_group=16), r"kv.v_scale is .* >= 64, 4\]"),
+    # a value group of 0: ZeroDivisionError inside Triton's compiler
+    (lambda kv: dataclasses.replace(kv, value_group=0), r"value_group must be an int in \[1, "),
+    # buffers of another head_dim: read at the layer's
+    (lambda kv: dataclasses.replace(kv, sink_k=kv.sink_k[..., :32].contiguous()),
+     r"kv.sink_k is \(1, 2, 8, 32\)"),
+    (lambda kv: dataclasses.replace(kv, k_codes=kv.k_codes[..., :32].contiguous()),
+     r"kv.k_codes is \(1, 2, 14, 32\)"),
+    (lambda kv: dataclasses.replace(kv, v_codes=kv.v_codes.long()), "v_codes must be torch.int32"),
+    # values / zeros of another capacity than their keys / scales: addressed with theirs
+    (_trim("res_v", 16), r"kv.res_k \(1, 2, 21, 64\) and kv.res_v \(1, 2, 16, 64\) must have"),
+    (_trim("sink_v", 3), r"kv.sink_k .* and kv.sink_v .* must have the same shape"),
+    (_trim("k_zero", 2), r"kv.k_scale \(1, 2, 7, 64\) and kv.k_zero \(1, 2, 2, 64\)"),
+    (_trim("v_zero", 64), r"kv.v_scale .* and kv.v_zero .* must have the same shape"),
+    (lambda kv: dataclasses.replace(kv, group_size=0), "group_size must be a positive int"),
+], ids=["body-past-codes", "short-v_scale", "value_group", "value_group-0", "sink_k-head_dim",
+        "k_codes-head_dim", "v_codes-int64", "res_v-capacity", "sink_v-capacity",
+        "k_zero-capacity", "v_zero-capacity", "group_size-0"])
+def test_layer_buffers_that_do_not_fit_are_refused(change, match, monkeypatch):
+    """A PackedKV whose buffers do not hold what its lengths and layout say: the kernel read past
+    them (NaN from the spare slots), at another head's offsets (a value or zero buffer of another
+    capacity than its key or scale twin), or with other channels' scales, silently; a value
+    group of 0 failed in Triton's compiler (QA pass). The op now names the buffer."""
+    monkeypatch.setenv("KVBITS_KERNELS", "triton")
+    c = Case(kb=2, vb=2, G=32, body=64, res=16, S=3, HG=2)
+    kv = make_kv(c)
+    q, args = _query_and_args(c)
+    with pytest.raises(ValueError, match=match):
+        ops.decode_attention(q, change(kv), **args)
+
+
+def test_valid_layers_pass_the_buffer_checks():
+    from kvbits.formats.layout import check_buffers
+
+    c = Case(kb=3, vb=3, G=32, D=80, body=64, S=2, HG=2, Gv=32)
+    for kv in (make_kv(c), _axes_kv(c, "token", "channel"), _fp8_kv(c._replace(kb=8, vb=8)),
+               _kvquant_kv(c, 2, True), _kvquant_kv(c, 1, False, offline=True),
+               make_kv(c._replace(body=0, S=0, res=0))):
+        check_buffers(kv)
+
+
+def test_zero_query_heads_are_refused():
+    """``q [B, 0, Lq, D]``: 0 is a multiple of the KV heads, and the kernel divided by zero."""
+    _, kv, q = _op_case()
+    for f in (ops.decode_attention, kernel):
+        with pytest.raises(ValueError, match=r"a multiple of the KV heads \(>= 1\)"):
+            f(q[:, :0], kv, scale=0.125)
+
+
+@pytest.mark.parametrize("window", [2**32, 2**63, 2**64])
+def test_windows_wider_than_any_distance_hide_nothing(window, monkeypatch):
+    """A window of 2**63 reached the kernels as an unsigned integer (2.8 off the reference,
+    which it matched); 2**64 failed to specialize (kernel) or to convert (reference). No two
+    int32 positions are 2**32 apart: such a window runs as none."""
+    c = Case(B=2, S=4, body=64, res=8, starts=(-3, 2), lengths=(70, 76), Lq=2, HG=2)
+    kv = make_kv(c)
+    q, args = _query_and_args(c)
+    r = reference(q, kv, **args)
+    compare(kernel(q, kv, **{**args, "window": window}), r, c.dtype, f"window {window}")
+    monkeypatch.setenv("KVBITS_KERNELS", "triton")
+    compare(ops.decode_attention(q, kv, **{**args, "window": window}), r, c.dtype, "ops")
+    monkeypatch.setenv("KVBITS_KERNELS", "reference")
+    torch.testing.assert_close(ops.decode_attention(q, kv, **{**args, "window": window}), r)
+
+
+@pytest.mark.parametrize("kw", [{"lengths": 2**31 - 1}, {"lengths": torch.tensor([2**31 - 1])},
+                                {"starts": -2**31}, {"lengths": 2**30 + 1}])
+def test_positions_near_int32_limits_are_refused(kw, monkeypatch):
+    """lengths of 2**31 - 1 passed the int32 check and then wrapped inside the kernel (``length
+    + G - 1``): the body was skipped, 3.1 off the reference (QA pass). Positions now stay within
+    +-2**30, where the kernels' int32 arithmetic has room."""
+    monkeypatch.setenv("KVBITS_KERNELS", "triton")
+    _, kv, q = _op_case()
+    with pytest.raises(ValueError, match="must fit an int32 with headroom, within"):
+        ops.decode_attention(q, kv, scale=0.125, **kw)
+    lim = {name: 2**30 if name == "lengths" else -2**30 for name in kw}  # the limit passes
+    compare(ops.decode_attention(q, kv, scale=0.125, **lim), reference(q, kv, scale=0.125, **lim),
+            q.dtype, str(lim))
+
+
+@pytest.mark.parametrize("kw", [{"scale": 1e39}, {"scale": 2.4e38},
+                                {"scale": 0.125, "softcap": 1e39}])
+def test_scale_and_softcap_past_float32_are_refused(kw):
+    """Finite Python floats that are infinite in the kernels' float32 (times log2(e)): NaN
+    outputs (QA pass)."""
+    _, kv, q = _op_case()
+    with pytest.raises(ValueError, match=r"must be a positive finite number .*at most 2.36e\+38"):
+        ops.decode_attention(q, kv, **kw)

@@ -228,6 +228,29 @@ def test_empty_token_axis():
     assert codes.shape == (2, 3, 0, 64) and scale.shape == zero.shape == (2, 3, 0, 2)
 
 
+def test_channel_stride_past_int32():
+    """A ``[B, H, T, D]`` view of a ``[B, H, D, T]`` buffer whose channel offsets ``d * stride``
+    pass int32 (2**24 + 2**20 tokens at head_dim 128): the kernels compute that term in int32 and
+    read out of bounds (a segmentation fault under the interpreter; QA pass). Such a view is
+    copied first, and only such a view."""
+    D, G, T = 128, 32, 2**24 + 2**20
+    meta = torch.empty_strided((1, 1, G, D), (D * T, D * T, 1, T), device="meta")
+    assert qp._channels_in_int32(meta).is_contiguous()
+    fits = torch.empty_strided((1, 1, G, D), (D * 1000, D * 1000, 1, 1000), device="meta")
+    assert qp._channels_in_int32(fits) is fits
+    if CUDA:
+        return  # (the buffer below would be allocated for real)
+    try:
+        buf = torch.empty(1, 1, D, T, dtype=torch.float16)  # untouched pages stay uncommitted
+    except RuntimeError as exc:
+        pytest.skip(f"no 4.25 GiB of address space: {exc}")
+    buf[0, 0, :, :G] = hostile((1, 1, D, G), seed=3)[0, 0]
+    x = buf.transpose(2, 3)[:, :, :G]  # [1, 1, G, D], channel stride T
+    assert (D - 1) * x.stride(3) >= 2**31
+    check_keys(x, 2, G, what="channel stride past int32")
+    check_values(x, 4, 32, G, what="channel stride past int32")
+
+
 def test_errors_name_the_parameter():
     x = torch.zeros(1, 2, 64, 64, dtype=torch.float16, device=DEVICE)
     with pytest.raises(ValueError, match="bits"):

@@ -162,11 +162,88 @@ def check_query(q: torch.Tensor, kv: PackedKV) -> None:
     and the kernel's own entry point, which read past the buffers for a larger batch."""
     if q.dim() == 4:
         B, Hq, Lq, D = q.shape
-        if B == kv.batch and D == kv.head_dim and Lq >= 1 and Hq % kv.kv_heads == 0:
+        if (B == kv.batch and D == kv.head_dim and Lq >= 1 and Hq >= kv.kv_heads >= 1
+                and Hq % kv.kv_heads == 0):  # (no heads divided by zero in the kernel)
             return
     raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit the layer (batch "
                      f"{kv.batch}, {kv.kv_heads} KV heads, head_dim {kv.head_dim}): it must "
-                     "be [batch, a multiple of the KV heads, >= 1 rows, head_dim]")
+                     "be [batch, a multiple of the KV heads (>= 1), >= 1 rows, head_dim]")
+
+
+def check_buffers(kv: PackedKV, op: str = "decode_attention", rows: bool = True) -> None:
+    """Refuse a layer whose buffers do not hold what its lengths and the layout above say
+    (metadata only): every buffer ``[batch, kv_heads, >= the rows its length needs, its width]``
+    (``D``; scales per token ``ceil(D / value_group)``; FP8 scales ``[.., 1, 1]``); values and
+    zeros shaped like their keys and scales (one capacity addresses both); codes of their
+    dtype; codebooks ``[kv_heads, 2**bits]``; outlier values shaped like their indices; ``D / 2``
+    RoPE frequencies. A body longer than its code or scale buffers, a buffer of another head_dim,
+    capacity or value grouping was read past its end or at the wrong offsets by the fused kernel,
+    silently (NaN or a wrong answer), where the reference failed in a reshape or a
+    concatenation, or answered; a ``value_group`` of 0 failed inside Triton's compiler. Call
+    after the lengths are known to be whole groups. ``rows=False``: ``kv``'s lengths are bounds
+    (:meth:`kvbits.cache.store.LayerStore.view_dev`, the true ones on the device), which the
+    buffers need not hold: their rows are not checked."""
+    B, H, D, G = kv.batch, kv.kv_heads, kv.head_dim, kv.group_size
+    n_body, n_groups = (kv.body_len, kv.body_len // G) if rows else (0, 0)
+
+    def need(name: str, t, rows: int, width: int, dtype=None, exact: bool = False) -> None:
+        if t is None:
+            raise ValueError(f"{op}: kv.{name} is None; this layer needs one")
+        if (t.dim() != 4 or t.shape[0] != B or t.shape[1] != H or t.shape[3] != width
+                or (t.shape[2] != rows if exact else t.shape[2] < rows)):
+            raise ValueError(f"{op}: kv.{name} is {tuple(t.shape)}; this layer needs [{B}, {H}, "
+                             f"{rows if exact else f'>= {rows}'}, {width}] (sink_len "
+                             f"{kv.sink_len}, body_len {n_body}, res_len {kv.res_len}, head_dim "
+                             f"{D}, group_size {G}, value_group {kv.value_group})")
+        if dtype is not None and t.dtype != dtype:
+            raise ValueError(f"{op}: kv.{name} must be {dtype}, got {t.dtype}")
+
+    def twins(a: str, b: str) -> None:  # (the kernels address both with a's capacity)
+        x, y = getattr(kv, a), getattr(kv, b)
+        if x.shape != y.shape:
+            raise ValueError(f"{op}: kv.{a} {tuple(x.shape)} and kv.{b} {tuple(y.shape)} must "
+                             "have the same shape (the kernels address both with one capacity)")
+
+    for name, n in (("sink_k", kv.sink_len), ("sink_v", kv.sink_len), ("res_k", kv.res_len),
+                    ("res_v", kv.res_len)):
+        need(name, getattr(kv, name), n if rows else 0, D)
+    twins("sink_k", "sink_v")
+    twins("res_k", "res_v")
+    if kv.fp8:  # e4m3 codes per token; one float32 multiplier per (sequence, KV head)
+        for name in ("k_codes", "v_codes"):
+            need(name, getattr(kv, name), n_body, D, torch.float8_e4m3fn)
+        for name in ("k_scale", "v_scale"):
+            need(name, getattr(kv, name), 1, 1, exact=True)
+        return
+    need("k_codes", kv.k_codes, n_groups * packed_length(G, kv.key_bits), D, torch.int32)
+    need("v_codes", kv.v_codes, n_groups * packed_length(G, kv.value_bits), D, torch.int32)
+    if "token" in (kv.key_axis, kv.value_axis):
+        check_value_group(op, kv.value_group, D)
+    per_token = (n_body, -(-D // kv.value_group) if "token" in (kv.key_axis, kv.value_axis)
+                 else None)
+    axes = {"channel": (n_groups, D), "token": per_token}
+    k_rows, k_width = (min(n_body, 1), D) if kv.key_scales_fixed else axes[kv.key_axis]
+    for name in ("k_scale", "k_zero"):
+        need(name, getattr(kv, name), k_rows, k_width)
+    for name in ("v_scale", "v_zero"):
+        need(name, getattr(kv, name), *axes[kv.value_axis])
+    twins("k_scale", "k_zero")
+    twins("v_scale", "v_zero")
+    for name, bits in (("k_codebook", kv.key_bits), ("v_codebook", kv.value_bits)):
+        t = getattr(kv, name)
+        if t is not None and tuple(t.shape) != (H, 1 << bits):
+            raise ValueError(f"{op}: kv.{name} must be [kv_heads, 2**bits] = [{H}, {1 << bits}], "
+                             f"got {list(t.shape)}")
+    for idx, val in (("k_out_idx", "k_out_val"), ("v_out_idx", "v_out_val")):
+        i, v = getattr(kv, idx), getattr(kv, val)
+        if i is None and v is None:
+            continue
+        need(idx, i, n_body, i.shape[-1] if i is not None else 0)
+        need(val, v, i.shape[2], i.shape[3], exact=True)
+    f = kv.rope_inv_freq
+    if f is not None and tuple(f.shape) != (D // 2,):
+        raise ValueError(f"{op}: kv.rope_inv_freq must be [head_dim / 2] = [{D // 2}], got "
+                         f"{list(f.shape)}")
 
 
 def pre_rope_kernel_ok(head_dim: int, key_axis: str = "channel") -> bool:

@@ -924,6 +924,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     applied in both kernels' online softmax, as is the sliding ``window``.
     """
     check_query(q, kv)  # (kvbits.ops.decode_attention checks the rest)
+    if window is not None and window >= 2**32:  # hides nothing: no int32 positions are that far
+        window = None  # apart (2**63 and more reached the kernels as unsigned: wrong answers)
     B, Hq, Lq, D = q.shape
     Hkv = kv.kv_heads
     if D % 4:  # (tiles are padded to a power of two; rows of 8-byte multiples)

@@ -22,9 +22,10 @@ Every program loads its tokens directly in packed order, as a ``[SLOTS, W, ...]`
   program holds ``BLOCK_W`` columns of a group x ``BLOCK_NG`` channel groups,
   ``[SLOTS, BLOCK_W, BLOCK_NG, Gv]``, and reduces over the last axis.
 
-Inputs are any-strided ``[B, H, T, D]`` fp16/bf16/fp32 (never copied), assumed finite and within
-FP16 range (scale and zero are FP16; beyond it the reference's codes are undefined too).
-Offsets are int64. The launchers do no host synchronisation, so they are safe to call every
+Inputs are any-strided ``[B, H, T, D]`` fp16/bf16/fp32 (not copied, but for a channel stride so
+large that ``(D - 1) * stride`` passes int32: :func:`_channels_in_int32`), assumed finite and
+within FP16 range (scale and zero are FP16; beyond it the reference's codes are undefined too).
+Offsets are int64 (the channel's, ``d * stride_d``, int32). The launchers do no host synchronisation, so they are safe to call every
 decode step and to capture in a CUDA graph. ``TRITON_INTERPRET=1`` runs them on CPU.
 """
 
@@ -239,6 +240,7 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int,
     >>> codes, scale, zero = quantize_keys(k, 2, 32)  # k: [1, 8, 4096, 128] fp16 on CUDA
     """
     B, H, T, D = _check_input("quantize_keys", "k", k, bits, group_size, valid)
+    k = _channels_in_int32(k)
     G, NG = group_size, T // group_size
     slots, W = slots_per_column(bits), -(-G // slots_per_column(bits))
     codes, scale, zero = _packed_outputs(k, bits, G, NG, (NG, D))
@@ -286,6 +288,7 @@ def quantize_values(v: torch.Tensor, bits: int, value_group: int, group_size: in
     """
     B, H, T, D = _check_input("quantize_values", "v", v, bits, group_size, valid)
     check_value_group("quantize_values", value_group, D)
+    v = _channels_in_int32(v)
     G, NG, NGV = group_size, T // group_size, _cdiv(D, value_group)
     slots, W = slots_per_column(bits), -(-G // slots_per_column(bits))
     codes, scale, zero = _packed_outputs(v, bits, G, NG, (T, NGV))
@@ -331,6 +334,16 @@ def _check_input(op: str, name: str, x: torch.Tensor, bits: int, group_size: int
         if valid.device != x.device:
             raise ValueError(f"{op}: valid is on {valid.device} but {name} is on {x.device}")
     return B, H, T, D
+
+
+def _channels_in_int32(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a contiguous copy where its channel offsets ``d * stride(3)`` pass int32: the
+    kernels compute them in int32 (a ``[B, H, T, D]`` view of a ``[B, H, D, T]`` buffer of 2**24
+    tokens read out of bounds: a crash, or other memory's values). Such a view is the only case
+    copied."""
+    if (x.shape[3] - 1) * x.stride(3) >= 2**31:
+        return x.contiguous()
+    return x
 
 
 def _valid_args(valid: torch.Tensor | None, x: torch.Tensor) -> tuple:

@@ -7,12 +7,12 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 
 import torch
 
-from ..formats.layout import PackedKV, check_query
+from ..checks import is_count
+from ..formats.layout import PackedKV, check_buffers, check_query
 from ..reference import attention as _ref_attention
 from ..reference import quant as _ref_quant
 
@@ -77,12 +77,31 @@ def kernel_reads(kv: PackedKV) -> bool:
 
 
 _Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The kernels multiply ``scale`` and ``softcap`` by log2(e) in float32: past this they are inf
+# there (NaN outputs), although finite as Python floats.
+_F32_LIMIT = torch.finfo(torch.float32).max / 1.4426950408889634
+# ``starts`` / ``lengths`` lie within +-POSITION_LIMIT: the kernels add group and tile sizes (and
+# windows) to positions in int32, which wrapped at lengths within a group of 2**31 (the body read
+# as past the end, silently).
+POSITION_LIMIT = 2**30
+# A window at least this wide hides nothing (positions are int32, so no two are 2**32 apart):
+# it runs as no window. The kernels took one of 2**63 and more as an unsigned integer (a wrong
+# answer) or failed to specialize it.
+WINDOW_NONE = 2**32
+
+
+def _positive(x) -> bool:
+    """A positive number (not a bool) that stays finite in the kernels' float32."""
+    return (isinstance(x, (int, float)) and not isinstance(x, bool)
+            and 0 < x <= _F32_LIMIT)
 
 
 def _check_call(q: torch.Tensor, kv: PackedKV, scale: float, window, starts=None,
-                lengths=None) -> None:
+                lengths=None, bounds: bool = False) -> None:
     """Shapes, dtypes and lengths of a decode_attention call, from metadata only (no host sync):
-    a mismatch would otherwise read past a buffer or attend to the wrong rows, silently."""
+    a mismatch would otherwise read past a buffer or attend to the wrong rows, silently.
+    ``bounds``: ``kv``'s lengths are bounds (``lens_dev`` has the true ones), which the buffers
+    need not hold."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype not in _Q_DTYPES:
         raise ValueError("decode_attention: q must be a [batch, heads, rows, head_dim] float16, "
                          f"bfloat16 or float32 tensor, got {getattr(q, 'dtype', type(q))} "
@@ -109,16 +128,21 @@ def _check_call(q: torch.Tensor, kv: PackedKV, scale: float, window, starts=None
         if getattr(kv, name) not in (2, 3, 4, 8):
             raise ValueError(f"decode_attention: kv.{name} must be 2, 3, 4 or 8, got "
                              f"{getattr(kv, name)!r}")
+    if not is_count(kv.group_size, 1):  # (a ZeroDivisionError below)
+        raise ValueError(f"decode_attention: kv.group_size must be a positive int, got "
+                         f"{kv.group_size!r}")
     if kv.body_len < 0 or kv.body_len % kv.group_size:
         raise ValueError(f"decode_attention: kv.body_len = {kv.body_len} must be a whole number "
                          f"of groups of {kv.group_size} tokens")
     if kv.body_len and not kv.fp8 and kv.k_codes.dtype != torch.int32:
         raise ValueError(f"decode_attention: kv.k_codes must be int32 words, got "
                          f"{kv.k_codes.dtype}")
-    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
-            and 0 < scale < math.inf):
-        raise ValueError(f"decode_attention: scale must be a positive finite number, got "
-                         f"{scale!r}")
+    if kv.owner is None:  # (lengths past a buffer, another head_dim or grouping); a LayerStore's
+        # own view holds its layout by construction, and the check costs ~6 us a call
+        check_buffers(kv, rows=not bounds)
+    if not _positive(scale):
+        raise ValueError(f"decode_attention: scale must be a positive finite number (at most "
+                         f"{_F32_LIMIT:.3g}: float32 times log2(e)), got {scale!r}")
     for name, x in (("starts", starts), ("lengths", lengths)):
         _check_positions(name, x, B)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
@@ -130,14 +154,17 @@ def _check_call(q: torch.Tensor, kv: PackedKV, scale: float, window, starts=None
 def _check_positions(name: str, x, batch: int) -> None:
     """``starts`` / ``lengths``: None, an int, or integers per sequence (``[batch]``, or one
     for all); a float would be truncated and a wrong length broadcast or fail deep in a kernel.
-    Values must fit an int32 (the kernels take int32: a larger one would wrap; a start may be
-    negative, after a sliding layer evicted), checked for Python ints and CPU tensors; values
-    on a GPU are not read here (that would wait for it)."""
+    Values must lie within +-``POSITION_LIMIT`` (the kernels take int32 and add group and tile
+    sizes to them: a larger one would wrap; a start may be negative, after a sliding layer
+    evicted), checked for Python ints and CPU tensors; values on a GPU are not read here (that
+    would wait for it)."""
     if x is None:
         return
     if isinstance(x, int) and not isinstance(x, bool):
-        if not -2**31 <= x < 2**31:
-            raise ValueError(f"decode_attention: {name} must fit an int32, got {x}")
+        if not -POSITION_LIMIT <= x <= POSITION_LIMIT:
+            raise ValueError(f"decode_attention: {name} must fit an int32 with headroom, within "
+                             f"+-2**30 (the kernels add group and tile sizes to positions), "
+                             f"got {x}")
         return
     t = x if isinstance(x, torch.Tensor) else None
     if t is None:
@@ -152,9 +179,10 @@ def _check_positions(name: str, x, batch: int) -> None:
                          f"(one per sequence), got {what}")
     if t.device.type == "cpu" and t.numel():
         lo, hi = int(t.min()), int(t.max())  # (Python ints: 2**31 does not fit an int32)
-        if lo < -2**31 or hi >= 2**31:
-            raise ValueError(f"decode_attention: {name} must fit an int32, got values from "
-                             f"{lo} to {hi}")
+        if lo < -POSITION_LIMIT or hi > POSITION_LIMIT:
+            raise ValueError(f"decode_attention: {name} must fit an int32 with headroom, within "
+                             f"+-2**30 (the kernels add group and tile sizes to positions), "
+                             f"got values from {lo} to {hi}")
 
 
 def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None, lengths=None,
@@ -172,12 +200,12 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     view's host lengths are the true ones). ``softcap``: attention-logit softcapping (Gemma2),
     a positive number or None.
     """
-    if softcap is not None and not (isinstance(softcap, (int, float))
-                                    and not isinstance(softcap, bool)
-                                    and math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"decode_attention: softcap must be a positive finite number or None, "
-                         f"got {softcap!r}")
-    _check_call(q, kv, scale, window, starts, lengths)
+    if softcap is not None and not _positive(softcap):
+        raise ValueError(f"decode_attention: softcap must be a positive finite number or None "
+                         f"(at most {_F32_LIMIT:.3g}: float32 times log2(e)), got {softcap!r}")
+    _check_call(q, kv, scale, window, starts, lengths, lens_dev is not None)  # (bounds)
+    if window is not None and window >= WINDOW_NONE:
+        window = None  # (exact: see WINDOW_NONE)
     if use_kernels(q) and kernel_reads(kv):
         from ..kernels.decode_attention import _INTERPRETED, LOG2E
         from ..kernels.decode_attention import decode_attention as kernel
