@@ -1354,3 +1354,18 @@ def test_memory_reports_huge_values_exactly(capsys):
     for option in ("--context", "--batch"):
         code, out, err = run(capsys, "memory", "--preset", "kivi-2", option, "1" + "0" * 400)
         assert code == 0 and "Traceback" not in err and " TiB (" in out, err
+
+
+def test_demo_without_npm_names_no_option_it_lacks(capsys, monkeypatch, tmp_path):
+    """Without npm the demo said "pass a text file instead (--text FILE, --calib-text FILE)":
+    the demo has neither option (`kvbits demo --text F`: "unrecognized arguments")."""
+    import kvbits.data
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "kv"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no npm anywhere on it
+    monkeypatch.setattr(kvbits.data, "load_model", lambda *a, **k: (None, None))
+    code, _, err = run(capsys, "demo")
+    last = err.strip().splitlines()[-1]
+    assert code == 1 and "Traceback" not in err, err
+    assert last.startswith("kvbits demo: error: kvbits needs npm (Node.js)"), err
+    assert "--calib-text" not in last and "kvbits ppl --model smollm2 --text FILE" in last, err

