@@ -629,13 +629,9 @@ def test_a_fetch_killed_midway_leaves_nothing_behind(tmp_path, monkeypatch):
     assert not left, left
 
 
-def test_a_damaged_or_outdated_converted_model_is_converted_again(tmp_path, monkeypatch):
-    """A converted folder with its marker file was taken as whole whatever the rest held: a
-    model.safetensors cut short (a full disk, a copy) or removed failed in from_pretrained on
-    every run ("Error while deserializing header"), and a folder of an older layout
-    (``_CONVERTED_FORMAT`` bumped) was never converted again."""
-    import json
-
+def _fake_gguf_model(tmp_path, monkeypatch) -> list:
+    """A model "fake" whose GGUF load returns a tiny folder's model (no download, no GGUF
+    parsing); returns the list of the GGUF paths loaded, one per conversion."""
     monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "kv"))
     monkeypatch.setitem(MODELS, "fake", data.ModelSource(
         name="fake", filename="fake.gguf", parts=(("fake==1", "fake/f.gguf"),)))
@@ -650,6 +646,17 @@ def test_a_damaged_or_outdated_converted_model_is_converted_again(tmp_path, monk
         return data._load_folder(tiny, dtype)
 
     monkeypatch.setattr(data, "_load_gguf", load_gguf)
+    return loads
+
+
+def test_a_damaged_or_outdated_converted_model_is_converted_again(tmp_path, monkeypatch):
+    """A converted folder with its marker file was taken as whole whatever the rest held: a
+    model.safetensors cut short (a full disk, a copy) or removed failed in from_pretrained on
+    every run ("Error while deserializing header"), and a folder of an older layout
+    (``_CONVERTED_FORMAT`` bumped) was never converted again."""
+    import json
+
+    loads = _fake_gguf_model(tmp_path, monkeypatch)
     quiet = {"log": lambda msg: None}
     model, _ = load_model("fake", **quiet)
     folder = cache_dir() / "models" / "fake"
@@ -797,20 +804,7 @@ def test_a_damaged_config_or_tokenizer_of_a_converted_model_is_converted_again(
     tokenizer.json or config.json was cut short (a full disk, a copy) failed on every run, the
     tokenizer with a bare "Expecting property name enclosed in double quotes: line 4690 column
     26 (char 96992)" that named no file."""
-    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "kv"))
-    monkeypatch.setitem(MODELS, "fake", data.ModelSource(
-        name="fake", filename="fake.gguf", parts=(("fake==1", "fake/f.gguf"),)))
-    gguf = tmp_path / "fake.gguf"
-    gguf.write_bytes(b"GGUF")
-    monkeypatch.setattr(data, "fetch_gguf", lambda name, log=None: gguf)
-    tiny = _tiny_folder(tmp_path / "tiny")
-    loads = []
-
-    def load_gguf(path, dtype=torch.float32):
-        loads.append(path)
-        return data._load_folder(tiny, dtype)
-
-    monkeypatch.setattr(data, "_load_gguf", load_gguf)
+    loads = _fake_gguf_model(tmp_path, monkeypatch)
     quiet = {"log": lambda msg: None}
     load_model("fake", **quiet)
     folder = cache_dir() / "models" / "fake"
