@@ -5,9 +5,26 @@ from __future__ import annotations
 
 import os
 
+from ..checks import is_count
+
 # Tokens per calibration forward (and backward) pass: every method's default, and the window of
 # the automatic calibrations that ppl, generate and needle make (whose cache key holds none).
 CALIBRATION_WINDOW = 512
+
+
+def kv_geometry(model_or_config) -> tuple:
+    """``(layers, kv_heads, head_dim)`` of a model or config (its decoder's text config), each
+    None where the config does not say: what a calibration file's tables are checked against
+    before any layer is built."""
+    config = getattr(model_or_config, "config", model_or_config)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    attn = getattr(config, "num_attention_heads", None)
+    heads = getattr(config, "num_key_value_heads", None) or attn
+    head_dim = getattr(config, "head_dim", None)  # as kvquant.model_shape_name takes it
+    if head_dim is None and is_count(getattr(config, "hidden_size", None)) and is_count(attn):
+        head_dim = config.hidden_size // attn
+    return getattr(config, "num_hidden_layers", None), heads, head_dim
 
 
 def model_dtype(model):

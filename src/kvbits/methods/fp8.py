@@ -26,6 +26,7 @@ from . import (
     calibration_chunks,
     calibration_ids,
     check_made_for,
+    kv_geometry,
     made_for,
     model_dtype,
     per_layer_calibration,
@@ -153,9 +154,7 @@ def layer_scales(model_or_config, spec: QuantSpec, calibration, n_layers: int) -
                                    lambda model: auto_fp8_scales(model, spec),
                                    lambda path: load_fp8_scales(path, model_or_config, spec),
                                    "fp8 calibration", n_layers)
-    config = getattr(model_or_config, "config", model_or_config)
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+    heads = kv_geometry(model_or_config)[1]
     for i, pair in enumerate(scales):  # checked here, before any layer is built or attended
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
             raise ValueError(f"fp8 calibration: layer {i} must be a (k_scale, v_scale) pair of "

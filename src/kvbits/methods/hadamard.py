@@ -42,6 +42,7 @@ from . import (
     calibration_ids,
     calibration_windows,
     check_made_for,
+    kv_geometry,
     made_for,
     model_dtype,
     per_layer_calibration,
@@ -186,15 +187,8 @@ def check_channels(channels, model_or_config, what: str, n_layers: int | None = 
     count) and KV head, or a head's list not distinct channel indices below ``head_dim``
     whose count is a power of two. (Such lists loaded, and failed at the first forward, inside
     the cache store, naming no file: a QA pass.)"""
-    config = getattr(model_or_config, "config", model_or_config)
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config(decoder=True)
-    attn = getattr(config, "num_attention_heads", None)
-    heads = getattr(config, "num_key_value_heads", None) or attn
-    head_dim = getattr(config, "head_dim", None)  # as kvquant.model_shape_name takes it
-    if head_dim is None and is_count(getattr(config, "hidden_size", None)) and is_count(attn):
-        head_dim = config.hidden_size // attn
-    n_layers = getattr(config, "num_hidden_layers", None) if n_layers is None else n_layers
+    layers, heads, head_dim = kv_geometry(model_or_config)
+    n_layers = layers if n_layers is None else n_layers
     if not isinstance(channels, (list, tuple)):
         raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvbits)
             f"{what} must hold one list per layer (of one channel list per KV head), got "

@@ -97,6 +97,7 @@ from . import (
     calibration_chunks,
     dtype_key,
     dtype_name,
+    kv_geometry,
     model_dtype,
 )
 from .model_calls import full_attention
@@ -731,14 +732,12 @@ class Calibration:
         if bad:
             raise ValueError(f"calibration (preset {self.preset or '?'}) does not match the "
                              f"spec: {', '.join(bad)}; calibrate again with this preset")
-        config = model if hasattr(model, "get_text_config") else getattr(model, "config", None)
-        text = config.get_text_config(decoder=True)
-        n = text.num_hidden_layers if fp else len(self.layers)
+        layers, heads, _ = kv_geometry(model)
+        n = layers if fp else len(self.layers)
         if len(self.layers) != n:
             raise ValueError(f"{self._name()} has {len(self.layers)} layers, the model {n}")
         # (a file whose fingerprint matched but whose tables are of another head count was
         # refused only at the first forward, inside the cache store, naming no file)
-        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         for i, layer in enumerate(self.layers):
             got = layer.k_codebook.shape[0], layer.v_codebook.shape[0]
             if got != (heads, heads):
