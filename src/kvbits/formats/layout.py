@@ -156,6 +156,12 @@ def check_value_group(op: str, group, head_dim: int) -> None:
                          f"{group!r}")
 
 
+# A sliding window at least this wide hides nothing (positions are int32, so no two are 2**32
+# apart): the entry points run it as no window. The kernels took one of 2**63 and more as an
+# unsigned integer (a wrong answer) or failed to specialize it.
+WINDOW_NONE = 2**32
+
+
 def check_query(q: torch.Tensor, kv: PackedKV) -> None:
     """Refuse a query that does not fit the layer: ``q`` must be ``[batch, a multiple of the KV
     heads, >= 1 rows, head_dim]`` (metadata only). Shared by :func:`kvbits.ops.decode_attention`

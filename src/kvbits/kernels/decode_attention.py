@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats.layout import PackedKV, check_query, pre_rope_kernel_ok
+from ..formats.layout import WINDOW_NONE, PackedKV, check_query, pre_rope_kernel_ok
 from . import decode_gluon, decode_gluon_tma
 from .launch import FastLaunch, device_index, keyword_maker
 from .switches import env_choice, env_switch
@@ -924,8 +924,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     applied in both kernels' online softmax, as is the sliding ``window``.
     """
     check_query(q, kv)  # (kvbits.ops.decode_attention checks the rest)
-    if window is not None and window >= 2**32:  # hides nothing: no int32 positions are that far
-        window = None  # apart (2**63 and more reached the kernels as unsigned: wrong answers)
+    if window is not None and window >= WINDOW_NONE:
+        window = None
     B, Hq, Lq, D = q.shape
     Hkv = kv.kv_heads
     if D % 4:  # (tiles are padded to a power of two; rows of 8-byte multiples)

@@ -12,7 +12,7 @@ import os
 import torch
 
 from ..checks import is_count
-from ..formats.layout import PackedKV, check_buffers, check_query
+from ..formats.layout import WINDOW_NONE, PackedKV, check_buffers, check_query
 from ..reference import attention as _ref_attention
 from ..reference import quant as _ref_quant
 
@@ -84,10 +84,6 @@ _F32_LIMIT = torch.finfo(torch.float32).max / 1.4426950408889634
 # windows) to positions in int32, which wrapped at lengths within a group of 2**31 (the body read
 # as past the end, silently).
 POSITION_LIMIT = 2**30
-# A window at least this wide hides nothing (positions are int32, so no two are 2**32 apart):
-# it runs as no window. The kernels took one of 2**63 and more as an unsigned integer (a wrong
-# answer) or failed to specialize it.
-WINDOW_NONE = 2**32
 
 
 def _positive(x) -> bool:
@@ -161,28 +157,27 @@ def _check_positions(name: str, x, batch: int) -> None:
     if x is None:
         return
     if isinstance(x, int) and not isinstance(x, bool):
-        if not -POSITION_LIMIT <= x <= POSITION_LIMIT:
-            raise ValueError(f"decode_attention: {name} must fit an int32 with headroom, within "
-                             f"+-2**30 (the kernels add group and tile sizes to positions), "
-                             f"got {x}")
-        return
-    t = x if isinstance(x, torch.Tensor) else None
-    if t is None:
-        try:
-            t = torch.as_tensor(x)
-        except (TypeError, ValueError, RuntimeError):
-            t = None
-    if t is None or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool \
-            or t.dim() > 1 or (t.dim() == 1 and t.numel() not in (1, batch)):
-        what = (f"{t.dtype} {tuple(t.shape)}" if t is not None else type(x).__name__)
-        raise ValueError(f"decode_attention: {name} must be None, an int or {batch} integers "
-                         f"(one per sequence), got {what}")
-    if t.device.type == "cpu" and t.numel():
+        lo, hi, got = x, x, f"{x}"
+    else:
+        t = x if isinstance(x, torch.Tensor) else None
+        if t is None:
+            try:
+                t = torch.as_tensor(x)
+            except (TypeError, ValueError, RuntimeError):
+                t = None
+        if t is None or t.dtype.is_floating_point or t.dtype.is_complex \
+                or t.dtype == torch.bool or t.dim() > 1 \
+                or (t.dim() == 1 and t.numel() not in (1, batch)):
+            what = (f"{t.dtype} {tuple(t.shape)}" if t is not None else type(x).__name__)
+            raise ValueError(f"decode_attention: {name} must be None, an int or {batch} "
+                             f"integers (one per sequence), got {what}")
+        if t.device.type != "cpu" or not t.numel():
+            return
         lo, hi = int(t.min()), int(t.max())  # (Python ints: 2**31 does not fit an int32)
-        if lo < -POSITION_LIMIT or hi > POSITION_LIMIT:
-            raise ValueError(f"decode_attention: {name} must fit an int32 with headroom, within "
-                             f"+-2**30 (the kernels add group and tile sizes to positions), "
-                             f"got values from {lo} to {hi}")
+        got = f"values from {lo} to {hi}"
+    if lo < -POSITION_LIMIT or hi > POSITION_LIMIT:
+        raise ValueError(f"decode_attention: {name} must fit an int32 with headroom, within "
+                         f"+-2**30 (the kernels add group and tile sizes to positions), got {got}")
 
 
 def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None, lengths=None,
