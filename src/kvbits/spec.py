@@ -23,6 +23,10 @@ FP8_GRANULARITIES = ("head", "tensor")
 # to pass 0), and its axis 0 (one channel, every (B*H*T / q_group_size)-th row of the flattened
 # tensor, across heads) has no kvbits counterpart.
 HF_AXES = {0: "token", -1: "channel"}
+# Ranges QuantSpec takes, named once for its checks and the spec-string parser's errors: FP16
+# tokens per sequence and KV head (residual_length, sink_tokens), and the outlier fraction.
+FP16_TOKENS_TEXT = "in [0, 2**20)"
+OUTLIERS_TEXT = "a fraction in [0, 0.25]"
 # Methods whose per-layer bits / FP16 skip list (layer_bits, skip_layers) may be set.
 PER_LAYER_METHODS = ("kivi", "uniform")
 BITS = (2, 3, 4, 8)
@@ -124,7 +128,7 @@ class QuantSpec:
         for name in ("residual_length", "sink_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**20:
-                raise ValueError(f"QuantSpec.{name} must be an integer in [0, 2**20) (FP16 "
+                raise ValueError(f"QuantSpec.{name} must be an integer {FP16_TOKENS_TEXT} (FP16 "
                                  f"tokens per sequence and KV head), got {value!r}")
         for name in ("pre_rope", "qnorm", "fisher", "hadamard", "hadamard_calibrated"):
             if not isinstance(getattr(self, name), bool):
@@ -132,7 +136,7 @@ class QuantSpec:
                     f"QuantSpec.{name} must be True or False, got {getattr(self, name)!r}")
         out = self.outliers
         if isinstance(out, bool) or not isinstance(out, (int, float)) or not 0 <= out <= 0.25:
-            raise ValueError(f"QuantSpec.outliers must be a fraction in [0, 0.25] of each token "
+            raise ValueError(f"QuantSpec.outliers must be {OUTLIERS_TEXT} of each token "
                              f"vector (e.g. 0.01 for 1%), got {out!r}")
         _check_choice("codebook", self.codebook, CODEBOOKS)
         _check_choice("key_scales", self.key_scales, KEY_SCALES)
@@ -482,8 +486,8 @@ _FLOAT_TEXT = re.compile(r"-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?")
 _BITS_TEXT, _GROUPS_TEXT = (f"one of {', '.join(map(str, t))}" for t in (BITS, GROUP_SIZES))
 _NUMBER_VALUES = {"key_bits": _BITS_TEXT, "value_bits": _BITS_TEXT, "bits": _BITS_TEXT,
                   "nbits": _BITS_TEXT, "group_size": _GROUPS_TEXT,
-                  "residual_length": "in [0, 2**20)", "sink_tokens": "in [0, 2**20)",
-                  "outliers": "a fraction in [0, 0.25], e.g. 0.01"}
+                  "residual_length": FP16_TOKENS_TEXT, "sink_tokens": FP16_TOKENS_TEXT,
+                  "outliers": f"{OUTLIERS_TEXT}, e.g. 0.01"}
 
 
 def parse_overrides(label: str, text: str, aliases: dict = SPEC_ALIASES,
