@@ -54,19 +54,25 @@ class CropInGroupError(ValueError):
 class LayerStore:
     """K/V of one decoder layer for ``batch`` sequences of ``kv_heads`` heads of ``head_dim``."""
 
+    # (class defaults: a store pickled before they existed loads with them)
+    layer_idx: int | None = None  # the decoder layer, for messages (None: unnamed)
+    _range_checked = False  # _check_range has read this layer's first flush (it checks once)
+
     def __init__(self, spec: QuantSpec, batch: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str,
                  codebooks: kvq.LayerCodebooks | None = None,
                  inv_freq: torch.Tensor | None = None,
                  fp8_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 hadamard_channels: list | None = None):
+                 hadamard_channels: list | None = None, layer_idx: int | None = None):
         """``codebooks``: the layer's kvquant tables (uniform = KIVI codes when None);
         ``inv_freq [head_dim / 2]``: the layer's RoPE frequencies, needed when ``spec.pre_rope``;
         ``fp8_scales``: float32 ``(k_scale, v_scale)`` of shape ``[kv_heads]`` (dequant
         multipliers) for ``fp8_scale="calibrated"``; ``hadamard_channels``: per KV head the
         channels to rotate, for ``spec.hadamard_calibrated`` (see
-        :mod:`kvbits.methods.hadamard`)."""
+        :mod:`kvbits.methods.hadamard`); ``layer_idx``: the decoder layer's index, named by
+        the warning of :meth:`_check_range`."""
         self.spec = spec
+        self.layer_idx = layer_idx
         batch, kv_heads, head_dim = (require_count(f"LayerStore: {name}", n, 1) for name, n in
                                      (("batch", batch), ("kv_heads", kv_heads),
                                       ("head_dim", head_dim)))
@@ -267,7 +273,7 @@ class LayerStore:
         """The model's keys ``[B, H, T, D]`` in the key space of the store: rotated when
         ``spec.hadamard``, reordered under a partial rotary embedding (``key_order``)."""
         if self.hadamard is not None:
-            return ref_hadamard.rotate(k, self._rotation)
+            return _saturate(ref_hadamard.rotate(k, self._rotation))
         return k if self.key_order is None else k.index_select(-1, self.key_order)
 
     def rotate_query(self, query: torch.Tensor) -> torch.Tensor:
@@ -276,20 +282,20 @@ class LayerStore:
         unchanged either way), else returned as is."""
         if self.hadamard is not None:
             if self.hadamard.dim() == 2:
-                return ref_hadamard.rotate(query, self._rotation)
+                return _saturate(ref_hadamard.rotate(query, self._rotation))
             B, Hq, Lq, D = query.shape  # per KV head: its group's query heads take its matrix
             if Hq % self.kv_heads:
                 raise ValueError(f"hadamard: {Hq} query heads are not a multiple of "
                                  f"{self.kv_heads} KV heads")
             grouped = query.reshape(B, self.kv_heads, Hq // self.kv_heads * Lq, D)
-            return ref_hadamard.rotate(grouped, self._rotation).view(B, Hq, Lq, D)
+            return _saturate(ref_hadamard.rotate(grouped, self._rotation)).view(B, Hq, Lq, D)
         return query if self.key_order is None else query.index_select(-1, self.key_order)
 
     def model_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """Keys read from the store (e.g. :func:`dequantize_layer`) back in the model's space
         (undoes the Hadamard rotation, the matrix being its own inverse, or the reordering)."""
         if self.hadamard is not None:
-            return ref_hadamard.rotate(keys, self._rotation)
+            return _saturate(ref_hadamard.rotate(keys, self._rotation))
         return keys if self.key_order is None else keys.index_select(-1, self._key_order_inv)
 
     def nbytes(self, fp_itemsize: int | None = None) -> int:
@@ -750,6 +756,7 @@ class LayerStore:
         if self.fp8:
             self._flush_fp8(k, v, valid, n, waiting)
             return
+        self._check_range(k, v, valid, n)
         (k_codes, k_scale, k_zero), (v_codes, v_scale, v_zero), outliers = \
             self._quantize_layer(k, v, valid)
         if outliers is not None:
@@ -765,6 +772,66 @@ class LayerStore:
         self.v_scale = _write(self.v_scale, at[self.value_axis], v_scale)
         self.v_zero = _write(self.v_zero, at[self.value_axis], v_zero)
         self._moved(n)
+
+    def _check_range(self, k: torch.Tensor, v: torch.Tensor, valid, n: int) -> None:
+        """Warn where the layer's first ``n`` tokens to be quantized (``valid``: the
+        real ones) hold elements that the body cannot store as given: beyond float16's +-65504
+        (the integer methods' scales and zeros are float16: bfloat16 / float32 models), beyond
+        ``448 x scale`` (fp8), NaN, or float16 keys that the Hadamard rotation saturated
+        (:func:`_saturate`); they used to be clipped without a word.
+
+        Cheap by construction: only the layer's first flush (the prompt's first groups) is
+        checked, with one host read, outside CUDA-graph capture; later flushes (prompt chunks,
+        decode steps) never read the device for it. A model whose K/V pass these limits
+        (massive-activation channels) passes them from its first tokens."""
+        if self._range_checked or not n:
+            return
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        self._range_checked = True
+        B, H = self.batch, self.kv_heads
+        rows = []
+        for side, x in enumerate((k, v)):
+            a = x.abs()
+            if valid is not None:
+                a = torch.where(valid[:, None, :, None], a, torch.zeros_like(a))
+            a = a.amax(dim=(2, 3)).float()  # [B, H]; NaN propagates
+            if self.fp8:
+                lim = ref_quant.FP8_MAX * (self.k_scale, self.v_scale)[side].reshape(B, H)
+            else:
+                lim = torch.full_like(a, ref_quant.FP16_MAX)
+            over = ~(a <= lim)  # (NaN too)
+            if side == 0 and self.hadamard is not None and k.dtype == torch.float16:
+                over |= a >= ref_quant.FP16_MAX  # rotated keys saturated (_saturate)
+            worst = torch.where(over, (a / lim).nan_to_num(torch.inf), -1.0).flatten().argmax()
+            rows.append(torch.stack([over.any().float(), worst.float(), a.flatten()[worst],
+                                     lim.flatten()[worst], a.isnan().any().float()]))
+        found = torch.stack(rows).tolist()  # the one host read
+        if not any(r[0] for r in found):
+            return
+        what = []
+        for side, (hit, worst, amax, lim, nan) in zip(("keys", "values"), found):
+            if not hit:
+                continue
+            where = f"{side} (sequence {int(worst) // H}, KV head {int(worst) % H})"
+            if nan:
+                what.append(f"{where} hold NaN: " + ("it stays NaN in float8" if self.fp8 else
+                            "its whole quantization group dequantizes to NaN"))
+            elif side == "keys" and self.hadamard is not None and amax >= ref_quant.FP16_MAX \
+                    and k.dtype == torch.float16:
+                what.append(f"{where} pass float16's +-65504 after the Hadamard rotation (a "
+                            "rotated channel sums a block of channels / sqrt(block)): they were "
+                            "saturated at +-65504 in the float16 store")
+            elif self.fp8:
+                what.append(f"{where} reach magnitude {amax:.4g}, beyond 448 x scale = "
+                            f"{lim:.4g}: such elements saturate there in float8 e4m3")
+            else:
+                what.append(f"{where} reach magnitude {amax:.4g}, beyond float16's +-65504 "
+                            "(the quantized body's scales and zeros are float16): such elements "
+                            "saturate at +-65504 and the rest of their group loses precision")
+        name = "a layer" if self.layer_idx is None else f"layer {self.layer_idx}"
+        warnings.warn(f"kvbits: {name}: {'; '.join(what)}. Only each layer's "
+                      "first quantized tokens are checked.", stacklevel=3)
 
     def _quantize_layer(self, k: torch.Tensor, v: torch.Tensor, valid):
         """K and V of whole groups with the layer's method: ``(codes, scale, zero)`` of each,
@@ -810,6 +877,7 @@ class LayerStore:
                 self.k_scale = torch.where(new, ks, self.k_scale)
                 self.v_scale = torch.where(new, vs, self.v_scale)
             self._fp8_ready = self._fp8_all_set(first + n)
+        self._check_range(k, v, valid, n)
         self.k_codes = _write(self.k_codes, self.body_len,
                               ref_quant.quantize_fp8(k, self.k_scale, valid))
         self.v_codes = _write(self.v_codes, self.body_len,
@@ -1140,6 +1208,15 @@ def _batch_rows(index, batch: int, op: str) -> torch.Tensor:
                              f"batch), got rows {lo}..{hi}")
         _CHECKED_ROWS.update(ref=weakref.ref(t), version=t._version, batch=batch)
     return t.long()
+
+
+def _saturate(x: torch.Tensor) -> torch.Tensor:
+    """Hadamard-rotated float16 keys / queries clamped to +-65504: a rotated channel sums a
+    block of n channels / sqrt(n), so float16 inputs below the limit can pass it, and became
+    inf (NaN attention scores). Other dtypes (and NaN) are returned as they are."""
+    if x.dtype != torch.float16:
+        return x
+    return x.clamp(-ref_quant.FP16_MAX, ref_quant.FP16_MAX)
 
 
 def _capacity(n: int) -> int:

@@ -132,8 +132,9 @@ class KVBitsLayer(CacheLayerMixin):
 
     def __init__(self, spec: QuantSpec, sliding_window: int | None = None, cache=None,
                  codebooks=None, inv_freq: torch.Tensor | None = None, fp8_scales=None,
-                 hadamard_channels=None):
+                 hadamard_channels=None, layer_idx: int | None = None):
         super().__init__()
+        self.layer_idx = layer_idx  # the decoder layer (its store's warnings name it)
         self.hadamard_channels = hadamard_channels  # hadamard_calibrated: channels per KV head
         self.spec = spec
         self.codebooks = codebooks  # kvquant: this layer's LayerCodebooks
@@ -187,7 +188,8 @@ class KVBitsLayer(CacheLayerMixin):
         self.store = LayerStore(self.spec, B, H, D, key_states.dtype, key_states.device,
                                 codebooks=self.codebooks, inv_freq=self.inv_freq,
                                 fp8_scales=self.fp8_scales,
-                                hadamard_channels=self.hadamard_channels)
+                                hadamard_channels=self.hadamard_channels,
+                                layer_idx=getattr(self, "layer_idx", None))
         self.device = key_states.device
         self.is_initialized = True
 
@@ -573,9 +575,9 @@ class KVBitsCache(Cache):
         codebooks = _layer_codebooks(model_or_config, self.spec, calibration,
                                      spec if isinstance(spec, str) else "", len(windows))
         layers = [KVBitsLayer(ls, window, cache=self, codebooks=cb, inv_freq=inv, fp8_scales=f8,
-                              hadamard_channels=hc)
-                  for ls, window, cb, inv, f8, hc in zip(layer_specs, windows, codebooks,
-                                                         inv_freqs, fp8_scales, had_channels)]
+                              hadamard_channels=hc, layer_idx=i)
+                  for i, (ls, window, cb, inv, f8, hc) in enumerate(zip(
+                      layer_specs, windows, codebooks, inv_freqs, fp8_scales, had_channels))]
         super().__init__(layers=layers)
         self.config = text_config
         self._model_config = None

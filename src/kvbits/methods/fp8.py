@@ -9,7 +9,17 @@
   keep it in a safetensors file.
 
 A scale is ``amax * FP8_HEADROOM / 448`` (:func:`kvbits.reference.quant.fp8_scale_from_amax`);
-elements beyond ``448 * scale`` saturate.
+elements beyond ``448 * scale`` saturate. Edge cases of the dynamic scales:
+
+* the amax leaves NaN and +-inf elements out (:func:`kvbits.reference.quant.fp8_amax`): one bad
+  element no longer sets its head's scale (with ``fp8_granularity="tensor"``, every head's of
+  its sequence) for the whole generation; it stays NaN, or saturates at ``+-448 * scale``;
+* the amax saturates at 65504, so a BF16/FP32 head beyond it saturates at 131008;
+* a head whose prompt is all 0 gets scale 1: its later elements below ``2**-9`` quantize to 0;
+* later tokens beyond twice the prompt's amax (calibrated scales: the calibration text's)
+  saturate. Only each layer's first flush is checked: the store warns where its elements pass
+  ``448 * scale`` (:meth:`kvbits.cache.store.LayerStore._check_range`); a decode step is not
+  read back.
 """
 
 from __future__ import annotations

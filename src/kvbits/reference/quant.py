@@ -7,6 +7,26 @@ value the rounding aimed at. A constant group has scale 0: its codes are 0 and i
 exactly ``zero``, never NaN. Tokens marked invalid (padding) are excluded from min and max, get
 code 0, and are never attended to.
 
+Float16 scales and zeros bound what a group holds, in both directions:
+
+* Range: a BF16/FP32 group beyond +-65504 saturates there (:func:`minmax_qparams`): its elements
+  beyond dequantize to +-65504, the rest of the group with a step of its clipped range.
+  :meth:`kvbits.cache.store.LayerStore._check_range` warns at each layer's first flush.
+* Resolution: a scale below float16's smallest normal, ``2**-14`` (a group range below
+  ``(2**bits - 1) * 2**-14``: 1.8e-4 at 2 bits, 9.2e-4 at 4, 1.6e-2 at 8), is subnormal, in
+  absolute steps of ``2**-24``. Rounded to nearest it can lose up to ``2**-25``, and the codes
+  near the top then clamp at ``2**bits - 1``: up to ``(2**bits - 1) * 2**-25`` more error at the
+  group's max. Worst error over the ideal half step ``range / (2 (2**bits - 1))`` (measured on
+  uniform random groups): 8 bits 2.1x at a range of 2e-3, 24x at 2e-4, 120x at
+  2e-5 (about two bits' worth); 4 bits 1.02x at 2e-5, 3.4x at 2e-6, 35x at 2e-7; 2 bits 1.05x
+  at 2e-6, 1.3x at 2e-7. SmolLM2-135M's K/V had no such group at any width. Rounding the
+  scale *up* to float16 instead (every code then fits) brings 8 bits to 1.08x at 2e-4 and 2x at
+  2e-5; it changes the format's rounding, so the kernels (``quantize_pack``, Triton and Gluon)
+  would have to change with this oracle. FP8 scales are float32 and unaffected.
+* NaN: a NaN element makes its group's min / max NaN: the whole group (``group_size`` tokens of
+  one key channel, or one token's ``value_group`` channels) dequantizes to NaN, in its own
+  sequence and head only; FP16 attention over that head is NaN either way.
+
 Shapes follow :mod:`kvbits.formats.layout`.
 """
 
@@ -260,13 +280,19 @@ def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor,
 def fp8_amax(x: torch.Tensor, valid: torch.Tensor | None = None,
              granularity: str = "head") -> torch.Tensor:
     """``|x|`` max of ``x [B, H, T, D]`` per sequence and head (``[B, H, 1, 1]``), or over all
-    heads too (``granularity="tensor"``, still ``[B, H, 1, 1]``); invalid tokens excluded."""
+    heads too (``granularity="tensor"``, still ``[B, H, 1, 1]``); invalid tokens excluded, and
+    so are NaN and +-inf elements: the scale describes the finite ones (a NaN made the amax
+    NaN, hence scale 1, and an inf made it 65504 x 2 / 448, for the head, or with "tensor" every
+    head of the sequence, for the whole generation). The element itself still quantizes to NaN
+    or to +-448 (saturated)."""
     if granularity not in ("head", "tensor"):  # (another string was taken as "head" silently)
         raise ValueError(f"fp8_amax: granularity must be 'head' or 'tensor', got "
                          f"{granularity!r}")
     a = x.float().abs()
+    keep = torch.isfinite(a)
     if valid is not None:
-        a = torch.where(valid[:, None, :, None], a, torch.zeros_like(a))
+        keep &= valid[:, None, :, None]
+    a = torch.where(keep, a, torch.zeros_like(a))
     amax = a.amax(dim=(2, 3), keepdim=True)
     if granularity == "tensor":
         amax = amax.amax(dim=1, keepdim=True).expand_as(amax).contiguous()
