@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -1369,3 +1370,170 @@ def test_demo_without_npm_names_no_option_it_lacks(capsys, monkeypatch, tmp_path
     assert code == 1 and "Traceback" not in err, err
     assert last.startswith("kvbits demo: error: kvbits needs npm (Node.js)"), err
     assert "--calib-text" not in last and "kvbits ppl --model smollm2 --text FILE" in last, err
+
+
+# ------------------------------------------------------------- QA: the CLI as a new user meets it
+@pytest.mark.parametrize("argv,option", [
+    # the first list was dropped without a word: only kivi-2 ran
+    (["ppl", "--presets", "fp16", "--presets", "kivi-2"], "--presets"),
+    (["ppl", "--tokens", "512", "--tokens", "1024"], "--tokens"),
+    (["memory", "--config", "smollm2", "--model", "llama-3-8b"], "--config/--model"),
+    (["needle", "--lengths", "1k", "--lengths", "2k"], "--lengths"),
+    (["calibrate", "-o", "a.safetensors", "--output", "b.safetensors"], "-o/--output"),
+    (["generate", "--prompt", "x", "--graphs", "--no-graphs"], "--graphs/--no-graphs"),
+])
+def test_an_option_given_twice_is_refused(capsys, argv, option):
+    """argparse kept the last of an option given twice, silently: `ppl --presets fp16 --presets
+    kivi-2` measured kivi-2 alone, `--graphs --no-graphs` decoded without graphs."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"argument {option}: given twice" in err, err
+
+
+def test_options_meant_to_repeat_still_repeat():
+    args = build_parser().parse_args(["generate", "--prompt", "a", "--prompt", "b", "--sample",
+                                      "--sample"])
+    assert args.prompt == ["a", "b"] and args.sample
+
+
+@pytest.mark.parametrize("seed", ["1" + "0" * 25, str(2**64), str(-(2**63) - 1)])
+def test_generate_refuses_a_seed_torch_cannot_take(capsys, seed):
+    """`generate --sample --seed 10^25` loaded the model, then failed with "Overflow when
+    unpacking long long", naming no option."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["generate", "--prompt", "x", "--sample", "--seed", seed])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "argument --seed: expected an integer in" in err, err
+    assert build_parser().parse_args(["generate", "--prompt", "x", "--seed", "-1"]).seed == -1
+
+
+@pytest.mark.parametrize("data", [
+    "The pass key is 12345. ".encode("utf-16-le") * 20,  # UTF-16 without a byte order mark
+    b"\0" * 4000,  # a file of zeros
+])
+def test_a_text_file_with_nul_characters_is_refused(tmp_path, data):
+    """A UTF-16 file (no BOM) or a file of zeros is valid UTF-8, and was scored: perplexity
+    2846 and 10^9 for text the model never saw as text."""
+    from kvbits.cli import _check_text
+
+    path = tmp_path / "t.txt"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=r"--text .*t\.txt: holds a NUL character .*UTF-16"):
+        _check_text(str(path), "--text")
+
+
+def test_bench_memory_budget_on_the_cpu_is_refused(capsys, tmp_path):
+    """`bench --device cpu --memory-budget 10GB` ran every row, then logged "memory budget:
+    skipped (needs CUDA)" and exited 0 with no budget rows."""
+    code, _, err = run(capsys, "bench", "--model", "tiny", "--device", "cpu", "--contexts", "16",
+                       "--steps", "1", "--warmup", "0", "--presets", "fp16",
+                       "--memory-budget", "10GB", "--out", str(tmp_path))
+    assert code == 2 and "error: --memory-budget 10GB: the max-batch search measures" in err, err
+    assert not list(tmp_path.iterdir())
+
+
+def test_ctrl_c_says_so_and_exits_130(capsys, monkeypatch):
+    """Ctrl-C exited 130 without a word."""
+    from kvbits import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_cmd_memory", interrupted)
+    code, _, err = run(capsys, "memory")
+    assert code == 130 and err.strip() == "kvbits memory: interrupted", err
+
+
+def test_ppl_files_of_a_stopped_run_say_they_are_incomplete(monkeypatch, tmp_path):
+    """A ppl run stopped after its first preset (Ctrl-C, or a later preset's error) left a JSON
+    and a Markdown table that looked whole: the command named two presets, the table held one."""
+    import importlib
+
+    import torch
+
+    from kvbits import cli
+
+    ppl = importlib.import_module("kvbits.eval.perplexity")
+    real = ppl.perplexity
+    ids = torch.randint(1, 64, (1, 64))
+    monkeypatch.setattr(cli, "_load", lambda *a: (_tiny_llama(), None, ids))
+    calls = []
+
+    def stopping(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ppl, "perplexity", stopping)
+    js, md = tmp_path / "r.json", tmp_path / "r.md"
+    cfg = cli.PplConfig("tiny", "t", parse_presets("fp16,kivi-2:R=0"), chunk=16,
+                        json_path=str(js), md_path=str(md), progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        cli.run_ppl(cfg, "kvbits ppl --presets fp16,kivi-2:R=0")
+    data = json.loads(js.read_text())
+    assert data["complete"] is False and len(data["results"]) == 1
+    assert "Incomplete: 1 of 2 presets" in md.read_text()
+    assert not list(tmp_path.glob(".*"))  # no temporary file left beside them
+    calls.append(1)  # the next run goes through
+    cli.run_ppl(cfg, "kvbits ppl --presets fp16,kivi-2:R=0")
+    data = json.loads(js.read_text())
+    assert data["complete"] is True and len(data["results"]) == 2
+    assert "git" in data and data["command"] == "kvbits ppl --presets fp16,kivi-2:R=0"
+    assert "Incomplete" not in md.read_text()
+
+
+def test_needle_and_bench_files_of_a_stopped_run_say_they_are_incomplete():
+    """needle and bench write their files after every trial / row; one stopped early looked
+    whole (needle: only its per-cell trial counts hinted otherwise)."""
+    from kvbits.eval.needle import needle_markdown
+    from kvbits.eval.speed import BenchConfig, bench_markdown
+
+    rows = [{"length": 300, "depth": 0.5, "trial": 0, "preset": "fp16", "spec": "fp16",
+             "key": "12345", "answer": " 12345", "correct": True, "kv_bits": 16.0}]
+    md = needle_markdown(rows, {"complete": False, "expected_rows": 4})
+    assert "Incomplete: 1 of 4 trials" in md
+    assert "Incomplete" not in needle_markdown(rows, {"complete": True})
+    oom = [{"variant": "fp16", "kind": "fp16", "spec": "fp16", "batch": 1, "context": 64,
+            "oom": True}]
+    md = bench_markdown(oom, [], {"complete": False, "expected_rows": 3},
+                        BenchConfig(model="tiny", device="cpu"))
+    assert "Incomplete: 1 of 3 rows" in md
+
+
+def test_every_option_has_help_that_names_its_default():
+    """needle --seed and --threads had no help at all (`--seed SEED`, default 0 unsaid); tune
+    --window said "(512)", bench --model nothing of its default llama-2-7b."""
+    import argparse
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    missing = []
+    for name, parser in sub.choices.items():
+        for action in parser._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            text = action.help or ""
+            if not text or (action.default not in (None, False, argparse.SUPPRESS)
+                            and "default" not in text):
+                missing.append(f"{name} {action.option_strings[-1]}")
+    assert not missing, missing
+
+
+def test_dev_null_as_an_output(tmp_path):
+    """Result files are written beside their path and renamed over it (a Ctrl-C mid-write left a
+    cut JSON); /dev/null is written to in place, not replaced. calibrate -o /dev/null (written
+    beside it, renamed over it: as root, /dev/null became a regular file) is refused."""
+    import argparse
+    import stat
+
+    from kvbits.cli import check_outputs
+    from kvbits.eval.report import write_text_atomic
+
+    check_outputs(argparse.Namespace(json=os.devnull))
+    write_text_atomic(os.devnull, "{}\n")
+    assert stat.S_ISCHR(os.stat(os.devnull).st_mode)
+    with pytest.raises(ValueError, match="--output: '/dev/null' is not a regular file"):
+        check_outputs(argparse.Namespace(output=os.devnull))
+    path = write_text_atomic(tmp_path / "a" / "r.json", "{}\n")
+    assert path.read_text() == "{}\n" and os.listdir(tmp_path / "a") == ["r.json"]

@@ -451,6 +451,7 @@ class PplConfig:
 def run_ppl(cfg: PplConfig, command: str) -> list[dict]:
     """Perplexity of every variant on the same tokens; tables and files are written as it goes."""
     from .eval.perplexity import WINDOW_CAP, default_window, perplexity
+    from .evalcli import _git_commit
 
     dtype = resolve_dtype(cfg.dtype, check_device(cfg.device), "ppl")
     _check_hf_device(cfg.variants, cfg.device)
@@ -472,7 +473,8 @@ def run_ppl(cfg: PplConfig, command: str) -> list[dict]:
         "tokens": int(ids.shape[1]), "chunk": cfg.chunk, "window": window, "stride": cfg.stride,
         "threads": __import__("torch").get_num_threads(), "machine": platform.machine(),
         "calib_text": cfg.calib_text, "calib_tokens": cfg.calib_tokens,
-        "calibration": cfg.calibration, **run_info(model)}
+        "calibration": cfg.calibration, **run_info(model),
+        "git": _git_commit()}  # (needle and bench record it too)
     if cfg.calibration is not None:  # a file that cannot serve every kvquant preset: now,
         for v in cfg.variants:        # not after the presets before it have run
             if v.kind == "kvbits" and v.spec.method == "kvquant":
@@ -501,13 +503,21 @@ def _check_stride_moves(stride: int | None, tokens: int, window: int) -> None:
 
 
 def _write_ppl(cfg: PplConfig, meta: dict, results: list[dict]) -> None:
+    """The JSON and Markdown files of a ppl run, written after every preset: each write replaces
+    the whole file (never a cut one), and until the last preset they say they are incomplete
+    (a run stopped after its first preset left files that looked whole)."""
+    from .eval.report import incomplete_note, write_text_atomic
+
+    complete = len(results) >= len(cfg.variants)
     if cfg.json_path:
-        Path(cfg.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.json_path).write_text(json.dumps({**meta, "results": results}, indent=1) + "\n")
+        write_text_atomic(cfg.json_path, json.dumps(
+            {**meta, "complete": complete, "results": results}, indent=1) + "\n")
     if cfg.md_path:
         v = meta["versions"]
         md = [f"# Perplexity through the cache: {meta['model']} on {meta['text']}", "",
               "```", meta["command"], "```", "",
+              *([] if complete else [incomplete_note(len(results), len(cfg.variants),
+                                                     "presets"), ""]),
               (f"{meta['tokens']} tokens, chunks of {meta['chunk']}, {meta['date']}, "
               f"torch {v.get('torch')}, transformers {v.get('transformers')}, "
               f"{meta.get('dtype', 'float32')} on " + (
@@ -527,8 +537,7 @@ def _write_ppl(cfg: PplConfig, meta: dict, results: list[dict]) -> None:
               "shared machine). Each forward feeds one chunk; caches differ in whether a "
               "chunk's own keys are quantized before its queries read them (see "
               "kvbits.eval.perplexity)."), ""]
-        Path(cfg.md_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.md_path).write_text("\n".join(md))
+        write_text_atomic(cfg.md_path, "\n".join(md))
 
 
 def _check_text(name: str, option: str) -> str | None:
@@ -558,6 +567,10 @@ def _check_text(name: str, option: str) -> str | None:
         raise ValueError(f"{option} {name}: cannot read it: {exc.strerror or exc}") from None
     if not text.strip():
         raise ValueError(f"{option} {name}: no text in it")
+    nul = text.find("\0")
+    if nul >= 0:  # valid UTF-8, but no text: a UTF-16 file without a BOM, or binary data
+        raise ValueError(f"{option} {name}: holds a NUL character (character {nul}): not text "
+                         "but binary data, or UTF-16 text; give a UTF-8 text file")
     return text
 
 
@@ -1283,8 +1296,10 @@ def run_memory(cfg: MemoryConfig) -> list:
               "window - 1 tokens and kvbits at most about 1.25 windows (decoding token by token; "
               "kvbits.eval.memory.sliding_hold).")
     if cfg.json_path:
-        Path(cfg.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.json_path).write_text(json.dumps([r.to_dict() for r in reports], indent=1) + "\n")
+        from .eval.report import write_text_atomic
+
+        write_text_atomic(cfg.json_path, json.dumps([r.to_dict() for r in reports], indent=1)
+                          + "\n")
     return reports
 
 
@@ -1325,6 +1340,19 @@ _non_negative = _int_at_least(0, "an integer >= 0")
 # tokens and windows that are scored: the first token is only context
 _at_least_2 = _int_at_least(2, "an integer >= 2 (the first token is only context: a second one "
                                "is needed to score)")
+
+
+def _seed(text: str) -> int:
+    """``--seed``: an integer torch.manual_seed takes (``-2**63`` to ``2**64 - 1``; a larger one
+    failed after the model had loaded with "Overflow when unpacking long long")."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not -(2**63) <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"expected an integer in -2**63..2**64-1 (what "
+                                         f"torch.manual_seed takes), got {text}")
+    return value
 
 
 def _tokens(text: str) -> int:
@@ -1374,6 +1402,35 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = re.compile(r"^-\.?\d")
 
+    # An option given twice kept its last value without a word (`ppl --presets fp16 --presets
+    # kivi-2` measured kivi-2 alone, `--graphs --no-graphs` decoded without graphs): refused.
+    # Options meant to repeat (--prompt, an append action) and flags (--sample) are not counted.
+    _ONCE = (argparse._StoreAction, argparse.BooleanOptionalAction)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = {}
+        return super().parse_known_args(args, namespace)
+
+    def _get_values(self, action, arg_strings):
+        if type(action) in self._ONCE and action.option_strings:
+            given = getattr(self, "_given", None)
+            if given is None:
+                given = self._given = {}
+            if action in given:
+                if not arg_strings:  # --graphs / --no-graphs
+                    raise argparse.ArgumentError(action, "given twice; give one of "
+                                                 f"{' and '.join(action.option_strings)}, once")
+                first, then = " ".join(given[action]), " ".join(arg_strings)
+                lists = ("--presets" in action.option_strings or action.dest in (
+                    "lengths", "depths", "contexts", "batches", "budget_contexts",
+                    "hf_quantized"))
+                raise argparse.ArgumentError(
+                    action, f"given twice ({first!r}, then {then!r}); give it once"
+                    + (f"; several values go comma-separated in one: "
+                       f"{action.option_strings[-1]} {first},{then}" if lists else ""))
+            given[action] = list(arg_strings)
+        return super()._get_values(action, arg_strings)
+
 
 def build_parser() -> argparse.ArgumentParser:
     from .evalcli import _device_arg
@@ -1413,7 +1470,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None, help="with --sample (default 0.9)")
     p.add_argument("--num-beams", type=_positive, default=1, help="beam search width (default 1)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--seed", type=int, default=None, help="random seed for --sample (default 0)")
+    p.add_argument("--seed", type=_seed, default=None,
+                   help="random seed for --sample (default 0)")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="decode with each step replayed from a CUDA graph, greedy or --sample, "
                         "one prompt or a padded batch (default: on a GPU with one beam; "
@@ -1527,7 +1585,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calibration text (default sotu-pre-2000; evaluate on another one)")
     p.add_argument("--tokens", type=_positive, default=1024, help="tokens (default 1024)")
     p.add_argument("--window", type=_at_least_2, default=CALIBRATION_WINDOW,
-                   help=f"tokens per forward ({CALIBRATION_WINDOW})")
+                   help=f"tokens per forward (default {CALIBRATION_WINDOW})")
     p.add_argument("-o", "--output", metavar="PATH",
                    help="spec file to write, a .json (default MODEL-avgBITS.json)")
     _device_options(p, "tune")
@@ -1630,6 +1688,14 @@ def check_outputs(args) -> None:
             raise ValueError(f"{flag}: {str(path)!r} is a folder; give a file path")
         if not folder and flag == "--prefix-cache" and path.exists():
             continue  # read, not written
+        if not folder and path.exists() and not path.is_file():  # /dev/null, a FIFO
+            if flag == "--output":  # (calibrate writes beside it and renames over it: as root
+                # that replaced /dev/null with a regular file)
+                raise ValueError(f"{flag}: {str(path)!r} is not a regular file (a device or a "
+                                 "pipe); give a file path")
+            if not os.access(path, os.W_OK):
+                raise ValueError(f"{flag}: cannot write {str(path)!r}: permission denied")
+            continue  # --json, --md: written to in place (kvbits.eval.report.write_text_atomic)
         where = path if folder else path.parent
         # made to try them, then removed: a command refused later left them behind, empty (the
         # writers make them again)
@@ -1666,7 +1732,8 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("KVBITS_DEBUG"):
             raise
         parser.exit(2, f"kvbits {args.command}: error: {exc}\n")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # (result files written so far say they are incomplete)
+        print(f"kvbits {args.command}: interrupted", file=sys.stderr, flush=True)
         return 130
 
 

@@ -139,11 +139,15 @@ def _cmd_needle(args) -> int:
                        device=str(args.device))
     meta.update(run_info(model), git=_git_commit())
 
-    def save(rows):
-        write_needle(args.out, rows, meta, args.name)
+    # every (preset, length, depth, trial): the files say whether they hold them all yet
+    expected = len(cfg.presets) * len(cfg.lengths) * len(cfg.depths) * cfg.trials
+
+    def save(rows, final=False):
+        return write_needle(args.out, rows, {**meta, "complete": final or len(rows) >= expected,
+                                             "expected_rows": expected}, args.name)
 
     rows = run_needle(model, tok, text, cfg, log=_log, on_row=save)
-    paths = write_needle(args.out, rows, meta, args.name)
+    paths = save(rows, final=True)
     _log("wrote " + ", ".join(map(str, paths)))
     return 0
 
@@ -185,7 +189,8 @@ def register(sub) -> None:
     p.add_argument("--trials", type=_positive, default=2,
                    help="keys per (length, depth) (default 2)")
     p.add_argument("--max-new-tokens", type=_positive, default=8, help="answer tokens (default 8)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the pass keys and haystack offsets (default 0)")
     p.add_argument("--no-chat", action="store_true", help="plain prompt, no chat template")
     p.add_argument("--calib-text",  # (None: not given; see _check_calib_text)
                    help="calibration text of calibrated presets (kvquant, -hadc, fp8); default "
@@ -197,7 +202,8 @@ def register(sub) -> None:
                    help="kvquant presets: codebooks from this kvbits calibrate file instead of "
                    "calibrating on --calib-text (-hadc and fp8 presets still calibrate on it)")
     _device_options(p, "needle")
-    p.add_argument("--threads", type=_positive, help="torch CPU threads")
+    p.add_argument("--threads", type=_positive,
+                   help="torch CPU threads (default: torch's own, one per core)")
     p.add_argument("--out", default="kvbits-results",
                    help="output folder (default ./kvbits-results; the committed tables of a "
                    "checkout are in benchmarks/results and are not overwritten by default)")
@@ -268,6 +274,10 @@ def _cmd_bench(args) -> int:
         raise ValueError("kvbits bench times GPU decoding and found no CUDA device; for a CPU "
                          "smoke test pass --device cpu (with a small --model, e.g. tiny)")
     device = check_device(args.device or "cuda")  # (a GPU torch sees, the index included)
+    if device == "cpu" and budget is not None:  # (it ran every row, then skipped the search)
+        raise ValueError(f"--memory-budget {args.memory_budget}: the max-batch search measures "
+                         "the decode's peak CUDA memory, and --device cpu has none: leave it out "
+                         "on the CPU, or run on a GPU")
     if device == "cpu":
         _check_cpu_weights(args.model, args.layers)
     cfg = BenchConfig(model=args.model, layers=args.layers, variants=args.presets,
@@ -282,11 +292,21 @@ def _cmd_bench(args) -> int:
     env = environment(shlex.join(["kvbits", *args.argv]), device)
     env["git"] = _git_commit()
 
-    def save(speed, budget_rows):
-        write_bench(args.out, args.name, speed, budget_rows, env, cfg)
+    # the rows run_bench writes (an emulated QuantizedCache over --hf-max-tokens is skipped),
+    # so that the files written after every row say whether they hold them all yet
+    hf = sum(parse_variant(v).kind == "hf" for v in args.presets)
+    expected = sum(len(args.presets) - (hf if batch * context > cfg.hf_max_tokens else 0)
+                   for context in cfg.contexts for batch in cfg.batches)
+    expected += len(cfg.budget_contexts) * len(args.presets) if budget else 0
+
+    def save(speed, budget_rows, final=False):  # (final: run_bench returned, whatever the count)
+        done = len(speed) + len(budget_rows)
+        return write_bench(args.out, args.name, speed, budget_rows,
+                           {**env, "complete": final or done >= expected,
+                            "expected_rows": expected}, cfg)
 
     speed, budget_rows = run_bench(cfg, log=_log, on_rows=save)
-    paths = write_bench(args.out, args.name, speed, budget_rows, env, cfg)
+    paths = save(speed, budget_rows, final=True)
     _log("wrote " + ", ".join(map(str, paths)))
     return 0
 
@@ -304,7 +324,7 @@ def _register_bench(sub) -> None:
                    help="llama-2-7b, llama-3-8b, mistral-7b, qwen2.5-7b, smollm2, tiny "
                    "(published configs: kvbits.eval.speed.MODEL_CONFIGS), or a config.json or "
                    "a model folder holding one (any architecture with SDPA attention); random "
-                   "weights")
+                   "weights (default llama-2-7b)")
     p.add_argument("--layers", type=_positive, help="decoder layers (default: the model's)")
     p.add_argument("--presets", type=_preset_items,
                    default=("fp16", "hf-int2", "kivi-4", "kivi-2"),

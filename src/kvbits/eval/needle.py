@@ -400,6 +400,7 @@ def _pct(depth: float) -> str:
 def needle_markdown(rows: list[dict], meta: dict) -> str:
     """Accuracy per preset, per length x depth, plus the command and versions."""
     from .memory import markdown_table
+    from .report import incomplete_note
 
     s = summarize(rows)
     lengths = sorted({r["length"] for r in rows})
@@ -413,6 +414,9 @@ def needle_markdown(rows: list[dict], meta: dict) -> str:
     trials = str(lo) if lo == hi else f"{lo} to {hi}"
     lines = [f"# Passkey retrieval through the cache: {meta.get('model')} on {meta.get('text')}",
              "", "```", meta.get("command", ""), "```", "",
+             # (files written after every trial: a run stopped early looked whole)
+             *([incomplete_note(len(rows), meta.get("expected_rows"), "trials"), ""]
+               if meta.get("complete") is False else []),
              f"{meta.get('date', '')}; {meta.get('device', 'cpu')}; "
              + ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items()) + ".", "",
              ("Exact match of the 5-digit key (first run of digits in the greedy answer of "
@@ -507,15 +511,19 @@ def plot_needle(rows: list[dict], path, title: str = "") -> None:
 
 
 def write_needle(out_dir, rows: list[dict], meta: dict, name: str = "needle") -> list:
-    """``name.json`` (meta + rows), ``name.md`` and ``name.png`` in ``out_dir``; returns the paths."""
+    """``name.json`` (meta + rows), ``name.md`` and ``name.png`` in ``out_dir``; returns the paths.
+    ``meta["complete"] is False`` (with ``meta["expected_rows"]``) marks the files of a run not
+    finished (kvbits needle writes them after every trial)."""
     import json
     from pathlib import Path
+
+    from .report import write_text_atomic
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{name}.json", out / f"{name}.md", out / f"{name}.png"]
-    paths[0].write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
-    paths[1].write_text(needle_markdown(rows, meta))
+    write_text_atomic(paths[0], json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    write_text_atomic(paths[1], needle_markdown(rows, meta))
     if rows:
         plot_needle(rows, paths[2], title=f"passkey retrieval, {meta.get('model')}, "
                     f"{meta.get('text')} haystack")

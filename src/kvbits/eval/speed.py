@@ -675,9 +675,14 @@ def _loop(label: str) -> str:
 def bench_markdown(speed: list[dict], budget_rows: list[dict], env: dict, cfg: BenchConfig) -> str:
     from .memory import markdown_table
 
+    from .report import incomplete_note
+
     lines = [f"# End-to-end decode: {cfg.model}"
              + (f" ({cfg.layers} layers)" if cfg.layers else "") + ", random weights", "",
              "```", env.get("command", ""), "```", "",
+             # (files written after every row: a run stopped early looked whole)
+             *([incomplete_note(len(speed) + len(budget_rows), env.get("expected_rows"),
+                                "rows"), ""] if env.get("complete") is False else []),
              f"- device: {env.get('device')}; " + ", ".join(
                  f"{k} {env[k]}" for k in ("torch", "transformers", "triton", "kvbits", "python")
                  if k in env) + f"; {env.get('date')}",
@@ -823,12 +828,16 @@ def plot_bench(speed: list[dict], budget_rows: list[dict], out_dir, name: str, t
 
 def write_bench(out_dir, name: str, speed: list[dict], budget_rows: list[dict], env: dict,
                 cfg: BenchConfig) -> list:
-    """``NAME.json``, ``NAME.md`` and the PNG plots in ``out_dir``."""
+    """``NAME.json``, ``NAME.md`` and the PNG plots in ``out_dir``; ``env["complete"] is False``
+    (with ``env["expected_rows"]``) marks the files of a run not finished (kvbits bench writes
+    them after every row)."""
+    from .report import write_text_atomic
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(
+    write_text_atomic(out / f"{name}.json", json.dumps(
         {"env": env, "config": asdict(cfg), "speed": speed, "budget": budget_rows}, indent=1) + "\n")
-    (out / f"{name}.md").write_text(bench_markdown(speed, budget_rows, env, cfg))
+    write_text_atomic(out / f"{name}.md", bench_markdown(speed, budget_rows, env, cfg))
     title = f"{cfg.model}" + (f" ({cfg.layers} layers)" if cfg.layers else "") + \
         f", random weights, {env.get('device')}"
     return [out / f"{name}.json", out / f"{name}.md",
