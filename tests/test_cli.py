@@ -1528,7 +1528,7 @@ def test_dev_null_as_an_output(tmp_path):
     import stat
 
     from kvbits.cli import check_outputs
-    from kvbits.eval.report import write_text_atomic
+    from kvbits.files import write_text_atomic
 
     check_outputs(argparse.Namespace(json=os.devnull))
     write_text_atomic(os.devnull, "{}\n")

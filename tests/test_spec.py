@@ -391,3 +391,68 @@ def test_spec_file_of_another_format_version_is_refused(tmp_path, version):
         resolve_spec(str(path))
     path.write_text(json.dumps({"spec": PRESETS["kivi-2"].to_dict()}))  # no marker: as before
     assert resolve_spec(str(path)) == PRESETS["kivi-2"]
+
+
+def test_spec_file_errors_name_the_file_and_duplicate_keys_are_refused(tmp_path):
+    """A field's error named no file (a spec file among several --presets: which one?), a file
+    that is not UTF-8 was the codec's bare UnicodeDecodeError, and a key given twice kept its
+    last value silently (a hand-edited "key_bits": 2, ..., "key_bits": 4 ran at 4 bits). An
+    editor's UTF-8 byte-order mark is read."""
+    path = tmp_path / "s.json"
+    name = re.escape(repr(str(path)))
+    path.write_text('{"kvbits_spec": 1, "spec": {"key_bits": 5}}')
+    with pytest.raises(ValueError, match=f"spec file {name}: QuantSpec.key_bits must be one of"):
+        resolve_spec(str(path))
+    path.write_bytes(b'{"kvbits_spec": 1, "info": "caf\xe9", "spec": {}}')  # Latin-1
+    with pytest.raises(ValueError, match=f"cannot read spec file {name}: 'utf-8' codec"):
+        QuantSpec.load(path)
+    for text, key in (('{"spec": {"key_bits": 2, "value_bits": 2, "key_bits": 4}}', "key_bits"),
+                      ('{"spec": {"key_bits": 2}, "spec": {"key_bits": 4}}', "spec")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"cannot read spec file {name}: '{key}' given twice"):
+            QuantSpec.load(path)
+    path.write_bytes(b'\xef\xbb\xbf{"kvbits_spec": 1, "spec": {"key_bits": 4}}')
+    assert QuantSpec.load(path) == QuantSpec(key_bits=4)
+
+
+def test_spec_save_is_atomic_and_writes_into_what_is_not_a_regular_file(tmp_path, monkeypatch):
+    """QuantSpec.save (and so ``kvbits tune -o``) wrote the file in place: a write stopped part
+    way (Ctrl-C, a full disk) left a cut file, which the next run refused, over the good spec
+    saved there before. It now goes through a temporary file renamed over the name; a FIFO (as
+    /dev/null) is written into, not replaced; a symbolic link is written through; a folder or
+    info that is not JSON is refused by name."""
+    import os
+    import stat
+
+    path = tmp_path / "s.json"
+    PRESETS["kivi-2"].save(path, note="good")
+    real = Path.write_text
+
+    def cut(self, text, *args, **kwargs):
+        real(self, text[:20], *args, **kwargs)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Path, "write_text", cut)
+    with pytest.raises(KeyboardInterrupt):
+        PRESETS["kivi-4"].save(path)
+    monkeypatch.undo()
+    assert QuantSpec.load(path) == PRESETS["kivi-2"]
+    assert [p.name for p in tmp_path.iterdir()] == ["s.json"]  # no temporary left
+    link = tmp_path / "link.json"
+    link.symlink_to(path)
+    PRESETS["kivi-4"].save(link)
+    assert link.is_symlink() and QuantSpec.load(path) == PRESETS["kivi-4"]
+    if hasattr(os, "mkfifo"):
+        fifo = tmp_path / "fifo.json"
+        os.mkfifo(fifo)
+        fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # (the writer's open does not wait)
+        try:
+            PRESETS["kivi-3"].save(fifo)
+            assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+            assert json.loads(os.read(fd, 1 << 16))["spec"] == PRESETS["kivi-3"].to_dict()
+        finally:
+            os.close(fd)
+    with pytest.raises(ValueError, match="QuantSpec.save: path .* is a folder"):
+        PRESETS["kivi-2"].save(tmp_path)
+    with pytest.raises(TypeError, match="info keywords must be JSON-able"):
+        PRESETS["kivi-2"].save(tmp_path / "t.json", note=object())
+    assert not (tmp_path / "t.json").exists()

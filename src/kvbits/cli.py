@@ -506,7 +506,8 @@ def _write_ppl(cfg: PplConfig, meta: dict, results: list[dict]) -> None:
     """The JSON and Markdown files of a ppl run, written after every preset: each write replaces
     the whole file (never a cut one), and until the last preset they say they are incomplete
     (a run stopped after its first preset left files that looked whole)."""
-    from .eval.report import incomplete_note, write_text_atomic
+    from .eval.report import incomplete_note
+    from .files import write_text_atomic
 
     complete = len(results) >= len(cfg.variants)
     if cfg.json_path:
@@ -1296,7 +1297,7 @@ def run_memory(cfg: MemoryConfig) -> list:
               "window - 1 tokens and kvbits at most about 1.25 windows (decoding token by token; "
               "kvbits.eval.memory.sliding_hold).")
     if cfg.json_path:
-        from .eval.report import write_text_atomic
+        from .files import write_text_atomic
 
         write_text_atomic(cfg.json_path, json.dumps([r.to_dict() for r in reports], indent=1)
                           + "\n")
@@ -1695,7 +1696,7 @@ def check_outputs(args) -> None:
                                  "pipe); give a file path")
             if not os.access(path, os.W_OK):
                 raise ValueError(f"{flag}: cannot write {str(path)!r}: permission denied")
-            continue  # --json, --md: written to in place (kvbits.eval.report.write_text_atomic)
+            continue  # --json, --md: written to in place (kvbits.files.write_text_atomic)
         where = path if folder else path.parent
         # made to try them, then removed: a command refused later left them behind, empty (the
         # writers make them again)

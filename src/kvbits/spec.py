@@ -300,10 +300,22 @@ class QuantSpec:
         import json
         from pathlib import Path
 
+        from .files import write_text_atomic
+
         doc = {"kvbits_spec": SPEC_FILE_VERSION, "spec": self.to_dict(),
                **({"info": info} if info else {})}
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+        try:
+            text = json.dumps(doc, indent=1) + "\n"
+        except (TypeError, ValueError) as exc:  # (was json's bare "not JSON serializable")
+            raise TypeError(f"QuantSpec.save: the info keywords must be JSON-able ({exc})") \
+                from None
+        path = Path(path)
+        if path.is_dir():  # (was a bare IsADirectoryError)
+            raise ValueError(f"QuantSpec.save: path {str(path)!r} is a folder; give a file name, "
+                             f"e.g. {str(path / 'spec.json')!r}")
+        # through a temporary file renamed over the name: a run stopped mid-write (Ctrl-C, a
+        # full disk) left a cut file that a later run refused, over the good one saved before
+        write_text_atomic(path, text)
 
     @classmethod
     def load(cls, path) -> QuantSpec:
@@ -311,9 +323,17 @@ class QuantSpec:
         import json
         from pathlib import Path
 
-        try:
-            doc = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+        def unique(pairs):  # a key given twice kept the last value, silently
+            keys = [k for k, _ in pairs]
+            twice = sorted({k for k in keys if keys.count(k) > 1})
+            if twice:
+                raise ValueError(f"{', '.join(map(repr, twice))} given twice in one object")
+            return dict(pairs)
+        try:  # (utf-8-sig: an editor's byte-order mark is no error)
+            doc = json.loads(Path(path).read_text(encoding="utf-8-sig"),
+                             object_pairs_hook=unique)
+        except (OSError, ValueError) as exc:  # (JSON's, a duplicate key, UnicodeDecodeError:
+            # a binary file was the codec's bare error, naming no file)
             raise ValueError(f"cannot read spec file {str(path)!r}: {exc}") from None
         if not isinstance(doc, dict) or "spec" not in doc:
             raise ValueError(f"{str(path)!r} is not a kvbits spec file (no 'spec' key)")
@@ -323,7 +343,10 @@ class QuantSpec:
             raise ValueError(f"spec file {str(path)!r} has format kvbits_spec={version!r}; this "
                              f"kvbits reads format {SPEC_FILE_VERSION} (write it again with this "
                              "version, e.g. kvbits tune)")
-        return cls.from_dict(doc["spec"])
+        try:
+            return cls.from_dict(doc["spec"])
+        except ValueError as exc:  # (the field's error named no file)
+            raise ValueError(f"spec file {str(path)!r}: {exc}") from None
 
     @property
     def quantized(self) -> bool:

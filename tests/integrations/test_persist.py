@@ -414,3 +414,140 @@ def test_load_refuses_a_folder(tmp_path):
     """A folder for the path was safetensors' "No such device (os error 19)"."""
     with pytest.raises(ValueError, match="cannot read kvbits cache file .*: it is a folder"):
         KVBitsCache.load(tmp_path, tiny())
+
+
+def _read_fifo(fd: int) -> bytes:
+    """What was written into a FIFO whose read end ``fd`` is non-blocking."""
+    import os
+
+    data = b""
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 20)
+        except BlockingIOError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="needs FIFOs (POSIX)")
+def test_save_writes_into_a_fifo_and_through_a_symlink(tmp_path, monkeypatch):
+    """A path that is not a regular file (a FIFO here; /dev/null, which as root was replaced
+    the same way) became a regular file: the temporary file was renamed over it, and
+    safetensors' save_file replaces what it writes to. It now gets the file's bytes. A
+    symbolic link was replaced by a regular file; it is now written through. The temporary
+    file is named for the process (two processes saving to one name shared one). A new file
+    was 0600 (safetensors'), unreadable by another user's process: it now gets the umask's
+    mode, and a file saved over another keeps that one's."""
+    import fcntl
+    import os
+    import stat
+
+    import safetensors.torch
+
+    model = tiny()
+    ids, mask = prompt(batch=1, tokens=40, pad=0)
+    cache = prefilled(model, "kivi-2", ids, mask, residual_length=16)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # (the writer's open does not wait)
+    try:
+        if hasattr(fcntl, "F_SETPIPE_SZ"):  # room for the whole file (~45 kB; 64 kB default)
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 1 << 20)
+            except OSError:
+                pass
+        cache.save(fifo)
+        assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+        (tmp_path / "read.safetensors").write_bytes(_read_fifo(fd))
+    finally:
+        os.close(fd)
+    assert KVBitsCache.load(tmp_path / "read.safetensors", model).get_seq_length() == 40
+    target = tmp_path / "target.safetensors"
+    KVBitsCache(model, "kivi-2").save(target)  # an empty cache, then the real one via a link
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~umask  # (safetensors': 0600)
+    target.chmod(0o640)  # kept by the file that replaces it
+    (tmp_path / "link.safetensors").symlink_to(target)
+    names = []
+    save_file = safetensors.torch.save_file
+    monkeypatch.setattr(safetensors.torch, "save_file",
+                        lambda t, filename, **kw: names.append(filename) or save_file(t, filename, **kw))
+    cache.save(tmp_path / "link.safetensors")
+    assert (tmp_path / "link.safetensors").is_symlink()
+    assert KVBitsCache.load(target, model).get_seq_length() == 40
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640
+    assert names == [str(tmp_path / f".target.safetensors.{os.getpid()}.tmp")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link.safetensors",
+                                                         "read.safetensors", "target.safetensors"]
+
+
+def test_inconsistent_files_are_refused_naming_the_file_and_layer(tmp_path):
+    """A file whose spec is invalid, whose layer does not hold what its metadata says, whose
+    'starts' (left padding) are of another shape, not integers or out of range, that holds
+    tensors its layers do not take, or whose metadata names another format: refused naming the
+    file (and the layer). Before, the spec's and the store's errors named neither, starts of
+    another shape loaded and failed at the next step, float or out-of-range starts loaded
+    silently (another padding), and stray tensors were skipped silently."""
+    import json
+    import re
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model = tiny()
+    ids, mask = prompt(batch=2, tokens=60, pad=7)
+    path = prefilled(model, "kivi-2", ids, mask, residual_length=16).save(tmp_path / "c.safetensors")
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        doc = json.loads(f.metadata()["kvbits-cache"])
+    out = tmp_path / "d.safetensors"
+    name = re.escape(repr(str(out)))
+
+    def refused(want, edit_doc=None, **replace):
+        d = json.loads(json.dumps(doc))
+        if edit_doc:
+            edit_doc(d)
+        kept = {k: v for k, v in {**tensors, **replace}.items() if v is not None}
+        save_file(kept, str(out), metadata={"kvbits-cache": json.dumps(d)})
+        with pytest.raises(ValueError, match=name + want):
+            KVBitsCache.load(out, model)
+
+    refused(r": its spec is not valid: QuantSpec.key_bits must be one of",
+            lambda d: d["spec"].update(key_bits=5))
+    refused(r", layer 0: saved k_codes holds 2 rows, .* need 4",  # relabelled kivi-4
+            lambda d: d["spec"].update(key_bits=4, value_bits=4))
+    refused(r" is not a kvbits cache file: .* of format 'other'", lambda d: d.update(format="other"))
+    starts = tensors["layers.1.store.starts"]
+    for bad, want in ((starts[:1], r"starts is torch.int32 of shape \(1,\); one integer per "
+                                   r"sequence \(2\)"),
+                      (starts.float(), "starts is torch.float32"),
+                      (starts - 8, "starts range from -8 to -1; .* takes 0 to 60"),
+                      (starts + 60, "starts range from 60 to 67")):
+        refused(", layer 1: saved " + want, **{"layers.1.store.starts": bad})
+    refused(r" holds tensors that its 'kivi K2V2 .* cache of 2 layers does not: "
+            r"layers.0.fp8_scales.k, layers.2.store.k_codes",
+            **{"layers.2.store.k_codes": tensors["layers.0.store.k_codes"].clone(),
+               "layers.0.fp8_scales.k": torch.ones(2)})
+    save_file(tensors, str(out), metadata={"kvbits-cache": json.dumps(doc)})
+    KVBitsCache.load(out, model)  # the file put back together loads
+
+
+def test_a_cache_loaded_for_a_config_keeps_its_weight_sample_when_saved_again(tmp_path):
+    """A cache loaded for ``model.config`` (no weights at hand) and saved again lost the sample
+    of the model's weights that the first file held, so the second file loaded into another
+    checkpoint of the same shape silently."""
+    import copy
+
+    model = tiny()
+    ids, mask = prompt(batch=1, tokens=40, pad=0)
+    first = prefilled(model, "kivi-2", ids, mask, residual_length=16).save(tmp_path / "a.safetensors")
+    second = KVBitsCache.load(first, model.config).save(tmp_path / "b.safetensors")
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.model.layers[0].self_attn.k_proj.weight.mul_(1.1)
+    with pytest.raises(ValueError, match="another model of this shape"):
+        KVBitsCache.load(second, other)
+    assert KVBitsCache.load(second, model).get_seq_length() == 40

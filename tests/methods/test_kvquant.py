@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -294,12 +293,39 @@ def test_failed_save_leaves_no_partial_file(calibrated, tmp_path, monkeypatch):
     audit found `.cal.tmp` left behind (a folder for the path, then; now refused before)."""
     _, _, cal, _ = calibrated
 
-    def failing_replace(self, target):
-        raise PermissionError(f"cannot rename {self} to {target}")
-    monkeypatch.setattr(Path, "replace", failing_replace)
+    def failing_replace(src, dst):
+        raise PermissionError(f"cannot rename {src} to {dst}")
+    monkeypatch.setattr("kvbits.files.os.replace", failing_replace)
     with pytest.raises(OSError):
         cal.save(tmp_path / "cal")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_calibration_save_keeps_the_umask_mode_and_devices(calibrated, tmp_path):
+    """safetensors made calibration files 0600 (the automatic calibration cache unreadable to
+    other users), and a save into a FIFO or /dev/null replaced it with a regular file."""
+    import os
+    import stat
+    import threading
+
+    _, _, cal, _ = calibrated
+    mask = os.umask(0o022)
+    try:
+        path = cal.save(tmp_path / "c.safetensors")
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    finally:
+        os.umask(mask)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    cal.save(fifo)
+    reader.join(10)
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and got
+    (tmp_path / "from_fifo.safetensors").write_bytes(got[0])
+    back = kvq.Calibration.load(tmp_path / "from_fifo.safetensors")
+    assert all(torch.equal(a.k_codebook, b.k_codebook) for a, b in zip(cal.layers, back.layers))
 
 
 def test_calibration_refuses_other_spec_and_model(calibrated):

@@ -517,7 +517,7 @@ def write_needle(out_dir, rows: list[dict], meta: dict, name: str = "needle") ->
     import json
     from pathlib import Path
 
-    from .report import write_text_atomic
+    from ..files import write_text_atomic
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

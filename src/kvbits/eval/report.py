@@ -4,29 +4,7 @@ last write, so that such a file is not taken for a whole run."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
-__all__ = ["incomplete_note", "write_text_atomic"]
-
-
-def write_text_atomic(path, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file beside it, renamed over ``path`` once
-    whole: a run stopped mid-write (Ctrl-C) leaves the previous file or the new one, never a cut
-    one. Makes the folder. A path that exists as something other than a file (``/dev/null``) is
-    written to directly. Returns the path."""
-    path = Path(path)
-    if path.exists() and not path.is_file():  # /dev/null, a FIFO: written to, not replaced
-        path.write_text(text, encoding="utf-8")
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)  # (a failed or interrupted write)
-    return path
+__all__ = ["incomplete_note"]
 
 
 def incomplete_note(done: int, total: int | None, what: str) -> str:

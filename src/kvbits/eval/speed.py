@@ -831,7 +831,7 @@ def write_bench(out_dir, name: str, speed: list[dict], budget_rows: list[dict], 
     """``NAME.json``, ``NAME.md`` and the PNG plots in ``out_dir``; ``env["complete"] is False``
     (with ``env["expected_rows"]``) marks the files of a run not finished (kvbits bench writes
     them after every row)."""
-    from .report import write_text_atomic
+    from ..files import write_text_atomic
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

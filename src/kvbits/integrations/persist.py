@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import write_file_atomic
 from ..methods.kvquant import probes_match, weight_probe
 
 FORMAT = "kvbits-cache"
@@ -44,6 +45,7 @@ def model_shape(config) -> dict:
 def save_cache(cache, path, **info) -> Path:
     """Write ``cache`` to ``path`` (safetensors); ``info`` (JSON-able) is kept in the metadata.
     Returns the path."""
+    from safetensors.torch import save as safetensors_bytes
     from safetensors.torch import save_file
 
     from .. import __version__
@@ -88,19 +90,14 @@ def save_cache(cache, path, **info) -> Path:
            # so that a file that lost a table is refused rather than read as uniform
            "codebook_layers": [i for i, layer in enumerate(cache.layers)
                                if layer.codebooks is not None],
-           "weights": None if model is None else weight_probe(model),
+           # (a cache loaded for a config alone has no model: the file's sample travels on)
+           "weights": (getattr(cache, "_kvbits_weights", None) if model is None
+                       else weight_probe(model)),
            **({"info": info} if info else {})}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # written beside and renamed: a failed write (disk full, interrupted) left a truncated file
-    # under the name, over a good cache saved there before
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        save_file({k: t.detach().to("cpu", copy=True).contiguous() for k, t in tensors.items()},
-                  str(tmp),
-                  metadata={FORMAT: json.dumps(doc)})
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    host = {k: t.detach().to("cpu", copy=True).contiguous() for k, t in tensors.items()}
+    meta = {FORMAT: json.dumps(doc)}
+    write_file_atomic(path, lambda target: save_file(host, str(target), metadata=meta),
+                      lambda: safetensors_bytes(host, metadata=meta))
     return path
 
 
@@ -123,7 +120,11 @@ def read_cache_file(path, tensors: bool = True) -> tuple[dict, dict]:
         doc = json.loads(meta[FORMAT])
     except json.JSONDecodeError as exc:
         raise ValueError(f"{str(path)!r}: its {FORMAT!r} metadata is not JSON ({exc})") from None
-    if not isinstance(doc, dict) or doc.get("version") != VERSION:
+    if isinstance(doc, dict) and doc.get("format", FORMAT) != FORMAT:
+        raise ValueError(f"{str(path)!r} is not a kvbits cache file: its {FORMAT!r} metadata is "
+                         f"of format {doc.get('format')!r}")
+    if not isinstance(doc, dict) or type(doc.get("version")) is not int \
+            or doc.get("version") != VERSION:
         version = doc.get("version") if isinstance(doc, dict) else None
         raise ValueError(f"{str(path)!r} is a kvbits cache file of version {version!r}; "
                          f"this kvbits reads version {VERSION!r}")
@@ -155,6 +156,51 @@ def _doc_problem(doc: dict) -> str | None:
             if type(v) is not int or v < 1:
                 return f"layer {i} {key!r} must be a positive integer, got {v!r}"
     return None
+
+
+def _check_tensor_names(path, tensors: dict, n: int, spec) -> None:
+    """Every tensor of the file is one that the loader reads: a tensor of a layer the file does
+    not have, or of a kind its spec does not take (FP8 scales in a KIVI file), was skipped
+    silently, a sign of a file put together from others."""
+    parts = {"store": None}  # (the store refuses names it does not know, and says so)
+    if spec.method == "kvquant":
+        parts["codebooks"] = _CODEBOOKS + _KEY_ROWS
+    if spec.method == "fp8" and spec.fp8_scale == "calibrated":
+        parts["fp8_scales"] = ("k", "v")
+    odd = []
+    for key in tensors:
+        _, layer, part, name = (key.split(".", 3) + ["", "", ""])[:4]
+        ok = (key.startswith("layers.") and layer.isdigit() and int(layer) < n and part in parts
+              and (parts[part] is None or name in parts[part]))
+        if not ok:
+            odd.append(key)
+    if odd:
+        raise ValueError(f"{str(path)!r} holds tensors that its {spec.describe()!r} cache of {n} "
+                         f"layers does not: {', '.join(sorted(odd)[:5])}"
+                         + (f" and {len(odd) - 5} more" if len(odd) > 5 else "")
+                         + ": the file is damaged or not one kvbits wrote")
+
+
+def _check_starts(starts, meta: dict, scalars: dict) -> None:
+    """A layer's ``starts`` (each sequence's first real token, left padding) is one integer per
+    sequence, from ``-evicted`` (eviction shifts them down) to the tokens stored: one of another
+    shape loaded and failed at the next step, and a float or out-of-range one loaded silently
+    and masked the wrong tokens."""
+    if starts is None:
+        return  # (refused by the store, which says so)
+    batch = meta["batch"]
+    if starts.dtype not in (torch.int32, torch.int64) or tuple(starts.shape) != (batch,):
+        raise ValueError(f"saved starts is {starts.dtype} of shape {tuple(starts.shape)}; one "
+                         f"integer per sequence ({batch}) was expected: the file is inconsistent")
+    lens = [scalars.get(k, 0) for k in ("evicted", "sink_len", "body_len", "res_len")]
+    if not all(type(x) is int for x in lens) or not starts.numel():
+        return  # (lengths refused by the store)
+    evicted, stored = lens[0], sum(lens[1:])
+    lo, hi = (int(x) for x in torch.aminmax(starts))
+    if lo < -evicted or hi > stored:
+        raise ValueError(f"saved starts range from {lo} to {hi}; a layer of {stored} tokens "
+                         f"stored ({evicted} evicted) takes {-evicted} to {stored}: the file is "
+                         "inconsistent")
 
 
 def layer_devices(model) -> dict:
@@ -204,8 +250,12 @@ def load_cache(cls, path, model_or_config, device=None, dtype=None):
     if probe is not None and not probes_match(probe, doc["weights"]):
         raise ValueError(f"{str(path)!r} holds a cache of another model of this shape: its first "
                          "key projection's weights differ (another checkpoint or fine-tune)")
-    spec = QuantSpec.from_dict(doc["spec"])
+    try:
+        spec = QuantSpec.from_dict(doc["spec"])
+    except ValueError as exc:  # (named neither the file nor its spec)
+        raise ValueError(f"{str(path)!r}: its spec is not valid: {exc}") from None
     n = len(doc["layers"])
+    _check_tensor_names(path, tensors, n, spec)
 
     def layer_tensor(i, part, name):
         key = f"layers.{i}.{part}.{name}"
@@ -226,6 +276,7 @@ def load_cache(cls, path, model_or_config, device=None, dtype=None):
             raise ValueError(f"{str(path)!r}: its metadata lacks the Hadamard channels of its "
                              f"{spec.describe()!r} cache, one list per layer: the file is damaged")
     cache = cls(model_or_config, spec, calibration=calibration)
+    cache._kvbits_weights = doc.get("weights")  # (saved again from a cache for a config alone)
     if len(cache.layers) != n:
         raise ValueError(f"{str(path)!r} has {n} layers, the model {len(cache.layers)}")
     devices = {}  # per layer, where the model puts the layers on several devices
@@ -251,8 +302,12 @@ def load_cache(cls, path, model_or_config, device=None, dtype=None):
         layer.lazy_initialization(torch.empty(meta["batch"], meta["kv_heads"], 0,
                                               meta["head_dim"], dtype=fp_dtype,
                                               device=devices.get(i, device)), None)
-        layer.store.load_state(buffers, {k: v for k, v in meta.items()
-                                         if k not in ("batch", "kv_heads", "head_dim")})
+        scalars = {k: v for k, v in meta.items() if k not in ("batch", "kv_heads", "head_dim")}
+        try:  # (the store's errors named neither the file nor the layer)
+            _check_starts(buffers.get("starts"), meta, scalars)
+            layer.store.load_state(buffers, scalars)
+        except ValueError as exc:
+            raise ValueError(f"{str(path)!r}, layer {i}: {exc}") from None
         # as after a prompt through the kvbits attention: decode steps take the packed path
         # (for a config alone, once the calling module shows it runs that attention; a model
         # on another attention gets the slow, correct path)

@@ -753,7 +753,10 @@ class Calibration:
                           "calibrate)", stacklevel=3)
 
     def save(self, path: str | Path) -> Path:
+        from safetensors.torch import save as safetensors_bytes
         from safetensors.torch import save_file
+
+        from ..files import write_file_atomic
 
         tensors = {}
         for i, layer in enumerate(self.layers):
@@ -771,13 +774,10 @@ class Calibration:
         if path.is_dir():  # (the file was written, then its rename failed, naming a temporary)
             raise IsADirectoryError(f"Calibration.save: path {str(path)!r} is a folder; give a "
                                     f"file name, e.g. {str(path / 'calibration.safetensors')!r}")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            save_file(tensors, str(tmp), metadata=meta)
-            tmp.replace(path)
-        finally:
-            tmp.unlink(missing_ok=True)  # a failed write leaves no partial file behind
+        # beside and renamed (no partial file), through links, into /dev/null as a device, with
+        # the umask's mode (safetensors' 0600 kept the calibration cache from other users)
+        write_file_atomic(path, lambda target: save_file(tensors, str(target), metadata=meta),
+                          lambda: safetensors_bytes(tensors, metadata=meta))
         return path
 
     @classmethod
