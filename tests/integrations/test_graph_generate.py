@@ -572,3 +572,148 @@ def test_static_cache_too_short_is_refused_by_name(model):
     dec = GreedyDecoder(model, static(29 + NEW - 2), graphs=False)
     with pytest.raises(ValueError, match="max_cache_len"):
         dec.generate(ids, NEW)
+
+
+@pytest.mark.parametrize("criterion", ["other_eos", "same_eos", "max_length"])
+def test_stopping_criteria_of_other_values_fall_back(model, criterion):
+    """A ``stopping_criteria`` given to ``generate`` takes the place of the one of its type
+    that the config makes: an EOS criterion with other ids, or a max length other than the
+    config's, stops transformers' loop elsewhere. The loop read the config only (and ran on
+    to max_new_tokens, silently): now transformers' loop serves those, with the reason; a
+    criterion equal to the config's is served."""
+    from transformers import StoppingCriteriaList
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+    ids = prompt(30, 2)
+    free, _ = generate(model, ids, kvbits_cache(model), ours=False, do_sample=False,
+                       max_new_tokens=20)
+    eos = [int(free[0, 30 + 4]), int(free[1, 30 + 9])]
+    crit = MaxLengthCriteria(30 + 6) if criterion == "max_length" else EosTokenCriteria(eos)
+    kw = {"do_sample": False, "max_new_tokens": 20,
+          "stopping_criteria": StoppingCriteriaList([crit]),
+          **({"eos_token_id": eos} if criterion == "same_eos" else {})}
+    want, _ = generate(model, ids, kvbits_cache(model), ours=False, **kw)
+    assert want.shape[1] < 30 + 20, "no early stop: the test checks nothing"
+    got, warned = generate(model, ids, kvbits_cache(model), ours=True, **kw)
+    if criterion == "same_eos":
+        assert not warned, warned
+    else:
+        assert len(warned) == 1 and type(crit).__name__ in warned[0], warned
+    assert torch.equal(got, want)
+
+
+def test_processors_in_another_order_fall_back(model):
+    """The loop applies the penalty and the EOS ban before the warpers (temperature, top-k,
+    top-p), the order ``generate`` makes them in; processors given to ``generate`` come in the
+    order given, and a top-k before a penalty keeps other tokens. That order ran as the loop's
+    own (other tokens, no warning): now transformers' loop serves it."""
+    from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
+                              TopKLogitsWarper)
+    ids = prompt(33, 2)
+
+    def procs(*p):
+        return {"do_sample": False, "logits_processor": LogitsProcessorList(p)}
+    penalty_first = procs(RepetitionPenaltyLogitsProcessor(5.0), TopKLogitsWarper(2))
+    top_k_first = procs(TopKLogitsWarper(2), RepetitionPenaltyLogitsProcessor(5.0))
+    want, _ = generate(model, ids, kvbits_cache(model), ours=False, **top_k_first)
+    other, _ = generate(model, ids, kvbits_cache(model), ours=False, **penalty_first)
+    assert not torch.equal(want, other), "the order changes nothing: the test checks nothing"
+    got, warned = generate(model, ids, kvbits_cache(model), ours=True, **top_k_first)
+    assert len(warned) == 1 and "order" in warned[0], warned
+    assert torch.equal(got, want)
+    got, warned = generate(model, ids, kvbits_cache(model), ours=True, **penalty_first)
+    assert not warned and torch.equal(got, other), warned
+
+
+def test_min_new_tokens_processor_of_another_prompt_length(model):
+    """A ``MinNewTokensLengthLogitsProcessor`` given to ``generate`` counts new tokens from its
+    own ``prompt_length_to_skip``: the loop banned EOS for ``min_new_tokens`` past the prompt
+    whatever it was (EOS banned 10 steps too long here)."""
+    from transformers import LogitsProcessorList, MinNewTokensLengthLogitsProcessor
+    ids = prompt(41, 2)
+    free, _ = generate(model, ids, kvbits_cache(model), ours=False, do_sample=False)
+    eos = [int(free[0, 41 + 3]), int(free[1, 41 + 6])]
+    proc = MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=41 - 10, min_new_tokens=25,
+                                             eos_token_id=eos)
+    kw = {"do_sample": False, "eos_token_id": eos,
+          "logits_processor": LogitsProcessorList([proc])}
+    want, _ = generate(model, ids, kvbits_cache(model), ours=False, **kw)
+    got, warned = generate(model, ids, kvbits_cache(model), ours=True, **kw)
+    assert not warned, warned
+    assert torch.equal(got, want)
+
+
+def test_top_p_zero_keeps_the_most_likely_token(model):
+    """``top_p=0.0`` (transformers' processor accepts [0, 1] and keeps the most likely token):
+    the loop raised 'Sampling: top_p must be in (0, 1]' from inside ``generate``; now it draws
+    from the one token, generate's greedy tokens."""
+    ids = prompt(33, 2)
+    want, _ = generate(model, ids, kvbits_cache(model), ours=False, do_sample=False)
+    ref, _ = generate(model, ids, kvbits_cache(model), ours=False, do_sample=True, top_p=0.0,
+                      temperature=1.5)
+    assert torch.equal(ref, want)
+    got, warned = generate(model, ids, kvbits_cache(model), ours=True, do_sample=True,
+                           top_p=0.0, temperature=1.5)
+    assert not warned, warned
+    assert torch.equal(got, want)
+
+
+def test_use_cache_false_falls_back(model):
+    """``use_cache=False``: transformers' loop feeds the whole sequence at every step (another
+    result with a cache given); the loop, which decodes from the cache, ignored it silently."""
+    ids = prompt(30, 2)
+    kw = {"do_sample": False, "max_new_tokens": 8, "use_cache": False}
+    want, _ = generate(model, ids, kvbits_cache(model), ours=False, **kw)
+    got, warned = generate(model, ids, kvbits_cache(model), ours=True, **kw)
+    assert len(warned) == 1 and "use_cache=False" in warned[0], warned
+    assert torch.equal(got, want)
+
+
+def test_repetition_penalty_on_bf16_logits_matches_generate():
+    """transformers applies its processors to float32 logits; the loop applied the penalty in
+    the model's dtype, whose rounding (bf16: 8 bits of mantissa) changed close choices."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(3)
+    m = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=16)).eval()
+    m = m.to(torch.bfloat16)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(0.5)  # a flat distribution: close choices
+    ids = prompt(20, 4)
+    kw = {"do_sample": False, "max_new_tokens": 30, "repetition_penalty": 1.3}
+    want, _ = generate(m, ids, kvbits_cache(m, "fp16"), ours=False, **kw)
+    got, warned = generate(m, ids, kvbits_cache(m, "fp16"), ours=True, **kw)
+    assert not warned, warned
+    assert torch.equal(got, want)
+
+
+def test_dict_output_names_the_cache_as_transformers_does(model, monkeypatch):
+    """The output was built with ``past_key_values=``, which transformers from 5.2x renamed
+    ``cache``: every ``return_dict_in_generate`` call logged its deprecation notice."""
+    from transformers.utils import generic
+    logged = []
+    monkeypatch.setattr(generic.logger, "warning_once", lambda msg, *a, **k: logged.append(msg))
+    cache = kvbits_cache(model)
+    got, warned = generate(model, prompt(30, 2), cache, ours=True, do_sample=False,
+                           max_new_tokens=5, return_dict_in_generate=True)
+    assert not warned, warned
+    assert not [m for m in logged if "deprecated" in m], logged
+    assert got.sequences.shape == (2, 35) and got.get("cache", None) is cache
+
+
+def test_a_warper_given_besides_the_configs_falls_back(model):
+    """A ``TopKLogitsWarper`` given to ``generate`` while sampling joins the one the config
+    makes (top_k=50 by default; the warpers are made after the given processors are merged):
+    transformers applies both, top-1 here, its greedy tokens. The loop kept the config's
+    top-k only and sampled from 50 tokens, silently."""
+    from transformers import LogitsProcessorList, TopKLogitsWarper
+    ids = prompt(33, 2)
+    kw = {"do_sample": True, "temperature": 1.5,
+          "logits_processor": LogitsProcessorList([TopKLogitsWarper(1)])}
+    greedy, _ = generate(model, ids, kvbits_cache(model), ours=False, do_sample=False)
+    want, _ = generate(model, ids, kvbits_cache(model), ours=False, **kw)
+    assert torch.equal(want, greedy)
+    torch.manual_seed(0)
+    got, warned = generate(model, ids, kvbits_cache(model), ours=True, **kw)
+    assert len(warned) == 1 and "TopKLogitsWarper twice" in warned[0], warned
+    assert torch.equal(got, want)

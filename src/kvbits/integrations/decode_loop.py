@@ -109,11 +109,12 @@ class GreedyDecoder:
     def _shaped(self, logits: torch.Tensor, produced) -> torch.Tensor:
         """``logits`` as transformers' processors leave them before the choice: tokens already
         in the sequence (prompt included) divided by ``repetition_penalty`` where positive,
-        multiplied where negative; the stop tokens at -inf while fewer than ``min_new_tokens``
-        tokens were produced before this one (``produced``: an int, or a ``[1, 1]`` device count
-        inside the captured step)."""
-        if self._seen is not None:
-            p = self.repetition_penalty
+        multiplied where negative (in float32); the stop tokens at -inf while fewer than
+        ``min_new_tokens`` tokens were produced before this one (``produced``: an int, or a
+        ``[1, 1]`` device count inside the captured step)."""
+        if self._seen is not None:  # (in float32, as transformers' processors: in the model's
+            p = self.repetition_penalty  # half precision the rounding changes close choices)
+            logits = logits.float()
             logits = torch.where(self._seen[:, :-1],
                                  torch.where(logits < 0, logits * p, logits / p), logits)
         if self._min_new <= 0 or self._stop is None:

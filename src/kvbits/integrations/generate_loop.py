@@ -20,9 +20,11 @@ padding not, kept as a device mask); stopping on max length and EOS; left-padded
 KVBitsCache.
 A streamer (batch 1) gets each token as the step that made it ends (one synchronisation per
 step); ``return_dict_in_generate`` gives the sequences and the cache. Anything else (another
-logits processor such as ``no_repeat_ngram_size``, scores, logits, attentions or hidden states
-as output, a padded StaticCache, another cache, a model spread over several GPUs) runs
-transformers' own loop, with a warning that names the reason. Beam search and assisted
+logits processor such as ``no_repeat_ngram_size``, served processors given to ``generate`` in
+another order or twice, a stopping criterion given with other values than the config's,
+``use_cache=False``, scores, logits, attentions or hidden states as output, a padded
+StaticCache, another cache, a model spread over several GPUs) runs transformers' own loop,
+with a warning that names the reason. Beam search and assisted
 decoding are refused. On the CPU the same loop runs its steps eagerly.
 """
 
@@ -96,7 +98,11 @@ def graph_generate(model, input_ids: torch.Tensor, logits_processor, stopping_cr
     if generation_config.return_dict_in_generate:
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-        return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=cache)
+        # (transformers from 5.2x names the field ``cache`` and logs a deprecation notice for
+        # ``past_key_values``, which earlier versions name it)
+        name = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ \
+            else "past_key_values"
+        return GenerateDecoderOnlyOutput(sequences=sequences, **{name: cache})
     return sequences
 
 
@@ -157,9 +163,22 @@ def _plan(model, cache, processors, criteria, config, synced_gpus, streamer, att
         if cache.get_seq_length():
             return None, ("the attention mask pads a batch whose cache already holds tokens "
                           "(the loop pads only an empty KVBitsCache)")
+    if not getattr(config, "use_cache", True):
+        return None, "use_cache=False (the loop decodes from the cache)"
     other = [type(c).__name__ for c in criteria if type(c).__name__ not in _STOPS]
     if other:
         return None, f"stopping criteria {other} (served: max length and EOS)"
+    # a criterion given to generate takes the place of the config's: the loop stops where the
+    # config says, so another value is transformers' loop's to serve
+    eos = config._eos_token_tensor
+    for c in criteria:
+        if type(c).__name__ == "MaxLengthCriteria" and c.max_length != config.max_length:
+            return None, (f"a MaxLengthCriteria of max_length={c.max_length}, not the "
+                          f"config's {config.max_length}")
+        if type(c).__name__ == "EosTokenCriteria" and (
+                eos is None or not _same_ids(c.eos_token_id, eos)):
+            return None, ("an EosTokenCriteria of other ids than the config's eos_token_id "
+                          f"({None if eos is None else eos.reshape(-1).tolist()})")
     padding = None if attention_mask is None else (attention_mask == 0).sum(-1)
     return _sampling(processors, config, prompt_len, padding)
 
@@ -174,15 +193,31 @@ class _Rules(NamedTuple):
 
 def _sampling(processors, config, prompt_len: int, padding: torch.Tensor | None = None):
     """``(_Rules, None)`` equal to ``generate``'s processors, or ``(None, reason)`` where there
-    are others. ``padding``: each sequence's left padding (``[B]``), or None."""
+    are others, or these in an order whose result differs from the loop's (the penalty and the
+    EOS ban, then temperature, top-k and top-p: the order ``generate`` makes them in; those
+    given to ``generate`` come in the order given, before its warpers, or in the place of its
+    own of the same type). ``padding``: each sequence's left padding (``[B]``), or None."""
     kw, other, min_new, penalty = {}, [], 0, 1.0
     eos = config._eos_token_tensor
-    for p in processors:
-        name = type(p).__name__
-        if name in ("MinNewTokensLengthLogitsProcessor", "MinLengthLogitsProcessor") and \
-                eos is not None and _same_ids(p.eos_token_id, eos):
-            min_new = max(min_new, p.min_new_tokens if hasattr(p, "min_new_tokens")
-                          else p.min_length - prompt_len)
+    names = [type(p).__name__ for p in processors]
+    shaping = [i for i, n in enumerate(names) if n in _BEFORE_WARPERS]
+    for i, (p, name) in enumerate(zip(processors, names)):
+        if name in _SERVED and names.count(name) > 1:  # (the loop keeps one of each)
+            other.append(f"{name} twice")
+        elif name in ("TopKLogitsWarper", "TopPLogitsWarper") and shaping and shaping[-1] > i:
+            other.append(f"{name} before {names[shaping[-1]]} (another order)")
+        elif name == "TopPLogitsWarper" and any(n in ("TemperatureLogitsWarper",
+                                                     "TopKLogitsWarper") for n in names[i + 1:]):
+            other.append(f"{name} before temperature or top-k (another order)")
+        elif name in ("TopKLogitsWarper", "TopPLogitsWarper") and \
+                getattr(p, "filter_value", -float("inf")) != -float("inf"):
+            other.append(f"{name} with filter_value={p.filter_value}")
+        elif name == "MinNewTokensLengthLogitsProcessor" and eos is not None and \
+                _same_ids(p.eos_token_id, eos):  # (counted from its own prompt length)
+            min_new = max(min_new, p.min_new_tokens + p.prompt_length_to_skip - prompt_len)
+        elif name == "MinLengthLogitsProcessor" and eos is not None and \
+                _same_ids(p.eos_token_id, eos):
+            min_new = max(min_new, p.min_length - prompt_len)
         elif name == "RepetitionPenaltyLogitsProcessor" and _ignores_padding(p, padding):
             penalty = float(p.penalty)
         elif name == "TemperatureLogitsWarper":
@@ -190,7 +225,10 @@ def _sampling(processors, config, prompt_len: int, padding: torch.Tensor | None 
         elif name == "TopKLogitsWarper":
             kw["top_k"] = int(p.top_k)
         elif name == "TopPLogitsWarper" and getattr(p, "min_tokens_to_keep", 1) == 1:
-            kw["top_p"] = float(p.top_p)
+            if p.top_p > 0:
+                kw["top_p"] = float(p.top_p)
+            else:  # (transformers' processor keeps the most likely token; Sampling's top_p
+                kw["top_k"] = 1  # is in (0, 1])
         elif name == "RepetitionPenaltyLogitsProcessor":  # (the loop counts the prompt
             # without its left padding)
             other.append(f"{name} with prompt_ignore_length={p.prompt_ignore_length!r}")
@@ -198,8 +236,15 @@ def _sampling(processors, config, prompt_len: int, padding: torch.Tensor | None 
             other.append(name)
     if other:
         return None, (f"logits processors {other} (served: repetition penalty, min length, "
-                      "temperature, top-k, top-p)")
+                      "temperature, top-k, top-p, in that order)")
     return _Rules(Sampling(**kw) if config.do_sample else None, min_new, penalty), None
+
+
+# Processors the loop applies before the warpers (they commute with one another and with the
+# temperature, not with top-k / top-p); with the warpers, those it serves (once each).
+_BEFORE_WARPERS = ("MinNewTokensLengthLogitsProcessor", "MinLengthLogitsProcessor",
+                   "RepetitionPenaltyLogitsProcessor")
+_SERVED = _BEFORE_WARPERS + ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")
 
 
 def _ignores_padding(processor, padding: torch.Tensor | None) -> bool:
