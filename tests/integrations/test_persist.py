@@ -119,6 +119,42 @@ def test_loaded_cache_continues_like_the_saved_one(name, tmp_path):
                 assert torch.equal(tb[n].view(torch.uint8), ta[n].view(torch.uint8)), n
 
 
+def fresh_size(model, ids, mask, tmp_path) -> int:
+    """Bytes of the same prompt's cache saved with nothing evicted (eviction off)."""
+    import kvbits.cache.store as store_mod
+    cache = prefilled(model, "kivi-4", ids, mask, residual_length=8)
+    keep = store_mod.LayerStore.evict
+    store_mod.LayerStore.evict = lambda self, upto: 0
+    try:
+        return cache.save(tmp_path / "whole.safetensors").stat().st_size
+    finally:
+        store_mod.LayerStore.evict = keep
+
+
+def test_a_sliding_layer_saves_what_later_tokens_can_see(tmp_path):
+    """Right after a long prompt a sliding layer still held all of it (eviction waits for the
+    next step), so the file did too: ~6x the window here. Saved now, it holds about a window,
+    and the loaded cache decodes as the saved one."""
+    model = tiny("mistral")
+    ids, mask = prompt(tokens=400)
+    saved = prefilled(model, "kivi-4", ids, mask, residual_length=8)
+    def held(cache):
+        return [ly.store.sink_len + ly.store.body_len + ly.store.res_len for ly in cache.layers]
+    assert held(saved) == [400, 400]  # nothing evicted yet
+    path = saved.save(tmp_path / "p.safetensors")
+    assert max(held(saved)) < 120, held(saved)  # (a window of 40 in whole groups)
+    loaded = KVBitsCache.load(path, model)
+    assert held(loaded) == held(saved)
+    assert path.stat().st_size < 0.4 * fresh_size(model, ids, mask, tmp_path)
+    steps = torch.randint(1, 256, (2, 6), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(feed(model, loaded, mask, steps, 0),
+                               feed(model, saved, mask, steps, 0), atol=1e-5, rtol=0)
+    fresh = prefilled(model, "kivi-4", ids, mask, residual_length=8)  # never saved
+    torch.testing.assert_close(feed(model, fresh, mask, steps, 0),
+                               feed(model, KVBitsCache.load(path, model), mask, steps, 0),
+                               atol=1e-5, rtol=0)
+
+
 def test_generate_from_a_loaded_prefix(tmp_path):
     """Prefix caching as a user does it: a document's cache saved once; ``generate`` on the
     document plus a question, with the loaded cache, prefills only the question (transformers

@@ -62,6 +62,11 @@ def save_cache(cache, path, **info) -> Path:
     except (TypeError, ValueError) as exc:
         raise TypeError(f"save: the info keywords must be JSON-able ({exc})") from None
     cache.end_step_graphs()  # the stores' lengths back on the host (step graphs)
+    for layer in cache.layers:  # a sliding layer holds a whole prompt until its next step drops
+        # what no later token can see: dropped now, as that step would (the file held ~10x the
+        # window for Gemma3's sliding layers after an 8k-token prompt)
+        if getattr(layer, "is_sliding", False) and getattr(layer, "store", None) is not None:
+            layer._evict_unseen()
     tensors, layers, channels = {}, [], []
     for i, layer in enumerate(cache.layers):
         if layer.codebooks is not None:
