@@ -250,3 +250,24 @@ def test_a_subnormal_amax_gives_no_nan(tiny):
     keys, _ = dequantize_layer(st.view())
     assert torch.isfinite(keys).all() and keys[0, 1].abs().max() <= tiny
     assert rq.fp8_scale_from_amax(torch.tensor([tiny, 0.0, 448.0])).tolist() == [1.0, 1.0, 2.0]
+
+
+def test_calibration_takes_the_finite_elements_and_says_so():
+    """A NaN in the model's K/V on the calibration text made that head's scale 1, an inf 292,
+    with no word; now the scale comes from the finite elements and a warning names the layer."""
+    import transformers as tf
+    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = tf.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(0))
+    spec = resolve_spec("fp8")
+    with torch.no_grad():
+        clean = fp8.calibrate_fp8(model, ids, spec, window=40)
+        proj = model.model.layers[1].self_attn.k_proj
+        proj.bias = torch.nn.Parameter(torch.zeros(proj.out_features))
+        proj.bias[3] = float("nan")  # head 0 of layer 1: every token's channel 3
+        with pytest.warns(UserWarning, match=r"layer\(s\) \[1\]"):
+            got = fp8.calibrate_fp8(model, ids, spec, window=40)
+    assert torch.isfinite(got[1][0]).all() and got[1][0][0] != 1.0
+    torch.testing.assert_close(got[0][0], clean[0][0])
+    torch.testing.assert_close(got[1][0][1], clean[1][0][1])

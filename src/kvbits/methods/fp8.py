@@ -24,6 +24,7 @@ elements beyond ``448 * scale`` saturate. Edge cases of the dynamic scales:
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -59,20 +60,24 @@ def calibrate_fp8(model, input_ids: torch.Tensor, spec: QuantSpec,
 
     from .model_calls import cache_kwargs
 
-    amax = None
+    amax, bad = None, set()
     for chunk in calibration_chunks(input_ids, window):
         cache = DynamicCache()  # full layers: a sliding one would keep only its window
         model(chunk.to(model.device), use_cache=True,
               **cache_kwargs(model, cache))
         cur = []
-        for layer in cache.layers:
+        for i, layer in enumerate(cache.layers):
             k, v = layer.keys, layer.values
             if spec.hadamard:
                 k = ref_hadamard.rotate(k.float(), ref_hadamard.hadamard_matrix(k.shape[-1],
                                                                                 k.device))
-            cur.append((k.float().abs().amax(dim=(0, 2, 3)), v.float().abs().amax(dim=(0, 2, 3))))
+            cur.append((_finite_amax(k, bad, i), _finite_amax(v, bad, i)))
         amax = cur if amax is None else [(torch.maximum(a, c), torch.maximum(b, d))
                                          for (a, b), (c, d) in zip(amax, cur)]
+    if bad:  # (a NaN amax had made the head's scale 1 without a word, an inf one 292)
+        warnings.warn(f"calibrate_fp8: the model's K/V on the calibration text hold NaN or inf "
+                      f"in layer(s) {sorted(bad)}; the scales there come from the finite "
+                      "elements", stacklevel=2)
     out = []
     for ka, va in amax:
         if spec.fp8_granularity == "tensor":
@@ -80,6 +85,17 @@ def calibrate_fp8(model, input_ids: torch.Tensor, spec: QuantSpec,
         out.append((ref_quant.fp8_scale_from_amax(ka).cpu().contiguous(),
                     ref_quant.fp8_scale_from_amax(va).cpu().contiguous()))
     return out
+
+
+def _finite_amax(x: torch.Tensor, bad: set, layer: int) -> torch.Tensor:
+    """Per-head ``|x|`` max of ``x [B, H, T, D]`` over its finite elements (``layer`` added to
+    ``bad`` where it has others), as the dynamic scales take it (``reference.quant.fp8_amax``)."""
+    a = x.float().abs()
+    finite = torch.isfinite(a)
+    if not bool(finite.all()):
+        bad.add(layer)
+        a = torch.where(finite, a, torch.zeros_like(a))
+    return a.amax(dim=(0, 2, 3))
 
 
 FP8_FIELDS = ("fp8_granularity", "hadamard")  # the spec fields calibrated scales depend on
