@@ -685,6 +685,9 @@ class CacheLifecycle(RuleBasedStateMachine):
         event("save_and_load")
         self.saves += 1
         path = self.cache.save(self.tmp / f"cache{self.saves}.safetensors")
+        self.in_steps = False  # (save leaves the step graphs' mode)
+        if self.window is not None and self.stored:  # a sliding layer drops, before it is
+            self._evict()  # saved, what its next update would (persist.save_cache)
         before = self.store
         loaded = KVBitsCache.load(path, self.model)
         after = loaded.layers[0].store
