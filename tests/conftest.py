@@ -94,3 +94,20 @@ def gluon_calls(monkeypatch):
     monkeypatch.setattr(decode_gluon, "attend_body",
                         lambda q, kv, *a, **k: calls.append((q, kv, k)) or real(q, kv, *a, **k))
     return calls
+
+
+@pytest.fixture
+def interrupted_writes(monkeypatch):
+    """``cut(n)``: from then on ``Path.write_text`` writes only the first ``n`` characters and
+    raises KeyboardInterrupt (Ctrl-C mid-write); ``cut.undo()`` puts it back. For the tests
+    that a file written so is never left cut under its name."""
+    from pathlib import Path
+    real = Path.write_text
+
+    def cut(n: int) -> None:
+        def write(self, text, *args, **kwargs):
+            real(self, text[:n], *args, **kwargs)
+            raise KeyboardInterrupt
+        monkeypatch.setattr(Path, "write_text", write)
+    cut.undo = monkeypatch.undo
+    return cut

@@ -415,7 +415,8 @@ def test_spec_file_errors_name_the_file_and_duplicate_keys_are_refused(tmp_path)
     assert QuantSpec.load(path) == QuantSpec(key_bits=4)
 
 
-def test_spec_save_is_atomic_and_writes_into_what_is_not_a_regular_file(tmp_path, monkeypatch):
+def test_spec_save_is_atomic_and_writes_into_what_is_not_a_regular_file(tmp_path, monkeypatch,
+                                                                        interrupted_writes):
     """QuantSpec.save (and so ``kvbits tune -o``) wrote the file in place: a write stopped part
     way (Ctrl-C, a full disk) left a cut file, which the next run refused, over the good spec
     saved there before. It now goes through a temporary file renamed over the name; a FIFO (as
@@ -426,15 +427,10 @@ def test_spec_save_is_atomic_and_writes_into_what_is_not_a_regular_file(tmp_path
 
     path = tmp_path / "s.json"
     PRESETS["kivi-2"].save(path, note="good")
-    real = Path.write_text
-
-    def cut(self, text, *args, **kwargs):
-        real(self, text[:20], *args, **kwargs)
-        raise KeyboardInterrupt
-    monkeypatch.setattr(Path, "write_text", cut)
+    interrupted_writes(20)
     with pytest.raises(KeyboardInterrupt):
         PRESETS["kivi-4"].save(path)
-    monkeypatch.undo()
+    interrupted_writes.undo()
     assert QuantSpec.load(path) == PRESETS["kivi-2"]
     assert [p.name for p in tmp_path.iterdir()] == ["s.json"]  # no temporary left
     link = tmp_path / "link.json"

@@ -245,12 +245,12 @@ def test_sensitivity_is_finite_with_logits_at_minus_inf(model):
         assert (sens[kind] >= -1e-6).all() and (sens[kind][:, 0] > 0).all()
 
 
-def test_tune_output_replaces_the_old_spec_file_only_when_whole(model, tmp_path, monkeypatch):
+def test_tune_output_replaces_the_old_spec_file_only_when_whole(model, tmp_path, monkeypatch,
+                                                                interrupted_writes):
     """``kvbits tune -o FILE`` wrote the spec file in place: stopped part way (Ctrl-C, a full
     disk), it left a cut file, which every later --presets FILE refused, over the spec a
     previous tune had written there. The old file now stays until the new one is whole."""
     import json
-    from pathlib import Path
 
     from kvbits import cli
 
@@ -261,15 +261,10 @@ def test_tune_output_replaces_the_old_spec_file_only_when_whole(model, tmp_path,
                          window=64, output=str(out))
     cli.run_tune(cfg)
     before = out.read_text()
-    real = Path.write_text
-
-    def cut(self, text, *args, **kwargs):
-        real(self, text[:40], *args, **kwargs)
-        raise KeyboardInterrupt
-    monkeypatch.setattr(Path, "write_text", cut)
+    interrupted_writes(40)
     with pytest.raises(KeyboardInterrupt):
         cli.run_tune(cli.TuneConfig(**{**cfg.__dict__, "avg_bits": 2.5}))
-    monkeypatch.undo()
+    interrupted_writes.undo()
     assert out.read_text() == before and json.loads(before)["info"]["avg_bits"] <= 3.0
     assert [p.name for p in tmp_path.iterdir()] == ["t.json"]  # no temporary left
     assert resolve_spec(str(out)).model_layers == 3
