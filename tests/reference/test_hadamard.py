@@ -245,3 +245,16 @@ def test_channel_calibration_of_a_softcapped_model():
         torch.testing.assert_close(layer.keys[0], k)
     chans = calibrate_hadamard(model, ids, resolve_spec("kivi-2-hadc"), window=64)
     assert len(chans) == 2 and all(len(layer) == 2 for layer in chans)
+
+
+def test_rotation_saturates_at_the_dtype_range():
+    """A rotated channel sums a block / sqrt(block): float16 keys of 20000 in 64 channels
+    rotate to 160000, which became inf; they saturate at 65504 (NaN stays NaN)."""
+    x = torch.full((1, 1, 2, 64), 20000.0, dtype=torch.float16)
+    x[0, 0, 1, 0] = float("nan")
+    y = rotate(x, hadamard_matrix(64, x.device))
+    assert y.dtype == torch.float16 and y[0, 0, 0, 0] == 65504 and torch.isfinite(y[0, 0, 0]).all()
+    assert y[0, 0, 1].isnan().all()
+    small = torch.randn(1, 1, 3, 64, dtype=torch.float16)  # in range: unchanged by the clamp
+    h = hadamard_matrix(64, small.device)
+    assert torch.equal(rotate(small, h), (small.double() @ h.double()).half())

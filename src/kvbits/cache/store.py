@@ -273,7 +273,7 @@ class LayerStore:
         """The model's keys ``[B, H, T, D]`` in the key space of the store: rotated when
         ``spec.hadamard``, reordered under a partial rotary embedding (``key_order``)."""
         if self.hadamard is not None:
-            return _saturate(ref_hadamard.rotate(k, self._rotation))
+            return ref_hadamard.rotate(k, self._rotation)
         return k if self.key_order is None else k.index_select(-1, self.key_order)
 
     def rotate_query(self, query: torch.Tensor) -> torch.Tensor:
@@ -282,20 +282,20 @@ class LayerStore:
         unchanged either way), else returned as is."""
         if self.hadamard is not None:
             if self.hadamard.dim() == 2:
-                return _saturate(ref_hadamard.rotate(query, self._rotation))
+                return ref_hadamard.rotate(query, self._rotation)
             B, Hq, Lq, D = query.shape  # per KV head: its group's query heads take its matrix
             if Hq % self.kv_heads:
                 raise ValueError(f"hadamard: {Hq} query heads are not a multiple of "
                                  f"{self.kv_heads} KV heads")
             grouped = query.reshape(B, self.kv_heads, Hq // self.kv_heads * Lq, D)
-            return _saturate(ref_hadamard.rotate(grouped, self._rotation)).view(B, Hq, Lq, D)
+            return ref_hadamard.rotate(grouped, self._rotation).view(B, Hq, Lq, D)
         return query if self.key_order is None else query.index_select(-1, self.key_order)
 
     def model_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """Keys read from the store (e.g. :func:`dequantize_layer`) back in the model's space
         (undoes the Hadamard rotation, the matrix being its own inverse, or the reordering)."""
         if self.hadamard is not None:
-            return _saturate(ref_hadamard.rotate(keys, self._rotation))
+            return ref_hadamard.rotate(keys, self._rotation)
         return keys if self.key_order is None else keys.index_select(-1, self._key_order_inv)
 
     def nbytes(self, fp_itemsize: int | None = None) -> int:
@@ -778,7 +778,7 @@ class LayerStore:
         real ones) hold elements that the body cannot store as given: beyond float16's +-65504
         (the integer methods' scales and zeros are float16: bfloat16 / float32 models), beyond
         ``448 x scale`` (fp8), NaN, or float16 keys that the Hadamard rotation saturated
-        (:func:`_saturate`); they used to be clipped without a word.
+        (:func:`kvbits.reference.hadamard.rotate`); they used to be clipped without a word.
 
         Cheap by construction: only the layer's first flush (the prompt's first groups) is
         checked, with one host read, outside CUDA-graph capture; later flushes (prompt chunks,
@@ -802,7 +802,7 @@ class LayerStore:
                 lim = torch.full_like(a, ref_quant.FP16_MAX)
             over = ~(a <= lim)  # (NaN too)
             if side == 0 and self.hadamard is not None and k.dtype == torch.float16:
-                over |= a >= ref_quant.FP16_MAX  # rotated keys saturated (_saturate)
+                over |= a >= ref_quant.FP16_MAX  # rotated keys saturated (hadamard.rotate)
             worst = torch.where(over, (a / lim).nan_to_num(torch.inf), -1.0).flatten().argmax()
             rows.append(torch.stack([over.any().float(), worst.float(), a.flatten()[worst],
                                      lim.flatten()[worst], a.isnan().any().float()]))
@@ -1208,15 +1208,6 @@ def _batch_rows(index, batch: int, op: str) -> torch.Tensor:
                              f"batch), got rows {lo}..{hi}")
         _CHECKED_ROWS.update(ref=weakref.ref(t), version=t._version, batch=batch)
     return t.long()
-
-
-def _saturate(x: torch.Tensor) -> torch.Tensor:
-    """Hadamard-rotated float16 keys / queries clamped to +-65504: a rotated channel sums a
-    block of n channels / sqrt(n), so float16 inputs below the limit can pass it, and became
-    inf (NaN attention scores). Other dtypes (and NaN) are returned as they are."""
-    if x.dtype != torch.float16:
-        return x
-    return x.clamp(-ref_quant.FP16_MAX, ref_quant.FP16_MAX)
 
 
 def _capacity(n: int) -> int:

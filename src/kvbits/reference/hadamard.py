@@ -76,9 +76,17 @@ def rotate(x: torch.Tensor, matrix: torch.Tensor | Rotation) -> torch.Tensor:
     bfloat16 inputs (and of float32 ones within 2^29 of each other) are exact there, whatever
     order the matmul adds them in. A token's rotated key is then the same bits whether it came
     in one big append or token by token (a float32 matmul blocks by the token count and
-    differed in the last bit). On MPS the sums stay float32."""
+    differed in the last bit). On MPS the sums stay float32.
+
+    A rotated channel sums a block of ``n`` channels / sqrt(n), so finite inputs can pass their
+    dtype's range (float16: 65504); the result saturates there instead of becoming inf (NaN
+    attention scores). NaN stays NaN."""
     rot = matrix if isinstance(matrix, Rotation) else factor(matrix)
-    return ((x.to(rot.signs.dtype) @ rot.signs) * rot.magnitude).to(x.dtype)
+    y = (x.to(rot.signs.dtype) @ rot.signs) * rot.magnitude
+    if x.dtype.is_floating_point and x.dtype.itemsize < y.dtype.itemsize:
+        top = torch.finfo(x.dtype).max
+        y = y.clamp(-top, top)
+    return y.to(x.dtype)
 
 
 def _sylvester(n: int) -> torch.Tensor:
