@@ -71,7 +71,10 @@ def calibrate_fp8(model, input_ids: torch.Tensor, spec: QuantSpec,
             if spec.hadamard:
                 k = ref_hadamard.rotate(k.float(), ref_hadamard.hadamard_matrix(k.shape[-1],
                                                                                 k.device))
-            cur.append((_finite_amax(k, bad, i), _finite_amax(v, bad, i)))
+            if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
+                bad.add(i)
+            # per head over the finite elements, as the dynamic scales take it
+            cur.append(tuple(ref_quant.fp8_amax(x).amax(dim=(0, 2, 3)) for x in (k, v)))
         amax = cur if amax is None else [(torch.maximum(a, c), torch.maximum(b, d))
                                          for (a, b), (c, d) in zip(amax, cur)]
     if bad:  # (a NaN amax had made the head's scale 1 without a word, an inf one 292)
@@ -85,17 +88,6 @@ def calibrate_fp8(model, input_ids: torch.Tensor, spec: QuantSpec,
         out.append((ref_quant.fp8_scale_from_amax(ka).cpu().contiguous(),
                     ref_quant.fp8_scale_from_amax(va).cpu().contiguous()))
     return out
-
-
-def _finite_amax(x: torch.Tensor, bad: set, layer: int) -> torch.Tensor:
-    """Per-head ``|x|`` max of ``x [B, H, T, D]`` over its finite elements (``layer`` added to
-    ``bad`` where it has others), as the dynamic scales take it (``reference.quant.fp8_amax``)."""
-    a = x.float().abs()
-    finite = torch.isfinite(a)
-    if not bool(finite.all()):
-        bad.add(layer)
-        a = torch.where(finite, a, torch.zeros_like(a))
-    return a.amax(dim=(0, 2, 3))
 
 
 FP8_FIELDS = ("fp8_granularity", "hadamard")  # the spec fields calibrated scales depend on
