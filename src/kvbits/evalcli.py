@@ -251,7 +251,8 @@ def _cmd_bench(args) -> int:
     import torch
 
     from .cli import check_device, parse_size
-    from .eval.speed import BenchConfig, environment, parse_variant, run_bench, write_bench
+    from .eval.speed import (BenchConfig, bench_rows, environment, parse_variant, run_bench,
+                             write_bench)
 
     kinds = {parse_variant(v).kind for v in args.presets}  # fail before building anything
     budget = parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None
@@ -292,12 +293,7 @@ def _cmd_bench(args) -> int:
     env = environment(shlex.join(["kvbits", *args.argv]), device)
     env["git"] = _git_commit()
 
-    # the rows run_bench writes (an emulated QuantizedCache over --hf-max-tokens is skipped),
-    # so that the files written after every row say whether they hold them all yet
-    hf = sum(parse_variant(v).kind == "hf" for v in args.presets)
-    expected = sum(len(args.presets) - (hf if batch * context > cfg.hf_max_tokens else 0)
-                   for context in cfg.contexts for batch in cfg.batches)
-    expected += len(cfg.budget_contexts) * len(args.presets) if budget else 0
+    expected = bench_rows(cfg)  # (the files written after every row say whether they hold all)
 
     def save(speed, budget_rows, final=False):  # (final: run_bench returned, whatever the count)
         done = len(speed) + len(budget_rows)

@@ -580,6 +580,21 @@ class BenchConfig:
     extra: dict = field(default_factory=dict)
 
 
+def _hf_skipped(variant, batch: int, context: int, cfg: BenchConfig) -> bool:
+    """Whether run_bench skips this row: the emulated QuantizedCache over ``hf_max_tokens``."""
+    return variant.kind == "hf" and batch * context > cfg.hf_max_tokens
+
+
+def bench_rows(cfg: BenchConfig) -> int:
+    """The rows :func:`run_bench` writes for ``cfg`` (speed rows but the skipped ones, and with a
+    budget one max-batch row per variant and budget context): what its result files count to
+    before they say they are complete."""
+    variants = [parse_variant(v) for v in cfg.variants]
+    speed = sum(not _hf_skipped(v, b, c, cfg) for c in cfg.contexts for b in cfg.batches
+                for v in variants)
+    return speed + (len(cfg.budget_contexts) * len(variants) if cfg.budget else 0)
+
+
 def run_bench(cfg: BenchConfig, log=print, on_rows=None) -> tuple[list[dict], list[dict]]:
     """Speed rows (every variant x context x batch) and, with a budget, max-batch rows."""
     variants = [parse_variant(v) for v in cfg.variants]
@@ -599,7 +614,7 @@ def run_bench(cfg: BenchConfig, log=print, on_rows=None) -> tuple[list[dict], li
     for context in cfg.contexts:
         for batch in cfg.batches:
             for v in variants:
-                if v.kind == "hf" and batch * context > cfg.hf_max_tokens:
+                if _hf_skipped(v, batch, context, cfg):
                     log(f"skip {v.label} batch {batch} ctx {context}: over hf_max_tokens")
                     continue
                 try:
