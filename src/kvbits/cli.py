@@ -1414,9 +1414,7 @@ class _Parser(argparse.ArgumentParser):
 
     def _get_values(self, action, arg_strings):
         if type(action) in self._ONCE and action.option_strings:
-            given = getattr(self, "_given", None)
-            if given is None:
-                given = self._given = {}
+            given = self._given  # (every parse, a subparser's too, starts in parse_known_args)
             if action in given:
                 if not arg_strings:  # --graphs / --no-graphs
                     raise argparse.ArgumentError(action, "given twice; give one of "
