@@ -1075,6 +1075,7 @@ class LayerStore:
         if unknown:
             raise ValueError(f"unknown store state: {sorted(unknown)}")
         self._check_state_rows(tensors, scalars)
+        self._check_state_starts(tensors.get("starts"), scalars)
         tensors, scalars = dict(tensors), dict(scalars)
         undo = tuple(tensors.pop(n, None) for n in _UNDO_BUFFERS)
         tracking = scalars.pop("tracking_flushes", False)
@@ -1117,6 +1118,27 @@ class LayerStore:
                 f"{self.head_dim}] were expected: the file is inconsistent")
         dtype = self.res_k.dtype
         self._undo = (k.to(self.device, dtype), v.to(self.device, dtype))
+
+    def _check_state_starts(self, starts, scalars: dict) -> None:
+        """Saved ``starts`` (each sequence's first real token, left padding) are one integer per
+        sequence, from ``-evicted`` (eviction shifts them down) to the tokens stored: one of
+        another shape loaded and failed at the next step, and a float or out-of-range one loaded
+        silently and masked the wrong tokens."""
+        if starts is None:
+            return
+        if starts.dtype not in (torch.int32, torch.int64) or tuple(starts.shape) != (self.batch,):
+            raise ValueError(f"saved starts is {starts.dtype} of shape {tuple(starts.shape)}; one "
+                             f"integer per sequence ({self.batch}) was expected: the file is "
+                             "inconsistent")
+        lens = [scalars.get(k, 0) for k in ("evicted", "sink_len", "body_len", "res_len")]
+        if not all(type(x) is int for x in lens) or not starts.numel():
+            return  # (lengths refused by _check_state_rows)
+        evicted, stored = lens[0], sum(lens[1:])
+        lo, hi = (int(x) for x in torch.aminmax(starts))
+        if lo < -evicted or hi > stored:
+            raise ValueError(f"saved starts range from {lo} to {hi}; a layer of {stored} tokens "
+                             f"stored ({evicted} evicted) takes {-evicted} to {stored}: the file "
+                             "is inconsistent")
 
     def _check_state_rows(self, tensors: dict, scalars: dict) -> None:
         """The saved lengths must be the ones the saved rows hold (a damaged file otherwise

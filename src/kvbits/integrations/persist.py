@@ -186,28 +186,6 @@ def _check_tensor_names(path, tensors: dict, n: int, spec) -> None:
                          + ": the file is damaged or not one kvbits wrote")
 
 
-def _check_starts(starts, meta: dict, scalars: dict) -> None:
-    """A layer's ``starts`` (each sequence's first real token, left padding) is one integer per
-    sequence, from ``-evicted`` (eviction shifts them down) to the tokens stored: one of another
-    shape loaded and failed at the next step, and a float or out-of-range one loaded silently
-    and masked the wrong tokens."""
-    if starts is None:
-        return  # (refused by the store, which says so)
-    batch = meta["batch"]
-    if starts.dtype not in (torch.int32, torch.int64) or tuple(starts.shape) != (batch,):
-        raise ValueError(f"saved starts is {starts.dtype} of shape {tuple(starts.shape)}; one "
-                         f"integer per sequence ({batch}) was expected: the file is inconsistent")
-    lens = [scalars.get(k, 0) for k in ("evicted", "sink_len", "body_len", "res_len")]
-    if not all(type(x) is int for x in lens) or not starts.numel():
-        return  # (lengths refused by the store)
-    evicted, stored = lens[0], sum(lens[1:])
-    lo, hi = (int(x) for x in torch.aminmax(starts))
-    if lo < -evicted or hi > stored:
-        raise ValueError(f"saved starts range from {lo} to {hi}; a layer of {stored} tokens "
-                         f"stored ({evicted} evicted) takes {-evicted} to {stored}: the file is "
-                         "inconsistent")
-
-
 def layer_devices(model) -> dict:
     """``{layer index: device}`` of the model's attention modules (those with an integer
     ``layer_idx`` and parameters): where each layer's cache must live when the model is spread
@@ -309,7 +287,6 @@ def load_cache(cls, path, model_or_config, device=None, dtype=None):
                                               device=devices.get(i, device)), None)
         scalars = {k: v for k, v in meta.items() if k not in ("batch", "kv_heads", "head_dim")}
         try:  # (the store's errors named neither the file nor the layer)
-            _check_starts(buffers.get("starts"), meta, scalars)
             layer.store.load_state(buffers, scalars)
         except ValueError as exc:
             raise ValueError(f"{str(path)!r}, layer {i}: {exc}") from None
