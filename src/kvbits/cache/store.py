@@ -790,6 +790,7 @@ class LayerStore:
             return
         self._range_checked = True
         B, H = self.batch, self.kv_heads
+        rotated16 = self.hadamard is not None and k.dtype == torch.float16  # keys saturated
         rows = []
         for side, x in enumerate((k, v)):
             a = x.abs()
@@ -801,8 +802,8 @@ class LayerStore:
             else:
                 lim = torch.full_like(a, ref_quant.FP16_MAX)
             over = ~(a <= lim)  # (NaN too)
-            if side == 0 and self.hadamard is not None and k.dtype == torch.float16:
-                over |= a >= ref_quant.FP16_MAX  # rotated keys saturated (hadamard.rotate)
+            if side == 0 and rotated16:
+                over |= a >= ref_quant.FP16_MAX  # (by hadamard.rotate)
             worst = torch.where(over, (a / lim).nan_to_num(torch.inf), -1.0).flatten().argmax()
             rows.append(torch.stack([over.any().float(), worst.float(), a.flatten()[worst],
                                      lim.flatten()[worst], a.isnan().any().float()]))
@@ -817,8 +818,7 @@ class LayerStore:
             if nan:
                 what.append(f"{where} hold NaN: " + ("it stays NaN in float8" if self.fp8 else
                             "its whole quantization group dequantizes to NaN"))
-            elif side == "keys" and self.hadamard is not None and amax >= ref_quant.FP16_MAX \
-                    and k.dtype == torch.float16:
+            elif side == "keys" and rotated16 and amax >= ref_quant.FP16_MAX:
                 what.append(f"{where} pass float16's +-65504 after the Hadamard rotation (a "
                             "rotated channel sums a block of channels / sqrt(block)): they were "
                             "saturated at +-65504 in the float16 store")
