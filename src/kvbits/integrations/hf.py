@@ -122,6 +122,7 @@ class KVBitsLayer(CacheLayerMixin):
     """
 
     is_compileable = False
+    layer_idx: int | None = None  # (class default: a layer pickled before it existed loads)
 
     @property
     def is_croppable(self) -> bool:
@@ -189,7 +190,7 @@ class KVBitsLayer(CacheLayerMixin):
                                 codebooks=self.codebooks, inv_freq=self.inv_freq,
                                 fp8_scales=self.fp8_scales,
                                 hadamard_channels=self.hadamard_channels,
-                                layer_idx=getattr(self, "layer_idx", None))
+                                layer_idx=self.layer_idx)
         self.device = key_states.device
         self.is_initialized = True
 
