@@ -43,7 +43,7 @@ def flush(kind: str) -> None:
     if kind == "zero":
         FLUSH.zero_()
     elif kind == "read":
-        torch.sum(FLUSH, dtype=torch.int64, out=SINK)
+        torch.sum(FLUSH, dim=0, dtype=torch.int64, out=SINK)
 
 
 def timed(replay, kind: str) -> float:
