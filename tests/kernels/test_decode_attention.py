@@ -1551,6 +1551,60 @@ def test_finish_kernel_as_programmatic_dependent(body, tma, fp_tokens, monkeypat
     compare(outs[True][0], reference(q, view, **args), c.dtype, "eager, PDL")
 
 
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("one_wave_pdl", [True, False])
+def test_one_wave_body_captured_takes_the_dependent_finish(one_wave_pdl, monkeypatch):
+    """A captured call whose Gluon body is one wave of TMA-ring programs (64 pairs:
+    ``one_wave_splits``) attends its FP16 part (sink and residual) in the finish kernel,
+    launched as a programmatic dependent of the body, and launches no FP16 splits
+    (``ONE_WAVE_PDL``); with the switch off, the splits as before and no PDL. Replays whose
+    lengths change on the device equal the reference at each step."""
+    from kvbits.kernels import decode_attention as da
+    from kvbits.kernels import decode_gluon
+    dev = torch.device("cuda")
+    if not da._pdl_ok(dev):
+        pytest.skip("programmatic dependent launch needs sm_90 and a Triton with launch_pdl")
+    monkeypatch.setattr(da, "ONE_WAVE_PDL", one_wave_pdl)
+    monkeypatch.setattr(da, "FINISH_FP_TOKENS", None)
+    monkeypatch.setattr(da, "MERGE_IN_SPLITS", "auto")
+    serve_small(monkeypatch, decode_gluon)
+    c = Case(kb=2, vb=2, G=32, D=128, B=8, Hkv=8, HG=4, S=1, body=32 * 128, res=100, seed=64)
+    kv = make_kv(c, spare=8)
+    q, args = _query_and_args(c)
+    lens_dev = torch.tensor([1, 32 * 128, 100], dtype=torch.int32, device=dev)
+    launches = []
+    for name in ("_FINISH", "_DECODE"):
+        launcher = getattr(da, name)
+        monkeypatch.setattr(launcher, "launch", lambda grid, a, kw, real=launcher.launch,
+                            name=name: launches.append((name, "launch_pdl" in kw.kwargs))
+                            or real(grid, a, kw))
+
+    def call():
+        return kernel(q, kv, lens_dev=lens_dev, **args)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()  # compile and warm outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    launches.clear()
+    with torch.cuda.graph(graph):
+        out = call()
+        assert da.one_wave_splits(kv, da._sm_count(dev), dev, c.HG) is not None, (
+            "not a one-wave grid: the test no longer covers the route")
+    if one_wave_pdl:
+        assert launches == [("_FINISH", True)], launches
+    else:
+        assert ("_DECODE", False) in launches and ("_FINISH", False) in launches, launches
+    for body, res in ((32 * 128, 100), (32 * 127, 77), (32 * 128, 1)):
+        lens_dev.copy_(torch.tensor([1, body, res]))
+        graph.replay()
+        torch.cuda.synchronize()
+        view = dataclasses.replace(kv, body_len=body, res_len=res)
+        compare(out, reference(q, view, **args), c.dtype, f"body {body}, residual {res}")
+
+
 # The uniform method's layout through the TMA ring (keys and values scaled per token over 64
 # channels: one word of two fp16 per token and channel half in each stage), and KIVI with
 # 64-channel value groups: 2 and 4 bits, MHA to 16 heads, query rows, a window and caps.

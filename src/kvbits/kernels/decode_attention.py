@@ -867,6 +867,16 @@ SIDE_AFTER_BODY = env_switch("KVBITS_SIDE_AFTER", "1")
 # body, and one program merging every column of an m-tile where the finish kernel spreads the
 # rows: Llama-3-8B batch 8 32k kivi-2 92.4 -> 94.9 us, batch 1 128k 55.1 -> 65.8).
 MERGE_IN_SPLITS = env_choice("KVBITS_MERGE", "auto", ("auto", "0", "1"))
+# KVBITS_ONE_WAVE_PDL: "1" (default) gives a captured call whose Gluon body is one wave of ring
+# programs (decode_gluon_tma.one_wave_splits, since session 34) the inline FP16 part and PDL
+# above, when FINISH_FP_TOKENS is "auto": the wave fills every SM slot, so FP16 splits beside
+# it found no slot until its programs ended and then ran in series with it; a programmatic
+# dependent finish kernel starts as the first programs end and attends the FP16 part while the
+# wave drains. H200, whole captured calls alternated (benchmarks/probes/tail_ab.py,
+# benchmarks/results/tail_ab_s64.log): Llama-3-8B batch 8 32k uniform-int4 98.4 -> 96.9 us,
+# kivi-2 92.1 -> 91.6, kivi-4 108.4 -> 106.9, batch 16 32k uniform-int4 168.6 -> 166.4; on
+# grids that are not one wave it lost (batch 8 128k +3.2%, batch 1 128k +14%), so only there.
+ONE_WAVE_PDL = env_switch("KVBITS_ONE_WAVE_PDL", "1")
 # Elements of the finish kernel's merge tile [rows, splits, head_dim] (64 fp32 per thread).
 FINISH_TILE = 8192
 # Offsets inside one (sequence, head) slice of a kv tensor are int32 (the slice bases are int64).
@@ -885,18 +895,31 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def gluon_splits(kv: PackedKV, sm_count: int, device: torch.device, columns: int = 1) -> int:
-    """Splits per (sequence, KV head) for a layer the Gluon body serves: one wave where the
-    TMA ring serves a mid-sized grid (:func:`decode_gluon_tma.one_wave_splits`), else
-    :func:`decode_gluon.body_splits`' rule. ``columns``: query heads x rows per KV head; past
-    16 each pair is :func:`decode_gluon.column_blocks` programs per split, counted as pairs."""
-    pairs = kv.batch * kv.kv_heads * decode_gluon.column_blocks(columns)
-    D = kv.head_dim
+def one_wave_splits(kv: PackedKV, sm_count: int, device: torch.device,
+                    columns: int = 1) -> int | None:
+    """Splits per (sequence, KV head) that make one wave of TMA-ring programs
+    (:func:`decode_gluon_tma.one_wave_splits`, mid-sized grids), or None where the ring does not
+    serve the layer or the grid is not mid-sized."""
+    pairs = _column_pairs(kv, columns)
     one_wave = decode_gluon_tma.one_wave_splits(pairs, kv.body_len, sm_count)
     if one_wave and decode_gluon_tma.serves(
             kv, getattr(kv, "key_axis", "channel") == "token", device):
         return one_wave
-    return decode_gluon.body_splits(pairs, kv.body_len, sm_count, D)
+    return None
+
+
+def gluon_splits(kv: PackedKV, sm_count: int, device: torch.device, columns: int = 1) -> int:
+    """Splits per (sequence, KV head) for a layer the Gluon body serves: one wave where the
+    TMA ring serves a mid-sized grid (:func:`one_wave_splits`), else
+    :func:`decode_gluon.body_splits`' rule. ``columns``: query heads x rows per KV head; past
+    16 each pair is :func:`decode_gluon.column_blocks` programs per split, counted as pairs."""
+    return (one_wave_splits(kv, sm_count, device, columns)
+            or decode_gluon.body_splits(_column_pairs(kv, columns), kv.body_len, sm_count,
+                                        kv.head_dim))
+
+
+def _column_pairs(kv: PackedKV, columns: int) -> int:
+    return kv.batch * kv.kv_heads * decode_gluon.column_blocks(columns)
 
 
 def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None, lengths=None,
@@ -998,9 +1021,11 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
                  and decode_gluon.serves(kv, Lq, HG, B * Hkv))
     elif gluon:  # asked for explicitly (tests, benchmarks): any eligible layer
         gluon = n_groups > 0 and decode_gluon.eligible(kv, Lq, HG)
+    wave = None  # one wave of ring programs (their own split count)
     if gluon:
-        splits = decode_gluon.split_count(kv.body_len,
-                                          req_splits or gluon_splits(kv, sms, dev, HG * Lq))
+        wave = None if req_splits else one_wave_splits(kv, sms, dev, HG * Lq)
+        splits = decode_gluon.split_count(kv.body_len, req_splits or wave or gluon_splits(
+            kv, sms, dev, HG * Lq))
     BLOCK_FP = 64 if BLOCK_D <= 128 else 32
     n_fp = kv.sink_len + kv.res_len
     # A short FP16 part (a decode step's sink and residual) is attended by the finish kernel,
@@ -1013,7 +1038,12 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     merge = bool((MERGE_IN_SPLITS == "1"
                   or MERGE_IN_SPLITS == "auto" and not capturing and not gluon)
                  and (n_fp or not gluon))
-    fp_inline = 0 < n_fp <= _finish_fp_tokens(capturing) and not merge
+    # Behind a captured one-wave body the FP16 part goes to the finish kernel, launched as a
+    # programmatic dependent (ONE_WAVE_PDL).
+    wave_pdl = bool(wave and capturing and ONE_WAVE_PDL and FINISH_FP_TOKENS is None
+                    and _pdl_ok(dev))
+    fp_inline = 0 < n_fp <= (EAGER_FINISH_FP_TOKENS if wave_pdl else
+                             _finish_fp_tokens(capturing)) and not merge
     fp_splits = num_splits(bhm, _cdiv(n_fp, BLOCK_FP), sms) if n_fp and not fp_inline else 0
     if not splits and not n_fp:
         return torch.zeros_like(q)
@@ -1053,7 +1083,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     side_after = side and SIDE_AFTER_BODY and kcb is None and vcb is None
     if gluon and SIDE_STREAM and not capturing and dev.type == "cuda" and not merge:
         _side_stream(dev)  # made in an eager call (the warm-up), not inside a capture
-    pdl = PDL_ENABLED and not side and not merge and _pdl_ok(dev)
+    pdl = (PDL_ENABLED or wave_pdl and fp_inline) and not side and not merge and _pdl_ok(dev)
     o = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=dev)
     BLOCK_S = max(2, _next_pow2(n_total))
     # The merge takes ``rows`` query rows at a time: with an FP16 part in the finish kernel or
