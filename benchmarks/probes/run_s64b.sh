@@ -15,7 +15,7 @@ timeout 260 python3 benchmarks/probes/read_ceiling.py --out "$OUT" 2>&1 | grep -
   | tee "$OUT/read_ceiling_s64.log"
 timeout 90 python3 benchmarks/probes/bench_overhead.py 8:32:8:32768:uniform-int4,8:32:8:32768:kivi-4 \
   2>&1 | grep -v -i warn | tee "$OUT/bench_overhead_s64_h200.log"
-timeout 90 python3 benchmarks/probes/tail_ab.py 8:32:8:32768:uniform-int4,8:32:8:32768:kivi-2,8:32:8:131072:uniform-int4 \
+timeout 120 python3 benchmarks/probes/tail_ab.py 8:32:8:32768:uniform-int4,8:32:8:4096:kivi-2,8:32:8:4096:uniform-int4,16:32:8:4096:kivi-4,8:32:8:16384:kivi-2,16:32:8:32768:kivi-2 \
   2>&1 | tee "$OUT/tail_ab_s64b.log"
 timeout 100 python3 benchmarks/decode_attention.py --out "$OUT" --name decode_attention_b8_s64b \
   --skip-quantize-pack --no-baselines --presets kivi-2,kivi-4,uniform-int4 \
