@@ -867,16 +867,20 @@ SIDE_AFTER_BODY = env_switch("KVBITS_SIDE_AFTER", "1")
 # body, and one program merging every column of an m-tile where the finish kernel spreads the
 # rows: Llama-3-8B batch 8 32k kivi-2 92.4 -> 94.9 us, batch 1 128k 55.1 -> 65.8).
 MERGE_IN_SPLITS = env_choice("KVBITS_MERGE", "auto", ("auto", "0", "1"))
-# KVBITS_ONE_WAVE_PDL: "1" (default) gives a captured call whose Gluon body is one wave of ring
-# programs (decode_gluon_tma.one_wave_splits, since session 34) the inline FP16 part and PDL
-# above, when FINISH_FP_TOKENS is "auto": the wave fills every SM slot, so FP16 splits beside
-# it found no slot until its programs ended and then ran in series with it; a programmatic
-# dependent finish kernel starts as the first programs end and attends the FP16 part while the
-# wave drains. H200, whole captured calls alternated (benchmarks/probes/tail_ab.py,
-# benchmarks/results/tail_ab_s64.log): Llama-3-8B batch 8 32k uniform-int4 98.4 -> 96.9 us,
-# kivi-2 92.1 -> 91.6, kivi-4 108.4 -> 106.9, batch 16 32k uniform-int4 168.6 -> 166.4; on
-# grids that are not one wave it lost (batch 8 128k +3.2%, batch 1 128k +14%), so only there.
-ONE_WAVE_PDL = env_switch("KVBITS_ONE_WAVE_PDL", "1")
+# KVBITS_ONE_WAVE_PDL: "1" gives a captured call whose Gluon body is one wave of ring programs
+# (decode_gluon_tma.one_wave_splits, since session 34) the inline FP16 part and PDL above, when
+# FINISH_FP_TOKENS is "auto": the wave fills every SM slot, so FP16 splits beside it find no
+# slot until its programs end and then run in series with it; a programmatic dependent finish
+# kernel starts as the first programs end and attends the FP16 part while the wave drains.
+# H200, whole captured calls alternated, the route forced through FINISH_FP_TOKENS and
+# PDL_ENABLED (benchmarks/probes/tail_ab.py, benchmarks/results/tail_ab_s64.log): Llama-3-8B
+# batch 8 32k uniform-int4 98.4 -> 96.9 us, kivi-2 92.1 -> 91.6, kivi-4 108.4 -> 106.9, batch
+# 16 32k uniform-int4 168.6 -> 166.4; on grids that are not one wave it lost (batch 8 128k
+# +3.2%, batch 1 128k +14%), hence only there. Off ("0", the default) until this dispatch and
+# its GPU test (test_one_wave_body_captured_takes_the_dependent_finish) have run on a GPU: the
+# session that wrote it got no GPU after the measurement, and the one-wave rows at 4k-16k are
+# not measured yet (benchmarks/probes/run_s64b.sh does both).
+ONE_WAVE_PDL = env_switch("KVBITS_ONE_WAVE_PDL", "0")
 # Elements of the finish kernel's merge tile [rows, splits, head_dim] (64 fp32 per thread).
 FINISH_TILE = 8192
 # Offsets inside one (sequence, head) slice of a kv tensor are int32 (the slice bases are int64).
