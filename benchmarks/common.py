@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 from kvbits.formats.layout import PackedKV
 from kvbits.formats.packing import packed_length
@@ -277,3 +279,33 @@ def attend_body_fn(module):
         module.attend_body(q, kv, out, lse, scale_log2=0.127, starts=q, lengths=q,
                            has_starts=False, has_lens=False, n_out=splits, splits=splits)
     return fn
+
+
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)  # (past 2**31 elements)
+    step = tl.num_programs(0) * BLOCK
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(pid * BLOCK, n, step):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0)
+    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+
+def read_graph_us(nbytes: int, time_graph) -> float:
+    """The faster of two plain reads of ``nbytes`` (``torch.sum`` into one int64; a Triton loop
+    over int32 words), each timed by ``time_graph`` (the decode table's ``bench_graph``: the call
+    captured in a CUDA graph, ``do_bench`` with its L2 flush): the least time any kernel that
+    must read those bytes can show in that table, its fixed costs included (session 64)."""
+    best = _time_reads(torch.ones(nbytes // 4, dtype=torch.int32, device="cuda"), time_graph)
+    torch.cuda.empty_cache()  # (the buffer died with the call above)
+    return best
+
+
+def _time_reads(buf: torch.Tensor, time_graph) -> float:
+    out = torch.empty((), dtype=torch.int64, device=buf.device)
+    programs = torch.cuda.get_device_properties(buf.device).multi_processor_count * 8
+    part = torch.empty(programs, dtype=torch.int32, device=buf.device)
+    return min(time_graph(lambda: torch.sum(buf, dim=0, dtype=torch.int64, out=out)),
+               time_graph(lambda: _read_kernel[(programs,)](buf, part, buf.numel(),
+                                                            BLOCK=2048, num_warps=8)))

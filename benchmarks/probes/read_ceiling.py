@@ -18,12 +18,10 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import environment, packed_nbytes, random_packed_kv, write_results
-from decode_attention import MODELS, bench, captured, sdpa_fp16
+from common import environment, packed_nbytes, random_packed_kv, read_graph_us, write_results
+from decode_attention import MODELS, bench, bench_graph, captured, sdpa_fp16
 
 from kvbits.ops import decode_attention
 from kvbits.spec import resolve_spec
@@ -31,36 +29,6 @@ from kvbits.spec import resolve_spec
 PRESETS = ("kivi-2", "kivi-4", "uniform-int4", "kvquant-3")
 SHAPES = [("llama-3-8b", 8, 32768), ("llama-3-8b", 8, 131072), ("llama-3-8b", 32, 32768),
           ("llama-2-7b", 8, 32768), ("llama-2-7b", 8, 131072), ("llama-2-7b", 32, 32768)]
-
-
-@triton.jit
-def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)  # (past 2**31 elements)
-    step = tl.num_programs(0) * BLOCK
-    acc = tl.zeros([BLOCK], dtype=tl.int32)
-    for start in range(pid * BLOCK, n, step):
-        offs = start + tl.arange(0, BLOCK)
-        acc += tl.load(x_ptr + offs, mask=offs < n, other=0)
-    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
-
-
-def read_us(nbytes: int) -> float:
-    """``do_bench`` of the faster captured read of ``nbytes``: torch.sum or the Triton loop."""
-    buf = torch.ones(nbytes // 4, dtype=torch.int32, device="cuda")
-    out = torch.empty((), dtype=torch.int64, device="cuda")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    part = torch.empty(sms * 8, dtype=torch.int32, device="cuda")
-    reads = {"torch.sum": lambda buf=buf: torch.sum(buf, dim=0, dtype=torch.int64, out=out),
-             "triton": lambda buf=buf: _read_kernel[(sms * 8,)](buf, part, buf.numel(),
-                                                                 BLOCK=2048, num_warps=8)}
-    best = float("inf")
-    for fn in reads.values():
-        graph, _ = captured(fn)
-        best = min(best, bench(graph.replay))
-        del graph
-    del reads, buf
-    torch.cuda.empty_cache()
-    return best
 
 
 def main() -> None:
@@ -87,7 +55,7 @@ def main() -> None:
         sdpa_us = bench(graph.replay)
         del graph, k, v
         torch.cuda.empty_cache()
-        sdpa_read = read_us(sdpa_bytes) if 2.1 * sdpa_bytes < free else float("nan")
+        sdpa_read = read_graph_us(sdpa_bytes, bench_graph) if 2.1 * sdpa_bytes < free else float("nan")
         print(f"{model} B={B} T={T}: flash SDPA {sdpa_us:.1f} us, a read of its "
               f"{sdpa_bytes / 1e6:.0f} MB {sdpa_read:.1f} us", flush=True)
         for preset in a.presets.split(","):
@@ -97,7 +65,7 @@ def main() -> None:
             lib_us = bench(graph.replay)
             del graph, kv
             torch.cuda.empty_cache()
-            ceiling_us = read_us(nbytes)
+            ceiling_us = read_graph_us(nbytes, bench_graph)
             row = {"model": model, "batch": B, "context": T, "preset": preset,
                    "bytes": nbytes, "sdpa_us": sdpa_us, "sdpa_bytes_read_us": sdpa_read,
                    "read_us": ceiling_us, "kvbits_us": lib_us,

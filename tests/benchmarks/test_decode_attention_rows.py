@@ -31,3 +31,19 @@ def test_fp16_rows_bandwidth_uses_the_faster_timing_like_the_kvbits_rows():
     flash, _ = decode_attention.fp16_rows(base, "flash_attention", 30.0, 34.7, 9.0, 30.0,
                                           fp_bytes, bw)
     assert flash["frac_bw"] == pytest.approx(fp_bytes / 30.0 * 1e6 / bw)
+
+
+def test_ceiling_fields_bound_the_graph_speedup_by_a_read_of_the_same_bytes():
+    """The ceiling columns (session 64): flash SDPA's graph time over a plain read of the row's
+    bytes, and the row's share of that read's time. A row as fast as the read shows its graph
+    speedup equal to the ceiling and 100% of it; Llama-3-8B batch 8 32k uniform-int4 on the
+    H200 (flash 261.5 us, the row 98.7 us) against a read of ~82 us: 3.19x, 83%."""
+    fields = decode_attention.ceiling_fields(261.5, 82.0, 98.7)
+    assert fields["ceiling"] == pytest.approx(261.5 / 82.0)
+    assert fields["of_ceiling"] == pytest.approx(82.0 / 98.7)
+    assert fields["ceiling"] * fields["of_ceiling"] == pytest.approx(261.5 / 98.7)  # the speedup
+    same = decode_attention.ceiling_fields(261.5, 82.0, 82.0)
+    assert same["of_ceiling"] == 1.0 and same["ceiling"] == pytest.approx(261.5 / 82.0)
+    headers = [h for _, h in decode_attention.table_columns()]
+    assert headers.index("ceiling vs FP16") == headers.index("graph speedup") + 1
+    assert headers.index("of ceiling") == headers.index("ceiling vs FP16") + 1
