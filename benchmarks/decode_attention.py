@@ -336,6 +336,17 @@ def ceiling_fields(flash_graph_us: float, read_us: float, graph_us: float) -> di
     return {"ceiling": flash_graph_us / read_us, "of_ceiling": read_us / graph_us}
 
 
+def ceiling_read_us(nbytes: int) -> float | None:
+    """:func:`common.read_graph_us` of ``nbytes`` with this table's ``bench_graph``, or None
+    (reported) where the read cannot run (its buffer does not fit): the row keeps its timings."""
+    try:
+        return read_graph_us(nbytes, bench_graph)
+    except torch.OutOfMemoryError as e:
+        print(f"  ceiling skipped for {nbytes / 1e9:.1f} GB: {str(e)[:120]}", flush=True)
+        torch.cuda.empty_cache()
+        return None
+
+
 def run_shape(model, hq, hkv, d, batch, context, bw, presets, baselines, knobs,
               triton_rows=True, softcap=None, window=None, q_rows=1,
               dtype=torch.float16, ceilings=True) -> list[dict]:
@@ -368,7 +379,9 @@ def run_shape(model, hq, hkv, d, batch, context, bw, presets, baselines, knobs,
     k = v = None  # (freed)
     rows += fp16_rows(base, SDPA_BACKENDS[0].name.lower(), t_fp, g_fp, h_fp, t_best, fp_bytes, bw)
     if ceilings:  # (the flash row: how near a plain read of its bytes it runs)
-        rows[0]["of_ceiling"] = read_graph_us(fp_bytes, bench_graph) / g_fp
+        fp_read = ceiling_read_us(fp_bytes)
+        if fp_read:
+            rows[0]["of_ceiling"] = fp_read / g_fp
     for preset in presets:
         spec = spec_of(preset)
         kv = random_packed_kv(batch, hkv, context, d, spec, dtype=dtype)
@@ -419,8 +432,9 @@ def run_shape(model, hq, hkv, d, batch, context, bw, presets, baselines, knobs,
         kv = None  # free this preset's layer before building the next
         gc.collect()
         torch.cuda.empty_cache()
-        if ceilings:
-            row.update(ceiling_fields(g_fp, read_graph_us(nb, bench_graph), tg))
+        read = ceiling_read_us(nb) if ceilings else None
+        if read:
+            row.update(ceiling_fields(g_fp, read, tg))
     for r in rows:
         print(f"{r['model']:>10} B={batch:<3} T={context:<7} {r['preset']:>7} "
               f"{r['provider']:<24} {r['us']:9.1f} us  x{r['speedup']:5.2f}  "
