@@ -115,6 +115,13 @@ def captured_ab(fns: dict, rounds: int = 3) -> tuple[dict, dict]:
     return {name: min(t) for name, t in times.items()}, outs
 
 
+def ab_cells(us: dict, outs: dict, base: str) -> str:
+    """:func:`captured_ab`'s result as one line's cells: each variant's µs, its change against
+    ``base`` and its output's largest difference from ``base``'s."""
+    return "  ".join(f"{n} {t:7.1f} ({t / us[base] - 1:+.1%}, diff "
+                     f"{(outs[n] - outs[base]).abs().max().item():.1e})" for n, t in us.items())
+
+
 def bench_graph(fn) -> float:
     """Median microseconds of ``fn`` captured in a CUDA graph and replayed (decode loops run that
     way: no per-call host work), still with ``do_bench``'s L2 flush between replays."""

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import parse_rows, random_packed_kv
-from decode_attention import captured_ab
+from decode_attention import ab_cells, captured_ab
 
 from kvbits.kernels import decode_attention as da
 from kvbits.spec import resolve_spec
@@ -56,8 +56,5 @@ for B, hq, hkv, T, preset in ROWS:
             return da.decode_attention(q, kv, scale=0.088)
         return fn
     us, outs = captured_ab({name: variant(*v) for name, v in VARIANTS.items()})
-    base = us["lib"]
-    cells = "  ".join(f"{n} {t:7.1f} ({t / base - 1:+.1%}, diff "
-                      f"{(outs[n] - outs['lib']).abs().max().item():.1e})"
-                      for n, t in us.items())
-    print(f"B={B} Hq={hq} Hkv={hkv} T={T} {preset}: {cells}", flush=True)
+    print(f"B={B} Hq={hq} Hkv={hkv} T={T} {preset}: {ab_cells(us, outs, 'lib')}",
+          flush=True)
