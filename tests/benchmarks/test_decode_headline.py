@@ -70,3 +70,18 @@ def test_needs_uses_the_graph_time_fraction_of_the_copy_bandwidth():
     # the bandwidth target keeps the table's figure (the faster timing, as its notes say)
     assert "kivi-2 >= 80% of the copy bandwidth on the long rows: missed on 1 of 1: " \
            "Llama-3-8B B8 32k 75%" in out
+
+
+def test_missed_targets_name_the_rows_ceiling_where_the_table_has_one():
+    """Since session 64 the table's rows carry ``ceiling`` (flash SDPA over a plain read of the
+    row's bytes, timed the same way): a missed row then says whether the target is beyond what
+    the timing can show, or how much of the ceiling the row reaches; older tables say neither."""
+    rows = _rows(kivi2_us=100.0, kvquant_us=400.0)  # kivi-2 2.50x, kvquant-3 0.62x
+    rows[2]["ceiling"], rows[4]["ceiling"] = 4.2, 3.4
+    text = headline.targets(rows)
+    assert "Llama-3-8B B8 32k 2.50x (needs 108% of the copy bandwidth; 4.17x at 100%); " \
+           "ceiling 4.20x: beyond what this timing can show" in text
+    assert "kvquant-3 >= 3.0x on the long rows: missed on 1 of 1: Llama-3-8B B8 32k 0.62x " \
+           "(needs 72% of the copy bandwidth; 4.17x at 100%); ceiling 3.40x, 18% of it " \
+           "reached" in text
+    assert "ceiling" not in headline.targets(_rows(kivi2_us=100.0, kvquant_us=400.0))
