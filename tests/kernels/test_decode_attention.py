@@ -1561,14 +1561,17 @@ def test_one_wave_body_captured_takes_the_dependent_finish(one_wave_pdl, monkeyp
     (``ONE_WAVE_PDL``); with the switch off, the splits as before and no PDL. Replays whose
     lengths change on the device equal the reference at each step."""
     from kvbits.kernels import decode_attention as da
-    from kvbits.kernels import decode_gluon
+    from kvbits.kernels import decode_gluon, decode_gluon_tma
     dev = torch.device("cuda")
     if not da._pdl_ok(dev):
         pytest.skip("programmatic dependent launch needs sm_90 and a Triton with launch_pdl")
-    monkeypatch.setattr(da, "ONE_WAVE_PDL", one_wave_pdl)
-    monkeypatch.setattr(da, "FINISH_FP_TOKENS", None)
-    monkeypatch.setattr(da, "MERGE_IN_SPLITS", "auto")
+    for name, value in (("ONE_WAVE_PDL", one_wave_pdl), ("FINISH_FP_TOKENS", None),
+                        ("MERGE_IN_SPLITS", "auto"), ("GLUON_ENABLED", True),
+                        ("PDL_ENABLED", False), ("SIDE_STREAM", True), ("SIDE_AFTER_BODY", True)):
+        monkeypatch.setattr(da, name, value)  # (the defaults, whatever the environment says)
+    monkeypatch.setattr(decode_gluon_tma, "MODE", "auto")
     serve_small(monkeypatch, decode_gluon)
+    ring = count_calls(monkeypatch, decode_gluon_tma)
     c = Case(kb=2, vb=2, G=32, D=128, B=8, Hkv=8, HG=4, S=1, body=32 * 128, res=100, seed=64)
     kv = make_kv(c, spare=8)
     q, args = _query_and_args(c)
@@ -1589,6 +1592,7 @@ def test_one_wave_body_captured_takes_the_dependent_finish(one_wave_pdl, monkeyp
         out = kernel(q, kv, lens_dev=lens_dev, **args)
         assert da.one_wave_splits(kv, da._sm_count(dev), dev, c.HG) is not None, (
             "not a one-wave grid: the test no longer covers the route")
+    assert ring, "the TMA ring did not serve the captured call"
     if one_wave_pdl:
         assert launches == [("_FINISH", True)], launches
     else:

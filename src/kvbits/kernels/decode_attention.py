@@ -1028,8 +1028,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     wave = None  # one wave of ring programs (their own split count)
     if gluon:
         wave = None if req_splits else one_wave_splits(kv, sms, dev, HG * Lq)
-        splits = decode_gluon.split_count(kv.body_len, req_splits or wave or gluon_splits(
-            kv, sms, dev, HG * Lq))
+        splits = decode_gluon.split_count(kv.body_len, req_splits or wave or (
+            decode_gluon.body_splits(_column_pairs(kv, HG * Lq), kv.body_len, sms, D)))
     BLOCK_FP = 64 if BLOCK_D <= 128 else 32
     n_fp = kv.sink_len + kv.res_len
     # A short FP16 part (a decode step's sink and residual) is attended by the finish kernel,
@@ -1044,8 +1044,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
                  and (n_fp or not gluon))
     # Behind a captured one-wave body the FP16 part goes to the finish kernel, launched as a
     # programmatic dependent (ONE_WAVE_PDL).
-    wave_pdl = bool(wave and capturing and ONE_WAVE_PDL and FINISH_FP_TOKENS is None
-                    and _pdl_ok(dev))
+    wave_pdl = bool(wave and req_splits is None and capturing and ONE_WAVE_PDL
+                    and FINISH_FP_TOKENS is None and _pdl_ok(dev))
     fp_inline = 0 < n_fp <= (EAGER_FINISH_FP_TOKENS if wave_pdl else
                              _finish_fp_tokens(capturing)) and not merge
     fp_splits = num_splits(bhm, _cdiv(n_fp, BLOCK_FP), sms) if n_fp and not fp_inline else 0
