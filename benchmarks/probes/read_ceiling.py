@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import environment, packed_nbytes, random_packed_kv, read_graph_us, write_results
-from decode_attention import MODELS, bench, bench_graph, captured, sdpa_fp16
+from decode_attention import MODELS, bench_graph, ceiling_fields, sdpa_fp16
 
 from kvbits.ops import decode_attention
 from kvbits.spec import resolve_spec
@@ -51,9 +51,8 @@ def main() -> None:
         q = torch.randn(B, hq, 1, D, dtype=torch.float16, device="cuda")
         k = torch.randn(B, hkv, T, D, dtype=torch.float16, device="cuda")
         v = torch.randn_like(k)
-        graph, _ = captured(lambda q=q, k=k, v=v: sdpa_fp16(q, k, v, D ** -0.5))
-        sdpa_us = bench(graph.replay)
-        del graph, k, v
+        sdpa_us = bench_graph(lambda q=q, k=k, v=v: sdpa_fp16(q, k, v, D ** -0.5))
+        del k, v
         torch.cuda.empty_cache()
         sdpa_read = read_graph_us(sdpa_bytes, bench_graph) if 2.1 * sdpa_bytes < free else float("nan")
         print(f"{model} B={B} T={T}: flash SDPA {sdpa_us:.1f} us, a read of its "
@@ -61,15 +60,14 @@ def main() -> None:
         for preset in a.presets.split(","):
             kv = random_packed_kv(B, hkv, T, D, resolve_spec(preset))
             nbytes = packed_nbytes(kv)
-            graph, _ = captured(lambda kv=kv: decode_attention(q, kv, scale=D ** -0.5))
-            lib_us = bench(graph.replay)
-            del graph, kv
+            lib_us = bench_graph(lambda kv=kv: decode_attention(q, kv, scale=D ** -0.5))
+            del kv
             torch.cuda.empty_cache()
             ceiling_us = read_graph_us(nbytes, bench_graph)
             row = {"model": model, "batch": B, "context": T, "preset": preset,
                    "bytes": nbytes, "sdpa_us": sdpa_us, "sdpa_bytes_read_us": sdpa_read,
-                   "read_us": ceiling_us, "kvbits_us": lib_us,
-                   "ceiling": sdpa_us / ceiling_us, "speedup": sdpa_us / lib_us}
+                   "read_us": ceiling_us, "kvbits_us": lib_us, "speedup": sdpa_us / lib_us,
+                   "ceiling": ceiling_fields(sdpa_us, ceiling_us, lib_us)["ceiling"]}
             rows.append(row)
             print(f"   {preset:>13}: {nbytes / 1e6:7.0f} MB, read {ceiling_us:7.1f} us -> "
                   f"ceiling x{row['ceiling']:.2f}; kvbits {lib_us:7.1f} us x{row['speedup']:.2f}",
