@@ -876,11 +876,12 @@ MERGE_IN_SPLITS = env_choice("KVBITS_MERGE", "auto", ("auto", "0", "1"))
 # PDL_ENABLED (benchmarks/probes/tail_ab.py, benchmarks/results/tail_ab_s64.log): Llama-3-8B
 # batch 8 32k uniform-int4 98.4 -> 96.9 us, kivi-2 92.1 -> 91.6, kivi-4 108.4 -> 106.9, batch
 # 16 32k uniform-int4 168.6 -> 166.4; on grids that are not one wave it lost (batch 8 128k
-# +3.2%, batch 1 128k +14%), hence only there. Off ("0", the default) until this dispatch and
-# its GPU test (test_one_wave_body_captured_takes_the_dependent_finish) have run on a GPU: the
-# session that wrote it got no GPU after the measurement, and the one-wave rows at 4k-16k are
-# not measured yet (benchmarks/probes/run_s64b.sh does both).
-ONE_WAVE_PDL = env_switch("KVBITS_ONE_WAVE_PDL", "0")
+# +3.2%, batch 1 128k +14%), hence only there. Session 65 (H100, benchmarks/results/
+# tail_ab_s65_h100.log) ran the dispatch's GPU test and timed one-wave rows from 4k to 32k: the
+# route won on every one (-1.3% to -6.9%: batch 8 4k kivi-2 37.5 -> 35.5 us, batch 16 4k kivi-4
+# 53.7 -> 50.0, batch 8 32k uniform-int4 127.3 -> 125.7), so it is on by default ("0": the FP16
+# splits beside the body, as before).
+ONE_WAVE_PDL = env_switch("KVBITS_ONE_WAVE_PDL", "1")
 # Elements of the finish kernel's merge tile [rows, splits, head_dim] (64 fp32 per thread).
 FINISH_TILE = 8192
 # Offsets inside one (sequence, head) slice of a kv tensor are int32 (the slice bases are int64).
