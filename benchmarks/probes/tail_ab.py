@@ -16,7 +16,8 @@ output difference from the library's:
 - ``serial``: no side stream (splits after the body in stream order);
 - ``inline``: the finish kernel attends the FP16 part itself (``FINISH_FP_TOKENS``), no splits;
 - ``inline+pdl``: that, launched as a programmatic dependent of the body (Hopper), so its FP16
-  part can run while the wave drains.
+  part can run while the wave drains;
+- ``pdl``: the FP16 splits as in ``splits``, the finish kernel a programmatic dependent.
 
     PYTHONPATH=src python3 benchmarks/probes/tail_ab.py [B:Hq:Hkv:T:preset,...]
 """
@@ -41,7 +42,7 @@ VARIANTS = {  # SIDE_STREAM, SIDE_AFTER_BODY, FINISH_FP_TOKENS, PDL_ENABLED, ONE
             da.ONE_WAVE_PDL),
     "splits": (True, True, None, False, False), "before": (True, False, None, False, False),
     "serial": (False, True, None, False, False), "inline": (True, True, 256, False, False),
-    "inline+pdl": (True, True, 256, True, False)}
+    "inline+pdl": (True, True, 256, True, False), "pdl": (True, True, None, True, False)}
 
 print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; graph us (best of 3 "
       "do_bench medians, variants alternated); diff = max |out - out(lib)|", flush=True)
