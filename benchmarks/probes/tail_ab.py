@@ -8,8 +8,8 @@ were measured before that change. This probe re-times them against it, whole cap
 variants alternated (best of 3 ``do_bench`` medians, L2 flushed), with each variant's largest
 output difference from the library's:
 
-- ``lib``: the defaults (since this probe, ``ONE_WAVE_PDL``: behind a one-wave body the
-  ``inline+pdl`` route below; elsewhere ``splits``);
+- ``lib``: the defaults (since session 65, ``INLINE_PDL``: where the finish program merges few
+  partials, a one-wave body among them, the ``inline+pdl`` route below; elsewhere ``splits``);
 - ``splits``: FP16 splits on the side stream launched after the body, the finish kernel merges
   (the default until this probe);
 - ``before``: those splits launched before the body;
@@ -37,9 +37,9 @@ ROWS = parse_rows(sys.argv[1] if len(sys.argv) > 1 else None, [
     (8, 32, 8, 32768, "uniform-int4"), (8, 32, 8, 32768, "kivi-2"), (8, 32, 8, 32768, "kivi-4"),
     (8, 32, 8, 131072, "uniform-int4"), (16, 32, 8, 32768, "uniform-int4"),
     (1, 32, 8, 131072, "kivi-2"), (32, 32, 8, 32768, "kivi-2")])
-VARIANTS = {  # SIDE_STREAM, SIDE_AFTER_BODY, FINISH_FP_TOKENS, PDL_ENABLED, ONE_WAVE_PDL
+VARIANTS = {  # SIDE_STREAM, SIDE_AFTER_BODY, FINISH_FP_TOKENS, PDL_ENABLED, INLINE_PDL
     "lib": (da.SIDE_STREAM, da.SIDE_AFTER_BODY, da.FINISH_FP_TOKENS, da.PDL_ENABLED,
-            da.ONE_WAVE_PDL),
+            da.INLINE_PDL),
     "splits": (True, True, None, False, False), "before": (True, False, None, False, False),
     "serial": (False, True, None, False, False), "inline": (True, True, 256, False, False),
     "inline+pdl": (True, True, 256, True, False), "pdl": (True, True, None, True, False)}
@@ -50,10 +50,10 @@ for B, hq, hkv, T, preset in ROWS:
     kv = random_packed_kv(B, hkv, T, 128, resolve_spec(preset))
     q = torch.randn(B, hq, 1, 128, dtype=torch.float16, device="cuda")
 
-    def variant(side, after, fp_tokens, pdl, wave_pdl, kv=kv, q=q):
+    def variant(side, after, fp_tokens, pdl, dep_finish, kv=kv, q=q):
         def fn():
             da.SIDE_STREAM, da.SIDE_AFTER_BODY = side, after
-            da.FINISH_FP_TOKENS, da.PDL_ENABLED, da.ONE_WAVE_PDL = fp_tokens, pdl, wave_pdl
+            da.FINISH_FP_TOKENS, da.PDL_ENABLED, da.INLINE_PDL = fp_tokens, pdl, dep_finish
             return da.decode_attention(q, kv, scale=0.088)
         return fn
     us, outs = captured_ab({name: variant(*v) for name, v in VARIANTS.items()})

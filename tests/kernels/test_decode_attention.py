@@ -1551,58 +1551,99 @@ def test_finish_kernel_as_programmatic_dependent(body, tma, fp_tokens, monkeypat
     compare(outs[True][0], reference(q, view, **args), c.dtype, "eager, PDL")
 
 
+# (case, Gluon body, takes the dependent finish): a one-wave ring body (64 pairs, 16 splits x 4
+# rows), a short body the Triton kernel reads (16 splits x 4 rows), and a Gluon body of 132
+# splits x 4 rows per finish program (past INLINE_PDL_MAX_MERGE on a 132-SM GPU), which keeps the
+# FP16 splits.
+DEP_FINISH_CASES = {
+    "one-wave-ring": (Case(kb=2, vb=2, G=32, D=128, B=8, Hkv=8, HG=4, S=1, body=32 * 128,
+                           res=100, seed=64), True, True),
+    "triton-short": (Case(kb=4, vb=4, G=32, D=128, B=1, Hkv=2, HG=4, S=1, body=32 * 64,
+                          res=100, seed=65), False, True),
+    "gluon-many-splits": (Case(kb=2, vb=2, G=32, D=128, B=1, Hkv=2, HG=4, S=1, body=32 * 1024,
+                               res=100, seed=66), True, False),
+}
+
+
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("one_wave_pdl", [True, False])
-def test_one_wave_body_captured_takes_the_dependent_finish(one_wave_pdl, monkeypatch):
-    """A captured call whose Gluon body is one wave of TMA-ring programs (64 pairs:
-    ``one_wave_splits``) attends its FP16 part (sink and residual) in the finish kernel,
-    launched as a programmatic dependent of the body, and launches no FP16 splits
-    (``ONE_WAVE_PDL``); with the switch off, the splits as before and no PDL. Replays whose
-    lengths change on the device equal the reference at each step."""
+@pytest.mark.parametrize("inline_pdl", [True, False])
+@pytest.mark.parametrize("name", list(DEP_FINISH_CASES))
+def test_captured_call_takes_the_dependent_finish_where_it_fits(name, inline_pdl, monkeypatch):
+    """A captured call whose finish programs merge few partials (``inline_pdl_fits``: a one-wave
+    ring body, a short body the Triton kernel reads) attends its FP16 part (sink and residual) in
+    the finish kernel, launched as a programmatic dependent of the body, and launches no FP16
+    splits (``INLINE_PDL``); with many splits per pair, or with the switch off, the splits as
+    before and no PDL. Replays whose lengths change on the device equal the reference."""
     from kvbits.kernels import decode_attention as da
     from kvbits.kernels import decode_gluon, decode_gluon_tma
     dev = torch.device("cuda")
     if not da._pdl_ok(dev):
         pytest.skip("programmatic dependent launch needs sm_90 and a Triton with launch_pdl")
-    for name, value in (("ONE_WAVE_PDL", one_wave_pdl), ("FINISH_FP_TOKENS", None),
-                        ("MERGE_IN_SPLITS", "auto"), ("GLUON_ENABLED", True),
+    c, gluon, fits = DEP_FINISH_CASES[name]
+    for attr, value in (("INLINE_PDL", inline_pdl), ("FINISH_FP_TOKENS", None),
+                        ("MERGE_IN_SPLITS", "auto"), ("GLUON_ENABLED", gluon),
                         ("PDL_ENABLED", False), ("SIDE_STREAM", True), ("SIDE_AFTER_BODY", True)):
-        monkeypatch.setattr(da, name, value)  # (the defaults, whatever the environment says)
+        monkeypatch.setattr(da, attr, value)  # (the defaults, whatever the environment says)
     monkeypatch.setattr(decode_gluon_tma, "MODE", "auto")
     serve_small(monkeypatch, decode_gluon)
     ring = count_calls(monkeypatch, decode_gluon_tma)
-    c = Case(kb=2, vb=2, G=32, D=128, B=8, Hkv=8, HG=4, S=1, body=32 * 128, res=100, seed=64)
+    body_calls = count_calls(monkeypatch, decode_gluon)
     kv = make_kv(c, spare=8)
     q, args = _query_and_args(c)
-    lens_dev = torch.tensor([1, 32 * 128, 100], dtype=torch.int32, device=dev)
+    lens_dev = torch.tensor([1, c.body, c.res], dtype=torch.int32, device=dev)
     launches = []
-    for name in ("_FINISH", "_DECODE"):
-        launcher = getattr(da, name)
+    for attr in ("_FINISH", "_DECODE"):
+        launcher = getattr(da, attr)
         monkeypatch.setattr(launcher, "launch", lambda grid, a, kw, real=launcher.launch,
-                            name=name: launches.append((name, "launch_pdl" in kw.kwargs))
+                            attr=attr: launches.append((attr, "launch_pdl" in kw.kwargs))
                             or real(grid, a, kw))
 
-    # the eager warm-up takes the other route (register body, FP16 part inline without PDL):
-    # the ring and the dependent finish are compiled inside the capture, as in a decode loop's
+    # the eager warm-up takes the other route (FP16 part inline without PDL): the dependent
+    # finish is compiled inside the capture, as in a decode loop's
     kernel(q, kv, lens_dev=lens_dev, **args)
     graph = torch.cuda.CUDAGraph()
     launches.clear()
+    body_calls.clear()
     with torch.cuda.graph(graph):
         out = kernel(q, kv, lens_dev=lens_dev, **args)
+    if name == "one-wave-ring":
         assert da.one_wave_splits(kv, da._sm_count(dev), dev, c.HG) is not None, (
-            "not a one-wave grid: the test no longer covers the route")
-    assert ring, "the TMA ring did not serve the captured call"
-    if one_wave_pdl:
-        assert launches == [("_FINISH", True)], launches
+            "not a one-wave grid: the case no longer covers the ring's route")
+        assert ring, "the TMA ring did not serve the captured call"
+    assert bool(body_calls) == gluon, (name, body_calls)
+    if fits and inline_pdl:
+        assert launches[-1] == ("_FINISH", True) and ("_FINISH", False) not in launches, launches
+        assert launches == [("_FINISH", True)] if gluon else [("_DECODE", False),
+                                                               ("_FINISH", True)], launches
     else:
-        assert ("_DECODE", False) in launches and ("_FINISH", False) in launches, launches
-    for body, res in ((32 * 128, 100), (32 * 127, 77), (32 * 128, 1)):
+        assert ("_FINISH", False) in launches and ("_FINISH", True) not in launches, launches
+        assert ("_DECODE", False) in launches, "no FP16 splits: " + str(launches)
+    for body, res in ((c.body, c.res), (c.body - 32, 77), (c.body, 1)):
         lens_dev.copy_(torch.tensor([1, body, res]))
         graph.replay()
         torch.cuda.synchronize()
         view = dataclasses.replace(kv, body_len=body, res_len=res)
-        compare(out, reference(q, view, **args), c.dtype, f"body {body}, residual {res}")
+        compare(out, reference(q, view, **args), c.dtype, f"{name}: body {body}, residual {res}")
+
+
+def test_inline_pdl_fits_plain_head_dim_128_layers_with_few_partials():
+    """The dependent finish's rule on the CPU: 2- and 4-bit KIVI / uniform layers at head_dim
+    128 whose finish program merges at most ``INLINE_PDL_MAX_MERGE`` partial rows; not other
+    head dims, 3 or 8 bits, codebooks, outliers, pre-RoPE keys or FP8 (not timed there)."""
+    from kvbits.kernels.decode_attention import INLINE_PDL_MAX_MERGE, inline_pdl_fits
+    kv = make_kv(Case(kb=2, vb=4, D=128, body=64, res=3))
+    limit = INLINE_PDL_MAX_MERGE
+    assert inline_pdl_fits(kv, limit // 4, 4) and inline_pdl_fits(kv, limit, 1)
+    assert not inline_pdl_fits(kv, limit // 4 + 1, 4) and not inline_pdl_fits(kv, 0, 4)
+    assert inline_pdl_fits(dataclasses.replace(kv, key_axis="token"), 16, 4)
+    assert not inline_pdl_fits(make_kv(Case(kb=2, vb=2, D=64, body=64, res=3)), 16, 4)
+    assert not inline_pdl_fits(make_kv(Case(kb=3, vb=3, D=128, body=64, res=3)), 16, 4)
+    assert not inline_pdl_fits(make_kv(Case(kb=8, vb=8, D=128, body=64, res=3)), 16, 4)
+    table = torch.zeros(2, 4)
+    for change in ({"k_codebook": table}, {"v_codebook": table}, {"fp8": True},
+                   {"k_out_idx": table}, {"v_out_idx": table}, {"rope_inv_freq": table}):
+        assert not inline_pdl_fits(dataclasses.replace(kv, **change), 16, 4), change
 
 
 # The uniform method's layout through the TMA ring (keys and values scaled per token over 64

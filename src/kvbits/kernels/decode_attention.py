@@ -867,21 +867,36 @@ SIDE_AFTER_BODY = env_switch("KVBITS_SIDE_AFTER", "1")
 # body, and one program merging every column of an m-tile where the finish kernel spreads the
 # rows: Llama-3-8B batch 8 32k kivi-2 92.4 -> 94.9 us, batch 1 128k 55.1 -> 65.8).
 MERGE_IN_SPLITS = env_choice("KVBITS_MERGE", "auto", ("auto", "0", "1"))
-# KVBITS_ONE_WAVE_PDL: "1" gives a captured call whose Gluon body is one wave of ring programs
-# (decode_gluon_tma.one_wave_splits, since session 34) the inline FP16 part and PDL above, when
-# FINISH_FP_TOKENS is "auto": the wave fills every SM slot, so FP16 splits beside it find no
-# slot until its programs end and then run in series with it; a programmatic dependent finish
-# kernel starts as the first programs end and attends the FP16 part while the wave drains.
-# H200, whole captured calls alternated, the route forced through FINISH_FP_TOKENS and
-# PDL_ENABLED (benchmarks/probes/tail_ab.py, benchmarks/results/tail_ab_s64.log): Llama-3-8B
-# batch 8 32k uniform-int4 98.4 -> 96.9 us, kivi-2 92.1 -> 91.6, kivi-4 108.4 -> 106.9, batch
-# 16 32k uniform-int4 168.6 -> 166.4; on grids that are not one wave it lost (batch 8 128k
-# +3.2%, batch 1 128k +14%), hence only there. Session 65 (H100, benchmarks/results/
-# tail_ab_s65_h100.log) ran the dispatch's GPU test and timed one-wave rows from 4k to 32k: the
-# route won on every one (-1.3% to -6.9%: batch 8 4k kivi-2 37.5 -> 35.5 us, batch 16 4k kivi-4
-# 53.7 -> 50.0, batch 8 32k uniform-int4 127.3 -> 125.7), so it is on by default ("0": the FP16
-# splits beside the body, as before).
-ONE_WAVE_PDL = env_switch("KVBITS_ONE_WAVE_PDL", "1")
+# KVBITS_INLINE_PDL: "1" (default) gives a captured call whose finish kernel merges few partial
+# rows per program (:func:`inline_pdl_fits`) the inline FP16 part and PDL above, when
+# FINISH_FP_TOKENS is "auto": no FP16 splits, and a programmatic dependent finish kernel that
+# attends the FP16 part as the body's programs end. Behind a one-wave ring body (session 34's
+# one_wave_splits) FP16 splits find no SM slot until the wave ends and then run in series with
+# it; behind a short body the dependent launch hides the finish kernel's own start. H200, whole
+# captured calls alternated (benchmarks/probes/tail_ab.py, tail_ab_s64.log): Llama-3-8B batch 8
+# 32k uniform-int4 98.4 -> 96.9 us, kivi-2 92.1 -> 91.6, kivi-4 108.4 -> 106.9. H100, session 65
+# (tail_ab_s65*_h100.log), against the FP16 splits: one-wave rows 4k-32k 1.2-7.4% faster; rows
+# the Triton kernel or a Gluon body of few splits reads: batch 1 4k kivi-2 -4.7%, kivi-4 -8.2%,
+# batch 8 4k -3.8 to -5.0%, Llama-2-7B batch 1 4k -4.7% and 32k kivi-4 (33 splits) -2.9%,
+# batch 32 4k -4.7% and 32k -1.4%. It lost where the finish program merges many partials (one
+# program per KV head and m-tile when the FP16 part is inline, one per query row otherwise):
+# Llama-3-8B batch 1 32k / 128k (132 splits x 4 rows) +4.8% / +11.8%, batch 8 128k (66 x 4)
+# +1.6%. Hence the bound on splits x rows, between the wins' 128 and the losses' 264; measured
+# at head_dim 128 on 2- and 4-bit KIVI and uniform layers, so only there (session 64 named it
+# KVBITS_ONE_WAVE_PDL, one-wave bodies only).
+INLINE_PDL = env_switch("KVBITS_INLINE_PDL", "1")
+INLINE_PDL_MAX_MERGE = 192  # body splits x query rows of one finish program
+
+
+def inline_pdl_fits(kv: PackedKV, splits: int, tile_rows: int) -> bool:
+    """Whether a captured call of this layer, ``splits`` body splits per (sequence, KV head) and
+    ``tile_rows`` query rows per m-tile, takes the inline FP16 part in a dependent finish kernel
+    (``INLINE_PDL``): a 2- or 4-bit KIVI or uniform layer at head_dim 128 (where it was timed)
+    whose finish program merges at most ``INLINE_PDL_MAX_MERGE`` partial rows."""
+    plain = (kv.key_bits in (2, 4) and kv.value_bits in (2, 4) and kv.head_dim == 128
+             and not kv.fp8 and all(t is None for t in (
+                 kv.k_codebook, kv.v_codebook, kv.k_out_idx, kv.v_out_idx, kv.rope_inv_freq)))
+    return plain and 0 < splits * tile_rows <= INLINE_PDL_MAX_MERGE
 # Elements of the finish kernel's merge tile [rows, splits, head_dim] (64 fp32 per thread).
 FINISH_TILE = 8192
 # Offsets inside one (sequence, head) slice of a kv tensor are int32 (the slice bases are int64).
@@ -1047,11 +1062,11 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     merge = bool((MERGE_IN_SPLITS == "1"
                   or MERGE_IN_SPLITS == "auto" and not capturing and not gluon)
                  and (n_fp or not gluon))
-    # Behind a captured one-wave body the FP16 part goes to the finish kernel, launched as a
-    # programmatic dependent (ONE_WAVE_PDL).
-    wave_pdl = bool(wave and req_splits is None and capturing and ONE_WAVE_PDL
-                    and FINISH_FP_TOKENS is None and _pdl_ok(dev))
-    fp_inline = 0 < n_fp <= (EAGER_FINISH_FP_TOKENS if wave_pdl else
+    # A captured call whose finish programs merge few partials attends the FP16 part there, as
+    # a programmatic dependent of the body (INLINE_PDL).
+    dep_finish = bool(req_splits is None and capturing and INLINE_PDL and FINISH_FP_TOKENS is None
+                      and inline_pdl_fits(kv, splits, min(M, BLOCK_M)) and _pdl_ok(dev))
+    fp_inline = 0 < n_fp <= (EAGER_FINISH_FP_TOKENS if dep_finish else
                              _finish_fp_tokens(capturing)) and not merge
     fp_splits = num_splits(bhm, _cdiv(n_fp, BLOCK_FP), sms) if n_fp and not fp_inline else 0
     if not splits and not n_fp:
@@ -1092,7 +1107,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
     side_after = side and SIDE_AFTER_BODY and kcb is None and vcb is None
     if gluon and SIDE_STREAM and not capturing and dev.type == "cuda" and not merge:
         _side_stream(dev)  # made in an eager call (the warm-up), not inside a capture
-    pdl = (PDL_ENABLED or wave_pdl and fp_inline) and not side and not merge and _pdl_ok(dev)
+    pdl = (PDL_ENABLED or dep_finish and fp_inline) and not side and not merge and _pdl_ok(dev)
     o = torch.empty(B, Hq, Lq, D, dtype=q.dtype, device=dev)
     BLOCK_S = max(2, _next_pow2(n_total))
     # The merge takes ``rows`` query rows at a time: with an FP16 part in the finish kernel or
