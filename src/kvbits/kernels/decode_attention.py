@@ -876,16 +876,16 @@ MERGE_IN_SPLITS = env_choice("KVBITS_MERGE", "auto", ("auto", "0", "1"))
 # captured calls alternated (benchmarks/probes/tail_ab.py, tail_ab_s64.log): Llama-3-8B batch 8
 # 32k uniform-int4 98.4 -> 96.9 us, kivi-2 92.1 -> 91.6, kivi-4 108.4 -> 106.9. H100, session 65
 # (tail_ab_s65*_h100.log), against the FP16 splits: one-wave rows 4k-32k 1.2-7.4% faster; rows
-# the Triton kernel or a Gluon body of few splits reads: batch 1 4k kivi-2 -4.7%, kivi-4 -8.2%,
-# batch 8 4k -3.8 to -5.0%, Llama-2-7B batch 1 4k -4.7% and 32k kivi-4 (33 splits) -2.9%,
-# batch 32 4k -4.7% and 32k -1.4%. It lost where the finish program merges many partials (one
-# program per KV head and m-tile when the FP16 part is inline, one per query row otherwise):
-# Llama-3-8B batch 1 32k / 128k (132 splits x 4 rows) +4.8% / +11.8%, batch 8 128k (66 x 4)
-# +1.6%. Hence the bound on splits x rows, between the wins' 128 and the losses' 264; measured
-# at head_dim 128 on 2- and 4-bit KIVI and uniform layers, so only there (session 64 named it
-# KVBITS_ONE_WAVE_PDL, one-wave bodies only).
+# the Triton kernel or a Gluon body of few splits reads: batch 1 4k kivi-2 -4.7% (31 splits x 4
+# query rows per finish program), kivi-4 -8.2%, batch 8 4k -3.8 to -5.0%, Llama-2-7B batch 1 4k
+# -4.7% and 32k kivi-4 (33 x 1) -2.9%, batch 32 4k -4.7% and 32k (25 x 4) -1.4 to -2.0%. It lost
+# where the finish program merges many partials (one program per KV head and m-tile when the
+# FP16 part is inline, one per query row otherwise): Llama-3-8B batch 1 32k (Triton kernel, 43 x
+# 4) +4.5-4.8%, 128k (132 x 4) +11.8%, batch 8 128k (66 x 4) +1.6%. Hence the bound on splits x
+# rows, at the wins' largest (124); measured at head_dim 128 on 2- and 4-bit KIVI and uniform
+# layers, so only there (session 64 named it KVBITS_ONE_WAVE_PDL, for one-wave bodies alone).
 INLINE_PDL = env_switch("KVBITS_INLINE_PDL", "1")
-INLINE_PDL_MAX_MERGE = 192  # body splits x query rows of one finish program
+INLINE_PDL_MAX_MERGE = 128  # body splits x query rows of one finish program
 
 
 def inline_pdl_fits(kv: PackedKV, splits: int, tile_rows: int) -> bool:
@@ -897,6 +897,8 @@ def inline_pdl_fits(kv: PackedKV, splits: int, tile_rows: int) -> bool:
              and not kv.fp8 and all(t is None for t in (
                  kv.k_codebook, kv.v_codebook, kv.k_out_idx, kv.v_out_idx, kv.rope_inv_freq)))
     return plain and 0 < splits * tile_rows <= INLINE_PDL_MAX_MERGE
+
+
 # Elements of the finish kernel's merge tile [rows, splits, head_dim] (64 fp32 per thread).
 FINISH_TILE = 8192
 # Offsets inside one (sequence, head) slice of a kv tensor are int32 (the slice bases are int64).
