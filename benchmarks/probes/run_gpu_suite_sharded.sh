@@ -9,8 +9,11 @@
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 # Each shard holds ~1-9 GB of GPU memory, and the int32-offset tests take ~25 GB more: 13
 # shards fit the H200's 141 GB, but on an 80 GB H100 five tests ran out of memory (session 62;
-# all passed alone). Keep SHARDS <= 8 there (and BIG below on).
-N=${SHARDS:-8}
+# all passed alone). Keep SHARDS <= 8 there (and BIG below on). Unset: 11 shards on a GPU of
+# more than 100 GB, else 7 (the runs of sessions 63-65); the GPU's name and memory are printed.
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+if [ "${MEM:-0}" -gt 100000 ]; then N=${SHARDS:-11}; else N=${SHARDS:-7}; fi
 MARK=${MARK-gpu}
 # BIG: a -k expression of the tests too large to share the GPU (~25 GB each: the int32-offset
 # tests; two shards running them at once ran an 80 GB H100 out of memory in sessions 62 and

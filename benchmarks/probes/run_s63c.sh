@@ -9,10 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
-if [ "${MEM:-0}" -gt 100000 ]; then SHARDS=${SHARDS:-11}; else SHARDS=${SHARDS:-7}; fi
-SHARDS=$SHARDS TEST_S=480 DETAILS=gpu_suite_s63c.txt bash benchmarks/probes/run_gpu_suite_sharded.sh
+TEST_S=480 DETAILS=gpu_suite_s63c.txt bash benchmarks/probes/run_gpu_suite_sharded.sh
 # The range check on CUDA: it warns on a store's first flush, and a flush inside graph capture
 # (a store whose first flush is captured) neither reads the device nor fails the capture.
 PYTHONPATH=src python3 - <<'PY'

@@ -6,7 +6,4 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
-if [ "${MEM:-0}" -gt 100000 ]; then SHARDS=${SHARDS:-11}; else SHARDS=${SHARDS:-7}; fi
-SHARDS=$SHARDS TEST_S=420 DETAILS=gpu_suite_s65.txt bash benchmarks/probes/run_gpu_suite_sharded.sh
+TEST_S=420 DETAILS=gpu_suite_s65.txt bash benchmarks/probes/run_gpu_suite_sharded.sh

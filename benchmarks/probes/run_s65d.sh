@@ -8,10 +8,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
-if [ "${MEM:-0}" -gt 100000 ]; then SHARDS=${SHARDS:-11}; else SHARDS=${SHARDS:-7}; fi
-SHARDS=$SHARDS TEST_S=330 EXTRA_S=60 BIG_S=60 DETAILS=gpu_suite_s65d.txt \
+TEST_S=330 EXTRA_S=60 BIG_S=60 DETAILS=gpu_suite_s65d.txt \
   bash benchmarks/probes/run_gpu_suite_sharded.sh
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 timeout 200 python3 benchmarks/probes/tail_ab.py \
