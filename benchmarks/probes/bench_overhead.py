@@ -16,9 +16,9 @@ and, under the ``zero`` flush, the profiler's view: the gap from the flush kerne
 call's first kernel, the span of the call's kernels, and its longest kernel. Last, a ceiling:
 ``common.read_graph_us`` of as many bytes as the call must read (``packed_nbytes``, and the FP16
 K and V for SDPA's bytes: the faster of ``torch.sum`` and a Triton read loop, captured and timed
-by ``do_bench``; the session-64 runs of this probe timed ``torch.sum`` into an int64 alone, which
-reads at a fraction of the copy bandwidth, so their ceiling column is void), so ``sdpa do_bench / read(ours)`` bounds the speedup any kernel reading those bytes
-could show in the decode table.
+by ``do_bench``), so ``sdpa do_bench / read(ours)`` bounds the speedup any kernel reading those
+bytes could show in the decode table. (The first runs, sessions 64-65, timed ``torch.sum`` into
+an int64 alone, which reads at a fraction of the copy bandwidth: their ceiling column is void.)
 
     PYTHONPATH=src python3 benchmarks/probes/bench_overhead.py [B:Hq:Hkv:T:preset,...]
 """
