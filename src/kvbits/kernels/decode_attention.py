@@ -935,13 +935,8 @@ def gluon_splits(kv: PackedKV, sm_count: int, device: torch.device, columns: int
     TMA ring serves a mid-sized grid (:func:`one_wave_splits`), else
     :func:`decode_gluon.body_splits`' rule. ``columns``: query heads x rows per KV head; past
     16 each pair is :func:`decode_gluon.column_blocks` programs per split, counted as pairs."""
-    return one_wave_splits(kv, sm_count, device, columns) or _body_splits(kv, sm_count, columns)
-
-
-def _body_splits(kv: PackedKV, sm_count: int, columns: int) -> int:
-    """:func:`decode_gluon.body_splits`' rule for the layer (no one-wave grid)."""
-    return decode_gluon.body_splits(_column_pairs(kv, columns), kv.body_len, sm_count,
-                                    kv.head_dim)
+    return one_wave_splits(kv, sm_count, device, columns) or decode_gluon.body_splits(
+        _column_pairs(kv, columns), kv.body_len, sm_count, kv.head_dim)
 
 
 def _column_pairs(kv: PackedKV, columns: int) -> int:
@@ -1047,11 +1042,9 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, *, scale: float, starts=None
                  and decode_gluon.serves(kv, Lq, HG, B * Hkv))
     elif gluon:  # asked for explicitly (tests, benchmarks): any eligible layer
         gluon = n_groups > 0 and decode_gluon.eligible(kv, Lq, HG)
-    wave = None  # one wave of ring programs (their own split count)
     if gluon:
-        wave = None if req_splits else one_wave_splits(kv, sms, dev, HG * Lq)
-        splits = decode_gluon.split_count(kv.body_len, req_splits or wave or _body_splits(
-            kv, sms, HG * Lq))
+        splits = decode_gluon.split_count(kv.body_len,
+                                          req_splits or gluon_splits(kv, sms, dev, HG * Lq))
     BLOCK_FP = 64 if BLOCK_D <= 128 else 32
     n_fp = kv.sink_len + kv.res_len
     # A short FP16 part (a decode step's sink and residual) is attended by the finish kernel,
