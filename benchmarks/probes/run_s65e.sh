@@ -3,8 +3,8 @@
 # batch 1 32k, 43 Triton splits x 4 rows, lost 4.5% on the dependent finish) and two test mends
 # (the ring's one-wave check inside the capture; the side-stream test pins the splits' route):
 # the decode-attention file's GPU tests in 7 shards, then the tail A/B at the rows near the bound.
-# Not run in session 65 (its device time ran out after two refused starts): the next session's
-# first call.
+# Not run in session 65 (its device time ran out after two refused starts); run in session 66 on
+# an H100 (results/gpu_decode_tests_s66_h100.txt, tail_ab_s66_h100.log).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}
