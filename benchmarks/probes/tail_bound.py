@@ -7,7 +7,9 @@ For each row, in one process and alternated over three rounds (best of the media
 - the library's call (``kvbits.ops.decode_attention``), as the table times it;
 - the body alone: the same ``decode_gluon.attend_body`` launch the call makes (its split count,
   the TMA ring inside the capture), without the FP16 splits, the finish kernel or the merge;
-- a plain read of the row's bytes (``common.read_graph_us``: the table's ceiling column).
+- a plain read of the row's bytes (``common.read_graph_us``: the table's ceiling column; the
+  faster of ``torch.sum`` and a Triton loop, since ``torch.sum`` into an int64 reads at ~0.6
+  TB/s on an H100).
 
 Each is timed two ways: ``flushed`` (captured, ``triton.testing.do_bench`` with its 256 MB L2
 flush before every replay: the decode table) and ``b2b`` (``do_bench_cudagraph``: replays back
@@ -25,7 +27,8 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import environment, packed_nbytes, random_packed_kv, read_graph_us, write_results
+from common import (_time_reads, environment, packed_nbytes, random_packed_kv, read_graph_us,
+                    write_results)
 from decode_attention import MODELS, bench_graph, captured, sdpa_fp16
 
 from kvbits.kernels import decode_attention as da
@@ -94,7 +97,7 @@ def main() -> None:
                 times[f"{name}_flushed"].append(bench_graph(fn))
                 times[f"{name}_b2b"].append(b2b_us(fn))
             times["read_flushed"].append(read_graph_us(nbytes, bench_graph))
-            times["read_b2b"].append(b2b_us(lambda buf=buf: torch.sum(buf, dtype=torch.int64)))
+            times["read_b2b"].append(_time_reads(buf, b2b_us))
         del k, v, kv, buf
         torch.cuda.empty_cache()
         best = {n: min(t) for n, t in times.items()}
@@ -135,7 +138,7 @@ def main() -> None:
             "inside the capture), without the FP16 part, the finish kernel or the merge; "
             "speedup with a free tail = flash SDPA / body alone",
             "plain read: the faster of torch.sum and a Triton loop over the bytes a decode step "
-            "must read (flushed: common.read_graph_us; b2b: torch.sum)"], out_dir=a.out)
+            "must read (common.read_graph_us, timed each way)"], out_dir=a.out)
 
 
 if __name__ == "__main__":
