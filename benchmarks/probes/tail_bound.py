@@ -33,6 +33,7 @@ from decode_attention import MODELS, bench_graph, sdpa_fp16
 
 from kvbits.kernels import decode_attention as da
 from kvbits.kernels import decode_gluon
+from kvbits.kernels import decode_gluon_tma as dt
 from kvbits.ops import decode_attention
 from kvbits.spec import resolve_spec
 
@@ -55,7 +56,12 @@ def body_call(q, kv, scale):
     B, hq, lq, D = q.shape
     dev = q.device
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    splits = decode_gluon.split_count(kv.body_len, da.gluon_splits(kv, sms, dev, hq // kv.kv_heads * lq))
+    mode, dt.MODE = dt.MODE, "1"  # the split count a captured call takes (the ring serves it)
+    try:
+        splits = decode_gluon.split_count(kv.body_len,
+                                          da.gluon_splits(kv, sms, dev, hq // kv.kv_heads * lq))
+    finally:
+        dt.MODE = mode
     out = torch.empty(B * hq * lq, splits, D, dtype=torch.float32, device=dev)
     lse = torch.empty(B * hq * lq, splits, dtype=torch.float32, device=dev)
 
