@@ -66,7 +66,9 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 MODE = env_choice("KVBITS_GLUON_TMA", "auto", ("auto", "0", "1"))
 EAGER_MIN_WORK = 2**23
 # Ring depth (stages of one step each): 3 at 2 bits (7 KB per stage), 2 at 4 bits (11 KB), so
-# that ~10 one-warp programs per SM fit in shared memory.
+# that ~10 one-warp programs per SM fit in shared memory. One stage deeper (uniform 4-bit layers'
+# 9 KB stages: 3 still fit the one-wave grid's 8 per SM) measured 1.5-4.8% slower on every row
+# timed (H100, benchmarks/results/ring_stages_ab_s67_h100.log): the bytes already arrive in time.
 STAGES = {2: 3, 4: 2}
 
 
